@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Creates .venv (if missing) and installs megatron_taper with everything the tests and the
+# quickstart need, without ever letting a dependency replace the installed torch wheel.
+#   TORCH_SPEC   what to install when torch is missing (default: torch==2.13.0)
+#   VENV         virtual environment folder (default: .venv in the repository)
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+venv="${VENV:-$root/.venv}"
+torch_spec="${TORCH_SPEC:-torch==2.13.0}"
+
+[ -x "$venv/bin/python" ] || python3 -m venv "$venv"
+py="$venv/bin/python"
+pip() { "$py" -m pip --disable-pip-version-check -q "$@"; }
+
+stamp="$venv/.megatron_taper_installed"
+want="$(cat "$root/setup.py" "$root/launch/install.sh" "$root/launch/requirements-lean.txt" | sha256sum | cut -c1-16)"
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$py" -c "import megatron_taper, importlib.util as u; assert u.find_spec('streaming')" 2>/dev/null; then
+  exit 0
+fi
+
+echo "[install] preparing $venv" >&2
+"$py" -c "import torch" 2>/dev/null || pip install "$torch_spec"
+torch_version="$("$py" -c 'import torch; print(torch.__version__.split("+")[0])')"
+constraints="$(mktemp)"
+trap 'rm -f "$constraints"' EXIT
+echo "torch==$torch_version" > "$constraints"
+
+pip install -c "$constraints" -e "$root[dev]"
+# mosaicml-streaming and deepspeed declare dependencies that would pull a newer (CUDA) torch,
+# torchvision and ~1 GB of cloud SDKs; install them without dependencies plus their real needs.
+pip install -c "$constraints" -r "$root/launch/requirements-lean.txt"
+pip install -c "$constraints" --no-deps mosaicml-streaming==0.13.0 deepspeed==0.19.8
+"$py" -c "import torch, sys; assert torch.__version__.split('+')[0] == '$torch_version', 'torch was replaced'"
+echo "$want" > "$stamp"
+echo "[install] done (torch $torch_version)" >&2

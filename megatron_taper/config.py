@@ -1,0 +1,338 @@
+"""Typed run configuration: one small dataclass per section, YAML recipes, key=value overrides.
+
+A config is built as: dataclass defaults <- YAML recipe <- command-line overrides, then validated.
+Every user error is a `ConfigError` (a ValueError) that names the offending dotted key.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A user error in a recipe or an override; the message names the key."""
+
+
+@dataclass
+class TaperConfig:
+    schedule: str = "cosine"  # uniform | linear | cosine | sigmoid
+    start: float = 1.5  # multiplier of the first layer; the last one gets 2 - start
+    multiple: int = 64  # alignment unit of every width
+    sigmoid_sharpness: float = 10.0  # slope of the sigmoid schedule
+
+    def validate(self, prefix: str) -> None:
+        _choice(f"{prefix}.schedule", self.schedule, ("uniform", "linear", "cosine", "sigmoid"))
+        _range(f"{prefix}.start", self.start, 0.0, 2.0, open_low=True, open_high=True)
+        _range(f"{prefix}.multiple", self.multiple, 1, None)
+        _range(f"{prefix}.sigmoid_sharpness", self.sigmoid_sharpness, 0.0, None, open_low=True)
+
+
+@dataclass
+class GatedAttentionConfig:
+    gate: str = "elementwise"  # elementwise (one gate per head dimension) | headwise
+
+    def validate(self, prefix: str) -> None:
+        _choice(f"{prefix}.gate", self.gate, ("elementwise", "headwise"))
+
+
+@dataclass
+class ModelConfig:
+    arch: str = "transformer"
+    n_layers: int = 12
+    d_model: int = 768
+    n_heads: int = 12
+    n_kv_heads: int = 0  # 0 = same as n_heads; fewer gives grouped-query attention
+    mlp_width: int = 2048  # the uniform SwiGLU width that defines the budget
+    vocab_size: int = 32000
+    seq_len: int = 1024
+    tie_embeddings: bool = False
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    init_std: float = 0.02
+    taper: TaperConfig = field(default_factory=TaperConfig)
+    gated: GatedAttentionConfig = field(default_factory=GatedAttentionConfig)
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    def validate(self, prefix: str) -> None:
+        from megatron_taper.models import ARCHITECTURES
+
+        _choice(f"{prefix}.arch", self.arch, tuple(ARCHITECTURES))
+        for key in ("n_layers", "d_model", "n_heads", "mlp_width", "vocab_size", "seq_len"):
+            _range(f"{prefix}.{key}", getattr(self, key), 1, None)
+        _range(f"{prefix}.n_kv_heads", self.n_kv_heads, 0, None)
+        if self.d_model % self.n_heads:
+            raise ConfigError(f"{prefix}.n_heads={self.n_heads} must divide {prefix}.d_model={self.d_model}")
+        if self.head_dim % 2:
+            raise ConfigError(f"{prefix}.d_model / {prefix}.n_heads = {self.head_dim} must be even (RoPE rotates pairs)")
+        if self.n_heads % self.kv_heads:
+            raise ConfigError(f"{prefix}.n_kv_heads={self.n_kv_heads} must divide {prefix}.n_heads={self.n_heads}")
+        _range(f"{prefix}.init_std", self.init_std, 0.0, None, open_low=True)
+        _range(f"{prefix}.norm_eps", self.norm_eps, 0.0, None, open_low=True)
+        self.taper.validate(f"{prefix}.taper")
+        self.gated.validate(f"{prefix}.gated")
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = 1
+    pp: int = 1
+    zero: str = "none"  # none | fsdp2 | deepspeed
+    pp_balance: str = "flops"  # flops | uniform | params | profile
+    pp_schedule: str = "1f1b"  # 1f1b | gpipe | interleaved_1f1b
+    microbatches: int = 0  # 0 = gradient accumulation steps (pp > 1: at least pp)
+    sequence_parallel: bool = False
+
+    def validate(self, prefix: str) -> None:
+        _range(f"{prefix}.tp", self.tp, 1, None)
+        _range(f"{prefix}.pp", self.pp, 1, None)
+        _range(f"{prefix}.microbatches", self.microbatches, 0, None)
+        _choice(f"{prefix}.zero", self.zero, ("none", "fsdp2", "deepspeed"))
+        _choice(f"{prefix}.pp_balance", self.pp_balance, ("flops", "uniform", "params", "profile"))
+        _choice(f"{prefix}.pp_schedule", self.pp_schedule, ("1f1b", "gpipe", "interleaved_1f1b"))
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 1000
+    global_batch: int = 8  # sequences per optimizer step, over all data-parallel ranks
+    micro_batch: int = 8  # sequences per forward pass on one rank
+    lr: float = 3e-4
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    warmup_steps: int = 100
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # 0 = off
+    seed: int = 1234
+    precision: str = "auto"  # auto (bf16 autocast on CUDA with bf16, else fp32) | fp32 | bf16
+    device: str = "auto"  # auto | cpu | cuda
+    exit_after: int = 0  # stop with a checkpoint after this many steps of this process; 0 = never
+    log_interval: int = 10
+    eval_interval: int = 0  # 0 = only at the end (when eval data exists)
+    eval_batches: int = 8
+    max_nonfinite: int = 5  # stop after this many non-finite steps in a row
+
+    def validate(self, prefix: str) -> None:
+        for key in ("steps", "global_batch", "micro_batch", "log_interval", "eval_batches", "max_nonfinite"):
+            _range(f"{prefix}.{key}", getattr(self, key), 1, None)
+        for key in ("warmup_steps", "exit_after", "eval_interval", "seed"):
+            _range(f"{prefix}.{key}", getattr(self, key), 0, None)
+        _range(f"{prefix}.lr", self.lr, 0.0, None, open_low=True)
+        _range(f"{prefix}.min_lr_ratio", self.min_lr_ratio, 0.0, 1.0)
+        _range(f"{prefix}.weight_decay", self.weight_decay, 0.0, None)
+        _range(f"{prefix}.beta1", self.beta1, 0.0, 1.0, open_high=True)
+        _range(f"{prefix}.beta2", self.beta2, 0.0, 1.0, open_high=True)
+        _range(f"{prefix}.grad_clip", self.grad_clip, 0.0, None)
+        _choice(f"{prefix}.precision", self.precision, ("auto", "fp32", "bf16"))
+        _choice(f"{prefix}.device", self.device, ("auto", "cpu", "cuda"))
+
+
+@dataclass
+class DataConfig:
+    path: str = ""  # MDS folder (with train/ and val/), a .npy token file, or "" = built-in corpus
+    tokenizer: str = ""  # sentencepiece .model; "" = the one next to the data
+    cache_dir: str = ""  # local cache for a remote MDS path and the built-in corpus; "" = default
+    eval_fraction: float = 0.05  # token files only: tail held out for evaluation
+    num_workers: int = 0
+
+    def validate(self, prefix: str) -> None:
+        _range(f"{prefix}.eval_fraction", self.eval_fraction, 0.0, 0.5)
+        _range(f"{prefix}.num_workers", self.num_workers, 0, None)
+
+
+@dataclass
+class CheckpointConfig:
+    interval: int = 0  # steps between checkpoints; 0 = only at the end (and on exit_after)
+    keep: int = 2  # newest complete checkpoints kept; 0 = all
+
+    def validate(self, prefix: str) -> None:
+        _range(f"{prefix}.interval", self.interval, 0, None)
+        _range(f"{prefix}.keep", self.keep, 0, None)
+
+
+@dataclass
+class RunConfig:
+    dir: str = "runs/default"
+    resume: str = "auto"  # auto (newest complete checkpoint, if any) | never | path of a checkpoint
+    tensorboard: bool = True
+
+    def validate(self, prefix: str) -> None:
+        if not self.dir:
+            raise ConfigError(f"{prefix}.dir must not be empty")
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def validate(self) -> "Config":
+        for f in dataclasses.fields(self):
+            getattr(self, f.name).validate(f.name)
+        if self.train.global_batch % self.train.micro_batch:
+            raise ConfigError(
+                f"train.micro_batch={self.train.micro_batch} must divide train.global_batch={self.train.global_batch}"
+            )
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading, merging, overrides
+
+
+def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Defaults <- YAML file <- `key=value` overrides, validated."""
+    data: dict[str, Any] = {}
+    if path:
+        if not os.path.isfile(path):
+            raise ConfigError(f"config file not found: {path}")
+        with open(path) as f:
+            try:
+                data = yaml.safe_load(f) or {}
+            except yaml.YAMLError as e:
+                raise ConfigError(f"{path}: invalid YAML: {e}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    cfg = from_dict(data, source=path or "config")
+    for item in overrides:
+        apply_override(cfg, item)
+    return cfg.validate()
+
+
+def from_dict(data: dict[str, Any], source: str = "config") -> Config:
+    cfg = Config()
+    _merge(cfg, data, prefix="", source=source)
+    return cfg
+
+
+def apply_override(cfg: Config, item: str) -> None:
+    if "=" not in item:
+        raise ConfigError(f"override {item!r} is not of the form key=value")
+    key, raw = item.split("=", 1)
+    key = key.strip().lstrip("-")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    parts = key.split(".")
+    target: Any = cfg
+    for i, part in enumerate(parts[:-1]):
+        target = _child(target, part, ".".join(parts[: i + 1]))
+        if not dataclasses.is_dataclass(target):
+            raise ConfigError(f"unknown key {key!r}{_suggest(key)}")
+    _set(target, parts[-1], value, key, source="command line")
+
+
+def all_keys(obj: Any = None, prefix: str = "") -> list[str]:
+    obj = Config() if obj is None else obj
+    keys = []
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        name = f"{prefix}{f.name}"
+        keys += all_keys(value, name + ".") if dataclasses.is_dataclass(value) else [name]
+    return keys
+
+
+def save_config(cfg: Config, path: str) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        yaml.safe_dump(cfg.to_dict(), f, sort_keys=False)
+    os.replace(tmp, path)
+
+
+def _merge(obj: Any, data: dict[str, Any], prefix: str, source: str) -> None:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: section {prefix.rstrip('.') or 'top level'} must be a mapping")
+    for name, value in data.items():
+        key = f"{prefix}{name}"
+        current = _child(obj, str(name), key)
+        if dataclasses.is_dataclass(current):
+            _merge(current, value, key + ".", source)
+        else:
+            _set(obj, str(name), value, key, source)
+
+
+def _child(obj: Any, name: str, key: str) -> Any:
+    names = {f.name for f in dataclasses.fields(obj)}
+    if name not in names:
+        raise ConfigError(f"unknown key {key!r}{_suggest(key)}")
+    return getattr(obj, name)
+
+
+def _set(obj: Any, name: str, value: Any, key: str, source: str) -> None:
+    fields = {f.name: f for f in dataclasses.fields(obj)}
+    if name not in fields:
+        raise ConfigError(f"unknown key {key!r}{_suggest(key)}")
+    hint = typing.get_type_hints(type(obj))[name]
+    if dataclasses.is_dataclass(hint):
+        raise ConfigError(f"{source}: {key} is a section; set its keys ({key}.<name>=...)")
+    setattr(obj, name, _coerce(value, hint, key))
+
+
+def _coerce(value: Any, hint: Any, key: str) -> Any:
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
+            return value.lower() in ("true", "yes", "1")
+        raise ConfigError(f"{key} must be a boolean (true/false), got {value!r}")
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, float) and value.is_integer():
+                return int(value)
+            raise ConfigError(f"{key} must be an integer, got {value!r}")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key} must be a number, got {value!r}")
+        return float(value)
+    if hint is str:
+        if isinstance(value, (dict, list)):
+            raise ConfigError(f"{key} must be a string, got {value!r}")
+        return "" if value is None else str(value)
+    raise AssertionError(f"unsupported config type {hint} for {key}")
+
+
+def _suggest(key: str) -> str:
+    close = difflib.get_close_matches(key, all_keys(), n=1, cutoff=0.5)
+    if not close:
+        leaf = key.rsplit(".", 1)[-1]
+        close = [k for k in all_keys() if k.rsplit(".", 1)[-1] == leaf][:1]
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def _choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{key}={value!r} is not one of: {', '.join(allowed)}")
+
+
+def _range(key: str, value: float, low: float | None, high: float | None,
+           open_low: bool = False, open_high: bool = False) -> None:
+    below = low is not None and (value <= low if open_low else value < low)
+    above = high is not None and (value >= high if open_high else value > high)
+    if below or above:
+        lo = "-inf" if low is None else f"{low}"
+        hi = "inf" if high is None else f"{high}"
+        interval = f"{'(' if open_low or low is None else '['}{lo}, {hi}{')' if open_high or high is None else ']'}"
+        raise ConfigError(f"{key}={value} is outside the allowed range {interval}")

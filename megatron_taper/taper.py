@@ -1,0 +1,89 @@
+"""Per-layer MLP widths from a taper schedule under a fixed total budget.
+
+Layer l of L (t = l / (L - 1)) gets the multiplier m(t) of the uniform width W, with m(0) = start
+and m(1) = 2 - start. Every schedule satisfies m(t) + m(1 - t) = 2, so the mean multiplier is 1
+and the tapered model has the parameters and FLOPs of its uniform twin.
+
+Rounding: widths are whole multiples of the alignment unit u. The budget in units is
+T = L * W / u (rounded to the nearest unit when it is not whole; the difference is reported).
+Ideal unit counts are scaled to sum to T exactly, floored, and the units left over go to the
+layers with the largest remainders (ties: the larger ideal width, then the earlier layer).
+A reverse taper (start < 1) is computed as the mirror image of the forward one (2 - start), so
+mirrored settings give exactly mirrored widths.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+SCHEDULES = ("uniform", "linear", "cosine", "sigmoid")
+
+
+@dataclass(frozen=True)
+class TaperResult:
+    widths: list[int]
+    budget: int  # n_layers * mlp_width
+    shortfall: int  # budget - sum(widths); 0 whenever the budget is a multiple of the unit
+
+
+def multipliers(n_layers: int, schedule: str, start: float, sharpness: float = 10.0) -> list[float]:
+    """m_l for each layer; first = start, last = 2 - start, mean = 1."""
+    end = 2.0 - start
+    out = []
+    for layer in range(n_layers):
+        t = layer / (n_layers - 1) if n_layers > 1 else 0.5
+        if schedule == "uniform":
+            frac = 0.0
+            start = end = 1.0
+        elif schedule == "linear":
+            frac = t
+        elif schedule == "cosine":
+            frac = (1.0 - math.cos(math.pi * t)) / 2.0
+        elif schedule == "sigmoid":
+            lo, hi = _sigmoid(-sharpness / 2), _sigmoid(sharpness / 2)
+            frac = (_sigmoid(sharpness * (t - 0.5)) - lo) / (hi - lo)
+        else:
+            raise ValueError(f"model.taper.schedule={schedule!r} is not one of: {', '.join(SCHEDULES)}")
+        out.append(start + (end - start) * frac)
+    return out
+
+
+def taper_widths(n_layers: int, mlp_width: int, schedule: str = "cosine", start: float = 1.5,
+                 multiple: int = 64, sharpness: float = 10.0) -> TaperResult:
+    if not 0.0 < start < 2.0:
+        raise ValueError(f"model.taper.start={start} is outside the allowed range (0, 2)")
+    if n_layers < 1 or mlp_width < 1 or multiple < 1:
+        raise ValueError("model.n_layers, model.mlp_width and model.taper.multiple must be positive")
+    if start < 1.0 and schedule != "uniform":
+        mirrored = taper_widths(n_layers, mlp_width, schedule, 2.0 - start, multiple, sharpness)
+        return TaperResult(mirrored.widths[::-1], mirrored.budget, mirrored.shortfall)
+
+    budget = n_layers * mlp_width
+    total_units = max(1, round(budget / multiple))
+    ideal = [m * mlp_width / multiple for m in multipliers(n_layers, schedule, start, sharpness)]
+    scale = total_units / sum(ideal)
+    ideal = [x * scale for x in ideal]
+    units = [math.floor(x) for x in ideal]
+    order = sorted(range(n_layers), key=lambda i: (-(ideal[i] - units[i]), -ideal[i], i))
+    for i in order[: total_units - sum(units)]:
+        units[i] += 1
+    smallest = min(range(n_layers), key=lambda i: units[i])
+    if units[smallest] < 1:
+        raise ValueError(
+            f"model.taper: layer {smallest} would get an MLP width of {ideal[smallest] * multiple:.1f}, below one "
+            f"alignment unit (model.taper.multiple={multiple}); raise model.mlp_width, lower "
+            f"model.taper.multiple or use a gentler model.taper.start"
+        )
+    widths = [u * multiple for u in units]
+    return TaperResult(widths, budget, budget - sum(widths))
+
+
+def layer_widths(model_cfg) -> list[int]:
+    """Widths for a `ModelConfig` (its `taper` section)."""
+    t = model_cfg.taper
+    return taper_widths(model_cfg.n_layers, model_cfg.mlp_width, t.schedule, t.start, t.multiple,
+                        t.sigmoid_sharpness).widths
+
+
+def _sigmoid(x: float) -> float:
+    return 1.0 / (1.0 + math.exp(-x))

@@ -1,0 +1,24 @@
+"""Install megatron_taper: `pip install -e .[dev]` (tests) or `.[deepspeed]`."""
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron_taper",
+    version="0.1.0",
+    description="Pretraining of depth-tapered language models with Megatron-style parallelism",
+    packages=find_packages(include=["megatron_taper", "megatron_taper.*"]),
+    python_requires=">=3.10",
+    # torch is pinned loosely on purpose: the installed wheel (CPU or CUDA) must never be replaced.
+    install_requires=[
+        "torch>=2.6",
+        "numpy>=1.24,<2.2",
+        "pyyaml>=6.0",
+        "tensorboard>=2.14",
+        "sentencepiece==0.2.1",
+        "tqdm>=4.60",
+        "safetensors>=0.4",
+    ],
+    extras_require={
+        "dev": ["pytest>=8", "hypothesis>=6.100", "pytest-timeout>=2.3"],
+        "deepspeed": ["deepspeed==0.19.8"],
+    },
+)
