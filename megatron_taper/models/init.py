@@ -1,0 +1,40 @@
+"""Deterministic, split-independent parameter initialisation.
+
+Each parameter is drawn from its own generator seeded by (seed, fully qualified name). A model
+split into pipeline stages, sharded for tensor parallelism, or materialised from the meta device
+therefore gets exactly the weights of the one-process model, whatever the layout.
+
+Rule (GPT-2 / Megatron style): norm weights 1; biases 0; every other weight N(0, std), except the
+projections that write into the residual stream (`wo`, `w2`, names listed in `residual_out`),
+which get N(0, std / sqrt(2 * n_layers)).
+"""
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+from torch import nn
+
+RESIDUAL_OUT = ("wo.weight", "w2.weight")
+
+
+def init_parameters(model: nn.Module, seed: int, std: float, n_layers: int,
+                    residual_out: tuple[str, ...] = RESIDUAL_OUT, prefix: str = "") -> None:
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            full_tensor = init_tensor(prefix + name, tuple(param.shape), seed, std, n_layers, residual_out)
+            param.copy_(full_tensor.to(device=param.device, dtype=param.dtype))
+
+
+def init_tensor(name: str, shape: tuple[int, ...], seed: int, std: float, n_layers: int,
+                residual_out: tuple[str, ...] = RESIDUAL_OUT) -> torch.Tensor:
+    """The initial value of parameter `name` (unsharded), on the CPU in float32."""
+    if "norm" in name and name.endswith("weight") and len(shape) == 1:
+        return torch.ones(shape)
+    if name.endswith("bias"):
+        return torch.zeros(shape)
+    if name.endswith(tuple(residual_out)):
+        std = std / math.sqrt(2 * n_layers)
+    generator = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
+    return torch.randn(shape, generator=generator) * std

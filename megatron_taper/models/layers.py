@@ -1,0 +1,80 @@
+"""Building blocks shared by every family: RMSNorm, RoPE, causal attention, SwiGLU MLP.
+
+Shapes: B batch, S sequence, D d_model, H query heads (local to this rank when tensor-parallel
+plans replace the projections), K key/value heads, E head_dim, W MLP width.
+Modules read their local head counts from tensor shapes, so tensor-parallel plans can swap the
+projections for sharded ones without touching this code.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+def rope_tables(seq_len: int, head_dim: int, theta: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin: [S, E/2] in float32."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [B, S, H, E]; rotates (even, odd) pairs of the head dimension."""
+    x1, x2 = x.float().unflatten(-1, (-1, 2)).unbind(-1)  # [B, S, H, E/2] each
+    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+    return out.type_as(x)
+
+
+class Attention(nn.Module):
+    """Causal self-attention through SDPA, with grouped-query attention when K < H."""
+
+    def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, head_dim: int):
+        super().__init__()
+        self.head_dim = head_dim
+        self.wq = nn.Linear(d_model, n_heads * head_dim, bias=False)
+        self.wk = nn.Linear(d_model, n_kv_heads * head_dim, bias=False)
+        self.wv = nn.Linear(d_model, n_kv_heads * head_dim, bias=False)
+        self.wo = nn.Linear(n_heads * head_dim, d_model, bias=False)
+
+    def attend(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Per-head outputs before the output projection: [B, S, H, E]."""
+        bsz, seq, _ = x.shape
+        q = apply_rope(self.wq(x).view(bsz, seq, -1, self.head_dim), cos, sin)
+        k = apply_rope(self.wk(x).view(bsz, seq, -1, self.head_dim), cos, sin)
+        v = self.wv(x).view(bsz, seq, -1, self.head_dim)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H|K, S, E]
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        return y.transpose(1, 2)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return self.wo(self.attend(x, cos, sin).flatten(2))
+
+
+class SwiGLU(nn.Module):
+    """w2(silu(w1 x) * w3 x) with hidden width W (this layer's tapered width)."""
+
+    def __init__(self, d_model: int, width: int):
+        super().__init__()
+        self.w1 = nn.Linear(d_model, width, bias=False)
+        self.w3 = nn.Linear(d_model, width, bias=False)
+        self.w2 = nn.Linear(width, d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token loss in float32; logits [B, S, V], targets [B, S]."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))

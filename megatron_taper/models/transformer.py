@@ -1,0 +1,67 @@
+"""Llama-style decoder whose blocks each get their own (tapered) MLP width.
+
+    tokens [B, S] -> tok_embeddings -> blocks 0..L-1 -> norm -> output -> logits [B, S, V]
+
+Blocks live in a ModuleDict keyed by their global index, so a pipeline stage can drop the
+blocks, the embedding, or the head it does not own and keep the same parameter names; forward
+then takes hidden states [B, S, D] instead of tokens and returns hidden states when the head is
+gone. This file is single-device code: parallelism is applied from outside.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from megatron_taper.config import ModelConfig
+from megatron_taper.models.init import init_parameters
+from megatron_taper.models.layers import Attention, RMSNorm, SwiGLU, rope_tables
+from megatron_taper.taper import layer_widths
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig, mlp_width: int):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn = self.build_attention(cfg)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mlp = SwiGLU(cfg.d_model, mlp_width)
+
+    def build_attention(self, cfg: ModelConfig) -> nn.Module:
+        return Attention(cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_dim)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Transformer(nn.Module):
+    block_class = TransformerBlock
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.mlp_widths = layer_widths(cfg)
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.layers = nn.ModuleDict(
+            {str(i): self.block_class(cfg, width) for i, width in enumerate(self.mlp_widths)}
+        )
+        self.norm: RMSNorm | None = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.output: nn.Linear | None = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+
+    def init_weights(self, seed: int) -> None:
+        init_parameters(self, seed, self.cfg.init_std, self.cfg.n_layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: tokens [B, S] (when this module holds the embedding) or hidden states [B, S, D]."""
+        h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
+        cos, sin = rope_tables(h.shape[1], self.cfg.head_dim, self.cfg.rope_theta, h.device)
+        for block in self.layers.values():
+            h = block(h, cos, sin)
+        if self.norm is None:
+            return h
+        h = self.norm(h)
+        if self.output is not None:
+            return self.output(h)
+        if self.cfg.tie_embeddings and self.tok_embeddings is not None:
+            return h @ self.tok_embeddings.weight.t()
+        return h
