@@ -37,6 +37,28 @@ class ParallelModel:
         fn = self.to_local.get(name)
         return full if fn is None else fn(full)
 
+    def forward_backward(self, micro_batches: list[torch.Tensor], autocast: Callable) -> torch.Tensor:
+        """Forward and backward over one rank's micro-batches ([b, S + 1] tokens each) of one step.
+
+        Returns the mean loss over the micro-batches (detached, float32 scalar on the device);
+        gradients are accumulated as for that mean. Pipeline-parallel models override this.
+        """
+        total = torch.zeros((), device=self.ctx.device)
+        for tokens in micro_batches:
+            tokens = tokens.to(self.ctx.device, non_blocking=True)
+            with autocast():
+                loss = self.loss_fn(self.module(tokens[:, :-1]), tokens[:, 1:])
+            (loss / len(micro_batches)).backward()
+            total += loss.detach().float()
+        return total / len(micro_batches)
+
+    @torch.no_grad()
+    def evaluate(self, tokens: torch.Tensor, autocast: Callable) -> torch.Tensor:
+        """Mean loss of one micro-batch without gradients (float32 scalar, same on every rank)."""
+        tokens = tokens.to(self.ctx.device, non_blocking=True)
+        with autocast():
+            return self.loss_fn(self.module(tokens[:, :-1]), tokens[:, 1:]).float()
+
     def reduce_gradients(self) -> None:
         """Average gradients over data-parallel replicas (plain DP; ZeRO engines do their own)."""
         if self.ctx.dp == 1:
