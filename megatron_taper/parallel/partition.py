@@ -1,0 +1,376 @@
+"""Cost-balanced contiguous split of a layer stack into pipeline stages (pure; no torch.distributed).
+
+Problem: layers 0..L-1 with costs c_l go, in order, onto S stages (each stage at least one layer);
+stage 0 also carries `first` (the embedding), stage S-1 carries `last` (final norm, LM head and
+loss). Minimise the slowest stage: max_s (sum of its layer costs + its extra).
+
+Method (exact): dynamic programming over (stage, prefix end). Phase 1 finds the optimal
+bottleneck B*. Phase 2 restricts every stage to cost <= B* (and to its memory limit) and picks,
+among those optimal splits, the one with the smallest sum of squared stage costs (the most even
+one); remaining ties go to the lexicographically smallest boundary vector, i.e. earlier stages
+take as few layers as possible. The same inputs therefore always give the same split, on every
+rank, with no randomness. Costs are compared exactly (floats as given), so integer costs give
+integer-exact answers. Time O(S * L^2), instant for any real model.
+
+Memory limits (optional): stage s must satisfy
+    static(s) + act(s) * in_flight(s) <= limit(s)
+where static is parameters + gradients + optimizer states (bytes per parameter, 16 for fp32
+AdamW) and act the activations one micro-batch leaves for backward. Under 1F1B stage s holds up
+to min(pp - s, m) micro-batches in flight, under GPipe all m. No feasible split -> ValueError
+naming the key and the smallest memory any split could give the tightest stage.
+
+Virtual stages (interleaved schedules): the stack is cut into pp * v chunks with the same
+objective, chunk c lives on pp rank c % pp (looped placement, as torch's interleaved 1F1B
+expects); the embedding is on chunk 0 and the head on the last chunk. Memory limits are only
+modelled for v = 1 (an interleaved rank's in-flight count depends on the chunk) and are refused
+otherwise.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Sequence
+
+BALANCE_MODES = ("flops", "uniform", "params", "profile")
+SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")
+
+
+@dataclass(frozen=True)
+class MemoryModel:
+    """Bytes per layer and per stage extra; `in_flight` and `limits` have one entry per stage."""
+
+    static: Sequence[float]  # per layer: params + grads + optimizer states
+    act: Sequence[float]  # per layer: activations of one micro-batch kept for backward
+    in_flight: Sequence[int]
+    limits: Sequence[float]
+    first_static: float = 0.0
+    first_act: float = 0.0
+    last_static: float = 0.0
+    last_act: float = 0.0
+    key: str = "parallel.pp_memory_gb"  # the config key the limits came from, for errors
+
+    def stage_bytes(self, stage: int, n_stages: int, lo: int, hi: int,
+                    static_prefix: Sequence[float], act_prefix: Sequence[float]) -> float:
+        static = static_prefix[hi] - static_prefix[lo]
+        act = act_prefix[hi] - act_prefix[lo]
+        if stage == 0:
+            static, act = static + self.first_static, act + self.first_act
+        if stage == n_stages - 1:
+            static, act = static + self.last_static, act + self.last_act
+        return static + act * self.in_flight[stage]
+
+
+@dataclass(frozen=True)
+class Partition:
+    bounds: tuple[int, ...]  # stage s holds layers bounds[s] .. bounds[s+1]-1
+    costs: tuple[float, ...]  # per stage, extras included
+
+    @property
+    def stages(self) -> list[list[int]]:
+        return [list(range(a, b)) for a, b in zip(self.bounds, self.bounds[1:])]
+
+    @property
+    def bottleneck(self) -> float:
+        return max(self.costs)
+
+    @property
+    def ideal(self) -> float:
+        return sum(self.costs) / len(self.costs)
+
+    @property
+    def bottleneck_over_ideal(self) -> float:
+        return self.bottleneck / self.ideal if self.ideal > 0 else 1.0
+
+
+def _prefix(values: Sequence[float]) -> list[float]:
+    out = [0.0]
+    for v in values:
+        out.append(out[-1] + v)
+    return out
+
+
+def evaluate(bounds: Sequence[int], costs: Sequence[float], first: float = 0.0, last: float = 0.0) -> Partition:
+    """The stage costs of a given split (stage s = layers bounds[s]..bounds[s+1]-1)."""
+    n = len(bounds) - 1
+    assert bounds[0] == 0 and bounds[-1] == len(costs) and all(a < b for a, b in zip(bounds, bounds[1:]))
+    pre = _prefix(costs)
+    out = []
+    for s in range(n):
+        c = pre[bounds[s + 1]] - pre[bounds[s]]
+        c += (first if s == 0 else 0.0) + (last if s == n - 1 else 0.0)
+        out.append(c)
+    return Partition(tuple(bounds), tuple(out))
+
+
+def partition(costs: Sequence[float], n_stages: int, first: float = 0.0, last: float = 0.0,
+              memory: MemoryModel | None = None, key: str = "parallel.pp") -> Partition:
+    """Exact min-max contiguous split of `costs` into `n_stages` non-empty stages (see module doc)."""
+    n = len(costs)
+    if n_stages < 1:
+        raise ValueError(f"{key}={n_stages} must be at least 1")
+    if n_stages > n:
+        raise ValueError(f"{key}={n_stages} stages is more than model.n_layers={n}: every stage needs a layer")
+    if any(c < 0 or math.isnan(c) for c in costs) or first < 0 or last < 0:
+        raise ValueError(f"layer costs must be non-negative numbers (balancing for {key})")
+    if memory is not None:
+        assert len(memory.in_flight) == n_stages and len(memory.limits) == n_stages
+        assert len(memory.static) == n and len(memory.act) == n
+    pre = _prefix(costs)
+    s_pre = _prefix(memory.static) if memory else []
+    a_pre = _prefix(memory.act) if memory else []
+
+    def cost(s: int, lo: int, hi: int) -> float:
+        c = pre[hi] - pre[lo]
+        if s == 0:
+            c += first
+        if s == n_stages - 1:
+            c += last
+        return c
+
+    def fits(s: int, lo: int, hi: int) -> bool:
+        return memory is None or memory.stage_bytes(s, n_stages, lo, hi, s_pre, a_pre) <= memory.limits[s]
+
+    inf = math.inf
+    # Phase 1 (suffix form): best[s][i] = min bottleneck of stages s..S-1 over layers i..L-1.
+    best = [[inf] * (n + 1) for _ in range(n_stages + 1)]
+    best[n_stages][n] = -inf
+    for s in range(n_stages - 1, -1, -1):
+        # stage s starts at i >= s and leaves at least one layer per later stage
+        for i in range(s, n - (n_stages - s) + 1):
+            b = inf
+            for j in range(i + 1, n - (n_stages - s - 1) + 1):
+                rest = best[s + 1][j]
+                if rest == inf or not fits(s, i, j):
+                    continue
+                b = min(b, max(cost(s, i, j), rest))
+            best[s][i] = b
+    bottleneck = best[0][0]
+    if bottleneck == inf:
+        assert memory is not None
+        raise ValueError(_no_fit_message(memory, n, n_stages, s_pre, a_pre))
+
+    # Phase 2: among splits with every stage <= bottleneck (and fitting), minimise sum of squares.
+    sq = [[inf] * (n + 1) for _ in range(n_stages + 1)]
+    nxt = [[-1] * (n + 1) for _ in range(n_stages + 1)]
+    sq[n_stages][n] = 0.0
+    for s in range(n_stages - 1, -1, -1):
+        for i in range(s, n - (n_stages - s) + 1):
+            for j in range(i + 1, n - (n_stages - s - 1) + 1):  # ascending j: ties keep the smallest
+                rest = sq[s + 1][j]
+                c = cost(s, i, j)
+                if rest == inf or c > bottleneck or not fits(s, i, j):
+                    continue
+                total = c * c + rest
+                if total < sq[s][i]:
+                    sq[s][i], nxt[s][i] = total, j
+    bounds = [0]
+    for s in range(n_stages):
+        bounds.append(nxt[s][bounds[-1]])
+    assert bounds[-1] == n
+    return Partition(tuple(bounds), tuple(cost(s, bounds[s], bounds[s + 1]) for s in range(n_stages)))
+
+
+def _no_fit_message(memory: MemoryModel, n: int, n_stages: int, s_pre: list[float], a_pre: list[float]) -> str:
+    # The smallest achievable max(bytes / limit) tells the user how far off the limits are.
+    need = [[math.inf] * (n + 1) for _ in range(n_stages + 1)]
+    need[n_stages][n] = 0.0
+    for s in range(n_stages - 1, -1, -1):
+        for i in range(s, n - (n_stages - s) + 1):
+            for j in range(i + 1, n - (n_stages - s - 1) + 1):
+                used = memory.stage_bytes(s, n_stages, i, j, s_pre, a_pre) / max(memory.limits[s], 1e-30)
+                need[s][i] = min(need[s][i], max(used, need[s + 1][j]))
+    gib = max(memory.limits) / 2**30
+    return (f"no split of {n} layers into {n_stages} pipeline stages fits the per-stage memory limit "
+            f"({memory.key}: {gib:.3g} GiB on the largest stage); the best split needs {need[0][0]:.2f}x the "
+            f"limit on its fullest stage. Raise {memory.key}, use more stages (parallel.pp), fewer "
+            f"micro-batches in flight or a smaller train.micro_batch")
+
+
+def in_flight_microbatches(n_stages: int, microbatches: int, schedule: str = "1f1b") -> list[int]:
+    """Micro-batches whose activations stage s holds at once: 1F1B min(pp - s, m); GPipe m."""
+    if schedule == "gpipe":
+        return [microbatches] * n_stages
+    return [min(n_stages - s, microbatches) for s in range(n_stages)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Plans for a model config
+
+
+@dataclass
+class StagePlan:
+    layers: list[int]
+    rank: int  # pp rank holding this stage (chunk c -> c % pp)
+    flops: float  # forward FLOPs per token, embedding / head included
+    params: int
+    static_bytes: float  # params + grads + optimizer states
+    act_bytes: float  # activations of all micro-batches in flight (v = 1), else of one
+    cost: float  # the balanced metric (flops, params, 1 per layer, or seconds)
+
+
+@dataclass
+class PipelinePlan:
+    pp: int
+    virtual: int
+    balance: str
+    stages: list[StagePlan]
+    bottleneck_over_ideal: float  # by FLOPs, for this split
+    uniform_bottleneck_over_ideal: float  # by FLOPs, for the layer-count split
+    uniform_stages: list[list[int]] = field(default_factory=list)
+
+    @property
+    def stage_layers(self) -> list[list[int]]:
+        return [s.layers for s in self.stages]
+
+    def rank_chunks(self, pp_rank: int) -> list[int]:
+        """Indices of the (virtual) stages on this pp rank, in schedule order."""
+        return [c for c in range(len(self.stages)) if c % self.pp == pp_rank]
+
+
+def plan_pipeline(model_cfg, pp: int, *, virtual: int = 1, balance: str = "flops", microbatches: int = 0,
+                  micro_batch: int = 1, schedule: str = "1f1b", memory_gb: Sequence[float] | None = None,
+                  bytes_per_param: float = 16.0, measured: tuple[list[float], float, float] | None = None
+                  ) -> PipelinePlan:
+    """Split `model_cfg`'s layers over pp ranks x `virtual` chunks by the `balance` metric.
+
+    measured: (per-layer seconds, embedding seconds, head seconds), required for balance=profile.
+    memory_gb: per-stage limit in GiB (one value for all stages, or one per stage).
+    """
+    from megatron_taper.flops import model_costs
+
+    if balance not in BALANCE_MODES:
+        raise ValueError(f"parallel.pp_balance={balance!r} is not one of: {', '.join(BALANCE_MODES)}")
+    if virtual < 1:
+        raise ValueError(f"virtual stages per rank must be at least 1, got {virtual}")
+    costs = model_costs(model_cfg)
+    n_layers = len(costs.layers)
+    n_chunks = pp * virtual
+    if n_chunks > n_layers:
+        what = f"parallel.pp={pp}" + (f" x {virtual} virtual stages" if virtual > 1 else "")
+        raise ValueError(f"{what} = {n_chunks} stages is more than model.n_layers={n_layers}: every stage needs a layer")
+    m = microbatches or pp
+    tokens = micro_batch * model_cfg.seq_len  # per micro-batch
+    in_flight = in_flight_microbatches(pp, m, schedule) if virtual == 1 else [1] * n_chunks
+    memory = None
+    if memory_gb:
+        if virtual > 1:
+            raise ValueError("parallel.pp_memory_gb: per-stage memory limits are only modelled for non-interleaved "
+                             "schedules (parallel.pp_schedule=1f1b or gpipe)")
+        limits = list(memory_gb) if len(memory_gb) > 1 else [memory_gb[0]] * pp
+        if len(limits) != pp:
+            raise ValueError(f"parallel.pp_memory_gb: {len(limits)} limits given for parallel.pp={pp} stages")
+        memory = MemoryModel(
+            static=[c.params * bytes_per_param for c in costs.layers],
+            act=[c.act_bytes * tokens for c in costs.layers],
+            in_flight=in_flight, limits=[g * 2**30 for g in limits],
+            first_static=costs.embedding.params * bytes_per_param, first_act=costs.embedding.act_bytes * tokens,
+            last_static=costs.head.params * bytes_per_param, last_act=costs.head.act_bytes * tokens,
+        )
+
+    flops = [c.flops for c in costs.layers]
+    if balance == "flops":
+        metric, first, last = flops, costs.embedding.flops, costs.head.flops
+    elif balance == "params":
+        metric = [float(c.params) for c in costs.layers]
+        first, last = float(costs.embedding.params), float(costs.head.params)
+    elif balance == "uniform":
+        metric, first, last = [1.0] * n_layers, 0.0, 0.0
+    else:
+        if measured is None:
+            raise ValueError("parallel.pp_balance=profile needs measured per-layer times (see profile_layer_times)")
+        metric, first, last = list(measured[0]), measured[1], measured[2]
+        if len(metric) != n_layers:
+            raise ValueError(f"profile has {len(metric)} layer times for model.n_layers={n_layers}")
+    part = partition(metric, n_chunks, first, last, memory, key="parallel.pp")
+    by_flops = evaluate(part.bounds, flops, costs.embedding.flops, costs.head.flops)
+    uniform = partition([1.0] * n_layers, n_chunks)
+    uniform_flops = evaluate(uniform.bounds, flops, costs.embedding.flops, costs.head.flops)
+
+    stages = []
+    for c, layers in enumerate(part.stages):
+        params = sum(costs.layers[i].params for i in layers)
+        act = sum(costs.layers[i].act_bytes for i in layers)
+        if c == 0:
+            params, act = params + costs.embedding.params, act + costs.embedding.act_bytes
+        if c == n_chunks - 1:
+            params, act = params + costs.head.params, act + costs.head.act_bytes
+        stages.append(StagePlan(layers, c % pp, by_flops.costs[c], params, params * bytes_per_param,
+                                act * tokens * in_flight[c], part.costs[c]))
+    return PipelinePlan(pp, virtual, balance, stages, by_flops.bottleneck_over_ideal,
+                        uniform_flops.bottleneck_over_ideal, uniform.stages)
+
+
+def profile_layer_times(model, micro_batch: int, seq_len: int, device, warmup: int = 2, iters: int = 3,
+                        autocast=None) -> tuple[list[float], float, float]:
+    """Measured forward+backward seconds of each block, of the embedding and of norm + head + loss.
+
+    One forward through `model` (blocks in `model.layers`) records each block's real inputs; then
+    each piece is timed alone on `device` after `warmup` runs (median of `iters`). Generic over
+    families whose blocks take positional tensors. Measurements differ per rank: pipeline.py
+    measures on one rank and broadcasts, so every rank balances the same numbers.
+    """
+    import contextlib
+    import statistics
+    import time
+
+    import torch
+
+    from megatron_taper.models.layers import cross_entropy
+
+    autocast = autocast or contextlib.nullcontext
+    model = model.to(device)
+    vocab = model.cfg.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, vocab, (micro_batch, seq_len + 1), generator=gen).to(device)
+    inputs: dict[str, tuple] = {}
+
+    def capture(name):
+        def hook(_module, args):
+            inputs[name] = tuple(a.detach() if torch.is_tensor(a) else a for a in args)
+        return hook
+
+    handles = [block.register_forward_pre_hook(capture(name)) for name, block in model.layers.items()]
+    if model.norm is not None:
+        handles.append(model.norm.register_forward_pre_hook(capture("norm")))
+    with torch.no_grad(), autocast():
+        model(tokens[:, :-1])
+    for h in handles:
+        h.remove()
+
+    def timed(fn) -> float:
+        sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+        times = []
+        for k in range(warmup + iters):
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            if k >= warmup:
+                times.append(time.perf_counter() - t0)
+        model.zero_grad(set_to_none=True)
+        return statistics.median(times)
+
+    def run_block(name):
+        args = inputs[name]
+        x = args[0].clone().requires_grad_(True)
+        with autocast():
+            out = model.layers[name](x, *args[1:])
+        out.float().sum().backward()
+
+    def run_embedding():
+        if model.tok_embeddings is None:
+            return
+        with autocast():
+            out = model.tok_embeddings(tokens[:, :-1])
+        out.float().sum().backward()
+
+    def run_head():
+        x = inputs["norm"][0].clone().requires_grad_(True)
+        with autocast():
+            h = model.norm(x)
+            logits = model.output(h) if model.output is not None else h @ model.tok_embeddings.weight.t()
+            loss = cross_entropy(logits, tokens[:, 1:])
+        loss.backward()
+
+    layer_times = [timed(lambda n=name: run_block(n)) for name in model.layers]
+    return layer_times, timed(run_embedding), timed(run_head)
