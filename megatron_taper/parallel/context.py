@@ -92,6 +92,9 @@ def check_degrees(world_size: int, pcfg: ParallelConfig, mcfg: ModelConfig | Non
             raise ConfigError(f"parallel.tp={pcfg.tp} must divide model.n_heads={mcfg.n_heads}")
         if pcfg.pp > mcfg.n_layers:
             raise ConfigError(f"parallel.pp={pcfg.pp} is larger than model.n_layers={mcfg.n_layers}")
+        from megatron_taper.parallel.tp_plan import check_tp  # kv heads, widths, vocab vs tp
+
+        check_tp(mcfg, pcfg)
     return world_size // (pcfg.tp * pcfg.pp)
 
 
@@ -115,7 +118,9 @@ def init_parallel(pcfg: ParallelConfig, mcfg: ModelConfig | None = None, device:
     return ParallelContext(world_size, rank, local_rank, pcfg.pp, dp, pcfg.tp, dev, mesh)
 
 
-def shutdown(ctx: ParallelContext) -> None:
+def shutdown(ctx: ParallelContext, barrier: bool = True) -> None:
+    """Leave the process group; `barrier=False` after an error, when peers may never arrive."""
     if ctx.mesh is not None and dist.is_initialized():
-        dist.barrier()
+        if barrier:
+            dist.barrier()
         dist.destroy_process_group()

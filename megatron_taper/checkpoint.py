@@ -1,0 +1,261 @@
+"""Checkpoints that resume exactly and load on another parallel layout.
+
+Layout of `run.dir/checkpoints/step-N/`:
+    model-pp{k}.pt   logical (unsharded) parameters of pipeline stage k, keyed by global name
+    optim-pp{k}.pt   AdamW state of those parameters, logical tensors keyed by the same names
+    trainer.pt       step, skipped steps, RNG states and data positions (one entry per rank)
+    meta.json        step, config, parallel layout, and size + sha256 of every file above
+
+Writing is atomic: every file goes into `.tmp-step-N/` and is fsynced, then the folder is
+renamed to `step-N/` and the parent fsynced, so a folder named step-N is always complete. Only
+ranks with dp_rank == 0 and tp_rank == 0 write model/optimizer files (one per pipeline stage);
+tensor-parallel shards are gathered to logical tensors through the ParallelModel first.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import random
+import re
+import shutil
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron_taper.config import Config, ModelConfig
+from megatron_taper.parallel import ParallelModel
+
+STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used; the message names the folder or file."""
+
+
+def checkpoint_root(cfg: Config) -> str:
+    return os.path.join(cfg.run.dir, "checkpoints")
+
+
+def list_checkpoints(root: str) -> list[tuple[int, str]]:
+    """Complete checkpoints as (step, path), oldest first."""
+    if not os.path.isdir(root):
+        return []
+    found = [(int(m.group(1)), os.path.join(root, name)) for name in os.listdir(root) if (m := STEP_DIR.match(name))]
+    return sorted(found)
+
+
+def save_checkpoint(cfg: Config, pm: ParallelModel, optimizer: torch.optim.Optimizer, step: int,
+                    trainer_state: dict, data_state: dict) -> str:
+    ctx = pm.ctx
+    root = checkpoint_root(cfg)
+    final = os.path.join(root, f"step-{step}")
+    tmp = os.path.join(root, f".tmp-step-{step}")
+    if ctx.is_main:
+        os.makedirs(root, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    per_rank = _gather_objects(ctx, {"rng": _rng_state(), "data": data_state})
+    ctx.barrier()
+
+    files: dict[str, dict] = {}
+    if ctx.dp_rank == 0:
+        model_state, optim_state = _logical_state(pm, optimizer)
+        if ctx.tp_rank == 0:
+            for kind, state in (("model", model_state), ("optim", optim_state)):
+                name = f"{kind}-pp{ctx.pp_rank}.pt"
+                files[name] = _write(os.path.join(tmp, name), state)
+    if ctx.is_main:
+        files["trainer.pt"] = _write(os.path.join(tmp, "trainer.pt"), {"step": step, **trainer_state, "ranks": per_rank})
+    all_files: dict[str, dict] = {}
+    for part in _gather_objects(ctx, files):
+        all_files.update(part)
+    if ctx.is_main:
+        meta = {"step": step, "config": cfg.to_dict(), "layout": {"pp": ctx.pp, "dp": ctx.dp, "tp": ctx.tp},
+                "files": all_files}
+        _write_text(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1))
+        _fsync_dir(tmp)
+        if os.path.exists(final):
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _fsync_dir(root)
+        _prune(root, cfg.checkpoint.keep)
+    ctx.barrier()
+    return final
+
+
+def find_resume_checkpoint(cfg: Config) -> str | None:
+    mode = cfg.run.resume
+    if mode == "never":
+        return None
+    if mode != "auto":
+        if not os.path.isfile(os.path.join(mode, "meta.json")):
+            raise CheckpointError(f"run.resume={mode!r} is not a complete checkpoint folder (no meta.json)")
+        return mode
+    found = list_checkpoints(checkpoint_root(cfg))
+    return found[-1][1] if found else None
+
+
+def load_checkpoint(path: str, cfg: Config, pm: ParallelModel, optimizer: torch.optim.Optimizer) -> dict:
+    """Restore model, optimizer, RNG; returns the trainer state (step, ..., data state of this rank)."""
+    ctx = pm.ctx
+    meta = _read_meta(path)
+    _check_compatible(meta, cfg, path)
+    for name, info in meta["files"].items():
+        _verify(os.path.join(path, name), info)
+    model_state: dict[str, torch.Tensor] = {}
+    optim_state: dict[str, dict] = {}
+    stages = sorted(n for n in meta["files"] if n.startswith("model-pp"))
+    for name in stages:
+        model_state.update(_load(os.path.join(path, name)))
+        optim_state.update(_load(os.path.join(path, name.replace("model-", "optim-"))))
+
+    with torch.no_grad():
+        for name, param in pm.module.named_parameters():
+            if name not in model_state:
+                raise CheckpointError(f"{path}: no tensor for parameter {name!r}")
+            param.copy_(pm.local_tensor(name, model_state[name]).to(param.dtype))
+    by_name = dict(pm.module.named_parameters())
+    for name, state in optim_state.items():
+        if name in by_name:
+            p = by_name[name]
+            optimizer.state[p] = {k: (pm.local_tensor(name, v) if v.dim() else v).to(p.device)
+                                  for k, v in state.items()}
+
+    trainer = _load(os.path.join(path, "trainer.pt"))
+    ranks = trainer.pop("ranks")
+    mine = ranks[ctx.rank] if len(ranks) == ctx.world_size else ranks[0]
+    _set_rng_state(mine["rng"])
+    same_dp = meta["layout"]["dp"] == ctx.dp and len(ranks) == ctx.world_size
+    trainer["data"] = mine["data"] if same_dp else ranks[0]["data"]
+    return trainer
+
+
+def _logical_state(pm: ParallelModel, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    model_state, optim_state = {}, {}
+    for name, param in pm.module.named_parameters():
+        model_state[name] = pm.full_tensor(name, param.detach()).cpu()
+        state = optimizer.state.get(param, {})
+        optim_state[name] = {k: (pm.full_tensor(name, v) if v.dim() else v).detach().cpu() for k, v in state.items()}
+    return model_state, optim_state
+
+
+def _check_compatible(meta: dict, cfg: Config, path: str) -> None:
+    # keys added to the config after the checkpoint was written count with their default value
+    saved = {**_flatten(dataclasses.asdict(ModelConfig())), **_flatten(meta["config"]["model"])}
+    current = _flatten(cfg.to_dict()["model"])
+    diffs = [f"model.{k}: checkpoint {saved.get(k)!r} vs now {v!r}" for k, v in current.items() if saved.get(k) != v]
+    if diffs:
+        raise CheckpointError(f"{path} was written for another model; differing keys:\n  " + "\n  ".join(diffs))
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        out.update(_flatten(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+def _read_meta(path: str) -> dict:
+    meta_path = os.path.join(path, "meta.json")
+    try:
+        with open(meta_path) as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{meta_path}: unreadable checkpoint metadata ({e}); delete the folder or set "
+                              f"run.resume to another checkpoint") from None
+
+
+def _verify(file: str, info: dict) -> None:
+    if not os.path.isfile(file):
+        raise CheckpointError(f"{file}: missing from the checkpoint")
+    size = os.path.getsize(file)
+    if size != info["size"]:
+        raise CheckpointError(f"{file}: truncated or altered ({size} bytes, expected {info['size']}); delete the "
+                              f"checkpoint folder or set run.resume to another one")
+    if _sha256(file) != info["sha256"]:
+        raise CheckpointError(f"{file}: corrupted (checksum mismatch); delete the checkpoint folder or set "
+                              f"run.resume to another one")
+
+
+def _load(file: str):
+    try:
+        return torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - any unpickling failure means an unusable file
+        raise CheckpointError(f"{file}: cannot be loaded ({type(e).__name__}: {e})") from None
+
+
+def _write(file: str, obj) -> dict:
+    with open(file, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    return {"size": os.path.getsize(file), "sha256": _sha256(file)}
+
+
+def _write_text(file: str, text: str) -> None:
+    with open(file, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _sha256(file: str) -> str:
+    h = hashlib.sha256()
+    with open(file, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _prune(root: str, keep: int) -> None:
+    if keep <= 0:
+        return
+    for _, path in list_checkpoints(root)[:-keep]:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _gather_objects(ctx, obj) -> list:
+    if ctx.mesh is None:
+        return [obj]
+    out = [None] * ctx.world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return _to_plain(state)
+
+
+def _set_rng_state(state: dict) -> None:
+    py = state["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    np_state = state["numpy"]
+    np.random.set_state((np_state[0], np.asarray(np_state[1], dtype=np.uint32), *np_state[2:]))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _to_plain(obj):
+    """numpy arrays -> lists so that weights_only loading accepts the RNG states."""
+    if isinstance(obj, np.ndarray):
+        return obj.tolist()
+    if isinstance(obj, (list, tuple)):
+        return [_to_plain(x) for x in obj]
+    if isinstance(obj, dict):
+        return {k: _to_plain(v) for k, v in obj.items()}
+    return obj

@@ -1,0 +1,292 @@
+"""Trainer and command line entry point.
+
+    torchrun --nproc-per-node N -m megatron_taper.train --config configs/X.yaml [key=value ...]
+    python -m megatron_taper.train --config configs/X.yaml [key=value ...]
+
+One step = global_batch sequences: each data-parallel rank runs global_batch / (dp x micro_batch)
+micro-batches through `ParallelModel.forward_backward`, gradients are reduced and clipped, and
+AdamW steps. Exit codes: 0 done (or stopped by train.exit_after), 2 bad input, 3 stopped by
+SIGUSR1/SIGTERM after a checkpoint (the slurm script requeues the job on 3).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import os
+import random
+import shutil
+import signal
+import sys
+import time
+from typing import Callable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron_taper.checkpoint import find_resume_checkpoint, load_checkpoint, save_checkpoint
+from megatron_taper.config import Config, ConfigError, load_config, save_config
+from megatron_taper.data.sources import build_sources
+from megatron_taper.flops import model_costs, mfu, peak_flops
+from megatron_taper.metrics import MetricsLogger
+from megatron_taper.models import build_model
+from megatron_taper.parallel import ParallelModel, parallelize
+from megatron_taper.parallel.context import ParallelContext, init_parallel, shutdown
+
+EXIT_BAD_INPUT = 2
+EXIT_REQUEUE = 3
+
+
+class NonFiniteLossError(RuntimeError):
+    pass
+
+
+def lr_at(step: int, cfg) -> float:
+    """Learning rate of (0-based) step: linear warmup, then cosine decay to lr * min_lr_ratio."""
+    t = cfg.train
+    if step < t.warmup_steps:
+        return t.lr * (step + 1) / t.warmup_steps
+    span = max(1, t.steps - t.warmup_steps)
+    progress = min(1.0, (step - t.warmup_steps) / span)
+    return t.lr * (t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def build_optimizer(module: torch.nn.Module, cfg: Config, device: torch.device) -> torch.optim.Optimizer:
+    """AdamW; weight decay on matrices and embeddings, not on norms and biases."""
+    decay = [p for p in module.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in module.parameters() if p.requires_grad and p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": cfg.train.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    t = cfg.train
+    return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, fused=device.type in ("cuda", "cpu"))
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+class StopSignal:
+    """Records SIGUSR1 / SIGTERM; the Trainer checks it between steps (all ranks agree)."""
+
+    def __init__(self):
+        self.received: int | None = None
+        self._previous = {}
+
+    def install(self) -> None:
+        for sig in (signal.SIGUSR1, signal.SIGTERM):
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        self.received = self.received or signum
+
+    def uninstall(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+class Trainer:
+    def __init__(self, cfg: Config, ctx: ParallelContext | None = None):
+        self.cfg = cfg
+        self.ctx = ctx or init_parallel(cfg.parallel, cfg.model, cfg.train.device)
+        t = cfg.train
+        per_round = t.micro_batch * self.ctx.dp
+        if t.global_batch % per_round:
+            raise ConfigError(f"train.global_batch={t.global_batch} must be a multiple of train.micro_batch x dp "
+                              f"= {t.micro_batch} x {self.ctx.dp}")
+        self.accum = t.global_batch // per_round
+        self.bf16 = t.precision == "bf16" or (t.precision == "auto" and self.ctx.device.type == "cuda"
+                                              and torch.cuda.is_bf16_supported())
+        seed_everything(t.seed)
+        self.train_source, self.eval_factory = build_sources(cfg, self.ctx.dp_rank, self.ctx.dp)
+        model = build_model(cfg.model)
+        model.init_weights(t.seed)
+        self.pm: ParallelModel = parallelize(model, self.ctx, cfg)
+        self.optimizer = build_optimizer(self.pm.module, cfg, self.ctx.device)
+        costs = model_costs(cfg.model)
+        self.flops_per_token = costs.total_flops
+        self.peak = peak_flops(self.ctx.device, self.bf16)
+        self.step = 0
+        self.last_saved = -1
+        self.skipped = 0
+        self.nonfinite_in_row = 0
+        self.stop = StopSignal()
+        self._prepare_run_dir()
+        self.metrics = MetricsLogger(cfg.run.dir, self.ctx.is_main, cfg.run.tensorboard)
+        self._resume()
+
+    # -- setup ---------------------------------------------------------------------------------
+
+    def _prepare_run_dir(self) -> None:
+        if self.ctx.is_main:
+            os.makedirs(self.cfg.run.dir, exist_ok=True)
+            save_config(self.cfg, os.path.join(self.cfg.run.dir, "config.yaml"))
+        self.ctx.barrier()
+
+    def _resume(self) -> None:
+        path = find_resume_checkpoint(self.cfg)
+        if path is None:
+            self.metrics.truncate_after(0)
+            return
+        state = load_checkpoint(path, self.cfg, self.pm, self.optimizer)
+        self.step, self.skipped = state["step"], state["skipped"]
+        self.last_saved = self.step
+        self.train_source.load_state_dict(state["data"])
+        self.metrics.truncate_after(self.step)
+        self._print(f"resumed from {path} at step {self.step}")
+
+    def autocast(self):
+        if self.bf16:
+            return torch.autocast(self.ctx.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    def train_step(self) -> dict:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr_at(self.step, self.cfg)
+        micro_batches = [self.train_source.next_batch() for _ in range(self.accum)]
+        loss = self.pm.forward_backward(micro_batches, self.autocast)
+        self.pm.reduce_gradients()
+        grad_norm = self.pm.clip_gradients(self.cfg.train.grad_clip)
+        loss = self._dp_mean(loss)
+        loss_value, norm_value = float(loss), float(grad_norm)
+        if math.isfinite(loss_value) and math.isfinite(norm_value):
+            self.optimizer.step()
+            self.nonfinite_in_row = 0
+        else:
+            self.skipped += 1
+            self.nonfinite_in_row += 1
+            if self.nonfinite_in_row >= self.cfg.train.max_nonfinite:
+                raise NonFiniteLossError(
+                    f"loss or gradient norm was non-finite for {self.nonfinite_in_row} steps in a row (up to step "
+                    f"{self.step + 1}, train.max_nonfinite={self.cfg.train.max_nonfinite}); lower train.lr, enable "
+                    f"train.grad_clip or check the data"
+                )
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        return {"loss": loss_value, "grad_norm": norm_value, "lr": self.optimizer.param_groups[0]["lr"]}
+
+    def evaluate(self) -> float | None:
+        if self.eval_factory is None:
+            return None
+        source = self.eval_factory()
+        self.pm.module.eval()
+        losses = [self.pm.evaluate(source.next_batch(), self.autocast) for _ in range(self.cfg.train.eval_batches)]
+        self.pm.module.train()
+        return float(self._dp_mean(torch.stack(losses).mean()))
+
+    def fit(self) -> int:
+        t, ckpt = self.cfg.train, self.cfg.checkpoint
+        tokens_per_step = t.global_batch * self.cfg.model.seq_len
+        self.stop.install()
+        steps_here, last_time, last_step = 0, time.perf_counter(), self.step
+        try:
+            while self.step < t.steps:
+                record = self.train_step()
+                steps_here += 1
+                if self.step % t.log_interval == 0 or self.step == t.steps:
+                    now = time.perf_counter()
+                    tps = (self.step - last_step) * tokens_per_step / max(now - last_time, 1e-9)
+                    last_time, last_step = now, self.step
+                    self._log_step(record, tps, tokens_per_step)
+                if t.eval_interval and self.step % t.eval_interval == 0 and self.step < t.steps:
+                    self._log_eval()
+                if self._agreed_stop():
+                    self.save()
+                    self._print(f"stopped by signal {self.stop.received} at step {self.step}; checkpoint written")
+                    return EXIT_REQUEUE
+                if self.step == t.steps:
+                    break
+                if ckpt.interval and self.step % ckpt.interval == 0:
+                    self.save()
+                if t.exit_after and steps_here >= t.exit_after:
+                    self.save()
+                    self._print(f"train.exit_after={t.exit_after}: stopped at step {self.step} with a checkpoint")
+                    return 0
+            self._log_eval()
+            self.save()
+            return 0
+        finally:
+            self.stop.uninstall()
+            self.metrics.close()
+
+    def save(self) -> None:
+        if self.step == self.last_saved:
+            return
+        self.last_saved = self.step
+        save_checkpoint(self.cfg, self.pm, self.optimizer, self.step, {"skipped": self.skipped},
+                        self.train_source.state_dict())
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def _log_step(self, record: dict, tokens_per_s: float, tokens_per_step: int) -> None:
+        full = {"step": self.step, **record, "tokens_per_s": tokens_per_s,
+                "tokens_seen": self.step * tokens_per_step, "skipped_steps": self.skipped}
+        util = mfu(tokens_per_s / self.ctx.world_size, self.flops_per_token, self.peak)
+        if util is not None:
+            full["mfu"] = util
+        line = (f"step {self.step:>6}/{self.cfg.train.steps} | loss {record['loss']:.4f} | lr {record['lr']:.3e} | "
+                f"grad_norm {record['grad_norm']:.3f} | {tokens_per_s:,.0f} tok/s"
+                + (f" | mfu {util:.1%}" if util is not None else ""))
+        self.metrics.log(full, line)
+
+    def _log_eval(self) -> None:
+        eval_loss = self.evaluate()
+        if eval_loss is not None:
+            ppl = math.exp(min(eval_loss, 50.0))
+            self.metrics.log({"step": self.step, "eval_loss": eval_loss, "eval_ppl": ppl},
+                             f"eval  {self.step:>6} | loss {eval_loss:.4f} | ppl {ppl:.2f}")
+
+    def _dp_mean(self, value: torch.Tensor) -> torch.Tensor:
+        if self.ctx.dp > 1:
+            value = value.clone()
+            dist.all_reduce(value, op=dist.ReduceOp.AVG, group=self.ctx.dp_group)
+        return value
+
+    def _agreed_stop(self) -> bool:
+        flag = torch.tensor([1.0 if self.stop.received else 0.0], device=self.ctx.device)
+        if self.ctx.mesh is not None:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def _print(self, text: str) -> None:
+        if self.ctx.is_main:
+            print(text, flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m megatron_taper.train", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", help="YAML recipe (configs/*.yaml)")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.steps=100")
+    args = parser.parse_args(argv)
+    ctx = None
+    created_run_dir = None
+    clean = False
+    try:
+        cfg = load_config(args.config, args.overrides)
+        if not os.path.exists(cfg.run.dir):
+            created_run_dir = cfg.run.dir
+        ctx = init_parallel(cfg.parallel, cfg.model, cfg.train.device)
+        trainer = Trainer(cfg, ctx)
+        created_run_dir = None
+        code = trainer.fit()
+        clean = True
+        return code
+    except (ConfigError, ValueError, NonFiniteLossError) as e:
+        if os.environ.get("MEGATRON_TAPER_DEBUG"):
+            raise
+        if created_run_dir and os.path.isdir(created_run_dir) and (ctx is None or ctx.is_main):
+            shutil.rmtree(created_run_dir, ignore_errors=True)
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return EXIT_BAD_INPUT if not isinstance(e, NonFiniteLossError) else 1
+    finally:
+        if ctx is not None:
+            with contextlib.suppress(Exception):
+                shutdown(ctx, barrier=clean)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
