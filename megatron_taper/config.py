@@ -42,6 +42,42 @@ class GatedAttentionConfig:
 
 
 @dataclass
+class TitansConfig:
+    variant: str = "mag"  # mac (memory as context) | mag (memory as gate) | mal (memory as layer)
+    window: int = 64  # sliding-window attention span (MAG, MAL); segment length (MAC)
+    persistent_tokens: int = 4  # learnable tokens prepended to the block's sequence
+    memory_depth: int = 2  # layers of the memory MLP (1 = a linear memory)
+    memory_expansion: int = 2  # hidden width of a deep memory, in multiples of head_dim
+    chunk_size: int = 16  # tokens whose memory gradients are taken at the chunk's starting state
+    max_lr: float = 0.1  # upper bound of the data-dependent inner learning rate theta_t
+    momentum_init: float = 0.9  # eta_t at initialisation (a fixed logit offset)
+    forget_init: float = 0.01  # alpha_t at initialisation (a fixed logit offset)
+
+    def validate(self, prefix: str) -> None:
+        _choice(f"{prefix}.variant", self.variant, ("mac", "mag", "mal"))
+        for key in ("window", "memory_depth", "memory_expansion", "chunk_size"):
+            _range(f"{prefix}.{key}", getattr(self, key), 1, None)
+        _range(f"{prefix}.persistent_tokens", self.persistent_tokens, 0, None)
+        _range(f"{prefix}.max_lr", self.max_lr, 0.0, None, open_low=True)
+        _range(f"{prefix}.momentum_init", self.momentum_init, 0.0, 1.0, open_low=True, open_high=True)
+        _range(f"{prefix}.forget_init", self.forget_init, 0.0, 1.0, open_low=True, open_high=True)
+
+
+@dataclass
+class HopeConfig:
+    levels: int = 2  # MLP levels of the Continuum Memory System after each attention
+    chunk_size: int = 16  # update period (tokens) of the fastest level when online
+    chunk_growth: int = 4  # level l updates every chunk_size * chunk_growth**l tokens
+    online: bool = False  # update the levels inside the forward pass (off: plain MLP chain)
+    online_lr: float = 0.01  # step size of the online updates
+
+    def validate(self, prefix: str) -> None:
+        for key in ("levels", "chunk_size", "chunk_growth"):
+            _range(f"{prefix}.{key}", getattr(self, key), 1, None)
+        _range(f"{prefix}.online_lr", self.online_lr, 0.0, None, open_low=True)
+
+
+@dataclass
 class ModelConfig:
     arch: str = "transformer"
     n_layers: int = 12
@@ -57,6 +93,8 @@ class ModelConfig:
     init_std: float = 0.02
     taper: TaperConfig = field(default_factory=TaperConfig)
     gated: GatedAttentionConfig = field(default_factory=GatedAttentionConfig)
+    titans: TitansConfig = field(default_factory=TitansConfig)
+    hope: HopeConfig = field(default_factory=HopeConfig)
 
     @property
     def kv_heads(self) -> int:
@@ -83,6 +121,8 @@ class ModelConfig:
         _range(f"{prefix}.norm_eps", self.norm_eps, 0.0, None, open_low=True)
         self.taper.validate(f"{prefix}.taper")
         self.gated.validate(f"{prefix}.gated")
+        self.titans.validate(f"{prefix}.titans")
+        self.hope.validate(f"{prefix}.hope")
 
 
 @dataclass
@@ -238,7 +278,7 @@ def apply_override(cfg: Config, item: str) -> None:
     parts = key.split(".")
     target: Any = cfg
     for i, part in enumerate(parts[:-1]):
-        target = _child(target, part, ".".join(parts[: i + 1]))
+        target = _child(target, part, ".".join(parts[: i + 1]), suggest_for=key)
         if not dataclasses.is_dataclass(target):
             raise ConfigError(f"unknown key {key!r}{_suggest(key)}")
     _set(target, parts[-1], value, key, source="command line")
@@ -273,10 +313,10 @@ def _merge(obj: Any, data: dict[str, Any], prefix: str, source: str) -> None:
             _set(obj, str(name), value, key, source)
 
 
-def _child(obj: Any, name: str, key: str) -> Any:
+def _child(obj: Any, name: str, key: str, suggest_for: str | None = None) -> Any:
     names = {f.name for f in dataclasses.fields(obj)}
     if name not in names:
-        raise ConfigError(f"unknown key {key!r}{_suggest(key)}")
+        raise ConfigError(f"unknown key {key!r}{_suggest(suggest_for or key)}")
     return getattr(obj, name)
 
 
@@ -297,6 +337,11 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
         if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
             return value.lower() in ("true", "yes", "1")
         raise ConfigError(f"{key} must be a boolean (true/false), got {value!r}")
+    if isinstance(value, str) and hint in (int, float):
+        try:  # YAML 1.1 reads "2e-4" (no dot) as a string
+            value = float(value) if hint is float else int(value)
+        except ValueError:
+            pass
     if hint is int:
         if isinstance(value, bool) or not isinstance(value, int):
             if isinstance(value, float) and value.is_integer():

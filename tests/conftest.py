@@ -48,7 +48,7 @@ def run_train(args: list[str], nproc: int = 1, check: bool = True, timeout: floa
     """Run the Trainer in a fresh process (torchrun when nproc > 1)."""
     if nproc > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-               "--master-port", "0", "-m", "megatron_taper.train", *args]
+               "--standalone", "-m", "megatron_taper.train", *args]
     else:
         cmd = [sys.executable, "-m", "megatron_taper.train", *args]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
