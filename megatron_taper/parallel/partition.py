@@ -229,8 +229,8 @@ class PipelinePlan:
 
 def plan_pipeline(model_cfg, pp: int, *, virtual: int = 1, balance: str = "flops", microbatches: int = 0,
                   micro_batch: int = 1, schedule: str = "1f1b", memory_gb: Sequence[float] | None = None,
-                  bytes_per_param: float = 16.0, measured: tuple[list[float], float, float] | None = None
-                  ) -> PipelinePlan:
+                  bytes_per_param: float = 16.0, measured: tuple[list[float], float, float] | None = None,
+                  memory_key: str = "parallel.pp_memory_gb") -> PipelinePlan:
     """Split `model_cfg`'s layers over pp ranks x `virtual` chunks by the `balance` metric.
 
     measured: (per-layer seconds, embedding seconds, head seconds), required for balance=profile.
@@ -254,17 +254,18 @@ def plan_pipeline(model_cfg, pp: int, *, virtual: int = 1, balance: str = "flops
     memory = None
     if memory_gb:
         if virtual > 1:
-            raise ValueError("parallel.pp_memory_gb: per-stage memory limits are only modelled for non-interleaved "
+            raise ValueError(f"{memory_key}: per-stage memory limits are only modelled for non-interleaved "
                              "schedules (parallel.pp_schedule=1f1b or gpipe)")
         limits = list(memory_gb) if len(memory_gb) > 1 else [memory_gb[0]] * pp
         if len(limits) != pp:
-            raise ValueError(f"parallel.pp_memory_gb: {len(limits)} limits given for parallel.pp={pp} stages")
+            raise ValueError(f"{memory_key}: {len(limits)} limits given for parallel.pp={pp} stages")
         memory = MemoryModel(
             static=[c.params * bytes_per_param for c in costs.layers],
             act=[c.act_bytes * tokens for c in costs.layers],
             in_flight=in_flight, limits=[g * 2**30 for g in limits],
             first_static=costs.embedding.params * bytes_per_param, first_act=costs.embedding.act_bytes * tokens,
             last_static=costs.head.params * bytes_per_param, last_act=costs.head.act_bytes * tokens,
+            key=memory_key,
         )
 
     flops = [c.flops for c in costs.layers]

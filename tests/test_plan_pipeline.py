@@ -1,0 +1,58 @@
+"""tools/plan_pipeline.py: the DESIGN.md contract of --json, the text table, and its errors."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOOL = os.path.join(ROOT, "tools", "plan_pipeline.py")
+RECIPE = os.path.join(ROOT, "configs", "transformer_1.3b_taper.yaml")
+
+
+def _tool():
+    spec = importlib.util.spec_from_file_location("plan_pipeline_tool", TOOL)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_json_contract_cli():
+    out = subprocess.run([sys.executable, TOOL, "--config", RECIPE, "parallel.pp=4", "--json"],
+                         capture_output=True, text=True, check=True, cwd=ROOT).stdout
+    plan = json.loads(out)
+    for key in ("stages", "stage_flops", "bottleneck_over_ideal", "uniform_bottleneck_over_ideal"):
+        assert key in plan
+    assert len(plan["stages"]) == 4 and sum(plan["stages"], []) == list(range(32))
+    assert plan["bottleneck_over_ideal"] < 1.05 < 1.15 < plan["uniform_bottleneck_over_ideal"]
+
+
+@pytest.mark.parametrize("pp", [4, 8])
+def test_flops_beats_params_beats_uniform_on_recipe(pp, capsys):
+    tool = _tool()
+    ratios = {}
+    for balance in ("flops", "params", "uniform"):
+        assert tool.main(["--config", RECIPE, f"parallel.pp={pp}", f"parallel.pp_balance={balance}", "--json"]) == 0
+        ratios[balance] = json.loads(capsys.readouterr().out)["bottleneck_over_ideal"]
+    assert ratios["flops"] <= ratios["params"] <= ratios["uniform"]
+
+
+def test_text_table(capsys):
+    assert _tool().main(["--config", RECIPE, "parallel.pp=2"]) == 0
+    text = capsys.readouterr().out
+    assert "GFLOP/tok" in text and "bottleneck / ideal" in text and "layer-count split" in text
+    assert len([line for line in text.splitlines() if line.strip().startswith(("0 ", "1 "))]) == 2
+
+
+def test_errors(capsys):
+    tool = _tool()
+    assert tool.main(["--config", RECIPE, "parallel.pp=40"]) == 2
+    assert "model.n_layers=32" in capsys.readouterr().err
+    assert tool.main(["--config", RECIPE, "parallel.pp=4", "--memory-gb", "1"]) == 2
+    assert "--memory-gb" in capsys.readouterr().err
+    assert tool.main(["--config", RECIPE, "parallel.pp_balance=bogus"]) == 2
+    assert "parallel.pp_balance" in capsys.readouterr().err

@@ -1,0 +1,110 @@
+"""Show how a recipe's layers are split over pipeline stages, and how balanced that split is.
+
+    python tools/plan_pipeline.py --config configs/transformer_1.3b_taper.yaml parallel.pp=8 [--json]
+
+Per stage: layers, forward FLOPs per token (embedding on the first stage, final norm + LM head +
+loss on the last), parameters, parameter + gradient + optimizer memory, activation memory of the
+micro-batches in flight under the schedule; then bottleneck / ideal (slowest stage over the mean)
+for the chosen split (`parallel.pp_balance`) and for the layer-count split.
+`--json` prints one object with `stages` (layer-index lists), `stage_flops`,
+`bottleneck_over_ideal`, `uniform_bottleneck_over_ideal` and the other columns.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_taper.config import load_config  # noqa: E402
+from megatron_taper.parallel.partition import PipelinePlan, plan_pipeline, profile_layer_times  # noqa: E402
+
+
+def build_plan(cfg, virtual: int, memory_gb: list[float] | None, bytes_per_param: float) -> PipelinePlan:
+    pcfg = cfg.parallel
+    measured = None
+    if pcfg.pp_balance == "profile":
+        import torch
+
+        from megatron_taper.models import build_model
+        from megatron_taper.parallel.context import choose_device
+
+        device = choose_device(cfg.train.device)
+        model = build_model(cfg.model)
+        model.init_weights(cfg.train.seed)
+        measured = profile_layer_times(model, cfg.train.micro_batch, cfg.model.seq_len, device)
+        del model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return plan_pipeline(cfg.model, pcfg.pp, virtual=virtual, balance=pcfg.pp_balance,
+                         microbatches=pcfg.microbatches, micro_batch=cfg.train.micro_batch,
+                         schedule=pcfg.pp_schedule, memory_gb=memory_gb, bytes_per_param=bytes_per_param,
+                         measured=measured, memory_key="--memory-gb")
+
+
+def to_json(plan: PipelinePlan) -> dict:
+    return {
+        "pp": plan.pp,
+        "virtual": plan.virtual,
+        "balance": plan.balance,
+        "stages": plan.stage_layers,
+        "stage_ranks": [s.rank for s in plan.stages],
+        "stage_flops": [s.flops for s in plan.stages],
+        "stage_params": [s.params for s in plan.stages],
+        "stage_static_bytes": [s.static_bytes for s in plan.stages],
+        "stage_act_bytes": [s.act_bytes for s in plan.stages],
+        "stage_cost": [s.cost for s in plan.stages],
+        "bottleneck_over_ideal": plan.bottleneck_over_ideal,
+        "uniform_stages": plan.uniform_stages,
+        "uniform_bottleneck_over_ideal": plan.uniform_bottleneck_over_ideal,
+    }
+
+
+def _span(layers: list[int]) -> str:
+    return f"{layers[0]}-{layers[-1]}" if len(layers) > 1 else str(layers[0])
+
+
+def to_text(plan: PipelinePlan, name: str) -> str:
+    total = sum(s.flops for s in plan.stages)
+    v = f" x {plan.virtual} virtual" if plan.virtual > 1 else ""
+    lines = [f"{name}: pp={plan.pp}{v}, balance={plan.balance}",
+             f"{'stage':>5} {'rank':>4} {'layers':>8} {'n':>3} {'GFLOP/tok':>10} {'share':>6} "
+             f"{'params(M)':>10} {'p+g+opt(GiB)':>12} {'act(GiB)':>9}"]
+    for c, s in enumerate(plan.stages):
+        lines.append(f"{c:>5} {s.rank:>4} {_span(s.layers):>8} {len(s.layers):>3} {s.flops / 1e9:>10.3f} "
+                     f"{s.flops / total:>6.1%} {s.params / 1e6:>10.1f} {s.static_bytes / 2**30:>12.2f} "
+                     f"{s.act_bytes / 2**30:>9.2f}")
+    sizes = ", ".join(str(len(s)) for s in plan.uniform_stages)
+    lines.append(f"bottleneck / ideal (FLOPs): {plan.bottleneck_over_ideal:.3f} for this split, "
+                 f"{plan.uniform_bottleneck_over_ideal:.3f} for the layer-count split ({sizes} layers)")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", help="YAML recipe")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--virtual", type=int, default=0,
+                        help="chunks per pp rank (default: 2 with parallel.pp_schedule=interleaved_1f1b, else 1)")
+    parser.add_argument("--memory-gb", type=float, nargs="+", default=None,
+                        help="per-stage memory limit in GiB (one for all stages, or one per stage)")
+    parser.add_argument("--bytes-per-param", type=float, default=16.0,
+                        help="parameter + gradient + optimizer bytes per parameter (fp32 AdamW: 16)")
+    parser.add_argument("overrides", nargs="*", help="key=value config overrides")
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        virtual = args.virtual or (2 if cfg.parallel.pp_schedule == "interleaved_1f1b" else 1)
+        plan = build_plan(cfg, virtual, args.memory_gb, args.bytes_per_param)
+    except ValueError as e:  # ConfigError included
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(to_json(plan)) if args.json else to_text(plan, args.config or "defaults"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
