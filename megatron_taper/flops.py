@@ -113,7 +113,28 @@ def _add(a: Cost, b: Cost) -> Cost:
     return Cost(a.params + b.params, a.flops + b.flops, a.act_bytes + b.act_bytes)
 
 
+def _gated_attention_layer_cost(cfg: ModelConfig, width: int, causal: bool = True) -> Cost:
+    from megatron_taper.models.gated_attention import gated_attention_layer_cost
+
+    return gated_attention_layer_cost(cfg, width, causal)
+
+
+def _titans_layer_cost(cfg: ModelConfig, width: int, causal: bool = True) -> Cost:
+    from megatron_taper.models.titans import titans_layer_cost
+
+    return titans_layer_cost(cfg, width, causal)
+
+
+def _hope_attention_layer_cost(cfg: ModelConfig, width: int, causal: bool = True) -> Cost:
+    from megatron_taper.models.hope_attention import hope_attention_layer_cost
+
+    return hope_attention_layer_cost(cfg, width, causal)
+
+
 # Per-family cost of one block given its MLP width; families register theirs here.
 LAYER_COSTS = {
     "transformer": transformer_layer_cost,
+    "gated_attention": _gated_attention_layer_cost,
+    "titans": _titans_layer_cost,
+    "hope_attention": _hope_attention_layer_cost,
 }
