@@ -12,8 +12,29 @@ def _transformer(cfg: ModelConfig) -> nn.Module:
     return Transformer(cfg)
 
 
+def _gated_attention(cfg: ModelConfig) -> nn.Module:
+    from megatron_taper.models.gated_attention import GatedTransformer
+
+    return GatedTransformer(cfg)
+
+
+def _titans(cfg: ModelConfig) -> nn.Module:
+    from megatron_taper.models.titans import Titans
+
+    return Titans(cfg)
+
+
+def _hope_attention(cfg: ModelConfig) -> nn.Module:
+    from megatron_taper.models.hope_attention import HopeAttention
+
+    return HopeAttention(cfg)
+
+
 ARCHITECTURES = {
     "transformer": _transformer,
+    "gated_attention": _gated_attention,
+    "titans": _titans,
+    "hope_attention": _hope_attention,
 }
 
 
