@@ -1,0 +1,260 @@
+"""Raw text inputs: files, folders, globs, .gz, jsonl; malformed-line accounting; embedded corpus.
+
+Input kinds (by name, `.gz` allowed on each): `*.jsonl`, `*.ndjson`, `*.json` are JSON lines with
+the document in a configurable field; everything else is text, split into documents by
+`text_mode`: `file` (the whole file is one document), `line` (each non-blank line), or
+`paragraph` (runs of non-blank lines separated by blank lines). Blank lines separate documents in
+text files and are ignored in jsonl; they are never counted as malformed.
+
+Malformed input is skipped and counted by reason with its `file:line`: `invalid_json`,
+`missing_field` (absent, or not a string), `invalid_utf8`, `empty_document` (empty or only
+whitespace). With `strict`, the first one raises a ValueError that starts with `file:line`.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import gzip
+import json
+import os
+import sysconfig
+import zlib
+from dataclasses import dataclass, field
+from typing import BinaryIO, Iterator, Sequence
+
+SKIP_REASONS = ("invalid_json", "missing_field", "invalid_utf8", "empty_document")
+JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
+TEXT_MODES = ("file", "line", "paragraph")
+EMBEDDED_MAX_BYTES = 4_000_000
+_EMBEDDED_EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__", "test", "tests"})
+
+
+@dataclass(frozen=True)
+class Document:
+    text: str
+    source: str  # "file:line" of the document's first line
+
+
+@dataclass
+class SkipLog:
+    """Counts skipped input by reason; keeps the first `max_examples` locations."""
+
+    strict: bool = False
+    max_examples: int = 20
+    counts: dict[str, int] = field(default_factory=lambda: {r: 0 for r in SKIP_REASONS})
+    examples: list[str] = field(default_factory=list)
+
+    def skip(self, reason: str, where: str, detail: str) -> None:
+        assert reason in SKIP_REASONS, reason
+        message = f"{where}: {reason}: {detail}"
+        if self.strict:
+            raise ValueError(message + " (remove --strict to skip and count such lines)")
+        self.counts[reason] += 1
+        if len(self.examples) < self.max_examples:
+            self.examples.append(message)
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    def to_dict(self) -> dict:
+        return {"total": self.total, "by_reason": dict(self.counts), "examples": list(self.examples)}
+
+
+def expand_inputs(paths: Sequence[str]) -> list[str]:
+    """Files named by paths, folders (recursive, hidden entries skipped) and globs; sorted, unique."""
+    files: list[str] = []
+    for path in paths:
+        if any(ch in path for ch in "*?["):
+            matches = sorted(m for m in glob.glob(path, recursive=True) if not os.path.isdir(m))
+            if not matches:
+                raise ValueError(f"--input {path}: the pattern matches no file")
+            files += matches
+        elif os.path.isdir(path):
+            found = []
+            for root, dirs, names in os.walk(path):
+                dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+                found += [os.path.join(root, n) for n in names if not n.startswith(".")]
+            if not found:
+                raise ValueError(f"--input {path}: the folder holds no file")
+            files += sorted(found)
+        elif os.path.exists(path):
+            files.append(path)
+        else:
+            raise ValueError(f"--input {path}: no such file or folder")
+    seen: set[str] = set()
+    return [f for f in files if not (f in seen or seen.add(f))]
+
+
+def input_kind(path: str) -> str:
+    name = path[:-3] if path.endswith(".gz") else path
+    return "jsonl" if name.lower().endswith(JSONL_SUFFIXES) else "text"
+
+
+def read_documents(paths: Sequence[str], skips: SkipLog, *, json_key: str = "text",
+                   text_mode: str = "file") -> Iterator[Document]:
+    """Documents of all inputs in order (see the module docstring for the rules)."""
+    if text_mode not in TEXT_MODES:
+        raise ValueError(f"--text-mode {text_mode!r} is not one of: {', '.join(TEXT_MODES)}")
+    if not json_key:
+        raise ValueError("--json-key must not be empty")
+    return _read_files(expand_inputs(paths), skips, json_key, text_mode)
+
+
+def _read_files(files: list[str], skips: SkipLog, json_key: str, text_mode: str) -> Iterator[Document]:
+    for path in files:
+        try:
+            with _open_binary(path) as f:
+                if input_kind(path) == "jsonl":
+                    yield from _jsonl_documents(f, path, json_key, skips)
+                elif text_mode == "file":
+                    yield from _file_document(f.read(), path, skips)
+                else:
+                    yield from _split_documents(f, path, text_mode, skips)
+        except (gzip.BadGzipFile, EOFError, zlib.error) as e:
+            raise ValueError(f"{path}: not a readable gzip file ({e})") from None
+
+
+def _open_binary(path: str) -> BinaryIO:
+    return gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")
+
+
+def _decode(raw: bytes, where_file: str, first_line: int, skips: SkipLog) -> str | None:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = first_line + raw.count(b"\n", 0, e.start)
+        skips.skip("invalid_utf8", f"{where_file}:{line}", f"byte 0x{raw[e.start]:02x} is not UTF-8")
+        return None
+
+
+def _file_document(raw: bytes, path: str, skips: SkipLog) -> Iterator[Document]:
+    text = _decode(raw, path, 1, skips)
+    if text is None:
+        return
+    if not text.strip():
+        skips.skip("empty_document", f"{path}:1", "the file is empty or only whitespace")
+        return
+    yield Document(text, f"{path}:1")
+
+
+def _split_documents(f: BinaryIO, path: str, text_mode: str, skips: SkipLog) -> Iterator[Document]:
+    block: list[bytes] = []
+    start = 0
+    for lineno, raw in enumerate(f, 1):
+        body = raw.rstrip(b"\r\n")
+        blank = not body.strip()
+        if text_mode == "line":
+            if not blank:
+                yield from _block_document([body], path, lineno, skips)
+        elif blank:
+            if block:
+                yield from _block_document(block, path, start, skips)
+            block = []
+        else:
+            if not block:
+                start = lineno
+            block.append(body)
+    if block:
+        yield from _block_document(block, path, start, skips)
+
+
+def _block_document(lines: list[bytes], path: str, start: int, skips: SkipLog) -> Iterator[Document]:
+    text = _decode(b"\n".join(lines), path, start, skips)
+    if text is not None:
+        yield Document(text, f"{path}:{start}")
+
+
+def _jsonl_documents(f: BinaryIO, path: str, key: str, skips: SkipLog) -> Iterator[Document]:
+    for lineno, raw in enumerate(f, 1):
+        if not raw.strip():
+            continue
+        where = f"{path}:{lineno}"
+        line = _decode(raw, path, lineno, skips)
+        if line is None:
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError as e:
+            skips.skip("invalid_json", where, str(e))
+            continue
+        if not isinstance(record, dict) or key not in record:
+            skips.skip("missing_field", where, f"no field {key!r}")
+            continue
+        text = record[key]
+        if not isinstance(text, str):
+            skips.skip("missing_field", where, f"field {key!r} is {type(text).__name__}, not a string")
+            continue
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            skips.skip("invalid_utf8", where, f"field {key!r} holds a lone surrogate escape")
+            continue
+        if not text.strip():
+            skips.skip("empty_document", where, f"field {key!r} is empty or only whitespace")
+            continue
+        yield Document(text, where)
+
+
+# ---------------------------------------------------------------------------------------------
+# Embedded corpus: the Python standard library's own source files
+
+
+def stdlib_root() -> str:
+    return sysconfig.get_paths()["stdlib"]
+
+
+def embedded_files(max_bytes: int = EMBEDDED_MAX_BYTES) -> list[str]:
+    """The stdlib's .py files (no tests, no site-packages) in sorted relative-path order, up to
+    `max_bytes` in total; the same list on every machine with the same Python version."""
+    root = stdlib_root()
+    rel_paths = []
+    for dirpath, dirs, names in os.walk(root):
+        dirs[:] = [d for d in dirs if d not in _EMBEDDED_EXCLUDED_DIRS and not d.startswith(".")]
+        rel_dir = os.path.relpath(dirpath, root)
+        rel_paths += [os.path.normpath(os.path.join(rel_dir, n)).replace(os.sep, "/")
+                      for n in names if n.endswith(".py")]
+    chosen, total = [], 0
+    for rel in sorted(rel_paths):
+        size = os.path.getsize(os.path.join(root, rel))
+        if total + size > max_bytes:
+            break
+        chosen.append(rel)
+        total += size
+    if not chosen:
+        raise ValueError(f"no Python source files found under the standard library folder {root}")
+    return [os.path.join(root, rel) for rel in chosen]
+
+
+def embedded_documents(max_bytes: int = EMBEDDED_MAX_BYTES,
+                       skips: SkipLog | None = None) -> Iterator[Document]:
+    """One document per stdlib source file (files that are not UTF-8 or empty are skipped)."""
+    skips = skips if skips is not None else SkipLog()
+    for path in embedded_files(max_bytes):
+        with open(path, "rb") as f:
+            yield from _file_document(f.read(), path, skips)
+
+
+# ---------------------------------------------------------------------------------------------
+# Command-line inputs
+
+
+def add_input_arguments(parser: argparse.ArgumentParser) -> None:
+    """The input options shared by tools/train_tokenizer.py and tools/preprocess_data.py."""
+    src = parser.add_mutually_exclusive_group(required=True)
+    src.add_argument("--input", nargs="+", metavar="PATH",
+                     help="files, folders (recursive), globs; *.jsonl/*.ndjson/*.json are JSON lines; .gz ok")
+    src.add_argument("--embedded-corpus", action="store_true",
+                     help="use the embedded corpus: the Python standard library's .py files (sorted, capped)")
+    parser.add_argument("--embedded-max-mb", type=float, default=EMBEDDED_MAX_BYTES / 1e6,
+                        help="size cap of the embedded corpus in MB (default %(default)s)")
+    parser.add_argument("--json-key", default="text", help="jsonl field holding the document (default: text)")
+    parser.add_argument("--text-mode", choices=TEXT_MODES, default="file",
+                        help="documents of a text file: the whole file, each line, or blank-line paragraphs")
+    parser.add_argument("--strict", action="store_true", help="fail on the first malformed line (file:line)")
+
+
+def documents_from_arguments(args: argparse.Namespace, skips: SkipLog) -> Iterator[Document]:
+    if args.embedded_corpus:
+        return embedded_documents(int(args.embedded_max_mb * 1e6), skips)
+    return read_documents(args.input, skips, json_key=args.json_key, text_mode=args.text_mode)

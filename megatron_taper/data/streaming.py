@@ -1,0 +1,256 @@
+"""Packed token samples from MDS shards, with a global sample order and an exact, dp-size-free state.
+
+On-disk format (written by megatron_taper.data.preprocess): `DIR/<split>/` is an MDS dataset
+(mosaicml-streaming) with one sample per document and one column `tokens` (`ndarray:uint16`, or
+uint32 for vocabularies over 65536) holding the document's tokens followed by EOS, plus
+`doc_lengths.npy` (tokens per document, in sample order; recomputed by a scan when absent).
+`DIR/stats.json` (written last) and `DIR/tokenizer.model` sit beside the splits.
+
+Sample stream. For epoch e, a generator seeded by (seed, e) permutes the documents, their tokens
+are concatenated in that order, and sample k of the epoch is tokens [k*seq_len, k*seq_len +
+seq_len + 1) of that concatenation (consecutive samples share one boundary token, so every token
+after the first is a prediction target exactly once per epoch; the last < seq_len tokens of an
+epoch are dropped). The same generator then permutes the samples. The epoch has
+S = (total_tokens - 1) // seq_len samples, the same every epoch. Global sample g is sample g mod S
+of epoch g // S: one endless, deterministic stream.
+
+Ranks. Micro-batch call c of data-parallel rank r (of dp_size) returns global samples
+[c*G + r*mb, c*G + (r+1)*mb) with G = dp_size * micro_batch. The state is the number of global
+samples consumed (c*G after c calls). Ranks are disjoint, together they cover the stream in
+order, and a step of A micro-batches per rank consumes exactly the global samples
+[s*A*G, (s+1)*A*G) whatever the split into dp_size and micro_batch. So a checkpoint taken at a
+step boundary resumes at another dp size (or micro-batch) with no sample repeated or skipped,
+provided the new G divides the position (it does when it divides the global batch); otherwise
+`load_state_dict` raises. Tensor-parallel ranks pass the same dp_rank and get the same samples.
+
+Remote. With `cache_dir`, `path` is a remote location (a shared-filesystem folder, or any URL
+mosaicml-streaming can download from): index and shards are copied on first use into
+`cache_dir/<name>-<hash>/<split>/`, guarded by file locks so that ranks sharing a cache copy each
+file once. Without `cache_dir`, `path` is read in place (compressed shards are decompressed beside
+themselves, as mosaicml-streaming does).
+
+Why not `streaming.StreamingDataset` itself: its constructor runs `dist.barrier()` collectives and
+registers a per-folder shared-memory slot, so every rank of the job must build each dataset at the
+same time and two live datasets cannot share a folder; eval sources are built fresh and pipeline
+stages that take no tokens build none. This module uses the library's shard readers
+(`reader_from_json`), download and decompression (`Stream.prepare_shard`) and writer instead.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Any
+
+import numpy as np
+import torch
+from filelock import FileLock
+
+from megatron_taper.data.torchvision_compat import import_streaming
+
+TOKENS_COLUMN = "tokens"
+LENGTHS_FILE = "doc_lengths.npy"
+INDEX_FILE = "index.json"
+STATS_FILE = "stats.json"
+TOKENIZER_FILE = "tokenizer.model"
+STATE_VERSION = 1
+_DOWNLOAD_TIMEOUT_S = 600.0
+
+
+def token_dtype(vocab_size: int) -> str:
+    return "uint16" if vocab_size <= 1 << 16 else "uint32"
+
+
+def is_remote(path: str) -> bool:
+    return "://" in path
+
+
+def cache_folder(cache_dir: str, path: str) -> str:
+    """Where a remote `path` is cached: one folder per remote location."""
+    where = path.rstrip("/") if is_remote(path) else os.path.abspath(path)
+    name = os.path.basename(where) or "data"
+    return os.path.join(cache_dir, f"{name}-{hashlib.sha256(where.encode()).hexdigest()[:12]}")
+
+
+def has_split(path: str, split: str) -> bool:
+    """Whether a local (or shared-filesystem) dataset folder has `split`; URLs are assumed to."""
+    return is_remote(path) or os.path.isfile(os.path.join(path, split, INDEX_FILE))
+
+
+class ShardReader:
+    """Random access to the documents of one split: `len(reader)` documents, `reader[i]` tokens."""
+
+    def __init__(self, path: str, split: str, cache_dir: str | None = None) -> None:
+        import_streaming()
+        from streaming.base.format import reader_from_json
+        from streaming.base.stream import Stream
+
+        if is_remote(path) and not cache_dir:
+            raise ValueError(f"data.path={path} is remote and needs a local cache folder (data.cache_dir)")
+        self.where = f"{path.rstrip('/')}/{split}"
+        remote = path if cache_dir else None
+        local = cache_folder(cache_dir, path) if cache_dir else path
+        self._split_dir = os.path.join(local, split)
+        if remote is not None:
+            self._fetch_index(os.path.join(remote, split))
+        index_path = os.path.join(self._split_dir, INDEX_FILE)
+        if not os.path.isfile(index_path):
+            raise ValueError(f"{self.where}: no {INDEX_FILE} (data.path must be a folder written by "
+                             f"tools/preprocess_data.py, with a '{split}' split)")
+        with open(index_path) as f:
+            index = json.load(f)
+        if index.get("version") != 2:
+            raise ValueError(f"{index_path}: unsupported MDS index version {index.get('version')!r}")
+        self._shards = [reader_from_json(local, split, info) for info in index["shards"]]
+        for shard in self._shards:
+            shard.validate(False)
+            if TOKENS_COLUMN not in getattr(shard, "column_names", ()):
+                raise ValueError(f"{self.where}: shards have no '{TOKENS_COLUMN}' column")
+        self._stream = Stream(remote=remote, local=local, split=split, download_retry=2,
+                              download_timeout=_DOWNLOAD_TIMEOUT_S, keep_zip=False)
+        counts = np.array([shard.samples for shard in self._shards], np.int64)
+        self._shard_ends = np.cumsum(counts)
+        self._ready: set[int] = set()
+        self.lengths = self._doc_lengths()
+
+    def __len__(self) -> int:
+        return int(self._shard_ends[-1]) if len(self._shard_ends) else 0
+
+    def __getitem__(self, doc: int) -> np.ndarray:
+        shard_id = int(np.searchsorted(self._shard_ends, doc, side="right"))
+        first = int(self._shard_ends[shard_id - 1]) if shard_id else 0
+        if shard_id not in self._ready:
+            self._prepare(shard_id)
+        return self._shards[shard_id][doc - first][TOKENS_COLUMN]
+
+    def _fetch_index(self, remote_split: str) -> None:
+        from streaming.base.storage.download import CloudDownloader
+
+        os.makedirs(self._split_dir, exist_ok=True)
+        with FileLock(os.path.join(self._split_dir, ".index.lock")):
+            for name, required in ((INDEX_FILE, True), (LENGTHS_FILE, False)):
+                local = os.path.join(self._split_dir, name)
+                if os.path.exists(local):
+                    continue
+                try:
+                    CloudDownloader.direct_download(os.path.join(remote_split, name), local, _DOWNLOAD_TIMEOUT_S)
+                except FileNotFoundError:
+                    if required:
+                        raise ValueError(f"{remote_split}: no {name} to copy into the cache") from None
+
+    def _prepare(self, shard_id: int) -> None:
+        shard = self._shards[shard_id]
+        raw = os.path.join(self._split_dir, shard.raw_data.basename)
+        if not os.path.isfile(raw):
+            # Download and/or decompress once per machine; other ranks wait on the lock.
+            with FileLock(raw + ".lock"):
+                self._stream.prepare_shard(shard)
+        self._ready.add(shard_id)
+
+    def _doc_lengths(self) -> np.ndarray:
+        path = os.path.join(self._split_dir, LENGTHS_FILE)
+        if os.path.isfile(path):
+            lengths = np.load(path)
+            if len(lengths) != len(self):
+                raise ValueError(f"{path} lists {len(lengths)} documents but {self.where}/{INDEX_FILE} "
+                                 f"has {len(self)}: the folder is damaged, rewrite it")
+            return lengths.astype(np.int64)
+        return np.array([len(self[i]) for i in range(len(self))], np.int64)
+
+
+class _EpochPlan:
+    """The packing and order of one epoch (see the module docstring)."""
+
+    def __init__(self, lengths: np.ndarray, seq_len: int, seed: int, epoch: int, shuffle: bool) -> None:
+        rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, epoch])))
+        n = len(lengths)
+        self.doc_order = rng.permutation(n) if shuffle else np.arange(n)
+        ordered = lengths[self.doc_order]
+        self.doc_ends = np.cumsum(ordered)
+        self.doc_starts = self.doc_ends - ordered
+        self.num_samples = int((int(self.doc_ends[-1]) - 1) // seq_len) if n else 0
+        self.sample_order = rng.permutation(self.num_samples) if shuffle else np.arange(self.num_samples)
+
+
+class StreamingSource:
+    """Endless micro-batches [micro_batch, seq_len + 1] (int64, CPU) of one data-parallel rank."""
+
+    def __init__(self, path: str, split: str, seq_len: int, micro_batch: int, dp_rank: int, dp_size: int,
+                 seed: int, cache_dir: str | None = None, shuffle: bool = True) -> None:
+        for key, value, low in (("model.seq_len", seq_len, 1), ("train.micro_batch", micro_batch, 1),
+                                ("dp_size", dp_size, 1), ("dp_rank", dp_rank, 0), ("train.seed", seed, 0)):
+            if not isinstance(value, int) or value < low:
+                raise ValueError(f"{key}={value!r} must be an integer >= {low}")
+        if dp_rank >= dp_size:
+            raise ValueError(f"dp_rank={dp_rank} must be < dp_size={dp_size}")
+        self.split, self.seq_len, self.micro_batch = split, seq_len, micro_batch
+        self.dp_rank, self.dp_size, self.seed, self.shuffle = dp_rank, dp_size, seed, shuffle
+        self.reader = ShardReader(path, split, cache_dir)
+        self.num_documents = len(self.reader)
+        self.num_tokens = int(self.reader.lengths.sum())
+        self._plans: dict[int, _EpochPlan] = {}
+        self.samples_per_epoch = self._plan(0).num_samples
+        if self.samples_per_epoch < 1:
+            raise ValueError(f"{self.reader.where}: {self.num_tokens} tokens are too few for one sample "
+                             f"of model.seq_len + 1 = {seq_len + 1} tokens")
+        self.samples_consumed = 0
+
+    @property
+    def group_size(self) -> int:
+        """Global samples consumed by one micro-batch call on every rank (dp_size * micro_batch)."""
+        return self.dp_size * self.micro_batch
+
+    @property
+    def epoch(self) -> int:
+        return self.samples_consumed // self.samples_per_epoch
+
+    def next_batch(self) -> torch.Tensor:
+        first = self.samples_consumed + self.dp_rank * self.micro_batch
+        batch = np.stack([self.sample(first + i) for i in range(self.micro_batch)])
+        self.samples_consumed += self.group_size
+        return torch.from_numpy(batch)
+
+    def sample(self, g: int) -> np.ndarray:
+        """Global sample g of the stream: int64 [seq_len + 1]."""
+        plan = self._plan(g // self.samples_per_epoch)
+        start = int(plan.sample_order[g % self.samples_per_epoch]) * self.seq_len
+        out = np.empty(self.seq_len + 1, np.int64)
+        pos = int(np.searchsorted(plan.doc_ends, start, side="right"))
+        filled = 0
+        while filled < len(out):
+            tokens = self.reader[int(plan.doc_order[pos])]
+            offset = start + filled - int(plan.doc_starts[pos])
+            take = min(len(out) - filled, len(tokens) - offset)
+            out[filled:filled + take] = tokens[offset:offset + take]
+            filled += take
+            pos += 1
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"version": STATE_VERSION, "samples_consumed": self.samples_consumed, "seed": self.seed,
+                "seq_len": self.seq_len, "split": self.split, "shuffle": self.shuffle,
+                "documents": self.num_documents, "tokens": self.num_tokens}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(f"data state version {state.get('version')!r} is not {STATE_VERSION}")
+        for key, name, now in (("seq_len", "model.seq_len", self.seq_len), ("seed", "train.seed", self.seed),
+                               ("shuffle", "shuffle", self.shuffle), ("documents", "data.path", self.num_documents),
+                               ("tokens", "data.path", self.num_tokens)):
+            if state.get(key) != now:
+                raise ValueError(f"cannot resume the data stream: {name} changed "
+                                 f"({key} was {state.get(key)!r}, now {now!r})")
+        consumed = int(state["samples_consumed"])
+        if consumed % self.group_size:
+            raise ValueError(f"cannot resume at global sample {consumed}: dp_size * train.micro_batch = "
+                             f"{self.group_size} does not divide it (resume at a step boundary with a "
+                             f"global batch that dp_size * micro_batch divides)")
+        self.samples_consumed = consumed
+
+    def _plan(self, epoch: int) -> _EpochPlan:
+        if epoch not in self._plans:
+            if len(self._plans) >= 2:
+                del self._plans[min(self._plans)]
+            self._plans[epoch] = _EpochPlan(self.reader.lengths, self.seq_len, self.seed, epoch, self.shuffle)
+        return self._plans[epoch]
+
