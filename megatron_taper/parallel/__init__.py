@@ -7,6 +7,7 @@ reduced and clipped, and the loss function matching how the logits are laid out.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Callable
@@ -28,6 +29,12 @@ class ParallelModel:
     # name -> function turning this rank's local tensor into the logical one, and back
     to_full: dict[str, Callable[[torch.Tensor], torch.Tensor]] = field(default_factory=dict)
     to_local: dict[str, Callable[[torch.Tensor], torch.Tensor]] = field(default_factory=dict)
+    # name -> number of tp ranks holding an identical copy (gradient-norm weight 1 / replicas);
+    # names not listed are replicated over the whole tp group
+    replicas: dict[str, int] = field(default_factory=dict)
+    # run in reduce_gradients before the dp average: tp-level sums of partial gradients
+    # (parameters looked up by name at call time, so later wrappers may replace them)
+    tp_grad_syncs: list[Callable[[nn.Module], None]] = field(default_factory=list)
 
     def full_tensor(self, name: str, local: torch.Tensor) -> torch.Tensor:
         fn = self.to_full.get(name)
@@ -60,7 +67,10 @@ class ParallelModel:
             return self.loss_fn(self.module(tokens[:, :-1]), tokens[:, 1:]).float()
 
     def reduce_gradients(self) -> None:
-        """Average gradients over data-parallel replicas (plain DP; ZeRO engines do their own)."""
+        """Complete partial tp gradients, then average over data-parallel replicas (plain DP;
+        ZeRO engines do their own)."""
+        for sync in self.tp_grad_syncs:
+            sync(self.module)
         if self.ctx.dp == 1:
             return
         group = self.ctx.dp_group
@@ -69,14 +79,78 @@ class ParallelModel:
                 dist.all_reduce(p.grad, op=dist.ReduceOp.AVG, group=group)
 
     def clip_gradients(self, max_norm: float) -> torch.Tensor:
-        """Global gradient norm over all parameters of the model (all ranks), clipped to max_norm."""
-        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm(grads, foreach=True) if grads else torch.zeros(())
-        if max_norm > 0 and math.isfinite(max_norm):
+        """Global L2 gradient norm over all parameters of the model (all ranks), clipped to max_norm.
+
+        Every logical value counts once: a tp shard with weight 1, a tensor held by k tp ranks with
+        1/k (summed over the tp group), disjoint pipeline stages summed over the pp group.
+        """
+        grads, by_replicas = [], {}
+        for name, p in self.module.named_parameters():
+            if p.grad is not None:
+                grads.append(p.grad)
+                by_replicas.setdefault(self.replicas.get(name, self.ctx.tp), []).append(p.grad)
+        device = grads[0].device if grads else self.ctx.device
+        sq = torch.zeros((), device=device, dtype=torch.float32)
+        for k, gs in by_replicas.items():
+            sq += torch.nn.utils.get_total_norm(gs, foreach=True).float().square() / k
+        if self.ctx.tp > 1:
+            dist.all_reduce(sq, group=self.ctx.tp_group)
+        if self.ctx.pp > 1:
+            dist.all_reduce(sq, group=self.ctx.pp_group)
+        norm = sq.sqrt()
+        if grads and max_norm > 0 and math.isfinite(max_norm):
             torch.nn.utils.clip_grads_with_norm_(grads, max_norm, norm, foreach=True)
         return norm
 
 
-def parallelize(model: nn.Module, ctx: ParallelContext, cfg: Config) -> ParallelModel:
-    """Apply the configured parallelism to an initialised single-device model."""
-    return ParallelModel(model.to(ctx.device), ctx)
+def parallelize(model: nn.Module, ctx: ParallelContext, cfg: Config, *, whole_model: bool = True) -> ParallelModel:
+    """Apply the configured parallelism to an initialised single-device model.
+
+    With pp > 1 the model is first cut to this rank's pipeline stage (pipeline.py), which then
+    calls back here with `whole_model=False` for the rest of the chain on that stage."""
+    if ctx.pp > 1 and whole_model:
+        from megatron_taper.parallel.pipeline import build_pipeline
+
+        return build_pipeline(model, ctx, cfg, functools.partial(parallelize, whole_model=False))
+    model = model.to(ctx.device)
+    if ctx.tp == 1:
+        return ParallelModel(model, ctx)
+    return _tensor_parallel(model, ctx, cfg)
+
+
+def _tensor_parallel(model: nn.Module, ctx: ParallelContext, cfg: Config) -> ParallelModel:
+    """Shard `model` over the tp group; checkpoints see logical tensors through to_full/to_local
+    (to_full is a collective over the tp group: every tp rank must call it)."""
+    from megatron_taper.parallel.tensor import vocab_parallel_cross_entropy
+    from megatron_taper.parallel.tp_plan import apply_tp
+
+    group, rank = ctx.tp_group, ctx.tp_rank
+    plan = apply_tp(model, group, rank, ctx.tp, cfg)
+    pm = ParallelModel(model, ctx, loss_fn=functools.partial(
+        vocab_parallel_cross_entropy, group=group, vocab_start=plan.vocab_start))
+    for name, spec in plan.specs.items():
+        pm.to_full[name] = functools.partial(spec.gather, group=group)
+        pm.to_local[name] = functools.partial(spec.local, rank=rank)
+        pm.replicas[name] = spec.replicas(rank)
+        if any(spec.replicas(r) > 1 for r in range(ctx.tp)):
+            pm.tp_grad_syncs.append(functools.partial(_sum_replica_grads, name, spec, group))
+    if plan.seq_local:
+        pm.tp_grad_syncs.append(functools.partial(_sum_grads, plan.seq_local, group))
+    return pm
+
+
+def _sum_replica_grads(name: str, spec, group, module: nn.Module) -> None:
+    """Sum the gradient of a tensor held by several tp ranks (e.g. a shared kv head) over them."""
+    param = module.get_parameter(name)
+    if param.grad is not None:
+        spec.sum_replicas_(param.grad, group)
+
+
+def _sum_grads(names: list[str], group, module: nn.Module) -> None:
+    """Sum gradients of replicated parameters that each rank computed on its sequence chunk."""
+    grads = [g for g in (module.get_parameter(n).grad for n in names) if g is not None]
+    if grads:
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=group)
+        for g, summed in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(summed.view_as(g))

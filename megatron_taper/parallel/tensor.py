@@ -1,0 +1,389 @@
+"""Megatron-style tensor parallelism on plain tensors, the process group always passed explicitly.
+
+Communication operations come in autograd pairs (f / g in the Megatron paper):
+
+    copy_to_tp_region         forward identity             backward all-reduce
+    reduce_from_tp_region     forward all-reduce           backward identity
+    gather_from_seq_region    forward all-gather (seq)     backward reduce-scatter (seq)
+    reduce_scatter_to_seq     forward reduce-scatter (seq) backward all-gather (seq)
+    scatter_to_seq_region     forward split (seq)          backward all-gather (seq)
+
+Without sequence parallelism a block is  x -> f -> column-parallel ... row-parallel -> g,
+with it (norm regions sharded along the sequence, dim 1 of [B, S, D]) f becomes an all-gather and
+g a reduce-scatter along the sequence.
+
+Sharding rule (one rule for every split dimension): a dimension of n = units * unit elements is
+split over tp ranks in whole units; rank r gets floor(units / tp) units, plus one for the first
+units % tp ranks. So shards differ by at most one alignment unit, and a dimension with fewer than
+tp units is refused. MLP widths use unit = model.taper.multiple, the vocabulary unit 1, attention
+heads unit = head_dim. A `ShardSpec` may also describe replicated blocks (several ranks holding
+the same slice, e.g. key/value heads when n_kv_heads < tp).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+Group = dist.ProcessGroup
+
+
+# ---------------------------------------------------------------------------------------------
+# Sharding rule
+
+
+def split_sizes(n: int, tp: int, unit: int = 1, key: str = "dimension") -> list[int]:
+    """Sizes of the tp shards of a dimension of n elements, in whole alignment units (see module doc)."""
+    if n % unit:
+        raise ValueError(f"{key}={n} is not a multiple of its alignment unit {unit}")
+    units = n // unit
+    if units < tp:
+        raise ValueError(
+            f"{key}={n} is {units} alignment unit(s) of {unit}, fewer than parallel.tp={tp}: "
+            f"every tensor-parallel rank needs at least one unit"
+        )
+    base, extra = divmod(units, tp)
+    return [(base + (r < extra)) * unit for r in range(tp)]
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """How a logical tensor is laid out over the tp ranks along `dim`.
+
+    Rank r holds full.narrow(dim, starts[r], sizes[r]). Slices of different ranks either coincide
+    (replicas) or do not overlap, and together they cover the whole dimension.
+    """
+
+    dim: int
+    full: int
+    starts: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+    @classmethod
+    def split(cls, dim: int, sizes: list[int]) -> "ShardSpec":
+        starts = [sum(sizes[:r]) for r in range(len(sizes))]
+        return cls(dim, sum(sizes), tuple(starts), tuple(sizes))
+
+    def replicas(self, rank: int) -> int:
+        """Number of ranks holding the same slice as `rank` (1 for a plain shard)."""
+        mine = (self.starts[rank], self.sizes[rank])
+        return sum((s, n) == mine for s, n in zip(self.starts, self.sizes))
+
+    @torch.no_grad()
+    def local(self, full: torch.Tensor, rank: int) -> torch.Tensor:
+        assert full.shape[self.dim] == self.full, (tuple(full.shape), self)
+        return full.narrow(self.dim, self.starts[rank], self.sizes[rank]).clone()
+
+    @torch.no_grad()
+    def gather(self, local: torch.Tensor, group: Group) -> torch.Tensor:
+        """The logical tensor from every rank's slice (a collective over `group`; uneven slices are
+        padded to the largest so that it runs on any backend)."""
+        rank = dist.get_rank(group)
+        assert local.shape[self.dim] == self.sizes[rank], (tuple(local.shape), self)
+        pad = max(self.sizes)
+        moved = local.movedim(self.dim, 0)
+        buf = moved.new_zeros((pad,) + tuple(moved.shape[1:]))
+        buf[: moved.shape[0]] = moved
+        out = moved.new_empty((len(self.sizes) * pad,) + tuple(moved.shape[1:]))
+        _all_gather_single(out, buf.contiguous(), group)
+        pieces, seen = [], set()
+        for r in sorted(range(len(self.sizes)), key=lambda r: self.starts[r]):
+            if self.starts[r] not in seen:
+                seen.add(self.starts[r])
+                pieces.append(out[r * pad: r * pad + self.sizes[r]])
+        return torch.cat(pieces).movedim(0, self.dim).contiguous()
+
+    @torch.no_grad()
+    def sum_replicas_(self, local: torch.Tensor, group: Group) -> None:
+        """In place: sum `local` over the ranks that hold the same slice (no-op for plain shards)."""
+        if all(self.replicas(r) == 1 for r in range(len(self.sizes))):
+            return
+        rank = dist.get_rank(group)
+        shape = list(local.shape)
+        shape[self.dim] = self.full
+        buf = local.new_zeros(shape)
+        buf.narrow(self.dim, self.starts[rank], self.sizes[rank]).copy_(local)
+        dist.all_reduce(buf, group=group)
+        local.copy_(buf.narrow(self.dim, self.starts[rank], self.sizes[rank]))
+
+
+# ---------------------------------------------------------------------------------------------
+# Communication with autograd (f / g pairs)
+
+
+def _all_gather_single(out: torch.Tensor, x: torch.Tensor, group: Group) -> None:
+    """Concatenate every rank's x along dim 0 into out (named all_gather_into_tensor before 2.13)."""
+    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, x, group=group)
+
+
+def _reduce_scatter_single(out: torch.Tensor, x: torch.Tensor, group: Group) -> None:
+    """Sum x over ranks and keep this rank's dim-0 chunk (reduce_scatter_tensor before 2.13)."""
+    (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(out, x, group=group)
+
+
+def _gather_seq(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """[B, s, ...] -> [B, tp * s, ...], rank order along the sequence."""
+    world = dist.get_world_size(group)
+    moved = x.movedim(1, 0).contiguous()
+    out = moved.new_empty((world * moved.shape[0],) + tuple(moved.shape[1:]))
+    _all_gather_single(out, moved, group)
+    return out.movedim(0, 1)
+
+
+def _reduce_scatter_seq(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """[B, S, ...] summed over ranks -> this rank's [B, S / tp, ...] chunk."""
+    world = dist.get_world_size(group)
+    assert x.shape[1] % world == 0, f"sequence {x.shape[1]} does not split over {world} ranks"
+    moved = x.movedim(1, 0).contiguous()
+    out = moved.new_empty((moved.shape[0] // world,) + tuple(moved.shape[1:]))
+    _reduce_scatter_single(out, moved, group)
+    return out.movedim(0, 1)
+
+
+def _split_seq(x: torch.Tensor, group: Group) -> torch.Tensor:
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    assert x.shape[1] % world == 0, f"sequence {x.shape[1]} does not split over {world} ranks"
+    return x.chunk(world, dim=1)[rank].contiguous()
+
+
+def _all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
+    x = x.contiguous().clone()
+    dist.all_reduce(x, group=group)
+    return x
+
+
+class _CopyToRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.group), None
+
+
+class _ReduceFromRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _GatherFromSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _gather_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter_seq(grad, ctx.group), None
+
+
+class _ReduceScatterToSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_seq(grad, ctx.group), None
+
+
+class _ScatterToSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _split_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_seq(grad, ctx.group), None
+
+
+def copy_to_tp_region(x: torch.Tensor, group: Group) -> torch.Tensor:
+    return _CopyToRegion.apply(x, group)
+
+
+def reduce_from_tp_region(x: torch.Tensor, group: Group) -> torch.Tensor:
+    return _ReduceFromRegion.apply(x, group)
+
+
+def gather_from_seq_region(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Sequence-sharded input of a column-parallel region ([B, S/tp, ...] -> [B, S, ...])."""
+    return _GatherFromSeq.apply(x, group)
+
+
+def reduce_scatter_to_seq_region(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Partial sums leaving a row-parallel region ([B, S, ...] -> summed [B, S/tp, ...])."""
+    return _ReduceScatterToSeq.apply(x, group)
+
+
+def scatter_to_seq_region(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Replicated [B, S, ...] -> this rank's [B, S/tp, ...] chunk."""
+    return _ScatterToSeq.apply(x, group)
+
+
+def enter_tp_region(x: torch.Tensor, group: Group, sequence_parallel: bool) -> torch.Tensor:
+    """f: make the input of column-parallel layers replicated (all-gather under SP)."""
+    return gather_from_seq_region(x, group) if sequence_parallel else copy_to_tp_region(x, group)
+
+
+def exit_tp_region(x: torch.Tensor, group: Group, sequence_parallel: bool) -> torch.Tensor:
+    """g: sum the partial outputs of row-parallel layers (reduce-scatter under SP)."""
+    return reduce_scatter_to_seq_region(x, group) if sequence_parallel else reduce_from_tp_region(x, group)
+
+
+# ---------------------------------------------------------------------------------------------
+# Layers. Parameter names match nn.Linear / nn.Embedding, so checkpoints keep their keys.
+
+INPUT_MODES = ("none", "copy", "gather_seq")
+OUTPUT_MODES = ("none", "reduce", "reduce_scatter_seq")
+
+
+class ColumnParallelLinear(nn.Module):
+    """y_r = x W_r^T + b_r: W_r holds rows [start, start + size) of the logical [out, in] weight.
+
+    input_mode: "copy" (f = copy_to_tp_region), "gather_seq" (f under sequence parallelism) or
+    "none" when the caller already entered the region (one f shared by several projections).
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group: Group, input_mode: str = "copy"):
+        super().__init__()
+        assert input_mode in INPUT_MODES, input_mode
+        self.group, self.input_mode = group, input_mode
+        self.weight = nn.Parameter(weight)
+        self.bias = None if bias is None else nn.Parameter(bias)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, spec: ShardSpec, group: Group, input_mode: str = "none") -> "ColumnParallelLinear":
+        rank = dist.get_rank(group)
+        assert spec.dim == 0
+        with torch.no_grad():
+            weight = spec.local(linear.weight.detach(), rank)
+            bias = None if linear.bias is None else spec.local(linear.bias.detach(), rank)
+        return cls(weight, bias, group, input_mode)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.input_mode == "copy":
+            x = copy_to_tp_region(x, self.group)
+        elif self.input_mode == "gather_seq":
+            x = gather_from_seq_region(x, self.group)
+        return F.linear(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"local_out={self.weight.shape[0]}, in={self.weight.shape[1]}, input_mode={self.input_mode}"
+
+
+class RowParallelLinear(nn.Module):
+    """y = sum_r x_r W_r^T + b: W_r holds columns [start, start + size) of the logical [out, in]
+    weight; the bias is replicated and added after the reduction."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group: Group, output_mode: str = "reduce"):
+        super().__init__()
+        assert output_mode in OUTPUT_MODES, output_mode
+        self.group, self.output_mode = group, output_mode
+        self.weight = nn.Parameter(weight)
+        self.bias = None if bias is None else nn.Parameter(bias)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, spec: ShardSpec, group: Group, output_mode: str = "reduce") -> "RowParallelLinear":
+        assert spec.dim == 1
+        with torch.no_grad():
+            weight = spec.local(linear.weight.detach(), dist.get_rank(group))
+            bias = None if linear.bias is None else linear.bias.detach().clone()
+        return cls(weight, bias, group, output_mode)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        if self.output_mode == "reduce":
+            y = reduce_from_tp_region(y, self.group)
+        elif self.output_mode == "reduce_scatter_seq":
+            y = reduce_scatter_to_seq_region(y, self.group)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return f"out={self.weight.shape[0]}, local_in={self.weight.shape[1]}, output_mode={self.output_mode}"
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rank r holds the embedding rows of token ids [vocab_start, vocab_start + rows); ids outside
+    give zeros, and the partial lookups are summed (all-reduce, or reduce-scatter along the
+    sequence under sequence parallelism)."""
+
+    def __init__(self, weight: torch.Tensor, vocab_start: int, group: Group, output_mode: str = "reduce"):
+        super().__init__()
+        assert output_mode in OUTPUT_MODES, output_mode
+        self.group, self.output_mode, self.vocab_start = group, output_mode, vocab_start
+        self.weight = nn.Parameter(weight)
+
+    @classmethod
+    def from_embedding(cls, emb: nn.Embedding, spec: ShardSpec, group: Group, output_mode: str = "reduce") -> "VocabParallelEmbedding":
+        rank = dist.get_rank(group)
+        assert spec.dim == 0
+        with torch.no_grad():
+            weight = spec.local(emb.weight.detach(), rank)
+        return cls(weight, spec.starts[rank], group, output_mode)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        ids = tokens - self.vocab_start
+        outside = (ids < 0) | (ids >= self.weight.shape[0])
+        out = F.embedding(ids.masked_fill(outside, 0), self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.output_mode == "reduce":
+            return reduce_from_tp_region(out, self.group)
+        if self.output_mode == "reduce_scatter_seq":
+            return reduce_scatter_to_seq_region(out, self.group)
+        return out
+
+    def extra_repr(self) -> str:
+        return f"vocab_start={self.vocab_start}, rows={self.weight.shape[0]}, dim={self.weight.shape[1]}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Vocab-parallel cross-entropy: only [N] statistics cross ranks, never the [N, V] logits.
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, targets, group, vocab_start):
+        # logits: [N, V_r] this rank's vocabulary slice; targets: [N] global ids
+        x = logits.float()
+        vmax = x.max(dim=-1).values
+        dist.all_reduce(vmax, op=dist.ReduceOp.MAX, group=group)
+        shifted = x - vmax.unsqueeze(-1)
+        exp = shifted.exp()
+        ids = targets - vocab_start
+        inside = (ids >= 0) & (ids < x.shape[-1])
+        ids = ids.clamp(0, x.shape[-1] - 1)
+        target_logit = shifted.gather(-1, ids.unsqueeze(-1)).squeeze(-1) * inside
+        stats = torch.stack((exp.sum(-1), target_logit))  # [2, N]: one all-reduce for both
+        dist.all_reduce(stats, group=group)
+        sum_exp, target_logit = stats
+        loss = sum_exp.log() - target_logit
+        ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), ids, inside)
+        ctx.logits_dtype = logits.dtype
+        return loss.mean()
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, ids, inside = ctx.saved_tensors
+        g = softmax.clone()
+        rows = torch.arange(g.shape[0], device=g.device)
+        g[rows, ids] -= inside.to(g.dtype)
+        g.mul_(grad / g.shape[0])
+        return g.to(ctx.logits_dtype), None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, group: Group,
+                                 vocab_start: int) -> torch.Tensor:
+    """Mean next-token loss (float32, the same on every tp rank); logits [B, S, V_r] hold the
+    vocabulary slice starting at vocab_start, targets [B, S] global token ids."""
+    return _VocabParallelCrossEntropy.apply(logits.flatten(0, -2), targets.flatten(), group, vocab_start)
