@@ -1,0 +1,76 @@
+"""Per-layer MLP width, parameters and forward FLOPs per token of a model config, and the same
+totals for its uniform twin.
+
+    python tools/show_model.py --config configs/X.yaml [key=value ...] [--json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from megatron_taper.config import ConfigError, load_config
+from megatron_taper.flops import model_costs, uniform_twin
+from megatron_taper.taper import taper_widths
+
+
+def describe(cfg) -> dict:
+    costs = model_costs(cfg.model)
+    twin = model_costs(uniform_twin(cfg.model))
+    t = cfg.model.taper
+    shortfall = taper_widths(cfg.model.n_layers, cfg.model.mlp_width, t.schedule, t.start, t.multiple,
+                             t.sigmoid_sharpness).shortfall
+    return {
+        "arch": cfg.model.arch,
+        "schedule": t.schedule,
+        "start": t.start,
+        "widths": costs.widths,
+        "width_budget_shortfall": shortfall,
+        "layer_params": [c.params for c in costs.layers],
+        "layer_flops": [c.flops for c in costs.layers],
+        "embedding_params": costs.embedding.params,
+        "head_params": costs.head.params,
+        "head_flops": costs.head.flops,
+        "total_params": costs.total_params,
+        "uniform_total_params": twin.total_params,
+        "total_flops": costs.total_flops,
+        "uniform_total_flops": twin.total_flops,
+        "seq_len": cfg.model.seq_len,
+    }
+
+
+def print_table(info: dict) -> None:
+    print(f"{info['arch']}: {info['schedule']} taper, start {info['start']} "
+          f"(forward FLOPs per token at seq_len {info['seq_len']}, causal)")
+    print(f"{'layer':>5} {'mlp width':>10} {'params':>14} {'FLOPs/token':>13}")
+    for i, (w, p, f) in enumerate(zip(info["widths"], info["layer_params"], info["layer_flops"])):
+        print(f"{i:>5} {w:>10} {p:>14,} {f:>13.4e}")
+    print(f"{'embedding':>16} {info['embedding_params']:>14,}")
+    print(f"{'head':>16} {info['head_params']:>14,} {info['head_flops']:>13.4e}")
+    print(f"{'total':>16} {info['total_params']:>14,} {info['total_flops']:>13.4e}")
+    print(f"{'uniform twin':>16} {info['uniform_total_params']:>14,} {info['uniform_total_flops']:>13.4e}")
+    if info["width_budget_shortfall"]:
+        print(f"note: widths sum to {info['width_budget_shortfall']} less than n_layers x mlp_width "
+              f"(the budget is not a multiple of model.taper.multiple)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args(argv)
+    try:
+        info = describe(load_config(args.config, args.overrides))
+    except (ConfigError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(info))
+    else:
+        print_table(info)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
