@@ -1,0 +1,234 @@
+"""Pipeline parallelism: split the model into stages by cost, run them with torch.distributed.pipelining.
+
+    full model (initialised, same on every rank)
+      -> plan (partition.py: layers per stage by parallel.pp_balance; profile: measured on rank 0)
+      -> this pp rank keeps only its layers (+ embedding on stage 0; final norm, head, loss on the
+         last stage), parameter names unchanged (global layer indices)
+      -> tensor parallelism etc. on that module (`parallelize(..., whole_model=False)`)
+      -> torch.distributed.pipelining stage(s) + schedule over the pp group of the (pp, dp, tp) mesh
+
+Schedules (`parallel.pp_schedule`): 1f1b (default), gpipe, interleaved_1f1b (each rank holds
+`virtual` chunks, chunk c on pp rank c % pp; v = parallel.pp_virtual when that key exists, else 2).
+
+Micro-batches: the rank's micro-batches of one step are concatenated along the batch and cut
+into `parallel.microbatches` equal pieces (0 = as many as the Trainer passes). 1F1B and
+interleaved 1F1B need at least pp of them (ValueError naming parallel.microbatches); GPipe runs
+with fewer but warns, since then most of every step is pipeline bubble.
+
+Loss: the last stage computes it per micro-batch (the ParallelModel's loss_fn, vocab-parallel
+under tp); the mean is broadcast over the pp group, so every rank returns the same value.
+Gradients are scaled by 1 / n_microbatches, i.e. they are those of the mean loss.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megatron_taper.config import Config, ConfigError
+from megatron_taper.parallel import ParallelModel
+from megatron_taper.parallel.context import ParallelContext
+from megatron_taper.parallel.partition import PipelinePlan, plan_pipeline, profile_layer_times
+
+DEFAULT_VIRTUAL = 2  # chunks per rank for interleaved_1f1b when the config has no parallel.pp_virtual
+
+
+@dataclass
+class PipelineParallelModel(ParallelModel):
+    """A ParallelModel whose `module` holds only this pp rank's layers (all its chunks)."""
+
+    plan: PipelinePlan | None = None
+    chunks: list[nn.Module] = field(default_factory=list)  # per local virtual stage, schedule order
+    chunk_ids: list[int] = field(default_factory=list)  # their global stage indices
+    schedule_name: str = "1f1b"
+    microbatches: int = 0  # 0 = as many as forward_backward receives
+    busy_s: float = 0.0  # seconds spent in this rank's stage forward/backward compute
+    _schedules: dict[Any, Any] = field(default_factory=dict, repr=False)
+
+    @property
+    def n_stages(self) -> int:
+        return self.ctx.pp * len(self.chunks)
+
+    def forward_backward(self, micro_batches: list[torch.Tensor], autocast: Callable) -> torch.Tensor:
+        tokens = torch.cat([t.to(self.ctx.device, non_blocking=True) for t in micro_batches])
+        n_micro = self.microbatches or len(micro_batches)
+        check_microbatches(n_micro, self.ctx.pp, self.schedule_name, tokens.shape[0])
+        schedule = self._schedule(n_micro, tuple(tokens.shape), train=True)
+        losses: list[torch.Tensor] = []
+        with autocast():
+            self._step(schedule, tokens, losses, train=True)
+        return self._mean_loss(losses)
+
+    @torch.no_grad()
+    def evaluate(self, tokens: torch.Tensor, autocast: Callable) -> torch.Tensor:
+        tokens = tokens.to(self.ctx.device, non_blocking=True)
+        schedule = self._schedule(1, tuple(tokens.shape), train=False)
+        losses: list[torch.Tensor] = []
+        with autocast():
+            self._step(schedule, tokens, losses, train=False)
+        return self._mean_loss(losses)
+
+    # -- internals -------------------------------------------------------------------------------
+
+    def _step(self, schedule, tokens: torch.Tensor, losses: list, train: bool) -> None:
+        run = schedule.step if train else schedule.eval
+        first, last = 0 in self.chunk_ids, self.n_stages - 1 in self.chunk_ids
+        args = (tokens[:, :-1],) if first else ()
+        kwargs = {"target": tokens[:, 1:], "losses": losses} if last else {}
+        run(*args, **kwargs)
+
+    def _mean_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        if losses:
+            loss = torch.stack([x.detach().float() for x in losses]).mean()
+        else:
+            loss = torch.zeros((), device=self.ctx.device, dtype=torch.float32)
+        # the last stage holds the loss: pp rank pp-1 (also with interleaving, chunk pp*v-1)
+        dist.broadcast(loss, group=self.ctx.pp_group, group_src=self.ctx.pp - 1)
+        return loss
+
+    def _schedule(self, n_micro: int, shape: tuple[int, ...], train: bool):
+        """One schedule (and stage objects, whose shapes are inferred on first use) per batch shape."""
+        key = (n_micro, shape, train)
+        if key not in self._schedules:
+            from torch.distributed.pipelining import (
+                PipelineStage,
+                Schedule1F1B,
+                ScheduleGPipe,
+                ScheduleInterleaved1F1B,
+            )
+
+            stages = [PipelineStage(chunk, idx, self.n_stages, self.ctx.device, group=self.ctx.pp_group)
+                      for chunk, idx in zip(self.chunks, self.chunk_ids)]
+            for stage in stages:
+                self._time_compute(stage)
+            loss_fn = self.loss_fn
+            if self.schedule_name == "interleaved_1f1b":
+                schedule = ScheduleInterleaved1F1B(stages, n_microbatches=n_micro, loss_fn=loss_fn)
+            elif self.schedule_name == "1f1b" and train:
+                schedule = Schedule1F1B(stages[0], n_microbatches=n_micro, loss_fn=loss_fn)
+            else:  # gpipe, and forward-only evaluation with one micro-batch for 1f1b
+                schedule = ScheduleGPipe(stages[0], n_microbatches=n_micro, loss_fn=loss_fn)
+            self._schedules[key] = schedule
+        return self._schedules[key]
+
+    def _time_compute(self, stage) -> None:
+        """Accumulate the time this rank computes (not waits) into `busy_s`, for benchmarks."""
+        sync = torch.cuda.synchronize if self.ctx.device.type == "cuda" else (lambda: None)
+        for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+            inner = getattr(stage, name, None)
+            if inner is None:
+                continue
+
+            def timed(*args, _inner=inner, **kwargs):
+                sync()
+                t0 = time.perf_counter()
+                try:
+                    return _inner(*args, **kwargs)
+                finally:
+                    sync()
+                    self.busy_s += time.perf_counter() - t0
+
+            setattr(stage, name, timed)
+
+
+def check_microbatches(n_micro: int, pp: int, schedule: str, rows: int) -> None:
+    """Refuse micro-batch counts the schedule cannot run; warn where it runs but mostly idles."""
+    if rows % n_micro:
+        raise ConfigError(
+            f"parallel.microbatches={n_micro} must divide the {rows} sequences of a step on one "
+            f"data-parallel rank (train.global_batch / data-parallel size)")
+    if n_micro < pp:
+        if schedule == "gpipe":
+            warnings.warn(f"parallel.microbatches={n_micro} is fewer than parallel.pp={pp} stages: "
+                          f"every step is mostly pipeline bubble (use at least {pp}, ideally 4x)", stacklevel=3)
+        else:
+            raise ConfigError(
+                f"parallel.microbatches={n_micro} is fewer than parallel.pp={pp} stages, which "
+                f"parallel.pp_schedule={schedule} cannot run; use at least {pp} micro-batches (raise "
+                f"parallel.microbatches or train.global_batch / train.micro_batch) or parallel.pp_schedule=gpipe")
+    if schedule == "interleaved_1f1b":
+        rounds = max(1, n_micro // pp)
+        if n_micro % rounds:
+            raise ConfigError(f"parallel.microbatches={n_micro}: interleaved_1f1b needs a multiple of "
+                              f"parallel.pp={pp} (or fewer than 2 * pp)")
+
+
+def virtual_stages(cfg: Config) -> int:
+    if cfg.parallel.pp_schedule != "interleaved_1f1b":
+        return 1
+    return int(getattr(cfg.parallel, "pp_virtual", 0) or DEFAULT_VIRTUAL)
+
+
+def make_plan(model: nn.Module, ctx: ParallelContext, cfg: Config) -> PipelinePlan:
+    """The stage split, identical on every rank (profile: rank 0 measures and broadcasts)."""
+    pcfg, mcfg = cfg.parallel, cfg.model
+    if mcfg.tie_embeddings:
+        raise ConfigError("model.tie_embeddings=true with parallel.pp>1 is not supported: the embedding "
+                          "(first stage) and the head (last stage) would live on different ranks")
+    virtual = virtual_stages(cfg)
+    if pcfg.pp * virtual > mcfg.n_layers:
+        raise ConfigError(f"parallel.pp={pcfg.pp} x {virtual} chunk(s) per rank is more stages than "
+                          f"model.n_layers={mcfg.n_layers}")
+    if pcfg.microbatches:
+        check_microbatches(pcfg.microbatches, pcfg.pp, pcfg.pp_schedule, pcfg.microbatches)
+    measured = None
+    if pcfg.pp_balance == "profile":
+        box: list[Any] = [None]
+        if dist.get_rank() == 0:
+            box[0] = profile_layer_times(copy.deepcopy(model), cfg.train.micro_batch, mcfg.seq_len, ctx.device)
+        dist.broadcast_object_list(box, src=0)
+        measured = box[0]
+    memory_gb = float(getattr(pcfg, "pp_memory_gb", 0.0) or 0.0)
+    return plan_pipeline(mcfg, pcfg.pp, virtual=virtual, balance=pcfg.pp_balance,
+                         microbatches=pcfg.microbatches, micro_batch=cfg.train.micro_batch,
+                         schedule=pcfg.pp_schedule, memory_gb=[memory_gb] if memory_gb > 0 else None,
+                         measured=measured)
+
+
+def strip_model(model: nn.Module, layers: list[int], embedding: bool, head: bool) -> nn.Module:
+    """Drop, in place, the blocks not in `layers`, and the embedding / final norm + head if not owned."""
+    keep = {str(i) for i in layers}
+    for name in list(model.layers.keys()):
+        if name not in keep:
+            del model.layers[name]
+    if not embedding:
+        model.tok_embeddings = None
+    if not head:
+        model.norm = None
+        model.output = None
+    return model
+
+
+def chunk_view(module: nn.Module, layers: list[int], embedding: bool, head: bool) -> nn.Module:
+    """A module sharing `module`'s submodules but running only `layers` (a virtual stage)."""
+    view = copy.copy(module)
+    view._modules = dict(module._modules)  # own registry, shared submodules
+    view.layers = nn.ModuleDict({str(i): module.layers[str(i)] for i in layers})
+    return strip_model(view, layers, embedding, head)
+
+
+def build_pipeline(model: nn.Module, ctx: ParallelContext, cfg: Config,
+                   parallelize_stage: Callable[[nn.Module, ParallelContext, Config], ParallelModel]
+                   ) -> PipelineParallelModel:
+    """Keep this pp rank's part of `model`, apply `parallelize_stage` (tp, ...) to it, wire the schedule."""
+    plan = make_plan(model, ctx, cfg)
+    n_stages = len(plan.stages)
+    chunk_ids = plan.rank_chunks(ctx.pp_rank)
+    own = sorted(i for c in chunk_ids for i in plan.stages[c].layers)
+    module = strip_model(model, own, 0 in chunk_ids, n_stages - 1 in chunk_ids)
+    inner = parallelize_stage(module, ctx, cfg)
+    module = inner.module
+    if len(chunk_ids) == 1:
+        chunks = [module]
+    else:
+        chunks = [chunk_view(module, plan.stages[c].layers, c == 0, c == n_stages - 1) for c in chunk_ids]
+    base = {f.name: getattr(inner, f.name) for f in dataclasses.fields(ParallelModel)}
+    return PipelineParallelModel(**base, plan=plan, chunks=chunks, chunk_ids=chunk_ids,
+                                 schedule_name=cfg.parallel.pp_schedule, microbatches=cfg.parallel.microbatches)
