@@ -12,7 +12,7 @@
 The parent owns a TCPStore on a free port (no port races), children join it. A rank that raises
 fails the test with that rank's traceback; the other ranks are then killed, so a peer blocked in
 a collective never hangs the suite; the whole run is bounded by `timeout`. Children come from a
-forkserver that has imported torch once, so a run starts in well under a second after the first.
+forkserver that has imported torch and this package once, so a run starts in well under a second after the first.
 """
 from __future__ import annotations
 
@@ -26,7 +26,9 @@ from datetime import timedelta
 from typing import Any, Callable
 
 _CTX = mp.get_context("forkserver")
-_CTX.set_forkserver_preload(["torch", "torch.distributed"])
+# imported once by the fork server, so every child starts with them (test modules import these)
+_CTX.set_forkserver_preload(["torch", "torch.distributed", "pytest", "megatron_taper.parallel",
+                             "megatron_taper.models"])
 
 
 class DistributedTestError(AssertionError):
