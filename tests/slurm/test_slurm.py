@@ -122,8 +122,10 @@ def test_signalled_job_requeues_and_resumes_bitwise(slurm, uninterrupted, byte_t
         assert slurm.job(job).get("JobState") in ("PENDING", "RUNNING", "CONFIGURING"), slurm.job(job)
         time.sleep(0.05)
     signalled = time.monotonic()
-    # like --signal=USR1@N: every process of the job's steps, not the batch shell
-    subprocess.run(["scancel", "--signal=USR1", str(job)], env=slurm.env, check=True, timeout=30)
+    # like --signal=USR1@N: every process of the job's steps, not the batch shell; twice, as
+    # an impatient user or a preemption right after the warning would (the trainers keep one)
+    for _ in range(2):
+        subprocess.run(["scancel", "--signal=USR1", str(job)], env=slurm.env, check=True, timeout=30)
     info = finish(slurm, job, out)
     log = out.read_text()
 
