@@ -205,8 +205,8 @@ def stdlib_root() -> str:
 
 
 def embedded_files(max_bytes: int = EMBEDDED_MAX_BYTES) -> list[str]:
-    """The stdlib's .py files (no tests, no site-packages) in sorted relative-path order, up to
-    `max_bytes` in total; the same list on every machine with the same Python version."""
+    """The stdlib's .py files (no tests, no site-packages) in sorted relative-path order, each
+    taken if it still fits in `max_bytes`; the same list on every machine with the same Python."""
     root = stdlib_root()
     rel_paths = []
     for dirpath, dirs, names in os.walk(root):
@@ -217,8 +217,8 @@ def embedded_files(max_bytes: int = EMBEDDED_MAX_BYTES) -> list[str]:
     chosen, total = [], 0
     for rel in sorted(rel_paths):
         size = os.path.getsize(os.path.join(root, rel))
-        if total + size > max_bytes:
-            break
+        if size == 0 or total + size > max_bytes:
+            continue  # too big for what is left of the cap; smaller later files may still fit
         chosen.append(rel)
         total += size
     if not chosen:

@@ -1,0 +1,168 @@
+"""StreamingSource: exactly once per epoch over dp ranks, exact resume (also at another dp size),
+epochs, eval sources, remote + cache, state round trip through torch.save(weights_only)."""
+import io
+import os
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from datahelpers import corpus, dataset, tokenizer_model  # noqa: F401
+
+from megatron_taper.data.streaming import LENGTHS_FILE, ShardReader, StreamingSource, cache_folder
+
+SEQ = 32
+
+
+def src(path, dp_rank=0, dp_size=1, mb=2, seed=7, split="train", cache=None, seq=SEQ):
+    return StreamingSource(path, split, seq, mb, dp_rank, dp_size, seed, cache)
+
+
+def epoch_stream(source, epoch):
+    """The epoch's concatenated token stream, rebuilt from the documents in the plan's order."""
+    plan = source._plan(epoch)
+    assert sorted(plan.doc_order.tolist()) == list(range(source.num_documents))
+    return np.concatenate([source.reader[int(d)] for d in plan.doc_order]).astype(np.int64)
+
+
+def test_two_ranks_see_disjoint_samples_covering_the_epoch_once(dataset):
+    ranks = [src(dataset, r, 2, mb=3) for r in range(2)]
+    s = ranks[0].samples_per_epoch
+    stream = epoch_stream(ranks[0], 0)
+    assert s == (len(stream) - 1) // SEQ and len(stream) - (s * SEQ + 1) < SEQ
+    windows = {tuple(stream[k * SEQ:k * SEQ + SEQ + 1]): k for k in range(s)}
+    assert len(windows) == s  # windows are distinguishable, so rows identify their window
+    seen = [[], []]
+    while ranks[0].samples_consumed < s:
+        for r, source in enumerate(ranks):
+            first = source.samples_consumed + r * 3
+            batch = source.next_batch()
+            assert batch.shape == (3, SEQ + 1) and batch.dtype == torch.int64
+            seen[r] += [windows.get(tuple(row.tolist())) if first + i < s else "next epoch"
+                        for i, row in enumerate(batch)]
+    a = [k for k in seen[0] if k != "next epoch"]
+    b = [k for k in seen[1] if k != "next epoch"]
+    assert None not in a + b
+    assert not set(a) & set(b) and sorted(a + b) == list(range(s))
+    assert a + b != sorted(a + b)  # shuffled
+
+
+def test_seed_and_epoch_change_the_order(dataset):
+    a, b = src(dataset, seed=1), src(dataset, seed=2)
+    assert not np.array_equal(a._plan(0).sample_order, b._plan(0).sample_order)
+    assert not np.array_equal(a._plan(0).doc_order, a._plan(1).doc_order)
+    s = a.samples_per_epoch
+    assert a.sample(s).tolist() == src(dataset, seed=1).sample(s).tolist()
+    assert not np.array_equal(epoch_stream(a, 0), epoch_stream(a, 1))
+
+
+def test_tensor_parallel_ranks_of_one_dp_group_get_the_same_batches(dataset):
+    x, y = src(dataset, 1, 2), src(dataset, 1, 2)
+    assert all(torch.equal(x.next_batch(), y.next_batch()) for _ in range(5))
+
+
+def run(source, calls):
+    return [source.next_batch() for _ in range(calls)]
+
+
+def test_mid_epoch_resume_gives_the_uninterrupted_batches(dataset):
+    s = src(dataset).samples_per_epoch
+    calls = s // 4 + 3  # past the end of the first epoch (4 samples per call over 2 ranks)
+    straight = [run(src(dataset, r, 2), calls) for r in range(2)]
+    for stop in (1, 7, s // 4 - 1, s // 4 + 1):
+        state = None
+        for r in range(2):
+            first = src(dataset, r, 2)
+            assert all(torch.equal(p, q) for p, q in zip(run(first, stop), straight[r]))
+            saved = io.BytesIO()
+            torch.save(first.state_dict(), saved)
+            state = torch.load(io.BytesIO(saved.getvalue()), weights_only=True)
+            resumed = src(dataset, r, 2)
+            resumed.load_state_dict(state)
+            assert all(torch.equal(p, q) for p, q in zip(run(resumed, calls - stop), straight[r][stop:]))
+        assert state["samples_consumed"] == stop * 4
+
+
+def _steps(dp, mb, global_batch, steps, start_state=None, dataset=None):
+    """Rows of each optimizer step, in global-sample order, with dp ranks each asked for
+    global_batch / (dp * mb) micro-batches per step, like the Trainer."""
+    sources = [src(dataset, r, dp, mb=mb) for r in range(dp)]
+    if start_state is not None:
+        for s in sources:
+            s.load_state_dict(start_state)
+    out = []
+    for _ in range(steps):
+        per_rank = [torch.cat(run(s, global_batch // (dp * mb))) for s in sources]
+        rows = []
+        for call in range(global_batch // (dp * mb)):  # global order: call-major, then rank, then row
+            for r in range(dp):
+                rows += per_rank[r][call * mb:(call + 1) * mb]
+        out.append(torch.stack(rows))
+    return out, sources[0].state_dict()
+
+
+@pytest.mark.parametrize("dp, mb", [(1, 8), (4, 1), (1, 2), (2, 4)])
+def test_resume_at_another_dp_size_neither_repeats_nor_skips(dataset, dp, mb):
+    straight, _ = _steps(2, 2, 8, 10, dataset=dataset)
+    head, state = _steps(2, 2, 8, 4, dataset=dataset)
+    tail, _ = _steps(dp, mb, 8, 6, start_state=state, dataset=dataset)
+    for a, b in zip(head + tail, straight):
+        assert torch.equal(a, b)
+
+
+def test_resume_position_must_be_a_multiple_of_the_new_group(dataset):
+    first = src(dataset, 0, 2, mb=3)
+    first.next_batch()  # 6 global samples consumed
+    with pytest.raises(ValueError, match="does not divide"):
+        src(dataset, 0, 4, mb=1).load_state_dict(first.state_dict())
+    with pytest.raises(ValueError, match="model.seq_len changed"):
+        src(dataset, seq=16).load_state_dict(first.state_dict())
+    with pytest.raises(ValueError, match="train.seed changed"):
+        src(dataset, seed=8).load_state_dict(first.state_dict())
+
+
+def test_fresh_eval_sources_read_the_same_beginning(dataset):
+    a, b = src(dataset, split="val"), src(dataset, split="val")
+    assert all(torch.equal(p, q) for p, q in zip(run(a, 3), run(b, 3)))
+    assert a.num_documents < src(dataset).num_documents
+
+
+def test_remote_with_cache_matches_local_and_copies_once(dataset, tmp_path):
+    remote = tmp_path / "remote"
+    shutil.copytree(dataset, remote)
+    cache = tmp_path / "cache"
+    local_batches = run(src(dataset, 1, 2), 12)
+    a, b = src(str(remote), 1, 2, cache=str(cache)), src(str(remote), 1, 2, cache=str(cache))
+    assert all(torch.equal(p, q) for p, q in zip(local_batches, run(a, 12)))
+    assert all(torch.equal(p, q) for p, q in zip(local_batches, run(b, 12)))
+    copied = os.path.join(cache_folder(str(cache), str(remote)), "train")
+    assert any(f.endswith(".mds") for f in os.listdir(copied))
+    assert os.path.isfile(os.path.join(copied, LENGTHS_FILE))
+    with pytest.raises(ValueError, match="needs a local cache"):
+        src("s3://bucket/data")
+
+
+def test_compressed_shards_and_missing_lengths_file(corpus, tokenizer_model, dataset, tmp_path):
+    from megatron_taper.data.corpus import SkipLog, read_documents
+    from megatron_taper.data.preprocess import preprocess
+
+    out = tmp_path / "zstd"
+    preprocess(read_documents([corpus["jsonl"]], SkipLog()), tokenizer_model, str(out), skips=SkipLog(),
+               val_fraction=0.2, shard_size="16kb", compression="zstd", progress=False)
+    remote_batches = run(src(str(out), cache=str(tmp_path / "cache")), 6)
+    os.remove(out / "train" / LENGTHS_FILE)
+    assert ShardReader(str(out), "train").lengths.tolist() == ShardReader(dataset, "train").lengths.tolist()
+    plain = run(src(dataset), 6)
+    assert all(torch.equal(p, q) for p, q in zip(plain, remote_batches))
+    assert all(torch.equal(p, q) for p, q in zip(plain, run(src(str(out)), 6)))
+
+
+def test_user_errors(dataset, tmp_path):
+    with pytest.raises(ValueError, match="no index.json"):
+        src(str(tmp_path), split="val")
+    with pytest.raises(ValueError, match="too few for one sample"):
+        src(dataset, split="val", seq=10**7)
+    with pytest.raises(ValueError, match="dp_rank=2 must be < dp_size=2"):
+        src(dataset, 2, 2)
+    with pytest.raises(ValueError, match="train.micro_batch=0"):
+        src(dataset, mb=0)
