@@ -16,6 +16,7 @@ multiple-slurmd support, which the emulated nodes rely on).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import os
 import shutil
@@ -25,7 +26,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 MARKER = "MEGATRON_TAPER_TEST_CLUSTER"  # env var carried by every process of a test cluster
 _SBIN = ("/usr/sbin", "/usr/bin", "/sbin", "/bin")
@@ -34,6 +35,25 @@ _PR_SET_PDEATHSIG = 1
 
 class ClusterUnavailable(RuntimeError):
     """The cluster cannot be started here; the message says why (tests skip with it)."""
+
+
+@contextlib.contextmanager
+def running_cluster(root: str | os.PathLike, nodes: int = 2) -> Iterator["SlurmCluster"]:
+    """For pytest fixtures: a started cluster, or pytest.skip with the reason; always stopped."""
+    import pytest
+
+    reason = missing_requirements()
+    if reason:
+        pytest.skip(f"no Slurm cluster: {reason}")
+    cluster = SlurmCluster(root, nodes=nodes)
+    try:
+        cluster.start()
+    except ClusterUnavailable as e:
+        pytest.skip(f"no Slurm cluster: could not start one: {e}")
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
 
 
 def missing_requirements() -> str | None:

@@ -21,7 +21,7 @@ import pytest
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 sys.path.insert(0, str(HERE))
-from cluster import ClusterUnavailable, SlurmCluster, _free_ports, missing_requirements  # noqa: E402
+from cluster import SlurmCluster, _free_ports, running_cluster  # noqa: E402
 
 STEPS = 30
 TINY = [
@@ -38,18 +38,8 @@ EXACT = ("step", "loss", "lr", "grad_norm", "tokens_seen", "eval_loss")
 
 @pytest.fixture(scope="module")
 def slurm(tmp_path_factory):
-    reason = missing_requirements()
-    if reason:
-        pytest.skip(f"no Slurm cluster: {reason}")
-    cluster = SlurmCluster(tmp_path_factory.mktemp("slurm"), nodes=2)
-    try:
-        cluster.start()
-    except ClusterUnavailable as e:
-        pytest.skip(f"no Slurm cluster: could not start one: {e}")
-    try:
+    with running_cluster(tmp_path_factory.mktemp("slurm"), nodes=2) as cluster:
         yield cluster
-    finally:
-        cluster.stop()
 
 
 def job_env(cluster: SlurmCluster) -> dict[str, str]:
@@ -141,19 +131,24 @@ def test_signalled_job_requeues_and_resumes_bitwise(slurm, uninterrupted, byte_t
 
 
 INNER_TEST = '''
-import os, subprocess, sys, time
+import sys, time
+import pytest
 sys.path.insert(0, {here!r})
-from cluster import MARKER, SlurmCluster, _pids_with_env
+from cluster import MARKER, _pids_with_env, running_cluster
 
-def test_fails_with_a_running_job(tmp_path):
-    with SlurmCluster(tmp_path / "c", nodes=2) as cluster:
-        job = cluster.sbatch(["--nodes=2", "--output=/dev/null", "--wrap", "srun sleep 300"])
-        cluster.wait(job, 30, states=("RUNNING",))
-        time.sleep(0.5)
-        pids = [p for _, proc in cluster._procs for p in [proc.pid]] + _pids_with_env(MARKER, str(cluster.root))
-        with open({pid_file!r}, "w") as f:
-            f.write(" ".join(map(str, sorted(set(pids)))))
-        assert False, "deliberate failure with the cluster running"
+@pytest.fixture
+def slurm(tmp_path):  # the same fixture as test_slurm.py's
+    with running_cluster(tmp_path / "c", nodes=2) as cluster:
+        yield cluster
+
+def test_fails_with_a_running_job(slurm):
+    job = slurm.sbatch(["--nodes=2", "--output=/dev/null", "--wrap", "srun sleep 300"])
+    slurm.wait(job, 30, states=("RUNNING",))
+    time.sleep(0.5)
+    pids = [proc.pid for _, proc in slurm._procs] + _pids_with_env(MARKER, str(slurm.root))
+    with open({pid_file!r}, "w") as f:
+        f.write(" ".join(map(str, sorted(set(pids)))))
+    assert False, "deliberate failure with the cluster running"
 '''
 
 
