@@ -70,8 +70,9 @@ class NeuralMemory(nn.Module):
         self.gates = nn.Linear(d, h * 3, bias=True)  # head-major [H, (theta, eta, alpha)]
         dims = memory_dims(e, t.memory_depth, t.memory_expansion)
         self.mem_w = nn.ParameterList(nn.Parameter(torch.empty(h, i, o)) for i, o in zip(dims[:-1], dims[1:]))
-        self.out_norm = RMSNorm(e, cfg.norm_eps)
+        self.out_norm_weight = nn.Parameter(torch.ones(h * e))  # RMSNorm of each head's read, per-head gains
         self.wo = nn.Linear(h * e, d, bias=False)
+        self.eps = cfg.norm_eps
 
     def heads(self, proj: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         """[B, T, D] -> silu(proj x) as [B, H, T, E]."""
@@ -96,7 +97,8 @@ class NeuralMemory(nn.Module):
 
     def output(self, reads: torch.Tensor) -> torch.Tensor:
         """reads [B, H, T, E] -> [B, T, D]."""
-        return self.wo(self.out_norm(reads).transpose(1, 2).flatten(2))
+        r = F.rms_norm(reads.transpose(1, 2), (self.head_dim,), eps=self.eps)  # [B, T, H, E]
+        return self.wo((r * self.out_norm_weight.view(-1, self.head_dim)).flatten(2))
 
     def read(self, x_q: torch.Tensor, state: State) -> torch.Tensor:
         """M(q) with the memory frozen at `state` (no writes): [B, H, T, E]."""
@@ -194,6 +196,11 @@ def reference_scan(memory: NeuralMemory, x_kv: torch.Tensor, x_q: torch.Tensor, 
 class MaskedAttention(Attention):
     """Attention under an explicit boolean mask [S, S] (True = may attend)."""
 
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
+                start: int = 0) -> torch.Tensor:
+        """x [B, S, D] -> [B, S - start, D]: the outputs of rows start.. only."""
+        return self.wo(self.attend_masked(x, cos, sin, mask)[:, start:].flatten(2))
+
     def attend_masked(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         bsz, seq, _ = x.shape
         q = apply_rope(self.wq(x).view(bsz, seq, -1, self.head_dim), cos, sin)
@@ -241,7 +248,7 @@ class TitansBlock(TransformerBlock):
         prefix = self.persistent.shape[0]
         cos, sin = rope_tables(xp.shape[1], self.head_dim, self.rope_theta, xp.device)
         mask = window_mask(prefix, xp.shape[1] - prefix, self.window, xp.device)
-        return self.attn.wo(self.attn.attend_masked(xp, cos, sin, mask)[:, prefix:].flatten(2))
+        return self.attn(xp, cos, sin, mask, prefix)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.mix(self.attn_norm(x))
@@ -278,8 +285,7 @@ class MACBlock(TitansBlock):
             h = self.memory.output(self.memory.read(seg, state))  # retrieval with M_{s-1}
             ctx = self.with_prefix(torch.cat((h, seg), dim=1))  # [B, P + 2L, D]
             cos, sin = rope_tables(ctx.shape[1], self.head_dim, self.rope_theta, xn.device)
-            y = self.attn.attend_masked(ctx, cos, sin, context_mask(prefix, size, xn.device))
-            y = self.attn.wo(y[:, prefix + size:].flatten(2))  # [B, L, D]
+            y = self.attn(ctx, cos, sin, context_mask(prefix, size, xn.device), prefix + size)  # [B, L, D]
             reads, state = self.memory.scan(y, y, state)
             outs.append(y * torch.sigmoid(self.memory.output(reads)))
         return torch.cat(outs, dim=1)
@@ -310,7 +316,7 @@ class Titans(Transformer):
 def memory_params(cfg: ModelConfig) -> int:
     d, h, e, t = cfg.d_model, cfg.n_heads, cfg.head_dim, cfg.titans
     dims = memory_dims(e, t.memory_depth, t.memory_expansion)
-    return 4 * d * h * e + 3 * d * h + 3 * h + h * sum(i * o for i, o in zip(dims[:-1], dims[1:])) + e
+    return 4 * d * h * e + 3 * d * h + 3 * h + h * sum(i * o for i, o in zip(dims[:-1], dims[1:])) + h * e
 
 
 def scan_flops(cfg: ModelConfig, tokens: int) -> float:
