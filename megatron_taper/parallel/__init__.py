@@ -37,6 +37,8 @@ class ParallelModel:
     tp_grad_syncs: list[Callable[[nn.Module], None]] = field(default_factory=list)
 
     def full_tensor(self, name: str, local: torch.Tensor) -> torch.Tensor:
+        """The logical tensor of parameter `name` (or of a state tensor shaped like it). For a
+        tensor-parallel shard this is a collective: every rank of the tp group must call it."""
         fn = self.to_full.get(name)
         return local if fn is None else fn(local)
 
