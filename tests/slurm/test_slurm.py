@@ -55,7 +55,7 @@ def submit(cluster: SlurmCluster, tokens: str, run_dir: Path) -> tuple[int, Path
     return job, out
 
 
-def finish(cluster: SlurmCluster, job: int, out: Path, timeout: float = 150) -> dict[str, str]:
+def finish(cluster: SlurmCluster, job: int, out: Path, timeout: float = 400) -> dict[str, str]:
     info = cluster.wait(job, timeout)
     log = out.read_text(errors="replace") if out.exists() else "(no job output)"
     assert info["JobState"] == "COMPLETED", f"job {job}: {info['JobState']} {info.get('ExitCode')}\n{log[-4000:]}"
@@ -91,7 +91,7 @@ def test_sbatch_two_nodes_matches_torchrun(uninterrupted, byte_tokens, tmp_path)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     t0 = time.monotonic()
     proc = subprocess.run(["bash", "launch/torchrun.sh", "2", *TINY, f"data.path={byte_tokens}",
-                           f"run.dir={ref_dir}"], cwd=REPO, env=env, capture_output=True, text=True, timeout=150)
+                           f"run.dir={ref_dir}"], cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     got, want = records(run_dir), records(ref_dir)
     assert [r["step"] for r in got if "loss" in r] == list(range(1, STEPS + 1))
@@ -105,7 +105,7 @@ def test_signalled_job_requeues_and_resumes_bitwise(slurm, uninterrupted, byte_t
     t0 = time.monotonic()
     job, out = submit(slurm, byte_tokens, run_dir)
     metrics = run_dir / "metrics.jsonl"
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 300
     # signal as soon as the first step is logged: the trainers' handlers are installed by then
     while not (metrics.exists() and metrics.read_text().count("\n") >= 1):
         assert time.monotonic() < deadline, f"no step logged\n{out.read_text() if out.exists() else ''}"
@@ -121,9 +121,9 @@ def test_signalled_job_requeues_and_resumes_bitwise(slurm, uninterrupted, byte_t
 
     assert info["Restarts"] == "1", info
     assert "requeueing job" in log and "restart 1:" in log, log[-4000:]
-    stopped_at = [r["step"] for r in records(run_dir) if "loss" in r]
+    logged = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in logged if "loss" in r] == list(range(1, STEPS + 1))  # each step once
     got, want = records(run_dir), records(uninterrupted[0])
-    assert stopped_at == list(range(1, STEPS + 1))
     assert got == want  # every logged number equal, bit for bit (JSON keeps full float precision)
     checkpoints = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
     print(f"signalled after {signalled - t0:.1f}s; job done (with requeue) after {time.monotonic() - t0:.1f}s; "
