@@ -49,7 +49,7 @@ def prepare_builtin_data(cache_dir: str, vocab_size: int, max_bytes: int = EMBED
         if is_complete(out):
             return out
         started = time.time()
-        print(f"[data] building the built-in dataset (Python stdlib sources, {max_bytes / 1e6:.0f} MB, "
+        print(f"[data] building the built-in dataset (Python stdlib sources, {max_bytes / 1e6:.1f} MB, "
               f"vocab {vocab_size}) into {out} ...", end="", file=sys.stderr, flush=True)
         work = tempfile.mkdtemp(prefix=".building-", dir=os.path.dirname(out))
         try:  # the progress line is finished (newline) on success and on failure

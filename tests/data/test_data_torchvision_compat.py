@@ -1,0 +1,82 @@
+"""Both branches of the torchvision stand-in, each in a fresh interpreter."""
+import os
+import subprocess
+import sys
+import textwrap
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _fake_torchvision(root, init_body):
+    pkg = root / "torchvision"
+    (pkg / "transforms").mkdir(parents=True)
+    (pkg / "__init__.py").write_text(init_body)
+    (pkg / "datasets.py").write_text("class VisionDataset:\n    real = True\n")
+    (pkg / "transforms" / "__init__.py").write_text("")
+    (pkg / "transforms" / "functional.py").write_text("def to_tensor(x):\n    return x\n")
+    return str(root)
+
+
+def _run(code, pythonpath=None):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (pythonpath, REPO, env.get("PYTHONPATH")) if p)
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
+def test_a_working_torchvision_is_used_as_is(tmp_path):
+    path = _fake_torchvision(tmp_path, "__version__ = '9.9.9+working'\nfrom . import datasets, transforms\n")
+    out = _run("""
+        import sys
+        from megatron_taper.data.torchvision_compat import ensure_torchvision, is_standin
+        assert ensure_torchvision() is True
+        tv = sys.modules["torchvision"]
+        assert tv.__version__ == "9.9.9+working" and not is_standin(tv) and tv.datasets.VisionDataset.real
+        assert ensure_torchvision() is True
+        print("ok")
+    """, path)
+    assert out.strip() == "ok"
+
+
+def test_a_broken_torchvision_is_replaced_and_streaming_imports(tmp_path):
+    # What the PyPI wheel does beside the CPU torch wheel.
+    path = _fake_torchvision(tmp_path, "raise RuntimeError('operator torchvision::nms does not exist')\n")
+    out = _run("""
+        import sys, tempfile
+        from megatron_taper.data.torchvision_compat import import_streaming, is_standin
+        streaming = import_streaming()
+        assert is_standin(sys.modules["torchvision"])
+        from streaming.vision.base import VisionDataset
+        try:
+            VisionDataset()
+        except RuntimeError as e:
+            assert "stand-in" in str(e)
+        else:
+            raise AssertionError("the stand-in must refuse to be used")
+        with tempfile.TemporaryDirectory() as d:
+            with streaming.MDSWriter(out=d + "/x", columns={"t": "int"}) as w:
+                w.write({"t": 1})
+        assert import_streaming() is streaming
+        print("ok")
+    """, path)
+    assert out.strip().endswith("ok")
+
+
+def test_a_missing_torchvision_gets_the_standin():
+    out = _run("""
+        import sys
+        class Block:
+            def find_spec(self, name, path=None, target=None):
+                if name == "torchvision" or name.startswith("torchvision."):
+                    raise ImportError("blocked for the test")
+        sys.meta_path.insert(0, Block())
+        from megatron_taper.data.torchvision_compat import ensure_torchvision, is_standin
+        assert ensure_torchvision() is False and is_standin(sys.modules["torchvision"])
+        import importlib.util
+        assert importlib.util.find_spec("torchvision") is not None  # transformers probes this
+        from torchvision.transforms.functional import to_tensor
+        print("ok")
+    """)
+    assert out.strip() == "ok"
