@@ -301,12 +301,12 @@ def plan_pipeline(model_cfg, pp: int, *, virtual: int = 1, balance: str = "flops
                         uniform_flops.bottleneck_over_ideal, uniform.stages)
 
 
-def profile_layer_times(model, micro_batch: int, seq_len: int, device, warmup: int = 2, iters: int = 3,
+def profile_layer_times(model, micro_batch: int, seq_len: int, device, warmup: int = 2, iters: int = 5,
                         autocast=None) -> tuple[list[float], float, float]:
     """Measured forward+backward seconds of each block, of the embedding and of norm + head + loss.
 
     One forward through `model` (blocks in `model.layers`) records each block's real inputs; then
-    each piece is timed alone on `device` after `warmup` runs (median of `iters`). Generic over
+    each piece is timed alone on `device`: `warmup` rounds, then the median of `iters` rounds. Generic over
     families whose blocks take positional tensors. Measurements differ per rank: pipeline.py
     measures on one rank and broadcasts, so every rank balances the same numbers.
     """
@@ -338,18 +338,14 @@ def profile_layer_times(model, micro_batch: int, seq_len: int, device, warmup: i
     for h in handles:
         h.remove()
 
-    def timed(fn) -> float:
-        sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
-        times = []
-        for k in range(warmup + iters):
-            sync()
-            t0 = time.perf_counter()
-            fn()
-            sync()
-            if k >= warmup:
-                times.append(time.perf_counter() - t0)
-        model.zero_grad(set_to_none=True)
-        return statistics.median(times)
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+
+    def timed_once(fn) -> float:
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        return time.perf_counter() - t0
 
     def run_block(name):
         args = inputs[name]
@@ -373,5 +369,15 @@ def profile_layer_times(model, micro_batch: int, seq_len: int, device, warmup: i
             loss = cross_entropy(logits, tokens[:, 1:])
         loss.backward()
 
-    layer_times = [timed(lambda n=name: run_block(n)) for name in model.layers]
-    return layer_times, timed(run_embedding), timed(run_head)
+    # Rounds over all pieces (not piece after piece), so slow drifts of a shared machine hit
+    # every layer alike; the median of the rounds after warm-up.
+    pieces = [lambda n=name: run_block(n) for name in model.layers] + [run_embedding, run_head]
+    samples: list[list[float]] = [[] for _ in pieces]
+    for k in range(warmup + iters):
+        for i, fn in enumerate(pieces):
+            t = timed_once(fn)
+            if k >= warmup:
+                samples[i].append(t)
+        model.zero_grad(set_to_none=True)
+    medians = [statistics.median(x) for x in samples]
+    return medians[:-2], medians[-2], medians[-1]

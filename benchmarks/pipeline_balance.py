@@ -1,0 +1,137 @@
+"""Step time and per-stage busy time of a tapered model on 2 pipeline stages: FLOPs split vs layer count.
+
+Starts 2 gloo processes on this machine (1 thread each), builds the same cosine-tapered model
+split by `parallel.pp_balance=flops`, by `uniform` (equal layer counts) and by `profile` (measured
+per-layer times), and alternates them in rounds so that machine noise hits both alike. Per split: the layers per stage, the predicted
+FLOPs bottleneck / ideal, the median step time, and each stage's busy time per step (time inside
+its forward/backward compute, not waiting on the other stage). Prints one JSON object.
+
+    python benchmarks/pipeline_balance.py [--steps 6] [--rounds 3] [key=value ...]
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_taper.config import load_config  # noqa: E402
+
+MODEL = ["model.n_layers=8", "model.d_model=128", "model.n_heads=4", "model.mlp_width=512",
+         "model.seq_len=128", "model.vocab_size=256", "model.taper.multiple=32",
+         "train.global_batch=16", "train.micro_batch=2", "train.device=cpu", "parallel.pp=2"]
+BALANCES = ("flops", "uniform", "profile")
+
+
+def _batches(cfg, step: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    n = cfg.train.global_batch // cfg.train.micro_batch
+    return [torch.randint(0, cfg.model.vocab_size, (cfg.train.micro_batch, cfg.model.seq_len + 1), generator=g)
+            for _ in range(n)]
+
+
+def _worker(rank: int, port: int, overrides: list[str], steps: int, rounds: int, out_path: str) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
+    from megatron_taper.models import build_model
+    from megatron_taper.parallel import parallelize
+    from megatron_taper.parallel.context import init_parallel
+
+    models = {}
+    for balance in BALANCES:
+        cfg = load_config(None, MODEL + overrides + [f"parallel.pp_balance={balance}"])
+        ctx = init_parallel(cfg.parallel, cfg.model, "cpu")
+        model = build_model(cfg.model)
+        model.init_weights(cfg.train.seed)
+        pm = parallelize(model, ctx, cfg)
+        opt = torch.optim.AdamW(pm.module.parameters(), lr=1e-4)
+        models[balance] = (cfg, pm, opt)
+    step_s: dict[str, list[float]] = {b: [] for b in BALANCES}
+    busy_s: dict[str, list[float]] = {b: [] for b in BALANCES}
+
+    def one_step(cfg, pm, opt, step):
+        pm.forward_backward(_batches(cfg, step), contextlib.nullcontext)
+        pm.clip_gradients(1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for balance, (cfg, pm, opt) in models.items():  # warm-up: shape inference, allocator
+        one_step(cfg, pm, opt, 0)
+    for _ in range(rounds):
+        for balance, (cfg, pm, opt) in models.items():
+            for step in range(steps):
+                dist.barrier()
+                busy0, t0 = pm.busy_s, time.perf_counter()
+                one_step(cfg, pm, opt, step + 1)
+                dist.barrier()
+                step_s[balance].append(time.perf_counter() - t0)
+                busy_s[balance].append(pm.busy_s - busy0)
+    mine = {b: {"busy_s": statistics.median(busy_s[b]), "step_s": statistics.median(step_s[b]),
+                "layers": sorted(int(k) for k in models[b][1].module.layers.keys()),
+                "plan": models[b][1].plan} for b in BALANCES}
+    gathered: list = [None, None]
+    dist.all_gather_object(gathered, mine)
+    if rank == 0:
+        report = {}
+        for b in BALANCES:
+            plan = gathered[0][b]["plan"]
+            step = max(g[b]["step_s"] for g in gathered)
+            busy = [g[b]["busy_s"] for g in gathered]
+            report[b] = {
+                "stages": [f"{g[b]['layers'][0]}-{g[b]['layers'][-1]}" for g in gathered],
+                "predicted_bottleneck_over_ideal": round(plan.bottleneck_over_ideal, 4),
+                "step_s": round(step, 4),
+                "stage_busy_s": [round(x, 4) for x in busy],
+                "busy_bottleneck_over_mean": round(max(busy) / (sum(busy) / len(busy)), 4),
+            }
+        with open(out_path, "w") as f:
+            json.dump(report, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=6, help="timed steps per split per round")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("overrides", nargs="*", help="key=value config overrides (model.*, train.*)")
+    args = parser.parse_args(argv)
+    cfg = load_config(None, MODEL + args.overrides)  # fail early on bad overrides
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out_path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"pipeline_balance_{os.getpid()}.json")
+    mp.spawn(_worker, args=(port, args.overrides, args.steps, args.rounds, out_path), nprocs=2, join=True)
+    with open(out_path) as f:
+        report = json.load(f)
+    os.remove(out_path)
+    m = cfg.model
+    result = {
+        "model": {"n_layers": m.n_layers, "d_model": m.d_model, "mlp_width": m.mlp_width, "seq_len": m.seq_len,
+                  "taper": f"{m.taper.schedule} {m.taper.start}", "vocab_size": m.vocab_size},
+        "processes": 2, "threads_per_process": 1,
+        "microbatches_per_step": cfg.train.global_batch // cfg.train.micro_batch,
+        "micro_batch": cfg.train.micro_batch, "steps_timed": args.steps * args.rounds,
+        **report,
+        "speedup_flops_over_uniform": round(report["uniform"]["step_s"] / report["flops"]["step_s"], 4),
+        "speedup_profile_over_uniform": round(report["uniform"]["step_s"] / report["profile"]["step_s"], 4),
+    }
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
