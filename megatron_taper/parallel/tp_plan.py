@@ -173,15 +173,24 @@ def check_transformer(mcfg: ModelConfig, pcfg: ParallelConfig) -> None:
 
 
 def plan_transformer(model: nn.Module, tp: TPBuilder) -> None:
+    plan_decoder(model, tp, plan_transformer_block)
+
+
+def plan_transformer_block(block: nn.Module, prefix: str, cfg: ModelConfig, tp: TPBuilder) -> None:
+    tp.replicated(block.attn_norm, f"{prefix}.attn_norm")
+    tp.replicated(block.mlp_norm, f"{prefix}.mlp_norm")
+    tp.attention(block.attn, f"{prefix}.attn", cfg.n_heads, cfg.kv_heads, cfg.rope_theta)
+    tp.swiglu(block.mlp, f"{prefix}.mlp", cfg.taper.multiple)
+
+
+def plan_decoder(model: nn.Module, tp: TPBuilder,
+                 plan_block: Callable[[nn.Module, str, ModelConfig, TPBuilder], None]) -> None:
+    """Embedding, every block through `plan_block`, final norm and head (shared by all families)."""
     cfg = model.cfg
     if model.tok_embeddings is not None:
         tp.embedding(model, "tok_embeddings", "")
     for idx, block in model.layers.items():
-        prefix = f"layers.{idx}"
-        tp.replicated(block.attn_norm, f"{prefix}.attn_norm")
-        tp.replicated(block.mlp_norm, f"{prefix}.mlp_norm")
-        tp.attention(block.attn, f"{prefix}.attn", cfg.n_heads, cfg.kv_heads, cfg.rope_theta)
-        tp.swiglu(block.mlp, f"{prefix}.mlp", cfg.taper.multiple)
+        plan_block(block, f"layers.{idx}", cfg, tp)
     if model.norm is not None:
         tp.replicated(model.norm, "norm")
         if model.output is not None or (cfg.tie_embeddings and model.tok_embeddings is not None):
@@ -200,8 +209,70 @@ class TPPlan:
     check: Callable[[ModelConfig, ParallelConfig], None]
 
 
+# Gated Attention: the gate W_g (D -> H*E or D -> H, head-major) is split by head like wq.
+
+
+def plan_gated_attention_block(block: nn.Module, prefix: str, cfg: ModelConfig, tp: TPBuilder) -> None:
+    plan_transformer_block(block, prefix, cfg, tp)
+    q_rows = tp.head_specs(cfg.n_heads, cfg.kv_heads, cfg.head_dim)[0]
+    per_head = block.attn.wg.weight.shape[0] // cfg.n_heads  # head_dim (elementwise) or 1 (headwise)
+    tp.column(block.attn, "wg", f"{prefix}.attn", ShardSpec.split(0, [n // cfg.head_dim * per_head for n in q_rows.sizes]))
+
+
+# Hope-attention: attention as in the Transformer, every CMS level a SwiGLU split like the MLP.
+
+
+def check_hope_attention(mcfg: ModelConfig, pcfg: ParallelConfig) -> None:
+    check_transformer(mcfg, pcfg)
+    if mcfg.hope.online:
+        raise ConfigError(f"model.hope.online=true is not supported with parallel.tp={pcfg.tp} (the online "
+                          f"update needs each level's whole output); set model.hope.online=false or parallel.tp=1")
+
+
+def plan_hope_attention_block(block: nn.Module, prefix: str, cfg: ModelConfig, tp: TPBuilder) -> None:
+    tp.replicated(block.attn_norm, f"{prefix}.attn_norm")
+    tp.attention(block.attn, f"{prefix}.attn", cfg.n_heads, cfg.kv_heads, cfg.rope_theta)
+    for level, (norm, mlp) in enumerate(zip(block.cms_norms, block.cms)):
+        tp.replicated(norm, f"{prefix}.cms_norms.{level}")
+        tp.swiglu(mlp, f"{prefix}.cms.{level}", cfg.taper.multiple)
+
+
+# Titans: attention and MLP as in the Transformer; the neural memory is split by head (each rank
+# runs the memories of its heads: wq/wk/wv/gates column-parallel, each entering the tp region
+# itself, M_0 and the per-head read-norm gains sliced along the head dimension, wo row-parallel).
+# Persistent tokens are replicated.
+
+
+def check_titans(mcfg: ModelConfig, pcfg: ParallelConfig) -> None:
+    check_transformer(mcfg, pcfg)
+    if pcfg.sequence_parallel:
+        raise ConfigError("parallel.sequence_parallel is not supported for model.arch='titans' (the memory "
+                          "and the persistent tokens need the whole sequence); set it to false")
+
+
+def plan_titans_block(block: nn.Module, prefix: str, cfg: ModelConfig, tp: TPBuilder) -> None:
+    plan_transformer_block(block, prefix, cfg, tp)
+    if hasattr(block, "mem_norm"):
+        tp.replicated(block.mem_norm, f"{prefix}.mem_norm")
+    memory, mp, e = block.memory, f"{prefix}.memory", cfg.head_dim
+    q_rows, _, o_cols = tp.head_specs(cfg.n_heads, cfg.n_heads, e)
+    for attr in ("wq", "wk", "wv"):
+        tp.column(memory, attr, mp, q_rows, input_mode="copy")
+    tp.column(memory, "gates", mp, ShardSpec.split(0, [n // e * 3 for n in q_rows.sizes]), input_mode="copy")
+    tp.row(memory, "wo", mp, o_cols)
+    heads = ShardSpec.split(0, [n // e for n in q_rows.sizes])
+    for i, weight in enumerate(memory.mem_w):
+        memory.mem_w[i] = nn.Parameter(heads.local(weight.detach(), tp.rank))
+        tp.specs[f"{mp}.mem_w.{i}"] = heads
+    memory.out_norm_weight = nn.Parameter(q_rows.local(memory.out_norm_weight.detach(), tp.rank))
+    tp.specs[f"{mp}.out_norm_weight"] = q_rows
+
+
 TP_PLANS: dict[str, TPPlan] = {
     "transformer": TPPlan(plan_transformer, check_transformer),
+    "gated_attention": TPPlan(lambda m, tp: plan_decoder(m, tp, plan_gated_attention_block), check_transformer),
+    "hope_attention": TPPlan(lambda m, tp: plan_decoder(m, tp, plan_hope_attention_block), check_hope_attention),
+    "titans": TPPlan(lambda m, tp: plan_decoder(m, tp, plan_titans_block), check_titans),
 }
 
 

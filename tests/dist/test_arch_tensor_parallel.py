@@ -1,0 +1,112 @@
+"""tp=2 against one process for Gated Attention, Hope-attention and Titans (MAG, MAL, MAC).
+
+Plans under test (megatron_taper/parallel/tp_plan.py): attention and every MLP / CMS level
+sharded as in the Transformer (uneven MLP shards: widths are odd multiples of 5); the gate of
+Gated Attention split by head; the Titans neural memory split by head (wq/wk/wv/gates
+column-parallel, M_0 and the read-norm gains sliced by head, wo row-parallel), persistent tokens
+replicated. Per family: loss and this rank's logits slice (abs 2e-5), every gradient gathered to
+its logical tensor (1e-5 relative to the largest entry), then 3 AdamW steps (losses within 1e-5).
+"""
+from contextlib import nullcontext
+
+import pytest
+import torch
+from harness import run_distributed
+
+from megatron_taper.config import ConfigError, ParallelConfig, load_config
+from megatron_taper.models import build_model
+from megatron_taper.parallel import ParallelModel, parallelize
+from megatron_taper.parallel.context import ParallelContext, check_degrees, init_parallel
+
+BASE = ["model.n_layers=2", "model.d_model=64", "model.n_heads=4", "model.mlp_width=75",
+        "model.taper.multiple=5", "model.vocab_size=101", "model.seq_len=20", "train.seed=3",
+        "model.titans.window=8", "model.titans.chunk_size=4", "model.titans.persistent_tokens=2"]
+CASES = {
+    "gated_elementwise": ["model.arch=gated_attention"],
+    "gated_headwise": ["model.arch=gated_attention", "model.gated.gate=headwise"],
+    "hope": ["model.arch=hope_attention", "model.hope.levels=2"],
+    "titans_mag": ["model.arch=titans", "model.titans.variant=mag"],
+    "titans_mal": ["model.arch=titans", "model.titans.variant=mal", "model.titans.memory_depth=1"],
+    "titans_mac": ["model.arch=titans", "model.titans.variant=mac"],
+}
+ATOL, GRAD_RTOL = 2e-5, 1e-5
+
+
+def _tokens(cfg, step):
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randint(0, cfg.model.vocab_size, (2, cfg.model.seq_len + 1), generator=g)
+
+
+def _procedure(pm, cfg, rank0):
+    model = pm.module
+    tokens = _tokens(cfg, 0)
+    rec = {"logits": model(tokens[:, :-1]).detach(),
+           "vocab_start": pm.loss_fn.keywords["vocab_start"] if hasattr(pm.loss_fn, "keywords") else 0,
+           "loss": pm.forward_backward([tokens], nullcontext).item()}
+    pm.reduce_gradients()
+    grads = {n: pm.full_tensor(n, p.grad).clone() for n, p in model.named_parameters()}
+    rec["grads"] = grads if rank0 else None
+    opt, losses = torch.optim.AdamW(model.parameters(), lr=3e-3), []
+    for step in range(3):
+        opt.zero_grad(set_to_none=True)
+        losses.append(pm.forward_backward([_tokens(cfg, 1 + step)], nullcontext).item())
+        pm.reduce_gradients()
+        pm.clip_gradients(1.0)
+        opt.step()
+    rec["losses"] = losses
+    return rec
+
+
+def _config(case, tp):
+    return load_config(None, BASE + CASES[case] + [f"parallel.tp={tp}"])
+
+
+def _tp_worker(tp):
+    out = {}
+    for case in CASES:
+        cfg = _config(case, tp)
+        ctx = init_parallel(cfg.parallel, cfg.model, device="cpu")
+        model = build_model(cfg.model)
+        model.init_weights(cfg.train.seed)
+        out[case] = _procedure(parallelize(model, ctx, cfg), cfg, ctx.tp_rank == 0)
+    return out
+
+
+def _reference(case):
+    cfg = _config(case, 1)
+    model = build_model(cfg.model)
+    model.init_weights(cfg.train.seed)
+    return _procedure(ParallelModel(model, ParallelContext(1, 0, 0, 1, 1, 1, torch.device("cpu"))), cfg, True)
+
+
+@pytest.fixture(scope="module")
+def tp2_results():
+    return run_distributed(_tp_worker, 2, 2, timeout=240)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_tp2_matches_one_process(case, tp2_results):
+    ref = _reference(case)
+    results = [r[case] for r in tp2_results]
+    got = results[0]
+    assert got["grads"].keys() == ref["grads"].keys()
+    logit_err = max((r["logits"] - ref["logits"][..., r["vocab_start"]:r["vocab_start"] + r["logits"].shape[-1]])
+                    .abs().max().item() for r in results)
+    grad_rel = max(((got["grads"][n] - g).abs().max() / g.abs().max().clamp_min(1e-12)).item()
+                   for n, g in ref["grads"].items())
+    step_err = max(abs(a - b) for r in results for a, b in zip(r["losses"], ref["losses"]))
+    errors = {"logits": logit_err, "loss": max(abs(r["loss"] - ref["loss"]) for r in results),
+              "grad_rel": grad_rel, "steps": step_err}
+    print(f"{case} tp=2: " + ", ".join(f"{k}={v:.1e}" for k, v in errors.items()))
+    assert errors["logits"] < ATOL and errors["loss"] < ATOL, errors
+    assert errors["grad_rel"] < GRAD_RTOL, errors
+    assert errors["steps"] < 1e-5, errors
+
+
+def test_unsupported_tp_settings_are_refused():
+    titans = load_config(None, BASE + CASES["titans_mag"]).model
+    with pytest.raises(ConfigError, match="parallel.sequence_parallel is not supported for model.arch='titans'"):
+        check_degrees(2, ParallelConfig(tp=2, sequence_parallel=True), titans)
+    hope = load_config(None, BASE + CASES["hope"] + ["model.hope.online=true"]).model
+    with pytest.raises(ConfigError, match="model.hope.online=true is not supported with parallel.tp=2"):
+        check_degrees(2, ParallelConfig(tp=2), hope)
