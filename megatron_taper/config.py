@@ -133,12 +133,16 @@ class ParallelConfig:
     pp_balance: str = "flops"  # flops | uniform | params | profile
     pp_schedule: str = "1f1b"  # 1f1b | gpipe | interleaved_1f1b
     microbatches: int = 0  # 0 = gradient accumulation steps (pp > 1: at least pp)
+    pp_virtual: int = 2  # chunks per pp rank with pp_schedule=interleaved_1f1b
+    pp_memory_gb: float = 0.0  # per-stage limit (params + grads + AdamW + 1F1B activations); 0 = none
     sequence_parallel: bool = False
 
     def validate(self, prefix: str) -> None:
         _range(f"{prefix}.tp", self.tp, 1, None)
         _range(f"{prefix}.pp", self.pp, 1, None)
         _range(f"{prefix}.microbatches", self.microbatches, 0, None)
+        _range(f"{prefix}.pp_virtual", self.pp_virtual, 1, None)
+        _range(f"{prefix}.pp_memory_gb", self.pp_memory_gb, 0.0, None)
         _choice(f"{prefix}.zero", self.zero, ("none", "fsdp2", "deepspeed"))
         _choice(f"{prefix}.pp_balance", self.pp_balance, ("flops", "uniform", "params", "profile"))
         _choice(f"{prefix}.pp_schedule", self.pp_schedule, ("1f1b", "gpipe", "interleaved_1f1b"))

@@ -54,5 +54,9 @@ def test_errors(capsys):
     assert "model.n_layers=32" in capsys.readouterr().err
     assert tool.main(["--config", RECIPE, "parallel.pp=4", "--memory-gb", "1"]) == 2
     assert "--memory-gb" in capsys.readouterr().err
+    assert tool.main(["--config", RECIPE, "parallel.pp=4", "parallel.pp_memory_gb=1"]) == 2
+    assert "parallel.pp_memory_gb" in capsys.readouterr().err
+    assert tool.main(["--config", RECIPE, "parallel.pp=4", "parallel.pp_memory_gb=40", "--json"]) == 0
+    assert max(json.loads(capsys.readouterr().out)["stage_static_bytes"]) < 40 * 2**30
     assert tool.main(["--config", RECIPE, "parallel.pp_balance=bogus"]) == 2
     assert "parallel.pp_balance" in capsys.readouterr().err

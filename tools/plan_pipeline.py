@@ -22,7 +22,8 @@ from megatron_taper.config import load_config  # noqa: E402
 from megatron_taper.parallel.partition import PipelinePlan, plan_pipeline, profile_layer_times  # noqa: E402
 
 
-def build_plan(cfg, virtual: int, memory_gb: list[float] | None, bytes_per_param: float) -> PipelinePlan:
+def build_plan(cfg, virtual: int, memory_gb: list[float] | None, bytes_per_param: float,
+               memory_key: str | None = None) -> PipelinePlan:
     pcfg = cfg.parallel
     measured = None
     if pcfg.pp_balance == "profile":
@@ -41,7 +42,7 @@ def build_plan(cfg, virtual: int, memory_gb: list[float] | None, bytes_per_param
     return plan_pipeline(cfg.model, pcfg.pp, virtual=virtual, balance=pcfg.pp_balance,
                          microbatches=pcfg.microbatches, micro_batch=cfg.train.micro_batch,
                          schedule=pcfg.pp_schedule, memory_gb=memory_gb, bytes_per_param=bytes_per_param,
-                         measured=measured, memory_key="--memory-gb")
+                         measured=measured, memory_key=memory_key or "parallel.pp_memory_gb")
 
 
 def to_json(plan: PipelinePlan) -> dict:
@@ -87,17 +88,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", help="YAML recipe")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--virtual", type=int, default=0,
-                        help="chunks per pp rank (default: 2 with parallel.pp_schedule=interleaved_1f1b, else 1)")
+                        help="chunks per pp rank (default: parallel.pp_virtual with interleaved_1f1b, else 1)")
     parser.add_argument("--memory-gb", type=float, nargs="+", default=None,
-                        help="per-stage memory limit in GiB (one for all stages, or one per stage)")
+                        help="per-stage memory limit in GiB, one per stage (default: parallel.pp_memory_gb for all)")
     parser.add_argument("--bytes-per-param", type=float, default=16.0,
                         help="parameter + gradient + optimizer bytes per parameter (fp32 AdamW: 16)")
     parser.add_argument("overrides", nargs="*", help="key=value config overrides")
     args = parser.parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
-        virtual = args.virtual or (2 if cfg.parallel.pp_schedule == "interleaved_1f1b" else 1)
-        plan = build_plan(cfg, virtual, args.memory_gb, args.bytes_per_param)
+        virtual = args.virtual or (cfg.parallel.pp_virtual if cfg.parallel.pp_schedule == "interleaved_1f1b" else 1)
+        memory_gb = args.memory_gb or ([cfg.parallel.pp_memory_gb] if cfg.parallel.pp_memory_gb > 0 else None)
+        plan = build_plan(cfg, virtual, memory_gb, args.bytes_per_param, "--memory-gb" if args.memory_gb else None)
     except ValueError as e:  # ConfigError included
         print(f"error: {e}", file=sys.stderr)
         return 2

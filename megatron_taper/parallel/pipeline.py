@@ -8,7 +8,7 @@
       -> torch.distributed.pipelining stage(s) + schedule over the pp group of the (pp, dp, tp) mesh
 
 Schedules (`parallel.pp_schedule`): 1f1b (default), gpipe, interleaved_1f1b (each rank holds
-`virtual` chunks, chunk c on pp rank c % pp; v = parallel.pp_virtual when that key exists, else 2).
+`parallel.pp_virtual` chunks, chunk c on pp rank c % pp).
 
 Micro-batches: the rank's micro-batches of one step are concatenated along the batch and cut
 into `parallel.microbatches` equal pieces (0 = as many as the Trainer passes). 1F1B and
@@ -36,9 +36,6 @@ from megatron_taper.config import Config, ConfigError
 from megatron_taper.parallel import ParallelModel
 from megatron_taper.parallel.context import ParallelContext
 from megatron_taper.parallel.partition import PipelinePlan, plan_pipeline, profile_layer_times
-
-DEFAULT_VIRTUAL = 2  # chunks per rank for interleaved_1f1b when the config has no parallel.pp_virtual
-
 
 @dataclass
 class PipelineParallelModel(ParallelModel):
@@ -163,7 +160,7 @@ def check_microbatches(n_micro: int, pp: int, schedule: str, rows: int) -> None:
 def virtual_stages(cfg: Config) -> int:
     if cfg.parallel.pp_schedule != "interleaved_1f1b":
         return 1
-    return int(getattr(cfg.parallel, "pp_virtual", 0) or DEFAULT_VIRTUAL)
+    return cfg.parallel.pp_virtual
 
 
 def make_plan(model: nn.Module, ctx: ParallelContext, cfg: Config) -> PipelinePlan:
@@ -176,8 +173,9 @@ def make_plan(model: nn.Module, ctx: ParallelContext, cfg: Config) -> PipelinePl
     if pcfg.pp * virtual > mcfg.n_layers:
         raise ConfigError(f"parallel.pp={pcfg.pp} x {virtual} chunk(s) per rank is more stages than "
                           f"model.n_layers={mcfg.n_layers}")
-    if pcfg.microbatches:
-        check_microbatches(pcfg.microbatches, pcfg.pp, pcfg.pp_schedule, pcfg.microbatches)
+    rows = cfg.train.global_batch // ctx.dp  # sequences per step on one data-parallel rank
+    n_micro = pcfg.microbatches or max(1, rows // cfg.train.micro_batch)
+    check_microbatches(n_micro, pcfg.pp, pcfg.pp_schedule, rows)
     measured = None
     if pcfg.pp_balance == "profile":
         box: list[Any] = [None]
@@ -185,9 +183,9 @@ def make_plan(model: nn.Module, ctx: ParallelContext, cfg: Config) -> PipelinePl
             box[0] = profile_layer_times(copy.deepcopy(model), cfg.train.micro_batch, mcfg.seq_len, ctx.device)
         dist.broadcast_object_list(box, src=0)
         measured = box[0]
-    memory_gb = float(getattr(pcfg, "pp_memory_gb", 0.0) or 0.0)
+    memory_gb = pcfg.pp_memory_gb
     return plan_pipeline(mcfg, pcfg.pp, virtual=virtual, balance=pcfg.pp_balance,
-                         microbatches=pcfg.microbatches, micro_batch=cfg.train.micro_batch,
+                         microbatches=n_micro, micro_batch=max(1, rows // n_micro),
                          schedule=pcfg.pp_schedule, memory_gb=[memory_gb] if memory_gb > 0 else None,
                          measured=measured)
 

@@ -132,16 +132,13 @@ def _error(overrides: list[str]) -> str:
 def _schedules_and_errors() -> dict:
     import warnings
 
-    from megatron_taper.config import ParallelConfig
-
     out = {name: _loop(["parallel.pp=2", f"parallel.pp_schedule={name}"])
            for name in ("1f1b", "gpipe", "interleaved_1f1b")}
     out["balance_uniform"] = _loop(["parallel.pp=2", "parallel.pp_balance=uniform"], steps=1)["layers"]
     out["few_microbatches"] = _error(["parallel.pp=2", "parallel.microbatches=1"])
     out["indivisible"] = _error(["parallel.pp=2", "parallel.microbatches=3"])
     out["tied"] = _error(["parallel.pp=2", "model.tie_embeddings=true"])
-    if hasattr(ParallelConfig(), "pp_memory_gb"):
-        out["memory"] = _error(["parallel.pp=2", "parallel.pp_memory_gb=0.000001"])
+    out["memory"] = _error(["parallel.pp=2", "parallel.pp_memory_gb=0.000001"])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         _loop(["parallel.pp=2", "parallel.microbatches=1", "parallel.pp_schedule=gpipe"], steps=1)
@@ -164,8 +161,8 @@ def test_schedules_agree_and_bad_inputs():
         assert "parallel.microbatches=1 is fewer than parallel.pp=2" in r["few_microbatches"]
         assert "parallel.microbatches=3 must divide the 8 sequences" in r["indivisible"]
         assert "model.tie_embeddings" in r["tied"]
-        if "memory" in r:
-            assert "parallel.pp_memory_gb" in r["memory"]
+        assert "no split of 5 layers into 2 pipeline stages fits" in r["memory"]
+        assert "parallel.pp_memory_gb" in r["memory"]
         assert r["gpipe_warning"]
 
 
