@@ -60,7 +60,7 @@ def missing_requirements() -> str | None:
     """Why no cluster can be started on this machine, or None when it can be tried."""
     if not hasattr(os, "geteuid") or os.geteuid() != 0:
         return "the test Slurm cluster needs root (slurmd runs jobs as their user)"
-    missing = [p for p in ("munged", "munge", "slurmctld", "slurmd", "sbatch", "scontrol") if not _which(p)]
+    missing = [p for p in ("munged", "munge", "unmunge", "slurmctld", "slurmd", "sbatch", "scontrol") if not _which(p)]
     if missing:
         return f"not installed: {', '.join(missing)} (apt-get install slurmctld slurmd slurm-client munge)"
     return None
