@@ -26,9 +26,10 @@ from datetime import timedelta
 from typing import Any, Callable
 
 _CTX = mp.get_context("forkserver")
-# imported once by the fork server, so every child starts with them (test modules import these)
-_CTX.set_forkserver_preload(["torch", "torch.distributed", "pytest", "megatron_taper.parallel",
-                             "megatron_taper.models"])
+# imported once by the fork server, so every child starts with them: test modules import these,
+# and torch.optim's first optimizer imports torch._dynamo (seconds per process otherwise)
+_CTX.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "pytest",
+                             "megatron_taper.parallel", "megatron_taper.models"])
 
 
 class DistributedTestError(AssertionError):
