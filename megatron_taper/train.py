@@ -76,6 +76,8 @@ class StopSignal:
         self._previous = {}
 
     def install(self) -> None:
+        if self._previous:
+            return
         for sig in (signal.SIGUSR1, signal.SIGTERM):
             self._previous[sig] = signal.signal(sig, self._handle)
 
@@ -85,10 +87,11 @@ class StopSignal:
     def uninstall(self) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+        self._previous = {}
 
 
 class Trainer:
-    def __init__(self, cfg: Config, ctx: ParallelContext | None = None):
+    def __init__(self, cfg: Config, ctx: ParallelContext | None = None, stop: StopSignal | None = None):
         self.cfg = cfg
         self.ctx = ctx or init_parallel(cfg.parallel, cfg.model, cfg.train.device)
         t = cfg.train
@@ -112,7 +115,7 @@ class Trainer:
         self.last_saved = -1
         self.skipped = 0
         self.nonfinite_in_row = 0
-        self.stop = StopSignal()
+        self.stop = stop or StopSignal()
         self._prepare_run_dir()
         self.metrics = MetricsLogger(cfg.run.dir, self.ctx.is_main, cfg.run.tensorboard)
         self._resume()
@@ -210,7 +213,6 @@ class Trainer:
             self.save()
             return 0
         finally:
-            self.stop.uninstall()
             self.metrics.close()
 
     def save(self) -> None:
@@ -265,12 +267,16 @@ def main(argv: list[str] | None = None) -> int:
     ctx = None
     created_run_dir = None
     clean = False
+    # installed before any setup and kept until exit, so a signal during start-up or the final
+    # barrier is recorded instead of killing the process (the default action of SIGUSR1)
+    stop = StopSignal()
+    stop.install()
     try:
         cfg = load_config(args.config, args.overrides)
         if not os.path.exists(cfg.run.dir):
             created_run_dir = cfg.run.dir
         ctx = init_parallel(cfg.parallel, cfg.model, cfg.train.device)
-        trainer = Trainer(cfg, ctx)
+        trainer = Trainer(cfg, ctx, stop)
         created_run_dir = None
         code = trainer.fit()
         clean = True
@@ -286,6 +292,7 @@ def main(argv: list[str] | None = None) -> int:
         if ctx is not None:
             with contextlib.suppress(Exception):
                 shutdown(ctx, barrier=clean)
+        stop.uninstall()
 
 
 if __name__ == "__main__":
