@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 import os
 from typing import Any
 
@@ -110,7 +111,7 @@ class ShardReader:
                               download_timeout=_DOWNLOAD_TIMEOUT_S, keep_zip=False)
         counts = np.array([shard.samples for shard in self._shards], np.int64)
         self._shard_ends = np.cumsum(counts)
-        self._ready: set[int] = set()
+        self._maps: dict[int, tuple[mmap.mmap, np.ndarray]] = {}
         self.lengths = self._doc_lengths()
 
     def __len__(self) -> int:
@@ -118,10 +119,14 @@ class ShardReader:
 
     def __getitem__(self, doc: int) -> np.ndarray:
         shard_id = int(np.searchsorted(self._shard_ends, doc, side="right"))
-        first = int(self._shard_ends[shard_id - 1]) if shard_id else 0
-        if shard_id not in self._ready:
+        idx = doc - (int(self._shard_ends[shard_id - 1]) if shard_id else 0)
+        if shard_id not in self._maps:
             self._prepare(shard_id)
-        return self._shards[shard_id][doc - first][TOKENS_COLUMN]
+        data, offsets = self._maps[shard_id]
+        # MDS raw shard: [num_samples: u32][offsets: u32 x (num_samples + 1)][samples]; the
+        # library's reader reopens the file per sample, a kept mapping is ~2x faster per document.
+        sample = data[int(offsets[idx]):int(offsets[idx + 1])]
+        return self._shards[shard_id].decode_sample(sample)[TOKENS_COLUMN]
 
     def _fetch_index(self, remote_split: str) -> None:
         from streaming.base.storage.download import CloudDownloader
@@ -145,7 +150,10 @@ class ShardReader:
             # Download and/or decompress once per machine; other ranks wait on the lock.
             with FileLock(raw + ".lock"):
                 self._stream.prepare_shard(shard)
-        self._ready.add(shard_id)
+        with open(raw, "rb") as f:
+            data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        offsets = np.frombuffer(data, np.uint32, count=shard.samples + 1, offset=4)
+        self._maps[shard_id] = (data, offsets)
 
     def _doc_lengths(self) -> np.ndarray:
         path = os.path.join(self._split_dir, LENGTHS_FILE)
