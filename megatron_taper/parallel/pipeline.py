@@ -101,7 +101,7 @@ class PipelineParallelModel(ParallelModel):
                 ScheduleInterleaved1F1B,
             )
 
-            stages = [PipelineStage(chunk, idx, self.n_stages, self.ctx.device, group=self.ctx.pp_group)
+            stages = [PipelineStage(_Contiguous(chunk), idx, self.n_stages, self.ctx.device, group=self.ctx.pp_group)
                       for chunk, idx in zip(self.chunks, self.chunk_ids)]
             for stage in stages:
                 self._time_compute(stage)
@@ -133,6 +133,33 @@ class PipelineParallelModel(ParallelModel):
                     self.busy_s += time.perf_counter() - t0
 
             setattr(stage, name, timed)
+
+
+class _DenseGrad(torch.autograd.Function):
+    """Identity whose backward makes the gradient contiguous (it is sent to the previous stage)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
+class _Contiguous(nn.Module):
+    """Runs a stage with a contiguous output and input gradient: the p2p receive buffers are
+    built from their layouts and must be dense, while sequence parallelism leaves strided ones
+    (the reduce-scatter at a stage's end, the all-gather's backward at the next one's start)."""
+
+    def __init__(self, stage: nn.Module):
+        super().__init__()
+        self.stage = stage
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_floating_point() and x.requires_grad:
+            x = _DenseGrad.apply(x)
+        return self.stage(x).contiguous()
 
 
 def check_microbatches(n_micro: int, pp: int, schedule: str, rows: int) -> None:

@@ -166,6 +166,21 @@ def test_schedules_agree_and_bad_inputs():
         assert r["gpipe_warning"]
 
 
+def _with_sequence_parallel() -> dict:
+    base = ["parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true"]
+    return {name: _loop(base + [f"parallel.pp_schedule={name}"]) for name in ("1f1b", "interleaved_1f1b")}
+
+
+def test_pp2_tp2_sequence_parallel_and_interleaved():
+    # sequence-parallel stages end in strided slices: the stage wrapper must send dense tensors
+    ref = _loop([])
+    for r in run_distributed(_with_sequence_parallel, 4, timeout=150):
+        for name, got in r.items():
+            for key in ("loss", "eval_loss"):
+                assert max(abs(a - b) for a, b in zip(got[key], ref[key])) < LOSS_ATOL, (name, key)
+            assert max(abs(a - b) / b for a, b in zip(got["grad_norm"], ref["grad_norm"])) < NORM_RTOL
+
+
 def test_pp_larger_than_layers():
     from megatron_taper.parallel.context import check_degrees
 
