@@ -64,6 +64,8 @@ def preprocess(documents: Iterable[Document], tokenizer_path: str, output: str, 
         raise ValueError(f"--val-fraction {val_fraction} must be in [0, 1)")
     if workers < 1:
         raise ValueError(f"--workers {workers} must be >= 1")
+    if split_seed < 0:
+        raise ValueError(f"--split-seed {split_seed} must be >= 0")
     check_output(output, overwrite)
     tokenizer = Tokenizer(tokenizer_path)
     import_streaming()  # slow (transformers); kept out of the timed part

@@ -1,14 +1,16 @@
 """The Trainer on MDS data: resuming mid-epoch gives bitwise the uninterrupted losses (CPU, fp32)."""
 import json
 import os
-import sys
 
 from datahelpers import VOCAB, corpus, dataset, tokenizer_model  # noqa: F401
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from conftest import TINY  # noqa: E402
+from megatron_taper.train import main
 
-from megatron_taper.train import main  # noqa: E402
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TINY = ["model.n_layers=2", "model.d_model=64", "model.n_heads=4", "model.mlp_width=128", "model.seq_len=32",
+        "model.taper.multiple=16", f"model.vocab_size={VOCAB}", "train.global_batch=8", "train.micro_batch=4",
+        "train.lr=3e-3", "train.warmup_steps=3", "train.log_interval=1", "train.eval_batches=2",
+        "run.tensorboard=false"]
 
 
 def _records(run_dir):
@@ -17,7 +19,7 @@ def _records(run_dir):
 
 
 def test_resume_on_mds_data_gives_bitwise_equal_losses(dataset, tmp_path):
-    common = ["--config", "configs/tiny_taper.yaml", *TINY, f"model.vocab_size={VOCAB}", f"data.path={dataset}",
+    common = ["--config", os.path.join(REPO, "configs", "tiny_taper.yaml"), *TINY, f"data.path={dataset}",
               "train.steps=12", "train.eval_interval=5", "train.precision=fp32", "train.device=cpu"]
     straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
     assert main(common + [f"run.dir={straight}"]) == 0
