@@ -5,8 +5,10 @@ split by `parallel.pp_balance=flops`, by `uniform` (equal layer counts) and by `
 per-layer times), and alternates them step by step so that machine noise hits all alike. Per
 split: the layers per stage, the predicted FLOPs bottleneck / ideal, the median step time, and
 each stage's median busy time per step (time inside its forward/backward compute, not waiting on
-the other stage). Prints one JSON object. On a shared machine the step times are noisy; the
-busy times show the balance more robustly.
+the other stage). Prints one JSON object. When the machine has fewer free cores than processes,
+the stages do not really run at once and the step time follows the total work, not the slowest
+stage; the busy times show the balance regardless, and `estimated_step_s_on_free_cores` is the
+1F1B step they imply ((m + pp - 1) / m x the busiest stage).
 
     python benchmarks/pipeline_balance.py [--steps 4] [--rounds 3] [key=value ...]
 """
@@ -90,6 +92,7 @@ def _worker(rank: int, port: int, overrides: list[str], steps: int, rounds: int,
     dist.all_gather_object(gathered, mine)
     if rank == 0:
         report = {}
+        n_micro = models["flops"][0].train.global_batch // models["flops"][0].train.micro_batch
         for b in BALANCES:
             plan = gathered[0][b]["plan"]
             step = max(g[b]["step_s"] for g in gathered)
@@ -100,6 +103,9 @@ def _worker(rank: int, port: int, overrides: list[str], steps: int, rounds: int,
                 "step_s": round(step, 4),
                 "stage_busy_s": [round(x, 4) for x in busy],
                 "busy_bottleneck_over_mean": round(max(busy) / (sum(busy) / len(busy)), 4),
+                "busy_total_s": round(sum(busy), 4),
+                # 1F1B on free cores: m micro-batches through the slowest stage plus pp - 1 of fill
+                "estimated_step_s_on_free_cores": round(max(busy) * (n_micro + len(busy) - 1) / n_micro, 4),
             }
         with open(out_path, "w") as f:
             json.dump(report, f)

@@ -247,7 +247,8 @@ def plan_pipeline(model_cfg, pp: int, *, virtual: int = 1, balance: str = "flops
     n_chunks = pp * virtual
     if n_chunks > n_layers:
         what = f"parallel.pp={pp}" + (f" x {virtual} virtual stages" if virtual > 1 else "")
-        raise ValueError(f"{what} = {n_chunks} stages is more than model.n_layers={n_layers}: every stage needs a layer")
+        raise ValueError(f"{what} = {n_chunks} stages is more than model.n_layers={n_layers}: "
+                         f"every stage needs a layer")
     m = microbatches or pp
     tokens = micro_batch * model_cfg.seq_len  # per micro-batch
     in_flight = in_flight_microbatches(pp, m, schedule) if virtual == 1 else [1] * n_chunks
