@@ -4,12 +4,16 @@ Layout of `run.dir/checkpoints/step-N/`:
     model-pp{k}.pt   logical (unsharded) parameters of pipeline stage k, keyed by global name
     optim-pp{k}.pt   AdamW state of those parameters, logical tensors keyed by the same names
     trainer.pt       step, skipped steps, RNG states and data positions (one entry per rank)
+    deepspeed/...    parallel.zero=deepspeed only: DeepSpeed's own files (same dp/tp size only)
     meta.json        step, config, parallel layout, and size + sha256 of every file above
 
 Writing is atomic: every file goes into `.tmp-step-N/` and is fsynced, then the folder is
 renamed to `step-N/` and the parent fsynced, so a folder named step-N is always complete. Only
 ranks with dp_rank == 0 and tp_rank == 0 write model/optimizer files (one per pipeline stage);
-tensor-parallel shards are gathered to logical tensors through the ParallelModel first.
+tensor-parallel shards are gathered to logical tensors through the ParallelModel first (and ZeRO
+shards over dp: then every dp rank takes part in the gather; see parallel/zero.py). An engine
+with a format of its own (DeepSpeed) adds it next to the logical files through
+`pm.save_native` / `pm.load_native`; the logical files are what loads on another layout.
 """
 from __future__ import annotations
 
@@ -61,12 +65,18 @@ def save_checkpoint(cfg: Config, pm: ParallelModel, optimizer: torch.optim.Optim
     ctx.barrier()
 
     files: dict[str, dict] = {}
-    if ctx.dp_rank == 0:
-        model_state, optim_state = _logical_state(pm, optimizer)
-        if ctx.tp_rank == 0:
+    if ctx.dp_rank == 0 or pm.gathers_on_every_dp_rank:
+        model_state, optim_state = pm.logical_state(optimizer)
+        if ctx.dp_rank == 0 and ctx.tp_rank == 0:
             for kind, state in (("model", model_state), ("optim", optim_state)):
                 name = f"{kind}-pp{ctx.pp_rank}.pt"
                 files[name] = _write(os.path.join(tmp, name), state)
+    save_native = getattr(pm, "save_native", None)
+    if save_native is not None:
+        save_native(tmp)
+        ctx.barrier()
+        if ctx.is_main:
+            files.update(_hash_tree(tmp, skip=set(files)))
     if ctx.is_main:
         files["trainer.pt"] = _write(os.path.join(tmp, "trainer.pt"), {"step": step, **trainer_state, "ranks": per_rank})
     all_files: dict[str, dict] = {}
@@ -105,24 +115,11 @@ def load_checkpoint(path: str, cfg: Config, pm: ParallelModel, optimizer: torch.
     _check_compatible(meta, cfg, path)
     for name, info in meta["files"].items():
         _verify(os.path.join(path, name), info)
-    model_state: dict[str, torch.Tensor] = {}
-    optim_state: dict[str, dict] = {}
-    stages = sorted(n for n in meta["files"] if n.startswith("model-pp"))
-    for name in stages:
-        model_state.update(_load(os.path.join(path, name)))
-        optim_state.update(_load(os.path.join(path, name.replace("model-", "optim-"))))
-
-    with torch.no_grad():
-        for name, param in pm.module.named_parameters():
-            if name not in model_state:
-                raise CheckpointError(f"{path}: no tensor for parameter {name!r}")
-            param.copy_(pm.local_tensor(name, model_state[name]).to(param.dtype))
-    by_name = dict(pm.module.named_parameters())
-    for name, state in optim_state.items():
-        if name in by_name:
-            p = by_name[name]
-            optimizer.state[p] = {k: (pm.local_tensor(name, v) if v.dim() else v).to(p.device)
-                                  for k, v in state.items()}
+    load_native = getattr(pm, "load_native", None)
+    if load_native is None or not load_native(path, meta):
+        model_state, optim_state = load_logical(path, meta)
+        pm.load_logical_state(optimizer, model_state, optim_state,
+                              missing=lambda name: CheckpointError(f"{path}: no tensor for parameter {name!r}"))
 
     trainer = _load(os.path.join(path, "trainer.pt"))
     ranks = trainer.pop("ranks")
@@ -133,13 +130,35 @@ def load_checkpoint(path: str, cfg: Config, pm: ParallelModel, optimizer: torch.
     return trainer
 
 
-def _logical_state(pm: ParallelModel, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
-    model_state, optim_state = {}, {}
-    for name, param in pm.module.named_parameters():
-        model_state[name] = pm.full_tensor(name, param.detach()).cpu()
-        state = optimizer.state.get(param, {})
-        optim_state[name] = {k: (pm.full_tensor(name, v) if v.dim() else v).detach().cpu() for k, v in state.items()}
+def load_logical(path: str, meta: dict | None = None) -> tuple[dict, dict]:
+    """All stages' logical parameters and optimizer state of a checkpoint, keyed by name (CPU)."""
+    meta = meta or _read_meta(path)
+    model_state: dict[str, torch.Tensor] = {}
+    optim_state: dict[str, dict] = {}
+    for name in sorted(n for n in meta["files"] if n.startswith("model-pp")):
+        model_state.update(_load(os.path.join(path, name)))
+        optim_state.update(_load(os.path.join(path, name.replace("model-", "optim-"))))
     return model_state, optim_state
+
+
+def verify_checkpoint(path: str) -> dict:
+    """Check every file of a checkpoint against meta.json; returns the metadata."""
+    meta = _read_meta(path)
+    for name, info in meta["files"].items():
+        _verify(os.path.join(path, name), info)
+    return meta
+
+
+def _hash_tree(root: str, skip: set[str]) -> dict[str, dict]:
+    """size + sha256 of every file under root (relative names), except `skip`."""
+    out = {}
+    for folder, _, names in os.walk(root):
+        for name in names:
+            file = os.path.join(folder, name)
+            rel = os.path.relpath(file, root)
+            if rel not in skip:
+                out[rel] = {"size": os.path.getsize(file), "sha256": _sha256(file)}
+    return out
 
 
 def _check_compatible(meta: dict, cfg: Config, path: str) -> None:

@@ -126,6 +126,30 @@ class ModelConfig:
 
 
 @dataclass
+class DeepSpeedConfig:
+    """Options of parallel.zero=deepspeed (ZeRO stage 3), passed through to DeepSpeed's config."""
+
+    offload_optimizer: str = "none"  # none | cpu | nvme: where AdamW state and fp32 masters live
+    offload_param: str = "none"  # none | cpu | nvme: where partitioned parameters rest
+    nvme_path: str = ""  # folder for nvme offload
+    reduce_bucket_size: int = 50_000_000  # elements per gradient reduce-scatter bucket
+    prefetch_bucket_size: int = 50_000_000  # elements of parameters all-gathered ahead
+    param_persistence_threshold: int = 100_000  # parameters smaller than this stay unpartitioned
+    config: str = ""  # JSON file merged over the generated DeepSpeed config (anything else)
+
+    def validate(self, prefix: str) -> None:
+        for key in ("offload_optimizer", "offload_param"):
+            _choice(f"{prefix}.{key}", getattr(self, key), ("none", "cpu", "nvme"))
+            if getattr(self, key) == "nvme" and not self.nvme_path:
+                raise ConfigError(f"{prefix}.{key}=nvme needs {prefix}.nvme_path (a folder on a local NVMe disk)")
+        for key in ("reduce_bucket_size", "prefetch_bucket_size"):
+            _range(f"{prefix}.{key}", getattr(self, key), 1, None)
+        _range(f"{prefix}.param_persistence_threshold", self.param_persistence_threshold, 0, None)
+        if self.config and not os.path.isfile(self.config):
+            raise ConfigError(f"{prefix}.config={self.config!r}: file not found")
+
+
+@dataclass
 class ParallelConfig:
     tp: int = 1
     pp: int = 1
@@ -136,6 +160,7 @@ class ParallelConfig:
     pp_virtual: int = 2  # chunks per pp rank with pp_schedule=interleaved_1f1b
     pp_memory_gb: float = 0.0  # per-stage limit (params + grads + AdamW + 1F1B activations); 0 = none
     sequence_parallel: bool = False
+    deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
 
     def validate(self, prefix: str) -> None:
         _range(f"{prefix}.tp", self.tp, 1, None)
@@ -146,6 +171,13 @@ class ParallelConfig:
         _choice(f"{prefix}.zero", self.zero, ("none", "fsdp2", "deepspeed"))
         _choice(f"{prefix}.pp_balance", self.pp_balance, ("flops", "uniform", "params", "profile"))
         _choice(f"{prefix}.pp_schedule", self.pp_schedule, ("1f1b", "gpipe", "interleaved_1f1b"))
+        self.deepspeed.validate(f"{prefix}.deepspeed")
+        if self.zero == "deepspeed" and self.pp > 1:
+            raise ConfigError(f"{prefix}.zero=deepspeed with {prefix}.pp={self.pp}: DeepSpeed refuses ZeRO-3 with "
+                              f"pipeline parallelism; use {prefix}.zero=fsdp2 or {prefix}.pp=1")
+        if self.zero == "fsdp2" and self.pp > 1 and self.pp_schedule == "interleaved_1f1b":
+            raise ConfigError(f"{prefix}.zero=fsdp2 with {prefix}.pp_schedule=interleaved_1f1b is not supported "
+                              f"(several chunks per rank would share one FSDP root); use 1f1b or gpipe")
 
 
 @dataclass

@@ -31,6 +31,7 @@ from megatron_taper.data.sources import build_sources
 from megatron_taper.flops import model_costs, mfu, peak_flops
 from megatron_taper.metrics import MetricsLogger
 from megatron_taper.models import build_model
+from megatron_taper.optim import build_optimizer  # noqa: F401 - also imported from here by benchmarks
 from megatron_taper.parallel import ParallelModel, parallelize
 from megatron_taper.parallel.context import ParallelContext, init_parallel, shutdown
 
@@ -50,16 +51,6 @@ def lr_at(step: int, cfg) -> float:
     span = max(1, t.steps - t.warmup_steps)
     progress = min(1.0, (step - t.warmup_steps) / span)
     return t.lr * (t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
-def build_optimizer(module: torch.nn.Module, cfg: Config, device: torch.device) -> torch.optim.Optimizer:
-    """AdamW; weight decay on matrices and embeddings, not on norms and biases."""
-    decay = [p for p in module.parameters() if p.requires_grad and p.dim() >= 2]
-    no_decay = [p for p in module.parameters() if p.requires_grad and p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": cfg.train.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
-    t = cfg.train
-    return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, fused=device.type in ("cuda", "cpu"))
 
 
 def seed_everything(seed: int) -> None:
@@ -107,7 +98,7 @@ class Trainer:
         model = build_model(cfg.model)
         model.init_weights(t.seed)
         self.pm: ParallelModel = parallelize(model, self.ctx, cfg)
-        self.optimizer = build_optimizer(self.pm.module, cfg, self.ctx.device)
+        self.optimizer = self.pm.build_optimizer(cfg)
         costs = model_costs(cfg.model)
         self.flops_per_token = costs.total_flops
         self.peak = peak_flops(self.ctx.device, self.bf16)
@@ -151,13 +142,13 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr_at(self.step, self.cfg)
         micro_batches = [self.train_source.next_batch() for _ in range(self.accum)]
-        loss = self.pm.forward_backward(micro_batches, self.autocast)
-        self.pm.reduce_gradients()
-        grad_norm = self.pm.clip_gradients(self.cfg.train.grad_clip)
-        loss = self._dp_mean(loss)
-        loss_value, norm_value = float(loss), float(grad_norm)
-        if math.isfinite(loss_value) and math.isfinite(norm_value):
-            self.optimizer.step()
+        loss = self._dp_mean(self.pm.forward_backward(micro_batches, self.autocast))
+        loss_value = float(loss)
+        # reduce, clip and step (or skip a non-finite step); the engine owns how (ZeRO, DeepSpeed)
+        grad_norm, stepped = self.pm.optimizer_step(self.optimizer, self.cfg.train.grad_clip,
+                                                    math.isfinite(loss_value))
+        norm_value = float(grad_norm)
+        if stepped:
             self.nonfinite_in_row = 0
         else:
             self.skipped += 1
@@ -168,7 +159,6 @@ class Trainer:
                     f"{self.step + 1}, train.max_nonfinite={self.cfg.train.max_nonfinite}); lower train.lr, enable "
                     f"train.grad_clip or check the data"
                 )
-        self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         return {"loss": loss_value, "grad_norm": norm_value, "lr": self.optimizer.param_groups[0]["lr"]}
 

@@ -1,0 +1,269 @@
+"""parallel.zero=deepspeed: DeepSpeed ZeRO stage 3 behind the ParallelModel interface.
+
+    parallelize() -> DeepSpeedParallelModel.wrap(pm)      (pp must be 1; checked in config.py)
+    Trainer      -> pm.build_optimizer(cfg)              deepspeed.initialize(model, AdamW, config, mpu)
+                 -> pm.forward_backward(micro_batches)   engine(x), engine.backward, engine.step
+                                                         (non-boundary micro-steps)
+                 -> pm.optimizer_step(...)               the boundary engine.step(): clip, AdamW, zero grads
+
+Our tp groups go to DeepSpeed as `mpu` (dp group = the mesh's dp dim, model-parallel group = tp),
+so ZeRO partitions each tp rank's local tensors over its dp group, and the gradient norm counts a
+tp-sharded parameter (marked `tensor_model_parallel`) on every tp rank and a replicated one on tp
+rank 0 only, as ParallelModel.clip_gradients does. AdamW is our own torch optimizer (DeepSpeed
+flattens its parameter groups into fp32 partitions); with optimizer offload it runs on the CPU.
+
+Known traps handled here: `gradient_clipping` is set from train.grad_clip (DeepSpeed's default is
+1.0, also when clipping was meant to be off); DS_ACCELERATOR=cpu is set (if unset) only when the
+run's device is the CPU; DeepSpeed JIT-builds C++ ops into TORCH_EXTENSIONS_DIR (tests/run.sh
+and the tests point it at .cache/torch_extensions); the process group is left through
+context.shutdown (barrier, then destroy), as DeepSpeed may abort at exit otherwise.
+DeepSpeed skips a step whose gradient norm is non-finite (in every precision); that is reported
+to the Trainer as a skipped step.
+
+Checkpoints: every DeepSpeed checkpoint holds DeepSpeed's own files (deepspeed/state/, loaded
+only by the same engine at the same dp and tp size) *and* the logical model/optimizer files of
+checkpoint.py (gathered through deepspeed.utils.safe_get_full_*), which is the route to another
+dp/tp size or to fsdp2/none, and what tools/convert_checkpoint.py reads.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from megatron_taper.config import Config, ConfigError
+from megatron_taper.parallel import ParallelModel
+from megatron_taper.parallel.context import ParallelContext
+from megatron_taper.parallel.zero import check_zero_with_tp, uses_bf16
+
+NATIVE_DIR = "deepspeed"  # inside a checkpoint folder
+NATIVE_TAG = "state"
+OPTIM_KEYS = ("exp_avg", "exp_avg_sq")
+
+
+class TPGroups:
+    """The `mpu` object DeepSpeed asks for: our tp group is its model-parallel group."""
+
+    def __init__(self, ctx: ParallelContext):
+        self.ctx = ctx
+
+    def get_model_parallel_group(self):
+        return self.ctx.tp_group
+
+    def get_model_parallel_rank(self) -> int:
+        return self.ctx.tp_rank
+
+    def get_model_parallel_world_size(self) -> int:
+        return self.ctx.tp
+
+    get_tensor_model_parallel_group = get_model_parallel_group
+    get_tensor_model_parallel_rank = get_model_parallel_rank
+    get_tensor_model_parallel_world_size = get_model_parallel_world_size
+
+    def get_tensor_model_parallel_src_rank(self) -> int:
+        return self.ctx.rank - self.ctx.tp_rank
+
+    def get_data_parallel_group(self):
+        return self.ctx.dp_group
+
+    def get_data_parallel_rank(self) -> int:
+        return self.ctx.dp_rank
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.ctx.dp
+
+
+def deepspeed_config(cfg: Config, ctx: ParallelContext) -> dict:
+    """The DeepSpeed JSON config from our sections; parallel.deepspeed.config (a JSON file) is
+    merged over it for anything else DeepSpeed offers."""
+    t, d = cfg.train, cfg.parallel.deepspeed
+    accum = t.global_batch // (t.micro_batch * ctx.dp)
+    zero: dict[str, Any] = {
+        "stage": 3,
+        "reduce_bucket_size": d.reduce_bucket_size,
+        "stage3_prefetch_bucket_size": d.prefetch_bucket_size,
+        "stage3_param_persistence_threshold": d.param_persistence_threshold,
+        "contiguous_gradients": True,
+        "overlap_comm": ctx.device.type == "cuda",
+    }
+    for kind in ("optimizer", "param"):
+        device = getattr(d, f"offload_{kind}")
+        if device != "none":
+            zero[f"offload_{kind}"] = {"device": device, "pin_memory": ctx.device.type == "cuda",
+                                       **({"nvme_path": d.nvme_path} if device == "nvme" else {})}
+    config: dict[str, Any] = {
+        "train_batch_size": t.global_batch,
+        "train_micro_batch_size_per_gpu": t.micro_batch,
+        "gradient_accumulation_steps": accum,
+        "gradient_clipping": float(t.grad_clip),  # explicit: DeepSpeed's default is 1.0
+        "zero_optimization": zero,
+        "zero_allow_untested_optimizer": True,  # our torch AdamW
+        "zero_force_ds_cpu_optimizer": False,  # ... also when offloaded
+        "bf16": {"enabled": uses_bf16(cfg, ctx.device)},
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+    }
+    if d.config:
+        try:
+            with open(d.config) as f:
+                extra = json.load(f)
+        except (OSError, json.JSONDecodeError) as e:
+            raise ConfigError(f"parallel.deepspeed.config={d.config!r}: unreadable JSON ({e})") from None
+        _merge(config, extra)
+    return config
+
+
+def _merge(base: dict, extra: dict) -> None:
+    for k, v in extra.items():
+        if isinstance(v, dict) and isinstance(base.get(k), dict):
+            _merge(base[k], v)
+        else:
+            base[k] = v
+
+
+@dataclass
+class DeepSpeedParallelModel(ParallelModel):
+    cfg: Config | None = None
+    engine: Any = None  # deepspeed.DeepSpeedEngine, after build_optimizer
+
+    @classmethod
+    def wrap(cls, pm: ParallelModel, cfg: Config) -> "DeepSpeedParallelModel":
+        check_zero_with_tp(pm, "deepspeed")
+        if pm.tp_grad_syncs:
+            raise ConfigError("parallel.zero=deepspeed with parallel.sequence_parallel=true is not supported "
+                              "(DeepSpeed reduces gradients inside backward, before the tp sums of sequence-"
+                              "parallel norms); use parallel.zero=fsdp2")
+        for name, param in pm.module.named_parameters():
+            if name in pm.to_full:  # a tp shard: DeepSpeed counts its norm on every tp rank
+                param.tensor_model_parallel = True
+        out = cls(pm.module, pm.ctx, pm.loss_fn, pm.to_full, pm.to_local, pm.replicas, pm.tp_grad_syncs, cfg=cfg)
+        out.dp_sharded = True  # logical_state is a collective over dp
+        return out
+
+    # -- optimizer ----------------------------------------------------------------------------
+
+    def build_optimizer(self, cfg: Config) -> torch.optim.Optimizer:
+        if self.ctx.device.type == "cpu":
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        import deepspeed
+
+        from megatron_taper.optim import build_optimizer
+
+        if not torch.distributed.is_initialized():
+            raise ConfigError("parallel.zero=deepspeed needs torch.distributed (launch with torchrun)")
+        base = build_optimizer(self.module, cfg, self.ctx.device)
+        self.engine, optimizer, _, _ = deepspeed.initialize(
+            model=self.module, optimizer=base, config=deepspeed_config(cfg, self.ctx), mpu=TPGroups(self.ctx),
+            dist_init_required=False)
+        return optimizer
+
+    def forward_backward(self, micro_batches: list[torch.Tensor], autocast: Callable) -> torch.Tensor:
+        engine = self.engine
+        if engine.gradient_accumulation_steps() != len(micro_batches):
+            raise ConfigError(f"deepspeed: {len(micro_batches)} micro-batches per step, but the engine was built "
+                              f"for {engine.gradient_accumulation_steps()}")
+        total = torch.zeros((), device=self.ctx.device)
+        for i, tokens in enumerate(micro_batches):
+            tokens = tokens.to(self.ctx.device, non_blocking=True)
+            with autocast():
+                loss = self.loss_fn(engine(tokens[:, :-1]), tokens[:, 1:])
+            engine.backward(loss)  # scaled by 1 / gradient_accumulation_steps
+            if i < len(micro_batches) - 1:
+                engine.step()  # not a boundary: counts the micro-step, no update
+            total += loss.detach().float()
+        return total / len(micro_batches)
+
+    def reduce_gradients(self) -> None:  # DeepSpeed reduce-scatters inside backward
+        return None
+
+    def clip_gradients(self, max_norm: float) -> torch.Tensor:
+        raise NotImplementedError("deepspeed clips inside engine.step (gradient_clipping = train.grad_clip)")
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, max_norm: float,
+                       loss_finite: bool = True) -> tuple[torch.Tensor, bool]:
+        engine = self.engine
+        skipped = engine.skipped_steps
+        engine.step()  # boundary: global norm, clip, AdamW (skipped if the norm is non-finite), zero grads
+        stepped = engine.skipped_steps == skipped
+        norm = engine.get_global_grad_norm() if stepped else float("nan")
+        return torch.as_tensor(float(norm) if norm is not None else float("nan")), stepped
+
+    # -- checkpoints --------------------------------------------------------------------------
+
+    def logical_state(self, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+        step = self._adam_step()
+        model_state, optim_state = {}, {}
+        for name, param in self.module.named_parameters():
+            # all-gathers over dp (the fp32 master copy), then the tp gather
+            model_state[name] = self.full_tensor(name, safe_get_full_fp32_param(param)).cpu()
+            if step is None:
+                continue
+            state = {k: self.full_tensor(name, safe_get_full_optimizer_state(param, k)).cpu() for k in OPTIM_KEYS}
+            optim_state[name] = {"step": step.detach().cpu().clone(), **state}
+        return model_state, optim_state
+
+    def load_logical_state(self, optimizer: torch.optim.Optimizer, model_state: dict, optim_state: dict,
+                           missing: Callable[[str], Exception]) -> None:
+        import deepspeed
+        from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+        params = dict(self.module.named_parameters())
+        for name in params:
+            if name not in model_state:
+                raise missing(name)
+        for name, param in params.items():
+            value = self.local_tensor(name, model_state[name]).to(self.ctx.device)
+            with deepspeed.zero.GatheredParameters([param], modifier_rank=0):  # the working copy
+                with torch.no_grad():
+                    param.copy_(value.to(param.dtype))
+            safe_set_full_fp32_param(param, value.float())  # the fp32 master copy
+        if not optim_state:
+            return
+        step = next(iter(optim_state.values()))["step"]
+        self._init_adam_state(step)
+        for name, param in params.items():
+            if name in optim_state:
+                for k in OPTIM_KEYS:
+                    safe_set_full_optimizer_state(param, self.local_tensor(name, optim_state[name][k]).float(), k)
+
+    def save_native(self, folder: str) -> None:
+        """DeepSpeed's own checkpoint into folder/deepspeed/state/ (a collective; every rank writes)."""
+        self.engine.save_checkpoint(os.path.join(folder, NATIVE_DIR), tag=NATIVE_TAG, save_latest=False)
+
+    def load_native(self, folder: str, meta: dict) -> bool:
+        """Load DeepSpeed's own files when they fit this run (same engine, dp and tp); else False."""
+        layout = meta["layout"]
+        same = (meta["config"]["parallel"].get("zero") == "deepspeed" and layout["dp"] == self.ctx.dp
+                and layout["tp"] == self.ctx.tp and os.path.isdir(os.path.join(folder, NATIVE_DIR, NATIVE_TAG)))
+        if not same:
+            return False
+        path, _ = self.engine.load_checkpoint(os.path.join(folder, NATIVE_DIR), tag=NATIVE_TAG,
+                                              load_optimizer_states=True, load_lr_scheduler_states=False)
+        if path is None:
+            raise ConfigError(f"{folder}: DeepSpeed could not load its checkpoint files")
+        return True
+
+    def _inner_optimizer(self) -> torch.optim.Optimizer:
+        return self.engine.optimizer.optimizer  # the torch AdamW over DeepSpeed's fp32 partitions
+
+    def _adam_step(self) -> torch.Tensor | None:
+        for state in self._inner_optimizer().state.values():
+            if "step" in state:
+                return torch.as_tensor(state["step"]).float()
+        return None
+
+    def _init_adam_state(self, step: torch.Tensor) -> None:
+        """AdamW creates its state lazily at the first step; create it (zeros) so it can be set."""
+        inner = self._inner_optimizer()
+        for group in inner.param_groups:
+            for p in group["params"]:
+                state = inner.state[p]
+                for k in OPTIM_KEYS:
+                    state.setdefault(k, torch.zeros_like(p, memory_format=torch.preserve_format))
+                state["step"] = step.to(dtype=torch.float32, device=p.device).clone() \
+                    if group.get("fused") or group.get("capturable") else step.to(torch.float32).clone()
