@@ -73,10 +73,13 @@ def to_text(plan: PipelinePlan, name: str) -> str:
     lines = [f"{name}: pp={plan.pp}{v}, balance={plan.balance}",
              f"{'stage':>5} {'rank':>4} {'layers':>8} {'n':>3} {'GFLOP/tok':>10} {'share':>6} "
              f"{'params(M)':>10} {'p+g+opt(GiB)':>12} {'act(GiB)':>9}"]
+    profile = plan.balance == "profile"
+    if profile:
+        lines[1] += f" {'fwd+bwd ms':>10}"
     for c, s in enumerate(plan.stages):
         lines.append(f"{c:>5} {s.rank:>4} {_span(s.layers):>8} {len(s.layers):>3} {s.flops / 1e9:>10.3f} "
                      f"{s.flops / total:>6.1%} {s.params / 1e6:>10.1f} {s.static_bytes / 2**30:>12.2f} "
-                     f"{s.act_bytes / 2**30:>9.2f}")
+                     f"{s.act_bytes / 2**30:>9.2f}" + (f" {s.cost * 1e3:>10.2f}" if profile else ""))
     sizes = ", ".join(str(len(s)) for s in plan.uniform_stages)
     lines.append(f"bottleneck / ideal (FLOPs): {plan.bottleneck_over_ideal:.3f} for this split, "
                  f"{plan.uniform_bottleneck_over_ideal:.3f} for the layer-count split ({sizes} layers)")
