@@ -101,7 +101,7 @@ class PipelineParallelModel(ParallelModel):
                 ScheduleInterleaved1F1B,
             )
 
-            stages = [PipelineStage(_Contiguous(chunk), idx, self.n_stages, self.ctx.device, group=self.ctx.pp_group)
+            stages = [PipelineStage(chunk, idx, self.n_stages, self.ctx.device, group=self.ctx.pp_group)
                       for chunk, idx in zip(self.chunks, self.chunk_ids)]
             for stage in stages:
                 self._time_compute(stage)
@@ -147,19 +147,20 @@ class _DenseGrad(torch.autograd.Function):
         return grad.contiguous()
 
 
-class _Contiguous(nn.Module):
-    """Runs a stage with a contiguous output and input gradient: the p2p receive buffers are
-    built from their layouts and must be dense, while sequence parallelism leaves strided ones
-    (the reduce-scatter at a stage's end, the all-gather's backward at the next one's start)."""
+def dense_stage_io(chunk: nn.Module) -> None:
+    """Give a stage a contiguous output and input gradient. The p2p receive buffers are built
+    from their layouts and must be dense, while sequence parallelism leaves strided ones (the
+    reduce-scatter at a stage's end, the all-gather's backward at the next one's start). Hooks,
+    not a wrapper, so that the pipelining stage still sees an FSDP root as its module."""
 
-    def __init__(self, stage: nn.Module):
-        super().__init__()
-        self.stage = stage
+    def pre(_module, args):
+        return tuple(_DenseGrad.apply(a) if torch.is_tensor(a) and a.requires_grad else a for a in args)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_floating_point() and x.requires_grad:
-            x = _DenseGrad.apply(x)
-        return self.stage(x).contiguous()
+    def post(_module, _args, output):
+        return output.contiguous() if torch.is_tensor(output) else output
+
+    chunk.register_forward_pre_hook(pre)
+    chunk.register_forward_hook(post)
 
 
 def check_microbatches(n_micro: int, pp: int, schedule: str, rows: int) -> None:
@@ -254,6 +255,8 @@ def build_pipeline(model: nn.Module, ctx: ParallelContext, cfg: Config,
         chunks = [module]
     else:
         chunks = [chunk_view(module, plan.stages[c].layers, c == 0, c == n_stages - 1) for c in chunk_ids]
+    for chunk in chunks:
+        dense_stage_io(chunk)
     base = {f.name: getattr(inner, f.name) for f in dataclasses.fields(ParallelModel)}
     return PipelineParallelModel(**base, plan=plan, chunks=chunks, chunk_ids=chunk_ids,
                                  schedule_name=cfg.parallel.pp_schedule, microbatches=cfg.parallel.microbatches)

@@ -109,14 +109,11 @@ def _loop(overrides: list[str], steps: int = 3) -> dict:
     model = build_model(cfg.model)
     model.init_weights(cfg.train.seed)
     pm = parallelize(model, ctx, cfg)
-    opt = torch.optim.AdamW(pm.module.parameters(), lr=cfg.train.lr)
+    opt = pm.build_optimizer(cfg)
     out: dict = {"loss": [], "grad_norm": [], "layers": sorted(int(k) for k in pm.module.layers.keys())}
     for step in range(steps):
         out["loss"].append(float(pm.forward_backward(_batches(step, cfg), contextlib.nullcontext)))
-        pm.reduce_gradients()
-        out["grad_norm"].append(float(pm.clip_gradients(cfg.train.grad_clip)))
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        out["grad_norm"].append(float(pm.optimizer_step(opt, cfg.train.grad_clip)[0]))
     out["eval_loss"] = [float(pm.evaluate(_batches(99, cfg)[0], contextlib.nullcontext))]
     return out
 
@@ -166,15 +163,17 @@ def test_schedules_agree_and_bad_inputs():
         assert r["gpipe_warning"]
 
 
-def _with_sequence_parallel() -> dict:
-    base = ["parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true"]
-    return {name: _loop(base + [f"parallel.pp_schedule={name}"]) for name in ("1f1b", "interleaved_1f1b")}
+def _four_process_variants() -> dict:
+    sp = ["parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true"]
+    out = {name: _loop(sp + [f"parallel.pp_schedule={name}"]) for name in ("1f1b", "interleaved_1f1b")}
+    out["fsdp2"] = _loop(["parallel.pp=2", "parallel.zero=fsdp2"])  # dp=2, same batches on both
+    return out
 
 
-def test_pp2_tp2_sequence_parallel_and_interleaved():
-    # sequence-parallel stages end in strided slices: the stage wrapper must send dense tensors
+def test_pp2_with_sequence_parallel_interleaving_and_fsdp2():
+    # sequence-parallel stages end in strided slices: stages must still send dense tensors
     ref = _loop([])
-    for r in run_distributed(_with_sequence_parallel, 4, timeout=150):
+    for r in run_distributed(_four_process_variants, 4, timeout=150):
         for name, got in r.items():
             for key in ("loss", "eval_loss"):
                 assert max(abs(a - b) for a, b in zip(got[key], ref[key])) < LOSS_ATOL, (name, key)
