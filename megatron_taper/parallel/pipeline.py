@@ -250,6 +250,8 @@ def build_pipeline(model: nn.Module, ctx: ParallelContext, cfg: Config,
     own = sorted(i for c in chunk_ids for i in plan.stages[c].layers)
     module = strip_model(model, own, 0 in chunk_ids, n_stages - 1 in chunk_ids)
     inner = parallelize_stage(module, ctx, cfg)
+    # the pipeline copies the stage's fields; an engine with its own methods would lose them
+    assert type(inner) is ParallelModel, f"{type(inner).__name__} cannot be pipelined"
     module = inner.module
     if len(chunk_ids) == 1:
         chunks = [module]
