@@ -5,6 +5,15 @@ import sys
 import textwrap
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# Loads the module from its file, without the package (whose __init__ imports torch: seconds).
+LOAD = f"""
+import importlib.util
+spec = importlib.util.spec_from_file_location(
+    "compat", {os.path.join(REPO, "megatron_taper", "data", "torchvision_compat.py")!r})
+compat = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(compat)
+ensure_torchvision, is_standin = compat.ensure_torchvision, compat.is_standin
+"""
 
 
 def _fake_torchvision(root, init_body):
@@ -17,10 +26,14 @@ def _fake_torchvision(root, init_body):
     return str(root)
 
 
-def _run(code, pythonpath=None):
+def _run(code, pythonpath=None, load=False):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (pythonpath, REPO, env.get("PYTHONPATH")) if p)
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True,
+    code = textwrap.dedent(code)
+    if load:  # after the test's own set-up lines (a meta-path blocker must come first)
+        head, tail = code.split("# load\n")
+        code = head + LOAD + tail
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout
@@ -30,13 +43,13 @@ def test_a_working_torchvision_is_used_as_is(tmp_path):
     path = _fake_torchvision(tmp_path, "__version__ = '9.9.9+working'\nfrom . import datasets, transforms\n")
     out = _run("""
         import sys
-        from megatron_taper.data.torchvision_compat import ensure_torchvision, is_standin
+        # load
         assert ensure_torchvision() is True
         tv = sys.modules["torchvision"]
         assert tv.__version__ == "9.9.9+working" and not is_standin(tv) and tv.datasets.VisionDataset.real
         assert ensure_torchvision() is True
         print("ok")
-    """, path)
+    """, path, load=True)
     assert out.strip() == "ok"
 
 
@@ -72,11 +85,12 @@ def test_a_missing_torchvision_gets_the_standin():
                 if name == "torchvision" or name.startswith("torchvision."):
                     raise ImportError("blocked for the test")
         sys.meta_path.insert(0, Block())
-        from megatron_taper.data.torchvision_compat import ensure_torchvision, is_standin
+        # load
         assert ensure_torchvision() is False and is_standin(sys.modules["torchvision"])
         import importlib.util
         assert importlib.util.find_spec("torchvision") is not None  # transformers probes this
         from torchvision.transforms.functional import to_tensor
+        assert "torch" not in sys.modules
         print("ok")
-    """)
+    """, load=True)
     assert out.strip() == "ok"
