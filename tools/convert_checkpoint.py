@@ -1,0 +1,93 @@
+"""Consolidate a training checkpoint into one safetensors file plus its config.
+
+    python tools/convert_checkpoint.py runs/X/checkpoints/step-N --output exported/ [--source auto]
+
+Reads any checkpoint the Trainer writes (parallel.zero = none | fsdp2 | deepspeed, any pp/dp/tp
+layout): the folder is first verified against its meta.json (sizes and sha256), then
+  --source logical     the logical per-stage files (model-pp*.pt), present in every checkpoint
+  --source deepspeed   DeepSpeed's own ZeRO files (deepspeed/state/), consolidated with
+                       DeepSpeed's zero_to_fp32 (only for parallel.tp=1 checkpoints: ZeRO's
+                       files hold tp-local shards otherwise)
+  --source auto        logical when present, else deepspeed
+Writes OUTPUT/model.safetensors (fp32 unless --dtype, full logical tensors keyed by parameter
+name, metadata: step, source), OUTPUT/config.yaml (the run's resolved config) and prints one JSON
+line: path, tensors, parameters, step, source. Writing goes through a temporary name + rename.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_taper.checkpoint import CheckpointError, load_logical, verify_checkpoint  # noqa: E402
+from megatron_taper.config import from_dict, save_config  # noqa: E402
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def consolidated_state(path: str, source: str = "auto") -> tuple[dict[str, torch.Tensor], dict, str]:
+    """(full tensors by name, checkpoint metadata, source used) of a verified checkpoint."""
+    meta = verify_checkpoint(path)
+    has_logical = any(n.startswith("model-pp") for n in meta["files"])
+    native = os.path.join(path, "deepspeed")
+    if source == "auto":
+        source = "logical" if has_logical else "deepspeed"
+    if source == "logical":
+        if not has_logical:
+            raise CheckpointError(f"{path}: no logical model files (model-pp*.pt); try --source deepspeed")
+        state, _ = load_logical(path, meta)
+        return state, meta, source
+    if source != "deepspeed":
+        raise ValueError(f"--source={source!r} is not one of: auto, logical, deepspeed")
+    if not os.path.isdir(native):
+        raise CheckpointError(f"{path}: no DeepSpeed files (deepspeed/); written with parallel.zero="
+                              f"{meta['config']['parallel'].get('zero')}")
+    if meta["layout"]["tp"] != 1:
+        raise CheckpointError(f"{path}: DeepSpeed's zero_to_fp32 cannot merge tp={meta['layout']['tp']} shards; "
+                              f"use --source logical")
+    os.environ.setdefault("DS_ACCELERATOR", "cpu" if not torch.cuda.is_available() else "cuda")
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    from megatron_taper.parallel.zero_deepspeed import NATIVE_TAG
+
+    state = get_fp32_state_dict_from_zero_checkpoint(native, tag=NATIVE_TAG)
+    return dict(state), meta, source
+
+
+def convert(path: str, output: str, source: str = "auto", dtype: str = "fp32") -> dict:
+    from safetensors.torch import save_file
+
+    state, meta, used = consolidated_state(path, source)
+    tensors = {k: v.detach().to(DTYPES[dtype]).contiguous().clone() for k, v in sorted(state.items())}
+    os.makedirs(output, exist_ok=True)
+    target = os.path.join(output, "model.safetensors")
+    save_file(tensors, target + ".tmp", metadata={"format": "pt", "step": str(meta["step"]), "source": used})
+    os.replace(target + ".tmp", target)
+    cfg = from_dict(meta["config"], source=os.path.join(path, "meta.json"))
+    save_config(cfg, os.path.join(output, "config.yaml"))
+    return {"path": target, "tensors": len(tensors), "parameters": sum(t.numel() for t in tensors.values()),
+            "step": meta["step"], "source": used}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("checkpoint", help="a checkpoint folder (run.dir/checkpoints/step-N)")
+    parser.add_argument("--output", required=True, help="folder for model.safetensors and config.yaml")
+    parser.add_argument("--source", default="auto", choices=("auto", "logical", "deepspeed"))
+    parser.add_argument("--dtype", default="fp32", choices=tuple(DTYPES))
+    args = parser.parse_args(argv)
+    try:
+        print(json.dumps(convert(args.checkpoint, args.output, args.source, args.dtype)))
+    except (CheckpointError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
