@@ -7,7 +7,8 @@
 # 2. trains a byte-exact BPE tokenizer on the embedded corpus (the Python standard library's
 #    sources, found through sysconfig) and writes MDS shards with a held-out split, into a cache
 #    folder that later runs reuse;
-# 3. trains configs/tiny_taper.yaml with 2 processes on CPU (torchrun, gloo) and prints the
+# 3. trains configs/tiny_taper.yaml with 2 processes on CPU (torchrun, gloo), parameters,
+#    gradients and AdamW state sharded over them (ZeRO-3, parallel.zero=fsdp2), and prints the
 #    held-out loss. A second run finds the finished run folder, resumes from its last checkpoint
 #    and only evaluates; pass run.resume=never or set RUN_DIR for a new run.
 #
@@ -46,7 +47,7 @@ fi
 
 echo "[quickstart] training $config with ${NPROC:-2} processes on CPU into $run_dir"
 "$venv/bin/torchrun" --standalone --nproc-per-node "${NPROC:-2}" -m megatron_taper.train --config "$config" \
-  "data.path=$data" "run.dir=$run_dir" train.device=cpu "$@"
+  "data.path=$data" "run.dir=$run_dir" train.device=cpu parallel.zero=fsdp2 "$@"
 
 "$py" - "$run_dir/metrics.jsonl" <<'PY'
 import json, sys

@@ -169,3 +169,41 @@ def test_convert_checkpoint_from_every_kind(runs, tmp_path):
     assert all(torch.equal(ds_logical[k], ds_native[k]) for k in ds_logical)
     ref, fsdp = exported[("ref", "logical")], exported[("fsdp2_dp2", "logical")]
     assert sorted(ref) == sorted(fsdp) and all(torch.allclose(ref[k], fsdp[k], atol=1e-4) for k in ref)
+
+
+def _bf16_step(overrides):
+    from torch.distributed.tensor import DTensor
+
+    from megatron_taper.config import load_config
+    from megatron_taper.train import Trainer
+
+    trainer = Trainer(load_config(None, overrides))
+    block = trainer.pm.module.layers["0"]
+    seen = []
+    block.mlp.register_forward_pre_hook(lambda m, args: seen.append((m.w1.weight.dtype, args[0].dtype)))
+    record = trainer.train_step()
+    params = list(trainer.pm.module.parameters())
+    return {"compute": seen[0], "masters": {p.dtype for p in params},
+            "sharded": all(isinstance(p, DTensor) for p in params),
+            "state": {v.dtype for s in trainer.optimizer.state.values() for v in s.values() if v.dim()},
+            "loss": record["loss"]}
+
+
+def test_fsdp2_bf16_computes_in_bf16_from_fp32_shards(runs, tmp_path):
+    args = _args(tmp_path / "bf16", runs["data"], "parallel.zero=fsdp2", "train.precision=bf16")
+    out = run_distributed(_bf16_step, 2, args, timeout=120, env=ENV)
+    for r in out:
+        assert r["compute"] == (torch.bfloat16, torch.bfloat16)  # gathered weights and activations
+        assert r["masters"] == {torch.float32} and r["sharded"] and r["state"] == {torch.float32}
+        assert abs(r["loss"] - runs["ref"][1]) < 2e-2  # the first loss, before any update
+
+
+def test_unsupported_combinations_are_refused():
+    from megatron_taper.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="parallel.zero=deepspeed with parallel.pp=2"):
+        load_config(None, ["parallel.zero=deepspeed", "parallel.pp=2"])
+    with pytest.raises(ConfigError, match="interleaved_1f1b"):
+        load_config(None, ["parallel.zero=fsdp2", "parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b"])
+    with pytest.raises(ConfigError, match="parallel.deepspeed.offload_optimizer=nvme needs"):
+        load_config(None, ["parallel.zero=deepspeed", "parallel.deepspeed.offload_optimizer=nvme"])

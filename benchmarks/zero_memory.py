@@ -1,0 +1,131 @@
+"""Per-rank memory of parameters, gradients and optimizer state under ZeRO-3, measured.
+
+    python benchmarks/zero_memory.py [--engines fsdp2,deepspeed] [key=value ...]
+
+Runs one training step of the model (default: 4 layers, d=128, tapered; override with key=value)
+at dp=1 (parallel.zero=none: the unsharded total) and at dp=2 for each engine, each in its own
+torchrun job on CPU/gloo, and prints one JSON object: per engine and rank the bytes this rank
+holds, measured from the live tensors (not computed from shapes):
+  params_bytes   parameters (fsdp2: the local DTensor shards; deepspeed: the ZeRO partitions
+                 `ds_tensor`, with parallel.deepspeed.param_persistence_threshold=0 so that no
+                 parameter stays whole)
+  grads_bytes    gradients after backward, before the optimizer step (fsdp2: the reduce-scattered
+                 local shards; deepspeed: its flat gradient partition buffer)
+  optim_bytes    AdamW state (exp_avg, exp_avg_sq, step) after the step
+  master_bytes   deepspeed only: its fp32 master partitions (a second copy even in fp32)
+next to `ideal_*` = the dp=1 total / dp. Shards are uneven when a tensor's first dimension does
+not divide by dp (FSDP2 pads nothing in its local view; DeepSpeed pads partitions).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+DEFAULT = ["model.n_layers=4", "model.d_model=128", "model.n_heads=4", "model.mlp_width=384",
+           "model.vocab_size=4096", "model.seq_len=64", "model.taper.multiple=32",
+           "train.global_batch=4", "train.micro_batch=2", "train.device=cpu", "train.precision=fp32",
+           "parallel.deepspeed.param_persistence_threshold=0"]
+
+
+def _nbytes(tensors) -> int:
+    total = 0
+    for t in tensors:
+        if t is None:
+            continue
+        t = t.to_local() if hasattr(t, "to_local") else t
+        total += t.numel() * t.element_size()
+    return total
+
+
+def worker(engine: str, overrides: list[str], out: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from megatron_taper.config import load_config
+    from megatron_taper.models import build_model
+    from megatron_taper.parallel import parallelize
+    from megatron_taper.parallel.context import init_parallel, shutdown
+
+    cfg = load_config(None, DEFAULT + overrides + [f"parallel.zero={engine}"])
+    ctx = init_parallel(cfg.parallel, cfg.model, "cpu")
+    if ctx.mesh is None and int(os.environ.get("WORLD_SIZE", 1)) == 1 and engine == "deepspeed":
+        raise SystemExit("deepspeed needs dp >= 2 here")
+    model = build_model(cfg.model)
+    model.init_weights(cfg.train.seed)
+    pm = parallelize(model, ctx, cfg)
+    optimizer = pm.build_optimizer(cfg)
+    accum = cfg.train.global_batch // (cfg.train.micro_batch * ctx.dp)
+    gen = torch.Generator().manual_seed(ctx.dp_rank)
+    batches = [torch.randint(0, cfg.model.vocab_size, (cfg.train.micro_batch, cfg.model.seq_len + 1), generator=gen)
+               for _ in range(accum)]
+    params = list(pm.module.parameters())
+    pm.forward_backward(batches, contextlib.nullcontext)
+    row = {"engine": engine, "dp": ctx.dp, "rank": ctx.rank}
+    if engine == "deepspeed":
+        zero = pm.engine.optimizer
+        row["params_bytes"] = _nbytes(p.ds_tensor for p in params)
+        row["grads_bytes"] = _nbytes([zero.grad_partitions_flat_buffer])
+    else:
+        row["params_bytes"] = _nbytes(params)
+        row["grads_bytes"] = _nbytes(p.grad for p in params)
+    pm.optimizer_step(optimizer, cfg.train.grad_clip)
+    if engine == "deepspeed":
+        inner = pm.engine.optimizer.optimizer
+        row["optim_bytes"] = _nbytes(v for s in inner.state.values() for v in s.values() if torch.is_tensor(v))
+        row["master_bytes"] = _nbytes(pm.engine.optimizer.fp32_partitioned_groups_flat)
+    else:
+        row["optim_bytes"] = _nbytes(v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v))
+    rows = [row]
+    if ctx.mesh is not None:
+        rows = [None] * ctx.world_size
+        dist.all_gather_object(rows, row)
+    if ctx.is_main:
+        with open(out, "w") as f:
+            json.dump(rows, f)
+    shutdown(ctx)
+
+
+def launch(engine: str, dp: int, overrides: list[str]) -> list[dict]:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "rows.json")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(dp), "--standalone",
+               os.path.abspath(__file__), "--worker", engine, "--out", out, *overrides]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        env.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(REPO, ".cache", "torch_extensions"))
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise SystemExit(f"{engine} dp={dp} failed:\n{proc.stderr[-4000:]}")
+        with open(out) as f:
+            return json.load(f)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--engines", default="fsdp2,deepspeed")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args()
+    if args.worker:
+        worker(args.worker, args.overrides, args.out)
+        return
+    total = launch("none", 1, args.overrides)[0]
+    report = {"total_dp1": {k: total[k] for k in ("params_bytes", "grads_bytes", "optim_bytes")}, "dp2": []}
+    for engine in args.engines.split(","):
+        for row in launch(engine, 2, args.overrides):
+            for k in ("params_bytes", "grads_bytes", "optim_bytes"):
+                row["ideal_" + k] = total[k] / 2
+            report["dp2"].append(row)
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()
