@@ -49,7 +49,8 @@ class TitansConfig:
     memory_depth: int = 2  # layers of the memory MLP (1 = a linear memory)
     memory_expansion: int = 2  # hidden width of a deep memory, in multiples of head_dim
     chunk_size: int = 16  # tokens whose memory gradients are taken at the chunk's starting state
-    max_lr: float = 0.1  # upper bound of the data-dependent inner learning rate theta_t
+    max_lr: float = 0.01  # upper bound of the data-dependent inner learning rate theta_t (chunked updates
+    # stay stable while max_lr * chunk_size / (1 - momentum) is O(1))
     momentum_init: float = 0.9  # eta_t at initialisation (a fixed logit offset)
     forget_init: float = 0.01  # alpha_t at initialisation (a fixed logit offset)
 
@@ -95,6 +96,11 @@ class ModelConfig:
     gated: GatedAttentionConfig = field(default_factory=GatedAttentionConfig)
     titans: TitansConfig = field(default_factory=TitansConfig)
     hope: HopeConfig = field(default_factory=HopeConfig)
+
+    def architecture_dict(self) -> dict[str, Any]:
+        """The keys that shape this architecture: the other families' sections are left out."""
+        other = {"gated": "gated_attention", "titans": "titans", "hope": "hope_attention"}
+        return {k: v for k, v in dataclasses.asdict(self).items() if other.get(k, self.arch) == self.arch}
 
     @property
     def kv_heads(self) -> int:

@@ -1,7 +1,7 @@
 """Titans (Behrouz et al. 2024, arXiv 2501.00663): attention plus a neural long-term memory.
 
 Neural memory, per head (H heads of size E), for tokens t = 1..T:
-    k_t = l2norm(silu(W_k x_t)), v_t = silu(W_v x_t), q_t = l2norm(silu(W_q x_t))
+    k_t = l2norm(silu(W_k x_t)), v_t = l2norm(silu(W_v x_t)), q_t = l2norm(silu(W_q x_t))
     theta_t = max_lr * sigmoid(.), eta_t = sigmoid(. + logit(momentum_init)),
     alpha_t = sigmoid(. + logit(forget_init))                  (one linear map x_t -> [H, 3])
     S_t = eta_t S_{t-1} - theta_t grad_M ||M_{t-1}(k_t) - v_t||^2        (surprise, momentum)
@@ -27,7 +27,9 @@ Blocks (the MLP after the mixer has this layer's tapered width, as in the Transf
          writes y                                                          (memory as context)
 P are `persistent_tokens` learnable tokens, visible to every query; SWA is causal attention over
 the last `window` tokens plus P. Deviations from the paper: no depthwise convolution on q, k, v;
-the output combination is a plain sigmoid gate.
+the output combination is a plain sigmoid gate; values are l2-normalised like keys (bounded
+targets keep the chunked inner optimisation of a deep memory stable); each head's read is
+RMS-normalised with its own gains before wo.
 """
 from __future__ import annotations
 
@@ -84,7 +86,7 @@ class NeuralMemory(nn.Module):
     def project(self, x_kv: torch.Tensor, x_q: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """k, v, q: [B, H, T, E]; theta, log eta, log (1 - alpha): [B, H, T]."""
         k = F.normalize(self.heads(self.wk, x_kv), dim=-1)
-        v = self.heads(self.wv, x_kv)
+        v = F.normalize(self.heads(self.wv, x_kv), dim=-1)
         g = self.gates(x_kv).unflatten(-1, (-1, 3)).permute(3, 0, 2, 1)  # [3, B, H, T]
         theta = self.max_lr * torch.sigmoid(g[0])
         log_eta = F.logsigmoid(g[1] + self.eta_offset)

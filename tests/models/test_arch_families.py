@@ -84,9 +84,10 @@ def test_gated_attention_gate_is_applied_per_head():
 
 
 # Titans memory: the chunked parallel form against the token-by-token recurrence (float64).
-# Measured relative error of the reads at the defaults (theta <= 0.1) on these inputs: ~1e-16
-# at C=1, 2e-2 at C=2, 5e-2 at C=4, 0.12 at C=8 (depth 2); it is first order in theta.
-CHUNK_TOLERANCE = {1: 1e-12, 2: 0.05, 4: 0.1, 8: 0.2}
+# Measured relative error of the reads at the default max_lr=0.01 on these inputs (depth 1/2/3):
+# ~5e-16 at C=1; 1.2-1.9e-3 at C=2; 3-5e-3 at C=4; 0.7-1.1e-2 at C=8; 1.3-2.2e-2 at C=16.
+# It is first order in theta (at max_lr=0.1: ~0.1-0.15 at C=8, 0.2-0.35 at C=16).
+CHUNK_TOLERANCE = {1: 1e-12, 2: 5e-3, 4: 1e-2, 8: 2e-2, 16: 4e-2}
 
 
 def memory_case(depth: int, *extra: str):
@@ -111,7 +112,7 @@ def test_titans_chunked_memory_matches_token_by_token_reference(depth):
         if chunk == 1:
             for a, b in zip(w + s, ref_w + ref_s):
                 torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
-    assert errors[2] < errors[4] < errors[8]
+    assert errors[2] < errors[4] < errors[8] < errors[16]
 
 
 def test_titans_chunk_error_vanishes_with_the_inner_learning_rate():
