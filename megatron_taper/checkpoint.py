@@ -163,8 +163,9 @@ def _hash_tree(root: str, skip: set[str]) -> dict[str, dict]:
 
 def _check_compatible(meta: dict, cfg: Config, path: str) -> None:
     # keys added to the config after the checkpoint was written count with their default value
-    saved = {**_flatten(dataclasses.asdict(ModelConfig())), **_flatten(meta["config"]["model"])}
-    current = _flatten(cfg.to_dict()["model"])
+    saved_cfg = ModelConfig(arch=cfg.model.arch).architecture_dict()
+    saved = {**_flatten(saved_cfg), **_flatten(meta["config"]["model"])}
+    current = _flatten(cfg.model.architecture_dict())
     diffs = [f"model.{k}: checkpoint {saved.get(k)!r} vs now {v!r}" for k, v in current.items() if saved.get(k) != v]
     if diffs:
         raise CheckpointError(f"{path} was written for another model; differing keys:\n  " + "\n  ".join(diffs))
