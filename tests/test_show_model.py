@@ -2,7 +2,7 @@ import json
 import subprocess
 import sys
 
-from conftest import REPO
+from runner import REPO
 
 
 def show(*args):

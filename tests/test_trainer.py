@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, TINY, losses, read_metrics, run_train
+from runner import REPO, TINY, losses, read_metrics, run_train
 from megatron_taper.train import main
 
 

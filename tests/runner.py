@@ -1,0 +1,58 @@
+"""Helpers shared by the suite (imported as `runner`): real text as tokens and a Trainer runner."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+
+# A tiny model that trains in a few seconds on one CPU core; byte-level tokens (vocab 256).
+TINY = [
+    "model.n_layers=3", "model.d_model=64", "model.n_heads=4", "model.mlp_width=160",
+    "model.vocab_size=256", "model.seq_len=32", "model.taper.multiple=16",
+    "train.global_batch=8", "train.micro_batch=4", "train.lr=3e-3", "train.warmup_steps=5",
+    "train.log_interval=1", "train.eval_batches=2", "run.tensorboard=false",
+]
+
+
+def stdlib_bytes(limit: int = 1_500_000) -> bytes:
+    """Real English-and-code text every machine has: the standard library's sources, sorted."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    out, total = [], 0
+    for path in sorted(root.glob("*.py")):
+        data = path.read_bytes()
+        out.append(data)
+        total += len(data)
+        if total >= limit:
+            break
+    return b"".join(out)
+
+
+def run_train(args: list[str], nproc: int = 1, check: bool = True, timeout: float = 300,
+              env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run the Trainer in a fresh process (torchrun when nproc > 1)."""
+    if nproc > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+               "--standalone", "-m", "megatron_taper.train", *args]
+    else:
+        cmd = [sys.executable, "-m", "megatron_taper.train", *args]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    proc = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"trainer exited {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-5000:]}")
+    return proc
+
+
+def read_metrics(run_dir: str | Path) -> list[dict]:
+    with open(Path(run_dir) / "metrics.jsonl") as f:
+        return [json.loads(line) for line in f]
+
+
+def losses(run_dir: str | Path) -> list[float]:
+    return [r["loss"] for r in read_metrics(run_dir) if "loss" in r]
