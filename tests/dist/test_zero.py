@@ -149,27 +149,37 @@ def test_deepspeed_checkpoint_same_size_and_another_size(runs, tmp_path):
 
 
 def test_convert_checkpoint_from_every_kind(runs, tmp_path):
+    """The command line once (DeepSpeed's own files, in a fresh process), the logical files of
+    every engine through the same function in-process."""
+    import importlib.util
+
     from safetensors.torch import load_file
 
-    sources = [("ref", "logical"), ("fsdp2_dp2", "logical"), ("ds_dp2", "logical"), ("ds_dp2", "deepspeed")]
-    exported = {}
-    for run, source in sources:
-        out = tmp_path / f"{run}-{source}"
-        proc = subprocess.run([sys.executable, "tools/convert_checkpoint.py",
-                               str(runs["root"] / run / "checkpoints" / "step-10"), "--output", str(out),
-                               "--source", source], cwd=REPO, capture_output=True, text=True,
-                              env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=120)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        info = json.loads(proc.stdout.strip().splitlines()[-1])
-        assert info["step"] == 10 and info["source"] == source
-        assert (out / "config.yaml").is_file()
-        exported[(run, source)] = load_file(str(out / "model.safetensors"))
+    spec = importlib.util.spec_from_file_location("convert_checkpoint", REPO / "tools" / "convert_checkpoint.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+
+    def step10(run):
+        return runs["root"] / run / "checkpoints" / "step-10"
+
+    out = tmp_path / "ds_dp2-deepspeed"
+    proc = subprocess.run([sys.executable, "tools/convert_checkpoint.py", str(step10("ds_dp2")), "--output", str(out),
+                           "--source", "deepspeed"], cwd=REPO, capture_output=True, text=True,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    info = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert info["step"] == 10 and info["source"] == "deepspeed" and (out / "config.yaml").is_file()
+    exported = {("ds_dp2", "deepspeed"): load_file(str(out / "model.safetensors"))}
+    for run in ("ref", "fsdp2_dp2", "ds_dp2"):
+        out = tmp_path / f"{run}-logical"
+        info = tool.convert(str(step10(run)), str(out), source="auto")
+        assert info["step"] == 10 and info["source"] == "logical" and (out / "config.yaml").is_file()
+        exported[(run, "logical")] = load_file(str(out / "model.safetensors"))
     ds_logical, ds_native = exported[("ds_dp2", "logical")], exported[("ds_dp2", "deepspeed")]
     assert sorted(ds_logical) == sorted(ds_native)
     assert all(torch.equal(ds_logical[k], ds_native[k]) for k in ds_logical)
     ref, fsdp = exported[("ref", "logical")], exported[("fsdp2_dp2", "logical")]
     assert sorted(ref) == sorted(fsdp) and all(torch.allclose(ref[k], fsdp[k], atol=1e-4) for k in ref)
-
 
 def _bf16_step(overrides):
     from torch.distributed.tensor import DTensor
