@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.machinery
+import importlib.util
 import sys
 import types
 
@@ -22,6 +23,12 @@ _STANDIN_MODULES = ("torchvision", "torchvision.datasets", "torchvision.transfor
 def import_streaming() -> types.ModuleType:
     """Import and return the `streaming` package, with the torchvision stand-in if needed."""
     if "streaming" not in sys.modules:
+        if importlib.util.find_spec("streaming") is None:
+            raise ValueError(
+                "data: MDS shards need mosaicml-streaming, which is not installed; run `bash launch/install.sh` "
+                "(it installs mosaicml-streaming==0.13.0 with --no-deps plus launch/requirements-lean.txt, "
+                "because its declared dependencies would replace torch), or use data.path=<tokens>.npy"
+            )
         ensure_torchvision()
     return importlib.import_module("streaming")
 
