@@ -97,6 +97,14 @@ def test_3d_matches_one_process(runs, tmp_path, layout, engine):
     assert len(_losses(tmp_path / "run")) == 10 and diff < TOL
 
 
+def test_deepspeed_cpu_offload_matches_one_process(runs, tmp_path):
+    _run(2, tmp_path / "run", runs["data"], "parallel.zero=deepspeed", "parallel.deepspeed.offload_optimizer=cpu",
+         "parallel.deepspeed.offload_param=cpu")
+    diff = _max_diff(_losses(tmp_path / "run"), runs["ref"])
+    print(f"dp=2 deepspeed, optimizer + parameters offloaded to CPU: max |loss - one process| = {diff:.1e}")
+    assert len(_losses(tmp_path / "run")) == 10 and diff < TOL
+
+
 @pytest.mark.parametrize("nproc,extra", [(1, []), (2, ["parallel.tp=2"])], ids=["dp1", "tp2"])
 def test_fsdp2_checkpoint_resumes_on_another_layout(runs, tmp_path, nproc, extra):
     saved = runs["root"] / "fsdp2_dp2"
