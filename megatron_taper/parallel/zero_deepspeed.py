@@ -131,6 +131,9 @@ class DeepSpeedParallelModel(ParallelModel):
 
     @classmethod
     def wrap(cls, pm: ParallelModel, cfg: Config) -> "DeepSpeedParallelModel":
+        if pm.ctx.mesh is None:
+            raise ConfigError("parallel.zero=deepspeed needs more than one process (torchrun --nproc-per-node N, "
+                              "N >= 2); with one process use parallel.zero=none")
         check_zero_with_tp(pm, "deepspeed")
         if pm.tp_grad_syncs:
             raise ConfigError("parallel.zero=deepspeed with parallel.sequence_parallel=true is not supported "
@@ -152,8 +155,6 @@ class DeepSpeedParallelModel(ParallelModel):
 
         from megatron_taper.optim import build_optimizer
 
-        if not torch.distributed.is_initialized():
-            raise ConfigError("parallel.zero=deepspeed needs torch.distributed (launch with torchrun)")
         base = build_optimizer(self.module, cfg, self.ctx.device)
         self.engine, optimizer, _, _ = deepspeed.initialize(
             model=self.module, optimizer=base, config=deepspeed_config(cfg, self.ctx), mpu=TPGroups(self.ctx),

@@ -225,3 +225,29 @@ def test_unsupported_combinations_are_refused():
         load_config(None, ["parallel.zero=fsdp2", "parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b"])
     with pytest.raises(ConfigError, match="parallel.deepspeed.offload_optimizer=nvme needs"):
         load_config(None, ["parallel.zero=deepspeed", "parallel.deepspeed.offload_optimizer=nvme"])
+
+    from megatron_taper.models import build_model
+    from megatron_taper.parallel import parallelize
+    from megatron_taper.parallel.context import ParallelContext
+
+    cfg = load_config(None, MODEL + ["parallel.zero=deepspeed"])
+    with pytest.raises(ConfigError, match="more than one process"):
+        parallelize(build_model(cfg.model), ParallelContext(1, 0, 0, 1, 1, 1, torch.device("cpu")), cfg)
+    for engine in ("fsdp2", "deepspeed"):  # tp=2 > model.n_kv_heads=1: kv heads replicated over tp ranks
+        errors = run_distributed(_refusal, 4, MODEL + ["model.n_kv_heads=1", "parallel.tp=2",
+                                                       f"parallel.zero={engine}"], timeout=60, env=ENV)
+        assert all("model.n_kv_heads" in e for e in errors), errors
+
+
+def _refusal(overrides):
+    from megatron_taper.config import ConfigError, load_config
+    from megatron_taper.models import build_model
+    from megatron_taper.parallel import parallelize
+    from megatron_taper.parallel.context import init_parallel
+
+    cfg = load_config(None, overrides + ["train.device=cpu"])
+    try:
+        parallelize(build_model(cfg.model), init_parallel(cfg.parallel, cfg.model, "cpu"), cfg)
+    except ConfigError as e:
+        return str(e)
+    return "not refused"
