@@ -161,7 +161,8 @@ class NeuralMemory(nn.Module):
         new_w, new_s = [], []
         for layer in range(n):
             a_t, d = acts[layer].transpose(-1, -2), deltas[layer]
-            new_w.append(keep_w[..., -1:, :] * weights[layer] + keep_s[..., -1:, :] * surprise[layer] - a_t @ (last * d))
+            new_w.append(keep_w[..., -1:, :] * weights[layer] + keep_s[..., -1:, :] * surprise[layer]
+                         - a_t @ (last * d))
             new_s.append(le[..., -1:, None].exp() * surprise[layer] - a_t @ (s_coef * d))
         return r, (new_w, new_s)
 
@@ -169,7 +170,8 @@ class NeuralMemory(nn.Module):
         return self.output(self.scan(x, x, self.init_state(x.shape[0]))[0])
 
 
-def reference_scan(memory: NeuralMemory, x_kv: torch.Tensor, x_q: torch.Tensor, state: State) -> tuple[torch.Tensor, State]:
+def reference_scan(memory: NeuralMemory, x_kv: torch.Tensor, x_q: torch.Tensor,
+                   state: State) -> tuple[torch.Tensor, State]:
     """Token-by-token recurrence with autograd gradients (torch.func), for tests: ([B, H, T, E], state)."""
     from torch.func import grad, vmap
 

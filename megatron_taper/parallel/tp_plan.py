@@ -216,7 +216,8 @@ def plan_gated_attention_block(block: nn.Module, prefix: str, cfg: ModelConfig, 
     plan_transformer_block(block, prefix, cfg, tp)
     q_rows = tp.head_specs(cfg.n_heads, cfg.kv_heads, cfg.head_dim)[0]
     per_head = block.attn.wg.weight.shape[0] // cfg.n_heads  # head_dim (elementwise) or 1 (headwise)
-    tp.column(block.attn, "wg", f"{prefix}.attn", ShardSpec.split(0, [n // cfg.head_dim * per_head for n in q_rows.sizes]))
+    spec = ShardSpec.split(0, [n // cfg.head_dim * per_head for n in q_rows.sizes])
+    tp.column(block.attn, "wg", f"{prefix}.attn", spec)
 
 
 # Hope-attention: attention as in the Transformer, every CMS level a SwiGLU split like the MLP.

@@ -84,17 +84,17 @@ def test_gated_attention_gate_is_applied_per_head():
 
 
 # Titans memory: the chunked parallel form against the token-by-token recurrence (float64).
-# Measured relative error of the reads at the default max_lr=0.01 on these inputs (depth 1/2/3):
-# ~5e-16 at C=1; 1.2-1.9e-3 at C=2; 3-5e-3 at C=4; 0.7-1.1e-2 at C=8; 1.3-2.2e-2 at C=16.
+# Measured relative error of the reads at the default max_lr=0.005 on these inputs (depth 1/2/3):
+# ~5e-16 at C=1; 0.5-0.9e-3 at C=2; 1.5-2.6e-3 at C=4; 3-5.5e-3 at C=8; 0.6-1.0e-2 at C=16.
 # It is first order in theta (at max_lr=0.1: ~0.1-0.15 at C=8, 0.2-0.35 at C=16).
-CHUNK_TOLERANCE = {1: 1e-12, 2: 5e-3, 4: 1e-2, 8: 2e-2, 16: 4e-2}
+CHUNK_TOLERANCE = {1: 1e-12, 2: 2e-3, 4: 5e-3, 8: 1e-2, 16: 2e-2}
 
 
 def memory_case(depth: int, *extra: str):
     torch.manual_seed(0)
     cfg, model = build("titans_mag", f"model.titans.memory_depth={depth}", *extra)
     memory = model.layers["0"].memory.double()
-    x_kv, x_q = torch.randn(2, 24, cfg.d_model, dtype=torch.float64), torch.randn(2, 24, cfg.d_model, dtype=torch.float64)
+    x_kv, x_q = (torch.randn(2, 24, cfg.d_model, dtype=torch.float64) for _ in range(2))
     state = memory.init_state(2)
     state = (state[0], [torch.randn_like(w) * 0.01 for w in state[0]])  # a non-zero surprise carried in
     return memory, x_kv, x_q, state
@@ -117,12 +117,12 @@ def test_titans_chunked_memory_matches_token_by_token_reference(depth):
 
 def test_titans_chunk_error_vanishes_with_the_inner_learning_rate():
     errs = []
-    for lr in (0.1, 0.01):
+    for lr in (0.1, 0.005):
         memory, x_kv, x_q, state = memory_case(2, f"model.titans.max_lr={lr}")
         ref, _ = reference_scan(memory, x_kv, x_q, state)
         out, _ = memory.scan(x_kv, x_q, state, chunk_size=8)
         errs.append(((out - ref).norm() / ref.norm()).item())
-    assert errs[1] < errs[0] / 5
+    assert errs[1] < errs[0] / 10
 
 
 def test_titans_outer_gradients_reach_the_memory():
