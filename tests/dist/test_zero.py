@@ -88,9 +88,13 @@ def test_dp2_matches_one_process(runs, engine):
     assert len(got) == 10 and diff < TOL
 
 
-@pytest.mark.parametrize("layout,engine", [("tp", "fsdp2"), ("pp", "fsdp2"), ("tp", "deepspeed")])
+LAYOUTS = {"tp": ["parallel.tp=2"], "pp": ["parallel.pp=2", "parallel.microbatches=2"],
+           "tp_sp": ["parallel.tp=2", "parallel.sequence_parallel=true"]}
+
+
+@pytest.mark.parametrize("layout,engine", [("tp", "fsdp2"), ("pp", "fsdp2"), ("tp", "deepspeed"), ("tp_sp", "fsdp2")])
 def test_3d_matches_one_process(runs, tmp_path, layout, engine):
-    extra = ["parallel.tp=2"] if layout == "tp" else ["parallel.pp=2", "parallel.microbatches=2"]
+    extra = LAYOUTS[layout]
     _run(4, tmp_path / "run", runs["data"], f"parallel.zero={engine}", *extra)
     diff = _max_diff(_losses(tmp_path / "run"), runs["ref"])
     print(f"{layout}=2 x dp=2 {engine}: max |loss - one process| over 10 steps = {diff:.1e}")
