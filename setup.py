@@ -13,8 +13,9 @@ setup(
         "numpy>=1.24,<2.2",
         "pyyaml>=6.0",
         "tensorboard>=2.14",
-        "sentencepiece==0.2.1",
+        "sentencepiece==0.2.3",
         "tqdm>=4.60",
+        "filelock>=3.12",
         "safetensors>=0.4",
     ],
     extras_require={
