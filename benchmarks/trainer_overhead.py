@@ -22,7 +22,8 @@ import torch
 from megatron_taper.config import load_config
 from megatron_taper.models import build_model
 from megatron_taper.models.layers import cross_entropy
-from megatron_taper.train import Trainer, build_optimizer
+from megatron_taper.optim import build_optimizer
+from megatron_taper.train import Trainer
 
 
 def token_file(folder: str) -> str:

@@ -17,7 +17,6 @@ with a format of its own (DeepSpeed) adds it next to the logical files through
 """
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import os

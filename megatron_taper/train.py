@@ -19,7 +19,6 @@ import shutil
 import signal
 import sys
 import time
-from typing import Callable
 
 import numpy as np
 import torch
@@ -31,7 +30,6 @@ from megatron_taper.data.sources import build_sources
 from megatron_taper.flops import model_costs, mfu, peak_flops
 from megatron_taper.metrics import MetricsLogger
 from megatron_taper.models import build_model
-from megatron_taper.optim import build_optimizer  # noqa: F401 - also imported from here by benchmarks
 from megatron_taper.parallel import ParallelModel, parallelize
 from megatron_taper.parallel.context import ParallelContext, init_parallel, shutdown
 

@@ -48,14 +48,17 @@ class Attention(nn.Module):
         self.wv = nn.Linear(d_model, n_kv_heads * head_dim, bias=False)
         self.wo = nn.Linear(n_heads * head_dim, d_model, bias=False)
 
-    def attend(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Per-head outputs before the output projection: [B, S, H, E]."""
+    def attend(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Per-head outputs before the output projection: [B, S, H, E]. Causal, or under a boolean
+        mask [S, S] (True = may attend) when one is given."""
         bsz, seq, _ = x.shape
         q = apply_rope(self.wq(x).view(bsz, seq, -1, self.head_dim), cos, sin)
         k = apply_rope(self.wk(x).view(bsz, seq, -1, self.head_dim), cos, sin)
         v = self.wv(x).view(bsz, seq, -1, self.head_dim)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H|K, S, E]
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                           enable_gqa=q.shape[1] != k.shape[1])
         return y.transpose(1, 2)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -42,7 +42,7 @@ from torch import nn
 from megatron_taper.config import ModelConfig
 from megatron_taper.flops import Cost, swiglu_cost
 from megatron_taper.models.init import init_parameters, init_tensor
-from megatron_taper.models.layers import Attention, RMSNorm, apply_rope, rope_tables
+from megatron_taper.models.layers import Attention, RMSNorm, rope_tables
 from megatron_taper.models.transformer import Transformer, TransformerBlock
 
 State = tuple[list[torch.Tensor], list[torch.Tensor]]  # (memory weights, surprise), each [B, H, i, o]
@@ -203,16 +203,7 @@ class MaskedAttention(Attention):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
                 start: int = 0) -> torch.Tensor:
         """x [B, S, D] -> [B, S - start, D]: the outputs of rows start.. only."""
-        return self.wo(self.attend_masked(x, cos, sin, mask)[:, start:].flatten(2))
-
-    def attend_masked(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        bsz, seq, _ = x.shape
-        q = apply_rope(self.wq(x).view(bsz, seq, -1, self.head_dim), cos, sin)
-        k = apply_rope(self.wk(x).view(bsz, seq, -1, self.head_dim), cos, sin)
-        v = self.wv(x).view(bsz, seq, -1, self.head_dim)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H|K, S, E]
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
-        return y.transpose(1, 2)  # [B, S, H, E]
+        return self.wo(self.attend(x, cos, sin, mask)[:, start:].flatten(2))
 
 
 def window_mask(prefix: int, seq: int, window: int, device: torch.device) -> torch.Tensor:
