@@ -11,7 +11,6 @@ import argparse
 import json
 import statistics
 import sys
-import sysconfig
 import tempfile
 import time
 from pathlib import Path
@@ -20,6 +19,7 @@ import numpy as np
 import torch
 
 from megatron_taper.config import load_config
+from megatron_taper.data.corpus import embedded_files
 from megatron_taper.models import build_model
 from megatron_taper.models.layers import cross_entropy
 from megatron_taper.optim import build_optimizer
@@ -27,8 +27,7 @@ from megatron_taper.train import Trainer
 
 
 def token_file(folder: str) -> str:
-    root = Path(sysconfig.get_paths()["stdlib"])
-    data = b"".join(p.read_bytes() for p in sorted(root.glob("*.py"))[:60])
+    data = b"".join(Path(p).read_bytes() for p in embedded_files(1_500_000))
     path = Path(folder) / "tokens.npy"
     np.save(path, np.frombuffer(data, dtype=np.uint8).astype(np.uint16))
     return str(path)

@@ -5,8 +5,9 @@ import json
 import os
 import subprocess
 import sys
-import sysconfig
 from pathlib import Path
+
+from megatron_taper.data.corpus import embedded_files
 
 
 REPO = Path(__file__).resolve().parent.parent
@@ -21,16 +22,8 @@ TINY = [
 
 
 def stdlib_bytes(limit: int = 1_500_000) -> bytes:
-    """Real English-and-code text every machine has: the standard library's sources, sorted."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    out, total = [], 0
-    for path in sorted(root.glob("*.py")):
-        data = path.read_bytes()
-        out.append(data)
-        total += len(data)
-        if total >= limit:
-            break
-    return b"".join(out)
+    """Real English-and-code text every machine has: the embedded corpus's files, as bytes."""
+    return b"".join(Path(path).read_bytes() for path in embedded_files(limit))
 
 
 def run_train(args: list[str], nproc: int = 1, check: bool = True, timeout: float = 300,

@@ -3,12 +3,11 @@ from __future__ import annotations
 
 import json
 import random
-import sysconfig
 from pathlib import Path
 
 import pytest
 
-from megatron_taper.data.corpus import SkipLog, read_documents
+from megatron_taper.data.corpus import SkipLog, read_documents, stdlib_root
 from megatron_taper.data.preprocess import preprocess
 from megatron_taper.data.tokenizer import train_tokenizer
 
@@ -25,7 +24,7 @@ TRICKY = [
 
 def stdlib_documents(n_bytes: int = 120_000, seed: int = 0) -> list[str]:
     """Pieces of the standard library's sources (every machine has them), cut at line ends."""
-    root = Path(sysconfig.get_paths()["stdlib"])
+    root = Path(stdlib_root())
     rng = random.Random(seed)
     docs, total = [], 0
     for path in sorted(root.glob("*.py")):
