@@ -2,6 +2,11 @@
 
 Byte-exact mode (the default) trains with identity normalisation, keeps every whitespace and adds
 no dummy prefix, with byte fallback, so `decode(encode(text)) == text` for any Unicode text.
+One character needs help: sentencepiece writes spaces as U+2581 ("▁") and decodes every "▁" piece
+back to a space, so `Tokenizer.encode` writes a literal U+2581 as its three UTF-8 byte-fallback
+ids instead (byte pieces decode to the character itself); text without U+2581 gets exactly the
+ids sentencepiece gives, and decoding is plain sentencepiece decoding. A model without byte pieces
+or with a dummy prefix (not byte-exact) encodes as sentencepiece does, U+2581 becoming a space.
 Ids: unk 0, bos 1, eos 2, no pad. Training writes PREFIX.model, PREFIX.vocab and PREFIX.json (the
 settings used, the sentencepiece version and the model's sha256).
 """
@@ -19,6 +24,7 @@ import sentencepiece as spm
 MODEL_TYPES = ("bpe", "unigram")
 UNK_ID, BOS_ID, EOS_ID = 0, 1, 2
 _MAX_SENTENCE_BYTES = 1 << 16
+SPACE_MARK = "\u2581"  # sentencepiece's whitespace symbol; a "▁" piece decodes to " "
 
 
 class Tokenizer:
@@ -29,6 +35,7 @@ class Tokenizer:
             raise ValueError(f"tokenizer model not found: {model_path}")
         self.path = model_path
         self._sp = spm.SentencePieceProcessor(model_file=model_path)
+        self._mark_ids = self._space_mark_ids()
 
     @property
     def vocab_size(self) -> int:
@@ -47,15 +54,45 @@ class Tokenizer:
         return self._sp.unk_id()
 
     def encode(self, text: str) -> list[int]:
-        return self._sp.encode(text)
+        """Token ids of `text`; a literal U+2581 becomes its byte-fallback ids (see the module doc)."""
+        if self._mark_ids is None or SPACE_MARK not in text:
+            return self._sp.encode(text)
+        return self._join(self._sp.encode(text.split(SPACE_MARK)))
 
     def encode_batch(self, texts: Sequence[str], num_threads: int = 1) -> list[list[int]]:
-        """Encodes in `num_threads` C++ threads (the GIL is released while encoding)."""
-        return self._sp.encode(list(texts), num_threads=max(1, num_threads))
+        """`encode` of each text, in `num_threads` C++ threads (the GIL is released while encoding)."""
+        threads = max(1, num_threads)
+        if self._mark_ids is None or not any(SPACE_MARK in t for t in texts):
+            return self._sp.encode(list(texts), num_threads=threads)
+        # Texts split at U+2581 into pieces, all pieces encoded in one call, then joined per text.
+        pieces = [t.split(SPACE_MARK) for t in texts]
+        flat = self._sp.encode([p for parts in pieces for p in parts], num_threads=threads)
+        out, at = [], 0
+        for parts in pieces:
+            out.append(self._join(flat[at:at + len(parts)]))
+            at += len(parts)
+        return out
 
     def decode(self, ids: Sequence[int]) -> str:
         """Control ids (bos, eos) decode to nothing, so a document's tokens + EOS give it back."""
         return self._sp.decode([int(i) for i in ids])
+
+    def _join(self, parts: list[list[int]]) -> list[int]:
+        """The ids of text pieces that were separated by U+2581, with its byte ids between them."""
+        out = list(parts[0])
+        for ids in parts[1:]:
+            out += self._mark_ids + ids
+        return out
+
+    def _space_mark_ids(self) -> list[int] | None:
+        """U+2581 as byte-fallback ids, or None when the model has no byte pieces or adds a dummy
+        prefix (each separately encoded piece would then start with a space)."""
+        ids = [self._sp.piece_to_id(f"<0x{b:02X}>") for b in SPACE_MARK.encode("utf-8")]
+        if not all(self._sp.is_byte(i) for i in ids):
+            return None
+        if self._sp.encode("a", out_type=str)[0].startswith(SPACE_MARK):
+            return None
+        return ids
 
 
 def model_sha256(model_path: str) -> str:

@@ -78,6 +78,10 @@ class SwiGLU(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+IGNORE_INDEX = -100  # a target with this id adds no loss and no gradient (F.cross_entropy's default)
+
+
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token loss in float32; logits [B, S, V], targets [B, S]."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
+    """Mean next-token loss in float32 over the targets != IGNORE_INDEX (NaN when there are none);
+    logits [B, S, V], targets [B, S]."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1), ignore_index=IGNORE_INDEX)

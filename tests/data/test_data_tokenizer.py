@@ -20,6 +20,37 @@ def test_byte_exact_round_trip(tokenizer_model):
     assert tok.encode_batch(batch, num_threads=2) == [tok.encode(t) for t in batch]
 
 
+def test_space_mark_round_trips(tmp_path):
+    """U+2581, sentencepiece's own whitespace symbol, comes back as itself, not as a space."""
+    import sentencepiece as spm
+
+    from megatron_taper.data.tokenizer import SPACE_MARK
+
+    docs = stdlib_documents(30_000) + [f"a{SPACE_MARK}b {SPACE_MARK}{SPACE_MARK} c\n"] * 20
+    train_tokenizer(docs, str(tmp_path / "m"), 400, seed=0)
+    tok = Tokenizer(str(tmp_path / "m.model"))
+    raw = spm.SentencePieceProcessor(model_file=str(tmp_path / "m.model"))
+    marked = [SPACE_MARK, f"a{SPACE_MARK}b", f" {SPACE_MARK} ", f"{SPACE_MARK}{SPACE_MARK}x{SPACE_MARK}",
+              f"def f():\n    return '{SPACE_MARK}'  # ✓ 🙂\n", f"\t{SPACE_MARK}\r\n\u00e9{SPACE_MARK}\U0001f680"]
+    assert raw.decode(raw.encode(f"a{SPACE_MARK}b")) == "a b"  # what plain sentencepiece does
+    for text in marked:
+        ids = tok.encode(text)
+        assert tok.decode(ids) == text and tok.decode(ids + [tok.eos_id]) == text
+    # ordinary text: byte-exact round trip with exactly sentencepiece's ids (existing data unchanged)
+    ordinary = TRICKY + stdlib_documents(20_000, seed=4)
+    for text in ordinary:
+        assert tok.encode(text) == raw.encode(text)
+        assert tok.decode(tok.encode(text)).encode("utf-8") == text.encode("utf-8")
+    batch = marked + ordinary[:10] + marked
+    assert tok.encode_batch(batch, num_threads=2) == [tok.encode(t) for t in batch]
+    assert tok.encode_batch(ordinary[:10]) == raw.encode(ordinary[:10])
+    # a model that is not byte-exact (dummy prefix) keeps plain sentencepiece encoding
+    train_tokenizer(docs, str(tmp_path / "n"), 400, seed=0, byte_exact=False)
+    loose = Tokenizer(str(tmp_path / "n.model"))
+    raw_loose = spm.SentencePieceProcessor(model_file=str(tmp_path / "n.model"))
+    assert loose.encode(marked[1]) == raw_loose.encode(marked[1])
+
+
 def test_training_is_deterministic_for_a_seed(tmp_path):
     docs = stdlib_documents(40_000)
     a = train_tokenizer(docs, str(tmp_path / "a"), 400, seed=5)
