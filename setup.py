@@ -19,7 +19,7 @@ setup(
         "safetensors>=0.4",
     ],
     extras_require={
-        "dev": ["pytest>=8", "hypothesis>=6.100", "pytest-timeout>=2.3"],
+        "dev": ["pytest>=8", "hypothesis>=6.100", "pytest-timeout>=2.3", "ruff==0.8.4"],
         "deepspeed": ["deepspeed==0.19.8"],
     },
 )

@@ -14,15 +14,14 @@ import sys
 import tempfile
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+from megatron_taper.config import load_config
+from megatron_taper.data.corpus import SkipLog, read_documents
+from megatron_taper.data.preprocess import preprocess
+from megatron_taper.data.streaming import StreamingSource
+from megatron_taper.data.tokenizer import train_tokenizer
+from megatron_taper.data.torchvision_compat import import_streaming
 
-from megatron_taper.config import load_config  # noqa: E402
-from megatron_taper.data.corpus import SkipLog, read_documents  # noqa: E402
-from megatron_taper.data.preprocess import preprocess  # noqa: E402
-from megatron_taper.data.streaming import StreamingSource  # noqa: E402
-from megatron_taper.data.tokenizer import train_tokenizer  # noqa: E402
-from megatron_taper.data.torchvision_compat import import_streaming  # noqa: E402
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def measure_loader(path: str, seq_len: int, micro_batch: int, seconds: float) -> dict:

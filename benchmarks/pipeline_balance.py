@@ -28,9 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from megatron_taper.config import load_config  # noqa: E402
+from megatron_taper.config import load_config
 
 # Matmul-dominated like real models (at d_model 128 on CPU, norms, RoPE and softmax are a large
 # share of a layer's time and FLOPs predict it poorly; pp_balance=profile is for such cases).
@@ -47,24 +45,42 @@ def _batches(cfg, step: int) -> list[torch.Tensor]:
             for _ in range(n)]
 
 
+def compute_timer() -> list[float]:
+    """Time this process spends computing stage forwards and backwards (not waiting for peers):
+    wraps torch.distributed.pipelining's per-chunk methods in this benchmark process only.
+    Returns a one-element list the wrappers add seconds to."""
+    from torch.distributed.pipelining.stage import _PipelineStageBase
+
+    total = [0.0]
+    for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+        inner = getattr(_PipelineStageBase, name, None)
+        if inner is None:
+            continue
+
+        def timed(self, *args, _inner=inner, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return _inner(self, *args, **kwargs)
+            finally:
+                total[0] += time.perf_counter() - t0
+
+        setattr(_PipelineStageBase, name, timed)
+    return total
+
+
 def _worker(rank: int, port: int, overrides: list[str], steps: int, rounds: int, out_path: str) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
-    from megatron_taper.models import build_model
-    from megatron_taper.parallel import parallelize
-    from megatron_taper.parallel.context import init_parallel
+    from megatron_taper.build import build_run
 
+    busy = compute_timer()
     models = {}
     for balance in BALANCES:
-        cfg = load_config(None, MODEL + overrides + [f"parallel.pp_balance={balance}"])
-        ctx = init_parallel(cfg.parallel, cfg.model, "cpu")
-        model = build_model(cfg.model)
-        model.init_weights(cfg.train.seed)
-        pm = parallelize(model, ctx, cfg)
-        opt = torch.optim.AdamW(pm.module.parameters(), lr=1e-4)
-        models[balance] = (cfg, pm, opt)
+        cfg = load_config(None, MODEL + overrides + [f"parallel.pp_balance={balance}", "train.device=cpu"])
+        run = build_run(cfg)
+        models[balance] = (cfg, run.model, run.optimizer)
     step_s: dict[str, list[float]] = {b: [] for b in BALANCES}
     busy_s: dict[str, list[float]] = {b: [] for b in BALANCES}
 
@@ -74,17 +90,17 @@ def _worker(rank: int, port: int, overrides: list[str], steps: int, rounds: int,
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    for balance, (cfg, pm, opt) in models.items():  # warm-up: shape inference, allocator
+    for cfg, pm, opt in models.values():  # warm-up: shape inference, allocator
         one_step(cfg, pm, opt, 0)
     for _ in range(rounds):  # splits alternate step by step, so machine noise hits all alike
         for step in range(steps):
             for balance, (cfg, pm, opt) in models.items():
                 dist.barrier()
-                busy0, t0 = pm.busy_s, time.perf_counter()
+                busy0, t0 = busy[0], time.perf_counter()
                 one_step(cfg, pm, opt, step + 1)
                 dist.barrier()
                 step_s[balance].append(time.perf_counter() - t0)
-                busy_s[balance].append(pm.busy_s - busy0)
+                busy_s[balance].append(busy[0] - busy0)
     mine = {b: {"busy_s": statistics.median(busy_s[b]), "step_s": statistics.median(step_s[b]),
                 "layers": sorted(int(k) for k in models[b][1].module.layers.keys()),
                 "plan": models[b][1].plan} for b in BALANCES}

@@ -32,10 +32,11 @@ from collections import defaultdict
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from megatron_taper.build import build_run
 from megatron_taper.config import load_config
-from megatron_taper.models import build_model
-from megatron_taper.parallel import parallelize
-from megatron_taper.parallel.context import init_parallel, shutdown
+from megatron_taper.parallel.context import init_parallel, shutdown, world_size
+from megatron_taper.preflight import preflight
+from megatron_taper.taper import layer_widths
 
 KINDS = {  # c10d dispatcher op -> (kind, index of the full-size tensor argument)
     "allreduce_": ("all_reduce", 0),
@@ -96,11 +97,10 @@ def ring(kind: str, nbytes: int, tp: int) -> float:
 
 def run(config: str, overrides: list[str]) -> dict:
     cfg = load_config(config, overrides)
-    ctx = init_parallel(cfg.parallel, cfg.model, cfg.train.device)
+    preflight(cfg, world_size())
+    ctx = init_parallel(cfg.parallel, cfg.train.device)
     try:
-        model = build_model(cfg.model)
-        model.init_weights(cfg.train.seed)
-        pm = parallelize(model, ctx, cfg)
+        pm = build_run(cfg, ctx).model
         micro = cfg.train.global_batch // cfg.train.micro_batch
         gen = torch.Generator().manual_seed(0)
         batches = [torch.randint(0, cfg.model.vocab_size, (cfg.train.micro_batch, cfg.model.seq_len + 1),
@@ -120,7 +120,7 @@ def run(config: str, overrides: list[str]) -> dict:
             "sequence_parallel": cfg.parallel.sequence_parallel,
             "model": {"n_layers": cfg.model.n_layers, "d_model": cfg.model.d_model, "n_heads": cfg.model.n_heads,
                       "n_kv_heads": cfg.model.kv_heads, "vocab_size": cfg.model.vocab_size,
-                      "mlp_widths": list(model.mlp_widths)},
+                      "mlp_widths": layer_widths(cfg.model)},
             "micro_batch": cfg.train.micro_batch, "seq_len": cfg.model.seq_len, "micro_batches_per_step": micro,
             "dtype": "float32",
             "measured": measured,

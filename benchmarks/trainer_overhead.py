@@ -36,7 +36,7 @@ def token_file(folder: str) -> str:
 def bare_loop(cfg, batches: list[list[torch.Tensor]]) -> float:
     model = build_model(cfg.model)
     model.init_weights(cfg.train.seed)
-    optimizer = build_optimizer(model, cfg, torch.device("cpu"))
+    optimizer = build_optimizer(model, cfg.train, torch.device("cpu"))
     start = time.perf_counter()
     for micro_batches in batches:
         for tokens in micro_batches:

@@ -27,7 +27,6 @@ import sys
 import tempfile
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
 
 DEFAULT = ["model.n_layers=4", "model.d_model=128", "model.n_heads=4", "model.mlp_width=384",
            "model.vocab_size=4096", "model.seq_len=64", "model.taper.multiple=32",
@@ -49,19 +48,16 @@ def worker(engine: str, overrides: list[str], out: str) -> None:
     import torch
     import torch.distributed as dist
 
+    from megatron_taper.build import build_run
     from megatron_taper.config import load_config
-    from megatron_taper.models import build_model
-    from megatron_taper.parallel import parallelize
-    from megatron_taper.parallel.context import init_parallel, shutdown
+    from megatron_taper.parallel.context import init_parallel, shutdown, world_size
+    from megatron_taper.preflight import preflight
 
-    cfg = load_config(None, DEFAULT + overrides + [f"parallel.zero={engine}"])
-    ctx = init_parallel(cfg.parallel, cfg.model, "cpu")
-    if ctx.mesh is None and int(os.environ.get("WORLD_SIZE", 1)) == 1 and engine == "deepspeed":
-        raise SystemExit("deepspeed needs dp >= 2 here")
-    model = build_model(cfg.model)
-    model.init_weights(cfg.train.seed)
-    pm = parallelize(model, ctx, cfg)
-    optimizer = pm.build_optimizer(cfg)
+    cfg = load_config(None, DEFAULT + overrides + [f"parallel.zero={engine}", "train.device=cpu"])
+    preflight(cfg, world_size())  # e.g. deepspeed with one process: a clear error before joining
+    ctx = init_parallel(cfg.parallel, "cpu")
+    run = build_run(cfg, ctx)
+    pm, optimizer = run.model, run.optimizer
     accum = cfg.train.global_batch // (cfg.train.micro_batch * ctx.dp)
     gen = torch.Generator().manual_seed(ctx.dp_rank)
     batches = [torch.randint(0, cfg.model.vocab_size, (cfg.train.micro_batch, cfg.model.seq_len + 1), generator=gen)

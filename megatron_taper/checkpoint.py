@@ -23,13 +23,17 @@ import os
 import random
 import re
 import shutil
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_taper.config import Config, ModelConfig
-from megatron_taper.parallel import ParallelModel
+from megatron_taper.config import ModelConfig
+from megatron_taper.parallel.model import ParallelModel
+
+if TYPE_CHECKING:
+    from megatron_taper.config import CheckpointConfig
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 
@@ -38,8 +42,8 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be used; the message names the folder or file."""
 
 
-def checkpoint_root(cfg: Config) -> str:
-    return os.path.join(cfg.run.dir, "checkpoints")
+def checkpoint_root(run_dir: str) -> str:
+    return os.path.join(run_dir, "checkpoints")
 
 
 def list_checkpoints(root: str) -> list[tuple[int, str]]:
@@ -50,10 +54,11 @@ def list_checkpoints(root: str) -> list[tuple[int, str]]:
     return sorted(found)
 
 
-def save_checkpoint(cfg: Config, pm: ParallelModel, optimizer: torch.optim.Optimizer, step: int,
-                    trainer_state: dict, data_state: dict) -> str:
+def save_checkpoint(root: str, options: CheckpointConfig, config: dict, pm: ParallelModel,
+                    optimizer: torch.optim.Optimizer, step: int, trainer_state: dict, data_state: dict) -> str:
+    """Write `root`/step-N (a collective: every rank calls it); `config` is the resolved run
+    config, stored in meta.json; keeps the newest `options.keep` checkpoints."""
     ctx = pm.ctx
-    root = checkpoint_root(cfg)
     final = os.path.join(root, f"step-{step}")
     tmp = os.path.join(root, f".tmp-step-{step}")
     if ctx.is_main:
@@ -70,19 +75,18 @@ def save_checkpoint(cfg: Config, pm: ParallelModel, optimizer: torch.optim.Optim
             for kind, state in (("model", model_state), ("optim", optim_state)):
                 name = f"{kind}-pp{ctx.pp_rank}.pt"
                 files[name] = _write(os.path.join(tmp, name), state)
-    save_native = getattr(pm, "save_native", None)
-    if save_native is not None:
-        save_native(tmp)
+    if pm.save_native(tmp):  # an engine's own files (DeepSpeed), next to the logical ones
         ctx.barrier()
         if ctx.is_main:
             files.update(_hash_tree(tmp, skip=set(files)))
     if ctx.is_main:
-        files["trainer.pt"] = _write(os.path.join(tmp, "trainer.pt"), {"step": step, **trainer_state, "ranks": per_rank})
+        trainer = {"step": step, **trainer_state, "ranks": per_rank}
+        files["trainer.pt"] = _write(os.path.join(tmp, "trainer.pt"), trainer)
     all_files: dict[str, dict] = {}
     for part in _gather_objects(ctx, files):
         all_files.update(part)
     if ctx.is_main:
-        meta = {"step": step, "config": cfg.to_dict(), "layout": {"pp": ctx.pp, "dp": ctx.dp, "tp": ctx.tp},
+        meta = {"step": step, "config": config, "layout": {"pp": ctx.pp, "dp": ctx.dp, "tp": ctx.tp},
                 "files": all_files}
         _write_text(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1))
         _fsync_dir(tmp)
@@ -90,32 +94,30 @@ def save_checkpoint(cfg: Config, pm: ParallelModel, optimizer: torch.optim.Optim
             shutil.rmtree(final)
         os.rename(tmp, final)
         _fsync_dir(root)
-        _prune(root, cfg.checkpoint.keep)
+        _prune(root, options.keep)
     ctx.barrier()
     return final
 
 
-def find_resume_checkpoint(cfg: Config) -> str | None:
-    mode = cfg.run.resume
+def find_resume_checkpoint(mode: str, root: str) -> str | None:
+    """The checkpoint run.resume=`mode` names: auto = the newest complete one under `root` (None
+    when there is none), never = None, else the folder given."""
     if mode == "never":
         return None
     if mode != "auto":
         if not os.path.isfile(os.path.join(mode, "meta.json")):
             raise CheckpointError(f"run.resume={mode!r} is not a complete checkpoint folder (no meta.json)")
         return mode
-    found = list_checkpoints(checkpoint_root(cfg))
+    found = list_checkpoints(root)
     return found[-1][1] if found else None
 
 
-def load_checkpoint(path: str, cfg: Config, pm: ParallelModel, optimizer: torch.optim.Optimizer) -> dict:
+def load_checkpoint(path: str, model_cfg: ModelConfig, pm: ParallelModel, optimizer: torch.optim.Optimizer) -> dict:
     """Restore model, optimizer, RNG; returns the trainer state (step, ..., data state of this rank)."""
     ctx = pm.ctx
-    meta = _read_meta(path)
-    _check_compatible(meta, cfg, path)
-    for name, info in meta["files"].items():
-        _verify(os.path.join(path, name), info)
-    load_native = getattr(pm, "load_native", None)
-    if load_native is None or not load_native(path, meta):
+    meta = verify_checkpoint(path)
+    _check_compatible(meta, model_cfg, path)
+    if not pm.load_native(path, meta):
         model_state, optim_state = load_logical(path, meta)
         pm.load_logical_state(optimizer, model_state, optim_state,
                               missing=lambda name: CheckpointError(f"{path}: no tensor for parameter {name!r}"))
@@ -160,11 +162,11 @@ def _hash_tree(root: str, skip: set[str]) -> dict[str, dict]:
     return out
 
 
-def _check_compatible(meta: dict, cfg: Config, path: str) -> None:
+def _check_compatible(meta: dict, model_cfg: ModelConfig, path: str) -> None:
     # keys added to the config after the checkpoint was written count with their default value
-    saved_cfg = ModelConfig(arch=cfg.model.arch).architecture_dict()
+    saved_cfg = ModelConfig(arch=model_cfg.arch).architecture_dict()
     saved = {**_flatten(saved_cfg), **_flatten(meta["config"]["model"])}
-    current = _flatten(cfg.model.architecture_dict())
+    current = _flatten(model_cfg.architecture_dict())
     diffs = [f"model.{k}: checkpoint {saved.get(k)!r} vs now {v!r}" for k, v in current.items() if saved.get(k) != v]
     if diffs:
         raise CheckpointError(f"{path} was written for another model; differing keys:\n  " + "\n  ".join(diffs))

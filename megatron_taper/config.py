@@ -14,9 +14,14 @@ from typing import Any
 
 import yaml
 
+from megatron_taper.models import FAMILIES, family
+from megatron_taper.parallel.partition import BALANCE_MODES
+from megatron_taper.parallel.partition import SCHEDULES as PP_SCHEDULES
+from megatron_taper.taper import SCHEDULES
+from megatron_taper.validation import ConfigError, check_choice, check_range
 
-class ConfigError(ValueError):
-    """A user error in a recipe or an override; the message names the key."""
+__all__ = ["CheckpointConfig", "Config", "ConfigError", "DataConfig", "DeepSpeedConfig", "ModelConfig",
+           "ParallelConfig", "RunConfig", "TaperConfig", "TrainConfig", "load_config"]
 
 
 @dataclass
@@ -27,59 +32,16 @@ class TaperConfig:
     sigmoid_sharpness: float = 10.0  # slope of the sigmoid schedule
 
     def validate(self, prefix: str) -> None:
-        _choice(f"{prefix}.schedule", self.schedule, ("uniform", "linear", "cosine", "sigmoid"))
-        _range(f"{prefix}.start", self.start, 0.0, 2.0, open_low=True, open_high=True)
-        _range(f"{prefix}.multiple", self.multiple, 1, None)
-        _range(f"{prefix}.sigmoid_sharpness", self.sigmoid_sharpness, 0.0, None, open_low=True)
+        check_choice(f"{prefix}.schedule", self.schedule, SCHEDULES)
+        check_range(f"{prefix}.start", self.start, 0.0, 2.0, open_low=True, open_high=True)
+        check_range(f"{prefix}.multiple", self.multiple, 1, None)
+        check_range(f"{prefix}.sigmoid_sharpness", self.sigmoid_sharpness, 0.0, None, open_low=True)
 
 
 @dataclass
-class GatedAttentionConfig:
-    gate: str = "elementwise"  # elementwise (one gate per head dimension) | headwise
+class _ModelOptions:
+    """model: the options every family shares; ModelConfig below adds one section per family."""
 
-    def validate(self, prefix: str) -> None:
-        _choice(f"{prefix}.gate", self.gate, ("elementwise", "headwise"))
-
-
-@dataclass
-class TitansConfig:
-    variant: str = "mag"  # mac (memory as context) | mag (memory as gate) | mal (memory as layer)
-    window: int = 64  # sliding-window attention span (MAG, MAL); segment length (MAC)
-    persistent_tokens: int = 4  # learnable tokens prepended to the block's sequence
-    memory_depth: int = 2  # layers of the memory MLP (1 = a linear memory)
-    memory_expansion: int = 2  # hidden width of a deep memory, in multiples of head_dim
-    chunk_size: int = 16  # tokens whose memory gradients are taken at the chunk's starting state
-    max_lr: float = 0.005  # upper bound of the data-dependent inner learning rate theta_t; the chunked
-    # updates stay stable for max_lr * chunk_size**2 <~ 1 (measured: 0.1 and 0.01 at chunk 16 diverge)
-    momentum_init: float = 0.9  # eta_t at initialisation (a fixed logit offset)
-    forget_init: float = 0.01  # alpha_t at initialisation (a fixed logit offset)
-
-    def validate(self, prefix: str) -> None:
-        _choice(f"{prefix}.variant", self.variant, ("mac", "mag", "mal"))
-        for key in ("window", "memory_depth", "memory_expansion", "chunk_size"):
-            _range(f"{prefix}.{key}", getattr(self, key), 1, None)
-        _range(f"{prefix}.persistent_tokens", self.persistent_tokens, 0, None)
-        _range(f"{prefix}.max_lr", self.max_lr, 0.0, None, open_low=True)
-        _range(f"{prefix}.momentum_init", self.momentum_init, 0.0, 1.0, open_low=True, open_high=True)
-        _range(f"{prefix}.forget_init", self.forget_init, 0.0, 1.0, open_low=True, open_high=True)
-
-
-@dataclass
-class HopeConfig:
-    levels: int = 2  # MLP levels of the Continuum Memory System after each attention
-    chunk_size: int = 16  # update period (tokens) of the fastest level when online
-    chunk_growth: int = 4  # level l updates every chunk_size * chunk_growth**l tokens
-    online: bool = False  # update the levels inside the forward pass (off: plain MLP chain)
-    online_lr: float = 0.01  # step size of the online updates
-
-    def validate(self, prefix: str) -> None:
-        for key in ("levels", "chunk_size", "chunk_growth"):
-            _range(f"{prefix}.{key}", getattr(self, key), 1, None)
-        _range(f"{prefix}.online_lr", self.online_lr, 0.0, None, open_low=True)
-
-
-@dataclass
-class ModelConfig:
     arch: str = "transformer"
     n_layers: int = 12
     d_model: int = 768
@@ -93,14 +55,11 @@ class ModelConfig:
     norm_eps: float = 1e-5
     init_std: float = 0.02
     taper: TaperConfig = field(default_factory=TaperConfig)
-    gated: GatedAttentionConfig = field(default_factory=GatedAttentionConfig)
-    titans: TitansConfig = field(default_factory=TitansConfig)
-    hope: HopeConfig = field(default_factory=HopeConfig)
 
     def architecture_dict(self) -> dict[str, Any]:
         """The keys that shape this architecture: the other families' sections are left out."""
-        other = {"gated": "gated_attention", "titans": "titans", "hope": "hope_attention"}
-        return {k: v for k, v in dataclasses.asdict(self).items() if other.get(k, self.arch) == self.arch}
+        others = {s.section for s in FAMILIES.values() if s.section and s.name != self.arch}
+        return {k: v for k, v in dataclasses.asdict(self).items() if k not in others}
 
     @property
     def kv_heads(self) -> int:
@@ -111,24 +70,31 @@ class ModelConfig:
         return self.d_model // self.n_heads
 
     def validate(self, prefix: str) -> None:
-        from megatron_taper.models import ARCHITECTURES
-
-        _choice(f"{prefix}.arch", self.arch, tuple(ARCHITECTURES))
+        family(self.arch)
         for key in ("n_layers", "d_model", "n_heads", "mlp_width", "vocab_size", "seq_len"):
-            _range(f"{prefix}.{key}", getattr(self, key), 1, None)
-        _range(f"{prefix}.n_kv_heads", self.n_kv_heads, 0, None)
+            check_range(f"{prefix}.{key}", getattr(self, key), 1, None)
+        check_range(f"{prefix}.n_kv_heads", self.n_kv_heads, 0, None)
         if self.d_model % self.n_heads:
             raise ConfigError(f"{prefix}.n_heads={self.n_heads} must divide {prefix}.d_model={self.d_model}")
         if self.head_dim % 2:
-            raise ConfigError(f"{prefix}.d_model / {prefix}.n_heads = {self.head_dim} must be even (RoPE rotates pairs)")
+            raise ConfigError(f"{prefix}.d_model / {prefix}.n_heads = {self.head_dim} must be even "
+                              f"(RoPE rotates pairs)")
         if self.n_heads % self.kv_heads:
             raise ConfigError(f"{prefix}.n_kv_heads={self.n_kv_heads} must divide {prefix}.n_heads={self.n_heads}")
-        _range(f"{prefix}.init_std", self.init_std, 0.0, None, open_low=True)
-        _range(f"{prefix}.norm_eps", self.norm_eps, 0.0, None, open_low=True)
+        check_range(f"{prefix}.init_std", self.init_std, 0.0, None, open_low=True)
+        check_range(f"{prefix}.norm_eps", self.norm_eps, 0.0, None, open_low=True)
         self.taper.validate(f"{prefix}.taper")
-        self.gated.validate(f"{prefix}.gated")
-        self.titans.validate(f"{prefix}.titans")
-        self.hope.validate(f"{prefix}.hope")
+        for spec in FAMILIES.values():
+            if spec.section:
+                getattr(self, spec.section).validate(f"{prefix}.{spec.section}")
+
+
+# model.<section> for every registered family that has options (models/<family>.py defines them)
+ModelConfig = dataclasses.make_dataclass(
+    "ModelConfig",
+    [(s.section, s.options, field(default_factory=s.options)) for s in FAMILIES.values() if s.section],
+    bases=(_ModelOptions,), namespace={"__module__": __name__},
+)
 
 
 @dataclass
@@ -145,12 +111,12 @@ class DeepSpeedConfig:
 
     def validate(self, prefix: str) -> None:
         for key in ("offload_optimizer", "offload_param"):
-            _choice(f"{prefix}.{key}", getattr(self, key), ("none", "cpu", "nvme"))
+            check_choice(f"{prefix}.{key}", getattr(self, key), ("none", "cpu", "nvme"))
             if getattr(self, key) == "nvme" and not self.nvme_path:
                 raise ConfigError(f"{prefix}.{key}=nvme needs {prefix}.nvme_path (a folder on a local NVMe disk)")
         for key in ("reduce_bucket_size", "prefetch_bucket_size"):
-            _range(f"{prefix}.{key}", getattr(self, key), 1, None)
-        _range(f"{prefix}.param_persistence_threshold", self.param_persistence_threshold, 0, None)
+            check_range(f"{prefix}.{key}", getattr(self, key), 1, None)
+        check_range(f"{prefix}.param_persistence_threshold", self.param_persistence_threshold, 0, None)
         if self.config and not os.path.isfile(self.config):
             raise ConfigError(f"{prefix}.config={self.config!r}: file not found")
 
@@ -169,21 +135,20 @@ class ParallelConfig:
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
 
     def validate(self, prefix: str) -> None:
-        _range(f"{prefix}.tp", self.tp, 1, None)
-        _range(f"{prefix}.pp", self.pp, 1, None)
-        _range(f"{prefix}.microbatches", self.microbatches, 0, None)
-        _range(f"{prefix}.pp_virtual", self.pp_virtual, 1, None)
-        _range(f"{prefix}.pp_memory_gb", self.pp_memory_gb, 0.0, None)
-        _choice(f"{prefix}.zero", self.zero, ("none", "fsdp2", "deepspeed"))
-        _choice(f"{prefix}.pp_balance", self.pp_balance, ("flops", "uniform", "params", "profile"))
-        _choice(f"{prefix}.pp_schedule", self.pp_schedule, ("1f1b", "gpipe", "interleaved_1f1b"))
+        check_range(f"{prefix}.tp", self.tp, 1, None)
+        check_range(f"{prefix}.pp", self.pp, 1, None)
+        check_range(f"{prefix}.microbatches", self.microbatches, 0, None)
+        check_range(f"{prefix}.pp_virtual", self.pp_virtual, 1, None)
+        check_range(f"{prefix}.pp_memory_gb", self.pp_memory_gb, 0.0, None)
+        check_choice(f"{prefix}.zero", self.zero, ("none", "fsdp2", "deepspeed"))
+        check_choice(f"{prefix}.pp_balance", self.pp_balance, BALANCE_MODES)
+        check_choice(f"{prefix}.pp_schedule", self.pp_schedule, PP_SCHEDULES)
         self.deepspeed.validate(f"{prefix}.deepspeed")
-        if self.zero == "deepspeed" and self.pp > 1:
-            raise ConfigError(f"{prefix}.zero=deepspeed with {prefix}.pp={self.pp}: DeepSpeed refuses ZeRO-3 with "
-                              f"pipeline parallelism; use {prefix}.zero=fsdp2 or {prefix}.pp=1")
-        if self.zero == "fsdp2" and self.pp > 1 and self.pp_schedule == "interleaved_1f1b":
-            raise ConfigError(f"{prefix}.zero=fsdp2 with {prefix}.pp_schedule=interleaved_1f1b is not supported "
-                              f"(several chunks per rank would share one FSDP root); use 1f1b or gpipe")
+
+    @property
+    def virtual_stages(self) -> int:
+        """Pipeline chunks per pp rank (pp_virtual under interleaved_1f1b, else 1)."""
+        return self.pp_virtual if self.pp_schedule == "interleaved_1f1b" else 1
 
 
 @dataclass
@@ -210,17 +175,20 @@ class TrainConfig:
 
     def validate(self, prefix: str) -> None:
         for key in ("steps", "global_batch", "micro_batch", "log_interval", "eval_batches", "max_nonfinite"):
-            _range(f"{prefix}.{key}", getattr(self, key), 1, None)
+            check_range(f"{prefix}.{key}", getattr(self, key), 1, None)
         for key in ("warmup_steps", "exit_after", "eval_interval", "seed"):
-            _range(f"{prefix}.{key}", getattr(self, key), 0, None)
-        _range(f"{prefix}.lr", self.lr, 0.0, None, open_low=True)
-        _range(f"{prefix}.min_lr_ratio", self.min_lr_ratio, 0.0, 1.0)
-        _range(f"{prefix}.weight_decay", self.weight_decay, 0.0, None)
-        _range(f"{prefix}.beta1", self.beta1, 0.0, 1.0, open_high=True)
-        _range(f"{prefix}.beta2", self.beta2, 0.0, 1.0, open_high=True)
-        _range(f"{prefix}.grad_clip", self.grad_clip, 0.0, None)
-        _choice(f"{prefix}.precision", self.precision, ("auto", "fp32", "bf16"))
-        _choice(f"{prefix}.device", self.device, ("auto", "cpu", "cuda"))
+            check_range(f"{prefix}.{key}", getattr(self, key), 0, None)
+        check_range(f"{prefix}.lr", self.lr, 0.0, None, open_low=True)
+        check_range(f"{prefix}.min_lr_ratio", self.min_lr_ratio, 0.0, 1.0)
+        check_range(f"{prefix}.weight_decay", self.weight_decay, 0.0, None)
+        check_range(f"{prefix}.beta1", self.beta1, 0.0, 1.0, open_high=True)
+        check_range(f"{prefix}.beta2", self.beta2, 0.0, 1.0, open_high=True)
+        check_range(f"{prefix}.grad_clip", self.grad_clip, 0.0, None)
+        check_choice(f"{prefix}.precision", self.precision, ("auto", "fp32", "bf16"))
+        check_choice(f"{prefix}.device", self.device, ("auto", "cpu", "cuda"))
+        if self.global_batch % self.micro_batch:
+            raise ConfigError(f"{prefix}.micro_batch={self.micro_batch} must divide "
+                              f"{prefix}.global_batch={self.global_batch}")
 
 
 @dataclass
@@ -232,8 +200,8 @@ class DataConfig:
     num_workers: int = 0
 
     def validate(self, prefix: str) -> None:
-        _range(f"{prefix}.eval_fraction", self.eval_fraction, 0.0, 0.5)
-        _range(f"{prefix}.num_workers", self.num_workers, 0, None)
+        check_range(f"{prefix}.eval_fraction", self.eval_fraction, 0.0, 0.5)
+        check_range(f"{prefix}.num_workers", self.num_workers, 0, None)
 
 
 @dataclass
@@ -242,8 +210,8 @@ class CheckpointConfig:
     keep: int = 2  # newest complete checkpoints kept; 0 = all
 
     def validate(self, prefix: str) -> None:
-        _range(f"{prefix}.interval", self.interval, 0, None)
-        _range(f"{prefix}.keep", self.keep, 0, None)
+        check_range(f"{prefix}.interval", self.interval, 0, None)
+        check_range(f"{prefix}.keep", self.keep, 0, None)
 
 
 @dataclass
@@ -267,12 +235,9 @@ class Config:
     run: RunConfig = field(default_factory=RunConfig)
 
     def validate(self) -> "Config":
+        """Each section on its own; rules across sections and the world size are in preflight.py."""
         for f in dataclasses.fields(self):
             getattr(self, f.name).validate(f.name)
-        if self.train.global_batch % self.train.micro_batch:
-            raise ConfigError(
-                f"train.micro_batch={self.train.micro_batch} must divide train.global_batch={self.train.global_batch}"
-            )
         return self
 
     def to_dict(self) -> dict[str, Any]:
@@ -284,22 +249,64 @@ class Config:
 
 
 def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Defaults <- YAML file <- `key=value` overrides, validated."""
+    """Defaults <- YAML file (merged over its `base:` recipes, if any) <- `key=value` overrides, validated."""
     data: dict[str, Any] = {}
+    files: list[str] = []
     if path:
-        if not os.path.isfile(path):
-            raise ConfigError(f"config file not found: {path}")
-        with open(path) as f:
-            try:
-                data = yaml.safe_load(f) or {}
-            except yaml.YAMLError as e:
-                raise ConfigError(f"{path}: invalid YAML: {e}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"{path}: the top level must be a mapping of sections")
-    cfg = from_dict(data, source=path or "config")
+        data, files = _read_recipe(path)
+    try:
+        cfg = from_dict(data, source=path or "config")
+    except ConfigError as e:
+        if len(files) < 2:
+            raise
+        raise ConfigError(f"{e} (in {path} or its base recipes: {', '.join(files[1:])})") from None
     for item in overrides:
         apply_override(cfg, item)
     return cfg.validate()
+
+
+def _read_recipe(path: str, chain: tuple[str, ...] = ()) -> tuple[dict[str, Any], list[str]]:
+    """A YAML recipe as one mapping with its `base:` chain resolved, and the files read (this one first).
+
+    `base: other.yaml` (relative to the folder of the file that names it, or absolute) is read first,
+    then this file's sections are merged over it: mappings key by key, scalars and lists replaced.
+    `chain` holds the files that (transitively) named this one as their base, outermost first.
+    """
+    real = os.path.realpath(path)
+    reals = [os.path.realpath(p) for p in chain]
+    if real in reals:
+        cycle = " -> ".join([*chain[reals.index(real):], path])
+        raise ConfigError(f"recipe base cycle: {cycle}")
+    what = f"{path} (base of {chain[-1]})" if chain else path
+    if not os.path.isfile(path):
+        if chain:
+            raise ConfigError(f"{chain[-1]}: base file not found: {path}")
+        raise ConfigError(f"config file not found: {path}")
+    with open(path) as f:
+        try:
+            data = yaml.safe_load(f) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{what}: invalid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{what}: the top level must be a mapping of sections")
+    if "base" not in data:
+        return data, [path]
+    base = data.pop("base")
+    if not isinstance(base, str) or not base.strip():
+        raise ConfigError(f"{path}: base must be the path of a YAML recipe, got {base!r}")
+    base_data, files = _read_recipe(os.path.join(os.path.dirname(path), base), (*chain, path))
+    return _merge_recipe(base_data, data), [path, *files]
+
+
+def _merge_recipe(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """`over` on top of `base`: mappings on both sides merge key by key; any other value of `over` replaces."""
+    merged = dict(base)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _merge_recipe(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
 
 
 def from_dict(data: dict[str, Any], source: str = "config") -> Config:
@@ -407,19 +414,3 @@ def _suggest(key: str) -> str:
         leaf = key.rsplit(".", 1)[-1]
         close = [k for k in all_keys() if k.rsplit(".", 1)[-1] == leaf][:1]
     return f"; did you mean {close[0]!r}?" if close else ""
-
-
-def _choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ConfigError(f"{key}={value!r} is not one of: {', '.join(allowed)}")
-
-
-def _range(key: str, value: float, low: float | None, high: float | None,
-           open_low: bool = False, open_high: bool = False) -> None:
-    below = low is not None and (value <= low if open_low else value < low)
-    above = high is not None and (value >= high if open_high else value > high)
-    if below or above:
-        lo = "-inf" if low is None else f"{low}"
-        hi = "inf" if high is None else f"{high}"
-        interval = f"{'(' if open_low or low is None else '['}{lo}, {hi}{')' if open_high or high is None else ']'}"
-        raise ConfigError(f"{key}={value} is outside the allowed range {interval}")

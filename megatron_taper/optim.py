@@ -1,18 +1,31 @@
-"""The optimizer every engine starts from: AdamW with decoupled weight decay on matrices only."""
+"""The optimizer every engine starts from (AdamW, decoupled weight decay on matrices only) and
+its learning-rate schedule (linear warmup, then cosine decay)."""
 from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from megatron_taper.config import Config
+if TYPE_CHECKING:
+    from megatron_taper.config import TrainConfig
 
 
-def build_optimizer(module: nn.Module, cfg: Config, device: torch.device) -> torch.optim.Optimizer:
+def build_optimizer(module: nn.Module, train: TrainConfig, device: torch.device) -> torch.optim.Optimizer:
     """AdamW; weight decay on matrices and embeddings, not on norms and biases."""
     decay = [p for p in module.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in module.parameters() if p.requires_grad and p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": cfg.train.weight_decay},
+    groups = [{"params": decay, "weight_decay": train.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
-    t = cfg.train
-    return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
+    return torch.optim.AdamW(groups, lr=train.lr, betas=(train.beta1, train.beta2), eps=train.eps,
                              fused=device.type in ("cuda", "cpu"))
+
+
+def lr_at(step: int, train: TrainConfig) -> float:
+    """Learning rate of (0-based) step: linear warmup, then cosine decay to lr * min_lr_ratio."""
+    if step < train.warmup_steps:
+        return train.lr * (step + 1) / train.warmup_steps
+    span = max(1, train.steps - train.warmup_steps)
+    progress = min(1.0, (step - train.warmup_steps) / span)
+    return train.lr * (train.min_lr_ratio + (1 - train.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))

@@ -43,17 +43,15 @@ def multipliers(n_layers: int, schedule: str, start: float, sharpness: float = 1
             lo, hi = _sigmoid(-sharpness / 2), _sigmoid(sharpness / 2)
             frac = (_sigmoid(sharpness * (t - 0.5)) - lo) / (hi - lo)
         else:
-            raise ValueError(f"model.taper.schedule={schedule!r} is not one of: {', '.join(SCHEDULES)}")
+            raise AssertionError(f"unknown schedule {schedule!r} (config.TaperConfig validates it)")
         out.append(start + (end - start) * frac)
     return out
 
 
 def taper_widths(n_layers: int, mlp_width: int, schedule: str = "cosine", start: float = 1.5,
                  multiple: int = 64, sharpness: float = 10.0) -> TaperResult:
-    if not 0.0 < start < 2.0:
-        raise ValueError(f"model.taper.start={start} is outside the allowed range (0, 2)")
-    if n_layers < 1 or mlp_width < 1 or multiple < 1:
-        raise ValueError("model.n_layers, model.mlp_width and model.taper.multiple must be positive")
+    # ranges are validated by config.py (ModelConfig, TaperConfig); here they are invariants
+    assert 0.0 < start < 2.0 and n_layers >= 1 and mlp_width >= 1 and multiple >= 1, (start, n_layers, mlp_width)
     if start < 1.0 and schedule != "uniform":
         mirrored = taper_widths(n_layers, mlp_width, schedule, 2.0 - start, multiple, sharpness)
         return TaperResult(mirrored.widths[::-1], mirrored.budget, mirrored.shortfall)

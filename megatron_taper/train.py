@@ -14,24 +14,23 @@ import argparse
 import contextlib
 import math
 import os
-import random
 import shutil
 import signal
 import sys
 import time
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_taper.checkpoint import find_resume_checkpoint, load_checkpoint, save_checkpoint
+from megatron_taper.build import build_run
+from megatron_taper.checkpoint import checkpoint_root, find_resume_checkpoint, load_checkpoint, save_checkpoint
 from megatron_taper.config import Config, ConfigError, load_config, save_config
 from megatron_taper.data.sources import build_sources
-from megatron_taper.flops import model_costs, mfu, peak_flops
+from megatron_taper.flops import mfu, model_costs, peak_flops
 from megatron_taper.metrics import MetricsLogger
-from megatron_taper.models import build_model
-from megatron_taper.parallel import ParallelModel, parallelize
-from megatron_taper.parallel.context import ParallelContext, init_parallel, shutdown
+from megatron_taper.optim import lr_at
+from megatron_taper.parallel.context import ParallelContext, init_parallel, shutdown, world_size
+from megatron_taper.preflight import preflight
 
 EXIT_BAD_INPUT = 2
 EXIT_REQUEUE = 3
@@ -39,22 +38,6 @@ EXIT_REQUEUE = 3
 
 class NonFiniteLossError(RuntimeError):
     pass
-
-
-def lr_at(step: int, cfg) -> float:
-    """Learning rate of (0-based) step: linear warmup, then cosine decay to lr * min_lr_ratio."""
-    t = cfg.train
-    if step < t.warmup_steps:
-        return t.lr * (step + 1) / t.warmup_steps
-    span = max(1, t.steps - t.warmup_steps)
-    progress = min(1.0, (step - t.warmup_steps) / span)
-    return t.lr * (t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
 
 
 class StopSignal:
@@ -82,23 +65,14 @@ class StopSignal:
 class Trainer:
     def __init__(self, cfg: Config, ctx: ParallelContext | None = None, stop: StopSignal | None = None):
         self.cfg = cfg
-        self.ctx = ctx or init_parallel(cfg.parallel, cfg.model, cfg.train.device)
-        t = cfg.train
-        per_round = t.micro_batch * self.ctx.dp
-        if t.global_batch % per_round:
-            raise ConfigError(f"train.global_batch={t.global_batch} must be a multiple of train.micro_batch x dp "
-                              f"= {t.micro_batch} x {self.ctx.dp}")
-        self.accum = t.global_batch // per_round
-        self.bf16 = t.precision == "bf16" or (t.precision == "auto" and self.ctx.device.type == "cuda"
-                                              and torch.cuda.is_bf16_supported())
-        seed_everything(t.seed)
-        self.train_source, self.eval_factory = build_sources(cfg, self.ctx.dp_rank, self.ctx.dp)
-        model = build_model(cfg.model)
-        model.init_weights(t.seed)
-        self.pm: ParallelModel = parallelize(model, self.ctx, cfg)
-        self.optimizer = self.pm.build_optimizer(cfg)
-        costs = model_costs(cfg.model)
-        self.flops_per_token = costs.total_flops
+        run = build_run(cfg, ctx)
+        self.ctx, self.pm, self.optimizer, self.bf16 = run.ctx, run.model, run.optimizer, run.bf16
+        self.accum = run.layout.accumulation
+        m, t = cfg.model, cfg.train
+        self.train_source, self.eval_factory = build_sources(
+            cfg.data, seq_len=m.seq_len, micro_batch=t.micro_batch, seed=t.seed, vocab_size=m.vocab_size,
+            dp_rank=self.ctx.dp_rank, dp_size=self.ctx.dp)
+        self.flops_per_token = model_costs(m).total_flops
         self.peak = peak_flops(self.ctx.device, self.bf16)
         self.step = 0
         self.last_saved = -1
@@ -118,11 +92,11 @@ class Trainer:
         self.ctx.barrier()
 
     def _resume(self) -> None:
-        path = find_resume_checkpoint(self.cfg)
+        path = find_resume_checkpoint(self.cfg.run.resume, checkpoint_root(self.cfg.run.dir))
         if path is None:
             self.metrics.truncate_after(0)
             return
-        state = load_checkpoint(path, self.cfg, self.pm, self.optimizer)
+        state = load_checkpoint(path, self.cfg.model, self.pm, self.optimizer)
         self.step, self.skipped = state["step"], state["skipped"]
         self.last_saved = self.step
         self.train_source.load_state_dict(state["data"])
@@ -138,7 +112,7 @@ class Trainer:
 
     def train_step(self) -> dict:
         for group in self.optimizer.param_groups:
-            group["lr"] = lr_at(self.step, self.cfg)
+            group["lr"] = lr_at(self.step, self.cfg.train)
         micro_batches = [self.train_source.next_batch() for _ in range(self.accum)]
         loss = self._dp_mean(self.pm.forward_backward(micro_batches, self.autocast))
         loss_value = float(loss)
@@ -207,8 +181,8 @@ class Trainer:
         if self.step == self.last_saved:
             return
         self.last_saved = self.step
-        save_checkpoint(self.cfg, self.pm, self.optimizer, self.step, {"skipped": self.skipped},
-                        self.train_source.state_dict())
+        save_checkpoint(checkpoint_root(self.cfg.run.dir), self.cfg.checkpoint, self.cfg.to_dict(), self.pm,
+                        self.optimizer, self.step, {"skipped": self.skipped}, self.train_source.state_dict())
 
     # -- helpers -------------------------------------------------------------------------------
 
@@ -263,7 +237,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, args.overrides)
         if not os.path.exists(cfg.run.dir):
             created_run_dir = cfg.run.dir
-        ctx = init_parallel(cfg.parallel, cfg.model, cfg.train.device)
+        preflight(cfg, world_size())  # before joining: a bad layout fails alike on every rank, at once
+        ctx = init_parallel(cfg.parallel, cfg.train.device)
         trainer = Trainer(cfg, ctx, stop)
         created_run_dir = None
         code = trainer.fit()

@@ -9,7 +9,6 @@ from pathlib import Path
 
 from megatron_taper.data.corpus import embedded_files
 
-
 REPO = Path(__file__).resolve().parent.parent
 
 # A tiny model that trains in a few seconds on one CPU core; byte-level tokens (vocab 256).
@@ -37,7 +36,8 @@ def run_train(args: list[str], nproc: int = 1, check: bool = True, timeout: floa
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     proc = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
-        raise AssertionError(f"trainer exited {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-5000:]}")
+        raise AssertionError(f"trainer exited {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\n"
+                             f"stderr:\n{proc.stderr[-5000:]}")
     return proc
 
 

@@ -1,6 +1,9 @@
+import copy
+from pathlib import Path
+
 import pytest
 
-from megatron_taper.config import ConfigError, all_keys, load_config
+from megatron_taper.config import ConfigError, _merge_recipe, all_keys, load_config
 
 
 def test_defaults_recipe_and_overrides(tmp_path):
@@ -68,3 +71,82 @@ def test_contract_keys_exist():
                 "train.micro_batch", "train.lr", "train.seed", "train.exit_after", "data.path",
                 "data.tokenizer", "checkpoint.interval", "checkpoint.keep", "run.dir"):
         assert key in keys, key
+
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+def test_base_recipe_merges_nested_sections_and_overrides_win(tmp_path):
+    (tmp_path / "base.yaml").write_text(
+        "model:\n  n_layers: 6\n  d_model: 512\n  n_heads: 8\n  taper:\n    schedule: cosine\n    start: 1.5\n"
+        "train:\n  steps: 10\n  lr: 1.0e-3\nrun:\n  dir: runs/base\n")
+    (tmp_path / "sub").mkdir()
+    child = tmp_path / "sub" / "child.yaml"
+    child.write_text("base: ../base.yaml\nmodel:\n  taper:\n    schedule: uniform\n    start: 1.0\n"
+                     "train:\n  lr: 2.0e-4\nrun:\n  dir: runs/child\n")
+    cfg = load_config(str(child))
+    assert cfg.model.n_layers == 6 and cfg.model.d_model == 512 and cfg.model.n_heads == 8  # from the base
+    assert cfg.model.taper.schedule == "uniform" and cfg.model.taper.start == 1.0  # nested keys overridden
+    assert cfg.model.taper.multiple == 64  # untouched nested key keeps its default
+    assert cfg.train.steps == 10 and cfg.train.lr == 2e-4 and cfg.run.dir == "runs/child"
+    cfg = load_config(str(child), ["train.lr=5e-5", "model.n_layers=4", "model.taper.schedule=linear"])
+    assert cfg.train.lr == 5e-5 and cfg.model.n_layers == 4 and cfg.model.taper.schedule == "linear"
+    assert cfg.train.steps == 10 and cfg.model.taper.start == 1.0
+    # an absolute base path works too
+    child.write_text(f"base: {tmp_path / 'base.yaml'}\ntrain:\n  steps: 3\n")
+    cfg = load_config(str(child))
+    assert cfg.train.steps == 3 and cfg.train.lr == 1e-3 and cfg.run.dir == "runs/base"
+
+
+def test_base_chain_and_lists_replace(tmp_path):
+    (tmp_path / "a.yaml").write_text("model:\n  n_layers: 6\n  d_model: 512\n  n_heads: 8\ntrain:\n  steps: 1\n")
+    (tmp_path / "b.yaml").write_text("base: a.yaml\nmodel:\n  n_layers: 4\ntrain:\n  steps: 2\n")
+    (tmp_path / "c.yaml").write_text("base: b.yaml\ntrain:\n  steps: 3\n")
+    cfg = load_config(str(tmp_path / "c.yaml"))
+    assert (cfg.model.d_model, cfg.model.n_layers, cfg.train.steps) == (512, 4, 3)
+    base = {"s": {"x": [1, 2], "y": {"p": 1, "q": 2}}, "t": 1}
+    over = {"s": {"x": [3], "y": {"q": 5}}}
+    original = copy.deepcopy(base)
+    assert _merge_recipe(base, over) == {"s": {"x": [3], "y": {"p": 1, "q": 5}}, "t": 1}
+    assert base == original
+
+
+def test_base_cycle_is_an_error_naming_the_files(tmp_path):
+    (tmp_path / "a.yaml").write_text("base: b.yaml\n")
+    (tmp_path / "b.yaml").write_text("base: a.yaml\n")
+    with pytest.raises(ConfigError, match="cycle") as e:
+        load_config(str(tmp_path / "a.yaml"))
+    assert str(e.value).count("a.yaml") == 2 and "b.yaml" in str(e.value)
+    (tmp_path / "self.yaml").write_text("base: self.yaml\n")
+    with pytest.raises(ConfigError, match="cycle.*self.yaml -> .*self.yaml"):
+        load_config(str(tmp_path / "self.yaml"))
+
+
+def test_missing_or_bad_base_is_an_error_naming_the_files(tmp_path):
+    child = tmp_path / "child.yaml"
+    child.write_text("base: nowhere/gone.yaml\n")
+    with pytest.raises(ConfigError, match="child.yaml: base file not found: .*nowhere/gone.yaml"):
+        load_config(str(child))
+    (tmp_path / "list.yaml").write_text("- 1\n- 2\n")
+    child.write_text("base: list.yaml\n")
+    with pytest.raises(ConfigError, match=r"list.yaml \(base of .*child.yaml\): the top level must be a mapping"):
+        load_config(str(child))
+    child.write_text("base: [a.yaml]\n")
+    with pytest.raises(ConfigError, match="child.yaml: base must be the path of a YAML recipe"):
+        load_config(str(child))
+    (tmp_path / "typo.yaml").write_text("model:\n  d_modle: 64\n")
+    child.write_text("base: typo.yaml\n")
+    with pytest.raises(ConfigError, match="did you mean 'model.d_model'.*typo.yaml"):
+        load_config(str(child))
+
+
+@pytest.mark.parametrize("uniform", sorted(CONFIGS.glob("*_uniform.yaml")), ids=lambda p: p.stem)
+def test_uniform_recipe_is_its_taper_twin_but_for_the_schedule(uniform):
+    taper = uniform.with_name(uniform.name.replace("_uniform.yaml", "_taper.yaml"))
+    u, t = load_config(str(uniform)).to_dict(), load_config(str(taper)).to_dict()
+    assert t["model"]["taper"]["schedule"] == "cosine"
+    assert u["model"]["taper"]["schedule"] == "uniform" and u["model"]["taper"]["start"] == 1.0
+    assert u["run"]["dir"] == f"runs/{uniform.stem}" and t["run"]["dir"] == f"runs/{taper.stem}"
+    for d in (u, t):
+        del d["model"]["taper"]["schedule"], d["model"]["taper"]["start"], d["run"]["dir"]
+    assert u == t

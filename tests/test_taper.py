@@ -46,8 +46,10 @@ def test_widths_properties(layers, units, unit, schedule, start, extra):
 
 @pytest.mark.parametrize("start", [0.0, 2.0, -1.0, 2.5])
 def test_start_outside_range_is_an_error(start):
-    with pytest.raises(ValueError, match="model.taper.start"):
-        taper_widths(4, 256, "cosine", start, 16)
+    from megatron_taper.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="model.taper.start"):
+        load_config(None, [f"model.taper.start={start}"])
 
 
 def test_width_below_one_unit_is_an_error():
@@ -56,5 +58,7 @@ def test_width_below_one_unit_is_an_error():
 
 
 def test_unknown_schedule_is_an_error():
-    with pytest.raises(ValueError, match="model.taper.schedule='exp'"):
-        taper_widths(4, 256, "exp", 1.5, 16)
+    from megatron_taper.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="model.taper.schedule='exp'"):
+        load_config(None, ["model.taper.schedule=exp"])

@@ -6,8 +6,8 @@ import sys
 import time
 
 import pytest
-
 from runner import REPO, TINY, losses, read_metrics, run_train
+
 from megatron_taper.train import main
 
 

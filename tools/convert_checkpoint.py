@@ -22,10 +22,8 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from megatron_taper.checkpoint import CheckpointError, load_logical, verify_checkpoint  # noqa: E402
-from megatron_taper.config import from_dict, save_config  # noqa: E402
+from megatron_taper.checkpoint import CheckpointError, load_logical, verify_checkpoint
+from megatron_taper.config import from_dict, save_config
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -13,25 +13,30 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-from megatron_taper.config import load_config  # noqa: E402
-from megatron_taper.parallel.partition import PipelinePlan, plan_pipeline, profile_layer_times  # noqa: E402
+from megatron_taper.config import load_config
+from megatron_taper.models import build_model
+from megatron_taper.parallel.context import choose_device
+from megatron_taper.parallel.partition import PipelinePlan
+from megatron_taper.parallel.pipeline import plan_stages
+from megatron_taper.parallel.profile import profile_layer_times
+from megatron_taper.preflight import preflight
 
 
-def build_plan(cfg, virtual: int, memory_gb: list[float] | None, bytes_per_param: float,
+def default_dp(cfg) -> int:
+    """The data-parallel size at which each pipeline micro-batch is train.micro_batch sequences."""
+    t, p = cfg.train, cfg.parallel
+    return max(1, t.global_batch // (t.micro_batch * p.microbatches)) if p.microbatches else 1
+
+
+def build_plan(cfg, dp: int, memory_gb: list[float] | None, bytes_per_param: float,
                memory_key: str | None = None) -> PipelinePlan:
-    pcfg = cfg.parallel
+    """The plan the trainer makes for `cfg` at data-parallel size `dp`."""
     measured = None
-    if pcfg.pp_balance == "profile":
-        import torch
-
-        from megatron_taper.models import build_model
-        from megatron_taper.parallel.context import choose_device
-
+    if cfg.parallel.pp_balance == "profile":
         device = choose_device(cfg.train.device)
         model = build_model(cfg.model)
         model.init_weights(cfg.train.seed)
@@ -39,10 +44,8 @@ def build_plan(cfg, virtual: int, memory_gb: list[float] | None, bytes_per_param
         del model
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    return plan_pipeline(cfg.model, pcfg.pp, virtual=virtual, balance=pcfg.pp_balance,
-                         microbatches=pcfg.microbatches, micro_batch=cfg.train.micro_batch,
-                         schedule=pcfg.pp_schedule, memory_gb=memory_gb, bytes_per_param=bytes_per_param,
-                         measured=measured, memory_key=memory_key or "parallel.pp_memory_gb")
+    return plan_stages(cfg.model, cfg.parallel, cfg.train, dp, measured, memory_gb, bytes_per_param,
+                       memory_key or "parallel.pp_memory_gb")
 
 
 def to_json(plan: PipelinePlan) -> dict:
@@ -91,7 +94,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", help="YAML recipe")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--virtual", type=int, default=0,
-                        help="chunks per pp rank (default: parallel.pp_virtual with interleaved_1f1b, else 1)")
+                        help="chunks per pp rank: plans parallel.pp_schedule=interleaved_1f1b with "
+                             "parallel.pp_virtual=N (default: as the config says)")
+    parser.add_argument("--dp", type=int, default=0,
+                        help="data-parallel size (default: the one at which a pipeline micro-batch is "
+                             "train.micro_batch sequences)")
     parser.add_argument("--memory-gb", type=float, nargs="+", default=None,
                         help="per-stage memory limit in GiB, one per stage (default: parallel.pp_memory_gb for all)")
     parser.add_argument("--bytes-per-param", type=float, default=16.0,
@@ -99,10 +106,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="key=value config overrides")
     args = parser.parse_args(argv)
     try:
-        cfg = load_config(args.config, args.overrides)
-        virtual = args.virtual or (cfg.parallel.pp_virtual if cfg.parallel.pp_schedule == "interleaved_1f1b" else 1)
-        memory_gb = args.memory_gb or ([cfg.parallel.pp_memory_gb] if cfg.parallel.pp_memory_gb > 0 else None)
-        plan = build_plan(cfg, virtual, memory_gb, args.bytes_per_param, "--memory-gb" if args.memory_gb else None)
+        overrides = list(args.overrides)
+        if args.virtual:
+            overrides += ["parallel.pp_schedule=interleaved_1f1b", f"parallel.pp_virtual={args.virtual}"]
+        cfg = load_config(args.config, overrides)
+        if args.memory_gb and cfg.parallel.virtual_stages > 1:
+            parser.error("--memory-gb: per-stage memory limits are only modelled for non-interleaved schedules")
+        dp = args.dp or default_dp(cfg)
+        preflight(cfg, cfg.parallel.pp * cfg.parallel.tp * dp)
+        plan = build_plan(cfg, dp, args.memory_gb, args.bytes_per_param, "--memory-gb" if args.memory_gb else None)
     except ValueError as e:  # ConfigError included
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -13,14 +13,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from megatron_taper.data.corpus import SkipLog, add_input_arguments, documents_from_arguments  # noqa: E402
-from megatron_taper.data.preprocess import preprocess  # noqa: E402
+from megatron_taper.data.corpus import SkipLog, add_input_arguments, documents_from_arguments
+from megatron_taper.data.preprocess import preprocess
 
 
 def _terminate(signum: int, frame: object) -> None:

@@ -9,8 +9,9 @@ import argparse
 import json
 import sys
 
-from megatron_taper.config import ConfigError, load_config
+from megatron_taper.config import load_config
 from megatron_taper.flops import model_costs, uniform_twin
+from megatron_taper.preflight import preflight
 from megatron_taper.taper import taper_widths
 
 
@@ -61,8 +62,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
     try:
-        info = describe(load_config(args.config, args.overrides))
-    except (ConfigError, ValueError) as e:
+        cfg = load_config(args.config, args.overrides)
+        preflight(cfg, cfg.parallel.pp * cfg.parallel.tp)  # the layout of one data-parallel replica
+        info = describe(cfg)
+    except ValueError as e:  # ConfigError included
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.json:

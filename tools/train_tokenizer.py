@@ -14,10 +14,8 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from megatron_taper.data.corpus import SkipLog, add_input_arguments, documents_from_arguments  # noqa: E402
-from megatron_taper.data.tokenizer import MODEL_TYPES, train_tokenizer  # noqa: E402
+from megatron_taper.data.corpus import SkipLog, add_input_arguments, documents_from_arguments
+from megatron_taper.data.tokenizer import MODEL_TYPES, train_tokenizer
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -40,7 +40,8 @@ def builtin_data_dir(cache_dir: str, vocab_size: int, max_bytes: int = EMBEDDED_
 def prepare_builtin_data(cache_dir: str, vocab_size: int, max_bytes: int = EMBEDDED_MAX_BYTES) -> str:
     """Returns the data folder (train/, val/, stats.json, tokenizer.model), building it if needed."""
     if vocab_size < 260:
-        raise ValueError(f"model.vocab_size={vocab_size} is too small for the built-in byte-fallback tokenizer (>= 260)")
+        raise ValueError(f"model.vocab_size={vocab_size} is too small for the built-in byte-fallback tokenizer "
+                         f"(>= 260)")
     out = builtin_data_dir(cache_dir, vocab_size, max_bytes)
     if is_complete(out):
         return out

@@ -22,8 +22,14 @@ from typing import Iterable, Iterator, Sequence
 import numpy as np
 
 from megatron_taper.data.corpus import Document, SkipLog
-from megatron_taper.data.streaming import (INDEX_FILE, LENGTHS_FILE, STATS_FILE, TOKENIZER_FILE, TOKENS_COLUMN,
-                                           token_dtype)
+from megatron_taper.data.streaming import (
+    INDEX_FILE,
+    LENGTHS_FILE,
+    STATS_FILE,
+    TOKENIZER_FILE,
+    TOKENS_COLUMN,
+    token_dtype,
+)
 from megatron_taper.data.tokenizer import Tokenizer, model_sha256
 from megatron_taper.data.torchvision_compat import import_streaming
 

@@ -24,7 +24,8 @@ class TokenFileSource:
         except (ValueError, OSError) as e:
             raise ValueError(f"data.path: {path} is not a readable .npy token array: {e}") from None
         if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
-            raise ValueError(f"data.path: {path} must hold a 1-D integer token array, got {tokens.dtype} {tokens.shape}")
+            raise ValueError(f"data.path: {path} must hold a 1-D integer token array, "
+                             f"got {tokens.dtype} {tokens.shape}")
         self.sample_len = seq_len + 1
         n_all = len(tokens) // self.sample_len
         n_eval = int(round(n_all * eval_fraction))

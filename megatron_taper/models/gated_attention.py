@@ -11,13 +11,31 @@ head exactly like `wq`.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
-from megatron_taper.config import ModelConfig
-from megatron_taper.flops import Cost, swiglu_cost
+from megatron_taper.models.costs import Cost, attention_cost, swiglu_cost
 from megatron_taper.models.layers import Attention
-from megatron_taper.models.transformer import Transformer, TransformerBlock
+from megatron_taper.models.spec import FamilySpec
+from megatron_taper.models.transformer import Transformer, TransformerBlock, tp_plan_transformer_block
+from megatron_taper.validation import check_choice
+
+if TYPE_CHECKING:
+    from megatron_taper.config import ModelConfig
+    from megatron_taper.parallel.tp_plan import TPBuilder
+
+
+@dataclass
+class GatedAttentionConfig:
+    """model.gated"""
+
+    gate: str = "elementwise"  # elementwise (one gate per head dimension) | headwise
+
+    def validate(self, prefix: str) -> None:
+        check_choice(f"{prefix}.gate", self.gate, ("elementwise", "headwise"))
 
 
 class GatedAttention(Attention):
@@ -45,11 +63,15 @@ def gate_width(cfg: ModelConfig) -> int:
 
 
 def gated_attention_layer_cost(cfg: ModelConfig, width: int, causal: bool = True) -> Cost:
-    d, h, k, e, s = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_dim, cfg.seq_len
-    matmul = d * h * e + 2 * d * k * e + h * e * d + d * gate_width(cfg)
-    context = (s + 1) / 2 if causal else s
-    # saved for backward: norm input, q, k, v, attention output, gate
-    acts = 2 * (d + h * e + 2 * k * e + h * e + d + gate_width(cfg))
-    attn = Cost(matmul + d, 2 * matmul + 4 * h * e * context, acts)
-    mlp = swiglu_cost(cfg, width)
-    return Cost(attn.params + mlp.params, attn.flops + mlp.flops, attn.act_bytes + mlp.act_bytes)
+    return attention_cost(cfg, causal, extra_outputs=gate_width(cfg)) + swiglu_cost(cfg, width)
+
+
+def tp_plan_gated_attention_block(block: GatedAttentionBlock, prefix: str, cfg: ModelConfig, tp: TPBuilder) -> None:
+    """As the Transformer's; the gate W_g (head-major rows) is split by head like wq."""
+    tp_plan_transformer_block(block, prefix, cfg, tp)
+    per_head = block.attn.wg.weight.shape[0] // cfg.n_heads  # head_dim (elementwise) or 1 (headwise)
+    tp.column(block.attn, "wg", f"{prefix}.attn", tp.head_rows(cfg.n_heads, per_head))
+
+
+SPEC = FamilySpec(name="gated_attention", build=GatedTransformer, layer_cost=gated_attention_layer_cost,
+                  tp_block_plan=tp_plan_gated_attention_block, section="gated", options=GatedAttentionConfig)

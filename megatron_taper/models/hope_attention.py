@@ -16,14 +16,38 @@ block i has width w_i, so tapered and uniform twins have equal parameter counts.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron_taper.config import ModelConfig
-from megatron_taper.flops import Cost, attention_cost, swiglu_cost
+from megatron_taper.models.costs import Cost, attention_cost, swiglu_cost
 from megatron_taper.models.layers import RMSNorm, SwiGLU
+from megatron_taper.models.spec import FamilySpec
 from megatron_taper.models.transformer import Transformer, TransformerBlock
+from megatron_taper.validation import ConfigError, check_range
+
+if TYPE_CHECKING:
+    from megatron_taper.config import ModelConfig, ParallelConfig
+    from megatron_taper.parallel.tp_plan import TPBuilder
+
+
+@dataclass
+class HopeConfig:
+    """model.hope"""
+
+    levels: int = 2  # MLP levels of the Continuum Memory System after each attention
+    chunk_size: int = 16  # update period (tokens) of the fastest level when online
+    chunk_growth: int = 4  # level l updates every chunk_size * chunk_growth**l tokens
+    online: bool = False  # update the levels inside the forward pass (off: plain MLP chain)
+    online_lr: float = 0.01  # step size of the online updates
+
+    def validate(self, prefix: str) -> None:
+        for key in ("levels", "chunk_size", "chunk_growth"):
+            check_range(f"{prefix}.{key}", getattr(self, key), 1, None)
+        check_range(f"{prefix}.online_lr", self.online_lr, 0.0, None, open_low=True)
 
 
 class HopeAttentionBlock(TransformerBlock):
@@ -74,3 +98,23 @@ def hope_attention_layer_cost(cfg: ModelConfig, width: int, causal: bool = True)
     if cfg.hope.online:  # per token: its share of the chunk's weight gradient h^T (out - n)
         flops += levels * 2 * width * cfg.d_model
     return Cost(attn.params + levels * mlp.params, flops, attn.act_bytes + levels * mlp.act_bytes)
+
+
+def tp_plan_hope_attention_block(block: HopeAttentionBlock, prefix: str, cfg: ModelConfig, tp: TPBuilder) -> None:
+    """Attention as in the Transformer; every CMS level a SwiGLU split like the MLP."""
+    tp.replicated(block.attn_norm, f"{prefix}.attn_norm")
+    tp.attention(block.attn, f"{prefix}.attn", cfg.n_heads, cfg.kv_heads, cfg.rope_theta)
+    for level, (norm, mlp) in enumerate(zip(block.cms_norms, block.cms)):
+        tp.replicated(norm, f"{prefix}.cms_norms.{level}")
+        tp.swiglu(mlp, f"{prefix}.cms.{level}", cfg.taper.multiple)
+
+
+def check_hope_layout(mcfg: ModelConfig, pcfg: ParallelConfig) -> None:
+    if mcfg.hope.online and pcfg.tp > 1:
+        raise ConfigError(f"model.hope.online=true is not supported with parallel.tp={pcfg.tp} (the online "
+                          f"update needs each level's whole output); set model.hope.online=false or parallel.tp=1")
+
+
+SPEC = FamilySpec(name="hope_attention", build=HopeAttention, layer_cost=hope_attention_layer_cost,
+                  tp_block_plan=tp_plan_hope_attention_block, check_layout=check_hope_layout,
+                  section="hope", options=HopeConfig)

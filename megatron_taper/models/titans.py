@@ -17,7 +17,7 @@ backpropagated error). The two linear recurrences then unroll to
 with P_tj = prod_{j<l<=t} (1 - alpha_l), Q_ji = prod_{i<l<=j} eta_l (from log-space cumsums),
 B_t = prod_{l<=t} (1 - alpha_l), E_j = prod_{l<=j} eta_l. Reading M_t(q_t) layer by layer is
 then attention-like: r M_t = B_t (r W) + D_t (r S) - ((c * r a^T) delta), never materialising
-per-token weights. C = 1 is the exact token-by-token recurrence (`reference_scan`).
+per-token weights. C = 1 is the exact token-by-token recurrence (tests compare both with a torch.func reference).
 
 Blocks (the MLP after the mixer has this layer's tapered width, as in the Transformer):
     MAG  x~ = [P, norm(x)];  o = SWA(x~) * sigmoid(M(x~))                 (memory as a gate)
@@ -34,16 +34,50 @@ RMS-normalised with its own gains before wo.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron_taper.config import ModelConfig
-from megatron_taper.flops import Cost, swiglu_cost
+from megatron_taper.models.costs import Cost, swiglu_cost
 from megatron_taper.models.init import init_parameters, init_tensor
 from megatron_taper.models.layers import Attention, RMSNorm, rope_tables
-from megatron_taper.models.transformer import Transformer, TransformerBlock
+from megatron_taper.models.spec import FamilySpec
+from megatron_taper.models.transformer import Transformer, TransformerBlock, tp_plan_transformer_block
+from megatron_taper.validation import ConfigError, check_choice, check_range
+
+if TYPE_CHECKING:
+    from megatron_taper.config import ModelConfig, ParallelConfig
+    from megatron_taper.parallel.tp_plan import TPBuilder
+
+
+
+@dataclass
+class TitansConfig:
+    """model.titans"""
+
+    variant: str = "mag"  # mac (memory as context) | mag (memory as gate) | mal (memory as layer)
+    window: int = 64  # sliding-window attention span (MAG, MAL); segment length (MAC)
+    persistent_tokens: int = 4  # learnable tokens prepended to the block's sequence
+    memory_depth: int = 2  # layers of the memory MLP (1 = a linear memory)
+    memory_expansion: int = 2  # hidden width of a deep memory, in multiples of head_dim
+    chunk_size: int = 16  # tokens whose memory gradients are taken at the chunk's starting state
+    max_lr: float = 0.005  # upper bound of the data-dependent inner learning rate theta_t; the chunked
+    # updates stay stable for max_lr * chunk_size**2 <~ 1 (measured: 0.1 and 0.01 at chunk 16 diverge)
+    momentum_init: float = 0.9  # eta_t at initialisation (a fixed logit offset)
+    forget_init: float = 0.01  # alpha_t at initialisation (a fixed logit offset)
+
+    def validate(self, prefix: str) -> None:
+        check_choice(f"{prefix}.variant", self.variant, ("mac", "mag", "mal"))
+        for key in ("window", "memory_depth", "memory_expansion", "chunk_size"):
+            check_range(f"{prefix}.{key}", getattr(self, key), 1, None)
+        check_range(f"{prefix}.persistent_tokens", self.persistent_tokens, 0, None)
+        check_range(f"{prefix}.max_lr", self.max_lr, 0.0, None, open_low=True)
+        check_range(f"{prefix}.momentum_init", self.momentum_init, 0.0, 1.0, open_low=True, open_high=True)
+        check_range(f"{prefix}.forget_init", self.forget_init, 0.0, 1.0, open_low=True, open_high=True)
+
 
 State = tuple[list[torch.Tensor], list[torch.Tensor]]  # (memory weights, surprise), each [B, H, i, o]
 
@@ -168,33 +202,6 @@ class NeuralMemory(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.output(self.scan(x, x, self.init_state(x.shape[0]))[0])
-
-
-def reference_scan(memory: NeuralMemory, x_kv: torch.Tensor, x_q: torch.Tensor,
-                   state: State) -> tuple[torch.Tensor, State]:
-    """Token-by-token recurrence with autograd gradients (torch.func), for tests: ([B, H, T, E], state)."""
-    from torch.func import grad, vmap
-
-    def mlp(ws: list[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        for layer, w in enumerate(ws):
-            x = x @ w
-            x = F.silu(x) if layer < len(ws) - 1 else x
-        return x
-
-    def loss(ws: list[torch.Tensor], key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-        return ((mlp(ws, key) - value) ** 2).sum()
-
-    per_head_grad, per_head_read = vmap(vmap(grad(loss))), vmap(vmap(mlp))
-    k, v, q, theta, log_eta, log_keep = memory.project(x_kv, x_q)
-    weights, surprise = list(state[0]), list(state[1])
-    reads = []
-    for t in range(k.shape[2]):
-        grads = per_head_grad(weights, k[:, :, t], v[:, :, t])
-        eta, keep, lr = (z[:, :, t, None, None] for z in (log_eta.exp(), log_keep.exp(), theta))
-        surprise = [eta * s - lr * g for s, g in zip(surprise, grads)]
-        weights = [keep * w + s for w, s in zip(weights, surprise)]
-        reads.append(per_head_read(weights, q[:, :, t]))
-    return torch.stack(reads, dim=2), (weights, surprise)
 
 
 class MaskedAttention(Attention):
@@ -360,3 +367,35 @@ def titans_layer_cost(cfg: ModelConfig, width: int, causal: bool = True) -> Cost
     # projections and gates, and per memory layer its activations on keys, queries and deltas
     acts = 2 * (2 * d + 4 * h * e + 2 * k * e + 4 * h * e + 3 * h + 3 * h * (t.memory_expansion * e) * t.memory_depth)
     return Cost(params + width * 3 * d, flops / s + mlp.flops, acts + mlp.act_bytes)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensor parallelism: attention and MLP as in the Transformer; the neural memory is split by head
+# (each rank runs the memories of its heads: wq/wk/wv/gates column-parallel, each entering the tp
+# region itself, M_0 and the per-head read-norm gains sliced along the head dimension, wo
+# row-parallel). Persistent tokens are replicated.
+
+
+def tp_plan_titans_block(block: TitansBlock, prefix: str, cfg: ModelConfig, tp: TPBuilder) -> None:
+    tp_plan_transformer_block(block, prefix, cfg, tp)
+    if isinstance(block, MALBlock):
+        tp.replicated(block.mem_norm, f"{prefix}.mem_norm")
+    memory, mp, e = block.memory, f"{prefix}.memory", cfg.head_dim
+    rows = tp.head_rows(cfg.n_heads, e)
+    for attr in ("wq", "wk", "wv"):
+        tp.column(memory, attr, mp, rows, input_mode="copy")
+    tp.column(memory, "gates", mp, tp.head_rows(cfg.n_heads, 3), input_mode="copy")
+    tp.row(memory, "wo", mp, tp.head_columns(cfg.n_heads, e))
+    for i in range(len(memory.mem_w)):
+        tp.shard_parameter(memory.mem_w, str(i), f"{mp}.mem_w", tp.head_rows(cfg.n_heads, 1))
+    tp.shard_parameter(memory, "out_norm_weight", mp, rows)
+
+
+def check_titans_layout(mcfg: ModelConfig, pcfg: ParallelConfig) -> None:
+    if pcfg.tp > 1 and pcfg.sequence_parallel:
+        raise ConfigError("parallel.sequence_parallel is not supported for model.arch='titans' (the memory "
+                          "and the persistent tokens need the whole sequence); set it to false")
+
+
+SPEC = FamilySpec(name="titans", build=Titans, layer_cost=titans_layer_cost, tp_block_plan=tp_plan_titans_block,
+                  check_layout=check_titans_layout, section="titans", options=TitansConfig)

@@ -9,13 +9,20 @@ gone. This file is single-device code: parallelism is applied from outside.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
-from megatron_taper.config import ModelConfig
+from megatron_taper.models.costs import Cost, attention_cost, swiglu_cost
 from megatron_taper.models.init import init_parameters
 from megatron_taper.models.layers import Attention, RMSNorm, SwiGLU, rope_tables
+from megatron_taper.models.spec import FamilySpec
 from megatron_taper.taper import layer_widths
+
+if TYPE_CHECKING:
+    from megatron_taper.config import ModelConfig
+    from megatron_taper.parallel.tp_plan import TPBuilder
 
 
 class TransformerBlock(nn.Module):
@@ -46,7 +53,8 @@ class Transformer(nn.Module):
             {str(i): self.block_class(cfg, width) for i, width in enumerate(self.mlp_widths)}
         )
         self.norm: RMSNorm | None = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.output: nn.Linear | None = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.output: nn.Linear | None = (None if cfg.tie_embeddings
+                                         else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False))
 
     def init_weights(self, seed: int) -> None:
         init_parameters(self, seed, self.cfg.init_std, self.cfg.n_layers)
@@ -65,3 +73,20 @@ class Transformer(nn.Module):
         if self.cfg.tie_embeddings and self.tok_embeddings is not None:
             return h @ self.tok_embeddings.weight.t()
         return h
+
+
+def transformer_layer_cost(cfg: ModelConfig, width: int, causal: bool = True) -> Cost:
+    return attention_cost(cfg, causal) + swiglu_cost(cfg, width)
+
+
+def tp_plan_transformer_block(block: TransformerBlock, prefix: str, cfg: ModelConfig, tp: TPBuilder) -> None:
+    """Norms replicated; attention split by heads; the MLP's width split in units of
+    model.taper.multiple (uneven when the width does not divide)."""
+    tp.replicated(block.attn_norm, f"{prefix}.attn_norm")
+    tp.replicated(block.mlp_norm, f"{prefix}.mlp_norm")
+    tp.attention(block.attn, f"{prefix}.attn", cfg.n_heads, cfg.kv_heads, cfg.rope_theta)
+    tp.swiglu(block.mlp, f"{prefix}.mlp", cfg.taper.multiple)
+
+
+SPEC = FamilySpec(name="transformer", build=Transformer, layer_cost=transformer_layer_cost,
+                  tp_block_plan=tp_plan_transformer_block)

@@ -8,12 +8,16 @@ from __future__ import annotations
 import datetime
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from megatron_taper.config import ConfigError, ModelConfig, ParallelConfig
+from megatron_taper.validation import ConfigError
+
+if TYPE_CHECKING:
+    from megatron_taper.config import ParallelConfig
 
 
 @dataclass
@@ -38,14 +42,6 @@ class ParallelContext:
     @property
     def tp_rank(self) -> int:
         return self.rank % self.tp
-
-    @property
-    def is_first_stage(self) -> bool:
-        return self.pp_rank == 0
-
-    @property
-    def is_last_stage(self) -> bool:
-        return self.pp_rank == self.pp - 1
 
     @property
     def is_main(self) -> bool:
@@ -80,42 +76,35 @@ def choose_device(requested: str = "auto") -> torch.device:
     return torch.device("cpu")
 
 
-def check_degrees(world_size: int, pcfg: ParallelConfig, mcfg: ModelConfig | None = None) -> int:
-    """Validate (pp, tp) against the world and the model before any collective; returns dp."""
-    if world_size % (pcfg.tp * pcfg.pp):
-        raise ConfigError(
-            f"parallel.tp={pcfg.tp} x parallel.pp={pcfg.pp} = {pcfg.tp * pcfg.pp} does not divide "
-            f"the world size {world_size}"
-        )
-    if mcfg is not None:
-        if mcfg.n_heads % pcfg.tp:
-            raise ConfigError(f"parallel.tp={pcfg.tp} must divide model.n_heads={mcfg.n_heads}")
-        if pcfg.pp > mcfg.n_layers:
-            raise ConfigError(f"parallel.pp={pcfg.pp} is larger than model.n_layers={mcfg.n_layers}")
-        from megatron_taper.parallel.tp_plan import check_tp  # kv heads, widths, vocab vs tp
-
-        check_tp(mcfg, pcfg)
-    return world_size // (pcfg.tp * pcfg.pp)
+def uses_bf16(precision: str, device: torch.device) -> bool:
+    """The precision rule (train.precision): bf16, or auto = bf16 on a CUDA device that has it."""
+    return precision == "bf16" or (precision == "auto" and device.type == "cuda" and torch.cuda.is_bf16_supported())
 
 
-def init_parallel(pcfg: ParallelConfig, mcfg: ModelConfig | None = None, device: str = "auto",
-                  timeout_s: float = 600.0) -> ParallelContext:
-    """Join the process group started by torchrun (if any) and build the (pp, dp, tp) mesh."""
-    world_size = int(os.environ.get("WORLD_SIZE", 1))
+def world_size() -> int:
+    """Processes of this run (torchrun's WORLD_SIZE; 1 without torchrun)."""
+    return int(os.environ.get("WORLD_SIZE", 1))
+
+
+def init_parallel(pcfg: ParallelConfig, device: str = "auto", timeout_s: float = 600.0) -> ParallelContext:
+    """Join the process group started by torchrun (if any) and build the (pp, dp, tp) mesh.
+    Run preflight.py's checks first: here the layout is taken as valid."""
+    world = world_size()
     rank = int(os.environ.get("RANK", 0))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    dp = check_degrees(world_size, pcfg, mcfg)
+    assert world % (pcfg.tp * pcfg.pp) == 0, "preflight() checks the layout against the world size"
+    dp = world // (pcfg.tp * pcfg.pp)
     dev = choose_device(device)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
-    if world_size == 1 and not dist.is_initialized():
+    if world == 1 and not dist.is_initialized():
         return ParallelContext(1, 0, 0, 1, 1, 1, dev, None)
     if not dist.is_initialized():
         backend = "nccl" if dev.type == "cuda" else "gloo"
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s),
                                 device_id=dev if dev.type == "cuda" else None)
     mesh = init_device_mesh(dev.type, (pcfg.pp, dp, pcfg.tp), mesh_dim_names=("pp", "dp", "tp"))
-    return ParallelContext(world_size, rank, local_rank, pcfg.pp, dp, pcfg.tp, dev, mesh)
+    return ParallelContext(world, rank, local_rank, pcfg.pp, dp, pcfg.tp, dev, mesh)
 
 
 def shutdown(ctx: ParallelContext, barrier: bool = True) -> None:

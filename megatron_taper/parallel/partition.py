@@ -29,7 +29,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
+
+from megatron_taper.flops import model_costs
+
+if TYPE_CHECKING:
+    from megatron_taper.config import ModelConfig
 
 BALANCE_MODES = ("flops", "uniform", "params", "profile")
 SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")
@@ -106,10 +111,7 @@ def partition(costs: Sequence[float], n_stages: int, first: float = 0.0, last: f
               memory: MemoryModel | None = None, key: str = "parallel.pp") -> Partition:
     """Exact min-max contiguous split of `costs` into `n_stages` non-empty stages (see module doc)."""
     n = len(costs)
-    if n_stages < 1:
-        raise ValueError(f"{key}={n_stages} must be at least 1")
-    if n_stages > n:
-        raise ValueError(f"{key}={n_stages} stages is more than model.n_layers={n}: every stage needs a layer")
+    assert 1 <= n_stages <= n, f"{n_stages} stages for {n} layers (preflight refuses more stages than layers)"
     if any(c < 0 or math.isnan(c) for c in costs) or first < 0 or last < 0:
         raise ValueError(f"layer costs must be non-negative numbers (balancing for {key})")
     if memory is not None:
@@ -227,7 +229,7 @@ class PipelinePlan:
         return [c for c in range(len(self.stages)) if c % self.pp == pp_rank]
 
 
-def plan_pipeline(model_cfg, pp: int, *, virtual: int = 1, balance: str = "flops", microbatches: int = 0,
+def plan_pipeline(model_cfg: ModelConfig, pp: int, *, virtual: int = 1, balance: str = "flops", microbatches: int = 0,
                   micro_batch: int = 1, schedule: str = "1f1b", memory_gb: Sequence[float] | None = None,
                   bytes_per_param: float = 16.0, measured: tuple[list[float], float, float] | None = None,
                   memory_key: str = "parallel.pp_memory_gb") -> PipelinePlan:
@@ -236,27 +238,16 @@ def plan_pipeline(model_cfg, pp: int, *, virtual: int = 1, balance: str = "flops
     measured: (per-layer seconds, embedding seconds, head seconds), required for balance=profile.
     memory_gb: per-stage limit in GiB (one value for all stages, or one per stage).
     """
-    from megatron_taper.flops import model_costs
-
-    if balance not in BALANCE_MODES:
-        raise ValueError(f"parallel.pp_balance={balance!r} is not one of: {', '.join(BALANCE_MODES)}")
-    if virtual < 1:
-        raise ValueError(f"virtual stages per rank must be at least 1, got {virtual}")
+    assert balance in BALANCE_MODES and virtual >= 1, (balance, virtual)  # validated by ParallelConfig
     costs = model_costs(model_cfg)
     n_layers = len(costs.layers)
     n_chunks = pp * virtual
-    if n_chunks > n_layers:
-        what = f"parallel.pp={pp}" + (f" x {virtual} virtual stages" if virtual > 1 else "")
-        raise ValueError(f"{what} = {n_chunks} stages is more than model.n_layers={n_layers}: "
-                         f"every stage needs a layer")
     m = microbatches or pp
     tokens = micro_batch * model_cfg.seq_len  # per micro-batch
     in_flight = in_flight_microbatches(pp, m, schedule) if virtual == 1 else [1] * n_chunks
     memory = None
     if memory_gb:
-        if virtual > 1:
-            raise ValueError(f"{memory_key}: per-stage memory limits are only modelled for non-interleaved "
-                             "schedules (parallel.pp_schedule=1f1b or gpipe)")
+        assert virtual == 1, "preflight refuses memory limits with interleaved schedules"
         limits = list(memory_gb) if len(memory_gb) > 1 else [memory_gb[0]] * pp
         if len(limits) != pp:
             raise ValueError(f"{memory_key}: {len(limits)} limits given for parallel.pp={pp} stages")
@@ -300,85 +291,3 @@ def plan_pipeline(model_cfg, pp: int, *, virtual: int = 1, balance: str = "flops
                                 act * tokens * in_flight[c], part.costs[c]))
     return PipelinePlan(pp, virtual, balance, stages, by_flops.bottleneck_over_ideal,
                         uniform_flops.bottleneck_over_ideal, uniform.stages)
-
-
-def profile_layer_times(model, micro_batch: int, seq_len: int, device, warmup: int = 2, iters: int = 5,
-                        autocast=None) -> tuple[list[float], float, float]:
-    """Measured forward+backward seconds of each block, of the embedding and of norm + head + loss.
-
-    One forward through `model` (blocks in `model.layers`) records each block's real inputs; then
-    each piece is timed alone on `device`: `warmup` rounds, then the median of `iters` rounds. Generic over
-    families whose blocks take positional tensors. Measurements differ per rank: pipeline.py
-    measures on one rank and broadcasts, so every rank balances the same numbers.
-    """
-    import contextlib
-    import statistics
-    import time
-
-    import torch
-
-    from megatron_taper.models.layers import cross_entropy
-
-    autocast = autocast or contextlib.nullcontext
-    model = model.to(device)
-    vocab = model.cfg.vocab_size
-    gen = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, vocab, (micro_batch, seq_len + 1), generator=gen).to(device)
-    inputs: dict[str, tuple] = {}
-
-    def capture(name):
-        def hook(_module, args):
-            inputs[name] = tuple(a.detach() if torch.is_tensor(a) else a for a in args)
-        return hook
-
-    handles = [block.register_forward_pre_hook(capture(name)) for name, block in model.layers.items()]
-    if model.norm is not None:
-        handles.append(model.norm.register_forward_pre_hook(capture("norm")))
-    with torch.no_grad(), autocast():
-        model(tokens[:, :-1])
-    for h in handles:
-        h.remove()
-
-    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
-
-    def timed_once(fn) -> float:
-        sync()
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        return time.perf_counter() - t0
-
-    def run_block(name):
-        args = inputs[name]
-        x = args[0].clone().requires_grad_(True)
-        with autocast():
-            out = model.layers[name](x, *args[1:])
-        out.float().sum().backward()
-
-    def run_embedding():
-        if model.tok_embeddings is None:
-            return
-        with autocast():
-            out = model.tok_embeddings(tokens[:, :-1])
-        out.float().sum().backward()
-
-    def run_head():
-        x = inputs["norm"][0].clone().requires_grad_(True)
-        with autocast():
-            h = model.norm(x)
-            logits = model.output(h) if model.output is not None else h @ model.tok_embeddings.weight.t()
-            loss = cross_entropy(logits, tokens[:, 1:])
-        loss.backward()
-
-    # Rounds over all pieces (not piece after piece), so slow drifts of a shared machine hit
-    # every layer alike; the median of the rounds after warm-up.
-    pieces = [lambda n=name: run_block(n) for name in model.layers] + [run_embedding, run_head]
-    samples: list[list[float]] = [[] for _ in pieces]
-    for k in range(warmup + iters):
-        for i, fn in enumerate(pieces):
-            t = timed_once(fn)
-            if k >= warmup:
-                samples[i].append(t)
-        model.zero_grad(set_to_none=True)
-    medians = [statistics.median(x) for x in samples]
-    return medians[:-2], medians[-2], medians[-1]

@@ -12,8 +12,8 @@ Schedules (`parallel.pp_schedule`): 1f1b (default), gpipe, interleaved_1f1b (eac
 
 Micro-batches: the rank's micro-batches of one step are concatenated along the batch and cut
 into `parallel.microbatches` equal pieces (0 = as many as the Trainer passes). 1F1B and
-interleaved 1F1B need at least pp of them (ValueError naming parallel.microbatches); GPipe runs
-with fewer but warns, since then most of every step is pipeline bubble.
+interleaved 1F1B need at least pp of them; preflight.py refuses fewer (GPipe runs with fewer but
+warns, since then most of every step is pipeline bubble).
 
 Loss: the last stage computes it per micro-batch (the ParallelModel's loss_fn, vocab-parallel
 under tp); the mean is broadcast over the pp group, so every rank returns the same value.
@@ -23,19 +23,20 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import time
-import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron_taper.config import Config, ConfigError
-from megatron_taper.parallel import ParallelModel
 from megatron_taper.parallel.context import ParallelContext
-from megatron_taper.parallel.partition import PipelinePlan, plan_pipeline, profile_layer_times
+from megatron_taper.parallel.model import ParallelModel
+from megatron_taper.parallel.partition import PipelinePlan, plan_pipeline
+from megatron_taper.parallel.profile import profile_layer_times
+
+if TYPE_CHECKING:
+    from megatron_taper.config import ModelConfig, ParallelConfig, TrainConfig
 
 @dataclass
 class PipelineParallelModel(ParallelModel):
@@ -46,7 +47,6 @@ class PipelineParallelModel(ParallelModel):
     chunk_ids: list[int] = field(default_factory=list)  # their global stage indices
     schedule_name: str = "1f1b"
     microbatches: int = 0  # 0 = as many as forward_backward receives
-    busy_s: float = 0.0  # seconds spent in this rank's stage forward/backward compute
     _schedules: dict[Any, Any] = field(default_factory=dict, repr=False)
 
     @property
@@ -56,7 +56,7 @@ class PipelineParallelModel(ParallelModel):
     def forward_backward(self, micro_batches: list[torch.Tensor], autocast: Callable) -> torch.Tensor:
         tokens = torch.cat([t.to(self.ctx.device, non_blocking=True) for t in micro_batches])
         n_micro = self.microbatches or len(micro_batches)
-        check_microbatches(n_micro, self.ctx.pp, self.schedule_name, tokens.shape[0])
+        assert tokens.shape[0] % n_micro == 0, "preflight checks parallel.microbatches against the batch"
         schedule = self._schedule(n_micro, tuple(tokens.shape), train=True)
         losses: list[torch.Tensor] = []
         with autocast():
@@ -103,8 +103,6 @@ class PipelineParallelModel(ParallelModel):
 
             stages = [PipelineStage(chunk, idx, self.n_stages, self.ctx.device, group=self.ctx.pp_group)
                       for chunk, idx in zip(self.chunks, self.chunk_ids)]
-            for stage in stages:
-                self._time_compute(stage)
             loss_fn = self.loss_fn
             if self.schedule_name == "interleaved_1f1b":
                 schedule = ScheduleInterleaved1F1B(stages, n_microbatches=n_micro, loss_fn=loss_fn)
@@ -114,25 +112,6 @@ class PipelineParallelModel(ParallelModel):
                 schedule = ScheduleGPipe(stages[0], n_microbatches=n_micro, loss_fn=loss_fn)
             self._schedules[key] = schedule
         return self._schedules[key]
-
-    def _time_compute(self, stage) -> None:
-        """Accumulate the time this rank computes (not waits) into `busy_s`, for benchmarks."""
-        sync = torch.cuda.synchronize if self.ctx.device.type == "cuda" else (lambda: None)
-        for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
-            inner = getattr(stage, name, None)
-            if inner is None:
-                continue
-
-            def timed(*args, _inner=inner, **kwargs):
-                sync()
-                t0 = time.perf_counter()
-                try:
-                    return _inner(*args, **kwargs)
-                finally:
-                    sync()
-                    self.busy_s += time.perf_counter() - t0
-
-            setattr(stage, name, timed)
 
 
 class _DenseGrad(torch.autograd.Function):
@@ -163,59 +142,32 @@ def dense_stage_io(chunk: nn.Module) -> None:
     chunk.register_forward_hook(post)
 
 
-def check_microbatches(n_micro: int, pp: int, schedule: str, rows: int) -> None:
-    """Refuse micro-batch counts the schedule cannot run; warn where it runs but mostly idles."""
-    if rows % n_micro:
-        raise ConfigError(
-            f"parallel.microbatches={n_micro} must divide the {rows} sequences of a step on one "
-            f"data-parallel rank (train.global_batch / data-parallel size)")
-    if n_micro < pp:
-        if schedule == "gpipe":
-            warnings.warn(f"parallel.microbatches={n_micro} is fewer than parallel.pp={pp} stages: "
-                          f"every step is mostly pipeline bubble (use at least {pp}, ideally 4x)", stacklevel=3)
-        else:
-            raise ConfigError(
-                f"parallel.microbatches={n_micro} is fewer than parallel.pp={pp} stages, which "
-                f"parallel.pp_schedule={schedule} cannot run; use at least {pp} micro-batches (raise "
-                f"parallel.microbatches or train.global_batch / train.micro_batch) or parallel.pp_schedule=gpipe")
-    if schedule == "interleaved_1f1b":
-        rounds = max(1, n_micro // pp)
-        if n_micro % rounds:
-            raise ConfigError(f"parallel.microbatches={n_micro}: interleaved_1f1b needs a multiple of "
-                              f"parallel.pp={pp} (or fewer than 2 * pp)")
+def plan_stages(model_cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, dp: int,
+                measured: tuple[list[float], float, float] | None = None, memory_gb: list[float] | None = None,
+                bytes_per_param: float = 16.0, memory_key: str = "parallel.pp_memory_gb") -> PipelinePlan:
+    """The split the trainer makes at data-parallel size `dp` (micro-batches as preflight derives
+    them; memory limits from parallel.pp_memory_gb unless `memory_gb` is given)."""
+    rows = train.global_batch // dp  # sequences per step on one data-parallel rank
+    n_micro = parallel.microbatches or max(1, rows // train.micro_batch)
+    if memory_gb is None and parallel.pp_memory_gb > 0:
+        memory_gb = [parallel.pp_memory_gb]
+    return plan_pipeline(model_cfg, parallel.pp, virtual=parallel.virtual_stages, balance=parallel.pp_balance,
+                         microbatches=n_micro, micro_batch=max(1, rows // n_micro), schedule=parallel.pp_schedule,
+                         memory_gb=memory_gb, bytes_per_param=bytes_per_param, measured=measured,
+                         memory_key=memory_key)
 
 
-def virtual_stages(cfg: Config) -> int:
-    if cfg.parallel.pp_schedule != "interleaved_1f1b":
-        return 1
-    return cfg.parallel.pp_virtual
-
-
-def make_plan(model: nn.Module, ctx: ParallelContext, cfg: Config) -> PipelinePlan:
+def make_plan(model: nn.Module, ctx: ParallelContext, model_cfg: ModelConfig, parallel: ParallelConfig,
+              train: TrainConfig) -> PipelinePlan:
     """The stage split, identical on every rank (profile: rank 0 measures and broadcasts)."""
-    pcfg, mcfg = cfg.parallel, cfg.model
-    if mcfg.tie_embeddings:
-        raise ConfigError("model.tie_embeddings=true with parallel.pp>1 is not supported: the embedding "
-                          "(first stage) and the head (last stage) would live on different ranks")
-    virtual = virtual_stages(cfg)
-    if pcfg.pp * virtual > mcfg.n_layers:
-        raise ConfigError(f"parallel.pp={pcfg.pp} x {virtual} chunk(s) per rank is more stages than "
-                          f"model.n_layers={mcfg.n_layers}")
-    rows = cfg.train.global_batch // ctx.dp  # sequences per step on one data-parallel rank
-    n_micro = pcfg.microbatches or max(1, rows // cfg.train.micro_batch)
-    check_microbatches(n_micro, pcfg.pp, pcfg.pp_schedule, rows)
     measured = None
-    if pcfg.pp_balance == "profile":
+    if parallel.pp_balance == "profile":
         box: list[Any] = [None]
         if dist.get_rank() == 0:
-            box[0] = profile_layer_times(copy.deepcopy(model), cfg.train.micro_batch, mcfg.seq_len, ctx.device)
+            box[0] = profile_layer_times(copy.deepcopy(model), train.micro_batch, model_cfg.seq_len, ctx.device)
         dist.broadcast_object_list(box, src=0)
         measured = box[0]
-    memory_gb = pcfg.pp_memory_gb
-    return plan_pipeline(mcfg, pcfg.pp, virtual=virtual, balance=pcfg.pp_balance,
-                         microbatches=n_micro, micro_batch=max(1, rows // n_micro),
-                         schedule=pcfg.pp_schedule, memory_gb=[memory_gb] if memory_gb > 0 else None,
-                         measured=measured)
+    return plan_stages(model_cfg, parallel, train, ctx.dp, measured)
 
 
 def strip_model(model: nn.Module, layers: list[int], embedding: bool, head: bool) -> nn.Module:
@@ -240,16 +192,16 @@ def chunk_view(module: nn.Module, layers: list[int], embedding: bool, head: bool
     return strip_model(view, layers, embedding, head)
 
 
-def build_pipeline(model: nn.Module, ctx: ParallelContext, cfg: Config,
-                   parallelize_stage: Callable[[nn.Module, ParallelContext, Config], ParallelModel]
+def build_pipeline(model: nn.Module, ctx: ParallelContext, model_cfg: ModelConfig, parallel: ParallelConfig,
+                   train: TrainConfig, parallelize_stage: Callable[[nn.Module, ParallelContext], ParallelModel]
                    ) -> PipelineParallelModel:
     """Keep this pp rank's part of `model`, apply `parallelize_stage` (tp, ...) to it, wire the schedule."""
-    plan = make_plan(model, ctx, cfg)
+    plan = make_plan(model, ctx, model_cfg, parallel, train)
     n_stages = len(plan.stages)
     chunk_ids = plan.rank_chunks(ctx.pp_rank)
     own = sorted(i for c in chunk_ids for i in plan.stages[c].layers)
     module = strip_model(model, own, 0 in chunk_ids, n_stages - 1 in chunk_ids)
-    inner = parallelize_stage(module, ctx, cfg)
+    inner = parallelize_stage(module, ctx)
     # the pipeline copies the stage's fields; an engine with its own methods would lose them
     assert type(inner) is ParallelModel, f"{type(inner).__name__} cannot be pipelined"
     module = inner.module
@@ -261,4 +213,4 @@ def build_pipeline(model: nn.Module, ctx: ParallelContext, cfg: Config,
         dense_stage_io(chunk)
     base = {f.name: getattr(inner, f.name) for f in dataclasses.fields(ParallelModel)}
     return PipelineParallelModel(**base, plan=plan, chunks=chunks, chunk_ids=chunk_ids,
-                                 schedule_name=cfg.parallel.pp_schedule, microbatches=cfg.parallel.microbatches)
+                                 schedule_name=parallel.pp_schedule, microbatches=parallel.microbatches)

@@ -28,6 +28,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from megatron_taper.models.layers import IGNORE_INDEX
+
 Group = dist.ProcessGroup
 
 
@@ -237,11 +239,6 @@ def enter_tp_region(x: torch.Tensor, group: Group, sequence_parallel: bool) -> t
     return gather_from_seq_region(x, group) if sequence_parallel else copy_to_tp_region(x, group)
 
 
-def exit_tp_region(x: torch.Tensor, group: Group, sequence_parallel: bool) -> torch.Tensor:
-    """g: sum the partial outputs of row-parallel layers (reduce-scatter under SP)."""
-    return reduce_scatter_to_seq_region(x, group) if sequence_parallel else reduce_from_tp_region(x, group)
-
-
 # ---------------------------------------------------------------------------------------------
 # Layers. Parameter names match nn.Linear / nn.Embedding, so checkpoints keep their keys.
 
@@ -264,7 +261,8 @@ class ColumnParallelLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, spec: ShardSpec, group: Group, input_mode: str = "none") -> "ColumnParallelLinear":
+    def from_linear(cls, linear: nn.Linear, spec: ShardSpec, group: Group,
+                    input_mode: str = "none") -> "ColumnParallelLinear":
         rank = dist.get_rank(group)
         assert spec.dim == 0
         with torch.no_grad():
@@ -295,7 +293,8 @@ class RowParallelLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, spec: ShardSpec, group: Group, output_mode: str = "reduce") -> "RowParallelLinear":
+    def from_linear(cls, linear: nn.Linear, spec: ShardSpec, group: Group,
+                    output_mode: str = "reduce") -> "RowParallelLinear":
         assert spec.dim == 1
         with torch.no_grad():
             weight = spec.local(linear.weight.detach(), dist.get_rank(group))
@@ -326,7 +325,8 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(weight)
 
     @classmethod
-    def from_embedding(cls, emb: nn.Embedding, spec: ShardSpec, group: Group, output_mode: str = "reduce") -> "VocabParallelEmbedding":
+    def from_embedding(cls, emb: nn.Embedding, spec: ShardSpec, group: Group,
+                       output_mode: str = "reduce") -> "VocabParallelEmbedding":
         rank = dist.get_rank(group)
         assert spec.dim == 0
         with torch.no_grad():
@@ -354,36 +354,41 @@ class VocabParallelEmbedding(nn.Module):
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, targets, group, vocab_start):
-        # logits: [N, V_r] this rank's vocabulary slice; targets: [N] global ids
+        # logits: [N, V_r] this rank's vocabulary slice; targets: [N] global ids or IGNORE_INDEX
         x = logits.float()
         vmax = x.max(dim=-1).values
         dist.all_reduce(vmax, op=dist.ReduceOp.MAX, group=group)
         shifted = x - vmax.unsqueeze(-1)
         exp = shifted.exp()
         ids = targets - vocab_start
-        inside = (ids >= 0) & (ids < x.shape[-1])
+        inside = (ids >= 0) & (ids < x.shape[-1])  # False on every rank for IGNORE_INDEX
         ids = ids.clamp(0, x.shape[-1] - 1)
         target_logit = shifted.gather(-1, ids.unsqueeze(-1)).squeeze(-1) * inside
         stats = torch.stack((exp.sum(-1), target_logit))  # [2, N]: one all-reduce for both
         dist.all_reduce(stats, group=group)
         sum_exp, target_logit = stats
-        loss = sum_exp.log() - target_logit
-        ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), ids, inside)
+        kept = targets != IGNORE_INDEX
+        count = kept.sum()  # the same on every rank: targets are replicated across tp
+        # 0 / 0 = NaN when every target is ignored, as F.cross_entropy
+        loss = torch.where(kept, sum_exp.log() - target_logit, 0.0).sum() / count
+        ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), ids, inside, kept, count)
         ctx.logits_dtype = logits.dtype
-        return loss.mean()
+        return loss
 
     @staticmethod
     def backward(ctx, grad):
-        softmax, ids, inside = ctx.saved_tensors
+        softmax, ids, inside, kept, count = ctx.saved_tensors
         g = softmax.clone()
         rows = torch.arange(g.shape[0], device=g.device)
         g[rows, ids] -= inside.to(g.dtype)
-        g.mul_(grad / g.shape[0])
+        # ignored rows get exactly 0 (also when all are ignored, as F.cross_entropy)
+        g = torch.where(kept.unsqueeze(-1), g * (grad / count.clamp(min=1)), 0.0)
         return g.to(ctx.logits_dtype), None, None, None
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, group: Group,
                                  vocab_start: int) -> torch.Tensor:
-    """Mean next-token loss (float32, the same on every tp rank); logits [B, S, V_r] hold the
-    vocabulary slice starting at vocab_start, targets [B, S] global token ids."""
+    """Mean next-token loss (float32, the same on every tp rank) over the targets != IGNORE_INDEX,
+    as models.layers.cross_entropy (NaN when all are ignored; their gradient is 0); logits
+    [B, S, V_r] hold the vocabulary slice starting at vocab_start, targets [B, S] global token ids."""
     return _VocabParallelCrossEntropy.apply(logits.flatten(0, -2), targets.flatten(), group, vocab_start)

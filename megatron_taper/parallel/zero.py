@@ -36,57 +36,41 @@ writing; for models beyond a few billion parameters per stage a DCP writer would
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from megatron_taper.config import Config, ConfigError
-from megatron_taper.parallel import ParallelModel
+from megatron_taper.parallel.context import uses_bf16
+from megatron_taper.parallel.model import ParallelModel
+
+if TYPE_CHECKING:
+    from megatron_taper.config import ParallelConfig, TrainConfig
 
 
-def apply_zero(pm: ParallelModel, cfg: Config, pipelined: bool = False) -> ParallelModel:
-    """Shard `pm` over the dp group with the engine named by parallel.zero."""
-    engine = cfg.parallel.zero
+def apply_zero(pm: ParallelModel, parallel: ParallelConfig, train: TrainConfig,
+               pipelined: bool = False) -> ParallelModel:
+    """Shard `pm` over the dp group with the engine named by parallel.zero (preflight.py has
+    refused the layouts an engine cannot run)."""
+    engine = parallel.zero
     if engine == "none":
         return pm
+    assert all(k == 1 for k in pm.replicas.values()), "preflight refuses ZeRO with tp > kv heads"
     if engine == "fsdp2":
-        return _fsdp2(pm, cfg, pipelined)
-    if engine == "deepspeed":
-        if pipelined:
-            raise ConfigError("parallel.zero=deepspeed needs parallel.pp=1: DeepSpeed refuses ZeRO-3 with "
-                              "pipeline parallelism; use parallel.zero=fsdp2")
-        from megatron_taper.parallel.zero_deepspeed import DeepSpeedParallelModel
+        return _fsdp2(pm, uses_bf16(train.precision, pm.ctx.device), pipelined)
+    assert engine == "deepspeed" and not pipelined, engine
+    from megatron_taper.parallel.zero_deepspeed import DeepSpeedParallelModel  # imports deepspeed
 
-        return DeepSpeedParallelModel.wrap(pm, cfg)
-    raise ConfigError(f"parallel.zero={engine!r} is not one of: none, fsdp2, deepspeed")
+    return DeepSpeedParallelModel.wrap(pm, parallel.deepspeed)
 
 
-def uses_bf16(cfg: Config, device: torch.device) -> bool:
-    """The Trainer's precision rule (train.precision=auto: bf16 on CUDA that supports it)."""
-    p = cfg.train.precision
-    return p == "bf16" or (p == "auto" and device.type == "cuda" and torch.cuda.is_bf16_supported())
-
-
-def check_zero_with_tp(pm: ParallelModel, engine: str) -> None:
-    """Refuse tp layouts whose gradient fix-ups cannot run on ZeRO shards."""
-    if any(k > 1 for k in pm.replicas.values()):
-        raise ConfigError(f"parallel.zero={engine} with parallel.tp={pm.ctx.tp} > model.n_kv_heads: kv heads "
-                          f"replicated over tp ranks need a gradient sum over whole tensors, which ZeRO has "
-                          f"already sharded; use parallel.tp <= model.n_kv_heads or parallel.zero=none")
-
-
-def _fsdp2(pm: ParallelModel, cfg: Config, pipelined: bool) -> ParallelModel:
+def _fsdp2(pm: ParallelModel, bf16: bool, pipelined: bool) -> ParallelModel:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     ctx = pm.ctx
     if ctx.dp == 1:
         return pm
-    check_zero_with_tp(pm, "fsdp2")
-    if pipelined and cfg.parallel.pp_schedule == "interleaved_1f1b":
-        raise ConfigError("parallel.zero=fsdp2 with parallel.pp_schedule=interleaved_1f1b is not supported "
-                          "(several chunks per rank would share one FSDP root); use 1f1b or gpipe")
     mesh = ctx.mesh["dp"]
-    bf16 = uses_bf16(cfg, ctx.device)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32)
     module = pm.module
     for block in _blocks(module):

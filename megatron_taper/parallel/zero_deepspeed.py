@@ -1,7 +1,7 @@
 """parallel.zero=deepspeed: DeepSpeed ZeRO stage 3 behind the ParallelModel interface.
 
-    parallelize() -> DeepSpeedParallelModel.wrap(pm)      (pp must be 1; checked in config.py)
-    Trainer      -> pm.build_optimizer(cfg)              deepspeed.initialize(model, AdamW, config, mpu)
+    parallelize() -> DeepSpeedParallelModel.wrap(pm)      (pp must be 1; checked in preflight.py)
+    Trainer      -> pm.build_optimizer(train)             deepspeed.initialize(model, AdamW, config, mpu)
                  -> pm.forward_backward(micro_batches)   engine(x), engine.backward, engine.step
                                                          (non-boundary micro-steps)
                  -> pm.optimizer_step(...)               the boundary engine.step(): clip, AdamW, zero grads
@@ -30,14 +30,17 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from megatron_taper.config import Config, ConfigError
-from megatron_taper.parallel import ParallelModel
-from megatron_taper.parallel.context import ParallelContext
-from megatron_taper.parallel.zero import check_zero_with_tp, uses_bf16
+from megatron_taper.optim import build_optimizer
+from megatron_taper.parallel.context import ParallelContext, uses_bf16
+from megatron_taper.parallel.model import ParallelModel
+from megatron_taper.validation import ConfigError
+
+if TYPE_CHECKING:
+    from megatron_taper.config import DeepSpeedConfig, TrainConfig
 
 NATIVE_DIR = "deepspeed"  # inside a checkpoint folder
 NATIVE_TAG = "state"
@@ -76,10 +79,9 @@ class TPGroups:
         return self.ctx.dp
 
 
-def deepspeed_config(cfg: Config, ctx: ParallelContext) -> dict:
+def deepspeed_config(t: TrainConfig, d: DeepSpeedConfig, ctx: ParallelContext) -> dict:
     """The DeepSpeed JSON config from our sections; parallel.deepspeed.config (a JSON file) is
     merged over it for anything else DeepSpeed offers."""
-    t, d = cfg.train, cfg.parallel.deepspeed
     accum = t.global_batch // (t.micro_batch * ctx.dp)
     zero: dict[str, Any] = {
         "stage": 3,
@@ -102,7 +104,7 @@ def deepspeed_config(cfg: Config, ctx: ParallelContext) -> dict:
         "zero_optimization": zero,
         "zero_allow_untested_optimizer": True,  # our torch AdamW
         "zero_force_ds_cpu_optimizer": False,  # ... also when offloaded
-        "bf16": {"enabled": uses_bf16(cfg, ctx.device)},
+        "bf16": {"enabled": uses_bf16(t.precision, ctx.device)},
         "steps_per_print": 1 << 30,
         "wall_clock_breakdown": False,
     }
@@ -126,38 +128,33 @@ def _merge(base: dict, extra: dict) -> None:
 
 @dataclass
 class DeepSpeedParallelModel(ParallelModel):
-    cfg: Config | None = None
+    options: DeepSpeedConfig | None = None  # parallel.deepspeed
     engine: Any = None  # deepspeed.DeepSpeedEngine, after build_optimizer
 
     @classmethod
-    def wrap(cls, pm: ParallelModel, cfg: Config) -> "DeepSpeedParallelModel":
-        if pm.ctx.mesh is None:
-            raise ConfigError("parallel.zero=deepspeed needs more than one process (torchrun --nproc-per-node N, "
-                              "N >= 2); with one process use parallel.zero=none")
-        check_zero_with_tp(pm, "deepspeed")
-        if pm.tp_grad_syncs:
-            raise ConfigError("parallel.zero=deepspeed with parallel.sequence_parallel=true is not supported "
-                              "(DeepSpeed reduces gradients inside backward, before the tp sums of sequence-"
-                              "parallel norms); use parallel.zero=fsdp2")
+    def wrap(cls, pm: ParallelModel, options: DeepSpeedConfig) -> "DeepSpeedParallelModel":
+        """Hand `pm`'s module to DeepSpeed (at build_optimizer); preflight.py has refused one process,
+        pp > 1, sequence parallelism and tp > kv heads."""
+        assert pm.ctx.mesh is not None and not pm.tp_grad_syncs
         for name, param in pm.module.named_parameters():
             if name in pm.to_full:  # a tp shard: DeepSpeed counts its norm on every tp rank
                 param.tensor_model_parallel = True
-        out = cls(pm.module, pm.ctx, pm.loss_fn, pm.to_full, pm.to_local, pm.replicas, pm.tp_grad_syncs, cfg=cfg)
+        out = cls(pm.module, pm.ctx, pm.loss_fn, pm.to_full, pm.to_local, pm.replicas, pm.tp_grad_syncs,
+                  options=options)
         out.dp_sharded = True  # logical_state is a collective over dp
         return out
 
     # -- optimizer ----------------------------------------------------------------------------
 
-    def build_optimizer(self, cfg: Config) -> torch.optim.Optimizer:
+    def build_optimizer(self, train: TrainConfig) -> torch.optim.Optimizer:
         if self.ctx.device.type == "cpu":
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
         import deepspeed
 
-        from megatron_taper.optim import build_optimizer
-
-        base = build_optimizer(self.module, cfg, self.ctx.device)
+        base = build_optimizer(self.module, train, self.ctx.device)
         self.engine, optimizer, _, _ = deepspeed.initialize(
-            model=self.module, optimizer=base, config=deepspeed_config(cfg, self.ctx), mpu=TPGroups(self.ctx),
+            model=self.module, optimizer=base, config=deepspeed_config(train, self.options, self.ctx),
+            mpu=TPGroups(self.ctx),
             dist_init_required=False)
         return optimizer
 
@@ -232,9 +229,10 @@ class DeepSpeedParallelModel(ParallelModel):
                 for k in OPTIM_KEYS:
                     safe_set_full_optimizer_state(param, self.local_tensor(name, optim_state[name][k]).float(), k)
 
-    def save_native(self, folder: str) -> None:
+    def save_native(self, folder: str) -> bool:
         """DeepSpeed's own checkpoint into folder/deepspeed/state/ (a collective; every rank writes)."""
         self.engine.save_checkpoint(os.path.join(folder, NATIVE_DIR), tag=NATIVE_TAG, save_latest=False)
+        return True
 
     def load_native(self, folder: str, meta: dict) -> bool:
         """Load DeepSpeed's own files when they fit this run (same engine, dp and tp); else False."""

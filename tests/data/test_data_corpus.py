@@ -4,8 +4,14 @@ import json
 
 import pytest
 
-from megatron_taper.data.corpus import (SkipLog, embedded_documents, embedded_files, expand_inputs,
-                                        read_documents, stdlib_root)
+from megatron_taper.data.corpus import (
+    SkipLog,
+    embedded_documents,
+    embedded_files,
+    expand_inputs,
+    read_documents,
+    stdlib_root,
+)
 
 BAD_JSONL_LINES = [
     json.dumps({"text": "good one"}),

@@ -14,9 +14,8 @@ import torch
 from harness import run_distributed
 
 from megatron_taper.config import ConfigError, ParallelConfig, load_config
-from megatron_taper.models import build_model
-from megatron_taper.parallel import ParallelModel, parallelize
-from megatron_taper.parallel.context import ParallelContext, check_degrees, init_parallel
+from megatron_taper.build import build_run
+from megatron_taper.parallel.context import ParallelContext
 
 BASE = ["model.n_layers=2", "model.d_model=64", "model.n_heads=4", "model.mlp_width=75",
         "model.taper.multiple=5", "model.vocab_size=101", "model.seq_len=20", "train.seed=3",
@@ -65,18 +64,14 @@ def _tp_worker(tp):
     out = {}
     for case in CASES:
         cfg = _config(case, tp)
-        ctx = init_parallel(cfg.parallel, cfg.model, device="cpu")
-        model = build_model(cfg.model)
-        model.init_weights(cfg.train.seed)
-        out[case] = _procedure(parallelize(model, ctx, cfg), cfg, ctx.tp_rank == 0)
+        run = build_run(cfg)
+        out[case] = _procedure(run.model, cfg, run.ctx.tp_rank == 0)
     return out
 
 
 def _reference(case):
     cfg = _config(case, 1)
-    model = build_model(cfg.model)
-    model.init_weights(cfg.train.seed)
-    return _procedure(ParallelModel(model, ParallelContext(1, 0, 0, 1, 1, 1, torch.device("cpu"))), cfg, True)
+    return _procedure(build_run(cfg, ParallelContext(1, 0, 0, 1, 1, 1, torch.device("cpu"))).model, cfg, True)
 
 
 @pytest.fixture(scope="module")
@@ -103,29 +98,15 @@ def test_tp2_matches_one_process(case, tp2_results):
     assert errors["steps"] < 1e-5, errors
 
 
-def test_unsupported_tp_settings_are_refused():
-    titans = load_config(None, BASE + CASES["titans_mag"]).model
-    with pytest.raises(ConfigError, match="parallel.sequence_parallel is not supported for model.arch='titans'"):
-        check_degrees(2, ParallelConfig(tp=2, sequence_parallel=True), titans)
-    hope = load_config(None, BASE + CASES["hope"] + ["model.hope.online=true"]).model
-    with pytest.raises(ConfigError, match="model.hope.online=true is not supported with parallel.tp=2"):
-        check_degrees(2, ParallelConfig(tp=2), hope)
-
-
 # Pipeline: pp=2 (layers split by the cost model of each family) against one process, 2 steps of
 # 2 micro-batches; losses and grad norms within 2e-5 (measured: bit-identical or ~1e-7).
 PP_CASES = ["gated_elementwise", "hope", "titans_mac", "titans_mal"]
 
 
 def _pp_steps(case, pp):
-    from megatron_taper.parallel.context import init_parallel as init
-
     cfg = load_config(None, BASE + CASES[case] + ["model.n_layers=3", f"parallel.pp={pp}", "train.global_batch=4",
-                                                   "train.micro_batch=2"])
-    ctx = init(cfg.parallel, cfg.model, "cpu") if pp > 1 else ParallelContext(1, 0, 0, 1, 1, 1, torch.device("cpu"))
-    model = build_model(cfg.model)
-    model.init_weights(cfg.train.seed)
-    pm = parallelize(model, ctx, cfg) if pp > 1 else ParallelModel(model, ctx)
+                                                   "train.micro_batch=2", "train.device=cpu"])
+    pm = build_run(cfg, None if pp > 1 else ParallelContext(1, 0, 0, 1, 1, 1, torch.device("cpu"))).model
     opt, out = torch.optim.AdamW(pm.module.parameters(), lr=3e-3), []
     for step in range(2):
         batch = _tokens(cfg, step).repeat(2, 1)

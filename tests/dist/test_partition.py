@@ -112,8 +112,6 @@ def test_in_flight():
 
 
 def test_errors():
-    with pytest.raises(ValueError, match="parallel.pp=5.*model.n_layers=4"):
-        partition([1, 2, 3, 4], 5)
     with pytest.raises(ValueError, match="non-negative"):
         partition([1, -2, 3], 2)
     memory = MemoryModel([10.0] * 4, [0.0] * 4, [1, 1], [15.0, 15.0])
@@ -143,10 +141,6 @@ def test_plan_virtual_stages_round_robin():
     plan = plan_pipeline(_model(), 2, virtual=2, schedule="interleaved_1f1b")
     assert len(plan.stages) == 4 and [s.rank for s in plan.stages] == [0, 1, 0, 1]
     assert plan.rank_chunks(1) == [1, 3]
-    with pytest.raises(ValueError, match="only modelled for non-interleaved"):
-        plan_pipeline(_model(), 2, virtual=2, memory_gb=[1.0])
-    with pytest.raises(ValueError, match="12 stages is more than model.n_layers=10"):
-        plan_pipeline(_model(), 6, virtual=2)
 
 
 def test_plan_memory_limit_error_names_key():
@@ -160,7 +154,7 @@ def test_plan_profile_uses_measured_times():
     import torch
 
     from megatron_taper.models import build_model
-    from megatron_taper.parallel.partition import profile_layer_times
+    from megatron_taper.parallel.profile import profile_layer_times
 
     cfg = _model(**{"model.n_layers": 4, "model.d_model": 64, "model.n_heads": 2, "model.mlp_width": 128,
                     "model.seq_len": 16})

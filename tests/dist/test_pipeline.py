@@ -100,16 +100,10 @@ def _batches(step: int, cfg) -> list[torch.Tensor]:
 
 
 def _loop(overrides: list[str], steps: int = 3) -> dict:
-    from megatron_taper.models import build_model
-    from megatron_taper.parallel import parallelize
-    from megatron_taper.parallel.context import init_parallel
+    from megatron_taper.build import build_run
 
-    cfg = load_config(None, MODEL + TRAIN + overrides)
-    ctx = init_parallel(cfg.parallel, cfg.model, "cpu")
-    model = build_model(cfg.model)
-    model.init_weights(cfg.train.seed)
-    pm = parallelize(model, ctx, cfg)
-    opt = pm.build_optimizer(cfg)
+    run = build_run(load_config(None, MODEL + TRAIN + overrides))
+    cfg, pm, opt = run.cfg, run.model, run.optimizer
     out: dict = {"loss": [], "grad_norm": [], "layers": sorted(int(k) for k in pm.module.layers.keys())}
     for step in range(steps):
         out["loss"].append(float(pm.forward_backward(_batches(step, cfg), contextlib.nullcontext)))
@@ -180,9 +174,3 @@ def test_pp2_with_sequence_parallel_interleaving_and_fsdp2():
             assert max(abs(a - b) / b for a, b in zip(got["grad_norm"], ref["grad_norm"])) < NORM_RTOL
 
 
-def test_pp_larger_than_layers():
-    from megatron_taper.parallel.context import check_degrees
-
-    cfg = load_config(None, MODEL + ["parallel.pp=6"])
-    with pytest.raises(ConfigError, match="parallel.pp=6 is larger than model.n_layers=5"):
-        check_degrees(6, cfg.parallel, cfg.model)

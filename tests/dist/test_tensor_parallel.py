@@ -17,9 +17,8 @@ import torch
 from harness import run_distributed
 
 from megatron_taper.config import ConfigError, ModelConfig, ParallelConfig, load_config
-from megatron_taper.models import build_model
-from megatron_taper.parallel import ParallelModel, parallelize
-from megatron_taper.parallel.context import ParallelContext, check_degrees, init_parallel
+from megatron_taper.build import build_run
+from megatron_taper.parallel.context import ParallelContext
 from megatron_taper.parallel.tensor import split_sizes
 from megatron_taper.taper import layer_widths
 
@@ -71,17 +70,13 @@ def _config(tp, overrides):
 
 def _tp_worker(tp, overrides):
     cfg = _config(tp, overrides)
-    ctx = init_parallel(cfg.parallel, cfg.model, device="cpu")
-    model = build_model(cfg.model)
-    model.init_weights(cfg.train.seed)
-    return _procedure(parallelize(model, ctx, cfg), cfg, ctx.tp_rank == 0)
+    run = build_run(cfg)
+    return _procedure(run.model, cfg, run.ctx.tp_rank == 0)
 
 
 def _reference(overrides):
     cfg = _config(1, overrides)
-    model = build_model(cfg.model)
-    model.init_weights(cfg.train.seed)
-    return _procedure(ParallelModel(model, ParallelContext(1, 0, 0, 1, 1, 1, torch.device("cpu"))), cfg, True)
+    return _procedure(build_run(cfg, ParallelContext(1, 0, 0, 1, 1, 1, torch.device("cpu"))).model, cfg, True)
 
 
 def _max_rel(got, want):
@@ -129,42 +124,12 @@ def test_widths_do_not_divide_by_tp():
 
 
 # ---------------------------------------------------------------------------------------------
-# Must-show 4: bad inputs, one clear error each (before any process group work)
+# Bad layouts are refused by preflight (tests/test_preflight.py); the shard arithmetic itself:
 
 
-def _model(**kw):
-    return load_config(None, TINY + [f"model.{k}={v}" for k, v in kw.items()]).model
-
-
-def test_degrees_must_divide_world():
-    with pytest.raises(ConfigError, match=r"parallel.tp=2 x parallel.pp=2 = 4 does not divide the world size 6"):
-        check_degrees(6, ParallelConfig(tp=2, pp=2), _model())
-
-
-def test_heads_must_divide_by_tp():
-    with pytest.raises(ConfigError, match=r"parallel.tp=3 must divide model.n_heads=4"):
-        check_degrees(3, ParallelConfig(tp=3), _model())
-    with pytest.raises(ConfigError, match=r"model.n_kv_heads=3: one must divide the other"):
-        check_degrees(2, ParallelConfig(tp=2), _model(n_heads=6, n_kv_heads=3, d_model=96))
-
-
-def test_width_smaller_than_tp_units():
-    # widths 45/30/15 at multiple 5: the last layer has 3 units, fewer than tp=4
-    with pytest.raises(ConfigError, match=r"layer 2 has MLP width 15 = 3 unit\(s\) of model.taper.multiple=5, "
-                                          r"fewer than parallel.tp=4"):
-        check_degrees(4, ParallelConfig(tp=4), _model(mlp_width=30))
+def test_split_sizes_refuses_fewer_units_than_ranks():
     with pytest.raises(ValueError, match="fewer than parallel.tp=4"):
         split_sizes(15, 4, 5)
-
-
-def test_sequence_parallel_needs_divisible_seq():
-    with pytest.raises(ConfigError, match="model.seq_len=18 divisible by parallel.tp=4"):
-        check_degrees(4, ParallelConfig(tp=4, sequence_parallel=True), _model(seq_len=18))
-
-
-def test_model_config_ok_for_tp():
-    assert check_degrees(8, ParallelConfig(tp=4), _model()) == 2
-    assert isinstance(_model(), ModelConfig)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -208,3 +173,53 @@ def _layers_worker():
 def test_layers_and_regions_match_dense():
     for errors in run_distributed(_layers_worker, 2, timeout=60):
         assert max(errors.values()) < 1e-5, errors
+
+
+# ---------------------------------------------------------------------------------------------
+# Vocab-parallel cross-entropy ignores target IGNORE_INDEX (-100) exactly as F.cross_entropy
+
+
+def _cross_entropy_worker():
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from megatron_taper.models.layers import IGNORE_INDEX
+    from megatron_taper.parallel.tensor import vocab_parallel_cross_entropy
+
+    group, rank = dist.group.WORLD, dist.get_rank()
+    sizes = split_sizes(11, 2, 1)  # [6, 5]: uneven vocabulary shards
+    start = sum(sizes[:rank])
+    torch.manual_seed(0)  # same full logits and targets on every rank
+    logits = torch.randn(3, 5, 11) * 3
+    targets = torch.randint(0, 11, (3, 5))
+    targets[0, :2] = IGNORE_INDEX
+    targets[2, 4] = IGNORE_INDEX
+    targets[1, 0], targets[1, 1] = 5, 6  # the last id of shard 0 and the first of shard 1
+    out = {}
+    for name, t in (("some_ignored", targets), ("none_ignored", targets.clamp(min=0)),
+                    ("all_ignored", torch.full_like(targets, IGNORE_INDEX))):
+        full = logits.clone().requires_grad_()
+        want = F.cross_entropy(full.flatten(0, 1), t.flatten())
+        want.backward(torch.tensor(0.7))  # a non-unit upstream gradient (loss scaling, accumulation)
+        local = logits[..., start:start + sizes[rank]].clone().requires_grad_()
+        got = vocab_parallel_cross_entropy(local, t, group, start)
+        got.backward(torch.tensor(0.7))
+        out[name] = (got.item(), want.item(), local.grad, full.grad[..., start:start + sizes[rank]])
+    return out
+
+
+def test_vocab_parallel_cross_entropy_ignores_index():
+    import math
+
+    for result in run_distributed(_cross_entropy_worker, 2, timeout=60):
+        for name, (loss, want, grad, want_grad) in result.items():
+            if name == "all_ignored":  # F.cross_entropy: NaN loss (0 / 0), zero gradient
+                assert math.isnan(loss) and math.isnan(want), (loss, want)
+                assert torch.equal(grad, torch.zeros_like(grad)) and torch.equal(want_grad, grad)
+                continue
+            # float32 sums (softmax denominator, mean) reduced in a different order: measured loss
+            # error <= 4.8e-7 (one float32 ulp at loss ~4), gradient error <= 1e-8
+            assert abs(loss - want) <= 1e-6 * abs(want), (name, loss, want)
+            assert (grad - want_grad).abs().max().item() < 1e-6, name
+        ignored = result["some_ignored"][2][0, :2]
+        assert torch.equal(ignored, torch.zeros_like(ignored))  # ignored positions: exactly 0 gradient

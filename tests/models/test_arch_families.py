@@ -2,13 +2,13 @@
 token-by-token reference, parameter/FLOP models against the real modules, tapered twins."""
 import pytest
 import torch
+from titans_reference import reference_scan
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from megatron_taper.config import load_config
 from megatron_taper.flops import model_costs, uniform_twin
 from megatron_taper.models import build_model
-from megatron_taper.models.titans import reference_scan
 
 SEQ = 40
 SMALL = ["model.n_layers=2", "model.d_model=64", "model.n_heads=4", "model.mlp_width=128",

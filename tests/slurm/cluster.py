@@ -145,7 +145,7 @@ class SlurmCluster:
             if jobs:
                 self._run(["scancel", "--full", *jobs])
                 self._wait(lambda: not self._run(["squeue", "-h", "-o", "%i"]).strip(), 15.0, None)
-        for name, proc in reversed(self._procs):
+        for _name, proc in reversed(self._procs):
             _terminate(proc)
         self._procs.clear()
         for pid in _pids_with_env(MARKER, str(self.root)):

@@ -1,0 +1,186 @@
+"""ParallelModel: what the Trainer and checkpoints see of a model after parallelism is applied.
+
+The (possibly sharded) module, how its parameters map to logical (unsharded) tensors for
+checkpoints, how gradients are reduced and clipped, and the loss function matching how the logits
+are laid out. Engines that own more of the step (DeepSpeed, pipelining) subclass it and override
+the hooks declared here: build_optimizer, optimizer_step, forward_backward, evaluate,
+save_native / load_native.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from megatron_taper.models.layers import cross_entropy
+from megatron_taper.optim import build_optimizer
+from megatron_taper.parallel.context import ParallelContext
+
+if TYPE_CHECKING:
+    from megatron_taper.config import TrainConfig
+
+
+@dataclass
+class ParallelModel:
+    module: nn.Module
+    ctx: ParallelContext
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy
+    # name -> function turning this rank's local tensor into the logical one, and back
+    to_full: dict[str, Callable[[torch.Tensor], torch.Tensor]] = field(default_factory=dict)
+    to_local: dict[str, Callable[[torch.Tensor], torch.Tensor]] = field(default_factory=dict)
+    # name -> number of tp ranks holding an identical copy (gradient-norm weight 1 / replicas);
+    # names not listed are replicated over the whole tp group
+    replicas: dict[str, int] = field(default_factory=dict)
+    # run in reduce_gradients before the dp average: tp-level sums of partial gradients
+    # (parameters looked up by name at call time, so later wrappers may replace them)
+    tp_grad_syncs: list[Callable[[nn.Module], None]] = field(default_factory=list)
+    # set by ZeRO (parallel/zero.py): parameters, gradients and optimizer state are DTensors
+    # sharded over the dp group; `dp_shard` turns a tp-local tensor into this rank's dp shard
+    dp_sharded: bool = False
+    dp_shard: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def full_tensor(self, name: str, local: torch.Tensor) -> torch.Tensor:
+        """The logical tensor of parameter `name` (or of a state tensor shaped like it). For a
+        tensor-parallel shard this is a collective: every rank of the tp group must call it; for
+        a ZeRO shard also every rank of the dp group."""
+        if isinstance(local, DTensor):
+            local = local.full_tensor()
+        fn = self.to_full.get(name)
+        return local if fn is None else fn(local)
+
+    def local_tensor(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        fn = self.to_local.get(name)
+        local = full if fn is None else fn(full)
+        return local if self.dp_shard is None else self.dp_shard(local)
+
+    # -- optimizer (engines that own their optimizer, e.g. DeepSpeed, override these) -------------
+
+    def build_optimizer(self, train: TrainConfig) -> torch.optim.Optimizer:
+        return build_optimizer(self.module, train, self.ctx.device)
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, max_norm: float,
+                       loss_finite: bool = True) -> tuple[torch.Tensor, bool]:
+        """Reduce and clip gradients, then step unless the loss or the gradient norm is
+        non-finite; gradients are cleared either way. Returns (global grad norm, stepped)."""
+        self.reduce_gradients()
+        norm = self.clip_gradients(max_norm)
+        stepped = loss_finite and math.isfinite(float(norm))
+        if stepped:
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return norm, stepped
+
+    # -- checkpoints (checkpoint.py) ---------------------------------------------------------------
+
+    def save_native(self, folder: str) -> bool:
+        """Write an engine's own checkpoint files into `folder` (a collective); whether it wrote
+        any (none by default: the logical files are the whole checkpoint)."""
+        return False
+
+    def load_native(self, folder: str, meta: dict) -> bool:
+        """Restore from the engine's own files if they fit this layout; False: use the logical ones."""
+        return False
+
+    @property
+    def gathers_on_every_dp_rank(self) -> bool:
+        """Whether logical_state is a collective over the dp group (ZeRO shards) or is called by
+        dp rank 0 alone (replicas)."""
+        return self.dp_sharded
+
+    def logical_state(self, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+        """(parameters, optimizer state) as logical CPU tensors keyed by parameter name."""
+        model_state, optim_state = {}, {}
+        for name, param in self.module.named_parameters():
+            model_state[name] = self.full_tensor(name, param.detach()).cpu()
+            state = optimizer.state.get(param, {})
+            optim_state[name] = {k: (self.full_tensor(name, v) if v.dim() else v).detach().cpu()
+                                 for k, v in state.items()}
+        return model_state, optim_state
+
+    def load_logical_state(self, optimizer: torch.optim.Optimizer, model_state: dict, optim_state: dict,
+                           missing: Callable[[str], Exception]) -> None:
+        """Inverse of logical_state: this rank's slices of the logical tensors into the model."""
+        with torch.no_grad():
+            for name, param in self.module.named_parameters():
+                if name not in model_state:
+                    raise missing(name)
+                param.copy_(self.local_tensor(name, model_state[name]).to(param.dtype))
+        by_name = dict(self.module.named_parameters())
+        for name, state in optim_state.items():
+            if name in by_name:
+                p = by_name[name]
+                optimizer.state[p] = {k: (self.local_tensor(name, v) if v.dim() else v).to(p.device)
+                                      for k, v in state.items()}
+
+    def forward_backward(self, micro_batches: list[torch.Tensor], autocast: Callable) -> torch.Tensor:
+        """Forward and backward over one rank's micro-batches ([b, S + 1] tokens each) of one step.
+
+        Returns the mean loss over the micro-batches (detached, float32 scalar on the device);
+        gradients are accumulated as for that mean. Pipeline-parallel models override this.
+        """
+        total = torch.zeros((), device=self.ctx.device)
+        for tokens in micro_batches:
+            tokens = tokens.to(self.ctx.device, non_blocking=True)
+            with autocast():
+                loss = self.loss_fn(self.module(tokens[:, :-1]), tokens[:, 1:])
+            (loss / len(micro_batches)).backward()
+            total += loss.detach().float()
+        return total / len(micro_batches)
+
+    @torch.no_grad()
+    def evaluate(self, tokens: torch.Tensor, autocast: Callable) -> torch.Tensor:
+        """Mean loss of one micro-batch without gradients (float32 scalar, same on every rank)."""
+        tokens = tokens.to(self.ctx.device, non_blocking=True)
+        with autocast():
+            return self.loss_fn(self.module(tokens[:, :-1]), tokens[:, 1:]).float()
+
+    def reduce_gradients(self) -> None:
+        """Complete partial tp gradients, then average over data-parallel replicas (plain DP;
+        ZeRO engines do their own)."""
+        for sync in self.tp_grad_syncs:
+            sync(self.module)
+        if self.ctx.dp == 1 or self.dp_sharded:  # ZeRO reduce-scattered them in backward
+            return
+        group = self.ctx.dp_group
+        for p in self.module.parameters():
+            if p.grad is not None:
+                dist.all_reduce(p.grad, op=dist.ReduceOp.AVG, group=group)
+
+    def clip_gradients(self, max_norm: float) -> torch.Tensor:
+        """Global L2 gradient norm over all parameters of the model (all ranks), clipped to max_norm.
+
+        Every logical value counts once: a tp shard with weight 1, a tensor held by k tp ranks with
+        1/k (summed over the tp group), disjoint pipeline stages summed over the pp group.
+        """
+        grads, by_replicas = [], {}
+        for name, p in self.module.named_parameters():
+            if p.grad is not None:
+                grad = local_part(p.grad)  # a ZeRO shard: its part of the norm, summed over dp below
+                grads.append(grad)
+                by_replicas.setdefault(self.replicas.get(name, self.ctx.tp), []).append(grad)
+        device = grads[0].device if grads else self.ctx.device
+        sq = torch.zeros((), device=device, dtype=torch.float32)
+        for k, gs in by_replicas.items():
+            sq += torch.nn.utils.get_total_norm(gs, foreach=True).float().square() / k
+        if self.ctx.tp > 1:
+            dist.all_reduce(sq, group=self.ctx.tp_group)
+        if self.ctx.pp > 1:
+            dist.all_reduce(sq, group=self.ctx.pp_group)
+        if self.dp_sharded and self.ctx.dp > 1:
+            dist.all_reduce(sq, group=self.ctx.dp_group)
+        norm = sq.sqrt()
+        if grads and max_norm > 0 and math.isfinite(max_norm):
+            # (torch.nn.utils.clip_grads_with_norm_ takes parameters, not gradients: scale here)
+            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+            torch._foreach_mul_(grads, coef.to(grads[0].dtype))
+        return norm
+
+
+def local_part(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a ZeRO (DTensor) tensor; a plain tensor unchanged."""
+    return t.to_local() if isinstance(t, DTensor) else t

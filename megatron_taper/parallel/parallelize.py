@@ -1,0 +1,78 @@
+"""parallelize(): apply the configured parallelism to an initialised single-device model.
+
+Order: pipeline split -> tensor parallel -> ZeRO (fsdp2 | deepspeed). With pp > 1 the model is
+first cut to this rank's pipeline stage (pipeline.py), which then calls back here with
+`whole_model=False` for the rest of the chain on that stage. The layout was checked by
+preflight.py before any process group existed.
+"""
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from megatron_taper.parallel.context import ParallelContext
+from megatron_taper.parallel.model import ParallelModel, local_part
+from megatron_taper.parallel.pipeline import build_pipeline
+from megatron_taper.parallel.tensor import ShardSpec, vocab_parallel_cross_entropy
+from megatron_taper.parallel.tp_plan import apply_tp
+from megatron_taper.parallel.zero import apply_zero
+
+if TYPE_CHECKING:
+    from megatron_taper.config import ModelConfig, ParallelConfig, TrainConfig
+
+
+def parallelize(model: nn.Module, ctx: ParallelContext, model_cfg: ModelConfig, parallel: ParallelConfig,
+                train: TrainConfig, *, whole_model: bool = True) -> ParallelModel:
+    """Apply `parallel`'s layout to `model` (initialised, identical on every rank). `train` gives
+    the batch shape the pipeline splits into micro-batches, and the precision and clipping ZeRO
+    engines need."""
+    if ctx.pp > 1 and whole_model:
+        stage = functools.partial(parallelize, model_cfg=model_cfg, parallel=parallel, train=train,
+                                  whole_model=False)
+        return build_pipeline(model, ctx, model_cfg, parallel, train, stage)
+    model = model.to(ctx.device)
+    pm = ParallelModel(model, ctx) if ctx.tp == 1 else _tensor_parallel(model, ctx, model_cfg, parallel)
+    return apply_zero(pm, parallel, train, pipelined=not whole_model)
+
+
+def _tensor_parallel(model: nn.Module, ctx: ParallelContext, model_cfg: ModelConfig,
+                     parallel: ParallelConfig) -> ParallelModel:
+    """Shard `model` over the tp group; checkpoints see logical tensors through to_full/to_local
+    (to_full is a collective over the tp group: every tp rank must call it)."""
+    group, rank = ctx.tp_group, ctx.tp_rank
+    plan = apply_tp(model, group, rank, ctx.tp, model_cfg, parallel.sequence_parallel)
+    pm = ParallelModel(model, ctx, loss_fn=functools.partial(
+        vocab_parallel_cross_entropy, group=group, vocab_start=plan.vocab_start))
+    for name, spec in plan.specs.items():
+        pm.to_full[name] = functools.partial(spec.gather, group=group)
+        pm.to_local[name] = functools.partial(spec.local, rank=rank)
+        pm.replicas[name] = spec.replicas(rank)
+        if any(spec.replicas(r) > 1 for r in range(ctx.tp)):
+            pm.tp_grad_syncs.append(functools.partial(_sum_replica_grads, name, spec, group))
+    if plan.seq_local:
+        pm.tp_grad_syncs.append(functools.partial(_sum_grads, plan.seq_local, group))
+    return pm
+
+
+def _sum_replica_grads(name: str, spec: ShardSpec, group: dist.ProcessGroup, module: nn.Module) -> None:
+    """Sum the gradient of a tensor held by several tp ranks (e.g. a shared kv head) over them."""
+    param = module.get_parameter(name)
+    if param.grad is not None:
+        assert not isinstance(param.grad, DTensor), "replica sums of ZeRO shards are refused in zero.py"
+        spec.sum_replicas_(param.grad, group)
+
+
+def _sum_grads(names: list[str], group: dist.ProcessGroup, module: nn.Module) -> None:
+    """Sum gradients of replicated parameters that each rank computed on its sequence chunk."""
+    # elementwise over identical replicas, so a ZeRO shard (same rows on every tp rank) works too
+    grads = [local_part(g) for g in (module.get_parameter(n).grad for n in names) if g is not None]
+    if grads:
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=group)
+        for g, summed in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(summed.view_as(g))

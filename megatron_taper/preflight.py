@@ -1,0 +1,135 @@
+"""preflight(cfg, world_size): every rule that spans config sections or needs the world size.
+
+Runs before any process group exists (train.main, the tools, launch/train.sbatch's check), so a
+layout the run cannot execute fails at once with one ConfigError naming the keys, on every rank
+alike, instead of deep inside a collective. Rules about one section alone live in that section's
+`validate(prefix)` (config.py, or the family's options in models/<family>.py); rules only one
+model family has live in its FamilySpec.check_layout, which is called from here.
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from megatron_taper.models import family
+from megatron_taper.taper import layer_widths
+from megatron_taper.validation import ConfigError
+
+if TYPE_CHECKING:
+    from megatron_taper.config import Config, ModelConfig, ParallelConfig, TrainConfig
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What preflight derived: the (pp, dp, tp) degrees and the per-rank batch split."""
+
+    pp: int
+    dp: int
+    tp: int
+    accumulation: int  # micro-batches of train.micro_batch per dp rank and step
+    pipeline_microbatches: int  # micro-batches the pipeline schedule runs per step (pp > 1), else 0
+
+
+def preflight(cfg: Config, world_size: int) -> Layout:
+    """Check `cfg` (already section-validated) against itself and `world_size`; the Layout."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    if world_size % (p.tp * p.pp):
+        raise ConfigError(f"parallel.tp={p.tp} x parallel.pp={p.pp} = {p.tp * p.pp} does not divide the world "
+                          f"size {world_size}")
+    dp = world_size // (p.tp * p.pp)
+    layer_widths(m)  # a taper that leaves a layer below one alignment unit names model.taper
+    if p.tp > 1:
+        _check_tensor_parallel(m, p)
+    spec = family(m.arch)
+    if spec.check_layout is not None:
+        spec.check_layout(m, p)
+    _check_zero(m, p, world_size, dp)
+    accumulation = _check_batch(t, dp)
+    n_micro = _check_pipeline(m, p, t, dp) if p.pp > 1 else 0
+    return Layout(p.pp, dp, p.tp, accumulation, n_micro)
+
+
+def _check_tensor_parallel(m: ModelConfig, p: ParallelConfig) -> None:
+    tp = p.tp
+    if family(m.arch).tp_block_plan is None:
+        raise ConfigError(f"parallel.tp={tp}: model.arch={m.arch!r} has no tensor-parallel plan; use parallel.tp=1")
+    if m.n_heads % tp:
+        raise ConfigError(f"parallel.tp={tp} must divide model.n_heads={m.n_heads}")
+    kv = m.kv_heads
+    if kv % tp and tp % kv:
+        raise ConfigError(f"parallel.tp={tp} and model.n_kv_heads={kv}: one must divide the other (kv heads are "
+                          f"split when tp divides them and replicated when tp is a multiple of them)")
+    if m.vocab_size < tp:
+        raise ConfigError(f"model.vocab_size={m.vocab_size} is smaller than parallel.tp={tp}")
+    unit = m.taper.multiple
+    for layer, width in enumerate(layer_widths(m)):
+        if width // unit < tp:
+            raise ConfigError(f"layer {layer} has MLP width {width} = {width // unit} unit(s) of "
+                              f"model.taper.multiple={unit}, fewer than parallel.tp={tp}: lower parallel.tp or "
+                              f"model.taper.multiple, or raise model.mlp_width")
+    if p.sequence_parallel and m.seq_len % tp:
+        raise ConfigError(f"parallel.sequence_parallel needs model.seq_len={m.seq_len} divisible by parallel.tp={tp}")
+
+
+def _check_zero(m: ModelConfig, p: ParallelConfig, world_size: int, dp: int) -> None:
+    if p.zero == "deepspeed":
+        if p.pp > 1:
+            raise ConfigError(f"parallel.zero=deepspeed with parallel.pp={p.pp}: DeepSpeed refuses ZeRO-3 with "
+                              f"pipeline parallelism; use parallel.zero=fsdp2 or parallel.pp=1")
+        if world_size == 1:
+            raise ConfigError("parallel.zero=deepspeed needs more than one process (torchrun --nproc-per-node N, "
+                              "N >= 2); with one process use parallel.zero=none")
+        if p.sequence_parallel and p.tp > 1:
+            raise ConfigError("parallel.zero=deepspeed with parallel.sequence_parallel=true is not supported "
+                              "(DeepSpeed reduces gradients inside backward, before the tp sums of sequence-"
+                              "parallel norms); use parallel.zero=fsdp2")
+    if p.zero == "fsdp2" and p.pp > 1 and p.pp_schedule == "interleaved_1f1b":
+        raise ConfigError("parallel.zero=fsdp2 with parallel.pp_schedule=interleaved_1f1b is not supported "
+                          "(several chunks per rank would share one FSDP root); use 1f1b or gpipe")
+    shards = p.zero == "deepspeed" or (p.zero == "fsdp2" and dp > 1)
+    if shards and p.tp > m.kv_heads:
+        raise ConfigError(f"parallel.zero={p.zero} with parallel.tp={p.tp} > model.n_kv_heads={m.kv_heads}: kv "
+                          f"heads replicated over tp ranks need a gradient sum over whole tensors, which ZeRO has "
+                          f"already sharded; use parallel.tp <= model.n_kv_heads or parallel.zero=none")
+
+
+def _check_batch(t: TrainConfig, dp: int) -> int:
+    per_round = t.micro_batch * dp
+    if t.global_batch % per_round:
+        raise ConfigError(f"train.global_batch={t.global_batch} must be a multiple of train.micro_batch x "
+                          f"data-parallel size = {t.micro_batch} x {dp}")
+    return t.global_batch // per_round
+
+
+def _check_pipeline(m: ModelConfig, p: ParallelConfig, t: TrainConfig, dp: int) -> int:
+    virtual = p.virtual_stages
+    if p.pp * virtual > m.n_layers:
+        what = f"parallel.pp={p.pp}" + (f" x parallel.pp_virtual={virtual}" if virtual > 1 else "")
+        raise ConfigError(f"{what} = {p.pp * virtual} stages is more than model.n_layers={m.n_layers}: every "
+                          f"stage needs a layer")
+    if m.tie_embeddings:
+        raise ConfigError("model.tie_embeddings=true with parallel.pp>1 is not supported: the embedding "
+                          "(first stage) and the head (last stage) would live on different ranks")
+    if p.pp_memory_gb > 0 and virtual > 1:
+        raise ConfigError("parallel.pp_memory_gb: per-stage memory limits are only modelled for non-interleaved "
+                          "schedules (parallel.pp_schedule=1f1b or gpipe)")
+    rows = t.global_batch // dp  # sequences per step on one data-parallel rank
+    n_micro = p.microbatches or max(1, rows // t.micro_batch)
+    if rows % n_micro:
+        raise ConfigError(f"parallel.microbatches={n_micro} must divide the {rows} sequences of a step on one "
+                          f"data-parallel rank (train.global_batch / data-parallel size)")
+    if n_micro < p.pp:
+        if p.pp_schedule != "gpipe":
+            raise ConfigError(
+                f"parallel.microbatches={n_micro} is fewer than parallel.pp={p.pp} stages, which "
+                f"parallel.pp_schedule={p.pp_schedule} cannot run; use at least {p.pp} micro-batches (raise "
+                f"parallel.microbatches or train.global_batch / train.micro_batch) or parallel.pp_schedule=gpipe")
+        warnings.warn(f"parallel.microbatches={n_micro} is fewer than parallel.pp={p.pp} stages: every step is "
+                      f"mostly pipeline bubble (use at least {p.pp}, ideally 4x)", stacklevel=3)
+    if p.pp_schedule == "interleaved_1f1b":
+        rounds = max(1, n_micro // p.pp)
+        if n_micro % rounds:
+            raise ConfigError(f"parallel.microbatches={n_micro}: interleaved_1f1b needs a multiple of "
+                              f"parallel.pp={p.pp} (or fewer than 2 * pp)")
+    return n_micro

@@ -1,0 +1,26 @@
+"""The error type of user input and the checks every config section's `validate(prefix)` uses.
+
+A leaf module (no imports from the package), so that config sections defined next to the code
+they configure (a model family's options in its own file) validate the same way as config.py's.
+"""
+from __future__ import annotations
+
+
+class ConfigError(ValueError):
+    """A user error in a recipe, an override or a parallel layout; the message names the key."""
+
+
+def check_choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{key}={value!r} is not one of: {', '.join(allowed)}")
+
+
+def check_range(key: str, value: float, low: float | None, high: float | None,
+                open_low: bool = False, open_high: bool = False) -> None:
+    below = low is not None and (value <= low if open_low else value < low)
+    above = high is not None and (value >= high if open_high else value > high)
+    if below or above:
+        lo = "-inf" if low is None else f"{low}"
+        hi = "inf" if high is None else f"{high}"
+        interval = f"{'(' if open_low or low is None else '['}{lo}, {hi}{')' if open_high or high is None else ']'}"
+        raise ConfigError(f"{key}={value} is outside the allowed range {interval}")
