@@ -1,19 +1,29 @@
-"""Checkpoints that resume exactly and load on another parallel layout.
+"""Checkpoints that resume exactly, load on another parallel layout, and cost each rank its shard.
 
-Layout of `run.dir/checkpoints/step-N/`:
-    model-pp{k}.pt   logical (unsharded) parameters of pipeline stage k, keyed by global name
-    optim-pp{k}.pt   AdamW state of those parameters, logical tensors keyed by the same names
-    trainer.pt       step, skipped steps, RNG states and data positions (one entry per rank)
-    deepspeed/...    parallel.zero=deepspeed only: DeepSpeed's own files (same dp/tp size only)
-    meta.json        step, config, parallel layout, and size + sha256 of every file above
+Layout of `run.dir/checkpoints/step-N/` (format 2):
+    shards/rank-R.safetensors   the boxes of parameters and AdamW state that rank R owns, as
+                                records of the logical tensors (checkpoint_files.py)
+    trainer.pt                  step, skipped steps, RNG states and data positions (one entry per rank)
+    deepspeed/...               parallel.zero=deepspeed only: DeepSpeed's own files (same dp/tp size)
+    meta.json                   format, step, config, layout, the index of every record (full shape,
+                                box, sha256) and the size of every file (+ sha256 of trainer.pt and
+                                DeepSpeed's files)
 
-Writing is atomic: every file goes into `.tmp-step-N/` and is fsynced, then the folder is
-renamed to `step-N/` and the parent fsynced, so a folder named step-N is always complete. Only
-ranks with dp_rank == 0 and tp_rank == 0 write model/optimizer files (one per pipeline stage);
-tensor-parallel shards are gathered to logical tensors through the ParallelModel first (and ZeRO
-shards over dp: then every dp rank takes part in the gather; see parallel/zero.py). An engine
-with a format of its own (DeepSpeed) adds it next to the logical files through
-`pm.save_native` / `pm.load_native`; the logical files are what loads on another layout.
+Saving: each rank copies its own pieces to the CPU (no communication, except DeepSpeed's gather of
+logical tensors) and writes one file; rank 0 gathers the small per-rank indexes, writes meta.json
+last, and renames `.tmp-step-N/` to `step-N/` (fsynced), so a folder named step-N is complete.
+With `checkpoint.async_save`, the writing runs in a background thread after the copy; the
+Trainer calls `poll()` every step, and once every rank has finished, the folder is renamed. A
+kill before that leaves only a `.tmp-` folder, which is never loaded (and removed by the next
+save); the previous checkpoint stays the newest.
+
+Loading: every rank reads from the records only the boxes of its own parameters and state
+(`ShardReader`, each record's sha256 checked as it is read), so a resume reads about the rank's
+shard at the same layout, and the overlapping records at another (pp, dp, tp) layout or engine.
+With `run.resume=auto` a newest checkpoint that fails verification on any rank is skipped with a
+warning naming the file, and the next older one is loaded; an explicit `run.resume=PATH` refuses.
+Format 1 checkpoints (logical per-stage files model-ppK.pt / optim-ppK.pt) still load, every rank
+reading all of them.
 """
 from __future__ import annotations
 
@@ -23,23 +33,32 @@ import os
 import random
 import re
 import shutil
-from typing import TYPE_CHECKING
+import threading
+import warnings
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_taper.checkpoint_files import (
+    FORMAT,
+    CheckpointError,
+    ShardReader,
+    merge_index,
+    write_pieces,
+)
 from megatron_taper.config import ModelConfig
 from megatron_taper.parallel.model import ParallelModel
 
 if TYPE_CHECKING:
     from megatron_taper.config import CheckpointConfig
 
+__all__ = ["CheckpointError", "Checkpointer", "checkpoint_root", "list_checkpoints", "resume_candidates",
+           "load_checkpoint", "load_logical", "verify_checkpoint"]
+
 STEP_DIR = re.compile(r"^step-(\d+)$")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be used; the message names the folder or file."""
 
 
 def checkpoint_root(run_dir: str) -> str:
@@ -54,74 +73,171 @@ def list_checkpoints(root: str) -> list[tuple[int, str]]:
     return sorted(found)
 
 
-def save_checkpoint(root: str, options: CheckpointConfig, config: dict, pm: ParallelModel,
-                    optimizer: torch.optim.Optimizer, step: int, trainer_state: dict, data_state: dict) -> str:
-    """Write `root`/step-N (a collective: every rank calls it); `config` is the resolved run
-    config, stored in meta.json; keeps the newest `options.keep` checkpoints."""
-    ctx = pm.ctx
-    final = os.path.join(root, f"step-{step}")
-    tmp = os.path.join(root, f".tmp-step-{step}")
-    if ctx.is_main:
-        os.makedirs(root, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    per_rank = _gather_objects(ctx, {"rng": _rng_state(), "data": data_state})
-    ctx.barrier()
-
-    files: dict[str, dict] = {}
-    if ctx.dp_rank == 0 or pm.gathers_on_every_dp_rank:
-        model_state, optim_state = pm.logical_state(optimizer)
-        if ctx.dp_rank == 0 and ctx.tp_rank == 0:
-            for kind, state in (("model", model_state), ("optim", optim_state)):
-                name = f"{kind}-pp{ctx.pp_rank}.pt"
-                files[name] = _write(os.path.join(tmp, name), state)
-    if pm.save_native(tmp):  # an engine's own files (DeepSpeed), next to the logical ones
-        ctx.barrier()
-        if ctx.is_main:
-            files.update(_hash_tree(tmp, skip=set(files)))
-    if ctx.is_main:
-        trainer = {"step": step, **trainer_state, "ranks": per_rank}
-        files["trainer.pt"] = _write(os.path.join(tmp, "trainer.pt"), trainer)
-    all_files: dict[str, dict] = {}
-    for part in _gather_objects(ctx, files):
-        all_files.update(part)
-    if ctx.is_main:
-        meta = {"step": step, "config": config, "layout": {"pp": ctx.pp, "dp": ctx.dp, "tp": ctx.tp},
-                "files": all_files}
-        _write_text(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1))
-        _fsync_dir(tmp)
-        if os.path.exists(final):
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        _fsync_dir(root)
-        _prune(root, options.keep)
-    ctx.barrier()
-    return final
-
-
-def find_resume_checkpoint(mode: str, root: str) -> str | None:
-    """The checkpoint run.resume=`mode` names: auto = the newest complete one under `root` (None
-    when there is none), never = None, else the folder given."""
+def resume_candidates(mode: str, root: str) -> list[str]:
+    """The checkpoints run.resume=`mode` may load, best first: auto = the complete ones under
+    `root`, newest first (none: a fresh start); never = none; else the one folder given."""
     if mode == "never":
-        return None
+        return []
     if mode != "auto":
         if not os.path.isfile(os.path.join(mode, "meta.json")):
             raise CheckpointError(f"run.resume={mode!r} is not a complete checkpoint folder (no meta.json)")
-        return mode
-    found = list_checkpoints(root)
-    return found[-1][1] if found else None
+        return [mode]
+    return [path for _, path in reversed(list_checkpoints(root))]
 
 
-def load_checkpoint(path: str, model_cfg: ModelConfig, pm: ParallelModel, optimizer: torch.optim.Optimizer) -> dict:
-    """Restore model, optimizer, RNG; returns the trainer state (step, ..., data state of this rank)."""
+@dataclass
+class _Pending:
+    step: int
+    tmp: str
+    final: str
+    config: dict
+    thread: threading.Thread
+    result: dict  # filled by the thread: index, files, error
+
+
+class Checkpointer:
+    """Saves (synchronously or in the background) and loads the checkpoints of one run folder.
+
+    Every method is a collective: every rank calls it at the same step."""
+
+    def __init__(self, root: str, options: CheckpointConfig, pm: ParallelModel):
+        self.root, self.options, self.pm, self.ctx = root, options, pm, pm.ctx
+        self.pending: _Pending | None = None
+        self.bytes_read = 0  # of parameter and optimizer records by this rank's last load
+
+    # -- saving --------------------------------------------------------------------------------
+
+    def save(self, optimizer: torch.optim.Optimizer, step: int, config: dict, trainer_state: dict,
+             data_state: dict) -> None:
+        """Write step-N; with options.async_save only the copy to the CPU happens before returning."""
+        self.wait()
+        ctx = self.ctx
+        tmp, final = os.path.join(self.root, f".tmp-step-{step}"), os.path.join(self.root, f"step-{step}")
+        if ctx.is_main:
+            os.makedirs(self.root, exist_ok=True)
+            for name in os.listdir(self.root):  # leftovers of saves that never finished
+                if name.startswith(".tmp-step-"):
+                    shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
+            os.makedirs(tmp)
+        per_rank = _gather_objects(ctx, {"rng": _rng_state(), "data": data_state})
+        ctx.barrier()
+        pieces = self.pm.checkpoint_pieces(optimizer, copy=self.options.async_save)
+        native: dict[str, dict] = {}
+        if self.pm.save_native(tmp):  # an engine's own files (DeepSpeed), synchronously
+            ctx.barrier()
+            if ctx.is_main:
+                native = _hash_tree(tmp)
+        trainer = {"step": step, **trainer_state, "ranks": per_rank} if ctx.is_main else None
+        result: dict[str, Any] = {}
+
+        def write() -> None:
+            try:
+                index, files = write_pieces(tmp, ctx.rank, pieces)
+                if trainer is not None:
+                    files["trainer.pt"] = _write(os.path.join(tmp, "trainer.pt"), trainer)
+                    files.update(native)
+                result.update(index=index, files=files)
+            except Exception as e:  # noqa: BLE001 - reported on every rank at finalisation
+                result["error"] = f"{type(e).__name__}: {e}"
+
+        thread = threading.Thread(target=write, name=f"checkpoint-step-{step}", daemon=True)
+        self.pending = _Pending(step, tmp, final, config, thread, result)
+        thread.start()
+        if not self.options.async_save:
+            self.wait()
+
+    def poll(self) -> None:
+        """Finalise a background save once every rank has written its part (a tiny all-reduce
+        per call while one is pending; nothing otherwise)."""
+        if self.pending is None:
+            return
+        done = torch.tensor([0.0 if self.pending.thread.is_alive() else 1.0], device=self.ctx.device)
+        if self.ctx.mesh is not None:
+            dist.all_reduce(done, op=dist.ReduceOp.MIN)
+        if done.item() == 1.0:
+            self._finalise()
+
+    def wait(self) -> None:
+        """Block until a pending save is complete and visible."""
+        if self.pending is not None:
+            self.pending.thread.join()
+            self._finalise()
+
+    def _finalise(self) -> None:
+        p, ctx = self.pending, self.ctx
+        self.pending = None
+        p.thread.join()
+        results = _gather_objects(ctx, p.result)
+        errors = [f"rank {r}: {res['error']}" for r, res in enumerate(results) if "error" in res]
+        if errors:
+            raise CheckpointError(f"{p.tmp}: writing the checkpoint failed: " + "; ".join(errors))
+        if ctx.is_main:
+            files: dict[str, dict] = {}
+            for res in results:
+                files.update(res["files"])
+            meta = {"format": FORMAT, "step": p.step, "config": p.config,
+                    "layout": {"pp": ctx.pp, "dp": ctx.dp, "tp": ctx.tp},
+                    "tensors": merge_index([res["index"] for res in results]), "files": files}
+            _write_text(os.path.join(p.tmp, "meta.json"), json.dumps(meta))
+            _fsync_dir(p.tmp)
+            if os.path.exists(p.final):
+                shutil.rmtree(p.final)
+            os.rename(p.tmp, p.final)
+            _fsync_dir(self.root)
+            _prune(self.root, self.options.keep)
+        ctx.barrier()
+
+    # -- loading -------------------------------------------------------------------------------
+
+    def load(self, candidates: list[str], model_cfg: ModelConfig, optimizer: torch.optim.Optimizer,
+             explicit: bool) -> tuple[str, dict] | None:
+        """Load the first candidate that every rank verifies: (path, trainer state of this rank).
+        None when there are no candidates. A failing candidate is an error when `explicit`, else
+        skipped with a warning."""
+        first_error = ""
+        for path in candidates:
+            error = ""
+            try:
+                state = load_checkpoint(path, model_cfg, self.pm, optimizer, self)
+            except CheckpointError as e:
+                error, state = str(e), None
+            errors = [e for e in _gather_objects(self.ctx, error) if e]
+            if not errors:
+                return path, state
+            if explicit:
+                raise CheckpointError(errors[0])
+            first_error = first_error or errors[0]
+            if self.ctx.is_main:
+                warnings.warn(f"skipping checkpoint {path}: {errors[0]}", stacklevel=2)
+        if candidates and not explicit:
+            raise CheckpointError(f"no checkpoint under {self.root} passes verification (newest: {first_error}); "
+                                  f"move the folders away or set run.resume=never to start over")
+        return None
+
+
+def load_checkpoint(path: str, model_cfg: ModelConfig, pm: ParallelModel, optimizer: torch.optim.Optimizer,
+                    checkpointer: Checkpointer | None = None) -> dict:
+    """Restore model, optimizer, RNG from one checkpoint (no collectives); returns the trainer
+    state (step, ..., data state of this rank). Raises CheckpointError naming the bad file."""
     ctx = pm.ctx
-    meta = verify_checkpoint(path)
+    meta = _read_meta(path)
     _check_compatible(meta, model_cfg, path)
+    for name, info in meta["files"].items():  # DeepSpeed's own files: every rank checks them all
+        if name.startswith("deepspeed/"):
+            _verify(os.path.join(path, name), info)
     if not pm.load_native(path, meta):
-        model_state, optim_state = load_logical(path, meta)
-        pm.load_logical_state(optimizer, model_state, optim_state,
-                              missing=lambda name: CheckpointError(f"{path}: no tensor for parameter {name!r}"))
-
+        if meta.get("format", 1) >= 2:
+            reader = ShardReader(path, meta["tensors"], meta["files"])
+            pm.load_pieces(optimizer, reader)
+            if checkpointer is not None:
+                checkpointer.bytes_read = reader.bytes_read
+        else:
+            for name, info in meta["files"].items():
+                _verify(os.path.join(path, name), info)
+            model_state, optim_state = load_logical(path, meta)
+            pm.load_logical_state(optimizer, model_state, optim_state,
+                                  missing=lambda name: CheckpointError(f"{path}: no tensor for parameter {name!r}"))
+    _verify(os.path.join(path, "trainer.pt"), meta["files"]["trainer.pt"])
     trainer = _load(os.path.join(path, "trainer.pt"))
     ranks = trainer.pop("ranks")
     mine = ranks[ctx.rank] if len(ranks) == ctx.world_size else ranks[0]
@@ -132,7 +248,7 @@ def load_checkpoint(path: str, model_cfg: ModelConfig, pm: ParallelModel, optimi
 
 
 def load_logical(path: str, meta: dict | None = None) -> tuple[dict, dict]:
-    """All stages' logical parameters and optimizer state of a checkpoint, keyed by name (CPU)."""
+    """All stages' logical parameters and optimizer state of a format-1 checkpoint (CPU)."""
     meta = meta or _read_meta(path)
     model_state: dict[str, torch.Tensor] = {}
     optim_state: dict[str, dict] = {}
@@ -143,14 +259,25 @@ def load_logical(path: str, meta: dict | None = None) -> tuple[dict, dict]:
 
 
 def verify_checkpoint(path: str) -> dict:
-    """Check every file of a checkpoint against meta.json; returns the metadata."""
+    """Check every file of a checkpoint against meta.json (format 2: every record's sha256);
+    returns the metadata. Reads the whole checkpoint: for tools, not for resuming."""
     meta = _read_meta(path)
+    if meta.get("format", 1) >= 2:
+        reader = ShardReader(path, meta["tensors"], meta["files"])
+        for key, entry in meta["tensors"].items():
+            for rec in entry["records"]:
+                reader.read(key, tuple(rec["offsets"]), tuple(rec["sizes"]))
+        checked = {rec["file"] for entry in meta["tensors"].values() for rec in entry["records"]}
+        for name, info in meta["files"].items():
+            if name not in checked:
+                _verify(os.path.join(path, name), info)
+        return meta
     for name, info in meta["files"].items():
         _verify(os.path.join(path, name), info)
     return meta
 
 
-def _hash_tree(root: str, skip: set[str]) -> dict[str, dict]:
+def _hash_tree(root: str, skip: frozenset[str] = frozenset()) -> dict[str, dict]:
     """size + sha256 of every file under root (relative names), except `skip`."""
     out = {}
     for folder, _, names in os.walk(root):

@@ -208,6 +208,7 @@ class DataConfig:
 class CheckpointConfig:
     interval: int = 0  # steps between checkpoints; 0 = only at the end (and on exit_after)
     keep: int = 2  # newest complete checkpoints kept; 0 = all
+    async_save: bool = False  # write in a background thread after copying the shards to the CPU
 
     def validate(self, prefix: str) -> None:
         check_range(f"{prefix}.interval", self.interval, 0, None)

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_taper.build import build_run
-from megatron_taper.checkpoint import checkpoint_root, find_resume_checkpoint, load_checkpoint, save_checkpoint
+from megatron_taper.checkpoint import Checkpointer, checkpoint_root, resume_candidates
 from megatron_taper.config import Config, ConfigError, load_config, save_config
 from megatron_taper.data.sources import build_sources
 from megatron_taper.flops import mfu, model_costs, peak_flops
@@ -81,6 +81,7 @@ class Trainer:
         self.stop = stop or StopSignal()
         self._prepare_run_dir()
         self.metrics = MetricsLogger(cfg.run.dir, self.ctx.is_main, cfg.run.tensorboard)
+        self.checkpointer = Checkpointer(checkpoint_root(cfg.run.dir), cfg.checkpoint, self.pm)
         self._resume()
 
     # -- setup ---------------------------------------------------------------------------------
@@ -92,11 +93,13 @@ class Trainer:
         self.ctx.barrier()
 
     def _resume(self) -> None:
-        path = find_resume_checkpoint(self.cfg.run.resume, checkpoint_root(self.cfg.run.dir))
-        if path is None:
+        mode = self.cfg.run.resume
+        candidates = resume_candidates(mode, checkpoint_root(self.cfg.run.dir))
+        loaded = self.checkpointer.load(candidates, self.cfg.model, self.optimizer, explicit=mode != "auto")
+        if loaded is None:
             self.metrics.truncate_after(0)
             return
-        state = load_checkpoint(path, self.cfg.model, self.pm, self.optimizer)
+        path, state = loaded
         self.step, self.skipped = state["step"], state["skipped"]
         self.last_saved = self.step
         self.train_source.load_state_dict(state["data"])
@@ -152,6 +155,7 @@ class Trainer:
             while self.step < t.steps:
                 record = self.train_step()
                 steps_here += 1
+                self.checkpointer.poll()  # completes a background save once every rank has written
                 if self.step % t.log_interval == 0 or self.step == t.steps:
                     now = time.perf_counter()
                     tps = (self.step - last_step) * tokens_per_step / max(now - last_time, 1e-9)
@@ -160,7 +164,7 @@ class Trainer:
                 if t.eval_interval and self.step % t.eval_interval == 0 and self.step < t.steps:
                     self._log_eval()
                 if self._agreed_stop():
-                    self.save()
+                    self.save(final=True)
                     self._print(f"stopped by signal {self.stop.received} at step {self.step}; checkpoint written")
                     return EXIT_REQUEUE
                 if self.step == t.steps:
@@ -168,21 +172,24 @@ class Trainer:
                 if ckpt.interval and self.step % ckpt.interval == 0:
                     self.save()
                 if t.exit_after and steps_here >= t.exit_after:
-                    self.save()
+                    self.save(final=True)
                     self._print(f"train.exit_after={t.exit_after}: stopped at step {self.step} with a checkpoint")
                     return 0
             self._log_eval()
-            self.save()
+            self.save(final=True)
             return 0
         finally:
             self.metrics.close()
 
-    def save(self) -> None:
-        if self.step == self.last_saved:
-            return
-        self.last_saved = self.step
-        save_checkpoint(checkpoint_root(self.cfg.run.dir), self.cfg.checkpoint, self.cfg.to_dict(), self.pm,
-                        self.optimizer, self.step, {"skipped": self.skipped}, self.train_source.state_dict())
+    def save(self, final: bool = False) -> None:
+        """Checkpoint the current step; `final`: also wait until it (and any background save) is
+        complete, before the process exits."""
+        if self.step != self.last_saved:
+            self.last_saved = self.step
+            self.checkpointer.save(self.optimizer, self.step, self.cfg.to_dict(), {"skipped": self.skipped},
+                                   self.train_source.state_dict())
+        if final:
+            self.checkpointer.wait()
 
     # -- helpers -------------------------------------------------------------------------------
 

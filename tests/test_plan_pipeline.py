@@ -60,3 +60,19 @@ def test_errors(capsys):
     assert max(json.loads(capsys.readouterr().out)["stage_static_bytes"]) < 40 * 2**30
     assert tool.main(["--config", RECIPE, "parallel.pp_balance=bogus"]) == 2
     assert "parallel.pp_balance" in capsys.readouterr().err
+
+
+def test_70b_recipe_plans_from_the_cost_model_alone(capsys):
+    """The 70B-class recipe is shown and planned from the cost model: no weights are built."""
+    recipe = os.path.join(ROOT, "configs", "transformer_70b_taper.yaml")
+    assert _tool().main(["--config", recipe, "--dp", "8", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert len(plan["stages"]) == 8 and sum(plan["stages"], []) == list(range(80))
+    assert plan["bottleneck_over_ideal"] < plan["uniform_bottleneck_over_ideal"]
+    spec = importlib.util.spec_from_file_location("show_model_tool", os.path.join(ROOT, "tools", "show_model.py"))
+    show = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(show)
+    assert show.main(["--config", recipe, "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert 68e9 < info["total_params"] == info["uniform_total_params"] < 70e9
+    assert info["widths"][0] == 43008 and info["widths"][-1] == 14336

@@ -138,21 +138,39 @@ def _resume_error(byte_tokens, run, capsys, *extra):
 
 def test_truncated_checkpoint_is_refused(byte_tokens, tmp_path, capsys):
     run, ckpt = _checkpointed_run(byte_tokens, tmp_path)
-    data = (ckpt / "model-pp0.pt").read_bytes()
-    (ckpt / "model-pp0.pt").write_bytes(data[: len(data) // 2])
+    shard = ckpt / "shards" / "rank-00000.safetensors"
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2])
     err = _resume_error(byte_tokens, run, capsys)
-    assert f"{ckpt / 'model-pp0.pt'}: truncated or altered" in err
+    assert f"{shard}: truncated or altered" in err and "no checkpoint under" in err
     assert sorted(os.listdir(run / "checkpoints")) == ["step-4"]
 
 
 def test_corrupted_checkpoint_is_refused(byte_tokens, tmp_path, capsys):
     run, ckpt = _checkpointed_run(byte_tokens, tmp_path)
-    data = bytearray((ckpt / "optim-pp0.pt").read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    (ckpt / "optim-pp0.pt").write_bytes(bytes(data))
-    assert f"{ckpt / 'optim-pp0.pt'}: corrupted" in _resume_error(byte_tokens, run, capsys)
+    shard = ckpt / "shards" / "rank-00000.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # inside some record's bytes (the header is a few KB of ~100 KB)
+    shard.write_bytes(bytes(data))
+    err = _resume_error(byte_tokens, run, capsys, f"run.resume={ckpt}")
+    assert f"{shard}: record" in err and "is corrupted (checksum mismatch)" in err
     (ckpt / "meta.json").write_text("{not json")
     assert f"{ckpt / 'meta.json'}: unreadable checkpoint metadata" in _resume_error(byte_tokens, run, capsys)
+
+
+def test_auto_resume_skips_a_corrupted_newest_checkpoint(byte_tokens, tmp_path):
+    straight, run = tmp_path / "straight", tmp_path / "run"
+    run_train(args(byte_tokens, straight, "train.steps=8"))
+    run_train(args(byte_tokens, run, "train.steps=8", "train.exit_after=6", "checkpoint.interval=3",
+                   "checkpoint.keep=0"))
+    assert sorted(os.listdir(run / "checkpoints")) == ["step-3", "step-6"]
+    shard = run / "checkpoints" / "step-6" / "shards" / "rank-00000.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    proc = run_train(args(byte_tokens, run, "train.steps=8"))
+    assert "skipping checkpoint" in proc.stderr and str(shard) in proc.stderr
+    assert losses(run) == losses(straight)  # resumed at step 3, bitwise the uninterrupted run
 
 
 def test_checkpoint_of_another_model_shape_is_refused(byte_tokens, tmp_path, capsys):

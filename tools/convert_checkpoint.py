@@ -3,15 +3,18 @@
     python tools/convert_checkpoint.py runs/X/checkpoints/step-N --output exported/ [--source auto]
 
 Reads any checkpoint the Trainer writes (parallel.zero = none | fsdp2 | deepspeed, any pp/dp/tp
-layout): the folder is first verified against its meta.json (sizes and sha256), then
-  --source logical     the logical per-stage files (model-pp*.pt), present in every checkpoint
+layout), then
+  --source logical     the parameters' records (shards/, format 2: assembled and written one
+                       tensor at a time, each record's sha256 checked as it is read; format 1:
+                       the logical per-stage files model-pp*.pt, verified first)
   --source deepspeed   DeepSpeed's own ZeRO files (deepspeed/state/), consolidated with
                        DeepSpeed's zero_to_fp32 (only for parallel.tp=1 checkpoints: ZeRO's
                        files hold tp-local shards otherwise)
   --source auto        logical when present, else deepspeed
 Writes OUTPUT/model.safetensors (fp32 unless --dtype, full logical tensors keyed by parameter
-name, metadata: step, source), OUTPUT/config.yaml (the run's resolved config) and prints one JSON
-line: path, tensors, parameters, step, source. Writing goes through a temporary name + rename.
+name, metadata: step, source; peak memory about one tensor for format 2), OUTPUT/config.yaml
+(the run's resolved config) and prints one JSON line: path, tensors, parameters, step, source.
+Writing goes through a temporary name + rename.
 """
 from __future__ import annotations
 
@@ -23,25 +26,27 @@ import sys
 import torch
 
 from megatron_taper.checkpoint import CheckpointError, load_logical, verify_checkpoint
+from megatron_taper.checkpoint_files import ShardReader, iter_full_tensors, write_safetensors_streaming
 from megatron_taper.config import from_dict, save_config
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def _read_meta(path: str) -> dict:
+    try:
+        with open(os.path.join(path, "meta.json")) as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}/meta.json: unreadable checkpoint metadata ({e})") from None
+
+
 def consolidated_state(path: str, source: str = "auto") -> tuple[dict[str, torch.Tensor], dict, str]:
-    """(full tensors by name, checkpoint metadata, source used) of a verified checkpoint."""
+    """(full tensors by name, checkpoint metadata, source used) of a format-1 or DeepSpeed source."""
     meta = verify_checkpoint(path)
-    has_logical = any(n.startswith("model-pp") for n in meta["files"])
     native = os.path.join(path, "deepspeed")
-    if source == "auto":
-        source = "logical" if has_logical else "deepspeed"
     if source == "logical":
-        if not has_logical:
-            raise CheckpointError(f"{path}: no logical model files (model-pp*.pt); try --source deepspeed")
         state, _ = load_logical(path, meta)
         return state, meta, source
-    if source != "deepspeed":
-        raise ValueError(f"--source={source!r} is not one of: auto, logical, deepspeed")
     if not os.path.isdir(native):
         raise CheckpointError(f"{path}: no DeepSpeed files (deepspeed/); written with parallel.zero="
                               f"{meta['config']['parallel'].get('zero')}")
@@ -58,18 +63,41 @@ def consolidated_state(path: str, source: str = "auto") -> tuple[dict[str, torch
 
 
 def convert(path: str, output: str, source: str = "auto", dtype: str = "fp32") -> dict:
-    from safetensors.torch import save_file
-
-    state, meta, used = consolidated_state(path, source)
-    tensors = {k: v.detach().to(DTYPES[dtype]).contiguous().clone() for k, v in sorted(state.items())}
+    if source not in ("auto", "logical", "deepspeed"):
+        raise ValueError(f"--source={source!r} is not one of: auto, logical, deepspeed")
+    meta = _read_meta(path)
+    sharded = meta.get("format", 1) >= 2
+    has_logical = sharded or any(n.startswith("model-pp") for n in meta["files"])
+    used = ("logical" if has_logical else "deepspeed") if source == "auto" else source
+    if used == "logical" and not has_logical:
+        raise CheckpointError(f"{path}: no logical model files (model-pp*.pt); try --source deepspeed")
     os.makedirs(output, exist_ok=True)
     target = os.path.join(output, "model.safetensors")
-    save_file(tensors, target + ".tmp", metadata={"format": "pt", "step": str(meta["step"]), "source": used})
+    out_dtype = DTYPES[dtype]
+    name = str(out_dtype).removeprefix("torch.")
+    if used == "logical" and sharded:
+        reader = ShardReader(path, meta["tensors"], meta["files"])
+        shapes = {k[len("model/"):]: (tuple(e["shape"]), name) for k, e in meta["tensors"].items()
+                  if k.startswith("model/")}
+        tensors = ((n, t.to(out_dtype)) for n, t in iter_full_tensors(reader))
+    else:
+        state, meta, used = consolidated_state(path, used)
+        shapes = {k: (tuple(v.shape), name) for k, v in state.items()}
+        tensors = ((k, state[k].detach().to(out_dtype)) for k in sorted(state))
+    write_safetensors_streaming(target + ".tmp", shapes, tensors,
+                                {"format": "pt", "step": str(meta["step"]), "source": used})
     os.replace(target + ".tmp", target)
     cfg = from_dict(meta["config"], source=os.path.join(path, "meta.json"))
     save_config(cfg, os.path.join(output, "config.yaml"))
-    return {"path": target, "tensors": len(tensors), "parameters": sum(t.numel() for t in tensors.values()),
+    return {"path": target, "tensors": len(shapes), "parameters": sum(_numel(s) for s, _ in shapes.values()),
             "step": meta["step"], "source": used}
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 def main(argv: list[str] | None = None) -> int:

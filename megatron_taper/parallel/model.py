@@ -17,9 +17,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from megatron_taper.checkpoint_files import Piece, ShardReader
 from megatron_taper.models.layers import cross_entropy
 from megatron_taper.optim import build_optimizer
 from megatron_taper.parallel.context import ParallelContext
+from megatron_taper.parallel.tensor import ShardSpec
 
 if TYPE_CHECKING:
     from megatron_taper.config import TrainConfig
@@ -43,6 +45,8 @@ class ParallelModel:
     # sharded over the dp group; `dp_shard` turns a tp-local tensor into this rank's dp shard
     dp_sharded: bool = False
     dp_shard: Callable[[torch.Tensor], torch.Tensor] | None = None
+    # name -> tp layout of a tensor-parallel parameter (where its slice lies in the logical tensor)
+    tp_specs: dict[str, ShardSpec] = field(default_factory=dict)
 
     def full_tensor(self, name: str, local: torch.Tensor) -> torch.Tensor:
         """The logical tensor of parameter `name` (or of a state tensor shaped like it). For a
@@ -116,6 +120,81 @@ class ParallelModel:
                 p = by_name[name]
                 optimizer.state[p] = {k: (self.local_tensor(name, v) if v.dim() else v).to(p.device)
                                       for k, v in state.items()}
+
+    # -- sharded checkpoints (checkpoint.py): each rank writes and reads only its own pieces -------
+
+    def piece_box(self, name: str, local: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...], bool]:
+        """(full shape, offsets) of this rank's `local` piece of parameter `name` (or of a state
+        tensor shaped like it) in the logical tensor, and whether this rank owns it (writes it:
+        one rank per box; tp and dp replicas and empty ZeRO shards do not)."""
+        owner = self.dp_sharded or self.ctx.dp_rank == 0
+        if isinstance(local, DTensor):  # FSDP2: Shard(0) over dp of the tp-local tensor, torch.chunk sizes
+            full, data = list(local.shape), local.to_local()
+            offsets = [0] * len(full)
+            if full:
+                offsets[0] = self.ctx.dp_rank * -(-full[0] // self.ctx.dp)
+                owner = owner and data.numel() > 0
+        else:
+            full, offsets = list(local.shape), [0] * local.dim()
+        spec = self.tp_specs.get(name)
+        if spec is not None:
+            start = spec.starts[self.ctx.tp_rank]
+            full[spec.dim], offsets[spec.dim] = spec.full, offsets[spec.dim] + start
+            owner = owner and spec.starts.index(start) == self.ctx.tp_rank  # kv heads shared by tp ranks
+        elif self.ctx.tp > 1:
+            owner = owner and self.ctx.tp_rank == 0
+        return tuple(full), tuple(offsets), owner
+
+    def checkpoint_pieces(self, optimizer: torch.optim.Optimizer, copy: bool = True) -> list[Piece]:
+        """The pieces of parameters and AdamW state this rank writes, on the CPU (no
+        communication); `copy=False` shares the memory of CPU tensors (a synchronous save)."""
+        self._reshard()
+        pieces = []
+        for name, param in self.module.named_parameters():
+            full, offsets, owner = self.piece_box(name, param)
+            if not owner:
+                continue
+            tensors = {f"model/{name}": param}
+            tensors.update({f"optim/{name}/{k}": v for k, v in optimizer.state.get(param, {}).items()})
+            for key, t in tensors.items():
+                data = local_part(t.detach()).to("cpu", copy=copy)
+                if data.dim():
+                    pieces.append(Piece(key, full, offsets, data))
+                elif not any(offsets):  # a scalar (AdamW's step): written by the first box's owner
+                    pieces.append(Piece(key, (), (), data))
+        return pieces
+
+    def load_pieces(self, optimizer: torch.optim.Optimizer, reader: ShardReader) -> None:
+        """Fill parameters and AdamW state from a sharded checkpoint, reading only this rank's boxes."""
+        self._reshard()
+        with torch.no_grad():
+            for name, param in self.module.named_parameters():
+                full, offsets, _ = self.piece_box(name, param)
+                local = local_part(param.data)
+                local.copy_(reader.read(f"model/{name}", offsets, tuple(local.shape)).to(local.dtype))
+                state = {}
+                for key in reader.keys(f"optim/{name}/"):
+                    k = key.rsplit("/", 1)[1]
+                    if reader.index[key]["shape"] == []:
+                        state[k] = reader.read(key, (), ()).to(param.device)
+                        continue
+                    value = reader.read(key, offsets, tuple(local.shape)).to(param.device)
+                    if isinstance(param, DTensor):
+                        value = DTensor.from_local(value, param.device_mesh, param.placements, run_check=False,
+                                                   shape=param.shape, stride=param.stride())
+                    state[k] = value
+                if state:
+                    optimizer.state[param] = state
+
+    def _reshard(self) -> None:
+        """FSDP2 leaves modules with reshard_after_forward=False gathered after a forward without
+        backward (evaluation): shard them again, so that parameters are this rank's DTensor shards."""
+        if self.dp_sharded:
+            from torch.distributed.fsdp import FSDPModule
+
+            for module in self.module.modules():
+                if isinstance(module, FSDPModule):
+                    module.reshard()
 
     def forward_backward(self, micro_batches: list[torch.Tensor], autocast: Callable) -> torch.Tensor:
         """Forward and backward over one rank's micro-batches ([b, S + 1] tokens each) of one step.

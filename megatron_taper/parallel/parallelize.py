@@ -52,6 +52,7 @@ def _tensor_parallel(model: nn.Module, ctx: ParallelContext, model_cfg: ModelCon
         pm.to_full[name] = functools.partial(spec.gather, group=group)
         pm.to_local[name] = functools.partial(spec.local, rank=rank)
         pm.replicas[name] = spec.replicas(rank)
+        pm.tp_specs[name] = spec
         if any(spec.replicas(r) > 1 for r in range(ctx.tp)):
             pm.tp_grad_syncs.append(functools.partial(_sum_replica_grads, name, spec, group))
     if plan.seq_local:

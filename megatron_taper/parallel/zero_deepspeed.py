@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from megatron_taper.checkpoint_files import Piece, ShardReader
 from megatron_taper.optim import build_optimizer
 from megatron_taper.parallel.context import ParallelContext, uses_bf16
 from megatron_taper.parallel.model import ParallelModel
@@ -140,7 +141,7 @@ class DeepSpeedParallelModel(ParallelModel):
             if name in pm.to_full:  # a tp shard: DeepSpeed counts its norm on every tp rank
                 param.tensor_model_parallel = True
         out = cls(pm.module, pm.ctx, pm.loss_fn, pm.to_full, pm.to_local, pm.replicas, pm.tp_grad_syncs,
-                  options=options)
+                  tp_specs=pm.tp_specs, options=options)
         out.dp_sharded = True  # logical_state is a collective over dp
         return out
 
@@ -228,6 +229,34 @@ class DeepSpeedParallelModel(ParallelModel):
             if name in optim_state:
                 for k in OPTIM_KEYS:
                     safe_set_full_optimizer_state(param, self.local_tensor(name, optim_state[name][k]).float(), k)
+
+    def checkpoint_pieces(self, optimizer: torch.optim.Optimizer, copy: bool = True) -> list[Piece]:
+        """DeepSpeed's partitions are flat buffers with no box in the logical tensor: the logical
+        tensors are gathered (a collective over dp and tp) and dp/tp rank 0 of the stage writes
+        them whole. DeepSpeed's own sharded files (save_native) are what resumes at the same size."""
+        model_state, optim_state = self.logical_state(optimizer)
+        if self.ctx.dp_rank or self.ctx.tp_rank:
+            return []
+        pieces = []
+        for name, t in model_state.items():
+            pieces.append(Piece(f"model/{name}", tuple(t.shape), (0,) * t.dim(), t))
+            for k, v in optim_state.get(name, {}).items():
+                pieces.append(Piece(f"optim/{name}/{k}", tuple(v.shape), (0,) * v.dim(), v))
+        return pieces
+
+    def load_pieces(self, optimizer: torch.optim.Optimizer, reader: ShardReader) -> None:
+        """Reads the whole logical tensors of this stage and keeps this rank's part of them."""
+        def full(key: str) -> torch.Tensor:
+            shape = tuple(reader.index[key]["shape"]) if key in reader.index else (0,)
+            return reader.read(key, (0,) * len(shape), shape)
+
+        model_state, optim_state = {}, {}
+        for name, _ in self.module.named_parameters():
+            model_state[name] = full(f"model/{name}")
+            state = {key.rsplit("/", 1)[1]: full(key) for key in reader.keys(f"optim/{name}/")}
+            if state:
+                optim_state[name] = state
+        self.load_logical_state(optimizer, model_state, optim_state, missing=lambda n: KeyError(n))
 
     def save_native(self, folder: str) -> bool:
         """DeepSpeed's own checkpoint into folder/deepspeed/state/ (a collective; every rank writes)."""

@@ -1,0 +1,190 @@
+"""The files of a sharded checkpoint: per-rank record files, the index, verified partial reads.
+
+A logical tensor (a parameter or an AdamW state tensor, full shape, keyed `model/<name>` or
+`optim/<name>/<state key>`) is stored as records: boxes of it (offsets and sizes per dimension),
+each written once by the rank that owns that box (replicas write nothing). Rank r writes all its
+records into `shards/rank-<r>.safetensors`; the index in meta.json lists, per key, its full shape,
+dtype and records {file, offsets, sizes, sha256 of the record's bytes}.
+
+Reading a box (a rank's local piece under any layout) loads only the records that overlap it
+(safetensors reads one record's bytes, not the file), checks each record's sha256 and copies the
+overlap. At the same layout a rank reads exactly its own records; at another, the records that
+intersect its piece. `ShardReader.bytes_read` counts what was read.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+SHARD_DIR = "shards"
+FORMAT = 2  # 1: logical per-stage files (model-ppK.pt), read for compatibility
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used; the message names the folder or file."""
+
+
+def shard_file(rank: int) -> str:
+    return f"{SHARD_DIR}/rank-{rank:05d}.safetensors"
+
+
+def tensor_sha256(t: torch.Tensor) -> str:
+    data = t.detach().contiguous().reshape(-1).view(torch.uint8) if t.dim() else t.detach().reshape(1).view(torch.uint8)
+    return hashlib.sha256(data.numpy()).hexdigest()
+
+
+@dataclass
+class Piece:
+    """A box of a logical tensor: full shape, the box's offsets, its data (CPU, contiguous)."""
+
+    key: str
+    full_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    data: torch.Tensor
+
+
+def write_pieces(folder: str, rank: int, pieces: list[Piece]) -> tuple[dict[str, list], dict[str, dict]]:
+    """Write this rank's pieces to one safetensors file (fsynced); returns (index entries of its
+    records by key, {file: {"size": bytes}}). No file when there are no pieces."""
+    if not pieces:
+        return {}, {}
+    from safetensors.torch import save_file
+
+    name = shard_file(rank)
+    path = os.path.join(folder, name)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    save_file({p.key: p.data.contiguous() for p in pieces}, path)
+    fsync_file(path)
+    index = {p.key: [{"shape": list(p.full_shape), "dtype": str(p.data.dtype).removeprefix("torch."),
+                      "file": name, "offsets": list(p.offsets), "sizes": list(p.data.shape),
+                      "sha256": tensor_sha256(p.data)}] for p in pieces}
+    return index, {name: {"size": os.path.getsize(path)}}
+
+
+def merge_index(parts: list[dict[str, list]]) -> dict[str, dict]:
+    """Per-rank record lists -> {key: {shape, dtype, records}}; checks the records tile each key."""
+    merged: dict[str, dict] = {}
+    for part in parts:
+        for key, records in part.items():
+            for rec in records:
+                entry = merged.setdefault(key, {"shape": rec["shape"], "dtype": rec["dtype"], "records": []})
+                assert entry["shape"] == rec["shape"], (key, entry["shape"], rec["shape"])
+                entry["records"].append({k: rec[k] for k in ("file", "offsets", "sizes", "sha256")})
+    for key, entry in merged.items():
+        covered = sum(_numel(r["sizes"]) for r in entry["records"])
+        assert covered == _numel(entry["shape"]), f"{key}: records cover {covered} of {_numel(entry['shape'])}"
+    return merged
+
+
+@dataclass
+class ShardReader:
+    """Reads boxes of logical tensors from a format-2 checkpoint, verifying every record read."""
+
+    folder: str
+    index: dict[str, dict]
+    files: dict[str, dict]  # file -> {"size": bytes}
+    bytes_read: int = 0
+    _open: dict = field(default_factory=dict, repr=False)
+
+    def keys(self, prefix: str) -> list[str]:
+        return [k for k in self.index if k.startswith(prefix)]
+
+    def read(self, key: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
+        """The box [offsets, offsets + sizes) of logical tensor `key`, assembled from its records."""
+        entry = self.index.get(key)
+        if entry is None:
+            raise CheckpointError(f"{self.folder}: no tensor {key!r} in the checkpoint")
+        if len(sizes) != len(entry["shape"]) or any(o + s > n for o, s, n in zip(offsets, sizes, entry["shape"])):
+            raise CheckpointError(f"{self.folder}: {key} has shape {entry['shape']}, cannot read the box at "
+                                  f"{list(offsets)} of size {list(sizes)} (was it written for another model?)")
+        out = torch.empty(sizes, dtype=getattr(torch, entry["dtype"]))
+        filled = 0
+        for rec in entry["records"]:
+            lo = [max(o, r) for o, r in zip(offsets, rec["offsets"])]
+            hi = [min(o + s, r + z) for o, s, r, z in zip(offsets, sizes, rec["offsets"], rec["sizes"])]
+            if any(a >= b for a, b in zip(lo, hi)):
+                continue
+            data = self._record(key, rec)
+            src = data[tuple(slice(a - r, b - r) for a, b, r in zip(lo, hi, rec["offsets"]))]
+            out[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, offsets))] = src
+            filled += src.numel()
+        assert filled == out.numel(), f"{key}: the records cover {filled} of {out.numel()} elements of the box"
+        return out
+
+    def _record(self, key: str, rec: dict) -> torch.Tensor:
+        name = rec["file"]
+        path = os.path.join(self.folder, name)
+        handle = self._open.get(name)
+        if handle is None:
+            if not os.path.isfile(path):
+                raise CheckpointError(f"{path}: missing from the checkpoint")
+            size, want = os.path.getsize(path), self.files[name]["size"]
+            if size != want:
+                raise CheckpointError(f"{path}: truncated or altered ({size} bytes, expected {want})")
+            from safetensors import safe_open
+
+            try:
+                handle = safe_open(path, framework="pt", device="cpu")
+            except Exception as e:  # noqa: BLE001 - any parse failure means an unusable file
+                raise CheckpointError(f"{path}: cannot be read ({type(e).__name__}: {e})") from None
+            self._open[name] = handle
+        data = handle.get_tensor(key)
+        self.bytes_read += data.numel() * data.element_size()
+        if tensor_sha256(data) != rec["sha256"]:
+            raise CheckpointError(f"{path}: record {key!r} is corrupted (checksum mismatch)")
+        return data
+
+
+def iter_full_tensors(reader: ShardReader, prefix: str = "model/") -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, full logical tensor) for every key under `prefix`, one tensor in memory at a time."""
+    for key in sorted(reader.keys(prefix)):
+        shape = tuple(reader.index[key]["shape"])
+        yield key[len(prefix):], reader.read(key, (0,) * len(shape), shape)
+
+
+def write_safetensors_streaming(path: str, shapes: dict[str, tuple[tuple[int, ...], str]],
+                                tensors: Iterator[tuple[str, torch.Tensor]], metadata: dict[str, str]) -> None:
+    """A safetensors file written tensor by tensor: the header (offsets from `shapes`, name ->
+    (shape, dtype name as in torch)) first, then each tensor's bytes as `tensors` yields them (in
+    sorted name order). Peak memory: one tensor."""
+    codes = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "float64": "F64", "int64": "I64",
+             "int32": "I32", "uint8": "U8"}
+    header: dict = {"__metadata__": metadata}
+    offset = 0
+    for name in sorted(shapes):
+        shape, dtype = shapes[name]
+        nbytes = _numel(shape) * torch.empty((), dtype=getattr(torch, dtype)).element_size()
+        header[name] = {"dtype": codes[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for name, t in tensors:
+            shape, dtype = shapes[name]
+            assert tuple(t.shape) == tuple(shape) and str(t.dtype).removeprefix("torch.") == dtype, name
+            f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def fsync_file(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
