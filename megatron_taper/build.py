@@ -3,9 +3,21 @@
     preflight(cfg, world size)          every cross-section rule, before any process group
     -> init_parallel                    (pp, dp, tp) mesh, device      (unless a context is given)
     -> seed_everything(train.seed)
-    -> build_model -> init_weights      the family's single-device model, split-independent init
-    -> parallelize                      pipeline split -> tensor parallel -> ZeRO
+    -> build_model on the meta device   the family's single-device model, without storage
+    -> parallelize                      pipeline split -> tensor parallel -> ZeRO, on meta
+    -> materialise                      this rank's parameters on its device, each set to its part
+                                        of the family's init_value (parallel/meta_init.py)
     -> build_optimizer                  AdamW (or the engine's, e.g. DeepSpeed's)
+
+Each rank allocates only its pipeline stage and its tp / fsdp2 shards, plus one full parameter at
+a time while initialising; the weights equal the one-process model's (`init_weights`) for every
+layout. Where meta is not used:
+- parallel.zero=deepspeed: materialised before deepspeed.initialize (at build_optimizer), which
+  partitions real tensors, so each rank briefly holds its whole tp-local stage (full / tp) in fp32.
+- parallel.pp_balance=profile: rank 0 builds one materialised copy of the whole model to time its
+  layers (parallel/pipeline.py make_plan), and frees it before its stage is materialised.
+- a model that registers buffers (none here): to_empty cannot recreate their values, so such a model
+  is built and initialised whole on every rank, then parallelised.
 
 Used by the Trainer, the benchmarks and the tests, so they all run the same code path.
 """
@@ -20,6 +32,7 @@ import torch
 from megatron_taper.config import Config
 from megatron_taper.models import build_model
 from megatron_taper.parallel.context import ParallelContext, init_parallel, uses_bf16, world_size
+from megatron_taper.parallel.meta_init import has_buffers, logical_shapes, materialise
 from megatron_taper.parallel.model import ParallelModel
 from megatron_taper.parallel.parallelize import parallelize
 from megatron_taper.preflight import Layout, preflight
@@ -46,8 +59,15 @@ def build_run(cfg: Config, ctx: ParallelContext | None = None) -> BuiltRun:
     layout = preflight(cfg, ctx.world_size if ctx is not None else world_size())
     ctx = ctx or init_parallel(cfg.parallel, cfg.train.device)
     seed_everything(cfg.train.seed)
-    model = build_model(cfg.model)
-    model.init_weights(cfg.train.seed)
-    pm = parallelize(model, ctx, cfg.model, cfg.parallel, cfg.train)
+    with torch.device("meta"):
+        model = build_model(cfg.model)
+    if has_buffers(model):
+        model = build_model(cfg.model)
+        model.init_weights(cfg.train.seed)
+        pm = parallelize(model, ctx, cfg.model, cfg.parallel, cfg.train)
+    else:
+        shapes, init_value = logical_shapes(model), model.init_value
+        pm = parallelize(model, ctx, cfg.model, cfg.parallel, cfg.train)
+        materialise(pm, shapes, init_value, cfg.train.seed)
     optimizer = pm.build_optimizer(cfg.train)
     return BuiltRun(cfg, ctx, layout, pm, optimizer, uses_bf16(cfg.train.precision, ctx.device))

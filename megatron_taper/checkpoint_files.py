@@ -97,13 +97,16 @@ class ShardReader:
 
     def read(self, key: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
         """The box [offsets, offsets + sizes) of logical tensor `key`, assembled from its records."""
-        entry = self.index.get(key)
-        if entry is None:
-            raise CheckpointError(f"{self.folder}: no tensor {key!r} in the checkpoint")
+        entry = self._entry(key)
+        return self.read_into(key, offsets, torch.empty(sizes, dtype=getattr(torch, entry["dtype"])))
+
+    def read_into(self, key: str, offsets: tuple[int, ...], out: torch.Tensor) -> torch.Tensor:
+        """Fill `out` (any dtype, on the CPU) with the box of `key` at `offsets` of out's shape,
+        record by record: no copy of the whole box is made."""
+        entry, sizes = self._entry(key), tuple(out.shape)
         if len(sizes) != len(entry["shape"]) or any(o + s > n for o, s, n in zip(offsets, sizes, entry["shape"])):
             raise CheckpointError(f"{self.folder}: {key} has shape {entry['shape']}, cannot read the box at "
                                   f"{list(offsets)} of size {list(sizes)} (was it written for another model?)")
-        out = torch.empty(sizes, dtype=getattr(torch, entry["dtype"]))
         filled = 0
         for rec in entry["records"]:
             lo = [max(o, r) for o, r in zip(offsets, rec["offsets"])]
@@ -114,8 +117,15 @@ class ShardReader:
             src = data[tuple(slice(a - r, b - r) for a, b, r in zip(lo, hi, rec["offsets"]))]
             out[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, offsets))] = src
             filled += src.numel()
+            del data, src
         assert filled == out.numel(), f"{key}: the records cover {filled} of {out.numel()} elements of the box"
         return out
+
+    def _entry(self, key: str) -> dict:
+        entry = self.index.get(key)
+        if entry is None:
+            raise CheckpointError(f"{self.folder}: no tensor {key!r} in the checkpoint")
+        return entry
 
     def _record(self, key: str, rec: dict) -> torch.Tensor:
         name = rec["file"]

@@ -9,6 +9,7 @@ import dataclasses
 import difflib
 import os
 import typing
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -197,11 +198,9 @@ class DataConfig:
     tokenizer: str = ""  # sentencepiece .model; "" = the one next to the data
     cache_dir: str = ""  # local cache for a remote MDS path and the built-in corpus; "" = default
     eval_fraction: float = 0.05  # token files only: tail held out for evaluation
-    num_workers: int = 0
 
     def validate(self, prefix: str) -> None:
         check_range(f"{prefix}.eval_fraction", self.eval_fraction, 0.0, 0.5)
-        check_range(f"{prefix}.num_workers", self.num_workers, 0, None)
 
 
 @dataclass
@@ -351,11 +350,21 @@ def save_config(cfg: Config, path: str) -> None:
     os.replace(tmp, path)
 
 
+# keys that existed once: a saved config (a checkpoint's meta.json, an old run's config.yaml)
+# that still has them loads with a warning instead of "unknown key"
+REMOVED_KEYS = {
+    "data.num_workers": "batches are packed in the training process (measured: ~1% of a step)",
+}
+
+
 def _merge(obj: Any, data: dict[str, Any], prefix: str, source: str) -> None:
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: section {prefix.rstrip('.') or 'top level'} must be a mapping")
     for name, value in data.items():
         key = f"{prefix}{name}"
+        if key in REMOVED_KEYS:
+            warnings.warn(f"{source}: {key} is no longer a setting ({REMOVED_KEYS[key]}); ignored", stacklevel=2)
+            continue
         current = _child(obj, str(name), key)
         if dataclasses.is_dataclass(current):
             _merge(current, value, key + ".", source)

@@ -150,3 +150,14 @@ def test_uniform_recipe_is_its_taper_twin_but_for_the_schedule(uniform):
     for d in (u, t):
         del d["model"]["taper"]["schedule"], d["model"]["taper"]["start"], d["run"]["dir"]
     assert u == t
+
+
+def test_removed_key_in_a_saved_config_is_ignored_with_a_warning():
+    import warnings
+
+    from megatron_taper.config import from_dict
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cfg = from_dict({"data": {"num_workers": 2, "path": "x"}}, source="meta.json")
+    assert cfg.data.path == "x" and any("data.num_workers is no longer a setting" in str(w.message) for w in caught)

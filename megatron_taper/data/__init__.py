@@ -6,9 +6,10 @@ uninterrupted one would have seen.
 """
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-import torch
+if TYPE_CHECKING:  # the order and length code imports this package without torch
+    import torch
 
 
 class BatchSource(Protocol):

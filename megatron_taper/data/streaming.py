@@ -6,13 +6,14 @@ uint32 for vocabularies over 65536) holding the document's tokens followed by EO
 `doc_lengths.npy` (tokens per document, in sample order; recomputed by a scan when absent).
 `DIR/stats.json` (written last) and `DIR/tokenizer.model` sit beside the splits.
 
-Sample stream. For epoch e, a generator seeded by (seed, e) permutes the documents, their tokens
-are concatenated in that order, and sample k of the epoch is tokens [k*seq_len, k*seq_len +
-seq_len + 1) of that concatenation (consecutive samples share one boundary token, so every token
-after the first is a prediction target exactly once per epoch; the last < seq_len tokens of an
-epoch are dropped). The same generator then permutes the samples. The epoch has
-S = (total_tokens - 1) // seq_len samples, the same every epoch. Global sample g is sample g mod S
-of epoch g // S: one endless, deterministic stream.
+Sample stream: megatron_taper.data.order. Documents are packed per epoch in a block-wise shuffled
+order (blocks of BLOCK_DOCS consecutive documents in a permuted order, documents permuted inside
+each block) and sample k of epoch e is packed sample P_e(k), P_e a keyed pseudo-random bijection
+evaluated on the fly; every token after the first is a prediction target exactly once per epoch,
+the epoch has S = (total_tokens - 1) // seq_len samples, and global sample g is sample g mod S of
+epoch g // S: one endless, deterministic stream. Nothing is built per epoch beyond
+O(documents / BLOCK_DOCS) integers, so a rank holds ~40 MB of order for 10^9 documents and finds
+any sample in O(BLOCK_DOCS); the document lengths are read from `doc_lengths.npy` in slices.
 
 Ranks. Micro-batch call c of data-parallel rank r (of dp_size) returns global samples
 [c*G + r*mb, c*G + (r+1)*mb) with G = dp_size * micro_batch. The state is the number of global
@@ -47,6 +48,7 @@ import numpy as np
 import torch
 from filelock import FileLock
 
+from megatron_taper.data.order import BLOCK_DOCS, LengthTable, SampleOrder
 from megatron_taper.data.torchvision_compat import import_streaming
 
 TOKENS_COLUMN = "tokens"
@@ -54,7 +56,8 @@ LENGTHS_FILE = "doc_lengths.npy"
 INDEX_FILE = "index.json"
 STATS_FILE = "stats.json"
 TOKENIZER_FILE = "tokenizer.model"
-STATE_VERSION = 1
+# 1: a full permutation of documents and samples per epoch; 2: the block-wise order of data.order.
+STATE_VERSION = 2
 _DOWNLOAD_TIMEOUT_S = 600.0
 
 
@@ -155,38 +158,25 @@ class ShardReader:
         offsets = np.frombuffer(data, np.uint32, count=shard.samples + 1, offset=4)
         self._maps[shard_id] = (data, offsets)
 
-    def _doc_lengths(self) -> np.ndarray:
+    def _doc_lengths(self) -> LengthTable:
         path = os.path.join(self._split_dir, LENGTHS_FILE)
         if os.path.isfile(path):
-            lengths = np.load(path)
+            lengths = LengthTable.from_npy(path)
             if len(lengths) != len(self):
                 raise ValueError(f"{path} lists {len(lengths)} documents but {self.where}/{INDEX_FILE} "
                                  f"has {len(self)}: the folder is damaged, rewrite it")
-            return lengths.astype(np.int64)
-        return np.array([len(self[i]) for i in range(len(self))], np.int64)
-
-
-class _EpochPlan:
-    """The packing and order of one epoch (see the module docstring)."""
-
-    def __init__(self, lengths: np.ndarray, seq_len: int, seed: int, epoch: int, shuffle: bool) -> None:
-        rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, epoch])))
-        n = len(lengths)
-        self.doc_order = rng.permutation(n) if shuffle else np.arange(n)
-        ordered = lengths[self.doc_order]
-        self.doc_ends = np.cumsum(ordered)
-        self.doc_starts = self.doc_ends - ordered
-        self.num_samples = int((int(self.doc_ends[-1]) - 1) // seq_len) if n else 0
-        self.sample_order = rng.permutation(self.num_samples) if shuffle else np.arange(self.num_samples)
+            return lengths
+        return LengthTable(np.array([len(self[i]) for i in range(len(self))], np.int64))
 
 
 class StreamingSource:
     """Endless micro-batches [micro_batch, seq_len + 1] (int64, CPU) of one data-parallel rank."""
 
     def __init__(self, path: str, split: str, seq_len: int, micro_batch: int, dp_rank: int, dp_size: int,
-                 seed: int, cache_dir: str | None = None, shuffle: bool = True) -> None:
+                 seed: int, cache_dir: str | None = None, shuffle: bool = True, block_docs: int = BLOCK_DOCS) -> None:
         for key, value, low in (("model.seq_len", seq_len, 1), ("train.micro_batch", micro_batch, 1),
-                                ("dp_size", dp_size, 1), ("dp_rank", dp_rank, 0), ("train.seed", seed, 0)):
+                                ("dp_size", dp_size, 1), ("dp_rank", dp_rank, 0), ("train.seed", seed, 0),
+                                ("block_docs", block_docs, 1)):
             if not isinstance(value, int) or value < low:
                 raise ValueError(f"{key}={value!r} must be an integer >= {low}")
         if dp_rank >= dp_size:
@@ -194,10 +184,10 @@ class StreamingSource:
         self.split, self.seq_len, self.micro_batch = split, seq_len, micro_batch
         self.dp_rank, self.dp_size, self.seed, self.shuffle = dp_rank, dp_size, seed, shuffle
         self.reader = ShardReader(path, split, cache_dir)
+        self.order = SampleOrder(self.reader.lengths, seq_len, seed, shuffle, block_docs)
         self.num_documents = len(self.reader)
-        self.num_tokens = int(self.reader.lengths.sum())
-        self._plans: dict[int, _EpochPlan] = {}
-        self.samples_per_epoch = self._plan(0).num_samples
+        self.num_tokens = self.order.num_tokens
+        self.samples_per_epoch = self.order.samples_per_epoch
         if self.samples_per_epoch < 1:
             raise ValueError(f"{self.reader.where}: {self.num_tokens} tokens are too few for one sample "
                              f"of model.seq_len + 1 = {seq_len + 1} tokens")
@@ -220,30 +210,30 @@ class StreamingSource:
 
     def sample(self, g: int) -> np.ndarray:
         """Global sample g of the stream: int64 [seq_len + 1]."""
-        plan = self._plan(g // self.samples_per_epoch)
-        start = int(plan.sample_order[g % self.samples_per_epoch]) * self.seq_len
         out = np.empty(self.seq_len + 1, np.int64)
-        pos = int(np.searchsorted(plan.doc_ends, start, side="right"))
         filled = 0
-        while filled < len(out):
-            tokens = self.reader[int(plan.doc_order[pos])]
-            offset = start + filled - int(plan.doc_starts[pos])
-            take = min(len(out) - filled, len(tokens) - offset)
-            out[filled:filled + take] = tokens[offset:offset + take]
-            filled += take
-            pos += 1
+        for doc, start, stop in self.order.pieces(g):
+            out[filled:filled + stop - start] = self.reader[doc][start:stop]
+            filled += stop - start
+        assert filled == len(out)
         return out
 
     def state_dict(self) -> dict[str, Any]:
         return {"version": STATE_VERSION, "samples_consumed": self.samples_consumed, "seed": self.seed,
                 "seq_len": self.seq_len, "split": self.split, "shuffle": self.shuffle,
-                "documents": self.num_documents, "tokens": self.num_tokens}
+                "block_docs": self.order.block_docs, "documents": self.num_documents, "tokens": self.num_tokens}
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("version") != STATE_VERSION:
-            raise ValueError(f"data state version {state.get('version')!r} is not {STATE_VERSION}")
+            raise ValueError(
+                f"data state version {state.get('version')!r} is not {STATE_VERSION}: it counts samples of "
+                f"another sample order (version 1: a full shuffle per epoch, replaced by the block-wise order "
+                f"of megatron_taper.data.order), so the data stream cannot resume exactly from it; resume "
+                f"this checkpoint with the version that wrote it")
         for key, name, now in (("seq_len", "model.seq_len", self.seq_len), ("seed", "train.seed", self.seed),
-                               ("shuffle", "shuffle", self.shuffle), ("documents", "data.path", self.num_documents),
+                               ("shuffle", "shuffle", self.shuffle),
+                               ("block_docs", "block_docs", self.order.block_docs),
+                               ("documents", "data.path", self.num_documents),
                                ("tokens", "data.path", self.num_tokens)):
             if state.get(key) != now:
                 raise ValueError(f"cannot resume the data stream: {name} changed "
@@ -254,11 +244,3 @@ class StreamingSource:
                              f"{self.group_size} does not divide it (resume at a step boundary with a "
                              f"global batch that dp_size * micro_batch divides)")
         self.samples_consumed = consumed
-
-    def _plan(self, epoch: int) -> _EpochPlan:
-        if epoch not in self._plans:
-            if len(self._plans) >= 2:
-                del self._plans[min(self._plans)]
-            self._plans[epoch] = _EpochPlan(self.reader.lengths, self.seq_len, self.seed, epoch, self.shuffle)
-        return self._plans[epoch]
-

@@ -65,5 +65,6 @@ def family(arch: str) -> FamilySpec:
 
 
 def build_model(cfg: ModelConfig) -> nn.Module:
-    """The uninitialised single-device model of `cfg.arch` (call its init_weights(seed) next)."""
+    """The uninitialised single-device model of `cfg.arch` (call its init_weights(seed) next, or
+    build it under torch.device("meta") and materialise it per rank as build.py does)."""
     return family(cfg.arch).build(cfg)

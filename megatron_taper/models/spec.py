@@ -25,7 +25,8 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class FamilySpec:
     name: str  # the value of model.arch
-    build: Callable[[ModelConfig], nn.Module]  # uninitialised single-device model
+    # uninitialised single-device model with init_value(name, full shape, seed) and init_weights(seed)
+    build: Callable[[ModelConfig], nn.Module]
     layer_cost: Callable[[ModelConfig, int, bool], Cost]  # (cfg, MLP width, causal) -> one block's cost
     # (block, parameter-name prefix, cfg, builder): shard one block in place; None = no TP plan
     tp_block_plan: Callable[[nn.Module, str, ModelConfig, TPBuilder], None] | None = None

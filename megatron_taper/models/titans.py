@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_taper.models.costs import Cost, swiglu_cost
-from megatron_taper.models.init import init_parameters, init_tensor
+from megatron_taper.models.init import init_tensor
 from megatron_taper.models.layers import Attention, RMSNorm, rope_tables
 from megatron_taper.models.spec import FamilySpec
 from megatron_taper.models.transformer import Transformer, TransformerBlock, tp_plan_transformer_block
@@ -301,14 +301,10 @@ class Titans(Transformer):
         self.block_class = TITANS_BLOCKS[cfg.titans.variant]
         super().__init__(cfg)
 
-    def init_weights(self, seed: int) -> None:
+    def init_value(self, name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
         """The common rule, except memory weights M_0 ~ N(0, 1 / fan_in)."""
-        init_parameters(self, seed, self.cfg.init_std, self.cfg.n_layers)
-        with torch.no_grad():
-            for name, param in self.named_parameters():
-                if ".mem_w." in name:
-                    full = init_tensor(name, tuple(param.shape), seed, param.shape[-2] ** -0.5, self.cfg.n_layers)
-                    param.copy_(full.to(device=param.device, dtype=param.dtype))
+        std = shape[-2] ** -0.5 if ".mem_w." in name else self.cfg.init_std
+        return init_tensor(name, shape, seed, std, self.cfg.n_layers)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from megatron_taper.models.costs import Cost, attention_cost, swiglu_cost
-from megatron_taper.models.init import init_parameters
+from megatron_taper.models.init import init_parameters, init_tensor
 from megatron_taper.models.layers import Attention, RMSNorm, SwiGLU, rope_tables
 from megatron_taper.models.spec import FamilySpec
 from megatron_taper.taper import layer_widths
@@ -56,8 +56,13 @@ class Transformer(nn.Module):
         self.output: nn.Linear | None = (None if cfg.tie_embeddings
                                          else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False))
 
+    def init_value(self, name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+        """The initial value of parameter `name` of full shape `shape` (models/init.py's rule)."""
+        return init_tensor(name, shape, seed, self.cfg.init_std, self.cfg.n_layers)
+
     def init_weights(self, seed: int) -> None:
-        init_parameters(self, seed, self.cfg.init_std, self.cfg.n_layers)
+        """Fill every parameter of this (materialised, unsharded) model through init_value."""
+        init_parameters(self, seed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: tokens [B, S] (when this module holds the embedding) or hidden states [B, S, D]."""

@@ -165,18 +165,24 @@ class ParallelModel:
         return pieces
 
     def load_pieces(self, optimizer: torch.optim.Optimizer, reader: ShardReader) -> None:
-        """Fill parameters and AdamW state from a sharded checkpoint, reading only this rank's boxes."""
+        """Fill parameters and AdamW state from a sharded checkpoint, reading only this rank's
+        boxes, in place where the tensors exist (so the peak is the resident model plus about one
+        record, not a second copy of the state)."""
         self._reshard()
         with torch.no_grad():
             for name, param in self.module.named_parameters():
                 full, offsets, _ = self.piece_box(name, param)
                 local = local_part(param.data)
-                local.copy_(reader.read(f"model/{name}", offsets, tuple(local.shape)).to(local.dtype))
-                state = {}
+                _read_local(reader, f"model/{name}", offsets, local)
+                state = optimizer.state.get(param, {})
                 for key in reader.keys(f"optim/{name}/"):
                     k = key.rsplit("/", 1)[1]
                     if reader.index[key]["shape"] == []:
                         state[k] = reader.read(key, (), ()).to(param.device)
+                        continue
+                    old = state.get(k)
+                    if old is not None and tuple(local_part(old).shape) == tuple(local.shape):
+                        _read_local(reader, key, offsets, local_part(old))
                         continue
                     value = reader.read(key, offsets, tuple(local.shape)).to(param.device)
                     if isinstance(param, DTensor):
@@ -258,6 +264,14 @@ class ParallelModel:
             coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
             torch._foreach_mul_(grads, coef.to(grads[0].dtype))
         return norm
+
+
+def _read_local(reader: ShardReader, key: str, offsets: tuple[int, ...], local: torch.Tensor) -> None:
+    """The box of `key` at `offsets` into `local`: in place on the CPU, else through a CPU copy."""
+    if local.device.type == "cpu" and local.is_contiguous():
+        reader.read_into(key, offsets, local)
+    else:
+        local.copy_(reader.read(key, offsets, tuple(local.shape)))
 
 
 def local_part(t: torch.Tensor) -> torch.Tensor:

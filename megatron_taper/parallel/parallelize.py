@@ -1,4 +1,8 @@
-"""parallelize(): apply the configured parallelism to an initialised single-device model.
+"""parallelize(): apply the configured parallelism to a single-device model.
+
+The model is either on the meta device (build.py: every step below only reshapes parameters and
+records layouts, and parallel/meta_init.py materialises this rank's pieces afterwards) or
+initialised and identical on every rank.
 
 Order: pipeline split -> tensor parallel -> ZeRO (fsdp2 | deepspeed). With pp > 1 the model is
 first cut to this rank's pipeline stage (pipeline.py), which then calls back here with
@@ -16,6 +20,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from megatron_taper.parallel.context import ParallelContext
+from megatron_taper.parallel.meta_init import is_meta
 from megatron_taper.parallel.model import ParallelModel, local_part
 from megatron_taper.parallel.pipeline import build_pipeline
 from megatron_taper.parallel.tensor import ShardSpec, vocab_parallel_cross_entropy
@@ -28,14 +33,15 @@ if TYPE_CHECKING:
 
 def parallelize(model: nn.Module, ctx: ParallelContext, model_cfg: ModelConfig, parallel: ParallelConfig,
                 train: TrainConfig, *, whole_model: bool = True) -> ParallelModel:
-    """Apply `parallel`'s layout to `model` (initialised, identical on every rank). `train` gives
-    the batch shape the pipeline splits into micro-batches, and the precision and clipping ZeRO
-    engines need."""
+    """Apply `parallel`'s layout to `model` (on meta, or initialised and identical on every rank).
+    `train` gives the batch shape the pipeline splits into micro-batches, and the precision and
+    clipping ZeRO engines need."""
     if ctx.pp > 1 and whole_model:
         stage = functools.partial(parallelize, model_cfg=model_cfg, parallel=parallel, train=train,
                                   whole_model=False)
         return build_pipeline(model, ctx, model_cfg, parallel, train, stage)
-    model = model.to(ctx.device)
+    if not is_meta(model):
+        model = model.to(ctx.device)
     pm = ParallelModel(model, ctx) if ctx.tp == 1 else _tensor_parallel(model, ctx, model_cfg, parallel)
     return apply_zero(pm, parallel, train, pipelined=not whole_model)
 

@@ -1,6 +1,6 @@
 """Pipeline parallelism: split the model into stages by cost, run them with torch.distributed.pipelining.
 
-    full model (initialised, same on every rank)
+    full model (on the meta device, or initialised and the same on every rank)
       -> plan (partition.py: layers per stage by parallel.pp_balance; profile: measured on rank 0)
       -> this pp rank keeps only its layers (+ embedding on stage 0; final norm, head, loss on the
          last stage), parameter names unchanged (global layer indices)
@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron_taper.parallel.context import ParallelContext
+from megatron_taper.parallel.meta_init import is_meta
 from megatron_taper.parallel.model import ParallelModel
 from megatron_taper.parallel.partition import PipelinePlan, plan_pipeline
 from megatron_taper.parallel.profile import profile_layer_times
@@ -159,12 +160,21 @@ def plan_stages(model_cfg: ModelConfig, parallel: ParallelConfig, train: TrainCo
 
 def make_plan(model: nn.Module, ctx: ParallelContext, model_cfg: ModelConfig, parallel: ParallelConfig,
               train: TrainConfig) -> PipelinePlan:
-    """The stage split, identical on every rank (profile: rank 0 measures and broadcasts)."""
+    """The stage split, identical on every rank (profile: rank 0 measures and broadcasts).
+
+    Profiling times real layers: for a model on the meta device, rank 0 builds one materialised
+    copy of the whole model (the values through its init_weights(train.seed)) for as long as it
+    measures, so its peak host memory while building is the whole model, not its stage."""
     measured = None
     if parallel.pp_balance == "profile":
         box: list[Any] = [None]
         if dist.get_rank() == 0:
-            box[0] = profile_layer_times(copy.deepcopy(model), train.micro_batch, model_cfg.seq_len, ctx.device)
+            real = copy.deepcopy(model)
+            if is_meta(real):
+                real.to_empty(device="cpu")
+                real.init_weights(train.seed)
+            box[0] = profile_layer_times(real, train.micro_batch, model_cfg.seq_len, ctx.device)
+            del real
         dist.broadcast_object_list(box, src=0)
         measured = box[0]
     return plan_stages(model_cfg, parallel, train, ctx.dp, measured)

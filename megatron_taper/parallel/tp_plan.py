@@ -1,8 +1,9 @@
-"""Tensor-parallel plans: applied from outside to an initialised single-device model, per family.
+"""Tensor-parallel plans: applied from outside to a single-device model, per family.
 
 A plan replaces each sharded nn.Linear / nn.Embedding by its tensor-parallel counterpart holding
-this rank's slice of the initialised weight (so a tp run starts from exactly the one-process
-model), records how every sharded parameter maps to its logical tensor (`ShardSpec`), and notes
+this rank's slice of the weight (on the meta device when build.py builds there, so nothing is
+allocated; slices of an initialised model otherwise, so a tp run starts from exactly the
+one-process model), records how every sharded parameter maps to its logical tensor (`ShardSpec`), and notes
 the replicated parameters whose gradients need a sum over tp ranks (under sequence parallelism
 the norms see only their sequence chunk).
 
@@ -168,7 +169,7 @@ class TPBuilder:
 
 def apply_tp(model: nn.Module, group, rank: int, tp: int, model_cfg: ModelConfig,
              sequence_parallel: bool) -> TPBuilder:
-    """Shard `model` (initialised, on its device) in place by its family's plan: the embedding,
+    """Shard `model` (on meta, or initialised on its device) in place by its family's plan: the embedding,
     every block through the FamilySpec's `tp_block_plan`, the final norm and the head. Returns the
     recorded layouts. Shapes were checked by preflight.py."""
     plan_block = family(model_cfg.arch).tp_block_plan

@@ -24,7 +24,7 @@ def _decoded(path, split, tok):
     reader = ShardReader(path, split)
     docs = [reader[i] for i in range(len(reader))]
     assert all(d[-1] == tok.eos_id and tok.eos_id not in d[:-1] for d in docs)
-    assert list(reader.lengths) == [len(d) for d in docs]
+    assert reader.lengths.read(0, len(reader)).tolist() == [len(d) for d in docs]
     return [tok.decode(d.tolist()) for d in docs]
 
 

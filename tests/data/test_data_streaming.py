@@ -1,8 +1,14 @@
 """StreamingSource: exactly once per epoch over dp ranks, exact resume (also at another dp size),
-epochs, eval sources, remote + cache, state round trip through torch.save(weights_only)."""
+epochs, eval sources, remote + cache, state round trip through torch.save(weights_only), the same
+stream in another process. Small shuffle blocks (block_docs) make the few hundred documents of the
+fixture span many blocks, as a large dataset does."""
 import io
+import json
 import os
 import shutil
+import subprocess
+import sys
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -12,45 +18,54 @@ from datahelpers import corpus, dataset, tokenizer_model  # noqa: F401
 from megatron_taper.data.streaming import LENGTHS_FILE, ShardReader, StreamingSource, cache_folder
 
 SEQ = 32
+BLOCKS = [None, 16]  # the default block size (one block here) and many small blocks
 
 
-def src(path, dp_rank=0, dp_size=1, mb=2, seed=7, split="train", cache=None, seq=SEQ):
-    return StreamingSource(path, split, seq, mb, dp_rank, dp_size, seed, cache)
+def src(path, dp_rank=0, dp_size=1, mb=2, seed=7, split="train", cache=None, seq=SEQ, block_docs=None):
+    extra = {} if block_docs is None else {"block_docs": block_docs}
+    return StreamingSource(path, split, seq, mb, dp_rank, dp_size, seed, cache, **extra)
 
 
 def epoch_stream(source, epoch):
     """The epoch's concatenated token stream, rebuilt from the documents in the plan's order."""
-    plan = source._plan(epoch)
-    assert sorted(plan.doc_order.tolist()) == list(range(source.num_documents))
-    return np.concatenate([source.reader[int(d)] for d in plan.doc_order]).astype(np.int64)
+    docs = source.order.epoch(epoch).document_order()
+    assert sorted(docs.tolist()) == list(range(source.num_documents))
+    return np.concatenate([source.reader[int(d)] for d in docs]).astype(np.int64)
 
 
-def test_two_ranks_see_disjoint_samples_covering_the_epoch_once(dataset):
-    ranks = [src(dataset, r, 2, mb=3) for r in range(2)]
+@pytest.mark.parametrize("block_docs", BLOCKS)
+@pytest.mark.parametrize("epoch", [0, 1])
+def test_two_ranks_see_disjoint_samples_covering_the_epoch_once(dataset, block_docs, epoch):
+    ranks = [src(dataset, r, 2, mb=3, block_docs=block_docs) for r in range(2)]
     s = ranks[0].samples_per_epoch
-    stream = epoch_stream(ranks[0], 0)
+    stream = epoch_stream(ranks[0], epoch)
     assert s == (len(stream) - 1) // SEQ and len(stream) - (s * SEQ + 1) < SEQ
-    windows = {tuple(stream[k * SEQ:k * SEQ + SEQ + 1]): k for k in range(s)}
-    assert len(windows) == s  # windows are distinguishable, so rows identify their window
-    seen = [[], []]
-    while ranks[0].samples_consumed < s:
+    windows = [tuple(stream[k * SEQ:k * SEQ + SEQ + 1]) for k in range(s)]
+    begin = epoch * s // 6 * 6  # a multiple of the group size (6) at or before the epoch's start
+    for source in ranks:
+        source.samples_consumed = begin
+    seen: list[list[tuple[int, tuple]]] = [[], []]  # (global sample, row) per rank
+    while ranks[0].samples_consumed < (epoch + 1) * s:
         for r, source in enumerate(ranks):
             first = source.samples_consumed + r * 3
             batch = source.next_batch()
             assert batch.shape == (3, SEQ + 1) and batch.dtype == torch.int64
-            seen[r] += [windows.get(tuple(row.tolist())) if first + i < s else "next epoch"
-                        for i, row in enumerate(batch)]
-    a = [k for k in seen[0] if k != "next epoch"]
-    b = [k for k in seen[1] if k != "next epoch"]
-    assert None not in a + b
-    assert not set(a) & set(b) and sorted(a + b) == list(range(s))
-    assert a + b != sorted(a + b)  # shuffled
+            seen[r] += [(first + i, tuple(row.tolist())) for i, row in enumerate(batch)
+                        if epoch * s <= first + i < (epoch + 1) * s]
+    ga, gb = [g for g, _ in seen[0]], [g for g, _ in seen[1]]
+    assert not set(ga) & set(gb) and sorted(ga + gb) == list(range(epoch * s, (epoch + 1) * s))
+    # every window of the epoch's packing exactly once (as a multiset: a few windows repeat text)
+    assert Counter(row for rank in seen for _, row in rank) == Counter(windows)
+    packed = [ranks[0].order.epoch(epoch).position(g - epoch * s) for g, _ in sorted(seen[0] + seen[1])]
+    assert [windows[k] for k in packed] == [row for _, row in sorted(seen[0] + seen[1])]
+    assert packed != sorted(packed)  # shuffled
 
 
 def test_seed_and_epoch_change_the_order(dataset):
     a, b = src(dataset, seed=1), src(dataset, seed=2)
-    assert not np.array_equal(a._plan(0).sample_order, b._plan(0).sample_order)
-    assert not np.array_equal(a._plan(0).doc_order, a._plan(1).doc_order)
+    slots = np.arange(a.samples_per_epoch)
+    assert not np.array_equal(a.order.epoch(0).positions(slots), b.order.epoch(0).positions(slots))
+    assert not np.array_equal(a.order.epoch(0).document_order(), a.order.epoch(1).document_order())
     s = a.samples_per_epoch
     assert a.sample(s).tolist() == src(dataset, seed=1).sample(s).tolist()
     assert not np.array_equal(epoch_stream(a, 0), epoch_stream(a, 1))
@@ -65,28 +80,29 @@ def run(source, calls):
     return [source.next_batch() for _ in range(calls)]
 
 
-def test_mid_epoch_resume_gives_the_uninterrupted_batches(dataset):
+@pytest.mark.parametrize("block_docs", BLOCKS)
+def test_mid_epoch_resume_gives_the_uninterrupted_batches(dataset, block_docs):
     s = src(dataset).samples_per_epoch
     calls = s // 4 + 3  # past the end of the first epoch (4 samples per call over 2 ranks)
-    straight = [run(src(dataset, r, 2), calls) for r in range(2)]
+    straight = [run(src(dataset, r, 2, block_docs=block_docs), calls) for r in range(2)]
     for stop in (1, 7, s // 4 - 1, s // 4 + 1):
         state = None
         for r in range(2):
-            first = src(dataset, r, 2)
+            first = src(dataset, r, 2, block_docs=block_docs)
             assert all(torch.equal(p, q) for p, q in zip(run(first, stop), straight[r]))
             saved = io.BytesIO()
             torch.save(first.state_dict(), saved)
             state = torch.load(io.BytesIO(saved.getvalue()), weights_only=True)
-            resumed = src(dataset, r, 2)
+            resumed = src(dataset, r, 2, block_docs=block_docs)
             resumed.load_state_dict(state)
             assert all(torch.equal(p, q) for p, q in zip(run(resumed, calls - stop), straight[r][stop:]))
         assert state["samples_consumed"] == stop * 4
 
 
-def _steps(dp, mb, global_batch, steps, start_state=None, dataset=None):
+def _steps(dp, mb, global_batch, steps, start_state=None, dataset=None, block_docs=None):
     """Rows of each optimizer step, in global-sample order, with dp ranks each asked for
     global_batch / (dp * mb) micro-batches per step, like the Trainer."""
-    sources = [src(dataset, r, dp, mb=mb) for r in range(dp)]
+    sources = [src(dataset, r, dp, mb=mb, block_docs=block_docs) for r in range(dp)]
     if start_state is not None:
         for s in sources:
             s.load_state_dict(start_state)
@@ -101,13 +117,33 @@ def _steps(dp, mb, global_batch, steps, start_state=None, dataset=None):
     return out, sources[0].state_dict()
 
 
-@pytest.mark.parametrize("dp, mb", [(1, 8), (4, 1), (1, 2), (2, 4)])
-def test_resume_at_another_dp_size_neither_repeats_nor_skips(dataset, dp, mb):
-    straight, _ = _steps(2, 2, 8, 10, dataset=dataset)
-    head, state = _steps(2, 2, 8, 4, dataset=dataset)
-    tail, _ = _steps(dp, mb, 8, 6, start_state=state, dataset=dataset)
+@pytest.mark.parametrize("dp, mb, block_docs", [(1, 8, None), (4, 1, None), (1, 2, 16), (2, 4, 16), (4, 2, 16)])
+def test_resume_at_another_dp_size_neither_repeats_nor_skips(dataset, dp, mb, block_docs):
+    straight, _ = _steps(2, 2, 8, 10, dataset=dataset, block_docs=block_docs)
+    head, state = _steps(2, 2, 8, 4, dataset=dataset, block_docs=block_docs)
+    tail, _ = _steps(dp, mb, 8, 6, start_state=state, dataset=dataset, block_docs=block_docs)
     for a, b in zip(head + tail, straight):
         assert torch.equal(a, b)
+
+
+def test_the_stream_is_the_same_in_another_process(dataset):
+    source = src(dataset, 1, 2, mb=3, block_docs=16)
+    source.samples_consumed = 6 * 40
+    here = [source.next_batch().tolist() for _ in range(3)]
+    code = ("import json, sys; from megatron_taper.data.streaming import StreamingSource; "
+            f"s = StreamingSource(sys.argv[1], 'train', {SEQ}, 3, 1, 2, 7, block_docs=16); "
+            "s.samples_consumed = 240; print(json.dumps([s.next_batch().tolist() for _ in range(3)]))")
+    out = subprocess.run([sys.executable, "-c", code, dataset], check=True, capture_output=True, text=True,
+                         env={**os.environ, "PYTHONHASHSEED": "99"})
+    assert json.loads(out.stdout) == here
+
+
+def test_a_state_of_the_previous_order_is_refused_with_one_clear_error(dataset):
+    state = src(dataset).state_dict()
+    with pytest.raises(ValueError, match="data state version 1 is not 2: .*cannot resume exactly"):
+        src(dataset).load_state_dict({**state, "version": 1})
+    with pytest.raises(ValueError, match="block_docs changed"):
+        src(dataset, block_docs=16).load_state_dict(state)
 
 
 def test_resume_position_must_be_a_multiple_of_the_new_group(dataset):
@@ -151,7 +187,8 @@ def test_compressed_shards_and_missing_lengths_file(corpus, tokenizer_model, dat
                val_fraction=0.2, shard_size="16kb", compression="zstd", progress=False)
     remote_batches = run(src(str(out), cache=str(tmp_path / "cache")), 6)
     os.remove(out / "train" / LENGTHS_FILE)
-    assert ShardReader(str(out), "train").lengths.tolist() == ShardReader(dataset, "train").lengths.tolist()
+    rescanned, written = ShardReader(str(out), "train"), ShardReader(dataset, "train")
+    assert rescanned.lengths.read(0, len(rescanned)).tolist() == written.lengths.read(0, len(written)).tolist()
     plain = run(src(dataset), 6)
     assert all(torch.equal(p, q) for p, q in zip(plain, remote_batches))
     assert all(torch.equal(p, q) for p, q in zip(plain, run(src(str(out)), 6)))
@@ -166,3 +203,5 @@ def test_user_errors(dataset, tmp_path):
         src(dataset, 2, 2)
     with pytest.raises(ValueError, match="train.micro_batch=0"):
         src(dataset, mb=0)
+    with pytest.raises(ValueError, match="block_docs=0"):
+        src(dataset, block_docs=0)
