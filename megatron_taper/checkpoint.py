@@ -196,16 +196,17 @@ class Checkpointer:
         skipped with a warning."""
         first_error = ""
         for path in candidates:
-            error = ""
+            error, other_model = "", False
             try:
                 state = load_checkpoint(path, model_cfg, self.pm, optimizer, self)
             except CheckpointError as e:
-                error, state = str(e), None
-            errors = [e for e in _gather_objects(self.ctx, error) if e]
+                error, state, other_model = str(e), None, isinstance(e, OtherModelError)
+            errors = [e for e in _gather_objects(self.ctx, (error, other_model)) if e[0]]
             if not errors:
                 return path, state
-            if explicit:
-                raise CheckpointError(errors[0])
+            if explicit or any(other for _, other in errors):  # an older one is for that model too
+                raise CheckpointError(errors[0][0])
+            errors = [e for e, _ in errors]
             first_error = first_error or errors[0]
             if self.ctx.is_main:
                 warnings.warn(f"skipping checkpoint {path}: {errors[0]}", stacklevel=2)
@@ -213,6 +214,10 @@ class Checkpointer:
             raise CheckpointError(f"no checkpoint under {self.root} passes verification (newest: {first_error}); "
                                   f"move the folders away or set run.resume=never to start over")
         return None
+
+
+class OtherModelError(CheckpointError):
+    """A checkpoint written for another model configuration (never skipped by run.resume=auto)."""
 
 
 def load_checkpoint(path: str, model_cfg: ModelConfig, pm: ParallelModel, optimizer: torch.optim.Optimizer,
@@ -296,7 +301,7 @@ def _check_compatible(meta: dict, model_cfg: ModelConfig, path: str) -> None:
     current = _flatten(model_cfg.architecture_dict())
     diffs = [f"model.{k}: checkpoint {saved.get(k)!r} vs now {v!r}" for k, v in current.items() if saved.get(k) != v]
     if diffs:
-        raise CheckpointError(f"{path} was written for another model; differing keys:\n  " + "\n  ".join(diffs))
+        raise OtherModelError(f"{path} was written for another model; differing keys:\n  " + "\n  ".join(diffs))
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:

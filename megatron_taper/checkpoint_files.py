@@ -7,8 +7,9 @@ records into `shards/rank-<r>.safetensors`; the index in meta.json lists, per ke
 dtype and records {file, offsets, sizes, sha256 of the record's bytes}.
 
 Reading a box (a rank's local piece under any layout) loads only the records that overlap it
-(safetensors reads one record's bytes, not the file), checks each record's sha256 and copies the
-overlap. At the same layout a rank reads exactly its own records; at another, the records that
+(plain reads of one record's bytes at the offsets of the safetensors header; a record that is
+exactly the box is read straight into the destination), checks each record's sha256 and copies
+the overlap. At the same layout a rank reads exactly its own records; at another, the records that
 intersect its piece. `ShardReader.bytes_read` counts what was read.
 """
 from __future__ import annotations
@@ -90,7 +91,7 @@ class ShardReader:
     index: dict[str, dict]
     files: dict[str, dict]  # file -> {"size": bytes}
     bytes_read: int = 0
-    _open: dict = field(default_factory=dict, repr=False)
+    _open: dict = field(default_factory=dict, repr=False)  # file -> its safetensors header
 
     def keys(self, prefix: str) -> list[str]:
         return [k for k in self.index if k.startswith(prefix)]
@@ -113,6 +114,11 @@ class ShardReader:
             hi = [min(o + s, r + z) for o, s, r, z in zip(offsets, sizes, rec["offsets"], rec["sizes"])]
             if any(a >= b for a, b in zip(lo, hi)):
                 continue
+            whole = list(rec["offsets"]) == list(offsets) and list(rec["sizes"]) == list(sizes)
+            if whole and out.dtype == getattr(torch, entry["dtype"]) and out.is_contiguous():
+                self._record(key, rec, into=out)  # the same layout: straight into the destination
+                filled += out.numel()
+                continue
             data = self._record(key, rec)
             src = data[tuple(slice(a - r, b - r) for a, b, r in zip(lo, hi, rec["offsets"]))]
             out[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, offsets))] = src
@@ -127,28 +133,46 @@ class ShardReader:
             raise CheckpointError(f"{self.folder}: no tensor {key!r} in the checkpoint")
         return entry
 
-    def _record(self, key: str, rec: dict) -> torch.Tensor:
-        name = rec["file"]
-        path = os.path.join(self.folder, name)
-        handle = self._open.get(name)
-        if handle is None:
+    def _record(self, key: str, rec: dict, into: torch.Tensor | None = None) -> torch.Tensor:
+        """One record, read with plain file reads (not a memory map, whose pages would stay in the
+        process's resident set), into `into` when given (same shape and dtype), sha256-checked."""
+        path = os.path.join(self.folder, rec["file"])
+        header = self._header(path, rec["file"])
+        info = header.get(key)
+        if info is None:
+            raise CheckpointError(f"{path}: has no record {key!r}")
+        begin, end = info["data_offsets"]
+        dtype = getattr(torch, self._entry(key)["dtype"])
+        data = into if into is not None else torch.empty(rec["sizes"], dtype=dtype)
+        raw = data.reshape(-1).view(torch.uint8) if data.dim() else data.reshape(1).view(torch.uint8)
+        if raw.numel() != end - begin:
+            raise CheckpointError(f"{path}: record {key!r} has {end - begin} bytes, expected {raw.numel()}")
+        with open(path, "rb") as f:
+            f.seek(header["__start__"] + begin)
+            if f.readinto(memoryview(raw.numpy())) != raw.numel():
+                raise CheckpointError(f"{path}: truncated inside record {key!r}")
+        self.bytes_read += raw.numel()
+        if tensor_sha256(data) != rec["sha256"]:
+            raise CheckpointError(f"{path}: record {key!r} is corrupted (checksum mismatch)")
+        return data
+
+    def _header(self, path: str, name: str) -> dict:
+        header = self._open.get(name)
+        if header is None:
             if not os.path.isfile(path):
                 raise CheckpointError(f"{path}: missing from the checkpoint")
             size, want = os.path.getsize(path), self.files[name]["size"]
             if size != want:
                 raise CheckpointError(f"{path}: truncated or altered ({size} bytes, expected {want})")
-            from safetensors import safe_open
-
             try:
-                handle = safe_open(path, framework="pt", device="cpu")
-            except Exception as e:  # noqa: BLE001 - any parse failure means an unusable file
+                with open(path, "rb") as f:
+                    (length,) = struct.unpack("<Q", f.read(8))
+                    header = json.loads(f.read(length))
+            except (OSError, struct.error, ValueError) as e:
                 raise CheckpointError(f"{path}: cannot be read ({type(e).__name__}: {e})") from None
-            self._open[name] = handle
-        data = handle.get_tensor(key)
-        self.bytes_read += data.numel() * data.element_size()
-        if tensor_sha256(data) != rec["sha256"]:
-            raise CheckpointError(f"{path}: record {key!r} is corrupted (checksum mismatch)")
-        return data
+            header["__start__"] = 8 + length
+            self._open[name] = header
+        return header
 
 
 def iter_full_tensors(reader: ShardReader, prefix: str = "model/") -> Iterator[tuple[str, torch.Tensor]]:
