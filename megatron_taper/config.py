@@ -133,6 +133,7 @@ class ParallelConfig:
     pp_virtual: int = 2  # chunks per pp rank with pp_schedule=interleaved_1f1b
     pp_memory_gb: float = 0.0  # per-stage limit (params + grads + AdamW + 1F1B activations); 0 = none
     sequence_parallel: bool = False
+    ddp_bucket_mb: float = 25.0  # zero=none, dp > 1: gradient all-reduce bucket size (torch DDP)
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
 
     def validate(self, prefix: str) -> None:
@@ -141,6 +142,7 @@ class ParallelConfig:
         check_range(f"{prefix}.microbatches", self.microbatches, 0, None)
         check_range(f"{prefix}.pp_virtual", self.pp_virtual, 1, None)
         check_range(f"{prefix}.pp_memory_gb", self.pp_memory_gb, 0.0, None)
+        check_range(f"{prefix}.ddp_bucket_mb", self.ddp_bucket_mb, 0.0, None, open_low=True)
         check_choice(f"{prefix}.zero", self.zero, ("none", "fsdp2", "deepspeed"))
         check_choice(f"{prefix}.pp_balance", self.pp_balance, BALANCE_MODES)
         check_choice(f"{prefix}.pp_schedule", self.pp_schedule, PP_SCHEDULES)
@@ -173,6 +175,11 @@ class TrainConfig:
     eval_interval: int = 0  # 0 = only at the end (when eval data exists)
     eval_batches: int = 8
     max_nonfinite: int = 5  # stop after this many non-finite steps in a row
+    # recompute activations in backward: none | full (every block keeps only its input) |
+    # selective (blocks whose global index is a multiple of ac_every; the others keep everything)
+    activation_checkpointing: str = "none"
+    ac_every: int = 2
+    compile: bool = False  # torch.compile each block (see parallel/block_options.py)
 
     def validate(self, prefix: str) -> None:
         for key in ("steps", "global_batch", "micro_batch", "log_interval", "eval_batches", "max_nonfinite"):
@@ -187,6 +194,9 @@ class TrainConfig:
         check_range(f"{prefix}.grad_clip", self.grad_clip, 0.0, None)
         check_choice(f"{prefix}.precision", self.precision, ("auto", "fp32", "bf16"))
         check_choice(f"{prefix}.device", self.device, ("auto", "cpu", "cuda"))
+        check_choice(f"{prefix}.activation_checkpointing", self.activation_checkpointing,
+                     ("none", "full", "selective"))
+        check_range(f"{prefix}.ac_every", self.ac_every, 1, None)
         if self.global_batch % self.micro_batch:
             raise ConfigError(f"{prefix}.micro_batch={self.micro_batch} must divide "
                               f"{prefix}.global_batch={self.global_batch}")

@@ -8,6 +8,7 @@ save_native / load_native.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
@@ -21,6 +22,7 @@ from megatron_taper.checkpoint_files import Piece, ShardReader
 from megatron_taper.models.layers import cross_entropy
 from megatron_taper.optim import build_optimizer
 from megatron_taper.parallel.context import ParallelContext
+from megatron_taper.parallel.data_parallel import wrap_ddp
 from megatron_taper.parallel.tensor import ShardSpec
 
 if TYPE_CHECKING:
@@ -47,6 +49,9 @@ class ParallelModel:
     dp_shard: Callable[[torch.Tensor], torch.Tensor] | None = None
     # name -> tp layout of a tensor-parallel parameter (where its slice lies in the logical tensor)
     tp_specs: dict[str, ShardSpec] = field(default_factory=dict)
+    # zero=none with dp > 1: `module` behind torch DDP (attach_data_parallel), used for training
+    # forwards; `module` itself stays the unwrapped one (names, checkpoints, evaluation)
+    dp_module: nn.Module | None = None
 
     def full_tensor(self, name: str, local: torch.Tensor) -> torch.Tensor:
         """The logical tensor of parameter `name` (or of a state tensor shaped like it). For a
@@ -61,6 +66,12 @@ class ParallelModel:
         fn = self.to_local.get(name)
         local = full if fn is None else fn(full)
         return local if self.dp_shard is None else self.dp_shard(local)
+
+    def attach_data_parallel(self, bucket_mb: float) -> None:
+        """Average gradients over dp with bucketed all-reduces overlapping backward (torch DDP,
+        data_parallel.py); called once the parameters are materialised."""
+        assert not self.dp_sharded and self.dp_module is None
+        self.dp_module = wrap_ddp(self.module, self.ctx, bucket_mb)
 
     # -- optimizer (engines that own their optimizer, e.g. DeepSpeed, override these) -------------
 
@@ -209,11 +220,15 @@ class ParallelModel:
         gradients are accumulated as for that mean. Pipeline-parallel models override this.
         """
         total = torch.zeros((), device=self.ctx.device)
-        for tokens in micro_batches:
+        runner = self.dp_module or self.module
+        for i, tokens in enumerate(micro_batches):
             tokens = tokens.to(self.ctx.device, non_blocking=True)
-            with autocast():
-                loss = self.loss_fn(self.module(tokens[:, :-1]), tokens[:, 1:])
-            (loss / len(micro_batches)).backward()
+            # DDP reduces in the last micro-batch's backward only (gradients accumulate before)
+            last = i == len(micro_batches) - 1
+            with contextlib.nullcontext() if last or self.dp_module is None else self.dp_module.no_sync():
+                with autocast():
+                    loss = self.loss_fn(runner(tokens[:, :-1]), tokens[:, 1:])
+                (loss / len(micro_batches)).backward()
             total += loss.detach().float()
         return total / len(micro_batches)
 
@@ -225,16 +240,11 @@ class ParallelModel:
             return self.loss_fn(self.module(tokens[:, :-1]), tokens[:, 1:]).float()
 
     def reduce_gradients(self) -> None:
-        """Complete partial tp gradients, then average over data-parallel replicas (plain DP;
-        ZeRO engines do their own)."""
+        """Complete partial tp gradients. The dp average happened in backward: DDP's bucketed
+        all-reduces, or ZeRO's reduce-scatters (both commute with the tp sums)."""
+        assert self.ctx.dp == 1 or self.dp_sharded or self.dp_module is not None, "attach_data_parallel first"
         for sync in self.tp_grad_syncs:
             sync(self.module)
-        if self.ctx.dp == 1 or self.dp_sharded:  # ZeRO reduce-scattered them in backward
-            return
-        group = self.ctx.dp_group
-        for p in self.module.parameters():
-            if p.grad is not None:
-                dist.all_reduce(p.grad, op=dist.ReduceOp.AVG, group=group)
 
     def clip_gradients(self, max_norm: float) -> torch.Tensor:
         """Global L2 gradient norm over all parameters of the model (all ranks), clipped to max_norm.

@@ -4,7 +4,9 @@ The model is either on the meta device (build.py: every step below only reshapes
 records layouts, and parallel/meta_init.py materialises this rank's pieces afterwards) or
 initialised and identical on every rank.
 
-Order: pipeline split -> tensor parallel -> ZeRO (fsdp2 | deepspeed). With pp > 1 the model is
+Order: pipeline split -> tensor parallel -> per-block options (activation checkpointing, compile:
+block_options.py) -> ZeRO (fsdp2 | deepspeed). Plain data parallelism (DDP, data_parallel.py)
+comes after materialisation, in build.py. With pp > 1 the model is
 first cut to this rank's pipeline stage (pipeline.py), which then calls back here with
 `whole_model=False` for the rest of the chain on that stage. The layout was checked by
 preflight.py before any process group existed.
@@ -19,11 +21,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from megatron_taper.parallel.block_options import apply_block_options
 from megatron_taper.parallel.context import ParallelContext
 from megatron_taper.parallel.meta_init import is_meta
 from megatron_taper.parallel.model import ParallelModel, local_part
 from megatron_taper.parallel.pipeline import build_pipeline
-from megatron_taper.parallel.tensor import ShardSpec, vocab_parallel_cross_entropy
+from megatron_taper.parallel.tensor import ShardSpec, sum_replicas_, vocab_parallel_cross_entropy
 from megatron_taper.parallel.tp_plan import apply_tp
 from megatron_taper.parallel.zero import apply_zero
 
@@ -43,6 +46,7 @@ def parallelize(model: nn.Module, ctx: ParallelContext, model_cfg: ModelConfig, 
     if not is_meta(model):
         model = model.to(ctx.device)
     pm = ParallelModel(model, ctx) if ctx.tp == 1 else _tensor_parallel(model, ctx, model_cfg, parallel)
+    apply_block_options(pm.module, train.activation_checkpointing, train.ac_every, train.compile)
     return apply_zero(pm, parallel, train, pipelined=not whole_model)
 
 
@@ -54,24 +58,48 @@ def _tensor_parallel(model: nn.Module, ctx: ParallelContext, model_cfg: ModelCon
     plan = apply_tp(model, group, rank, ctx.tp, model_cfg, parallel.sequence_parallel)
     pm = ParallelModel(model, ctx, loss_fn=functools.partial(
         vocab_parallel_cross_entropy, group=group, vocab_start=plan.vocab_start))
+    shared = []  # tensors some of whose slices several tp ranks hold
     for name, spec in plan.specs.items():
         pm.to_full[name] = functools.partial(spec.gather, group=group)
         pm.to_local[name] = functools.partial(spec.local, rank=rank)
         pm.replicas[name] = spec.replicas(rank)
         pm.tp_specs[name] = spec
         if any(spec.replicas(r) > 1 for r in range(ctx.tp)):
-            pm.tp_grad_syncs.append(functools.partial(_sum_replica_grads, name, spec, group))
+            shared.append((name, spec))
+    for bucket in _buckets(shared, model, parallel.ddp_bucket_mb * 2**20):
+        pm.tp_grad_syncs.append(functools.partial(_sum_replica_grads, bucket, group))
     if plan.seq_local:
         pm.tp_grad_syncs.append(functools.partial(_sum_grads, plan.seq_local, group))
     return pm
 
 
-def _sum_replica_grads(name: str, spec: ShardSpec, group: dist.ProcessGroup, module: nn.Module) -> None:
-    """Sum the gradient of a tensor held by several tp ranks (e.g. a shared kv head) over them."""
-    param = module.get_parameter(name)
-    if param.grad is not None:
-        assert not isinstance(param.grad, DTensor), "replica sums of ZeRO shards are refused in zero.py"
-        spec.sum_replicas_(param.grad, group)
+def _buckets(shared: list[tuple[str, ShardSpec]], model: nn.Module, cap_bytes: float
+             ) -> list[list[tuple[str, ShardSpec]]]:
+    """Consecutive groups of `shared` whose full-size buffers stay under `cap_bytes` (at least one each)."""
+    out: list[list[tuple[str, ShardSpec]]] = []
+    size = cap_bytes
+    for name, spec in shared:
+        param = model.get_parameter(name)
+        nbytes = param.numel() // param.shape[spec.dim] * spec.full * param.element_size()  # same on every rank
+        if size + nbytes > cap_bytes:
+            out.append([])
+            size = 0
+        out[-1].append((name, spec))
+        size += nbytes
+    return out
+
+
+def _sum_replica_grads(bucket: list[tuple[str, ShardSpec]], group: dist.ProcessGroup, module: nn.Module) -> None:
+    """Sum the gradients of tensors held by several tp ranks (e.g. shared kv heads) over them:
+    one all-reduce per bucket of parallel.ddp_bucket_mb."""
+    items = []
+    for name, spec in bucket:
+        grad = module.get_parameter(name).grad
+        if grad is not None:
+            assert not isinstance(grad, DTensor), "replica sums of ZeRO shards are refused in preflight.py"
+            items.append((grad, spec))
+    if items:
+        sum_replicas_(items, group)
 
 
 def _sum_grads(names: list[str], group: dist.ProcessGroup, module: nn.Module) -> None:

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron_taper.parallel.context import ParallelContext
+from megatron_taper.parallel.data_parallel import wrap_ddp
 from megatron_taper.parallel.meta_init import is_meta
 from megatron_taper.parallel.model import ParallelModel
 from megatron_taper.parallel.partition import PipelinePlan, plan_pipeline
@@ -49,6 +50,11 @@ class PipelineParallelModel(ParallelModel):
     schedule_name: str = "1f1b"
     microbatches: int = 0  # 0 = as many as forward_backward receives
     _schedules: dict[Any, Any] = field(default_factory=dict, repr=False)
+
+    def attach_data_parallel(self, bucket_mb: float) -> None:
+        """Each chunk behind DDP; the pipelining stage drives its no-sync and final reduction."""
+        assert not self.dp_sharded and not self._schedules, "before the first step"
+        self.chunks = [wrap_ddp(chunk, self.ctx, bucket_mb) for chunk in self.chunks]
 
     @property
     def n_stages(self) -> int:

@@ -98,18 +98,27 @@ class ShardSpec:
                 pieces.append(out[r * pad: r * pad + self.sizes[r]])
         return torch.cat(pieces).movedim(0, self.dim).contiguous()
 
-    @torch.no_grad()
-    def sum_replicas_(self, local: torch.Tensor, group: Group) -> None:
-        """In place: sum `local` over the ranks that hold the same slice (no-op for plain shards)."""
-        if all(self.replicas(r) == 1 for r in range(len(self.sizes))):
-            return
-        rank = dist.get_rank(group)
+    def full_shape(self, local: torch.Tensor) -> list[int]:
         shape = list(local.shape)
         shape[self.dim] = self.full
-        buf = local.new_zeros(shape)
-        buf.narrow(self.dim, self.starts[rank], self.sizes[rank]).copy_(local)
-        dist.all_reduce(buf, group=group)
-        local.copy_(buf.narrow(self.dim, self.starts[rank], self.sizes[rank]))
+        return shape
+
+
+@torch.no_grad()
+def sum_replicas_(items: list[tuple[torch.Tensor, ShardSpec]], group: Group) -> None:
+    """In place: each local tensor summed over the ranks that hold the same slice of it (e.g. kv
+    heads shared by several tp ranks), all of them in one all-reduce over `group`: every rank
+    puts its slices into zeroed full-size buffers, so a sum gives each slice's replica sum."""
+    rank = dist.get_rank(group)
+    buffers = []
+    for local, spec in items:
+        buf = local.new_zeros(spec.full_shape(local))
+        buf.narrow(spec.dim, spec.starts[rank], spec.sizes[rank]).copy_(local)
+        buffers.append(buf)
+    flat = torch.cat([b.reshape(-1) for b in buffers])
+    dist.all_reduce(flat, group=group)
+    for (local, spec), buf, summed in zip(items, buffers, flat.split([b.numel() for b in buffers])):
+        local.copy_(summed.view_as(buf).narrow(spec.dim, spec.starts[rank], spec.sizes[rank]))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,69 @@
+"""Per-block options of the training step: activation checkpointing and torch.compile.
+
+Applied by parallelize() to this rank's blocks after tensor parallelism and before ZeRO (as
+torchtitan orders them), on meta or real modules alike. Both act on `model.layers` (every family
+keeps its blocks there) and leave parameter names unchanged: the block's `forward` is replaced on
+the instance, so checkpoints, tp layouts and FSDP units see the same module tree.
+
+train.activation_checkpointing
+    none       every block keeps the tensors its backward needs.
+    full       every block keeps only its input; its forward is re-run inside its backward
+               (torch.utils.checkpoint, non-reentrant), including any tp collectives in it.
+               Costs one extra forward of every block (about +1/3 of the step's FLOPs).
+    selective  as full for the blocks whose global index is a multiple of train.ac_every
+               (0, k, 2k, ...), the others keep everything: about 1/k of full's recompute for
+               about 1/k of its saving. With a taper, block 0 (the widest MLP) is always among them.
+
+train.compile
+    torch.compile (inductor) of each block's forward, after checkpointing (the recompute is then
+    part of the compiled region); module hooks (FSDP2's gathers) stay outside it. Blocks of
+    different MLP width share one code object: dynamo compiles the first width statically, and
+    on the second marks the changed sizes dynamic, so a tapered stack compiles twice rather than
+    once per width (measured: 2 graphs for 8 blocks of 6 widths). Collectives inside a block
+    (tp) are graph breaks: compiled regions lie between them.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+
+def checkpointed_blocks(names: list[str], mode: str, every: int) -> list[str]:
+    """Those of the block `names` (global indices) whose activations are recomputed under `mode`."""
+    if mode == "full":
+        return list(names)
+    if mode == "selective":
+        return [name for name in names if int(name) % every == 0]
+    return []
+
+
+def apply_block_options(model: nn.Module, activation_checkpointing: str, ac_every: int, compile_blocks: bool) -> None:
+    """In place on `model.layers`: recompute (see module doc), then compile. Each block records
+    what it got in `block.options` (a tuple of "recompute", "compile")."""
+    layers = model.layers
+    for block in layers.values():
+        block.options = ()
+    for name in checkpointed_blocks(list(layers.keys()), activation_checkpointing, ac_every):
+        block = layers[name]
+        block.forward = functools.partial(_recomputed, block.forward)
+        block.options += ("recompute",)
+    if compile_blocks:
+        for block in layers.values():
+            block.forward = functools.partial(_compiled, torch.compile(block.forward))
+            block.options += ("compile",)
+
+
+def _recomputed(forward, *args, **kwargs) -> torch.Tensor:
+    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+
+def _compiled(compiled_forward, *args, **kwargs) -> torch.Tensor:
+    # dynamo keeps parameter (and module attribute) shapes static by default, which would compile
+    # once per MLP width and fall back to eager past its recompile limit; letting them become
+    # dynamic keeps a tapered stack at two compilations. Read while tracing, inside this call.
+    with torch._dynamo.config.patch(force_parameter_static_shapes=False,
+                                    force_nn_module_property_static_shapes=False):
+        return compiled_forward(*args, **kwargs)
