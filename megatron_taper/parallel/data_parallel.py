@@ -32,7 +32,6 @@ def wrap_ddp(module: nn.Module, ctx: ParallelContext, bucket_mb: float) -> Distr
         output_device=ctx.device.index if on_gpu else None,
         process_group=ctx.dp_group,
         bucket_cap_mb=bucket_mb,
-        broadcast_buffers=False,  # no family registers buffers; weights start equal everywhere
         init_sync=False,
         gradient_as_bucket_view=True,
     )

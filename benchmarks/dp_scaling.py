@@ -1,0 +1,160 @@
+"""Data-parallel step throughput: torch DDP (parallel.zero=none) vs the per-parameter all-reduce
+loop it replaced vs fsdp2, at dp=2 on gloo, next to one process.
+
+Every engine runs the same step (forward + backward of the rank's micro-batches, gradient
+reduction, clipping, AdamW) on the same random batches. Two processes run all three engines
+alternately in rounds, so machine noise hits each alike; one process (1 thread, like each rank)
+gives the baseline. Prints one JSON object: median tokens/s (whole job) of each, and ratios.
+
+    python benchmarks/dp_scaling.py [--steps 10] [--rounds 3] [key=value ...]
+
+"old_loop" is kept here only as the baseline: the model's parameters, one blocking all-reduce
+(AVG over dp) per parameter after the whole backward, then the same clipping and AdamW.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import multiprocessing as mp
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+
+from megatron_taper.build import build_run
+from megatron_taper.config import load_config
+
+SHAPE = ["model.n_layers=6", "model.d_model=256", "model.n_heads=4", "model.mlp_width=688",
+         "model.taper.multiple=16", "model.vocab_size=4096", "model.seq_len=256", "train.global_batch=8",
+         "train.micro_batch=4", "train.device=cpu", "train.precision=fp32", "run.tensorboard=false"]
+ENGINES = ("ddp", "old_loop", "fsdp2")
+
+
+def batches(cfg, steps: int, dp: int, dp_rank: int) -> list[list[torch.Tensor]]:
+    """Per step, this rank's micro-batches of that step's global batch (the same tokens at any dp)."""
+    t, m = cfg.train, cfg.model
+    out = []
+    for step in range(steps):
+        g = torch.Generator().manual_seed(step)
+        rows = torch.randint(0, m.vocab_size, (t.global_batch, m.seq_len + 1), generator=g)
+        mine = rows.view(dp, -1, m.seq_len + 1)[dp_rank]
+        out.append(list(mine.split(t.micro_batch)))
+    return out
+
+
+def old_loop_step(run, micro_batches: list[torch.Tensor]) -> None:
+    pm = run.model
+    for tokens in micro_batches:
+        loss = pm.loss_fn(pm.module(tokens[:, :-1]), tokens[:, 1:])
+        (loss / len(micro_batches)).backward()
+    for p in pm.module.parameters():
+        if p.grad is not None:
+            dist.all_reduce(p.grad, op=dist.ReduceOp.AVG, group=pm.ctx.dp_group)
+    pm.clip_gradients(run.cfg.train.grad_clip)
+    run.optimizer.step()
+    run.optimizer.zero_grad(set_to_none=True)
+
+
+def engine_step(run, micro_batches: list[torch.Tensor]) -> None:
+    run.model.forward_backward(micro_batches, contextlib.nullcontext)
+    run.model.optimizer_step(run.optimizer, run.cfg.train.grad_clip)
+
+
+def timed(step, run, data: list[list[torch.Tensor]], barrier: bool) -> float:
+    if barrier:
+        dist.barrier()
+    start = time.perf_counter()
+    for micro_batches in data:
+        step(run, micro_batches)
+    if barrier:
+        dist.barrier()
+    return time.perf_counter() - start
+
+
+def build(overrides: list[str], engine: str, run_dir: str):
+    zero = "fsdp2" if engine == "fsdp2" else "none"
+    cfg = load_config(None, SHAPE + [f"run.dir={run_dir}", f"parallel.zero={zero}", *overrides])
+    run = build_run(cfg)
+    if engine == "old_loop":
+        run.model.dp_module = None  # the plain module; old_loop_step reduces by hand
+    return run
+
+
+def rank_main(rank: int, world: int, port: int, overrides: list[str], steps: int, rounds: int, out) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        runs = {e: build(overrides, e, tmp) for e in ENGINES}
+        cfg = runs["ddp"].cfg
+        data = batches(cfg, steps, world, rank)
+        tokens = steps * cfg.train.global_batch * cfg.model.seq_len
+        step_of = {"ddp": engine_step, "old_loop": old_loop_step, "fsdp2": engine_step}
+        for e in ENGINES:  # warm-up (DDP rebuilds its buckets after its first step)
+            timed(step_of[e], runs[e], data[:2], barrier=True)
+        rates: dict[str, list[float]] = {e: [] for e in ENGINES}
+        for _ in range(rounds):
+            for e in ENGINES:
+                rates[e].append(tokens / timed(step_of[e], runs[e], data, barrier=True))
+    if rank == 0:
+        out.put({e: statistics.median(r) for e, r in rates.items()})
+    dist.destroy_process_group()
+
+
+def one_process(overrides: list[str], steps: int, rounds: int) -> float:
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        run = build(overrides, "ddp", tmp)
+        data = batches(run.cfg, steps, 1, 0)
+        tokens = steps * run.cfg.train.global_batch * run.cfg.model.seq_len
+        timed(engine_step, run, data[:2], barrier=False)
+        return statistics.median(tokens / timed(engine_step, run, data, barrier=False) for _ in range(rounds))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args()
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=rank_main, args=(r, 2, port, args.overrides, args.steps, args.rounds, out))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    dp2 = out.get(timeout=3600)
+    for p in procs:
+        p.join()
+    single = one_process(args.overrides, args.steps, args.rounds)
+    result = {
+        "benchmark": "dp_scaling",
+        "shape": SHAPE + args.overrides,
+        "steps_per_round": args.steps,
+        "rounds": args.rounds,
+        "threads_per_process": 1,
+        "one_process_tokens_per_s": single,
+        **{f"dp2_{e}_tokens_per_s": v for e, v in dp2.items()},
+        "ddp_over_old_loop": dp2["ddp"] / dp2["old_loop"],
+        "fsdp2_over_old_loop": dp2["fsdp2"] / dp2["old_loop"],
+        "ddp_dp2_over_one_process": dp2["ddp"] / single,
+    }
+    json.dump(result, sys.stdout)
+    print()
+
+
+if __name__ == "__main__":
+    main()
