@@ -1,0 +1,112 @@
+"""Run a grid of training runs from one recipe and collect their final held-out losses.
+
+    python tools/sweep.py sweeps/taper_cpu.yaml --out runs/sweep            # run (resumable), collect
+    python tools/sweep.py sweeps/taper_cpu.yaml --out runs/sweep --dry-run  # list the runs
+    python tools/sweep.py sweeps/taper_cpu.yaml --out runs/sweep --slurm -- -t 4:00:00
+    python tools/sweep.py sweeps/taper_cpu.yaml --out runs/sweep --collect  # table + plot only
+
+The sweep file format is in megatron_taper/sweep.py. Locally the unfinished runs go one after
+another (`--nproc N` runs each with torchrun on N processes), each logging to RUN/train.log; a
+failed run is reported and the others go on. With --slurm the unfinished runs are submitted as one
+job array of launch/sweep.sbatch (each task is launch/train.sbatch for one run: requeue and resume
+included); arguments after `--` go to sbatch. Collecting writes OUT/results.json,
+OUT/results.md (the table) and OUT/results.png (matplotlib, when installed). Exit status: 0, 1 if
+a run failed, 2 on bad input.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+from megatron_taper.sweep import SweepRun, collect, final_record, load_sweep, markdown_table, plot
+from megatron_taper.validation import ConfigError
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_local(run: SweepRun, nproc: int) -> int:
+    os.makedirs(run.run_dir, exist_ok=True)
+    if nproc > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+               "-m", "megatron_taper.train", *run.args]
+    else:
+        cmd = [sys.executable, "-m", "megatron_taper.train", *run.args]
+    with open(os.path.join(run.run_dir, "train.log"), "a") as log:
+        return subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT)
+
+
+def submit_slurm(runs: list[SweepRun], out: str, sbatch_args: list[str]) -> str:
+    plan = os.path.join(out, "plan.json")
+    tmp = plan + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump([{"name": r.name, "args": r.args} for r in runs], f, indent=1)
+    os.replace(tmp, plan)
+    os.makedirs(os.path.join(out, "slurm"), exist_ok=True)
+    cmd = ["sbatch", "--parsable", f"--array=0-{len(runs) - 1}", "--output", os.path.join(out, "slurm", "%A_%a.out"),
+           *sbatch_args, os.path.join(REPO, "launch", "sweep.sbatch"), os.path.abspath(plan)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"sbatch failed: {proc.stderr.strip()}")
+    return proc.stdout.strip().split(";")[0]
+
+
+def write_results(sweep, out: str) -> dict:
+    result = collect(sweep)
+    with open(os.path.join(out, "results.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    with open(os.path.join(out, "results.md"), "w") as f:
+        f.write(markdown_table(result))
+    try:
+        plot(result, os.path.join(out, "results.png"))
+    except ImportError:
+        print("[sweep] matplotlib is not installed: no results.png (pip install matplotlib)", file=sys.stderr)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tools/sweep.py", description=__doc__.split("\n\n")[0])
+    parser.add_argument("sweep", help="sweep file (YAML)")
+    parser.add_argument("--out", required=True, help="sweep folder (runs/, results.*)")
+    parser.add_argument("--nproc", type=int, default=1, help="processes per run (local: torchrun)")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--dry-run", action="store_true", help="print the runs and whether they are finished")
+    mode.add_argument("--collect", action="store_true", help="only collect the finished runs")
+    mode.add_argument("--slurm", action="store_true", help="submit the unfinished runs as a Slurm job array")
+    parser.add_argument("sbatch_args", nargs="*", help="after --: arguments for sbatch")
+    args = parser.parse_args(argv)
+    try:
+        sweep = load_sweep(args.sweep, args.out)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    os.makedirs(args.out, exist_ok=True)
+    todo = [r for r in sweep.runs if final_record(r, sweep.metric) is None]
+    if args.dry_run:
+        for r in sweep.runs:
+            print(json.dumps({"name": r.name, "finished": r not in todo, "args": r.args}))
+        return 0
+    if args.slurm:
+        if not todo:
+            print("[sweep] every run is finished")
+            return 0
+        job = submit_slurm(todo, args.out, args.sbatch_args)
+        print(f"[sweep] submitted {len(todo)} run(s) as job array {job}; then: python tools/sweep.py "
+              f"{args.sweep} --out {args.out} --collect")
+        return 0
+    failed = []
+    if not args.collect:
+        for i, run in enumerate(todo):
+            print(f"[sweep] {i + 1}/{len(todo)} {run.name}", flush=True)
+            if run_local(run, args.nproc) != 0:
+                failed.append(run.name)
+                print(f"[sweep] {run.name} failed: see {run.run_dir}/train.log", file=sys.stderr, flush=True)
+    result = write_results(sweep, args.out)
+    sys.stdout.write(markdown_table(result))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
