@@ -75,8 +75,11 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--dry-run", action="store_true", help="print the runs and whether they are finished")
     mode.add_argument("--collect", action="store_true", help="only collect the finished runs")
     mode.add_argument("--slurm", action="store_true", help="submit the unfinished runs as a Slurm job array")
-    parser.add_argument("sbatch_args", nargs="*", help="after --: arguments for sbatch")
-    args = parser.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    sbatch_args = argv[argv.index("--") + 1:] if "--" in argv else []
+    args = parser.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    if sbatch_args and not args.slurm:
+        parser.error("arguments after -- are for sbatch: only with --slurm")
     try:
         sweep = load_sweep(args.sweep, args.out)
     except ConfigError as e:
@@ -92,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         if not todo:
             print("[sweep] every run is finished")
             return 0
-        job = submit_slurm(todo, args.out, args.sbatch_args)
+        job = submit_slurm(todo, args.out, sbatch_args)
         print(f"[sweep] submitted {len(todo)} run(s) as job array {job}; then: python tools/sweep.py "
               f"{args.sweep} --out {args.out} --collect")
         return 0

@@ -179,6 +179,37 @@ def test_cluster_is_stopped_when_a_test_fails(slurm, tmp_path):
         decoy.wait()
 
 
+def test_sweep_as_job_array(slurm, byte_tokens, tmp_path):
+    """tools/sweep.py --slurm: two runs as one job array of launch/sweep.sbatch, then --collect."""
+    overrides = "\n".join(f"  - {o}" for o in [*TINY[2:], "train.steps=6", f"data.path={byte_tokens}"])
+    spec = tmp_path / "sweep.yaml"
+    spec.write_text(f"recipe: {REPO}/configs/tiny_taper.yaml\noverrides:\n{overrides}\n"
+                    f"axes:\n  model.taper.start: [1.5, 1.0]\nseeds: [0]\n")
+    out = tmp_path / "sweep"
+    env = job_env(slurm)  # its RDZV_PORT is offset by the array task number in sweep.sbatch
+
+    def tool(*args):
+        return subprocess.run([sys.executable, "tools/sweep.py", str(spec), "--out", str(out), *args], cwd=REPO,
+                              env=env, capture_output=True, text=True, timeout=120)
+
+    proc = tool("--slurm", "--", "--nodes=1")
+    assert proc.returncode == 0 and "submitted 2 run(s)" in proc.stdout, proc.stdout + proc.stderr
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        runs = [json.loads(line) for line in tool("--dry-run").stdout.splitlines()]
+        if all(r["finished"] for r in runs) or "exited with" in "".join(
+                p.read_text(errors="replace") for p in (out / "slurm").glob("*.out")).replace("exited with 0", ""):
+            break
+        time.sleep(1)
+    logs = "".join(p.read_text(errors="replace") for p in (out / "slurm").glob("*.out"))
+    assert all(r["finished"] for r in runs), logs[-4000:]
+    assert "array task 0" in logs and "array task 1" in logs
+    proc = tool("--collect")
+    assert proc.returncode == 0, proc.stderr
+    table = json.loads((out / "results.json").read_text())["table"]
+    assert [r["model.taper.start"] for r in table] == ["1.5", "1.0"] and all(r["seeds_done"] == 1 for r in table)
+
+
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
