@@ -26,6 +26,7 @@ from megatron_taper.build import build_run
 from megatron_taper.checkpoint import Checkpointer, checkpoint_root, resume_candidates
 from megatron_taper.config import Config, ConfigError, load_config, save_config
 from megatron_taper.data.sources import build_sources
+from megatron_taper.evaluate import evaluate_source
 from megatron_taper.flops import mfu, model_costs, peak_flops
 from megatron_taper.metrics import MetricsLogger
 from megatron_taper.optim import lr_at
@@ -140,11 +141,7 @@ class Trainer:
     def evaluate(self) -> float | None:
         if self.eval_factory is None:
             return None
-        source = self.eval_factory()
-        self.pm.module.eval()
-        losses = [self.pm.evaluate(source.next_batch(), self.autocast) for _ in range(self.cfg.train.eval_batches)]
-        self.pm.module.train()
-        return float(self._dp_mean(torch.stack(losses).mean()))
+        return evaluate_source(self.pm, self.eval_factory(), self.cfg.train.eval_batches, self.autocast).loss
 
     def fit(self) -> int:
         t, ckpt = self.cfg.train, self.cfg.checkpoint

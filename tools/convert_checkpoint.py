@@ -1,9 +1,12 @@
-"""Consolidate a training checkpoint into one safetensors file plus its config.
+"""Consolidate a training checkpoint into one safetensors file plus its config; or convert to and
+from Hugging Face transformers folders.
 
     python tools/convert_checkpoint.py runs/X/checkpoints/step-N --output exported/ [--source auto]
+    python tools/convert_checkpoint.py CKPT --to hf --output hf_dir/ [--dtype bf16] [--tokenizer X.model]
+    python tools/convert_checkpoint.py HF_DIR --from hf --output runs/Y [--config RECIPE] [key=value ...]
 
-Reads any checkpoint the Trainer writes (parallel.zero = none | fsdp2 | deepspeed, any pp/dp/tp
-layout), then
+Default (--to safetensors): reads any checkpoint the Trainer writes (parallel.zero = none | fsdp2 |
+deepspeed, any pp/dp/tp layout), then
   --source logical     the parameters' records (shards/, format 2: assembled and written one
                        tensor at a time, each record's sha256 checked as it is read; format 1:
                        the logical per-stage files model-pp*.pt, verified first)
@@ -15,6 +18,13 @@ Writes OUTPUT/model.safetensors (fp32 unless --dtype, full logical tensors keyed
 name, metadata: step, source; peak memory about one tensor for format 2), OUTPUT/config.yaml
 (the run's resolved config) and prints one JSON line: path, tensors, parameters, step, source.
 Writing goes through a temporary name + rename.
+
+--to hf: a folder transformers loads (AutoModelForCausalLM.from_pretrained; a tapered model with
+trust_remote_code=True), see megatron_taper/interop/hf.py. CKPT may also be a run folder or a
+folder written by the default mode. --from hf: a Llama folder (safetensors) becomes a run folder
+with config.yaml and checkpoints/step-0 that `python -m megatron_taper.train --config
+runs/Y/config.yaml` continues from; key=value overrides apply to that config (e.g. model.seq_len,
+data.path). Both print one JSON line.
 """
 from __future__ import annotations
 
@@ -102,13 +112,35 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("checkpoint", help="a checkpoint folder (run.dir/checkpoints/step-N)")
-    parser.add_argument("--output", required=True, help="folder for model.safetensors and config.yaml")
+    parser.add_argument("checkpoint", help="a checkpoint folder (run.dir/checkpoints/step-N); with --from hf, "
+                                           "a Hugging Face Llama folder")
+    parser.add_argument("--output", required=True, help="folder to write")
+    parser.add_argument("--to", default="safetensors", choices=("safetensors", "hf"),
+                        help="safetensors: model.safetensors + config.yaml (default); hf: a transformers folder")
+    parser.add_argument("--from", dest="source_format", default="checkpoint", choices=("checkpoint", "hf"),
+                        help="hf: import a Hugging Face Llama folder into a run folder")
     parser.add_argument("--source", default="auto", choices=("auto", "logical", "deepspeed"))
     parser.add_argument("--dtype", default="fp32", choices=tuple(DTYPES))
-    args = parser.parse_args(argv)
+    parser.add_argument("--tokenizer", default="", help="--to hf: sentencepiece model to include")
+    parser.add_argument("--config", default=None, help="--from hf: recipe for the non-model sections")
+    parser.add_argument("overrides", nargs="*", help="--from hf: key=value overrides of the run config")
+    args = parser.parse_intermixed_args(argv)
     try:
-        print(json.dumps(convert(args.checkpoint, args.output, args.source, args.dtype)))
+        if args.overrides and args.source_format != "hf":
+            raise ValueError(f"key=value overrides ({args.overrides[0]!r}) only apply with --from hf")
+        if args.source_format == "hf":
+            if args.to == "hf":
+                raise ValueError("--from hf and --to hf together: nothing to convert")
+            from megatron_taper.interop.hf import import_hf
+
+            info = import_hf(args.checkpoint, args.output, args.config, args.overrides)
+        elif args.to == "hf":
+            from megatron_taper.interop.hf import export_hf
+
+            info = export_hf(args.checkpoint, args.output, args.dtype, args.tokenizer)
+        else:
+            info = convert(args.checkpoint, args.output, args.source, args.dtype)
+        print(json.dumps(info))
     except (CheckpointError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -1,0 +1,159 @@
+"""Held-out loss and perplexity of a model, at one or several sequence lengths.
+
+`evaluate_source(pm, source, batches, autocast)` is the evaluation loop: `batches` micro-batches
+of this data-parallel rank through `ParallelModel.evaluate` (which handles tp, pp and ZeRO), the
+mean loss averaged over the dp group (every micro-batch has the same number of tokens, so this is
+the mean over all tokens seen). The Trainer's periodic evaluation computes the same quantity.
+
+`evaluate_lengths` runs it once per sequence length on fresh held-out sources (`data.path`'s val
+split, or the tail of a .npy token file), and `evaluate_checkpoint` does everything
+`tools/evaluate.py` does: read a checkpoint's config, build the model at the layout given by the
+overrides (`parallel.*`; default one process, no ZeRO) through `build.build_run`, load only the
+model weights of this rank's pieces (no optimizer state), evaluate, and return one JSON-ready
+object. RoPE tables are computed for any length, so lengths beyond the training `model.seq_len`
+are allowed (that measures length extrapolation).
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+import torch
+import torch.distributed as dist
+
+from megatron_taper.config import Config, ParallelConfig, apply_override
+from megatron_taper.inference import CheckpointRef, load_parallel_weights, open_checkpoint
+from megatron_taper.parallel.context import init_parallel, shutdown, world_size
+from megatron_taper.validation import ConfigError
+
+if TYPE_CHECKING:
+    from megatron_taper.data import BatchSource
+    from megatron_taper.parallel.model import ParallelModel
+
+MAX_LOSS_FOR_PPL = 50.0  # exp() of larger losses overflows nothing useful; ppl is capped there
+
+
+@dataclass
+class EvalResult:
+    loss: float  # mean next-token loss (nats) over every token evaluated by all dp ranks
+    tokens: int  # predicted tokens over all dp ranks
+    batches: int  # micro-batches per dp rank
+
+    @property
+    def ppl(self) -> float:
+        return math.exp(min(self.loss, MAX_LOSS_FOR_PPL))
+
+
+def evaluate_source(pm: ParallelModel, source: BatchSource, batches: int,
+                    autocast: Callable = contextlib.nullcontext) -> EvalResult:
+    """Mean loss of `batches` micro-batches of `source` on every dp rank (a collective over the
+    whole mesh: pp broadcasts the loss, dp averages it). The module is left in train mode."""
+    ctx = pm.ctx
+    pm.module.eval()
+    try:
+        losses, tokens = [], 0
+        for _ in range(batches):
+            batch = source.next_batch()
+            losses.append(pm.evaluate(batch, autocast))
+            tokens += batch[:, 1:].numel()
+    finally:
+        pm.module.train()
+    loss = torch.stack(losses).mean().float()
+    if ctx.dp > 1:
+        dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=ctx.dp_group)
+    return EvalResult(float(loss), tokens * ctx.dp, batches)
+
+
+def held_out_samples(source: BatchSource) -> int | None:
+    """Samples in a held-out source before it repeats (token files: `count`, MDS: one epoch)."""
+    for attr in ("count", "samples_per_epoch"):
+        value = getattr(source, attr, None)
+        if isinstance(value, int):
+            return value
+    return None
+
+
+def evaluate_lengths(pm: ParallelModel, cfg: Config, seq_lens: list[int], batch_size: int, batches: int,
+                     autocast: Callable = contextlib.nullcontext) -> dict[int, EvalResult]:
+    """evaluate_source at every sequence length, each on a fresh held-out source of `cfg.data`;
+    `batches` is lowered where the held-out split has fewer samples (nothing is counted twice)."""
+    from megatron_taper.data.sources import build_sources
+
+    ctx = pm.ctx
+    out = {}
+    for seq_len in seq_lens:
+        _, make_eval = build_sources(cfg.data, seq_len=seq_len, micro_batch=batch_size, seed=cfg.train.seed,
+                                     vocab_size=cfg.model.vocab_size, dp_rank=ctx.dp_rank, dp_size=ctx.dp)
+        if make_eval is None:
+            raise ValueError(f"data.path={cfg.data.path!r} has no held-out split (an MDS folder needs val/, a .npy "
+                             f"file data.eval_fraction > 0); pass --data with held-out data")
+        source = make_eval()
+        available = held_out_samples(source)
+        n = batches if available is None else max(1, min(batches, available // (batch_size * ctx.dp)))
+        out[seq_len] = evaluate_source(pm, source, n, autocast)
+    return out
+
+
+def evaluation_config(ref: CheckpointRef, overrides: list[str], batch_size: int, data: str = "") -> Config:
+    """The checkpoint's run config made for evaluation: the parallel section reset to its
+    defaults (one process, no ZeRO), then `overrides`; batch settings that preflight accepts for
+    `batch_size` sequences per micro-batch; no activation checkpointing or compile. The model
+    section cannot be overridden (the weights fix it)."""
+    cfg = copy.deepcopy(ref.config)
+    cfg.parallel = ParallelConfig()
+    for item in overrides:
+        apply_override(cfg, item)
+    if data:
+        cfg.data.path = data
+    cfg.validate()
+    if cfg.model.architecture_dict() != ref.config.model.architecture_dict():
+        raise ConfigError("model.*: the model of a checkpoint is fixed by its weights and cannot be overridden")
+    if cfg.parallel.zero == "deepspeed":
+        raise ConfigError("parallel.zero=deepspeed: evaluation builds no DeepSpeed engine; use parallel.zero=none "
+                          "or fsdp2 (a DeepSpeed checkpoint's logical records load at any layout)")
+    p, t = cfg.parallel, cfg.train
+    dp = max(1, world_size() // (p.tp * p.pp))
+    t.micro_batch = batch_size
+    t.global_batch = batch_size * dp * p.pp  # pp > 1: pp micro-batches per step, as 1F1B requires
+    p.microbatches = 0
+    t.activation_checkpointing, t.compile = "none", False
+    return cfg.validate()
+
+
+def evaluate_checkpoint(checkpoint: str, overrides: list[str] = (), seq_lens: list[int] | None = None,
+                        batches: int | None = None, batch_size: int | None = None, data: str = "") -> dict:
+    """tools/evaluate.py: {checkpoint, step, layout, data, results: {seq_len: {loss, ppl, tokens,
+    batches}}}. Under torchrun (or in processes that already joined a process group) every rank
+    calls it and gets the same object; the process group is left at the end."""
+    from megatron_taper.build import build_run
+    from megatron_taper.preflight import preflight
+
+    ref = open_checkpoint(checkpoint)
+    batch_size = batch_size or ref.config.train.micro_batch
+    cfg = evaluation_config(ref, list(overrides), batch_size, data)
+    preflight(cfg, world_size())  # before joining: a bad layout fails alike on every rank
+    ctx = init_parallel(cfg.parallel, cfg.train.device)
+    ok = False
+    try:
+        run = build_run(cfg, ctx)
+        load_parallel_weights(run.model, ref)
+        lengths = seq_lens or [cfg.model.seq_len]
+        results = evaluate_lengths(run.model, cfg, lengths, batch_size, batches or cfg.train.eval_batches,
+                                   _autocast(run))
+        ok = True
+    finally:
+        shutdown(ctx, barrier=ok)
+    return {"checkpoint": ref.path, "step": ref.step,
+            "layout": {"pp": ctx.pp, "dp": ctx.dp, "tp": ctx.tp, "zero": cfg.parallel.zero},
+            "data": cfg.data.path or "(built-in corpus)",
+            "results": {str(n): {"loss": r.loss, "ppl": r.ppl, "tokens": r.tokens, "batches": r.batches}
+                        for n, r in results.items()}}
+
+
+def _autocast(run) -> Callable:
+    if run.bf16:
+        return lambda: torch.autocast(run.ctx.device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext
