@@ -1,5 +1,5 @@
 """Install megatron_taper: `pip install -e .[dev]` (tests), `.[deepspeed]`, `.[hf]` (Hugging Face
-export/import: transformers) or `.[lmeval]` (lm-evaluation-harness; a large dependency tree, not
+export/import: transformers), `.[plot]` (matplotlib, for tools/sweep.py's plot) or `.[lmeval]` (lm-evaluation-harness; a large dependency tree, not
 installed by launch/install.sh). Install extras with a constraints file pinning the installed
 torch (launch/install.sh does), so that none of them replaces it."""
 from setuptools import find_packages, setup
@@ -25,6 +25,7 @@ setup(
         "dev": ["pytest>=8", "hypothesis>=6.100", "pytest-timeout>=2.3", "ruff==0.8.4"],
         "deepspeed": ["deepspeed==0.19.8"],
         "hf": ["transformers>=4.40,<5"],
+        "plot": ["matplotlib>=3.7"],
         "lmeval": ["lm_eval>=0.4.9", "transformers>=4.40,<5"],
     },
 )

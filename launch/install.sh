@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Creates .venv (if missing) and installs megatron_taper with everything the tests and the
-# quickstart need (extras dev and hf: pytest, ruff, transformers), without ever letting a
+# quickstart need (extras dev, hf and plot: pytest, ruff, transformers, matplotlib), without ever letting a
 # dependency replace the installed torch wheel. The lm_eval extra is not installed here: its
 # dependency tree (datasets, pandas, pyarrow, scipy, scikit-learn, nltk, ...) is large.
 #   TORCH_SPEC   what to install when torch is missing (default: torch==2.13.0)
@@ -16,7 +16,7 @@ pip() { "$py" -m pip --disable-pip-version-check -q "$@"; }
 
 stamp="$venv/.megatron_taper_installed"
 want="$(cat "$root/setup.py" "$root/launch/install.sh" "$root/launch/requirements-lean.txt" | sha256sum | cut -c1-16)"
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$py" -c "import megatron_taper, importlib.util as u; assert u.find_spec('streaming') and u.find_spec('transformers')" 2>/dev/null; then
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$py" -c "import megatron_taper, importlib.util as u; assert u.find_spec('streaming') and u.find_spec('transformers') and u.find_spec('matplotlib')" 2>/dev/null; then
   exit 0
 fi
 
@@ -27,7 +27,7 @@ constraints="$(mktemp)"
 trap 'rm -f "$constraints"' EXIT
 echo "torch==$torch_version" > "$constraints"
 
-pip install -c "$constraints" -e "$root[dev,hf]"
+pip install -c "$constraints" -e "$root[dev,hf,plot]"
 # mosaicml-streaming and deepspeed declare dependencies that would pull a newer (CUDA) torch,
 # torchvision and ~1 GB of cloud SDKs; install them without dependencies plus their real needs.
 pip install -c "$constraints" -r "$root/launch/requirements-lean.txt"

@@ -44,6 +44,7 @@ def test_sweep_runs_collects_and_resumes(tmp_path, byte_tokens):
     assert rows["uniform"]["mean"] == pytest.approx(sum(losses) / 2)
     assert losses[0] != losses[1]  # seeds differ
     assert "| taper | eval_loss mean |" in (out / "results.md").read_text()
+    assert (out / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # the runs really differ in their taper
     cosine_cfg = (out / "runs" / "taper=cosine-1.5,seed=0" / "config.yaml").read_text()
     assert "schedule: cosine" in cosine_cfg and "seed: 0" in cosine_cfg
