@@ -131,7 +131,7 @@ class ParallelConfig:
     pp_schedule: str = "1f1b"  # 1f1b | gpipe | interleaved_1f1b
     microbatches: int = 0  # 0 = gradient accumulation steps (pp > 1: at least pp)
     pp_virtual: int = 2  # chunks per pp rank with pp_schedule=interleaved_1f1b
-    pp_memory_gb: float = 0.0  # per-stage limit (params + grads + AdamW + 1F1B activations); 0 = none
+    pp_memory_gb: float = 0.0  # per-stage limit on the predicted peak (memory.py); 0 = none
     sequence_parallel: bool = False
     ddp_bucket_mb: float = 25.0  # zero=none, dp > 1: gradient all-reduce bucket size (torch DDP)
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)

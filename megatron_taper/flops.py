@@ -1,8 +1,9 @@
-"""Whole-model parameter, FLOP and activation-memory model, and MFU.
+"""Whole-model parameter, FLOP and activation-memory costs, and MFU.
 
 Per-block costs come from each family's FamilySpec.layer_cost (built from models/costs.py's
 pieces: FLOPs are forward FLOPs per token, 2 per multiply-add; a training step is ~3x). This
-module adds the embedding (first pipeline stage) and the final norm + LM head + loss (last stage).
+module adds the embedding (first pipeline stage) and the final norm + LM head + loss (last
+stage). megatron_taper/memory.py turns the memory side into bytes per rank.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from megatron_taper.models import family
-from megatron_taper.models.costs import Cost
+from megatron_taper.models.costs import Cost, Split, norm_act
 from megatron_taper.taper import layer_widths
 
 if TYPE_CHECKING:
@@ -41,10 +42,25 @@ def model_costs(cfg: ModelConfig, causal: bool = True) -> ModelCosts:
     layer_cost = family(cfg.arch).layer_cost
     layers = [layer_cost(cfg, w, causal) for w in widths]
     d, v = cfg.d_model, cfg.vocab_size
-    embedding = Cost(v * d, 0.0, 0.0)
-    head_params = d + (0 if cfg.tie_embeddings else v * d)
-    head = Cost(head_params, 2.0 * d * v, 2.0 * (d + 2 * v))  # logits + fp32 softmax kept for the loss
-    return ModelCosts(layers, embedding, head, widths)
+    embedding = Cost(v * d, 0.0, tp_params=Split(vocab=v * d))
+    return ModelCosts(layers, embedding, head_cost(cfg), widths)
+
+
+def head_cost(cfg: ModelConfig, vocab_parallel: bool = False) -> Cost:
+    """Final norm, output projection and the fp32 cross-entropy of the last stage.
+
+    Kept for backward per token: the norm's, the projection's input, and the loss's [V] fp32
+    (F.cross_entropy: the log-softmax; vocab-parallel: the softmax of this rank's slice). The
+    logits themselves (compute dtype) are not kept. Its backward's moment: besides those, the
+    gradient of the log-softmax and of the logits (F.cross_entropy), or the softmax's copy, its
+    scaled copy and the masked result (vocab_parallel_cross_entropy): 2 or 3 more [V] in fp32.
+    """
+    d, v = cfg.d_model, cfg.vocab_size
+    params = d + (0 if cfg.tie_embeddings else v * d)
+    tp_params = Split(whole=d, vocab=params - d)
+    act = norm_act(d) + Split(whole=d, vocab=v)
+    backward = Split(seq=d, vocab=(3 if vocab_parallel else 2) * v)
+    return Cost(params, 2.0 * d * v, tp_params=tp_params, act=act, backward=(backward,))
 
 
 def uniform_twin(cfg: ModelConfig) -> ModelConfig:

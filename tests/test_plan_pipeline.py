@@ -57,7 +57,9 @@ def test_errors(capsys):
     assert tool.main(["--config", RECIPE, "parallel.pp=4", "parallel.pp_memory_gb=1"]) == 2
     assert "parallel.pp_memory_gb" in capsys.readouterr().err
     assert tool.main(["--config", RECIPE, "parallel.pp=4", "parallel.pp_memory_gb=40", "--json"]) == 0
-    assert max(json.loads(capsys.readouterr().out)["stage_static_bytes"]) < 40 * 2**30
+    plan = json.loads(capsys.readouterr().out)
+    assert max(plan["stage_peak_bytes"]) <= 40 * 2**30
+    assert plan["stage_peak_bytes"] == [a + b for a, b in zip(plan["stage_static_bytes"], plan["stage_act_bytes"])]
     assert tool.main(["--config", RECIPE, "parallel.pp_balance=bogus"]) == 2
     assert "parallel.pp_balance" in capsys.readouterr().err
 
@@ -76,3 +78,30 @@ def test_70b_recipe_plans_from_the_cost_model_alone(capsys):
     info = json.loads(capsys.readouterr().out)
     assert 68e9 < info["total_params"] == info["uniform_total_params"] < 70e9
     assert info["widths"][0] == 43008 and info["widths"][-1] == 14336
+
+
+def test_memory_columns_follow_layout_precision_and_checkpointing(capsys):
+    """The memory columns are the per-rank peak of megatron_taper/memory.py for the config."""
+    tool = _tool()
+
+    def plan(*overrides, options=()):
+        assert tool.main(["--config", RECIPE, "--json", *options, "parallel.pp=4", *overrides]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    base = plan()
+    assert base["memory"]["dp"] == 8 and base["memory"]["micro_batch"] == 4 and base["memory"]["microbatches"] == 16
+    peak = max(base["stage_peak_bytes"])
+    for override in ("train.precision=bf16", "train.activation_checkpointing=full", "parallel.tp=2"):
+        assert max(plan(override)["stage_peak_bytes"]) < 0.8 * peak, override
+    fsdp = plan("parallel.zero=fsdp2")  # pipelined: shards of 16/dp, plus the stage's weights gathered
+    assert max(fsdp["stage_static_bytes"]) < max(base["stage_static_bytes"])
+    custom = plan(options=("--bytes-per-param", "20"))
+    assert custom["stage_static_bytes"][1] == pytest.approx(base["stage_static_bytes"][1] * 20 / 16)
+    # 1F1B: the first stage holds 4 micro-batches in flight, the last one
+    assert base["stage_act_bytes"][0] > 2 * base["stage_act_bytes"][-1]
+    # a limit the plain run cannot meet fits once blocks are recomputed
+    assert tool.main(["--config", RECIPE, "parallel.pp=4", "parallel.pp_memory_gb=20"]) == 2
+    err = capsys.readouterr().err
+    assert "parallel.pp_memory_gb" in err and "x the limit on its fullest stage" in err
+    recomputed = plan("parallel.pp_memory_gb=20", "train.activation_checkpointing=full")
+    assert max(recomputed["stage_peak_bytes"]) <= 20 * 2**30

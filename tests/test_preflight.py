@@ -49,8 +49,6 @@ def _check(world: int, *overrides: str):
     (3, [], r"train.global_batch=8 must be a multiple of train.micro_batch x data-parallel size = 2 x 3"),
     (2, ["parallel.tp=2", "parallel.sequence_parallel=true", "model.arch=titans"],
      "parallel.sequence_parallel is not supported for model.arch='titans'"),
-    (2, ["parallel.tp=2", "model.arch=hope_attention", "model.hope.online=true"],
-     "model.hope.online=true is not supported with parallel.tp=2"),
     (1, ["model.mlp_width=5", "model.taper.start=1.9"], r"below one alignment unit \(model.taper.multiple=5\)"),
 ])
 def test_refused_with_the_keys_named(world, overrides, message):

@@ -3,21 +3,29 @@
     python tools/plan_pipeline.py --config configs/transformer_1.3b_taper.yaml parallel.pp=8 [--json]
 
 Per stage: layers, forward FLOPs per token (embedding on the first stage, final norm + LM head +
-loss on the last), parameters, parameter + gradient + optimizer memory, activation memory of the
-micro-batches in flight under the schedule; then bottleneck / ideal (slowest stage over the mean)
-for the chosen split (`parallel.pp_balance`) and for the layer-count split.
+loss on the last), parameters, and the predicted memory of one rank (megatron_taper/memory.py):
+static (parameters, gradients and optimizer state after tp / ZeRO sharding, plus weights held
+unsharded or cast), activations (the micro-batches in flight under the schedule, the largest
+backward moment, the head's loss buffers, pipeline buffers) and their sum, the peak; then
+bottleneck / ideal (slowest stage over the mean) for the chosen split (`parallel.pp_balance`)
+and for the layer-count split. The memory model assumes the config's parallel.tp /
+sequence_parallel / zero, train.activation_checkpointing and train.precision on train.device
+(auto: this machine's; plan a GPU run from a CPU machine with train.precision=bf16).
 `--json` prints one object with `stages` (layer-index lists), `stage_flops`,
-`bottleneck_over_ideal`, `uniform_bottleneck_over_ideal` and the other columns.
+`bottleneck_over_ideal`, `uniform_bottleneck_over_ideal`, the other columns and `memory` (what
+the memory columns assumed).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
 import torch
 
 from megatron_taper.config import load_config
+from megatron_taper.memory import MemorySetup
 from megatron_taper.models import build_model
 from megatron_taper.parallel.context import choose_device
 from megatron_taper.parallel.partition import PipelinePlan
@@ -32,7 +40,7 @@ def default_dp(cfg) -> int:
     return max(1, t.global_batch // (t.micro_batch * p.microbatches)) if p.microbatches else 1
 
 
-def build_plan(cfg, dp: int, memory_gb: list[float] | None, bytes_per_param: float,
+def build_plan(cfg, dp: int, memory_gb: list[float] | None, bytes_per_param: float | None = None,
                memory_key: str | None = None) -> PipelinePlan:
     """The plan the trainer makes for `cfg` at data-parallel size `dp`."""
     measured = None
@@ -59,10 +67,12 @@ def to_json(plan: PipelinePlan) -> dict:
         "stage_params": [s.params for s in plan.stages],
         "stage_static_bytes": [s.static_bytes for s in plan.stages],
         "stage_act_bytes": [s.act_bytes for s in plan.stages],
+        "stage_peak_bytes": [s.peak_bytes for s in plan.stages],
         "stage_cost": [s.cost for s in plan.stages],
         "bottleneck_over_ideal": plan.bottleneck_over_ideal,
         "uniform_stages": plan.uniform_stages,
         "uniform_bottleneck_over_ideal": plan.uniform_bottleneck_over_ideal,
+        "memory": dataclasses.asdict(plan.memory) if plan.memory else None,
     }
 
 
@@ -70,19 +80,30 @@ def _span(layers: list[int]) -> str:
     return f"{layers[0]}-{layers[-1]}" if len(layers) > 1 else str(layers[0])
 
 
+def memory_line(setup: MemorySetup | None) -> str:
+    if setup is None:
+        return ""
+    m = setup
+    state = f"{m.state_bytes_per_param():.3g} B/param" + (" (--bytes-per-param)" if m.bytes_per_param else "")
+    return (f"memory per rank: tp={m.tp}{' +sp' if m.sequence_parallel else ''} dp={m.dp} zero={m.zero} ({state}), "
+            f"{'bf16' if m.bf16 else 'fp32'}, checkpointing={m.activation_checkpointing}, "
+            f"{m.micro_batch} sequences x {m.microbatches} micro-batches")
+
+
 def to_text(plan: PipelinePlan, name: str) -> str:
     total = sum(s.flops for s in plan.stages)
     v = f" x {plan.virtual} virtual" if plan.virtual > 1 else ""
-    lines = [f"{name}: pp={plan.pp}{v}, balance={plan.balance}",
+    lines = [f"{name}: pp={plan.pp}{v}, balance={plan.balance}", memory_line(plan.memory),
              f"{'stage':>5} {'rank':>4} {'layers':>8} {'n':>3} {'GFLOP/tok':>10} {'share':>6} "
-             f"{'params(M)':>10} {'p+g+opt(GiB)':>12} {'act(GiB)':>9}"]
+             f"{'params(M)':>10} {'static(GiB)':>11} {'act(GiB)':>9} {'peak(GiB)':>9}"]
     profile = plan.balance == "profile"
     if profile:
-        lines[1] += f" {'fwd+bwd ms':>10}"
+        lines[2] += f" {'fwd+bwd ms':>10}"
     for c, s in enumerate(plan.stages):
         lines.append(f"{c:>5} {s.rank:>4} {_span(s.layers):>8} {len(s.layers):>3} {s.flops / 1e9:>10.3f} "
-                     f"{s.flops / total:>6.1%} {s.params / 1e6:>10.1f} {s.static_bytes / 2**30:>12.2f} "
-                     f"{s.act_bytes / 2**30:>9.2f}" + (f" {s.cost * 1e3:>10.2f}" if profile else ""))
+                     f"{s.flops / total:>6.1%} {s.params / 1e6:>10.1f} {s.static_bytes / 2**30:>11.2f} "
+                     f"{s.act_bytes / 2**30:>9.2f} {s.peak_bytes / 2**30:>9.2f}"
+                     + (f" {s.cost * 1e3:>10.2f}" if profile else ""))
     sizes = ", ".join(str(len(s)) for s in plan.uniform_stages)
     lines.append(f"bottleneck / ideal (FLOPs): {plan.bottleneck_over_ideal:.3f} for this split, "
                  f"{plan.uniform_bottleneck_over_ideal:.3f} for the layer-count split ({sizes} layers)")
@@ -101,8 +122,10 @@ def main(argv: list[str] | None = None) -> int:
                              "train.micro_batch sequences)")
     parser.add_argument("--memory-gb", type=float, nargs="+", default=None,
                         help="per-stage memory limit in GiB, one per stage (default: parallel.pp_memory_gb for all)")
-    parser.add_argument("--bytes-per-param", type=float, default=16.0,
-                        help="parameter + gradient + optimizer bytes per parameter (fp32 AdamW: 16)")
+    parser.add_argument("--bytes-per-param", type=float, default=None,
+                        help="parameter + gradient + optimizer bytes per tp-local parameter, replacing the "
+                             "engine's (default: 16 for zero=none, 16/dp for fsdp2, (param + 4 + 12)/dp for "
+                             "deepspeed)")
     parser.add_argument("overrides", nargs="*", help="key=value config overrides")
     args = parser.parse_args(argv)
     try:

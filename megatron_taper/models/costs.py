@@ -1,4 +1,4 @@
-"""Cost of the pieces blocks are made of: parameters, forward FLOPs and saved activations.
+"""Cost of the pieces blocks are made of: parameters, forward FLOPs and activation memory.
 
 FLOPs are forward FLOPs per token (one multiply-add = 2 FLOPs); a training step costs about 3x
 (backward = 2x forward). Attention scores and values cost 2 * 2 * H * E * C per token, where the
@@ -6,10 +6,29 @@ context C is (S + 1) / 2 on average under a causal mask (S when `causal=False`, 
 `torch.utils.flop_counter` counts for SDPA). Elementwise work (norms, RoPE, activations, softmax)
 is not counted, as in the usual 6N accounting. Each family's `layer_cost` (its FamilySpec) is
 built from these; flops.py adds embedding and head and sums over the model.
+
+Memory (read by megatron_taper/memory.py) is counted per piece and by how tensor parallelism lays
+it out (`Split`): parameters in `tp_params`; activations in elements per token of one
+micro-batch: `act` is what the piece's forward leaves for its backward (what autograd saves,
+counted op by op from the code; tests/test_memory_model.py compares it with torch's saved
+tensors), `per_batch` what it saves once per micro-batch whatever its tokens, and `backward` the
+moments of its backward, each the elements alive besides `act` then (gradient buffers), of which
+memory.py takes the largest. Elements carry no dtype: `seq` (residual stream, norm internals) and
+`vocab` (the loss) elements are fp32, the others are in the compute dtype (bf16 under autocast),
+applied once in memory.py.
+
+Saved tensors of the shared pieces, per token (the norm is torch 2.13's composite rms_norm, as
+on the CPU: it keeps its input, the normalised input and 1 / rms; a fused kernel that keeps less
+makes the count conservative):
+    norm       input d, normalised d, rstd 1                 (seq)
+    attention  normalised input d (one storage for wq/wk/wv)  (whole; one copy each: see input_copies)
+               q after RoPE H*E, SDPA output H*E, logsumexp H  (heads; wo reads the output as is)
+               k after RoPE, v: 2*K*E                         (kv)
+    SwiGLU     normalised input d (whole); w1 out, silu(w1 out), w3 out, product: 4*W (width)
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -17,30 +36,87 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
+class Split:
+    """A count (parameters, or activation elements per token) by its tensor-parallel layout."""
+
+    whole: float = 0.0  # the same on every tp rank
+    seq: float = 0.0  # activations: whole on every tp rank, split along the sequence under SP
+    heads: float = 0.0  # split with the query heads
+    kv: float = 0.0  # split with the key/value heads
+    width: float = 0.0  # split with the MLP width, in units of model.taper.multiple
+    vocab: float = 0.0  # split with the vocabulary
+    # activations: copies of a projection input shared by several projections, beyond the one
+    # storage counted in `whole`: each projection keeps its own copy under bf16 autocast (each
+    # casts the fp32 norm output itself) and under sequence parallelism with more than one
+    # sequence per micro-batch (the all-gathered input is strided, so each makes it contiguous)
+    input_copies: float = 0.0
+
+    def __add__(self, other: "Split") -> "Split":
+        return Split(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
+
+    def scaled(self, k: float) -> "Split":
+        return Split(*(getattr(self, f.name) * k for f in fields(self)))
+
+    @property
+    def total(self) -> float:
+        return sum(getattr(self, f.name) for f in fields(self))
+
+
+@dataclass(frozen=True)
 class Cost:
     params: int
     flops: float  # forward FLOPs per token
-    act_bytes: float = 0.0  # activations kept for backward, per token, at 2 bytes per element
+    # the earlier form, still accepted from families that give nothing else: activations kept for
+    # backward per token at 2 bytes per element, layout unknown (memory.py: whole, compute dtype)
+    act_bytes: float = 0.0
+    tp_params: Split | None = None  # the parameters by layout; None = all whole on every tp rank
+    act: Split = Split()  # elements per token kept for backward
+    backward: tuple[Split, ...] = ()  # moments of the backward: elements per token besides `act`
+    per_batch: Split = Split()  # elements kept for backward once per micro-batch, whatever its tokens
 
     def __add__(self, other: "Cost") -> "Cost":
-        return Cost(self.params + other.params, self.flops + other.flops, self.act_bytes + other.act_bytes)
+        return Cost(self.params + other.params, self.flops + other.flops, self.act_bytes + other.act_bytes,
+                    self.params_split + other.params_split, self.act + other.act, self.backward + other.backward,
+                    self.per_batch + other.per_batch)
+
+    @property
+    def params_split(self) -> Split:
+        return self.tp_params if self.tp_params is not None else Split(whole=self.params)
+
+    def repeated(self, n: int) -> "Cost":
+        """`n` copies of this piece one after another (their moments of backward stay one each)."""
+        return Cost(self.params * n, self.flops * n, self.act_bytes * n, self.params_split.scaled(n),
+                    self.act.scaled(n), self.backward, self.per_batch.scaled(n))
+
+
+def norm_act(d: int) -> Split:
+    """RMSNorm over d features: its input, the normalised input and 1 / rms."""
+    return Split(seq=2 * d + 1)
 
 
 def attention_cost(cfg: ModelConfig, causal: bool = True, extra_outputs: int = 0) -> Cost:
     """Pre-norm attention with wq/wk/wv/wo; `extra_outputs`: the width of one more projection of
-    the normalised input whose output is kept for backward (e.g. an output gate)."""
+    the normalised input, split by head like wq, whose output is kept for backward (e.g. an
+    output gate)."""
     d, h, k, e, s = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_dim, cfg.seq_len
     matmul = d * h * e + 2 * d * k * e + h * e * d + d * extra_outputs
     context = (s + 1) / 2 if causal else s
     flops = 2 * matmul + 4 * h * e * context
-    # saved for backward: norm input, q, k, v, attention output (+ softmax stats, ignored), extra
-    acts = 2 * (d + h * e + 2 * k * e + h * e + d + extra_outputs)
-    return Cost(matmul + d, flops, acts)
+    params = Split(whole=d, heads=2 * d * h * e + d * extra_outputs, kv=2 * d * k * e)
+    projections = 4 if extra_outputs else 3
+    act = norm_act(d) + Split(whole=d, heads=2 * h * e + h + extra_outputs, kv=2 * k * e,
+                              input_copies=(projections - 1) * d)
+    # SDPA's backward: gradients of its output, q, k and v, and the residual's gradient
+    backward = Split(seq=d, heads=2 * h * e, kv=2 * k * e)
+    return Cost(matmul + d, flops, tp_params=params, act=act, backward=(backward,))
 
 
 def swiglu_cost(cfg: ModelConfig, width: int) -> Cost:
     """Pre-norm SwiGLU MLP of hidden width `width`."""
     d = cfg.d_model
     matmul = 3 * d * width
-    acts = 2 * (d + 3 * width)  # norm input, w1 out, w3 out, product
-    return Cost(matmul + d, 2 * matmul, acts)
+    act = norm_act(d) + Split(whole=d, width=4 * width, input_copies=d)  # w1 and w3 read the input
+    # the product's backward: gradients of silu(w1 out) and of w3 out while the one of the product
+    # still exists (the product itself is freed by then), and the residual's gradient
+    backward = Split(seq=d, width=2 * width)
+    return Cost(matmul + d, 2 * matmul, tp_params=Split(whole=d, width=matmul), act=act, backward=(backward,))

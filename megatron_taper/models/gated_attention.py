@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from megatron_taper.models.costs import Cost, attention_cost, swiglu_cost
+from megatron_taper.models.costs import Cost, Split, attention_cost, swiglu_cost
 from megatron_taper.models.layers import Attention
 from megatron_taper.models.spec import FamilySpec
 from megatron_taper.models.transformer import Transformer, TransformerBlock, tp_plan_transformer_block
@@ -63,7 +63,10 @@ def gate_width(cfg: ModelConfig) -> int:
 
 
 def gated_attention_layer_cost(cfg: ModelConfig, width: int, causal: bool = True) -> Cost:
-    return attention_cost(cfg, causal, extra_outputs=gate_width(cfg)) + swiglu_cost(cfg, width)
+    """The Transformer's block with the gate W_g as one more projection of the normalised input;
+    besides the gate's output, wo's input is then the gated product Y' (H*E per token), not Y."""
+    gated_product = Cost(0, 0.0, tp_params=Split(), act=Split(heads=cfg.n_heads * cfg.head_dim))
+    return attention_cost(cfg, causal, extra_outputs=gate_width(cfg)) + gated_product + swiglu_cost(cfg, width)
 
 
 def tp_plan_gated_attention_block(block: GatedAttentionBlock, prefix: str, cfg: ModelConfig, tp: TPBuilder) -> None:

@@ -3,34 +3,59 @@ System (CMS), a chain of MLP levels whose parameters change at different frequen
 
     x = x + attn(norm(x))
     for level l = 0 .. L_cms - 1:
-        x = x + MLP_l(norm_l(x))          SwiGLU of this block's tapered width w
+        x = x + M_l(norm_l(x))          M(n) = w2 (silu(w1 n) * w3 n), hidden width w of this block
 
-Without online updates (`model.hope.online=false`, the default) every level changes only with
-the outer optimizer, i.e. the CMS is a chain of residual SwiGLUs. With online updates, level l
-also learns inside the forward pass: every C_l = chunk_size * chunk_growth**l tokens its output
-projection takes one gradient step (size `online_lr`, per sequence) on the local
-auto-associative loss mean_t ||w2 h_t - norm_l(x)_t||^2 over the chunk just finished, where
-h_t = silu(w1 n_t) * w3 n_t. The step only affects later chunks, so the block stays causal; the
-outer gradient flows through the updates. The taper applies to the CMS widths: every level of
-block i has width w_i, so tapered and uniform twins have equal parameter counts.
+Online CMS (`model.hope.online=true`, the default). Each level's whole MLP theta = (w1, w3, w2)
+also learns inside the sequence, per sequence, at its own frequency: the tokens are cut into
+chunks of C_l = chunk_size * chunk_growth**l; chunk c is read with the weights theta^(c) left by
+the updates of the chunks before it (so the block stays causal), and at its end, unless it is
+the sequence's last chunk,
+
+    theta^(c+1) = theta^(c) - eta_l / (C_l nu_c) sum_{t in c} grad l_t(theta^(c)),
+    l_t(theta) = 1/2 ||M_theta(n_t) - n_t||^2          (auto-associative local objective)
+    nu_c = mean_{t in c} (||h_t||^2 + 2 ||n_t||^2),   h_t = silu(w1 n_t) * w3 n_t
+
+with n_t = norm_l(x)_t. Step size: eta_l = softplus(raw_step), a learnable scalar per level
+initialised at `online_lr`; nu_c, the squared norm of what the three matrices read (h for w2, n
+for w1 and w3), makes it a normalised-LMS step whose effect does not depend on the scale of the
+activations (which differs by orders of magnitude between model sizes and early training).
+The gradient is written in closed form from the chunk's activations (e = (y - n) / C_l,
+grad w2 = e^T h, dh = e w2, grad w1 = (dh * w3 n * silu'(w1 n))^T n, grad w3 =
+(dh * silu(w1 n))^T n), on [B, ...] fast weights, one loop iteration per chunk; the updates are
+differentiable functions of the parameters, so the outer gradient flows through them
+(tests/models/hope_reference.py is the token-by-token autograd reference). Per token of an
+updated chunk this costs 4 more matmuls of the level's size (8 W D FLOPs), and backward keeps the
+[W, D] fast weights of every update of every sequence (3 W D values).
+
+`model.hope.online=false` is the ablation: a plain chain of residual SwiGLUs that change only
+with the outer optimizer. The taper applies to the CMS widths: every level of block i has width
+w_i, so tapered and uniform twins have equal parameter counts and FLOPs.
+
+Tensor parallelism splits every level's width like a SwiGLU's (w1, w3 by rows, w2 by columns).
+A shard's update needs the whole output error: each chunk's partial outputs (with the partial
+||h_t||^2) are all-reduced once, and the sum re-enters the shard's update through f (identity
+forward, all-reduce backward), as does eta; everything else in the update stays on its shard.
 """
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron_taper.models.costs import Cost, attention_cost, swiglu_cost
-from megatron_taper.models.layers import RMSNorm, SwiGLU
+from megatron_taper.models.costs import Cost, Split, attention_cost, swiglu_cost
+from megatron_taper.models.init import RESIDUAL_OUT, init_tensor
+from megatron_taper.models.layers import RMSNorm
 from megatron_taper.models.spec import FamilySpec
 from megatron_taper.models.transformer import Transformer, TransformerBlock
-from megatron_taper.validation import ConfigError, check_range
+from megatron_taper.validation import check_range
 
 if TYPE_CHECKING:
-    from megatron_taper.config import ModelConfig, ParallelConfig
+    from megatron_taper.config import ModelConfig
     from megatron_taper.parallel.tp_plan import TPBuilder
 
 
@@ -39,15 +64,118 @@ class HopeConfig:
     """model.hope"""
 
     levels: int = 2  # MLP levels of the Continuum Memory System after each attention
-    chunk_size: int = 16  # update period (tokens) of the fastest level when online
-    chunk_growth: int = 4  # level l updates every chunk_size * chunk_growth**l tokens
-    online: bool = False  # update the levels inside the forward pass (off: plain MLP chain)
-    online_lr: float = 0.01  # step size of the online updates
+    chunk_size: int = 16  # C_0: tokens per update of the fastest level (online)
+    chunk_growth: int = 4  # level l updates once per C_l = chunk_size * chunk_growth**l tokens
+    online: bool = True  # levels learn inside the sequence (false: a plain chain of SwiGLUs, the ablation)
+    online_lr: float = 0.1  # initial step size eta_l of every level (learnable: softplus(raw_step))
 
     def validate(self, prefix: str) -> None:
         for key in ("levels", "chunk_size", "chunk_growth"):
             check_range(f"{prefix}.{key}", getattr(self, key), 1, None)
         check_range(f"{prefix}.online_lr", self.online_lr, 0.0, None, open_low=True)
+
+
+def level_period(hope: HopeConfig, level: int) -> int:
+    """C_l: the tokens per update of CMS level `level`."""
+    return hope.chunk_size * hope.chunk_growth**level
+
+
+STEP_EPS = 1e-6  # keeps a normalised step finite for a chunk whose inputs vanish
+
+
+def identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+@dataclass(frozen=True)
+class LevelComm:
+    """Where a CMS level meets the other tensor-parallel ranks: the identity on one device; a tp
+    plan (tp_plan_hope_attention_block) puts the collectives of parallel/tensor.py in place."""
+
+    enter: Callable[[torch.Tensor], torch.Tensor] = identity  # block input -> the shard's input (f)
+    sum_partial: Callable[[torch.Tensor], torch.Tensor] = identity  # partial sums -> whole (all-reduce)
+    reenter: Callable[[torch.Tensor], torch.Tensor] = identity  # whole -> used again by the shard (f)
+    leave: Callable[[torch.Tensor], torch.Tensor] = identity  # whole output -> the block's layout
+    leave_partial: Callable[[torch.Tensor], torch.Tensor] = identity  # partial output -> block's layout
+
+
+Weights = tuple[torch.Tensor, torch.Tensor]  # w13 = [w1; w3] [2W, D] and w2 [D, W]; [B, ...] once updated
+
+
+@dataclass(frozen=True)
+class SwiGLUActivations:
+    """A SwiGLU's hidden activations for inputs n [B, C, D], each [B, C, W]: s = silu(w1 n),
+    h = s * (w3 n), and dh_da = (w3 n) * silu'(w1 n), the derivative of h by w1 n."""
+
+    s: torch.Tensor
+    h: torch.Tensor
+    dh_da: torch.Tensor
+
+    @classmethod
+    def of(cls, n: torch.Tensor, w13: torch.Tensor) -> "SwiGLUActivations":
+        a, g = (n @ w13.transpose(-1, -2)).chunk(2, dim=-1)  # one matmul for w1 and w3
+        sig = torch.sigmoid(a)
+        s = a * sig
+        return cls(s, s * g, g * sig * (1 + a * (1 - sig)))  # silu'(a) = sig (1 + a (1 - sig))
+
+
+def inner_step(weights: Weights, n: torch.Tensor, acts: SwiGLUActivations, y: torch.Tensor,
+               h_sq: torch.Tensor, step: torch.Tensor) -> Weights:
+    """The weights after one update on a chunk: closed-form gradients of the local loss
+    mean_t 1/2 ||y_t - n_t||^2 (manual backprop through the SwiGLU), the step eta divided by the
+    chunk's mean of ||h_t||^2 + 2 ||n_t||^2 (what w2, w1 and w3 read). n, y: [B, C, D]; h_sq:
+    ||h_t||^2 [B, C]; step: [1]. Returns [B, ...] weights."""
+    w13, w2 = weights
+    inputs_sq = (h_sq + 2 * n.square().sum(-1)).mean(1)  # [B]
+    scale = step / (n.shape[1] * (inputs_sq + STEP_EPS))  # [B]: the step per unit of summed gradient
+    descent = (n - y) * scale[:, None, None]  # minus the step times d loss / d y, [B, C, D]
+    dh = descent @ w2  # [B, C, W]
+    delta_w2 = descent.transpose(1, 2) @ acts.h  # [B, D, W]
+    delta_w13 = torch.cat((dh * acts.dh_da, dh * acts.s), dim=-1).transpose(1, 2) @ n  # [B, 2W, D]
+    return w13 + delta_w13, w2 + delta_w2  # (an add: its backward needs no weight-sized negation)
+
+
+class ContinuumLevel(nn.Module):
+    """One CMS level M(n) = w2 (silu(w1 n) * w3 n) of hidden width W, its matrices bare parameters
+    (w1, w3 [W, D], w2 [D, W]) so that every engine gathers them with the level. With a `period`
+    its weights also learn inside the sequence (module docstring); without, a plain SwiGLU."""
+
+    def __init__(self, d_model: int, width: int, period: int | None):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(width, d_model))
+        self.w3 = nn.Parameter(torch.empty(width, d_model))
+        self.w2 = nn.Parameter(torch.empty(d_model, width))
+        self.period = period
+        # eta = softplus(raw_step): the learnable step size of the online updates
+        self.raw_step = nn.Parameter(torch.empty(1)) if period else None
+        self.comm = LevelComm()
+
+    def forward(self, n: torch.Tensor) -> torch.Tensor:
+        """n: the level's normalised input [B, S, D] -> its output [B, S, D]."""
+        n = self.comm.enter(n)
+        if self.period is None:
+            return self.comm.leave_partial(F.linear(F.silu(F.linear(n, self.w1)) * F.linear(n, self.w3), self.w2))
+        return self.comm.leave(self.online(n, (torch.cat((self.w1, self.w3)), self.w2)))
+
+    def online(self, n: torch.Tensor, weights: Weights) -> torch.Tensor:
+        """Chunk by chunk: read with the weights at the chunk's start, then update them."""
+        step = self.comm.reenter(F.softplus(self.raw_step))
+        chunks = n.split(self.period, dim=1)
+        outs = []
+        for index, chunk in enumerate(chunks):
+            acts = SwiGLUActivations.of(chunk, weights[0])
+            y = acts.h @ weights[1].transpose(-1, -2)  # [B, C, D], partial sums over width shards
+            if index == len(chunks) - 1:  # nothing reads the last chunk's update
+                outs.append(self.comm.sum_partial(y))
+                break
+            h_sq = acts.h.square().sum(-1, keepdim=True)  # [B, C, 1], partial sums over width shards
+            whole = self.comm.sum_partial(torch.cat((y, h_sq), dim=-1))  # one all-reduce: [B, C, D + 1]
+            outs.append(whole[..., :-1])
+            inner = self.comm.reenter(whole)
+            weights = inner_step(weights, chunk, acts, inner[..., :-1], inner[..., -1], step)
+        out = torch.cat(outs, dim=1)
+        # one chunk runs no update; eta still joins the graph for a (zero) gradient, as DDP needs
+        return out if len(chunks) > 1 else out + 0.0 * step
 
 
 class HopeAttentionBlock(TransformerBlock):
@@ -56,38 +184,27 @@ class HopeAttentionBlock(TransformerBlock):
         del self.mlp_norm, self.mlp
         hope = cfg.hope
         self.cms_norms = nn.ModuleList(RMSNorm(cfg.d_model, cfg.norm_eps) for _ in range(hope.levels))
-        self.cms = nn.ModuleList(SwiGLU(cfg.d_model, mlp_width) for _ in range(hope.levels))
-        self.online = hope.online
-        self.online_lr = hope.online_lr
-        self.periods = [hope.chunk_size * hope.chunk_growth**level for level in range(hope.levels)]
+        self.cms = nn.ModuleList(
+            ContinuumLevel(cfg.d_model, mlp_width, level_period(hope, level) if hope.online else None)
+            for level in range(hope.levels))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), cos, sin)
-        for norm, mlp, period in zip(self.cms_norms, self.cms, self.periods):
-            n = norm(x)
-            x = x + (online_mlp(mlp, n, period, self.online_lr) if self.online else mlp(n))
+        for norm, level in zip(self.cms_norms, self.cms):
+            x = x + level(norm(x))
         return x
-
-
-def online_mlp(mlp: SwiGLU, n: torch.Tensor, period: int, lr: float) -> torch.Tensor:
-    """SwiGLU whose output projection takes a gradient step after every `period` tokens.
-
-    n: [B, S, D] (the level's normalised input, also the regression target). Returns [B, S, D].
-    """
-    h = F.silu(mlp.w1(n)) * mlp.w3(n)  # [B, S, W]
-    w = mlp.w2.weight.t().expand(n.shape[0], -1, -1)  # [B, W, D], one copy per sequence
-    outs = []
-    for start in range(0, n.shape[1], period):
-        hc, target = h[:, start:start + period], n[:, start:start + period]
-        out = hc @ w  # [B, C, D], read with the state at the chunk's start
-        outs.append(out)
-        grad = hc.transpose(1, 2) @ (2.0 * (out - target)) / hc.shape[1]  # d mean_t ||.||^2 / dw
-        w = w - lr * grad
-    return torch.cat(outs, dim=1)
 
 
 class HopeAttention(Transformer):
     block_class = HopeAttentionBlock
+
+    def init_value(self, name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+        """models/init.py's rule (each level's w2 writes into the residual stream), and every online
+        level's raw_step at softplus^-1(online_lr)."""
+        if name.endswith(".raw_step"):
+            eta = self.cfg.hope.online_lr
+            return torch.full(shape, eta + math.log(-math.expm1(-eta)))  # log(exp(eta) - 1), stably
+        return init_tensor(name, shape, seed, self.cfg.init_std, self.cfg.n_layers, RESIDUAL_OUT + (".w2",))
 
 
 def hope_attention_layer_cost(cfg: ModelConfig, width: int, causal: bool = True) -> Cost:
@@ -95,26 +212,72 @@ def hope_attention_layer_cost(cfg: ModelConfig, width: int, causal: bool = True)
     mlp = swiglu_cost(cfg, width)
     levels = cfg.hope.levels
     flops = attn.flops + levels * mlp.flops
-    if cfg.hope.online:  # per token: its share of the chunk's weight gradient h^T (out - n)
-        flops += levels * 2 * width * cfg.d_model
-    return Cost(attn.params + levels * mlp.params, flops, attn.act_bytes + levels * mlp.act_bytes)
+    if cfg.hope.online:  # the inner updates' closed-form gradients
+        flops += sum(online_update_flops(cfg, width, level) for level in range(levels))
+    memory = attn + mlp.repeated(levels)
+    act, per_batch = memory.act, Split()
+    if cfg.hope.online:
+        for level in range(levels):
+            act = act + online_level_act(cfg, width, level)
+        per_batch = Split(width=levels * 2 * width * cfg.d_model)  # [w1; w3] concatenated by each forward
+    steps = levels if cfg.hope.online else 0  # one learnable step size (raw_step) per online level
+    return Cost(attn.params + levels * mlp.params + steps, flops, tp_params=memory.params_split + Split(whole=steps),
+                act=act, backward=memory.backward, per_batch=per_batch)
+
+
+def online_update_flops(cfg: ModelConfig, width: int, level: int) -> float:
+    """Forward FLOPs per token (over the sequence) of a level's inner updates: 4 matmuls of
+    2 W D per token (grads of w2, w1, w3 and the error through w2) in every chunk but the last."""
+    period = level_period(cfg.hope, level)
+    updated_tokens = (-(-cfg.seq_len // period) - 1) * period
+    return 8 * width * cfg.d_model * updated_tokens / cfg.seq_len
+
+
+def online_level_act(cfg: ModelConfig, width: int, level: int) -> Split:
+    """Elements per token an online level keeps for backward besides a plain SwiGLU's, as counted
+    from the tensors autograd saves (tests/test_memory_model.py): 4 more W-wide activations per
+    token; per update (every chunk but the last), per sequence, the new fast weights [2W, D] and
+    [D, W], and 4 W + 2 D per token of the updated chunk."""
+    d, s = cfg.d_model, cfg.seq_len
+    period = level_period(cfg.hope, level)
+    updates = -(-s // period) - 1
+    per_update = Split(whole=2 * d * period, width=3 * width * d + 4 * width * period)
+    return Split(width=4 * width) + per_update.scaled(updates / s)
 
 
 def tp_plan_hope_attention_block(block: HopeAttentionBlock, prefix: str, cfg: ModelConfig, tp: TPBuilder) -> None:
-    """Attention as in the Transformer; every CMS level a SwiGLU split like the MLP."""
+    """Attention as in the Transformer; every CMS level's width split like a SwiGLU's (w1, w3 by
+    rows, w2 by columns, in units of model.taper.multiple, uneven when it does not divide), with
+    the level's collectives in place. raw_step stays whole: it enters the shards through f, whose
+    backward already sums its gradient over the tp ranks (also under sequence parallelism)."""
     tp.replicated(block.attn_norm, f"{prefix}.attn_norm")
     tp.attention(block.attn, f"{prefix}.attn", cfg.n_heads, cfg.kv_heads, cfg.rope_theta)
-    for level, (norm, mlp) in enumerate(zip(block.cms_norms, block.cms)):
-        tp.replicated(norm, f"{prefix}.cms_norms.{level}")
-        tp.swiglu(mlp, f"{prefix}.cms.{level}", cfg.taper.multiple)
+    for index, (norm, level) in enumerate(zip(block.cms_norms, block.cms)):
+        tp.replicated(norm, f"{prefix}.cms_norms.{index}")
+        name = f"{prefix}.cms.{index}"
+        rows, columns = tp.width_specs(level.w1.shape[0], cfg.taper.multiple, name)
+        tp.shard_parameter(level, "w1", name, rows)
+        tp.shard_parameter(level, "w3", name, rows)
+        tp.shard_parameter(level, "w2", name, columns)
+        level.comm = tensor_parallel_comm(tp.group, tp.sequence_parallel)
 
 
-def check_hope_layout(mcfg: ModelConfig, pcfg: ParallelConfig) -> None:
-    if mcfg.hope.online and pcfg.tp > 1:
-        raise ConfigError(f"model.hope.online=true is not supported with parallel.tp={pcfg.tp} (the online "
-                          f"update needs each level's whole output); set model.hope.online=false or parallel.tp=1")
+def tensor_parallel_comm(group, sequence_parallel: bool) -> LevelComm:
+    """A level's collectives over the tp group: f at the input (all-gather of the sequence under
+    SP), an all-reduce of partial outputs, f for the sum's reuse in the update; the output back to
+    the block's layout (SP: this rank's sequence chunk)."""
+    from megatron_taper.parallel import tensor as ops  # the model file stays single-device until a plan runs
+
+    def on_group(op):
+        return functools.partial(op, group=group)
+
+    return LevelComm(
+        enter=functools.partial(ops.enter_tp_region, group=group, sequence_parallel=sequence_parallel),
+        sum_partial=on_group(ops.reduce_from_tp_region),
+        reenter=on_group(ops.copy_to_tp_region),
+        leave=on_group(ops.scatter_to_seq_region) if sequence_parallel else identity,
+        leave_partial=on_group(ops.reduce_scatter_to_seq_region if sequence_parallel else ops.reduce_from_tp_region))
 
 
 SPEC = FamilySpec(name="hope_attention", build=HopeAttention, layer_cost=hope_attention_layer_cost,
-                  tp_block_plan=tp_plan_hope_attention_block, check_layout=check_hope_layout,
-                  section="hope", options=HopeConfig)
+                  tp_block_plan=tp_plan_hope_attention_block, section="hope", options=HopeConfig)

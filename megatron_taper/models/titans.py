@@ -1,7 +1,8 @@
 """Titans (Behrouz et al. 2024, arXiv 2501.00663): attention plus a neural long-term memory.
 
 Neural memory, per head (H heads of size E), for tokens t = 1..T:
-    k_t = l2norm(silu(W_k x_t)), v_t = l2norm(silu(W_v x_t)), q_t = l2norm(silu(W_q x_t))
+    k_t = l2norm(silu(conv_k(W_k x)_t)), likewise v_t (conv_v, W_v) and q_t (conv_q, W_q)
+    conv(z)_t = sum_{j<K} w[:, K-1-j] * z_{t-j}     (depthwise causal, K = `conv_kernel` taps)
     theta_t = max_lr * sigmoid(.), eta_t = sigmoid(. + logit(momentum_init)),
     alpha_t = sigmoid(. + logit(forget_init))                  (one linear map x_t -> [H, 3])
     S_t = eta_t S_{t-1} - theta_t grad_M ||M_{t-1}(k_t) - v_t||^2        (surprise, momentum)
@@ -19,6 +20,17 @@ B_t = prod_{l<=t} (1 - alpha_l), E_j = prod_{l<=j} eta_l. Reading M_t(q_t) layer
 then attention-like: r M_t = B_t (r W) + D_t (r S) - ((c * r a^T) delta), never materialising
 per-token weights. C = 1 is the exact token-by-token recurrence (tests compare both with a torch.func reference).
 
+Convolution: the paper's 1D depthwise-separable convolution after the query, key and value
+projections (the projection is its pointwise part), on the neural memory's q, k, v only (the
+attention's are plain), before SiLU and the l2-norm. Causal: zero-padded in front, so token t
+mixes the projections of tokens t-K+1..t of the sequence the memory reads ([P, x] in MAG / MAL,
+persistent tokens included; in MAC the whole x for the retrieval queries and the whole y, carried
+across segments through `ConvPast`, for the writes). It acts before the memory, so the chunked
+form and the recurrence see the same k, v, q and stay exactly equal at C = 1. Taps [H*E, K] per
+projection, initialised to the identity (1 on the newest tap) plus N(0, init_std), so a new model
+starts close to the one without convolution; split by head under tensor parallelism like wq.
+`conv_kernel` = 0 removes it.
+
 Blocks (the MLP after the mixer has this layer's tapered width, as in the Transformer):
     MAG  x~ = [P, norm(x)];  o = SWA(x~) * sigmoid(M(x~))                 (memory as a gate)
     MAL  x = x + M([P, norm(x)]);  x = x + SWA([P, norm(x)])             (memory as a layer)
@@ -26,24 +38,37 @@ Blocks (the MLP after the mixer has this layer's tapered width, as in the Transf
          y = Attn([P, h, norm(x)_s]) (causal over h and x); o = y * sigmoid(M_t(y_t)) while M
          writes y                                                          (memory as context)
 P are `persistent_tokens` learnable tokens, visible to every query; SWA is causal attention over
-the last `window` tokens plus P. Deviations from the paper: no depthwise convolution on q, k, v;
-the output combination is a plain sigmoid gate; values are l2-normalised like keys (bounded
-targets keep the chunked inner optimisation of a deep memory stable); each head's read is
-RMS-normalised with its own gains before wo.
+the last `window` tokens plus P, with RoPE positions 0..P-1 for P and P.. for the tokens. Only the
+real tokens' rows are queried (RowAttention): SWA through the banded kernels of local_attention.py
+(blockwise SDPA on CPU, FlexAttention on CUDA; work and memory O(S x W)); each MAC segment through
+SDPA under its [L, P + 2L] mask. Deviations from the paper: the convolution sits on the memory's
+q, k, v only; the output combination is a plain sigmoid gate; values are l2-normalised like keys
+(bounded targets keep the chunked inner optimisation of a deep memory stable); each head's read
+is RMS-normalised with its own gains before wo.
+
+Cost model (`titans_layer_cost`): FLOPs count every pair the attention kernels compute, masked or
+not, the same with `causal` or without: the blockwise band (P + 2W keys per query, P + W in the
+first block, padded rows included; `blockwise_pairs`) for MAG / MAL and L x (P + 2L) per MAC
+segment. That is what runs on CPU and what torch's FLOP counter sees; FlexAttention on CUDA
+computes the 128-wide kv blocks that meet the window or hold persistent tokens, about W + 128 to
+W + 256 keys per query plus the persistent tokens' block: fewer than the band when W is large
+(W = 512: ~0.8x), more when it is small (W = 64: ~3x).
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron_taper.models.costs import Cost, swiglu_cost
+from megatron_taper.models.costs import Cost, Split, attention_cost, norm_act, swiglu_cost
 from megatron_taper.models.init import init_tensor
-from megatron_taper.models.layers import Attention, RMSNorm, rope_tables
+from megatron_taper.models.layers import Attention, RMSNorm, apply_rope, rope_tables
+from megatron_taper.models.local_attention import blockwise_pairs, sliding_window_attention
 from megatron_taper.models.spec import FamilySpec
 from megatron_taper.models.transformer import Transformer, TransformerBlock, tp_plan_transformer_block
 from megatron_taper.validation import ConfigError, check_choice, check_range
@@ -64,6 +89,7 @@ class TitansConfig:
     memory_depth: int = 2  # layers of the memory MLP (1 = a linear memory)
     memory_expansion: int = 2  # hidden width of a deep memory, in multiples of head_dim
     chunk_size: int = 16  # tokens whose memory gradients are taken at the chunk's starting state
+    conv_kernel: int = 4  # taps of the depthwise causal convolution on the memory's q, k, v (0 = none)
     max_lr: float = 0.005  # upper bound of the data-dependent inner learning rate theta_t; the chunked
     # updates stay stable for max_lr * chunk_size**2 <~ 1 (measured: 0.1 and 0.01 at chunk 16 diverge)
     momentum_init: float = 0.9  # eta_t at initialisation (a fixed logit offset)
@@ -74,12 +100,16 @@ class TitansConfig:
         for key in ("window", "memory_depth", "memory_expansion", "chunk_size"):
             check_range(f"{prefix}.{key}", getattr(self, key), 1, None)
         check_range(f"{prefix}.persistent_tokens", self.persistent_tokens, 0, None)
+        check_range(f"{prefix}.conv_kernel", self.conv_kernel, 0, None)
         check_range(f"{prefix}.max_lr", self.max_lr, 0.0, None, open_low=True)
         check_range(f"{prefix}.momentum_init", self.momentum_init, 0.0, 1.0, open_low=True, open_high=True)
         check_range(f"{prefix}.forget_init", self.forget_init, 0.0, 1.0, open_low=True, open_high=True)
 
 
 State = tuple[list[torch.Tensor], list[torch.Tensor]]  # (memory weights, surprise), each [B, H, i, o]
+# k, v, q [B, H, T, E]; theta, log eta, log (1 - alpha) [B, H, T]
+Features = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+ConvPast = tuple[torch.Tensor, ...] | None  # per convolved projection (k, v, q) its last K-1 inputs [B, K-1, H*E]
 
 
 def memory_dims(head_dim: int, depth: int, expansion: int) -> list[int]:
@@ -89,6 +119,21 @@ def memory_dims(head_dim: int, depth: int, expansion: int) -> list[int]:
 def silu_grad(z: torch.Tensor) -> torch.Tensor:
     s = torch.sigmoid(z)
     return s * (1 + z * (1 - s))
+
+
+def causal_conv(x: torch.Tensor, weight: torch.Tensor | None,
+                past: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Depthwise causal convolution along time, y_t = sum_j weight[:, j] x_{t-K+1+j}: x [B, T, C],
+    weight [C, K] (None = identity), past [B, K-1, C] the inputs before x (zeros when None).
+    Returns y [B, T, C] and the last K-1 inputs, the next call's past."""
+    if weight is None:
+        return x, None
+    taps = weight.shape[1]
+    if past is None:
+        past = x.new_zeros(x.shape[0], taps - 1, x.shape[2])
+    padded = torch.cat((past, x), dim=1)  # [B, K-1+T, C]
+    y = F.conv1d(padded.transpose(1, 2), weight.to(x.dtype).unsqueeze(1), groups=weight.shape[0])
+    return y.transpose(1, 2), padded[:, padded.shape[1] - (taps - 1):]
 
 
 class NeuralMemory(nn.Module):
@@ -103,6 +148,8 @@ class NeuralMemory(nn.Module):
         self.wq = nn.Linear(d, h * e, bias=False)
         self.wk = nn.Linear(d, h * e, bias=False)
         self.wv = nn.Linear(d, h * e, bias=False)
+        for name in ("conv_q", "conv_k", "conv_v"):  # depthwise taps [H*E, K], oldest first
+            self.register_parameter(name, nn.Parameter(torch.empty(h * e, t.conv_kernel)) if t.conv_kernel else None)
         self.gates = nn.Linear(d, h * 3, bias=True)  # head-major [H, (theta, eta, alpha)]
         dims = memory_dims(e, t.memory_depth, t.memory_expansion)
         self.mem_w = nn.ParameterList(nn.Parameter(torch.empty(h, i, o)) for i, o in zip(dims[:-1], dims[1:]))
@@ -110,22 +157,28 @@ class NeuralMemory(nn.Module):
         self.wo = nn.Linear(h * e, d, bias=False)
         self.eps = cfg.norm_eps
 
-    def heads(self, proj: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-        """[B, T, D] -> silu(proj x) as [B, H, T, E]."""
-        return F.silu(proj(x)).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
+    def heads(self, proj: nn.Linear, conv: torch.Tensor | None, x: torch.Tensor,
+              past: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """[B, T, D] -> l2norm(silu(conv(proj x))) as [B, H, T, E], and the convolution's past."""
+        z, past = causal_conv(proj(x), conv, past)
+        return F.normalize(F.silu(z).unflatten(-1, (-1, self.head_dim)).transpose(1, 2), dim=-1), past
 
     def queries(self, x_q: torch.Tensor) -> torch.Tensor:
-        return F.normalize(self.heads(self.wq, x_q), dim=-1)
+        """q [B, H, T, E] of a whole sequence x_q [B, T, D]."""
+        return self.heads(self.wq, self.conv_q, x_q)[0]
 
-    def project(self, x_kv: torch.Tensor, x_q: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """k, v, q: [B, H, T, E]; theta, log eta, log (1 - alpha): [B, H, T]."""
-        k = F.normalize(self.heads(self.wk, x_kv), dim=-1)
-        v = F.normalize(self.heads(self.wv, x_kv), dim=-1)
+    def project(self, x_kv: torch.Tensor, x_q: torch.Tensor, past: ConvPast = None) -> tuple[Features, ConvPast]:
+        """k, v, q, theta, log eta, log (1 - alpha) of x_kv / x_q [B, T, D], which continue the
+        sequences whose convolution inputs `past` holds (None = they start here); and the new past."""
+        pk, pv, pq = past or (None, None, None)
+        k, pk = self.heads(self.wk, self.conv_k, x_kv, pk)
+        v, pv = self.heads(self.wv, self.conv_v, x_kv, pv)
+        q, pq = self.heads(self.wq, self.conv_q, x_q, pq)
         g = self.gates(x_kv).unflatten(-1, (-1, 3)).permute(3, 0, 2, 1)  # [3, B, H, T]
         theta = self.max_lr * torch.sigmoid(g[0])
         log_eta = F.logsigmoid(g[1] + self.eta_offset)
         log_keep = F.logsigmoid(-(g[2] + self.alpha_offset))
-        return k, v, self.queries(x_q), theta, log_eta, log_keep
+        return (k, v, q, theta, log_eta, log_keep), (None if pk is None else (pk, pv, pq))
 
     def init_state(self, batch: int) -> State:
         weights = [w.unsqueeze(0).expand(batch, -1, -1, -1) for w in self.mem_w]
@@ -136,9 +189,9 @@ class NeuralMemory(nn.Module):
         r = F.rms_norm(reads.transpose(1, 2), (self.head_dim,), eps=self.eps)  # [B, T, H, E]
         return self.wo((r * self.out_norm_weight.view(-1, self.head_dim)).flatten(2))
 
-    def read(self, x_q: torch.Tensor, state: State) -> torch.Tensor:
-        """M(q) with the memory frozen at `state` (no writes): [B, H, T, E]."""
-        r = self.queries(x_q)
+    def read(self, q: torch.Tensor, state: State) -> torch.Tensor:
+        """M(q) of queries q [B, H, T, E] with the memory frozen at `state` (no writes): [B, H, T, E]."""
+        r = q
         for layer, w in enumerate(state[0]):
             r = r @ w
             r = F.silu(r) if layer < len(state[0]) - 1 else r
@@ -146,8 +199,14 @@ class NeuralMemory(nn.Module):
 
     def scan(self, x_kv: torch.Tensor, x_q: torch.Tensor, state: State,
              chunk_size: int | None = None) -> tuple[torch.Tensor, State]:
-        """Write k_t, v_t and read M_t(q_t) for every token, chunk by chunk: ([B, H, T, E], state)."""
-        k, v, q, theta, log_eta, log_keep = self.project(x_kv, x_q)
+        """Write k_t, v_t and read M_t(q_t) for every token of x_kv / x_q [B, T, D] (sequences that
+        start here), chunk by chunk: ([B, H, T, E], state)."""
+        return self.scan_features(self.project(x_kv, x_q)[0], state, chunk_size)
+
+    def scan_features(self, features: Features, state: State,
+                      chunk_size: int | None = None) -> tuple[torch.Tensor, State]:
+        """`scan` from projected features (`project`): ([B, H, T, E], state)."""
+        k, v, q, theta, log_eta, log_keep = features
         size = chunk_size or self.chunk_size
         reads = []
         for s in range(0, k.shape[2], size):
@@ -204,33 +263,39 @@ class NeuralMemory(nn.Module):
         return self.output(self.scan(x, x, self.init_state(x.shape[0]))[0])
 
 
-class MaskedAttention(Attention):
-    """Attention under an explicit boolean mask [S, S] (True = may attend)."""
+class RowAttention(Attention):
+    """Attention whose queries are the rows start.. of x and whose keys and values are all its rows,
+    through a kernel (q [B, H, S - start, E], k, v [B, K, S, E]) -> [B, H, S - start, E]."""
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
-                start: int = 0) -> torch.Tensor:
-        """x [B, S, D] -> [B, S - start, D]: the outputs of rows start.. only."""
-        return self.wo(self.attend(x, cos, sin, mask)[:, start:].flatten(2))
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start: int,
+                kernel: Callable[..., torch.Tensor]) -> torch.Tensor:
+        """x [B, S, D] -> [B, S - start, D]; cos, sin: RoPE tables of all S rows."""
+        bsz, seq, _ = x.shape
+        q = apply_rope(self.wq(x[:, start:]).view(bsz, seq - start, -1, self.head_dim), cos[start:], sin[start:])
+        k = apply_rope(self.wk(x).view(bsz, seq, -1, self.head_dim), cos, sin)
+        v = self.wv(x).view(bsz, seq, -1, self.head_dim)
+        y = kernel(*(t.transpose(1, 2) for t in (q, k, v)))  # [B, H, S - start, E]
+        return self.wo(y.transpose(1, 2).flatten(2))
 
 
-def window_mask(prefix: int, seq: int, window: int, device: torch.device) -> torch.Tensor:
-    """[P + S, P + S]: every row sees the prefix; token i sees tokens j with i - window < j <= i."""
-    i = torch.arange(prefix + seq, device=device)
-    dist = i[:, None] - i[None, :]
-    return (i[None, :] < prefix) | ((dist >= 0) & (dist < window))
+def context_rows_mask(prefix: int, seg: int, device: torch.device) -> torch.Tensor:
+    """[L, P + 2L]: the rows of x_i over [P, h, x]: x_i sees P, h_<=i and x_<=i."""
+    i = torch.arange(seg, device=device)[:, None]
+    j = torch.arange(prefix + 2 * seg, device=device)[None, :] - prefix
+    return (j < 0) | (j % seg <= i)
 
 
-def context_mask(prefix: int, seg: int, device: torch.device) -> torch.Tensor:
-    """[P + 2L, P + 2L] over [P, h, x]: h_i sees h_<=i, x_i sees h_<=i and x_<=i, all see P."""
-    pos = torch.arange(seg, device=device)
-    pos = torch.cat((torch.full((prefix,), -1, device=device), pos, pos))
-    is_x = torch.arange(prefix + 2 * seg, device=device) >= prefix + seg
-    seen = (pos[None, :] <= pos[:, None]) & (is_x[:, None] | ~is_x[None, :])
-    return seen | (pos[None, :] < 0)
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """SDPA under a boolean mask [Sq, Sk] (True = may attend), GQA when K < H: [B, H, Sq, E]."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
 
 
 class TitansBlock(TransformerBlock):
-    """Shared parts: memory, persistent tokens, masked attention; the variant defines `mix`."""
+    """Shared parts: memory, persistent tokens, row attention; the variant defines `mix`.
+    `window_kernel` is the sliding-window attention kernel (local_attention.py), an attribute so
+    that a benchmark can swap in a reference."""
+
+    window_kernel = staticmethod(sliding_window_attention)
 
     def __init__(self, cfg: ModelConfig, mlp_width: int):
         super().__init__(cfg, mlp_width)
@@ -240,7 +305,7 @@ class TitansBlock(TransformerBlock):
         self.head_dim, self.rope_theta = cfg.head_dim, cfg.rope_theta
 
     def build_attention(self, cfg: ModelConfig) -> nn.Module:
-        return MaskedAttention(cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_dim)
+        return RowAttention(cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_dim)
 
     def with_prefix(self, x: torch.Tensor) -> torch.Tensor:
         return torch.cat((self.persistent.to(x.dtype).expand(x.shape[0], -1, -1), x), dim=1)
@@ -249,8 +314,8 @@ class TitansBlock(TransformerBlock):
         """Sliding-window attention over [P, x] ([B, P + S, D]); outputs of x only: [B, S, D]."""
         prefix = self.persistent.shape[0]
         cos, sin = rope_tables(xp.shape[1], self.head_dim, self.rope_theta, xp.device)
-        mask = window_mask(prefix, xp.shape[1] - prefix, self.window, xp.device)
-        return self.attn(xp, cos, sin, mask, prefix)
+        kernel = functools.partial(self.window_kernel, prefix=prefix, window=self.window)
+        return self.attn(xp, cos, sin, prefix, kernel)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.mix(self.attn_norm(x))
@@ -280,16 +345,20 @@ class MALBlock(TitansBlock):
 
 class MACBlock(TitansBlock):
     def mix(self, xn: torch.Tensor) -> torch.Tensor:
-        prefix, state, outs = self.persistent.shape[0], self.memory.init_state(xn.shape[0]), []
+        prefix, memory, outs = self.persistent.shape[0], self.memory, []
+        state, past = memory.init_state(xn.shape[0]), None
+        queries = memory.queries(xn)  # [B, H, S, E], convolved over the whole sequence
         for s in range(0, xn.shape[1], self.window):
             seg = xn[:, s:s + self.window]  # [B, L, D]
             size = seg.shape[1]
-            h = self.memory.output(self.memory.read(seg, state))  # retrieval with M_{s-1}
+            h = memory.output(memory.read(queries[:, :, s:s + size], state))  # retrieval with M_{s-1}
             ctx = self.with_prefix(torch.cat((h, seg), dim=1))  # [B, P + 2L, D]
             cos, sin = rope_tables(ctx.shape[1], self.head_dim, self.rope_theta, xn.device)
-            y = self.attn(ctx, cos, sin, context_mask(prefix, size, xn.device), prefix + size)  # [B, L, D]
-            reads, state = self.memory.scan(y, y, state)
-            outs.append(y * torch.sigmoid(self.memory.output(reads)))
+            kernel = functools.partial(masked_attention, mask=context_rows_mask(prefix, size, xn.device))
+            y = self.attn(ctx, cos, sin, prefix + size, kernel)  # [B, L, D]
+            features, past = memory.project(y, y, past)  # y continues the previous segments' y
+            reads, state = memory.scan_features(features, state)
+            outs.append(y * torch.sigmoid(memory.output(reads)))
         return torch.cat(outs, dim=1)
 
 
@@ -302,9 +371,13 @@ class Titans(Transformer):
         super().__init__(cfg)
 
     def init_value(self, name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
-        """The common rule, except memory weights M_0 ~ N(0, 1 / fan_in)."""
+        """The common rule, except memory weights M_0 ~ N(0, 1 / fan_in) and the convolutions'
+        taps [H*E, K]: the identity (1 on the newest tap) plus N(0, init_std)."""
         std = shape[-2] ** -0.5 if ".mem_w." in name else self.cfg.init_std
-        return init_tensor(name, shape, seed, std, self.cfg.n_layers)
+        value = init_tensor(name, shape, seed, std, self.cfg.n_layers)
+        if name.rsplit(".", 1)[-1] in ("conv_q", "conv_k", "conv_v"):
+            value[:, -1] += 1.0
+        return value
 
 
 # ---------------------------------------------------------------------------------------------
@@ -314,7 +387,8 @@ class Titans(Transformer):
 def memory_params(cfg: ModelConfig) -> int:
     d, h, e, t = cfg.d_model, cfg.n_heads, cfg.head_dim, cfg.titans
     dims = memory_dims(e, t.memory_depth, t.memory_expansion)
-    return 4 * d * h * e + 3 * d * h + 3 * h + h * sum(i * o for i, o in zip(dims[:-1], dims[1:])) + h * e
+    return (4 * d * h * e + 3 * d * h + 3 * h + h * sum(i * o for i, o in zip(dims[:-1], dims[1:])) + h * e
+            + 3 * h * e * t.conv_kernel)
 
 
 def scan_flops(cfg: ModelConfig, tokens: int) -> float:
@@ -322,7 +396,7 @@ def scan_flops(cfg: ModelConfig, tokens: int) -> float:
     d, h, e, t = cfg.d_model, cfg.n_heads, cfg.head_dim, cfg.titans
     dims = memory_dims(e, t.memory_depth, t.memory_expansion)
     io = [i * o for i, o in zip(dims[:-1], dims[1:])]
-    total = tokens * 2 * (4 * d * h * e + 3 * d * h)  # wq, wk, wv, wo, gates
+    total = tokens * 2 * (4 * d * h * e + 3 * d * h + 3 * h * e * t.conv_kernel)  # wq, wk, wv, wo, gates, convs
     for s in range(0, tokens, t.chunk_size):
         c = min(t.chunk_size, tokens - s)
         per_head = 2 * c * (sum(io) + sum(io[1:]))  # forward on keys, backward of deltas
@@ -333,10 +407,11 @@ def scan_flops(cfg: ModelConfig, tokens: int) -> float:
     return total
 
 
-def masked_attention_flops(cfg: ModelConfig, rows: int, visible: float, out_rows: int) -> float:
-    """Projections of `rows` rows, SDPA over `visible` (query, key) pairs, wo on `out_rows` rows."""
+def row_attention_flops(cfg: ModelConfig, q_rows: int, kv_rows: int, pairs: float) -> float:
+    """RowAttention: wq and wo on `q_rows` rows, wk and wv on `kv_rows` rows, scores and values
+    of `pairs` (query, key) pairs per head."""
     d, h, k, e = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_dim
-    return 2 * rows * d * (h * e + 2 * k * e) + 4 * h * e * visible + 2 * out_rows * h * e * d
+    return 4 * q_rows * d * h * e + 4 * kv_rows * d * k * e + 4 * h * e * pairs
 
 
 def titans_layer_cost(cfg: ModelConfig, width: int, causal: bool = True) -> Cost:
@@ -344,25 +419,59 @@ def titans_layer_cost(cfg: ModelConfig, width: int, causal: bool = True) -> Cost
     p = t.persistent_tokens
     attn_params = d * h * e + 2 * d * k * e + h * e * d
     params = attn_params + memory_params(cfg) + p * d + 2 * d + (d if t.variant == "mal" else 0)
+    # attention: every pair its kernel computes, masked or not, whether `causal` or not (the
+    # blockwise band for MAG / MAL, the [L, P + 2L] rows of each MAC segment)
     if t.variant in ("mag", "mal"):
         rows = p + s
-        visible = rows * rows if not causal else p * p + sum(p + min(i + 1, t.window) for i in range(s))
-        flops = masked_attention_flops(cfg, rows, visible, s) + scan_flops(cfg, rows)
+        flops = row_attention_flops(cfg, s, rows, blockwise_pairs(s, p, t.window)) + scan_flops(cfg, rows)
         flops -= 2 * p * h * e * d  # the memory's output projection runs on the real tokens only
     else:
         flops = 0.0
         for start in range(0, s, t.window):
             seg = min(t.window, s - start)
-            rows = p + 2 * seg
-            visible = rows * rows if not causal else p * p + sum(2 * p + 3 * (i + 1) for i in range(seg))
             dims = memory_dims(e, t.memory_depth, t.memory_expansion)
-            read = seg * (2 * d * h * e + h * sum(2 * i * o for i, o in zip(dims[:-1], dims[1:])) + 2 * h * e * d)
-            flops += masked_attention_flops(cfg, rows, visible, seg) + read + scan_flops(cfg, seg)
+            read = seg * (2 * d * h * e + 2 * h * e * t.conv_kernel + 2 * h * e * d  # queries, wo
+                          + h * sum(2 * i * o for i, o in zip(dims[:-1], dims[1:])))
+            flops += row_attention_flops(cfg, seg, p + 2 * seg, seg * (p + 2 * seg)) + read + scan_flops(cfg, seg)
     mlp = swiglu_cost(cfg, width)
-    # saved for backward, per token (approximate): attention as in the Transformer, the memory's
-    # projections and gates, and per memory layer its activations on keys, queries and deltas
-    acts = 2 * (2 * d + 4 * h * e + 2 * k * e + 4 * h * e + 3 * h + 3 * h * (t.memory_expansion * e) * t.memory_depth)
-    return Cost(params + width * 3 * d, flops / s + mlp.flops, acts + mlp.act_bytes)
+    tp_params = Split(whole=params - attn_params - memory_params(cfg) - d, heads=memory_params(cfg) + 2 * d * h * e,
+                      kv=2 * d * k * e) + mlp.params_split
+    backward = attention_cost(cfg).backward + mlp.backward
+    return Cost(params + width * 3 * d, flops / s + mlp.flops, tp_params=tp_params,
+                act=titans_mixer_act(cfg) + mlp.act, backward=backward)
+
+
+def scan_act_per_row(cfg: ModelConfig, rows: int) -> float:
+    """Elements one head of the neural memory keeps for backward per row it scans (`rows` rows):
+    the memory weights and surprise of every chunk but the first one's weights (views of M_0),
+    and per row its keys, queries, values, gates and per-layer activations and deltas, and the
+    chunk's [C, C] decay / momentum / coefficient products. Counted from torch's saved tensors
+    (the constants 14, 17 and 4.5 + 2 * depth are what NeuralMemory.scan saves per row)."""
+    t, e = cfg.titans, cfg.head_dim
+    dims = memory_dims(e, t.memory_depth, t.memory_expansion)
+    state = sum(i * o for i, o in zip(dims[:-1], dims[1:]))
+    return (2 * state / t.chunk_size - state / rows + 14 * (sum(dims[1:-1]) + e) + 17
+            + (4.5 + 2 * t.memory_depth) * t.chunk_size)
+
+
+def titans_mixer_act(cfg: ModelConfig) -> Split:
+    """Elements per real token the mixer (norms, persistent prefix, memory, attention, gate) keeps
+    for backward. The memory scan is counted as above; the rest (attention over the prefixed rows,
+    the memory's read-out norm and gate) as c * d + k * H * (hidden memory widths), with (c, k)
+    (17.2, 2.25) for MAG, (18.2, 2.25) for MAL and (31, 4.5) for MAC, matched to torch's saved
+    tensors (tests/test_memory_model.py checks the whole block within 10%)."""
+    t, d, h, s = cfg.titans, cfg.d_model, cfg.n_heads, cfg.seq_len
+    hidden = h * sum(memory_dims(cfg.head_dim, t.memory_depth, t.memory_expansion)[1:-1])
+    if t.variant == "mac":
+        rows, scan = s, h * scan_act_per_row(cfg, min(t.window, s))  # the memory writes y, segment by segment
+        rest = 31 * d + 4.5 * hidden
+    else:
+        rows = s + t.persistent_tokens
+        scan = h * scan_act_per_row(cfg, rows) * rows / s
+        rest = (17.2 + (t.variant == "mal")) * d + 2.25 * hidden
+    norm = norm_act(d)
+    prefixed = d * rows / s  # [P, norm(x)] (the input of every projection)
+    return norm + Split(whole=prefixed, heads=scan + rest - norm.total - prefixed)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -385,6 +494,9 @@ def tp_plan_titans_block(block: TitansBlock, prefix: str, cfg: ModelConfig, tp: 
     for i in range(len(memory.mem_w)):
         tp.shard_parameter(memory.mem_w, str(i), f"{mp}.mem_w", tp.head_rows(cfg.n_heads, 1))
     tp.shard_parameter(memory, "out_norm_weight", mp, rows)
+    for attr in ("conv_q", "conv_k", "conv_v"):
+        if getattr(memory, attr) is not None:  # depthwise: each rank keeps its heads' channels
+            tp.shard_parameter(memory, attr, mp, rows)
 
 
 def check_titans_layout(mcfg: ModelConfig, pcfg: ParallelConfig) -> None:

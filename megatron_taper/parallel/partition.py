@@ -12,12 +12,13 @@ take as few layers as possible. The same inputs therefore always give the same s
 rank, with no randomness. Costs are compared exactly (floats as given), so integer costs give
 integer-exact answers. Time O(S * L^2), instant for any real model.
 
-Memory limits (optional): stage s must satisfy
-    static(s) + act(s) * in_flight(s) <= limit(s)
-where static is parameters + gradients + optimizer states (bytes per parameter, 16 for fp32
-AdamW) and act the activations one micro-batch leaves for backward. Under 1F1B stage s holds up
-to min(pp - s, m) micro-batches in flight, under GPipe all m. No feasible split -> ValueError
-naming the key and the smallest memory any split could give the tightest stage.
+Memory limits (optional): stage s must satisfy bytes(s) <= limit(s), where bytes is the
+predicted peak of one rank holding it (megatron_taper/memory.py: parameters, gradients and
+optimizer state after tp / ZeRO sharding, plus the activations of the micro-batches in flight,
+tp-, sequence-parallel-, checkpointing- and dtype-aware, the largest moment of a backward, the
+head's loss buffers and the pipeline's p2p buffers). Under 1F1B stage s holds up to
+min(pp - s, m) micro-batches in flight, under GPipe all m. No feasible split -> ValueError
+naming the key and how far over its limit the best split's fullest stage is.
 
 Virtual stages (interleaved schedules): the stack is cut into pp * v chunks with the same
 objective, chunk c lives on pp rank c % pp (looped placement, as torch's interleaved 1F1B
@@ -27,42 +28,19 @@ otherwise.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence
 
 from megatron_taper.flops import model_costs
+from megatron_taper.memory import GIB, MemoryModel, MemorySetup, model_memory, to_memory_model
 
 if TYPE_CHECKING:
     from megatron_taper.config import ModelConfig
 
 BALANCE_MODES = ("flops", "uniform", "params", "profile")
 SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")
-
-
-@dataclass(frozen=True)
-class MemoryModel:
-    """Bytes per layer and per stage extra; `in_flight` and `limits` have one entry per stage."""
-
-    static: Sequence[float]  # per layer: params + grads + optimizer states
-    act: Sequence[float]  # per layer: activations of one micro-batch kept for backward
-    in_flight: Sequence[int]
-    limits: Sequence[float]
-    first_static: float = 0.0
-    first_act: float = 0.0
-    last_static: float = 0.0
-    last_act: float = 0.0
-    key: str = "parallel.pp_memory_gb"  # the config key the limits came from, for errors
-
-    def stage_bytes(self, stage: int, n_stages: int, lo: int, hi: int,
-                    static_prefix: Sequence[float], act_prefix: Sequence[float]) -> float:
-        static = static_prefix[hi] - static_prefix[lo]
-        act = act_prefix[hi] - act_prefix[lo]
-        if stage == 0:
-            static, act = static + self.first_static, act + self.first_act
-        if stage == n_stages - 1:
-            static, act = static + self.last_static, act + self.last_act
-        return static + act * self.in_flight[stage]
 
 
 @dataclass(frozen=True)
@@ -120,6 +98,7 @@ def partition(costs: Sequence[float], n_stages: int, first: float = 0.0, last: f
     pre = _prefix(costs)
     s_pre = _prefix(memory.static) if memory else []
     a_pre = _prefix(memory.act) if memory else []
+    table = memory.peak_table(a_pre) if memory and memory.peak else None
 
     def cost(s: int, lo: int, hi: int) -> float:
         c = pre[hi] - pre[lo]
@@ -130,7 +109,7 @@ def partition(costs: Sequence[float], n_stages: int, first: float = 0.0, last: f
         return c
 
     def fits(s: int, lo: int, hi: int) -> bool:
-        return memory is None or memory.stage_bytes(s, n_stages, lo, hi, s_pre, a_pre) <= memory.limits[s]
+        return memory is None or memory.stage_bytes(s, n_stages, lo, hi, s_pre, a_pre, table) <= memory.limits[s]
 
     inf = math.inf
     # Phase 1 (suffix form): best[s][i] = min bottleneck of stages s..S-1 over layers i..L-1.
@@ -149,7 +128,7 @@ def partition(costs: Sequence[float], n_stages: int, first: float = 0.0, last: f
     bottleneck = best[0][0]
     if bottleneck == inf:
         assert memory is not None
-        raise ValueError(_no_fit_message(memory, n, n_stages, s_pre, a_pre))
+        raise ValueError(_no_fit_message(memory, n, n_stages, s_pre, a_pre, table))
 
     # Phase 2: among splits with every stage <= bottleneck (and fitting), minimise sum of squares.
     sq = [[inf] * (n + 1) for _ in range(n_stages + 1)]
@@ -172,20 +151,21 @@ def partition(costs: Sequence[float], n_stages: int, first: float = 0.0, last: f
     return Partition(tuple(bounds), tuple(cost(s, bounds[s], bounds[s + 1]) for s in range(n_stages)))
 
 
-def _no_fit_message(memory: MemoryModel, n: int, n_stages: int, s_pre: list[float], a_pre: list[float]) -> str:
+def _no_fit_message(memory: MemoryModel, n: int, n_stages: int, s_pre: list[float], a_pre: list[float],
+                    table: list[list[float]] | None) -> str:
     # The smallest achievable max(bytes / limit) tells the user how far off the limits are.
     need = [[math.inf] * (n + 1) for _ in range(n_stages + 1)]
     need[n_stages][n] = 0.0
     for s in range(n_stages - 1, -1, -1):
         for i in range(s, n - (n_stages - s) + 1):
             for j in range(i + 1, n - (n_stages - s - 1) + 1):
-                used = memory.stage_bytes(s, n_stages, i, j, s_pre, a_pre) / max(memory.limits[s], 1e-30)
+                used = memory.stage_bytes(s, n_stages, i, j, s_pre, a_pre, table) / max(memory.limits[s], 1e-30)
                 need[s][i] = min(need[s][i], max(used, need[s + 1][j]))
-    gib = max(memory.limits) / 2**30
+    gib = max(memory.limits) / GIB
     return (f"no split of {n} layers into {n_stages} pipeline stages fits the per-stage memory limit "
             f"({memory.key}: {gib:.3g} GiB on the largest stage); the best split needs {need[0][0]:.2f}x the "
-            f"limit on its fullest stage. Raise {memory.key}, use more stages (parallel.pp), fewer "
-            f"micro-batches in flight or a smaller train.micro_batch")
+            f"limit on its fullest stage. Raise {memory.key}, use more stages (parallel.pp), "
+            f"train.activation_checkpointing, fewer micro-batches in flight or a smaller train.micro_batch")
 
 
 def in_flight_microbatches(n_stages: int, microbatches: int, schedule: str = "1f1b") -> list[int]:
@@ -205,9 +185,10 @@ class StagePlan:
     rank: int  # pp rank holding this stage (chunk c -> c % pp)
     flops: float  # forward FLOPs per token, embedding / head included
     params: int
-    static_bytes: float  # params + grads + optimizer states
-    act_bytes: float  # activations of all micro-batches in flight (v = 1), else of one
+    static_bytes: float  # one rank: params + grads + optimizer states (+ unsharded / cast weights)
+    act_bytes: float  # one rank: activations at the peak (micro-batches in flight) + pipeline buffers
     cost: float  # the balanced metric (flops, params, 1 per layer, or seconds)
+    peak_bytes: float = 0.0  # static_bytes + act_bytes: the predicted peak of one rank (v = 1)
 
 
 @dataclass
@@ -219,6 +200,7 @@ class PipelinePlan:
     bottleneck_over_ideal: float  # by FLOPs, for this split
     uniform_bottleneck_over_ideal: float  # by FLOPs, for the layer-count split
     uniform_stages: list[list[int]] = field(default_factory=list)
+    memory: MemorySetup | None = None  # what the memory columns assumed
 
     @property
     def stage_layers(self) -> list[list[int]]:
@@ -231,34 +213,32 @@ class PipelinePlan:
 
 def plan_pipeline(model_cfg: ModelConfig, pp: int, *, virtual: int = 1, balance: str = "flops", microbatches: int = 0,
                   micro_batch: int = 1, schedule: str = "1f1b", memory_gb: Sequence[float] | None = None,
-                  bytes_per_param: float = 16.0, measured: tuple[list[float], float, float] | None = None,
-                  memory_key: str = "parallel.pp_memory_gb") -> PipelinePlan:
+                  bytes_per_param: float | None = None, measured: tuple[list[float], float, float] | None = None,
+                  memory_key: str = "parallel.pp_memory_gb", setup: MemorySetup | None = None) -> PipelinePlan:
     """Split `model_cfg`'s layers over pp ranks x `virtual` chunks by the `balance` metric.
 
     measured: (per-layer seconds, embedding seconds, head seconds), required for balance=profile.
     memory_gb: per-stage limit in GiB (one value for all stages, or one per stage).
+    setup: the layout, precision and checkpointing the memory model assumes (default: tp = dp =
+    1, no ZeRO, fp32, no checkpointing); its micro-batch and micro-batch count are replaced by
+    `micro_batch` and the schedule's; `bytes_per_param` replaces the engine's state bytes.
     """
     assert balance in BALANCE_MODES and virtual >= 1, (balance, virtual)  # validated by ParallelConfig
     costs = model_costs(model_cfg)
     n_layers = len(costs.layers)
     n_chunks = pp * virtual
     m = microbatches or pp
-    tokens = micro_batch * model_cfg.seq_len  # per micro-batch
     in_flight = in_flight_microbatches(pp, m, schedule) if virtual == 1 else [1] * n_chunks
-    memory = None
+    setup = dataclasses.replace(setup or MemorySetup(), micro_batch=micro_batch, microbatches=m, pipelined=pp > 1,
+                                bytes_per_param=bytes_per_param)
+    limits = [math.inf] * n_chunks
     if memory_gb:
         assert virtual == 1, "preflight refuses memory limits with interleaved schedules"
         limits = list(memory_gb) if len(memory_gb) > 1 else [memory_gb[0]] * pp
         if len(limits) != pp:
             raise ValueError(f"{memory_key}: {len(limits)} limits given for parallel.pp={pp} stages")
-        memory = MemoryModel(
-            static=[c.params * bytes_per_param for c in costs.layers],
-            act=[c.act_bytes * tokens for c in costs.layers],
-            in_flight=in_flight, limits=[g * 2**30 for g in limits],
-            first_static=costs.embedding.params * bytes_per_param, first_act=costs.embedding.act_bytes * tokens,
-            last_static=costs.head.params * bytes_per_param, last_act=costs.head.act_bytes * tokens,
-            key=memory_key,
-        )
+        limits = [g * GIB for g in limits]
+    memory = to_memory_model(model_memory(model_cfg, setup), in_flight, limits, memory_key)
 
     flops = [c.flops for c in costs.layers]
     if balance == "flops":
@@ -274,20 +254,19 @@ def plan_pipeline(model_cfg: ModelConfig, pp: int, *, virtual: int = 1, balance:
         metric, first, last = list(measured[0]), measured[1], measured[2]
         if len(metric) != n_layers:
             raise ValueError(f"profile has {len(metric)} layer times for model.n_layers={n_layers}")
-    part = partition(metric, n_chunks, first, last, memory, key="parallel.pp")
+    part = partition(metric, n_chunks, first, last, memory if memory_gb else None, key="parallel.pp")
     by_flops = evaluate(part.bounds, flops, costs.embedding.flops, costs.head.flops)
     uniform = partition([1.0] * n_layers, n_chunks)
     uniform_flops = evaluate(uniform.bounds, flops, costs.embedding.flops, costs.head.flops)
 
+    static_pre, act_pre = _prefix(memory.static), _prefix(memory.act)
+    table = memory.peak_table(act_pre)
     stages = []
     for c, layers in enumerate(part.stages):
         params = sum(costs.layers[i].params for i in layers)
-        act = sum(costs.layers[i].act_bytes for i in layers)
-        if c == 0:
-            params, act = params + costs.embedding.params, act + costs.embedding.act_bytes
-        if c == n_chunks - 1:
-            params, act = params + costs.head.params, act + costs.head.act_bytes
-        stages.append(StagePlan(layers, c % pp, by_flops.costs[c], params, params * bytes_per_param,
-                                act * tokens * in_flight[c], part.costs[c]))
+        params += (costs.embedding.params if c == 0 else 0) + (costs.head.params if c == n_chunks - 1 else 0)
+        static, act, fixed = memory.stage_parts(c, n_chunks, layers[0], layers[-1] + 1, static_pre, act_pre, table)
+        stages.append(StagePlan(layers, c % pp, by_flops.costs[c], params, static, act + fixed, part.costs[c],
+                                static + act + fixed))
     return PipelinePlan(pp, virtual, balance, stages, by_flops.bottleneck_over_ideal,
-                        uniform_flops.bottleneck_over_ideal, uniform.stages)
+                        uniform_flops.bottleneck_over_ideal, uniform.stages, setup)

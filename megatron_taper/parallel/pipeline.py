@@ -151,22 +151,32 @@ def dense_stage_io(chunk: nn.Module) -> None:
 
 def plan_stages(model_cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, dp: int,
                 measured: tuple[list[float], float, float] | None = None, memory_gb: list[float] | None = None,
-                bytes_per_param: float = 16.0, memory_key: str = "parallel.pp_memory_gb") -> PipelinePlan:
+                bytes_per_param: float | None = None, memory_key: str = "parallel.pp_memory_gb",
+                device: torch.device | None = None) -> PipelinePlan:
     """The split the trainer makes at data-parallel size `dp` (micro-batches as preflight derives
-    them; memory limits from parallel.pp_memory_gb unless `memory_gb` is given)."""
+    them; memory limits from parallel.pp_memory_gb unless `memory_gb` is given). The memory
+    model (megatron_taper/memory.py) assumes `parallel`'s tp / sequence parallelism / ZeRO
+    engine, `train`'s checkpointing, and its precision on `device` (default: train.device; auto =
+    CUDA if this machine has it); `bytes_per_param` replaces the engine's state bytes."""
+    from megatron_taper.memory import MemorySetup
+    from megatron_taper.parallel.context import choose_device, uses_bf16
+
     rows = train.global_batch // dp  # sequences per step on one data-parallel rank
     n_micro = parallel.microbatches or max(1, rows // train.micro_batch)
     if memory_gb is None and parallel.pp_memory_gb > 0:
         memory_gb = [parallel.pp_memory_gb]
+    device = device or (torch.device("cuda") if train.device == "cuda" else choose_device(train.device))
+    setup = MemorySetup.from_config(parallel, train, dp, uses_bf16(train.precision, device))
     return plan_pipeline(model_cfg, parallel.pp, virtual=parallel.virtual_stages, balance=parallel.pp_balance,
                          microbatches=n_micro, micro_batch=max(1, rows // n_micro), schedule=parallel.pp_schedule,
                          memory_gb=memory_gb, bytes_per_param=bytes_per_param, measured=measured,
-                         memory_key=memory_key)
+                         memory_key=memory_key, setup=setup)
 
 
 def make_plan(model: nn.Module, ctx: ParallelContext, model_cfg: ModelConfig, parallel: ParallelConfig,
               train: TrainConfig) -> PipelinePlan:
-    """The stage split, identical on every rank (profile: rank 0 measures and broadcasts).
+    """The stage split, identical on every rank (profile: rank 0 measures and broadcasts); memory
+    limits are checked for this run's device and precision.
 
     Profiling times real layers: for a model on the meta device, rank 0 builds one materialised
     copy of the whole model (the values through its init_weights(train.seed)) for as long as it
@@ -183,7 +193,7 @@ def make_plan(model: nn.Module, ctx: ParallelContext, model_cfg: ModelConfig, pa
             del real
         dist.broadcast_object_list(box, src=0)
         measured = box[0]
-    return plan_stages(model_cfg, parallel, train, ctx.dp, measured)
+    return plan_stages(model_cfg, parallel, train, ctx.dp, measured, device=ctx.device)
 
 
 def strip_model(model: nn.Module, layers: list[int], embedding: bool, head: bool) -> nn.Module:

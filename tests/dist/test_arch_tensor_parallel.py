@@ -23,7 +23,7 @@ BASE = ["model.n_layers=2", "model.d_model=64", "model.n_heads=4", "model.mlp_wi
 CASES = {
     "gated_elementwise": ["model.arch=gated_attention"],
     "gated_headwise": ["model.arch=gated_attention", "model.gated.gate=headwise"],
-    "hope": ["model.arch=hope_attention", "model.hope.levels=2"],
+    "hope": ["model.arch=hope_attention", "model.hope.levels=2", "model.hope.chunk_size=4", "model.hope.online_lr=2.0"],
     "titans_mag": ["model.arch=titans", "model.titans.variant=mag"],
     "titans_mal": ["model.arch=titans", "model.titans.variant=mal", "model.titans.memory_depth=1"],
     "titans_mac": ["model.arch=titans", "model.titans.variant=mac"],

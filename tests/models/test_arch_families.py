@@ -59,8 +59,10 @@ def test_cost_model_matches_module_and_flop_counter(case):
     with counter, torch.no_grad(), sdpa_kernel(SDPBackend.MATH):
         model(torch.randint(0, cfg.vocab_size, (2, SEQ)))
     assert counter.get_total_flops() / (2 * SEQ) == pytest.approx(costs.total_flops, rel=1e-9)
-    # the causal/windowed count is smaller: only the (query, key) pairs a mask lets through
-    assert model_costs(cfg, causal=True).total_flops < costs.total_flops
+    # the causal/windowed count is smaller: only the (query, key) pairs a mask lets through; Titans
+    # counts what its banded kernels compute (masked pairs included) either way
+    causal_flops = model_costs(cfg, causal=True).total_flops
+    assert causal_flops == costs.total_flops if case.startswith("titans") else causal_flops < costs.total_flops
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -1,0 +1,271 @@
+"""Measured peak memory of forward+backward next to the memory model's prediction (memory.py).
+
+    python benchmarks/activation_memory.py [--modes none,selective,full] [--steps N] [--nproc N]
+                                           [--stage first|last --stage-layers K --in-flight N] [key=value ...]
+
+Default shape: a ~1B tapered Transformer (16 layers, d_model 2048, 16 heads, uniform MLP width
+5632 tapered by the default cosine schedule, vocabulary 32000), seq_len 1024, micro_batch 1, fp32
+on the CPU. For each train.activation_checkpointing mode a fresh process (`--nproc` of them for
+a tp / dp layout, joined over gloo) builds the run through build_run, runs one small
+forward+backward so that the gradients exist (they stay resident and accumulate, as between the
+micro-batches of a step), then measures `--steps` forward+backward passes of one micro-batch
+without the optimizer step: the AdamW state is not allocated, and the model is evaluated without
+it (`MemorySetup(optimizer=False)`).
+
+Measured (per rank):
+  CPU   host RSS with MALLOC_MMAP_THRESHOLD_=65536 (every tensor of 64 KiB or more is its own
+        mapping, returned to the OS when freed): the peak is VmHWM after the steps, reset by
+        writing 5 to /proc/self/clear_refs just before them.
+        measured_activation_bytes = VmHWM - VmRSS before the steps;
+        measured_peak_bytes = VmHWM - VmRSS before the model was built (after importing torch).
+  CUDA  torch.cuda.max_memory_allocated (reset before the steps) minus memory_allocated before
+        them; the peak is max_memory_allocated itself.
+Predicted: memory.model_memory(...).stage(all layers): activations and static (params + grads)
+bytes, and their ratios measured / predicted. Under bf16 autocast the weights' bf16 copies are
+made during the measured forward, so they count with the activations on both sides here (the
+model books them as static).
+
+`--stage first|last` runs one pipeline stage in one process instead: the model cut by
+pipeline.strip_model to its first (embedding + layers 0..K-1) or last (layers L-K..L-1 + head)
+`--stage-layers` K blocks, `--in-flight` N micro-batches forwarded before the first backward (as
+1F1B holds them on that stage); a non-last stage keeps each output and is sent a gradient
+[b, S, d] per backward. Predicted: the stage's activations plus those outputs and one gradient
+(the p2p receive buffers of torch.distributed.pipelining are not part of this one-process run).
+
+Prints one JSON object: {"config": ..., "results": [one per mode and rank]}.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+DEFAULT = ["model.arch=transformer", "model.n_layers=16", "model.d_model=2048", "model.n_heads=16",
+           "model.mlp_width=5632", "model.vocab_size=32000", "model.seq_len=1024", "model.taper.multiple=64",
+           "train.micro_batch=1", "train.global_batch=1", "train.device=cpu", "train.precision=fp32"]
+MMAP_THRESHOLD = "65536"
+
+
+def _status_bytes(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
+class PeakMeter:
+    """Peak memory of a region: host RSS high-water mark on CPU, max_memory_allocated on CUDA."""
+
+    def __init__(self, device) -> None:
+        import torch
+
+        self.torch, self.cuda = torch, device.type == "cuda"
+        self.start = self.current()
+
+    def current(self) -> int:
+        return self.torch.cuda.memory_allocated() if self.cuda else _status_bytes("VmRSS")
+
+    def reset(self) -> int:
+        """Start a region: returns the bytes in use now."""
+        if self.cuda:
+            self.torch.cuda.synchronize()
+            self.torch.cuda.reset_peak_memory_stats()
+        else:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        return self.current()
+
+    def peak(self) -> int:
+        if self.cuda:
+            self.torch.cuda.synchronize()
+            return self.torch.cuda.max_memory_allocated()
+        return _status_bytes("VmHWM")
+
+
+def _tokens(cfg, rows: int, seq: int, seed: int):
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, cfg.model.vocab_size, (rows, seq + 1), generator=gen)
+
+
+def whole_model(cfg, steps: int) -> dict:
+    """build_run, one small warm-up step, then `steps` measured forward+backward passes."""
+    import torch
+
+    from megatron_taper.build import build_run
+    from megatron_taper.memory import MemorySetup, model_memory
+
+    device_type = "cuda" if cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available()) \
+        else "cpu"
+    meter = PeakMeter(torch.device(device_type))
+    run = build_run(cfg)
+    pm, ctx = run.model, run.ctx
+    autocast = (lambda: torch.autocast(ctx.device.type, dtype=torch.bfloat16)) if run.bf16 else contextlib.nullcontext
+    warm = 2 * cfg.parallel.tp  # a short sequence that sequence parallelism can split
+    pm.forward_backward([_tokens(cfg, 1, warm, 99)], autocast)
+    batches = [_tokens(cfg, cfg.train.micro_batch, cfg.model.seq_len, ctx.dp_rank * 1000 + i) for i in range(steps)]
+    before = meter.reset()
+    for batch in batches:
+        pm.forward_backward([batch], autocast)
+    peak = meter.peak()
+    setup = dataclasses.replace(MemorySetup.from_config(cfg.parallel, cfg.train, ctx.dp, run.bf16), optimizer=False)
+    mm = model_memory(cfg.model, setup)
+    stage = mm.stage(range(cfg.model.n_layers))
+    casts = sum(p.params for p in [*mm.layers, mm.embedding, mm.head]) * setup.cast_bytes_per_param()
+    state = sum(_nbytes(p) + _nbytes(p.grad) for p in pm.module.parameters())
+    return _row(cfg, ctx.rank, peak - before, peak - meter.start, stage.activations + casts, stage.static - casts,
+                state)
+
+
+def pipeline_stage(cfg, which: str, n_layers: int, in_flight: int) -> dict:
+    """One pipeline stage in one process (module doc): `in_flight` forwards, then the backwards."""
+    import torch
+
+    from megatron_taper.memory import MemorySetup, model_memory
+    from megatron_taper.models import build_model
+    from megatron_taper.models.layers import cross_entropy
+    from megatron_taper.parallel.block_options import apply_block_options
+    from megatron_taper.parallel.pipeline import strip_model
+
+    meter = PeakMeter(torch.device("cpu"))
+    m, last = cfg.model, which == "last"
+    layers = list(range(m.n_layers - n_layers, m.n_layers)) if last else list(range(n_layers))
+    model = build_model(m)
+    model.init_weights(cfg.train.seed)
+    strip_model(model, layers, embedding=not last, head=last)
+    apply_block_options(model, cfg.train.activation_checkpointing, cfg.train.ac_every, False)
+    b, s, d = cfg.train.micro_batch, m.seq_len, m.d_model
+    gen = torch.Generator().manual_seed(0)
+
+    def inputs(rows: int, seq: int):
+        if last:
+            return torch.randn(rows, seq, d, generator=gen, requires_grad=True), _tokens(cfg, rows, seq, 1)[:, 1:]
+        return _tokens(cfg, rows, seq, 1)[:, :-1], None
+
+    def forward(x, target):
+        out = model(x)
+        return cross_entropy(out, target) if last else out
+
+    x, target = inputs(1, 2)  # warm-up: gradients allocated
+    forward(x, target).sum().backward()
+    batches = [inputs(b, s) for _ in range(in_flight)]
+    before = meter.reset()
+    outputs = [forward(x, target) for x, target in batches]
+    for out in outputs:
+        out.backward(None if last else torch.randn(out.shape, generator=gen))
+    peak = meter.peak()
+    mm = model_memory(m, MemorySetup(micro_batch=b, pipelined=True, optimizer=False,
+                                     activation_checkpointing=cfg.train.activation_checkpointing,
+                                     ac_every=cfg.train.ac_every))
+    stage = mm.stage(layers, index=int(last), n_stages=2, in_flight=in_flight)
+    sent = 0.0 if last else (in_flight + 1) * mm.io  # the outputs in flight and one received gradient
+    state = sum(_nbytes(p) + _nbytes(p.grad) for p in model.parameters())
+    row = _row(cfg, 0, peak - before, peak - meter.start, stage.activations + sent, stage.static, state)
+    row.update(stage=which, layers=layers, in_flight=in_flight)
+    return row
+
+
+def _nbytes(t) -> int:
+    if t is None:
+        return 0
+    t = t.to_local() if hasattr(t, "to_local") else t
+    return t.numel() * t.element_size()
+
+
+def _row(cfg, rank: int, measured_act: int, measured_peak: int, predicted_act: float, predicted_static: float,
+         state_bytes: int) -> dict:
+    predicted_peak = predicted_act + predicted_static
+    return {"activation_checkpointing": cfg.train.activation_checkpointing, "rank": rank,
+            "measured_activation_bytes": measured_act, "predicted_activation_bytes": predicted_act,
+            "activation_ratio": measured_act / predicted_act,
+            "measured_peak_bytes": measured_peak, "predicted_peak_bytes": predicted_peak,
+            "peak_ratio": measured_peak / predicted_peak,
+            "params_grads_bytes": state_bytes, "predicted_params_grads_bytes": predicted_static}
+
+
+def worker(args: argparse.Namespace) -> None:
+    from megatron_taper.config import load_config
+
+    cfg = load_config(None, DEFAULT + args.overrides + [f"train.activation_checkpointing={args.mode}"])
+    if args.stage:
+        row = pipeline_stage(cfg, args.stage, args.stage_layers, args.in_flight)
+    else:
+        row = whole_model(cfg, args.steps)
+    with open(args.out, "w") as f:
+        json.dump(row, f)
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def measure(overrides: list[str], mode: str, nproc: int = 1, steps: int = 1, stage: str = "",
+            stage_layers: int = 1, in_flight: int = 1, timeout: float = 3600.0) -> list[dict]:
+    """Run one measurement in `nproc` fresh processes; one result per rank."""
+    port = _free_port()
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = []
+        for rank in range(nproc):
+            out = os.path.join(tmp, f"rank{rank}.json")
+            cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--out", out, "--mode", mode,
+                   "--steps", str(steps), "--stage", stage, "--stage-layers", str(stage_layers),
+                   "--in-flight", str(in_flight), *overrides]
+            env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": MMAP_THRESHOLD, "PYTHONPATH": REPO}
+            if nproc > 1:
+                env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
+                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+            procs.append((subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                                           stderr=subprocess.PIPE, text=True), out))
+        rows = []
+        for proc, out in procs:
+            _, err = proc.communicate(timeout=timeout)
+            if proc.returncode != 0:
+                raise RuntimeError(f"measurement ({mode}, {nproc} processes) failed:\n{err[-4000:]}")
+            with open(out) as f:
+                rows.append(json.load(f))
+        return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--modes", default="none,selective,full")
+    parser.add_argument("--steps", type=int, default=1, help="measured forward+backward passes per mode")
+    parser.add_argument("--nproc", type=int, default=1, help="processes (tp x dp, gloo on CPU)")
+    parser.add_argument("--stage", default="", choices=("", "first", "last"), help="measure one pipeline stage")
+    parser.add_argument("--stage-layers", type=int, default=1)
+    parser.add_argument("--in-flight", type=int, default=1)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--mode", default="none", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument("overrides", nargs="*", help="key=value config overrides")
+    args = parser.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    results = []
+    for mode in args.modes.split(","):
+        results += measure(args.overrides, mode, args.nproc, args.steps, args.stage, args.stage_layers,
+                           args.in_flight)
+    print(json.dumps({"config": DEFAULT + args.overrides, "steps": args.steps, "results": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,324 @@
+"""Predicted peak memory of one rank during a training step, per pipeline stage, in bytes.
+
+For a stage (its layers; the embedding on the first, final norm + head + loss on the last) on
+one rank of the (pp, dp, tp) layout, with n micro-batches in flight (1F1B: min(pp - s, m) on
+stage s; GPipe: m; without pipelining 1):
+
+    peak = static + (n - 1) * K + top + buffers
+
+static   per tp-local parameter P of the stage: parameters, gradients, AdamW state
+         (zero=none, also DDP: 4 + 4 + 8 bytes; fsdp2 with dp > 1: 16 / dp; deepspeed: (param
+         bytes + 4 grad + 4 fp32 master + 8 AdamW) / dp, less what is offloaded), plus weights
+         held unsharded: fsdp2 under pipelining keeps the stage's parameters gathered and their
+         gradients unsharded through the step (2 x compute bytes per P); fsdp2 without
+         pipelining does so for the root (embedding, final norm, head); bf16 autocast without
+         a ZeRO engine keeps a bf16 copy of every weight it casts (2 bytes per P).
+K        bytes one micro-batch keeps for backward: sum over the stage's blocks of their saved
+         activations (models/costs.py: per token x tokens per micro-batch, plus any kept once
+         per micro-batch), or of their input [b, S, d] alone for the blocks that recompute
+         (train.activation_checkpointing: full = all, selective = global index a multiple of
+         train.ac_every), plus the head's.
+top      the largest moment of the backward of the micro-batch being processed: at the head,
+         K + its loss buffers; at block l, the kept bytes of the stage's blocks before l plus
+         all of l's activations (recomputed or kept) and its largest backward moment (gradient
+         buffers); fsdp2 without pipelining adds the gathered parameters and unsharded gradients
+         of the block and of the one prefetched.
+buffers  torch.distributed.pipelining's p2p buffers, [b, S, d] each: a non-first stage keeps
+         a receive buffer per micro-batch of the step (those of the n in flight are the inputs
+         counted in K), a non-last stage a gradient receive buffer per micro-batch and the
+         outputs of the n in flight.
+
+Layouts: an activation element (models/costs.py `Split`) counts on a rank as its largest tp
+share (shards are uneven in whole units: heads, MLP width units, vocabulary rows); `seq`
+elements (residual stream, norms) are whole on every tp rank, split by tp under sequence
+parallelism. Bytes: `seq` and `vocab` (the loss) in fp32, the rest in the compute dtype (bf16
+under autocast, else fp32); a recomputed block's input in fp32.
+
+Not modelled: the optimizer step's temporaries (after the activations are freed), collective
+buffers (DDP buckets are the gradients themselves), allocator caching and fragmentation, the
+CUDA context and kernels' workspaces, token ids and other [b, S] tensors, the embedding's dense
+gradient while it is accumulated. docs/memory_model.md compares the model with measured peaks.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Sequence
+
+from megatron_taper.flops import head_cost, model_costs
+from megatron_taper.models.costs import Cost, Split
+from megatron_taper.parallel.block_options import checkpointed_blocks
+
+if TYPE_CHECKING:
+    from megatron_taper.config import ModelConfig, ParallelConfig, TrainConfig
+
+ADAMW_BYTES = 8.0  # exp_avg + exp_avg_sq in fp32, per parameter
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class MemorySetup:
+    """Everything besides the model's shapes that one rank's memory depends on."""
+
+    tp: int = 1
+    sequence_parallel: bool = False
+    dp: int = 1
+    zero: str = "none"  # none | fsdp2 | deepspeed (parallel.zero)
+    pipelined: bool = False  # pp > 1
+    bf16: bool = False  # autocast to bf16 (train.precision on the device)
+    activation_checkpointing: str = "none"  # none | full | selective
+    ac_every: int = 2
+    micro_batch: int = 1  # sequences per forward (per pipeline micro-batch when pipelined)
+    microbatches: int = 1  # pipeline micro-batches per step on one rank
+    bytes_per_param: float | None = None  # replaces the engine's params + grads + optimizer bytes
+    optimizer: bool = True  # AdamW state allocated (False: forward+backward alone, as benchmarks measure)
+    offload_optimizer: bool = False  # deepspeed: masters and AdamW state off the device
+    offload_param: bool = False  # deepspeed: parameter partitions off the device
+
+    @classmethod
+    def from_config(cls, parallel: ParallelConfig, train: TrainConfig, dp: int, bf16: bool,
+                    micro_batch: int | None = None, microbatches: int = 1,
+                    bytes_per_param: float | None = None) -> "MemorySetup":
+        """The setup of a run from its config sections, its dp size and precision; `micro_batch`
+        (default train.micro_batch) is the pipeline micro-batch when pipelined."""
+        ds = parallel.deepspeed
+        return cls(tp=parallel.tp, sequence_parallel=parallel.sequence_parallel and parallel.tp > 1, dp=dp,
+                   zero=parallel.zero, pipelined=parallel.pp > 1, bf16=bf16,
+                   activation_checkpointing=train.activation_checkpointing, ac_every=train.ac_every,
+                   micro_batch=micro_batch or train.micro_batch, microbatches=microbatches,
+                   bytes_per_param=bytes_per_param, offload_optimizer=ds.offload_optimizer != "none",
+                   offload_param=ds.offload_param != "none")
+
+    @property
+    def compute_bytes(self) -> int:
+        return 2 if self.bf16 else 4
+
+    @property
+    def fsdp(self) -> bool:
+        """fsdp2 shards (with dp = 1 the model is left as is)."""
+        return self.zero == "fsdp2" and self.dp > 1
+
+    def state_bytes_per_param(self) -> float:
+        """Parameters + gradients + optimizer state per tp-local parameter on one rank."""
+        if self.bytes_per_param is not None:
+            return self.bytes_per_param
+        adamw = ADAMW_BYTES if self.optimizer else 0.0
+        if self.zero == "deepspeed":
+            on_device = (0 if self.offload_param else self.compute_bytes) + 4.0
+            on_device += 0 if self.offload_optimizer else 4.0 + adamw
+            return on_device / self.dp
+        return (8.0 + adamw) / (self.dp if self.fsdp else 1)
+
+    def unsharded_bytes_per_param(self) -> float:
+        """fsdp2: a gathered parameter and its unsharded gradient, both in the compute dtype."""
+        return 2.0 * self.compute_bytes if self.fsdp else 0.0
+
+    def cast_bytes_per_param(self) -> float:
+        """bf16 autocast's copies of fp32 weights (sharding ZeRO engines hold bf16 weights already)."""
+        return 2.0 if self.bf16 and not (self.fsdp or self.zero == "deepspeed") else 0.0
+
+
+@dataclass(frozen=True)
+class PieceMemory:
+    """One block, the embedding or the head, on one rank: bytes for the whole stage's step
+    (`static`), kept by one micro-batch for backward (`kept`), and the largest moment of its
+    backward (`peak`: its own activations, recomputed or kept, plus gradient buffers)."""
+
+    params: float  # tp-local parameters
+    static: float
+    kept: float
+    peak: float
+
+
+@dataclass(frozen=True)
+class ModelMemory:
+    """Every piece of a model under one setup; `io` = bytes of one [b, S, d] stage boundary."""
+
+    layers: list[PieceMemory]
+    embedding: PieceMemory
+    head: PieceMemory
+    io: float
+    setup: MemorySetup
+
+    def stage(self, layers: Sequence[int], index: int = 0, n_stages: int = 1, in_flight: int = 1) -> "StageMemory":
+        """The predicted peak of pipeline stage `index` of `n_stages` holding the consecutive
+        `layers` with `in_flight` micro-batches (the whole model: the defaults)."""
+        lo, hi = layers[0], layers[-1] + 1
+        assert list(layers) == list(range(lo, hi)) and 0 <= index < n_stages, (layers, index, n_stages)
+        model = to_memory_model(self, [in_flight] * n_stages, [math.inf] * n_stages)
+        static_pre, kept_pre = _prefix(model.static), _prefix(model.act)
+        static, act, fixed = model.stage_parts(index, n_stages, lo, hi, static_pre, kept_pre)
+        kept = kept_pre[hi] - kept_pre[lo] + (self.head.kept if index == n_stages - 1 else 0.0)
+        return StageMemory(static=static, activations=act, buffers=fixed, kept=kept, in_flight=in_flight)
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    static: float  # parameters, gradients, optimizer state, unsharded / cast weights
+    activations: float  # (n - 1) * K + top
+    buffers: float  # pipeline p2p buffers
+    kept: float  # K: one micro-batch's
+    in_flight: int
+
+    @property
+    def total(self) -> float:
+        return self.static + self.activations + self.buffers
+
+
+def largest_share(units: int, tp: int) -> float:
+    """The largest tp shard of a dimension of `units` whole units, as a fraction of it."""
+    return math.ceil(units / tp) / units if units else 0.0
+
+
+def _shares(cfg: ModelConfig, tp: int, width: int) -> Split:
+    """Per layout class, the largest rank's fraction (rank 0 holds the most of every class)."""
+    return Split(whole=1.0, seq=1.0, heads=largest_share(cfg.n_heads, tp), kv=largest_share(cfg.kv_heads, tp),
+                 width=largest_share(width // cfg.taper.multiple, tp), vocab=largest_share(cfg.vocab_size, tp))
+
+
+def local_params(cost: Cost, shares: Split) -> float:
+    """Parameters of `cost` on the largest tp rank."""
+    p = cost.params_split
+    return (p.whole + p.heads * shares.heads + p.kv * shares.kv + p.width * shares.width
+            + p.vocab * shares.vocab)
+
+
+def act_bytes_per_token(act: Split, shares: Split, setup: MemorySetup) -> float:
+    """Bytes per token of activation elements on the largest tp rank (layouts and dtypes above)."""
+    seq = act.seq / (setup.tp if setup.sequence_parallel else 1)
+    compute = act.whole + act.heads * shares.heads + act.kv * shares.kv + act.width * shares.width
+    if setup.bf16 or (setup.sequence_parallel and setup.micro_batch > 1):
+        compute += act.input_copies
+    return 4.0 * seq + setup.compute_bytes * compute + 4.0 * act.vocab * shares.vocab
+
+
+def _activations(cost: Cost) -> Split:
+    """A piece's saved elements; the earlier `act_bytes` form counts as whole, 2 bytes each."""
+    return cost.act + Split(whole=cost.act_bytes / 2.0)
+
+
+def piece_memory(cost: Cost, shares: Split, setup: MemorySetup, tokens: int, recompute: bool, d_model: int,
+                 block: bool) -> PieceMemory:
+    """Bytes of one piece (see PieceMemory); `tokens` per micro-batch on this rank."""
+    params = local_params(cost, shares)
+    static = params * (setup.state_bytes_per_param() + setup.cast_bytes_per_param())
+    if setup.pipelined or not block:
+        static += params * setup.unsharded_bytes_per_param()
+    full = act_bytes_per_token(_activations(cost), shares, setup) * tokens
+    full += act_bytes_per_token(cost.per_batch, shares, setup)
+    moments = [act_bytes_per_token(m, shares, setup) * tokens for m in cost.backward]
+    peak = full + max(moments, default=0.0)
+    if block and not setup.pipelined:  # fsdp2: this block and the prefetched one, gathered
+        peak += 2 * params * setup.unsharded_bytes_per_param()
+    kept = boundary_bytes(d_model, tokens, setup) if recompute else full
+    return PieceMemory(params, static, kept, peak)
+
+
+def boundary_bytes(d_model: int, tokens: int, setup: MemorySetup) -> float:
+    """A block's input / a stage's output [b, S, d] (fp32 residual stream) on one rank."""
+    return 4.0 * d_model * tokens / (setup.tp if setup.sequence_parallel else 1)
+
+
+def model_memory(cfg: ModelConfig, setup: MemorySetup) -> ModelMemory:
+    """Bytes of every piece of the model `cfg` under `setup` (module doc)."""
+    costs = model_costs(cfg)
+    tokens = setup.micro_batch * cfg.seq_len
+    recomputed = set(checkpointed_blocks([str(i) for i in range(cfg.n_layers)], setup.activation_checkpointing,
+                                         setup.ac_every))
+    layers = [piece_memory(cost, _shares(cfg, setup.tp, width), setup, tokens, str(i) in recomputed,
+                           cfg.d_model, block=True)
+              for i, (cost, width) in enumerate(zip(costs.layers, costs.widths))]
+    shares = _shares(cfg, setup.tp, cfg.taper.multiple)
+    head = head_cost(cfg, vocab_parallel=setup.tp > 1)
+    return ModelMemory(layers, piece_memory(costs.embedding, shares, setup, tokens, False, cfg.d_model, block=False),
+                       piece_memory(head, shares, setup, tokens, False, cfg.d_model, block=False),
+                       boundary_bytes(cfg.d_model, tokens, setup), setup)
+
+
+def pipeline_buffers(io: float, in_flight: Sequence[int], microbatches: int) -> list[float]:
+    """Per stage: p2p receive buffers beyond the in-flight inputs, gradient receive buffers and
+    the in-flight outputs (module doc)."""
+    n = len(in_flight)
+    if n == 1:
+        return [0.0]
+    out = []
+    for s, k in enumerate(in_flight):
+        receive = (microbatches - k) * io if s > 0 else 0.0
+        send = (microbatches + k) * io if s < n - 1 else 0.0
+        out.append(receive + send)
+    return out
+
+
+def to_memory_model(mm: ModelMemory, in_flight: Sequence[int], limits: Sequence[float],
+                    key: str = "parallel.pp_memory_gb") -> "MemoryModel":
+    """The partitioner's view of `mm` for len(in_flight) stages with byte limits `limits`."""
+    return MemoryModel(
+        static=[p.static for p in mm.layers], act=[p.kept for p in mm.layers], in_flight=list(in_flight),
+        limits=list(limits), first_static=mm.embedding.static, first_act=mm.embedding.kept,
+        last_static=mm.head.static, last_act=mm.head.kept, key=key, peak=[p.peak for p in mm.layers],
+        last_peak=mm.head.peak - mm.head.kept,
+        fixed=pipeline_buffers(mm.io, in_flight, mm.setup.microbatches))
+
+
+def _prefix(values: Sequence[float]) -> list[float]:
+    out = [0.0]
+    for v in values:
+        out.append(out[-1] + v)
+    return out
+
+
+@dataclass(frozen=True)
+class MemoryModel:
+    """Bytes per layer and per stage extra, for the partitioner; `in_flight` and `limits` have
+    one entry per stage. Without `peak` a stage needs static + act * in_flight (+ fixed); with
+    it, the formula of the module doc."""
+
+    static: Sequence[float]  # per layer: bytes for the whole step (params + grads + optimizer ...)
+    act: Sequence[float]  # per layer: bytes one micro-batch keeps for backward
+    in_flight: Sequence[int]
+    limits: Sequence[float]
+    first_static: float = 0.0
+    first_act: float = 0.0
+    last_static: float = 0.0
+    last_act: float = 0.0
+    key: str = "parallel.pp_memory_gb"  # the config key the limits came from, for errors
+    # per layer: bytes while its backward runs (its activations and gradient buffers), on top of
+    # the kept bytes of the stage's earlier layers; empty = not modelled
+    peak: Sequence[float] = ()
+    last_peak: float = 0.0  # bytes besides everything the stage keeps while the head's backward runs
+    fixed: Sequence[float] = field(default_factory=list)  # per stage, whatever its layers (buffers)
+
+    def peak_table(self, act_prefix: Sequence[float]) -> list[list[float]]:
+        """table[lo][hi - lo - 1] = max over l in [lo, hi) of act_prefix[l] + peak[l]."""
+        table = []
+        for lo in range(len(self.peak)):
+            row, best = [], -math.inf
+            for layer in range(lo, len(self.peak)):
+                best = max(best, act_prefix[layer] + self.peak[layer])
+                row.append(best)
+            table.append(row)
+        return table
+
+    def stage_parts(self, stage: int, n_stages: int, lo: int, hi: int, static_prefix: Sequence[float],
+                    act_prefix: Sequence[float], table: list[list[float]] | None = None
+                    ) -> tuple[float, float, float]:
+        """(static, activations, fixed) bytes of stage `stage` holding layers lo..hi-1."""
+        static = static_prefix[hi] - static_prefix[lo]
+        act = act_prefix[hi] - act_prefix[lo]
+        first, last = stage == 0, stage == n_stages - 1
+        if first:
+            static, act = static + self.first_static, act + self.first_act
+        if last:
+            static, act = static + self.last_static, act + self.last_act
+        fixed = self.fixed[stage] if self.fixed else 0.0
+        n = self.in_flight[stage]
+        if not self.peak:
+            return static, act * n, fixed
+        table = table or self.peak_table(act_prefix)
+        blocks = table[lo][hi - lo - 1] - act_prefix[lo] + (self.first_act if first else 0.0)
+        top = max(blocks, act + self.last_peak if last else act)
+        return static, act * (n - 1) + top, fixed
+
+    def stage_bytes(self, stage: int, n_stages: int, lo: int, hi: int, static_prefix: Sequence[float],
+                    act_prefix: Sequence[float], table: list[list[float]] | None = None) -> float:
+        return sum(self.stage_parts(stage, n_stages, lo, hi, static_prefix, act_prefix, table))

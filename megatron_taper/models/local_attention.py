@@ -1,0 +1,143 @@
+"""Sliding-window attention behind a prefix of persistent tokens, in work and memory O(S x W).
+
+Queries are the S real tokens; keys and values are [P, x]: the P persistent tokens (key rows
+0..P-1), then the S tokens (key row P + j for token j). Token i sees every persistent token and
+the tokens j with i - W < j <= i. RoPE, projections and GQA are the caller's; the kernels take
+q [B, H, S, E], k and v [B, K, P + S, E] and return [B, H, S, E].
+
+Two kernels, chosen at run time from the tensors (`sliding_window_attention`):
+- blockwise (CPU, or CUDA without FlexAttention): the queries in blocks of W (the last one
+  zero-padded); block b > 0 attends to [P, block b-1, block b] under one [W, P + 2W] mask that
+  every such block shares, all of them in one batched SDPA call; block 0 to [P, block 0] under
+  a [W, P + W] mask. It computes every pair of that band, masked or not: per query P + 2W pairs
+  (P + W in block 0), of which P + min(i + 1, W) are visible (`blockwise_pairs` counts them).
+- FlexAttention (CUDA, when torch.nn.attention.flex_attention imports): the same pattern as a
+  block-sparse mask built directly from the band (`band_block_mask`: O((S / 128)^2) block
+  indices, never an [S, S] mask), through a compiled flex_attention; it skips the kv blocks
+  outside the window and applies the mask inside the partly visible ones only.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from typing import TYPE_CHECKING, Callable
+
+import torch
+import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from torch.nn.attention.flex_attention import BlockMask
+
+FLEX_BLOCK = 128  # FlexAttention's sparse block size (its default)
+
+
+def band_mask(prefix: int, rows: int, before: int, window: int, device: torch.device) -> torch.Tensor:
+    """[rows, P + before + rows] boolean mask (True = may attend) of `rows` consecutive queries over
+    [P, the `before` tokens preceding them, themselves]."""
+    i = torch.arange(rows, device=device)[:, None] + before  # the query's token offset among the keys
+    j = torch.arange(prefix + before + rows, device=device)[None, :] - prefix
+    return (j < 0) | ((i - j >= 0) & (i - j < window))
+
+
+def blockwise_pairs(seq: int, prefix: int, window: int) -> int:
+    """(query, key) pairs the blockwise kernel computes, padded rows and masked pairs included."""
+    block = min(window, seq)
+    blocks = math.ceil(seq / block)
+    return block * (prefix + block) + (blocks - 1) * block * (prefix + 2 * block)
+
+
+def blockwise_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int,
+                               window: int) -> torch.Tensor:
+    """The blockwise kernel (see the module docstring): [B, H, S, E]."""
+    seq, gqa = q.shape[2], q.shape[1] != k.shape[1]
+    block = min(window, seq)
+    blocks = math.ceil(seq / block)
+    first = F.scaled_dot_product_attention(q[:, :, :block], k[:, :, :prefix + block], v[:, :, :prefix + block],
+                                           attn_mask=band_mask(prefix, block, 0, window, q.device), enable_gqa=gqa)
+    if blocks == 1:
+        return first
+    pad = blocks * block - seq
+    rest_q = F.pad(q[:, :, block:], (0, 0, 0, pad)).unflatten(2, (blocks - 1, block)).transpose(1, 2)
+    rest_k, rest_v = (band_keys(t, prefix, block, pad) for t in (k, v))
+    rest = F.scaled_dot_product_attention(rest_q, rest_k, rest_v, enable_gqa=gqa,
+                                          attn_mask=band_mask(prefix, block, block, window, q.device))
+    rest = rest.transpose(1, 2).flatten(2, 3)  # [B, n-1, H, W, E] -> [B, H, (n-1) W, E]
+    return torch.cat((first, rest[:, :, :seq - block]), dim=2)
+
+
+def band_keys(t: torch.Tensor, prefix: int, block: int, pad: int) -> torch.Tensor:
+    """Keys (or values) [B, K, P + S, E] -> [B, n-1, K, P + 2W, E]: for each block b > 0 of the
+    n blocks, [P, block b-1, block b]."""
+    tokens = F.pad(t[:, :, prefix:], (0, 0, 0, pad)).unflatten(2, (-1, block))  # [B, K, n, W, E]
+    band = torch.cat((tokens[:, :, :-1], tokens[:, :, 1:]), dim=3)  # [B, K, n-1, 2W, E]
+    persistent = t[:, :, None, :prefix].expand(-1, -1, band.shape[2], -1, -1)  # [B, K, n-1, P, E]
+    return torch.cat((persistent, band), dim=3).transpose(1, 2)
+
+
+def window_visible(prefix: int, window: int) -> Callable:
+    """FlexAttention mask_mod of the pattern: query token q_idx, key row kv_idx of [P, x]."""
+    def visible(b, h, q_idx, kv_idx):
+        dist = q_idx + prefix - kv_idx
+        return (kv_idx < prefix) | ((dist >= 0) & (dist < window))
+    return visible
+
+
+def band_block_mask(seq: int, prefix: int, window: int, device: torch.device,
+                    block: int = FLEX_BLOCK) -> BlockMask:
+    """FlexAttention BlockMask of the pattern for S queries over P + S keys, built from the band's
+    geometry: a kv block is visited when it holds a persistent token or a key some query of the
+    q block sees, and is `full` (no mask applied) when every valid pair in it is visible."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    keys = prefix + seq
+    q_first = torch.arange(math.ceil(seq / block), device=device)[:, None] * block  # [Qb, 1]
+    q_last = (q_first + block).clamp(max=seq) - 1
+    kv_first = torch.arange(math.ceil(keys / block), device=device)[None, :] * block  # [1, KVb]
+    kv_last = (kv_first + block).clamp(max=keys) - 1
+    # query q sees key rows [0, P) and [P + q - W + 1, P + q]
+    band_lo, band_hi = (prefix + q_first - window + 1).clamp(min=prefix), prefix + q_last
+    visited = (kv_first < prefix) | ((kv_first <= band_hi) & (kv_last >= band_lo))
+    full = (kv_last < prefix) | ((kv_first >= prefix + q_last - window + 1) & (kv_last <= prefix + q_first))
+    partial = visited & ~full
+
+    def indices(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        order = torch.argsort((~blocks).to(torch.int8), dim=-1, stable=True)  # visited blocks first, ascending
+        return blocks.sum(-1).to(torch.int32)[None, None], order.to(torch.int32)[None, None]
+
+    return BlockMask.from_kv_blocks(*indices(partial), *indices(full), BLOCK_SIZE=block,
+                                    mask_mod=window_visible(prefix, window), seq_lengths=(seq, keys))
+
+
+@functools.cache
+def compiled_flex_attention() -> Callable:
+    """flex_attention compiled once per process (uncompiled it materialises every score)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def flex_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int, window: int,
+                          compiled: bool = True) -> torch.Tensor:
+    """The FlexAttention kernel (see the module docstring): [B, H, S, E]. `compiled=False` runs
+    flex_attention eagerly (its unfused reference: what tests use on CPU)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    mask = band_block_mask(q.shape[2], prefix, window, q.device)
+    attend = compiled_flex_attention() if compiled else flex_attention
+    return attend(q, k, v, block_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def flex_attention_available() -> bool:
+    try:
+        import torch.nn.attention.flex_attention  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def sliding_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int,
+                             window: int) -> torch.Tensor:
+    """FlexAttention on CUDA when it imports, else the blockwise kernel: [B, H, S, E]."""
+    if q.is_cuda and flex_attention_available():
+        return flex_window_attention(q, k, v, prefix, window)
+    return blockwise_window_attention(q, k, v, prefix, window)
