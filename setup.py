@@ -1,7 +1,8 @@
 """Install megatron_taper: `pip install -e .[dev]` (tests), `.[deepspeed]`, `.[hf]` (Hugging Face
-export/import: transformers), `.[plot]` (matplotlib, for tools/sweep.py's plot) or `.[lmeval]` (lm-evaluation-harness; a large dependency tree, not
-installed by launch/install.sh). Install extras with a constraints file pinning the installed
-torch (launch/install.sh does), so that none of them replaces it."""
+export/import: transformers), `.[plot]` (matplotlib, for tools/sweep.py's plot) or `.[lmeval]`
+(lm-evaluation-harness; a large dependency tree, not installed by launch/install.sh). Install
+extras with a constraints file pinning the installed torch (launch/install.sh does), so that none
+of them replaces it."""
 from setuptools import find_packages, setup
 
 setup(
