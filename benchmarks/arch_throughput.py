@@ -15,8 +15,9 @@ micro-batch 2 unless overridden, model.titans.window=W): `dense` runs every bloc
 under one [S, P + S] mask (the path of before, kept here as a benchmark-local reference), `banded`
 the kernel the model runs (models/local_attention.py: blockwise on CPU, FlexAttention on CUDA).
 Tokens/s: both variants built from the same weights in one process, their steps alternating,
-median per variant. Peak memory: a fresh process per variant (MALLOC_MMAP_THRESHOLD_=65536 so
-freed tensors go back to the system) runs one step, then resets the high-water mark (`echo 5 >
+median per variant; `attention_only`: forward + backward of the attention alone, alternating
+the same way. Peak memory: a fresh process per variant (MALLOC_MMAP_THRESHOLD_=65536 so freed
+tensors go back to the system) runs one step, then resets the high-water mark (`echo 5 >
 /proc/self/clear_refs`) and runs another: `peak_mib` is VmHWM then, `step_mib` that minus the
 resident memory before the step; on CUDA torch.cuda.max_memory_allocated around the step.
 """
@@ -162,14 +163,44 @@ def titans_peak(seq: int, window: int, overrides: list[str], kernel: str, device
     return json.loads(out.strip().splitlines()[-1])
 
 
+def attention_timing(seq: int, window: int, overrides: list[str], device: torch.device, reps: int = 5) -> dict:
+    """Forward + backward of the attention alone at the recipe's shapes (micro-batch, heads,
+    head_dim, persistent tokens), dense and banded alternating: median ms."""
+    from megatron_taper.models.local_attention import sliding_window_attention
+
+    cfg = load_config(TITANS_RECIPE, ["train.micro_batch=2", *overrides])
+    m, batch, gen = cfg.model, cfg.train.micro_batch, torch.Generator().manual_seed(0)
+    prefix = m.titans.persistent_tokens
+    q = torch.randn(batch, m.n_heads, seq, m.head_dim, generator=gen).to(device).requires_grad_()
+    k, v = (torch.randn(batch, m.kv_heads, prefix + seq, m.head_dim, generator=gen).to(device).requires_grad_()
+            for _ in range(2))
+    kernels = {"dense": dense_window_attention, "banded": sliding_window_attention}
+    times: dict[str, list[float]] = {name: [] for name in kernels}
+    for rep in range(reps + 1):  # the first of each is a warm-up
+        for name, kernel in kernels.items():
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            kernel(q, k, v, prefix, window).sum().backward()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            if rep:
+                times[name].append(time.perf_counter() - start)
+    return {name: round(1e3 * statistics.median(t), 2) for name, t in times.items()}
+
+
 def titans_window(seqs: list[int], window: int, overrides: list[str], steps: int, device: torch.device) -> dict:
+    attention = [{"seq": seq, "fwd_bwd_ms": attention_timing(seq, window, overrides, device)} for seq in seqs]
+    print(json.dumps(attention), file=sys.stderr, flush=True)  # progress
     results = []
     for seq in seqs:
         speed = titans_throughput(seq, window, overrides, steps, device)
         for kernel in ("dense", "banded"):
             results.append({"seq": seq, "kernel": kernel, **speed[kernel],
                             **titans_peak(seq, window, overrides, kernel, device)})
-    return {"recipe": TITANS_RECIPE, "window": window, "overrides": overrides, "results": results}
+            print(json.dumps(results[-1]), file=sys.stderr, flush=True)  # progress
+    return {"recipe": TITANS_RECIPE, "window": window, "overrides": overrides, "attention_only": attention,
+            "results": results}
 
 
 def main() -> None:

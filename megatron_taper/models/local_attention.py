@@ -8,7 +8,8 @@ q [B, H, S, E], k and v [B, K, P + S, E] and return [B, H, S, E].
 Two kernels, chosen at run time from the tensors (`sliding_window_attention`):
 - blockwise (CPU, or CUDA without FlexAttention): the queries in blocks of W (the last one
   zero-padded); block b > 0 attends to [P, block b-1, block b] under one [W, P + 2W] mask that
-  every such block shares, all of them in one batched SDPA call; block 0 to [P, block 0] under
+  every such block shares, all of them in one SDPA call (blocks folded into the batch, so the
+  fused CPU kernel runs); block 0 to [P, block 0] under
   a [W, P + W] mask. It computes every pair of that band, masked or not: per query P + 2W pairs
   (P + W in block 0), of which P + min(i + 1, W) are visible (`blockwise_pairs` counts them).
 - FlexAttention (CUDA, when torch.nn.attention.flex_attention imports): the same pattern as a
@@ -57,21 +58,22 @@ def blockwise_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     if blocks == 1:
         return first
     pad = blocks * block - seq
+    batch = q.shape[0]
     rest_q = F.pad(q[:, :, block:], (0, 0, 0, pad)).unflatten(2, (blocks - 1, block)).transpose(1, 2)
     rest_k, rest_v = (band_keys(t, prefix, block, pad) for t in (k, v))
-    rest = F.scaled_dot_product_attention(rest_q, rest_k, rest_v, enable_gqa=gqa,
-                                          attn_mask=band_mask(prefix, block, block, window, q.device))
-    rest = rest.transpose(1, 2).flatten(2, 3)  # [B, n-1, H, W, E] -> [B, H, (n-1) W, E]
+    # blocks folded into the batch: [B (n-1), H|K, W | P + 2W, E], 4-D and contiguous for SDPA's fused kernels
+    rest = F.scaled_dot_product_attention(rest_q.flatten(0, 1), rest_k.flatten(0, 1), rest_v.flatten(0, 1),
+                                          attn_mask=band_mask(prefix, block, block, window, q.device), enable_gqa=gqa)
+    rest = rest.unflatten(0, (batch, blocks - 1)).transpose(1, 2).flatten(2, 3)  # [B, H, (n-1) W, E]
     return torch.cat((first, rest[:, :, :seq - block]), dim=2)
 
 
 def band_keys(t: torch.Tensor, prefix: int, block: int, pad: int) -> torch.Tensor:
     """Keys (or values) [B, K, P + S, E] -> [B, n-1, K, P + 2W, E]: for each block b > 0 of the
     n blocks, [P, block b-1, block b]."""
-    tokens = F.pad(t[:, :, prefix:], (0, 0, 0, pad)).unflatten(2, (-1, block))  # [B, K, n, W, E]
-    band = torch.cat((tokens[:, :, :-1], tokens[:, :, 1:]), dim=3)  # [B, K, n-1, 2W, E]
-    persistent = t[:, :, None, :prefix].expand(-1, -1, band.shape[2], -1, -1)  # [B, K, n-1, P, E]
-    return torch.cat((persistent, band), dim=3).transpose(1, 2)
+    tokens = F.pad(t[:, :, prefix:], (0, 0, 0, pad)).unflatten(2, (-1, block)).transpose(1, 2)  # [B, n, K, W, E]
+    persistent = t[:, None, :, :prefix].expand(-1, tokens.shape[1] - 1, -1, -1, -1)  # [B, n-1, K, P, E]
+    return torch.cat((persistent, tokens[:, :-1], tokens[:, 1:]), dim=3)
 
 
 def window_visible(prefix: int, window: int) -> Callable:
