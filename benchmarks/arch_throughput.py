@@ -63,14 +63,9 @@ def measure(path: str, overrides: list[str], steps: int, warmup: int, device: to
     tokens = torch.randint(0, m.vocab_size, (mb, m.seq_len + 1), generator=gen).to(device)
     times = []
     for step in range(warmup + steps):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        train_step(model, opt, tokens)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        elapsed = timed_step(model, opt, tokens, device)
         if step >= warmup:
-            times.append(time.perf_counter() - start)
+            times.append(elapsed)
     step_s = statistics.median(times)
     tokens_per_s = mb * m.seq_len / step_s
     flops = model_costs(m).total_flops

@@ -3,16 +3,15 @@ one process, and its exact resume.
 
 Every run is the Trainer: 10 steps of a 3-layer d=64 Hope-attention with the cosine taper (CMS
 widths 144, 96, 48: uneven over tp=2 in units of 16), both CMS levels learning inside the
-sequence (updates every 4 and 8 of 32 tokens), byte tokens of real text, 4 micro-batches of 2
-sequences per step, AdamW with gradient clipping, fp32.
+sequence (updates every 8 and 16 of 32 tokens), byte tokens of real text, 2 micro-batches of 2
+sequences per step, AdamW with gradient clipping, fp32. model.hope.online_lr=2 makes the inner
+updates (and the outer gradient through them) matter from the first step.
 
 - tp=2 (with and without sequence parallelism) and pp=2 give the one-process losses within
   LOSS_ATOL = 2e-5, the grad norms of steps 1-5 within 2e-6 relative and those of all 10 steps
-  within 1e-3. model.hope.online_lr=2 makes the inner updates matter from the first step, and
-  also makes the run sensitive: fp32 differences of ~1e-7 (tp's split sums, pp's accumulation)
-  grow to ~1e-5 in the losses and ~2e-4 in the grad norms by step 9 (measured). Dropping the
-  all-reduce of the shards' gradient through the inner updates (f on the summed output) gives
-  ~1e-5 on the first grad norm, 4e-2 by step 5 and 6e-3 on the losses.
+  within 1e-4. Measured: losses <= 5e-7, grad norms <= 2e-7 (steps 1-5) and 2.5e-6 (all).
+  Without the all-reduce that sums the shards' gradients through the inner updates (f on the
+  chunk's summed output) tp=2 is off by 6e-5 in the losses and 2.3e-5 in the early grad norms.
 - A run stopped after step 5 (train.exit_after=5, which writes a checkpoint) and resumed in the
   same folder logs bitwise the losses of steps 6-10 of the uninterrupted run, at one process and
   at tp=2.
@@ -30,12 +29,12 @@ from harness import run_distributed
 
 from megatron_taper.config import load_config
 
-LOSS_ATOL, EARLY_NORM_RTOL, NORM_RTOL = 2e-5, 2e-6, 1e-3
+LOSS_ATOL, EARLY_NORM_RTOL, NORM_RTOL = 2e-5, 2e-6, 1e-4
 MODEL = ["model.arch=hope_attention", "model.n_layers=3", "model.d_model=64", "model.n_heads=4",
          "model.n_kv_heads=2", "model.mlp_width=96", "model.vocab_size=256", "model.seq_len=32",
-         "model.taper.multiple=16", "model.hope.chunk_size=4", "model.hope.chunk_growth=2",
+         "model.taper.multiple=16", "model.hope.chunk_size=8", "model.hope.chunk_growth=2",
          "model.hope.online_lr=2.0", "train.device=cpu", "train.precision=fp32"]
-TRAIN = ["train.steps=10", "train.global_batch=8", "train.micro_batch=2", "train.lr=3e-3",
+TRAIN = ["train.steps=10", "train.global_batch=4", "train.micro_batch=2", "train.lr=3e-3",
          "train.warmup_steps=3", "train.grad_clip=0.5", "train.log_interval=1", "train.eval_batches=1",
          "run.tensorboard=false", "checkpoint.interval=0", "checkpoint.keep=0"]
 LAYOUTS = {"tp2": ["parallel.tp=2"], "tp2_sp": ["parallel.tp=2", "parallel.sequence_parallel=true"],
@@ -70,9 +69,9 @@ def _stop_and_resume(run_dir: Path, data: str, *layout: str) -> list[list[str]]:
 @pytest.fixture(scope="module")
 def one_process(byte_tokens, tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("hope_one")
-    straight, stopped = _fit_all([[f"data.path={byte_tokens}", f"run.dir={root / 'straight'}"]]
-                                 + _stop_and_resume(root / "stopped", byte_tokens))[0::2]
-    return {"straight": straight, "resumed": stopped}
+    straight, _, resumed = _fit_all([[f"data.path={byte_tokens}", f"run.dir={root / 'straight'}"]]
+                                    + _stop_and_resume(root / "stopped", byte_tokens))
+    return {"straight": straight, "resumed": resumed}
 
 
 @pytest.fixture(scope="module")
