@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 import os
 import typing
 import warnings
@@ -22,7 +23,7 @@ from megatron_taper.taper import SCHEDULES
 from megatron_taper.validation import ConfigError, check_choice, check_range
 
 __all__ = ["CheckpointConfig", "Config", "ConfigError", "DataConfig", "DeepSpeedConfig", "ModelConfig",
-           "ParallelConfig", "RunConfig", "TaperConfig", "TrainConfig", "load_config"]
+           "ParallelConfig", "RunConfig", "TaperConfig", "TrainConfig", "WandbConfig", "load_config"]
 
 
 @dataclass
@@ -53,6 +54,8 @@ class _ModelOptions:
     seq_len: int = 1024
     tie_embeddings: bool = False
     rope_theta: float = 10000.0
+    # rope | alibi (attention families) | none (the tree); "" = the family's default (its first)
+    position: str = ""
     norm_eps: float = 1e-5
     init_std: float = 0.02
     taper: TaperConfig = field(default_factory=TaperConfig)
@@ -60,11 +63,17 @@ class _ModelOptions:
     def architecture_dict(self) -> dict[str, Any]:
         """The keys that shape this architecture: the other families' sections are left out."""
         others = {s.section for s in FAMILIES.values() if s.section and s.name != self.arch}
+        others -= set(FAMILIES[self.arch].reads_sections) if self.arch in FAMILIES else set()
         return {k: v for k, v in dataclasses.asdict(self).items() if k not in others}
 
     @property
     def kv_heads(self) -> int:
         return self.n_kv_heads or self.n_heads
+
+    @property
+    def position_encoding(self) -> str:
+        """model.position, or the family's default when it is empty."""
+        return self.position or family(self.arch).positions[0]
 
     @property
     def head_dim(self) -> int:
@@ -77,7 +86,11 @@ class _ModelOptions:
         check_range(f"{prefix}.n_kv_heads", self.n_kv_heads, 0, None)
         if self.d_model % self.n_heads:
             raise ConfigError(f"{prefix}.n_heads={self.n_heads} must divide {prefix}.d_model={self.d_model}")
-        if self.head_dim % 2:
+        allowed = family(self.arch).positions
+        if self.position and self.position not in allowed:
+            raise ConfigError(f"{prefix}.position={self.position!r}: model.arch={self.arch!r} supports "
+                              f"{' | '.join(allowed)} (or empty for {allowed[0]})")
+        if self.position_encoding == "rope" and self.head_dim % 2:
             raise ConfigError(f"{prefix}.d_model / {prefix}.n_heads = {self.head_dim} must be even "
                               f"(RoPE rotates pairs)")
         if self.n_heads % self.kv_heads:
@@ -180,10 +193,12 @@ class TrainConfig:
     activation_checkpointing: str = "none"
     ac_every: int = 2
     compile: bool = False  # torch.compile each block (see parallel/block_options.py)
+    peak_tflops: float = 0.0  # peak TFLOP/s of one device for MFU; 0 = look up (flops.py PEAK_TFLOPS)
 
     def validate(self, prefix: str) -> None:
         for key in ("steps", "global_batch", "micro_batch", "log_interval", "eval_batches", "max_nonfinite"):
             check_range(f"{prefix}.{key}", getattr(self, key), 1, None)
+        check_range(f"{prefix}.peak_tflops", self.peak_tflops, 0.0, None)
         for key in ("warmup_steps", "exit_after", "eval_interval", "seed"):
             check_range(f"{prefix}.{key}", getattr(self, key), 0, None)
         check_range(f"{prefix}.lr", self.lr, 0.0, None, open_low=True)
@@ -208,9 +223,44 @@ class DataConfig:
     tokenizer: str = ""  # sentencepiece .model; "" = the one next to the data
     cache_dir: str = ""  # local cache for a remote MDS path and the built-in corpus; "" = default
     eval_fraction: float = 0.05  # token files only: tail held out for evaluation
+    # weighted MDS datasets instead of path: [{path, weight, name (default: the path's last part)}]
+    mix: list = field(default_factory=list)
+
+    MIX_KEYS = ("path", "weight", "name")
+
+    def mix_names(self) -> list[str]:
+        """The name of each data.mix entry: its `name`, else the last part of its path."""
+        return [str(e.get("name") or e["path"].rstrip("/").rsplit("/", 1)[-1]) for e in self.mix]
 
     def validate(self, prefix: str) -> None:
         check_range(f"{prefix}.eval_fraction", self.eval_fraction, 0.0, 0.5)
+        for i, entry in enumerate(self.mix):
+            key = f"{prefix}.mix[{i}]"
+            if not isinstance(entry, dict):
+                raise ConfigError(f"{key} must be a mapping {{path, weight}}, got {entry!r}")
+            for name in entry:
+                if name not in self.MIX_KEYS:
+                    close = difflib.get_close_matches(str(name), self.MIX_KEYS, n=1)
+                    raise ConfigError(f"unknown key {key}.{name}" + (f"; did you mean {close[0]!r}?" if close
+                                                                      else f" (keys: {', '.join(self.MIX_KEYS)})"))
+            path, weight = entry.get("path"), entry.get("weight")
+            if not isinstance(path, str) or not path.strip("/"):
+                raise ConfigError(f"{key}.path must be the path of an MDS dataset folder, got {path!r}")
+            if path.endswith(".npy"):
+                raise ConfigError(f"{key}.path={path!r}: a mixture reads MDS folders only (no .npy token files)")
+            if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 < weight < float("inf"):
+                raise ConfigError(f"{key}.weight must be a number > 0, got {weight!r}")
+            if "name" in entry and (not isinstance(entry["name"], str) or not entry["name"]):
+                raise ConfigError(f"{key}.name must be a non-empty string, got {entry['name']!r}")
+        if self.mix and self.path:
+            raise ConfigError(f"{prefix}.mix and {prefix}.path={self.path!r} are exclusive: set one of them "
+                              f"(a one-dataset mixture is data.mix=[{{path: ..., weight: 1}}])")
+        names = self.mix_names()
+        for i, name in enumerate(names):
+            if name in names[:i]:
+                raise ConfigError(f"{prefix}.mix[{i}]: the name {name!r} is taken by {prefix}.mix[{names.index(name)}]"
+                                  f" (set `name` on one of them; a dataset used twice needs no second entry: raise "
+                                  f"its weight)")
 
 
 @dataclass
@@ -225,14 +275,33 @@ class CheckpointConfig:
 
 
 @dataclass
+class WandbConfig:
+    """run.wandb: Weights & Biases logging from the main rank (the scalars tensorboard gets)."""
+
+    enabled: bool = False
+    project: str = "megatron_taper"
+    entity: str = ""  # team or user; "" = the account's default
+    name: str = ""  # run name; "" = the last part of run.dir
+    group: str = ""
+    mode: str = "online"  # online | offline (writes RUN/wandb/ only; `wandb sync` uploads it later)
+
+    def validate(self, prefix: str) -> None:
+        check_choice(f"{prefix}.mode", self.mode, ("online", "offline"))
+        if self.enabled and importlib.util.find_spec("wandb") is None:
+            raise ConfigError(f"{prefix}.enabled=true needs the wandb package: pip install 'megatron_taper[wandb]'")
+
+
+@dataclass
 class RunConfig:
     dir: str = "runs/default"
     resume: str = "auto"  # auto (newest complete checkpoint, if any) | never | path of a checkpoint
     tensorboard: bool = True
+    wandb: WandbConfig = field(default_factory=WandbConfig)
 
     def validate(self, prefix: str) -> None:
         if not self.dir:
             raise ConfigError(f"{prefix}.dir must not be empty")
+        self.wandb.validate(f"{prefix}.wandb")
 
 
 @dataclass
@@ -425,6 +494,12 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
         if isinstance(value, (dict, list)):
             raise ConfigError(f"{key} must be a string, got {value!r}")
         return "" if value is None else str(value)
+    if hint is list:
+        if value is None or value == "":
+            return []
+        if not isinstance(value, list):
+            raise ConfigError(f"{key} must be a list (YAML, or JSON on the command line), got {value!r}")
+        return list(value)
     raise AssertionError(f"unsupported config type {hint} for {key}")
 
 

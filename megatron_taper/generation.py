@@ -1,12 +1,12 @@
 """Text generation from a single-device model: sampling, and a KV cache for the attention families.
 
-KV cache (model.arch transformer and gated_attention): `cached_forward` runs the model's own
-submodules (tok_embeddings, each block's attn_norm, attn.wq/wk/wv/wo, attn.wg for the gate,
-mlp_norm, mlp, the final norm and head) with RoPE tables from models/layers.py, but keeps every
-layer's rotated keys and values, so each new token costs one position instead of the whole
-prefix. The model classes are untouched: training and checkpoints are unaffected. The cached
-path is only taken for exactly those classes (a family that subclasses TransformerBlock with
-another forward gets the fallback).
+KV cache (model.arch transformer and gated_attention, with RoPE; model.position=alibi takes the
+fallback): `cached_forward` runs the model's own submodules (tok_embeddings, each block's
+attn_norm, attn.wq/wk/wv/wo, attn.wg for the gate, mlp_norm, mlp, the final norm and head) with
+RoPE tables from models/layers.py, but keeps every layer's rotated keys and values, so each new
+token costs one position instead of the whole prefix. The model classes are untouched: training and
+checkpoints are unaffected. The cached path is only taken for exactly those classes (a family that
+subclasses TransformerBlock with another forward gets the fallback).
 
 Fallback (titans, hope_attention and any other family): the full prefix is run through
 `model(tokens)` for every new token (their memories have incremental state of their own that is
@@ -90,7 +90,8 @@ class KVCache:
 
 def supports_kv_cache(model: nn.Module) -> bool:
     """Whether `cached_forward` computes exactly what `model.forward` does (see the module doc)."""
-    return (type(model) in CACHED_MODELS and model.tok_embeddings is not None and model.norm is not None
+    return (type(model) in CACHED_MODELS and model.cfg.position_encoding == "rope"
+            and model.tok_embeddings is not None and model.norm is not None
             and all(type(block) in CACHED_BLOCKS for block in model.layers.values()))
 
 

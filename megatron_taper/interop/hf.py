@@ -144,6 +144,8 @@ def export_hf(checkpoint: str, output: str, dtype: str = "fp32", tokenizer: str 
     if m.arch != "transformer":
         raise ValueError(f"--to hf: model.arch={m.arch!r} has no transformers architecture yet (transformer only; "
                          f"export its weights with the default --to safetensors)")
+    if m.position_encoding != "rope":
+        raise ValueError(f"--to hf: model.position={m.position!r} has no Llama equivalent (Llama uses RoPE)")
     names = {hf_name(n): n for n in ref.names()}
     shapes = {theirs: (ref.shape(ours), str(DTYPES[dtype]).removeprefix("torch.")) for theirs, ours in names.items()}
     os.makedirs(output, exist_ok=True)

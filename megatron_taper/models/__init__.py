@@ -16,7 +16,7 @@ import os
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
-from megatron_taper.models import gated_attention, hope_attention, titans, transformer
+from megatron_taper.models import gated_attention, hope_attention, titans, transformer, tree_lm
 from megatron_taper.models.spec import FamilySpec
 from megatron_taper.validation import ConfigError
 
@@ -29,7 +29,7 @@ FAMILIES_ENV = "MEGATRON_TAPER_FAMILIES"
 
 
 def _registry() -> MappingProxyType:
-    specs = [transformer.SPEC, gated_attention.SPEC, titans.SPEC, hope_attention.SPEC]
+    specs = [transformer.SPEC, gated_attention.SPEC, titans.SPEC, hope_attention.SPEC, tree_lm.SPEC]
     for name in filter(None, (m.strip() for m in os.environ.get(FAMILIES_ENV, "").split(","))):
         try:
             module = importlib.import_module(name)

@@ -1,4 +1,4 @@
-"""Building blocks shared by every family: RMSNorm, RoPE, causal attention, SwiGLU MLP.
+"""Building blocks shared by every family: RMSNorm, RoPE, ALiBi, causal attention, SwiGLU MLP.
 
 Shapes: B batch, S sequence, D d_model, H query heads (local to this rank when tensor-parallel
 plans replace the projections), K key/value heads, E head_dim, W MLP width.
@@ -37,12 +37,34 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return out.type_as(x)
 
 
-class Attention(nn.Module):
-    """Causal self-attention through SDPA, with grouped-query attention when K < H."""
+def alibi_slopes(n_heads: int, first: int, count: int, device: torch.device) -> torch.Tensor:
+    """ALiBi slopes 2^(-8h/H) of the global heads h = first+1 .. first+count of H = n_heads: [count] float32."""
+    heads = torch.arange(first + 1, first + count + 1, device=device, dtype=torch.float32)
+    return torch.exp2(-8.0 * heads / n_heads)
 
-    def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, head_dim: int):
+
+def alibi_bias(slopes: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """Additive causal bias [H, S, S] in float32: -slope_h * (i - j) for keys j <= query i, -inf for j > i."""
+    pos = torch.arange(seq_len, device=slopes.device, dtype=torch.float32)
+    distance = pos[:, None] - pos[None, :]  # [S, S]: i - j
+    return (-slopes[:, None, None] * distance).masked_fill(distance < 0, float("-inf"))
+
+
+class Attention(nn.Module):
+    """Causal self-attention through SDPA, with grouped-query attention when K < H.
+
+    `position`: rope (q and k rotated by the cos/sin tables forward receives) or alibi (no
+    rotation; an additive bias -slope_h * distance per head, slopes of the *global* head index:
+    a tensor-parallel plan sets `first_head` to the first head this rank holds).
+    """
+
+    def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, head_dim: int, position: str = "rope"):
         super().__init__()
+        assert position in ("rope", "alibi"), position
         self.head_dim = head_dim
+        self.position = position
+        self.total_heads = n_heads  # the model's query heads, whatever this rank holds
+        self.first_head = 0
         self.wq = nn.Linear(d_model, n_heads * head_dim, bias=False)
         self.wk = nn.Linear(d_model, n_kv_heads * head_dim, bias=False)
         self.wv = nn.Linear(d_model, n_kv_heads * head_dim, bias=False)
@@ -53,10 +75,17 @@ class Attention(nn.Module):
         """Per-head outputs before the output projection: [B, S, H, E]. Causal, or under a boolean
         mask [S, S] (True = may attend) when one is given."""
         bsz, seq, _ = x.shape
-        q = apply_rope(self.wq(x).view(bsz, seq, -1, self.head_dim), cos, sin)
-        k = apply_rope(self.wk(x).view(bsz, seq, -1, self.head_dim), cos, sin)
+        q = self.wq(x).view(bsz, seq, -1, self.head_dim)
+        k = self.wk(x).view(bsz, seq, -1, self.head_dim)
         v = self.wv(x).view(bsz, seq, -1, self.head_dim)
+        if self.position == "rope":
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H|K, S, E]
+        if self.position == "alibi":
+            bias = alibi_bias(alibi_slopes(self.total_heads, self.first_head, q.shape[1], x.device), seq)
+            if mask is not None:
+                bias = bias.masked_fill(~mask, float("-inf"))
+            mask = bias.to(q.dtype)  # [H, S, S], broadcast over the batch
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                            enable_gqa=q.shape[1] != k.shape[1])
         return y.transpose(1, 2)

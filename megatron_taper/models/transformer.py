@@ -2,6 +2,10 @@
 
     tokens [B, S] -> tok_embeddings -> blocks 0..L-1 -> norm -> output -> logits [B, S, V]
 
+Positions: RoPE, or ALiBi with `model.position=alibi` (Press et al. 2022: no rotation; each head
+adds -2^(-8h/H) * distance to its scores, models/layers.py), which is what the tree LM's
+length-extrapolation benchmark compares against (docs/tree_lm.md).
+
 Blocks live in a ModuleDict keyed by their global index, so a pipeline stage can drop the
 blocks, the embedding, or the head it does not own and keep the same parameter names; forward
 then takes hidden states [B, S, D] instead of tokens and returns hidden states when the head is
@@ -34,7 +38,7 @@ class TransformerBlock(nn.Module):
         self.mlp = SwiGLU(cfg.d_model, mlp_width)
 
     def build_attention(self, cfg: ModelConfig) -> nn.Module:
-        return Attention(cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_dim)
+        return Attention(cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_dim, cfg.position_encoding)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), cos, sin)
@@ -64,12 +68,17 @@ class Transformer(nn.Module):
         """Fill every parameter of this (materialised, unsharded) model through init_value."""
         init_parameters(self, seed)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: tokens [B, S] (when this module holds the embedding) or hidden states [B, S, D]."""
-        h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
+    def run_blocks(self, h: torch.Tensor) -> torch.Tensor:
+        """This module's blocks in order on hidden states [B, S, D]."""
         cos, sin = rope_tables(h.shape[1], self.cfg.head_dim, self.cfg.rope_theta, h.device)
         for block in self.layers.values():
             h = block(h, cos, sin)
+        return h
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: tokens [B, S] (when this module holds the embedding) or hidden states [B, S, D]."""
+        h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
+        h = self.run_blocks(h)
         if self.norm is None:
             return h
         h = self.norm(h)
@@ -90,8 +99,9 @@ def tp_plan_transformer_block(block: TransformerBlock, prefix: str, cfg: ModelCo
     tp.replicated(block.attn_norm, f"{prefix}.attn_norm")
     tp.replicated(block.mlp_norm, f"{prefix}.mlp_norm")
     tp.attention(block.attn, f"{prefix}.attn", cfg.n_heads, cfg.kv_heads, cfg.rope_theta)
+    block.attn.first_head = tp.rank * (cfg.n_heads // tp.tp)  # ALiBi slopes follow the global head index
     tp.swiglu(block.mlp, f"{prefix}.mlp", cfg.taper.multiple)
 
 
 SPEC = FamilySpec(name="transformer", build=Transformer, layer_cost=transformer_layer_cost,
-                  tp_block_plan=tp_plan_transformer_block)
+                  tp_block_plan=tp_plan_transformer_block, positions=("rope", "alibi"))
