@@ -12,6 +12,21 @@ A sweep file (YAML):
       model.taper.start: [1.25, 1.5, 1.75]   # or: a config key -> its values (labels are the values)
     seeds: [0, 1, 2]                         # train.seed of each run
     metric: eval_loss                        # the final record's key that the table reports
+    baseline: {model.taper.start: 1.5}       # optional: also report each row minus this label's
+                                             # run of the same seed and other labels
+    data:                                    # optional: raw text the sweep tokenizes itself
+      corpus: [path/to/text.txt.gz]          # files/folders/globs, .gz, jsonl (--corpus overrides)
+      text_mode: paragraph                   # documents of a text file: file | line | paragraph
+      val_fraction: 0.05                     # documents held out (by a keyed hash) for eval_loss
+
+With `data`, the sweep trains a sentencepiece tokenizer (vocabulary = the recipe's
+model.vocab_size) on the corpus and writes MDS shards with a held-out split into OUT/data once;
+every run trains on OUT/data (data.path). OUT/data records its inputs, and a sweep with other
+inputs refuses to reuse it.
+
+`axes` may also be a list of such mappings with the same axis names: several grids whose runs are
+run and tabulated together (e.g. 4 architectures x 3 tapers, plus more tapers for one
+architecture); a run named twice is run once.
 
 Run r of the grid writes to OUT/runs/<axis=label,...,seed=S>/ (a normal run folder). A run is
 finished when its metrics.jsonl holds `metric` at step train.steps; finished runs are skipped,
@@ -23,6 +38,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import statistics
 from dataclasses import dataclass, field
 from itertools import product
@@ -31,9 +47,25 @@ from typing import Any
 import yaml
 
 from megatron_taper.config import load_config
+from megatron_taper.data.corpus import TEXT_MODES
 from megatron_taper.validation import ConfigError
 
 RESERVED = ("recipe",)
+SWEEP_DATA_FILE = "sweep_data.json"
+DATA_KEYS = ("corpus", "text_mode", "val_fraction")
+
+
+@dataclass(frozen=True)
+class SweepData:
+    corpus: tuple[str, ...]
+    text_mode: str
+    val_fraction: float
+    vocab_size: int
+    folder: str  # OUT/data: MDS train/ and val/ + tokenizer.model
+
+    def record(self) -> dict:
+        return {"corpus": [os.path.abspath(c) for c in self.corpus], "text_mode": self.text_mode,
+                "val_fraction": self.val_fraction, "vocab_size": self.vocab_size}
 
 
 @dataclass(frozen=True)
@@ -56,14 +88,21 @@ class Sweep:
     path: str
     recipe: str
     overrides: list[str]
-    axes: dict[str, dict[str, dict[str, Any]]]  # axis -> label -> overrides (+ recipe)
+    grids: list[dict[str, dict[str, dict[str, Any]]]]  # per grid: axis -> label -> overrides (+ recipe)
     seeds: list[int]
     metric: str = "eval_loss"
+    data: SweepData | None = None
+    baseline: dict[str, str] = field(default_factory=dict)  # axis -> label
     runs: list[SweepRun] = field(default_factory=list)
 
+    @property
+    def axes(self) -> list[str]:
+        return list(self.grids[0]) if self.grids else []
 
-def load_sweep(path: str, out_dir: str) -> Sweep:
-    """Read and check a sweep file; every run's config is loaded (and so validated) here."""
+
+def load_sweep(path: str, out_dir: str, corpus: list[str] | None = None) -> Sweep:
+    """Read and check a sweep file; every run's config is loaded (and so validated) here.
+    `corpus` replaces the sweep file's data.corpus (and enables `data` when the file has none)."""
     try:
         with open(path) as f:
             spec = yaml.safe_load(f) or {}
@@ -73,9 +112,10 @@ def load_sweep(path: str, out_dir: str) -> Sweep:
         raise ConfigError(f"sweep file {path}: invalid YAML: {e}") from None
     if not isinstance(spec, dict):
         raise ConfigError(f"sweep file {path}: the top level must be a mapping")
-    unknown = sorted(set(spec) - {"recipe", "overrides", "axes", "seeds", "metric"})
+    unknown = sorted(set(spec) - {"recipe", "overrides", "axes", "seeds", "metric", "data", "baseline"})
     if unknown:
-        raise ConfigError(f"sweep file {path}: unknown key {unknown[0]!r} (recipe, overrides, axes, seeds, metric)")
+        raise ConfigError(f"sweep file {path}: unknown key {unknown[0]!r} "
+                          "(recipe, overrides, axes, seeds, metric, data, baseline)")
     folder = os.path.dirname(os.path.abspath(path))
     if "recipe" not in spec:
         raise ConfigError(f"sweep file {path}: 'recipe' (the base recipe) is required")
@@ -85,22 +125,117 @@ def load_sweep(path: str, out_dir: str) -> Sweep:
     seeds = spec.get("seeds", [0])
     if not isinstance(seeds, list) or not seeds or not all(isinstance(s, int) and s >= 0 for s in seeds):
         raise ConfigError(f"sweep file {path}: seeds must be a non-empty list of integers >= 0")
-    sweep = Sweep(path, _resolve(folder, spec["recipe"]), overrides, _axes(path, spec.get("axes") or {}),
+    sweep = Sweep(path, _resolve(folder, spec["recipe"]), overrides, _grids(path, spec.get("axes") or {}),
                   seeds, str(spec.get("metric", "eval_loss")))
+    sweep.baseline = _baseline(path, spec.get("baseline"), sweep.grids)
+    sweep.data = _data(path, folder, spec.get("data"), corpus, sweep, out_dir)
+    if sweep.data is not None:
+        sweep.overrides.append(f"data.path={sweep.data.folder}")
     sweep.runs = _expand(sweep, folder, out_dir)
     return sweep
+
+
+def _baseline(path: str, raw: Any, grids: list[dict]) -> dict[str, str]:
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict) or len(raw) != 1:
+        raise ConfigError(f"sweep file {path}: baseline must be one axis: label, e.g. {{taper: uniform}}")
+    axis, label = next(iter(raw.items()))
+    label = _label(label)
+    if axis not in grids[0]:
+        raise ConfigError(f"sweep file {path}: baseline axis {axis!r} is not an axis ({', '.join(grids[0])})")
+    if not any(label in grid[axis] for grid in grids):
+        raise ConfigError(f"sweep file {path}: baseline label {label!r} is not a label of axis {axis!r}")
+    return {axis: label}
+
+
+def _data(path: str, folder: str, raw: Any, corpus: list[str] | None, sweep: Sweep, out_dir: str) -> SweepData | None:
+    if raw is None and not corpus:
+        return None
+    raw = {} if raw is None else raw
+    where = f"sweep file {path}: data"
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where} must be a mapping ({', '.join(DATA_KEYS)})")
+    unknown = sorted(set(raw) - set(DATA_KEYS))
+    if unknown:
+        raise ConfigError(f"{where}.{unknown[0]} is not a key ({', '.join(DATA_KEYS)})")
+    if corpus:
+        paths = [os.path.abspath(c) for c in corpus]
+    else:
+        listed = raw.get("corpus")
+        listed = [listed] if isinstance(listed, str) else listed
+        if not listed or not all(isinstance(c, str) and c for c in listed):
+            raise ConfigError(f"{where}.corpus: give the raw text (a path or a list), or pass --corpus")
+        paths = [_resolve(folder, c) for c in listed]
+    text_mode = raw.get("text_mode", "paragraph")
+    if text_mode not in TEXT_MODES:
+        raise ConfigError(f"{where}.text_mode {text_mode!r} is not one of: {', '.join(TEXT_MODES)}")
+    val_fraction = raw.get("val_fraction", 0.05)
+    if not isinstance(val_fraction, (int, float)) or not 0.0 < val_fraction < 0.5:
+        raise ConfigError(f"{where}.val_fraction {val_fraction!r} must be in (0, 0.5): "
+                          "eval_loss needs a held-out split")
+    vocab = load_config(sweep.recipe, list(sweep.overrides)).model.vocab_size
+    return SweepData(tuple(paths), text_mode, float(val_fraction), vocab, os.path.join(out_dir, "data"))
+
+
+def prepare_data(data: SweepData, log=print) -> None:
+    """Tokenizer + MDS shards of the corpus in data.folder, unless they are there already for the
+    same inputs. A folder made from other inputs is refused, not overwritten."""
+    from megatron_taper.data.corpus import SkipLog, read_documents
+    from megatron_taper.data.preprocess import is_complete, preprocess
+    from megatron_taper.data.tokenizer import train_tokenizer
+
+    stamp = os.path.join(data.folder, SWEEP_DATA_FILE)
+    if is_complete(data.folder) and os.path.exists(stamp):
+        with open(stamp) as f:
+            made_from = json.load(f)
+        if made_from != data.record():
+            raise ConfigError(f"{data.folder} holds data made from {made_from}, not {data.record()}: "
+                              "remove it or use another --out")
+        return
+    for c in data.corpus:
+        if not os.path.exists(c) and not any(ch in c for ch in "*?["):
+            raise ConfigError(f"sweep data: corpus {c} does not exist")
+    parent = os.path.dirname(os.path.abspath(data.folder))
+    os.makedirs(parent, exist_ok=True)
+    prefix = os.path.join(parent, "tokenizer.partial", "spm")
+    log(f"[sweep] training a {data.vocab_size}-piece tokenizer on {', '.join(data.corpus)}")
+    documents = read_documents(list(data.corpus), SkipLog(strict=False), text_mode=data.text_mode)
+    train_tokenizer((d.text for d in documents), prefix, data.vocab_size)
+    log(f"[sweep] tokenizing into {data.folder}")
+    documents = read_documents(list(data.corpus), SkipLog(strict=False), text_mode=data.text_mode)
+    stats = preprocess(documents, prefix + ".model", data.folder, skips=SkipLog(strict=False),
+                       val_fraction=data.val_fraction, overwrite=True, progress=False, inputs=list(data.corpus))
+    with open(stamp + ".tmp", "w") as f:
+        json.dump(data.record(), f, indent=1)
+    os.replace(stamp + ".tmp", stamp)
+    shutil.rmtree(os.path.dirname(prefix), ignore_errors=True)
+    log(f"[sweep] data: {stats['documents']} documents, {stats['tokens']} tokens, splits {stats['splits']}")
 
 
 def _resolve(folder: str, recipe: str) -> str:
     return recipe if os.path.isabs(recipe) or os.path.exists(recipe) else os.path.join(folder, recipe)
 
 
-def _axes(path: str, raw: Any) -> dict[str, dict[str, dict[str, Any]]]:
+def _grids(path: str, raw: Any) -> list[dict[str, dict[str, dict[str, Any]]]]:
+    if not isinstance(raw, list):
+        return [_axes(f"sweep file {path}: axes", raw)]
+    if not raw:
+        raise ConfigError(f"sweep file {path}: axes must not be an empty list")
+    grids = [_axes(f"sweep file {path}: axes[{i}]", grid) for i, grid in enumerate(raw)]
+    for i, grid in enumerate(grids[1:], 1):
+        if list(grid) != list(grids[0]):
+            raise ConfigError(f"sweep file {path}: axes[{i}] has axes {list(grid)}, axes[0] has {list(grids[0])}: "
+                              "every grid names the same axes in the same order")
+    return grids
+
+
+def _axes(where_axes: str, raw: Any) -> dict[str, dict[str, dict[str, Any]]]:
     if not isinstance(raw, dict):
-        raise ConfigError(f"sweep file {path}: axes must be a mapping of axis name -> values")
+        raise ConfigError(f"{where_axes} must be a mapping of axis name -> values")
     axes = {}
     for name, values in raw.items():
-        where = f"sweep file {path}: axes.{name}"
+        where = f"{where_axes}.{name}"
         if isinstance(values, list):  # a config key and its values
             if not values or any(isinstance(v, (dict, list)) for v in values):
                 raise ConfigError(f"{where}: a list axis holds the values of config key {name!r}")
@@ -120,12 +255,23 @@ def _label(value: Any) -> str:
 
 
 def _expand(sweep: Sweep, folder: str, out_dir: str) -> list[SweepRun]:
+    runs: dict[str, SweepRun] = {}
+    for grid in sweep.grids:
+        for run in _expand_grid(sweep, grid, folder, out_dir):
+            if run.name in runs and runs[run.name] != run:
+                raise ConfigError(f"sweep file {sweep.path}: run {run.name} appears in two grids with different "
+                                  "settings: give the labels distinct names")
+            runs.setdefault(run.name, run)
+    return list(runs.values())
+
+
+def _expand_grid(sweep: Sweep, grid: dict, folder: str, out_dir: str) -> list[SweepRun]:
     runs = []
-    choices = [[(axis, label) for label in labels] for axis, labels in sweep.axes.items()]
+    choices = [[(axis, label) for label in labels] for axis, labels in grid.items()]
     for combo in product(*choices):
         recipe, overrides = sweep.recipe, list(sweep.overrides)
         for axis, label in combo:
-            for key, value in sweep.axes[axis][label].items():
+            for key, value in grid[axis][label].items():
                 if key == "recipe":
                     recipe = _resolve(folder, str(value))
                 else:
@@ -162,30 +308,48 @@ def final_record(run: SweepRun, metric: str) -> dict | None:
 
 
 def collect(sweep: Sweep) -> dict:
-    """Per run its final metric; per configuration (all axes but the seed) mean, std over seeds."""
-    runs, groups = [], {}
+    """Per run its final metric; per configuration (all axes but the seed) mean, std over seeds;
+    with a baseline, the difference to the baseline run of the same seed and other labels
+    (paired by seed: both runs saw the same data order), mean and std over seeds."""
+    runs, groups, values = [], {}, {}
     for run in sweep.runs:
         record = final_record(run, sweep.metric)
         value = None if record is None else float(record[sweep.metric])
         runs.append({"name": run.name, **dict(run.labels), "seed": run.seed, sweep.metric: value})
-        groups.setdefault(run.labels, []).append(value)
+        groups.setdefault(run.labels, []).append(run.seed)
+        values[run.labels, run.seed] = value
     table = []
-    for labels, values in groups.items():
-        done = [v for v in values if v is not None]
-        row = {**dict(labels), "seeds_done": len(done), "seeds": len(values)}
+    for labels, seeds in groups.items():
+        done = [values[labels, s] for s in seeds if values[labels, s] is not None]
+        row = {**dict(labels), "seeds_done": len(done), "seeds": len(seeds)}
         if done:
-            row["mean"] = statistics.fmean(done)
-            row["std"] = statistics.stdev(done) if len(done) > 1 else 0.0
-            row["min"], row["max"] = min(done), max(done)
+            row.update(_spread(done))
             if sweep.metric.endswith("loss"):
                 row["ppl"] = math.exp(min(row["mean"], 50.0))
+        if sweep.baseline:
+            axis, label = next(iter(sweep.baseline.items()))
+            base = tuple((a, label if a == axis else lab) for a, lab in labels)
+            deltas = [values[labels, s] - values[base, s] for s in seeds
+                      if values[labels, s] is not None and values.get((base, s)) is not None]
+            if deltas and base != labels:
+                row["delta"] = _spread(deltas)
         table.append(row)
-    return {"sweep": sweep.path, "metric": sweep.metric, "axes": list(sweep.axes), "runs": runs, "table": table}
+    return {"sweep": sweep.path, "metric": sweep.metric, "axes": sweep.axes, "baseline": sweep.baseline,
+            "runs": runs, "table": table}
+
+
+def _spread(xs: list[float]) -> dict:
+    return {"mean": statistics.fmean(xs), "std": statistics.stdev(xs) if len(xs) > 1 else 0.0,
+            "min": min(xs), "max": max(xs), "n": len(xs)}
 
 
 def markdown_table(result: dict) -> str:
     axes, metric = result["axes"], result["metric"]
     cols = [*axes, f"{metric} mean", "std (seeds)", "min", "max", "ppl", "seeds"]
+    baseline = result.get("baseline")
+    if baseline:
+        named = ", ".join(f"{a}={lab}" for a, lab in baseline.items())
+        cols.append(f"vs {named} (paired by seed: mean +- std)")
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for row in result["table"]:
         cells = [str(row[a]) for a in axes]
@@ -194,6 +358,9 @@ def markdown_table(result: dict) -> str:
                       f"{row['ppl']:.2f}" if "ppl" in row else "", f"{row['seeds_done']}/{row['seeds']}"]
         else:
             cells += ["", "", "", "", "", f"0/{row['seeds']}"]
+        if baseline:
+            delta = row.get("delta")
+            cells.append(f"{delta['mean']:+.4f} +- {delta['std']:.4f}" if delta else "")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

@@ -69,3 +69,46 @@ def test_sweep_bad_inputs(tmp_path, byte_tokens):
     proc = _tool(tmp_path / "missing.yaml", "--out", tmp_path / "o3")
     assert proc.returncode == 2 and "missing.yaml" in proc.stderr
     assert not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists()
+
+
+def test_sweep_tokenizes_its_corpus_runs_grids_and_pairs_with_baseline(tmp_path):
+    """`data` turns raw text into OUT/data once; two grids with the same axes run together
+    (--jobs 2); the baseline column is each run minus the baseline's run of the same seed."""
+    corpus = tmp_path / "corpus.txt"
+    sources = sorted(Path(os.__file__).parent.glob("[a-c]*.py"))
+    corpus.write_text("\n\n".join(p.read_text(encoding="utf-8") for p in sources)[:300_000], encoding="utf-8")
+    overrides = "\n".join(f"  - {o}" for o in TINY if not o.startswith("model.vocab_size"))
+    spec = tmp_path / "sweep.yaml"
+    spec.write_text(
+        f"recipe: {REPO}/configs/tiny_taper.yaml\noverrides:\n{overrides}\n  - model.vocab_size=512\n"
+        "data: {text_mode: paragraph, val_fraction: 0.1}\n"
+        "axes:\n  - taper:\n      cosine: {model.taper.schedule: cosine}\n"
+        "      uniform: {model.taper.schedule: uniform}\n"
+        "  - taper:\n      linear: {model.taper.schedule: linear}\n      uniform: {model.taper.schedule: uniform}\n"
+        "seeds: [0]\nbaseline: {taper: uniform}\n")
+    out = tmp_path / "out"
+    proc = _tool(spec, "--out", out, "--corpus", corpus, "--jobs", "2")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    stamp = json.loads((out / "data" / "sweep_data.json").read_text())
+    assert stamp["corpus"] == [str(corpus)] and stamp["vocab_size"] == 512
+    assert json.loads((out / "data" / "stats.json").read_text())["splits"]["val"]["documents"] > 0
+    result = json.loads((out / "results.json").read_text())
+    assert [r["name"] for r in result["runs"]] == ["taper=cosine,seed=0", "taper=uniform,seed=0", "taper=linear,seed=0"]
+    loss = {r["taper"]: r["eval_loss"] for r in result["runs"]}
+    rows = {r["taper"]: r for r in result["table"]}
+    assert rows["cosine"]["delta"]["mean"] == pytest.approx(loss["cosine"] - loss["uniform"])
+    assert rows["linear"]["delta"]["mean"] == pytest.approx(loss["linear"] - loss["uniform"])
+    assert "delta" not in rows["uniform"]
+    assert "vs taper=uniform (paired by seed" in (out / "results.md").read_text()
+    listed = _tool(spec, "--out", out, "--corpus", corpus, "--dry-run").stdout.splitlines()
+    assert all(f"data.path={out / 'data'}" in json.loads(line)["args"] for line in listed)
+    # other raw text for the same OUT: refused, nothing overwritten
+    other = tmp_path / "other.txt"
+    other.write_text(corpus.read_text()[:100_000])
+    proc = _tool(spec, "--out", out, "--corpus", other)
+    assert proc.returncode == 2 and "holds data made from" in proc.stderr
+    assert json.loads((out / "data" / "sweep_data.json").read_text()) == stamp
+    # bad data settings name the key
+    spec.write_text(spec.read_text().replace("val_fraction: 0.1", "val_fraction: 0.9"))
+    proc = _tool(spec, "--out", tmp_path / "o4", "--corpus", corpus, "--dry-run")
+    assert proc.returncode == 2 and "data.val_fraction 0.9" in proc.stderr

@@ -4,10 +4,12 @@
     python tools/sweep.py sweeps/taper_cpu.yaml --out runs/sweep --dry-run  # list the runs
     python tools/sweep.py sweeps/taper_cpu.yaml --out runs/sweep --slurm -- -t 4:00:00
     python tools/sweep.py sweeps/taper_cpu.yaml --out runs/sweep --collect  # table + plot only
+    python tools/sweep.py sweeps/taper_cpu.yaml --out runs/sweep --corpus my_text.txt.gz  # own raw text
 
-The sweep file format is in megatron_taper/sweep.py. Locally the unfinished runs go one after
-another (`--nproc N` runs each with torchrun on N processes), each logging to RUN/train.log; a
-failed run is reported and the others go on. With --slurm the unfinished runs are submitted as one
+The sweep file format is in megatron_taper/sweep.py. Locally the unfinished runs go seed by seed
+(every configuration's first seed, then the second, ...), one after another or --jobs at a time
+(`--nproc N` runs each with torchrun on N processes), each logging to RUN/train.log; a failed run
+is reported and the others go on. With --slurm the unfinished runs are submitted as one
 job array of launch/sweep.sbatch (each task is launch/train.sbatch for one run: requeue and resume
 included); arguments after `--` go to sbatch. Collecting writes OUT/results.json,
 OUT/results.md (the table) and OUT/results.png (matplotlib, when installed). Exit status: 0, 1 if
@@ -20,14 +22,15 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
-from megatron_taper.sweep import SweepRun, collect, final_record, load_sweep, markdown_table, plot
+from megatron_taper.sweep import SweepRun, collect, final_record, load_sweep, markdown_table, plot, prepare_data
 from megatron_taper.validation import ConfigError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run_local(run: SweepRun, nproc: int) -> int:
+def run_local(run: SweepRun, nproc: int, env: dict | None = None) -> int:
     os.makedirs(run.run_dir, exist_ok=True)
     if nproc > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
@@ -35,7 +38,24 @@ def run_local(run: SweepRun, nproc: int) -> int:
     else:
         cmd = [sys.executable, "-m", "megatron_taper.train", *run.args]
     with open(os.path.join(run.run_dir, "train.log"), "a") as log:
-        return subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT)
+        return subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+
+def run_all(todo: list[SweepRun], nproc: int, jobs: int) -> list[str]:
+    """Runs `todo` with at most `jobs` at a time; returns the names of the failed ones."""
+    threads = max(1, (os.cpu_count() or 1) // (jobs * nproc))
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(threads))}
+    failed = []
+
+    def one(i: int, run: SweepRun) -> None:
+        print(f"[sweep] {i + 1}/{len(todo)} {run.name}", flush=True)
+        if run_local(run, nproc, env) != 0:
+            failed.append(run.name)
+            print(f"[sweep] {run.name} failed: see {run.run_dir}/train.log", file=sys.stderr, flush=True)
+
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        list(pool.map(one, range(len(todo)), todo))
+    return failed
 
 
 def submit_slurm(runs: list[SweepRun], out: str, sbatch_args: list[str]) -> str:
@@ -71,6 +91,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("sweep", help="sweep file (YAML)")
     parser.add_argument("--out", required=True, help="sweep folder (runs/, results.*)")
     parser.add_argument("--nproc", type=int, default=1, help="processes per run (local: torchrun)")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="local runs at the same time (default 1; each gets OMP_NUM_THREADS = cores / jobs)")
+    parser.add_argument("--corpus", nargs="+", metavar="PATH",
+                        help="raw text to tokenize into OUT/data and train on (replaces the sweep file's data.corpus)")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--dry-run", action="store_true", help="print the runs and whether they are finished")
     mode.add_argument("--collect", action="store_true", help="only collect the finished runs")
@@ -81,8 +105,10 @@ def main(argv: list[str] | None = None) -> int:
     if sbatch_args and not args.slurm:
         parser.error("arguments after -- are for sbatch: only with --slurm")
     try:
-        sweep = load_sweep(args.sweep, args.out)
-    except ConfigError as e:
+        sweep = load_sweep(args.sweep, args.out, args.corpus)
+        if sweep.data is not None and not (args.dry_run or args.collect):
+            prepare_data(sweep.data)
+    except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     os.makedirs(args.out, exist_ok=True)
@@ -99,13 +125,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[sweep] submitted {len(todo)} run(s) as job array {job}; then: python tools/sweep.py "
               f"{args.sweep} --out {args.out} --collect")
         return 0
-    failed = []
-    if not args.collect:
-        for i, run in enumerate(todo):
-            print(f"[sweep] {i + 1}/{len(todo)} {run.name}", flush=True)
-            if run_local(run, args.nproc) != 0:
-                failed.append(run.name)
-                print(f"[sweep] {run.name} failed: see {run.run_dir}/train.log", file=sys.stderr, flush=True)
+    if args.jobs < 1:
+        parser.error("--jobs must be >= 1")
+    todo.sort(key=lambda r: sweep.seeds.index(r.seed))  # seed by seed (stable within a seed)
+    failed = [] if args.collect else run_all(todo, args.nproc, args.jobs)
     result = write_results(sweep, args.out)
     sys.stdout.write(markdown_table(result))
     return 1 if failed else 0
