@@ -1,0 +1,298 @@
+"""Memory Caching (Behrouz et al., arXiv 2602.24281): recurrent memories whose capacity grows
+with the sequence by caching the memory state at the end of every segment.
+
+Two families, each a stack of blocks `x = x + MC(norm(x)); x = x + SwiGLU_w(norm(x))` (the MLP
+has this layer's tapered width w):
+    linear_memory   base = LinearMemory (models/linear_memory.py, gated linear attention)
+    deep_memory     base = Titans' NeuralMemory (models/titans.py; its options in model.titans)
+
+Memory Caching over a base (options in model.memory_caching): the sequence is cut into segments
+of `segment` tokens (S); the base recurrence runs inside each segment (chunked as the base is);
+the state M^(i) at the end of segment i is cached. With `write_mode` checkpoint a segment starts
+from the previous segment's final state (the recurrence continues), with independent from the
+base's initial state (each segment its own compressor). At token t of segment s, with the online
+state M^(s)_t (after writing t) and the cached M^(i), i < s:
+    none      y_t = M_t(q_t) over the whole sequence (the base; `segment` is not used)
+    residual  y_t = M^(s)_t(q_t) + sum_{i<s} M^(i)(q_t)
+    grm       y_t = g^(s)_t M^(s)_t(q_t) + sum_{i<s} g^(i)_t M^(i)(q_t),
+              g_t = softmax_i <u_t, kbar_i>, u_t = W_u x_t per head, kbar_i = the mean of the keys
+              of segment i; for the online segment the mean of its keys up to t (no look-ahead)
+    soup      y_t = M~_t(q_t) with the parameters mixed, M~_t = g^(s)_t M^(s)_t + sum_i g^(i)_t M^(i):
+              the cached memories are mixed per token, the online one enters each memory layer as
+              g^(s)_t (r M^(s)_t) through the base's read hook (ReadMix), so the online state
+              itself is never materialised; for a linear memory this equals grm (a test checks it)
+    ssc       grm over the online state and the `top_k` cached segments of the highest scores
+              <u_t, kbar_i> (per token and head; the others get weight 0); the reads of all cached
+              segments are computed and the unselected ones discarded (dense, grm's cost)
+With one segment (S >= L) every variant is its base: its only weight is softmax of one score, 1.
+Cached reads cost O(L^2 / S) per sequence (each token reads the s states before it); the cost
+model (`memory_caching_layer_cost`) counts exactly the matmuls below.
+
+Tensor parallelism splits everything by head (scores, gammas and reads are per head), through
+Titans' `tp_plan_memory`; W_u is column-parallel like wq.
+"""
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+import torch
+from torch import nn
+
+from megatron_taper.models.costs import Cost, Split, attention_cost, norm_act, swiglu_cost
+from megatron_taper.models.layers import RMSNorm, SwiGLU
+from megatron_taper.models.linear_memory import (
+    LinearMemory,
+    linear_memory_params,
+    linear_projection_flops,
+    linear_scan_flops,
+)
+from megatron_taper.models.spec import FamilySpec
+from megatron_taper.models.titans import NeuralMemory, Titans, memory_dims, memory_params, scan_flops, tp_plan_memory
+from megatron_taper.models.transformer import Transformer
+from megatron_taper.validation import ConfigError, check_range
+
+if TYPE_CHECKING:
+    from megatron_taper.config import ModelConfig, ParallelConfig
+    from megatron_taper.parallel.tp_plan import TPBuilder
+
+VARIANTS = ("none", "residual", "grm", "soup", "ssc")
+GATED = ("grm", "soup", "ssc")  # variants with W_u and the softmax weights
+WRITE_MODES = ("checkpoint", "independent")
+
+
+def check_choice_suggesting(key: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        close = difflib.get_close_matches(str(value), allowed, n=1, cutoff=0.5)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ConfigError(f"{key}={value!r} is not one of: {', '.join(allowed)}{hint}")
+
+
+@dataclass
+class MemoryCachingConfig:
+    """model.memory_caching (both memory families; deep_memory's memory itself is model.titans)"""
+
+    variant: str = "grm"  # none | residual | grm | soup | ssc
+    segment: int = 256  # S: tokens per cached segment
+    top_k: int = 2  # ssc: cached segments each token reads
+    write_mode: str = "checkpoint"  # checkpoint (continue the previous state) | independent (restart)
+    linear_chunk: int = 64  # linear_memory: tokens per chunk of the parallel form (exact for any value)
+    linear_conv_kernel: int = 4  # linear_memory: taps of the causal convolution on q, k, v (0 = none)
+    linear_decay_init: float = 0.97  # linear_memory: the decay a_t at initialisation
+
+    def validate(self, prefix: str) -> None:
+        check_choice_suggesting(f"{prefix}.variant", self.variant, VARIANTS)
+        check_choice_suggesting(f"{prefix}.write_mode", self.write_mode, WRITE_MODES)
+        for key in ("segment", "top_k", "linear_chunk"):
+            check_range(f"{prefix}.{key}", getattr(self, key), 1, None)
+        check_range(f"{prefix}.linear_conv_kernel", self.linear_conv_kernel, 0, None)
+        check_range(f"{prefix}.linear_decay_init", self.linear_decay_init, 0.0, 1.0, open_low=True, open_high=True)
+
+
+def segment_slices(seq: int, segment: int, variant: str) -> list[slice]:
+    size = seq if variant == "none" else segment
+    return [slice(s, min(s + size, seq)) for s in range(0, seq, size)]
+
+
+class MemoryCachingMixer(nn.Module):
+    """The sequence mixer: a base memory (LinearMemory or NeuralMemory) with cached segment states."""
+
+    def __init__(self, cfg: ModelConfig, memory: nn.Module):
+        super().__init__()
+        mc = cfg.memory_caching
+        self.memory = memory
+        self.variant, self.segment, self.top_k = mc.variant, mc.segment, mc.top_k
+        self.independent = mc.write_mode == "independent"
+        self.head_dim = cfg.head_dim
+        self.wu = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=False) if mc.variant in GATED else None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None) -> torch.Tensor:
+        """x [B, S, D] (normalised) -> [B, S, D]."""
+        return self.memory.output(self.reads(x))
+
+    def reads(self, x: torch.Tensor) -> torch.Tensor:
+        """Per-head reads before the read-out: [B, H, S, E]."""
+        memory, batch = self.memory, x.shape[0]
+        features = memory.project(x, x)[0]  # time is dim 2 of every feature
+        k, q = features[0], features[2]
+        segments = segment_slices(x.shape[1], self.segment, self.variant)
+        u = None if self.wu is None else self.wu(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
+        pooled = torch.stack([k[:, :, seg].mean(2) for seg in segments[:-1]], dim=2) if len(segments) > 1 else None
+        gammas = [None if u is None else self.gammas(u[:, :, seg], k[:, :, seg], pooled, i)
+                  for i, seg in enumerate(segments)]
+        state, onlines, finals = memory.init_state(batch), [], []
+        for i, seg in enumerate(segments):
+            mix = self.soup_mix(gammas[i], finals) if self.variant == "soup" else None
+            read, final = memory.scan_features(tuple(f[:, :, seg] for f in features), state, mix=mix)
+            onlines.append(read)
+            finals.append(final[0])
+            state = memory.init_state(batch) if self.independent else final
+        if self.variant in ("none", "soup"):
+            return torch.cat(onlines, dim=2)
+        stacked = [torch.stack(layer, dim=2) for layer in zip(*finals[:-1])]  # per layer [B, H, N, i, o], once
+        outs = []
+        for i, seg in enumerate(segments):
+            cached = memory.read(q[:, :, seg].unsqueeze(2), ([w[:, :, :i] for w in stacked], [])) if i else None
+            if self.variant == "residual":  # cached [B, H, i, T, E]
+                outs.append(onlines[i] if cached is None else onlines[i] + cached.sum(2))
+                continue
+            gamma = gammas[i]  # [B, H, T, 1 + i]
+            out = gamma[..., :1] * onlines[i]
+            if cached is not None:  # [B, H, T, 1, i] @ [B, H, T, i, E]
+                out = out + (gamma[..., None, 1:] @ cached.transpose(2, 3)).squeeze(-2)
+            outs.append(out)
+        return torch.cat(outs, dim=2)
+
+    def gammas(self, u: torch.Tensor, k: torch.Tensor, pooled: torch.Tensor | None, cached: int) -> torch.Tensor:
+        """Weights [B, H, T, 1 + cached] of the online state and the first `cached` cached states
+        for one segment's u, k [B, H, T, E]; pooled [B, H, N, E] the mean keys of cached segments."""
+        count = torch.arange(1, k.shape[2] + 1, device=k.device, dtype=k.dtype)[:, None]
+        logits = (u * (k.cumsum(2) / count)).sum(-1, keepdim=True)  # online: keys up to t only
+        if cached:
+            scores = u @ pooled[:, :, :cached].transpose(-1, -2)  # [B, H, T, cached]
+            if self.variant == "ssc" and cached > self.top_k:
+                chosen = scores.topk(self.top_k, dim=-1).indices
+                keep = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, chosen, True)
+                scores = scores.masked_fill(~keep, float("-inf"))
+            logits = torch.cat((logits, scores), dim=-1)
+        return torch.softmax(logits, dim=-1)
+
+    @staticmethod
+    def soup_mix(gamma: torch.Tensor, finals: list[list[torch.Tensor]]) -> Callable[..., torch.Tensor]:
+        """The read hook of the memory soup for one segment: layer l's pre-activation is
+        g^(s) (r M^(s)_t) + r (sum_i g^(i) M^(i)), the cached memories mixed per token."""
+        mixed = [(gamma[..., 1:] @ torch.stack(layer, dim=2).flatten(3)).unflatten(-1, layer[0].shape[-2:])
+                 for layer in zip(*finals)]  # per layer [B, H, T, N] @ [B, H, N, i*o] -> [B, H, T, i, o]
+
+        def mix(layer: int, r: torch.Tensor, read: torch.Tensor, positions: slice) -> torch.Tensor:
+            out = gamma[:, :, positions, :1] * read
+            if not mixed:
+                return out
+            return out + (r.unsqueeze(-2) @ mixed[layer][:, :, positions]).squeeze(-2)
+
+        return mix
+
+
+class MemoryCachingBlock(nn.Module):
+    """x = x + MC(norm(x)); x = x + SwiGLU(norm(x)) with this layer's MLP width."""
+
+    base: Callable[[ModelConfig], nn.Module] = LinearMemory
+
+    def __init__(self, cfg: ModelConfig, mlp_width: int):
+        super().__init__()
+        self.mixer_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mixer = MemoryCachingMixer(cfg, type(self).base(cfg))
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mlp = SwiGLU(cfg.d_model, mlp_width)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.mixer(self.mixer_norm(x))
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class DeepMemoryBlock(MemoryCachingBlock):
+    base = NeuralMemory
+
+
+class LinearMemoryLM(Transformer):
+    """Blocks of Memory Caching over the linear memory (the Transformer's embedding, norm, head)."""
+
+    block_class = MemoryCachingBlock
+    init_value = Titans.init_value  # the common rule; M_0 ~ N(0, 1 / fan_in); conv taps near identity
+
+
+class DeepMemoryLM(LinearMemoryLM):
+    block_class = DeepMemoryBlock
+
+
+# ---------------------------------------------------------------------------------------------
+# Cost model: counts exactly the matmuls above (FLOPs per token, 2 per multiply-add). `causal`
+# changes nothing: the recurrence computes only causal work.
+
+
+def memory_caching_layer_cost(cfg: ModelConfig, width: int, deep: bool) -> Cost:
+    d, h, e, seq, mc = cfg.d_model, cfg.n_heads, cfg.head_dim, cfg.seq_len, cfg.memory_caching
+    gated = mc.variant in GATED
+    if deep:
+        dims = memory_dims(e, cfg.titans.memory_depth, cfg.titans.memory_expansion)
+        io, mem_params = [i * o for i, o in zip(dims[:-1], dims[1:])], memory_params(cfg)
+    else:
+        io, mem_params = [e * e], linear_memory_params(cfg)
+    segments = [s.stop - s.start for s in segment_slices(seq, mc.segment, mc.variant)]
+    if deep:  # projections and read-out of every token, chunks restarting at every segment
+        flops = sum(scan_flops(cfg, t) for t in segments)
+    else:
+        flops = seq * linear_projection_flops(cfg) + sum(linear_scan_flops(cfg, t) for t in segments)
+    flops += 2 * d * h * e * seq if gated else 0  # W_u
+    for n, t in enumerate(segments):  # n: cached states this segment reads
+        if not n or mc.variant == "none":
+            continue
+        if mc.variant == "soup":  # scores, mixing the cached memories per token, the mixed read
+            flops += h * (2 * t * e * n + sum(2 * t * n * x + 2 * t * x for x in io))
+            continue
+        flops += h * sum(2 * n * t * x for x in io)  # cached reads
+        flops += h * (2 * t * e * n + 2 * t * n * e) if gated else 0  # scores, weighted sum of the reads
+    mixer_params = mem_params + (d * h * e if gated else 0)
+    mlp = swiglu_cost(cfg, width)
+    tp_params = Split(whole=d, heads=mixer_params) + mlp.params_split
+    act = mixer_act(cfg, io, deep) + mlp.act
+    backward = attention_cost(cfg).backward + mlp.backward
+    return Cost(mixer_params + d + mlp.params, flops / seq + mlp.flops, tp_params=tp_params, act=act,
+                backward=backward)
+
+
+def mixer_act(cfg: ModelConfig, io: list[int], deep: bool) -> Split:
+    """Elements per token the mixer keeps for backward, an estimate (tests/models/
+    test_memory_caching.py compares it with torch's saved tensors within 35%): the norm, its
+    output, 16 head-sized vectors per token (projections, convolutions, normalised q/k/v, reads,
+    read-out), the chunk's [C, C] decay products, and per segment its final state (every layer)
+    and the cached reads (N head vectors per token); the deep memory's per-token activations and
+    deltas; soup's per-token mixed memories."""
+    d, h, e, seq, mc = cfg.d_model, cfg.n_heads, cfg.head_dim, cfg.seq_len, cfg.memory_caching
+    segments = segment_slices(seq, mc.segment, mc.variant)
+    chunk = cfg.titans.chunk_size if deep else mc.linear_chunk
+    per_head = 16 * e + 4 * chunk + sum(io) * len(segments) / seq
+    cached = sum(i * (s.stop - s.start) for i, s in enumerate(segments)) / seq  # mean cached states per token
+    if mc.variant == "soup":
+        per_head += sum(io) * (cached > 0) + sum(io) * len(segments) ** 2 / (2 * seq)
+    elif mc.variant != "none":
+        per_head += (2 if mc.variant != "residual" else 1) * cached * e
+    if deep:
+        dims = memory_dims(e, cfg.titans.memory_depth, cfg.titans.memory_expansion)
+        per_head += 4 * sum(dims[1:-1]) + 2 * sum(io) / cfg.titans.chunk_size
+    return norm_act(d) + Split(whole=d, heads=h * per_head)
+
+
+def linear_memory_layer_cost(cfg: ModelConfig, width: int, causal: bool = True) -> Cost:
+    return memory_caching_layer_cost(cfg, width, deep=False)
+
+
+def deep_memory_layer_cost(cfg: ModelConfig, width: int, causal: bool = True) -> Cost:
+    return memory_caching_layer_cost(cfg, width, deep=True)
+
+
+def tp_plan_memory_caching_block(block: MemoryCachingBlock, prefix: str, cfg: ModelConfig, tp: TPBuilder) -> None:
+    """Norms replicated; the memory and W_u split by head; the MLP's width split in units of
+    model.taper.multiple (uneven when the width does not divide)."""
+    tp.replicated(block.mixer_norm, f"{prefix}.mixer_norm")
+    tp.replicated(block.mlp_norm, f"{prefix}.mlp_norm")
+    tp_plan_memory(block.mixer.memory, f"{prefix}.mixer.memory", cfg, tp)
+    if block.mixer.wu is not None:
+        tp.column(block.mixer, "wu", f"{prefix}.mixer", tp.head_rows(cfg.n_heads, cfg.head_dim), input_mode="copy")
+    tp.swiglu(block.mlp, f"{prefix}.mlp", cfg.taper.multiple)
+
+
+def check_memory_caching_layout(mcfg: ModelConfig, pcfg: ParallelConfig) -> None:
+    if pcfg.tp > 1 and pcfg.sequence_parallel:
+        raise ConfigError(f"parallel.sequence_parallel is not supported for model.arch={mcfg.arch!r} (the "
+                          "memory reads the whole sequence); set it to false")
+
+
+LINEAR_SPEC = FamilySpec(name="linear_memory", build=LinearMemoryLM, layer_cost=linear_memory_layer_cost,
+                         tp_block_plan=tp_plan_memory_caching_block, check_layout=check_memory_caching_layout,
+                         section="memory_caching", options=MemoryCachingConfig)
+DEEP_SPEC = FamilySpec(name="deep_memory", build=DeepMemoryLM, layer_cost=deep_memory_layer_cost,
+                       tp_block_plan=tp_plan_memory_caching_block, check_layout=check_memory_caching_layout,
+                       reads_sections=("memory_caching", "titans"))
+SPECS = (LINEAR_SPEC, DEEP_SPEC)
