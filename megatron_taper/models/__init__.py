@@ -17,6 +17,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 from megatron_taper.models import gated_attention, hope_attention, titans, transformer, tree_lm
+from megatron_taper.models import memory_caching
 from megatron_taper.models.spec import FamilySpec
 from megatron_taper.validation import ConfigError
 
@@ -30,6 +31,7 @@ FAMILIES_ENV = "MEGATRON_TAPER_FAMILIES"
 
 def _registry() -> MappingProxyType:
     specs = [transformer.SPEC, gated_attention.SPEC, titans.SPEC, hope_attention.SPEC, tree_lm.SPEC]
+    specs += memory_caching.SPECS  # linear_memory, deep_memory
     for name in filter(None, (m.strip() for m in os.environ.get(FAMILIES_ENV, "").split(","))):
         try:
             module = importlib.import_module(name)

@@ -110,6 +110,9 @@ State = tuple[list[torch.Tensor], list[torch.Tensor]]  # (memory weights, surpri
 # k, v, q [B, H, T, E]; theta, log eta, log (1 - alpha) [B, H, T]
 Features = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 ConvPast = tuple[torch.Tensor, ...] | None  # per convolved projection (k, v, q) its last K-1 inputs [B, K-1, H*E]
+# (layer, that layer's input r [B, H, C, i], its read r M_t [B, H, C, o], positions=slice of the C tokens in
+# the scan) -> the pre-activation that continues the read; Memory Caching's soup mixes cached memories in here
+ReadMix = Callable[..., torch.Tensor]
 
 
 def memory_dims(head_dim: int, depth: int, expansion: int) -> list[int]:
@@ -203,21 +206,23 @@ class NeuralMemory(nn.Module):
         start here), chunk by chunk: ([B, H, T, E], state)."""
         return self.scan_features(self.project(x_kv, x_q)[0], state, chunk_size)
 
-    def scan_features(self, features: Features, state: State,
-                      chunk_size: int | None = None) -> tuple[torch.Tensor, State]:
-        """`scan` from projected features (`project`): ([B, H, T, E], state)."""
+    def scan_features(self, features: Features, state: State, chunk_size: int | None = None,
+                      mix: ReadMix | None = None) -> tuple[torch.Tensor, State]:
+        """`scan` from projected features (`project`): ([B, H, T, E], state). `mix`, when given,
+        replaces each memory layer's pre-activation read (see ReadMix)."""
         k, v, q, theta, log_eta, log_keep = features
         size = chunk_size or self.chunk_size
         reads = []
         for s in range(0, k.shape[2], size):
             c = slice(s, s + size)
             read, state = self.chunk(state, k[:, :, c], v[:, :, c], q[:, :, c], theta[..., c], log_eta[..., c],
-                                     log_keep[..., c])
+                                     log_keep[..., c], None if mix is None else functools.partial(mix, positions=c))
             reads.append(read)
         return torch.cat(reads, dim=2), state
 
     def chunk(self, state: State, k: torch.Tensor, v: torch.Tensor, q: torch.Tensor, theta: torch.Tensor,
-              log_eta: torch.Tensor, log_keep: torch.Tensor) -> tuple[torch.Tensor, State]:
+              log_eta: torch.Tensor, log_keep: torch.Tensor,
+              mix: Callable[..., torch.Tensor] | None = None) -> tuple[torch.Tensor, State]:
         """One chunk of C tokens; k, v, q [B, H, C, E]; theta, log_eta, log_keep [B, H, C]."""
         weights, surprise = state
         n = len(weights)
@@ -246,7 +251,8 @@ class NeuralMemory(nn.Module):
         r = q
         for layer in range(n):
             a, d = acts[layer], deltas[layer]
-            r = keep_w * (r @ weights[layer]) + keep_s * (r @ surprise[layer]) - (coef * (r @ a.transpose(-1, -2))) @ d
+            read = keep_w * (r @ weights[layer]) + keep_s * (r @ surprise[layer]) - (coef * (r @ a.transpose(-1, -2))) @ d
+            r = read if mix is None else mix(layer, r, read)
             r = F.silu(r) if layer < n - 1 else r
 
         last = coef[..., -1, :, None]  # [B, H, C, 1]
@@ -485,14 +491,20 @@ def tp_plan_titans_block(block: TitansBlock, prefix: str, cfg: ModelConfig, tp: 
     tp_plan_transformer_block(block, prefix, cfg, tp)
     if isinstance(block, MALBlock):
         tp.replicated(block.mem_norm, f"{prefix}.mem_norm")
-    memory, mp, e = block.memory, f"{prefix}.memory", cfg.head_dim
-    rows = tp.head_rows(cfg.n_heads, e)
+    tp_plan_memory(block.memory, f"{prefix}.memory", cfg, tp)
+
+
+def tp_plan_memory(memory: nn.Module, mp: str, cfg: ModelConfig, tp: TPBuilder) -> None:
+    """A per-head memory with wq/wk/wv/gates (head-major rows), wo, out_norm_weight, optional
+    mem_w and conv taps (NeuralMemory, and memory_caching.LinearMemory), split by head."""
+    e, heads = cfg.head_dim, cfg.n_heads
+    rows = tp.head_rows(heads, e)
     for attr in ("wq", "wk", "wv"):
         tp.column(memory, attr, mp, rows, input_mode="copy")
-    tp.column(memory, "gates", mp, tp.head_rows(cfg.n_heads, 3), input_mode="copy")
-    tp.row(memory, "wo", mp, tp.head_columns(cfg.n_heads, e))
-    for i in range(len(memory.mem_w)):
-        tp.shard_parameter(memory.mem_w, str(i), f"{mp}.mem_w", tp.head_rows(cfg.n_heads, 1))
+    tp.column(memory, "gates", mp, tp.head_rows(heads, memory.gates.out_features // heads), input_mode="copy")
+    tp.row(memory, "wo", mp, tp.head_columns(heads, e))
+    for i in range(len(getattr(memory, "mem_w", ()))):
+        tp.shard_parameter(memory.mem_w, str(i), f"{mp}.mem_w", tp.head_rows(heads, 1))
     tp.shard_parameter(memory, "out_norm_weight", mp, rows)
     for attr in ("conv_q", "conv_k", "conv_v"):
         if getattr(memory, attr) is not None:  # depthwise: each rank keeps its heads' channels
