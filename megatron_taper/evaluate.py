@@ -6,7 +6,8 @@ mean loss averaged over the dp group (every micro-batch has the same number of t
 the mean over all tokens seen). The Trainer's periodic evaluation computes the same quantity.
 
 `evaluate_lengths` runs it once per sequence length on fresh held-out sources (`data.path`'s val
-split, or the tail of a .npy token file), and `evaluate_checkpoint` does everything
+split, or the tail of a .npy token file; under `data.mix` each source's val split separately, and
+their losses weighted by the mixture), and `evaluate_checkpoint` does everything
 `tools/evaluate.py` does: read a checkpoint's config, build the model at the layout given by the
 overrides (`parallel.*`; default one process, no ZeRO) through `build.build_run`, load only the
 model weights of this rank's pieces (no optimizer state), evaluate, and return one JSON-ready
@@ -31,6 +32,7 @@ from megatron_taper.validation import ConfigError
 
 if TYPE_CHECKING:
     from megatron_taper.data import BatchSource
+    from megatron_taper.data.sources import HeldOut
     from megatron_taper.parallel.model import ParallelModel
 
 MAX_LOSS_FOR_PPL = 50.0  # exp() of larger losses overflows nothing useful; ppl is capped there
@@ -67,6 +69,19 @@ def evaluate_source(pm: ParallelModel, source: BatchSource, batches: int,
     return EvalResult(float(loss), tokens * ctx.dp, batches)
 
 
+def evaluate_held_out(pm: ParallelModel, held_out: list[HeldOut], batches: int,
+                      autocast: Callable = contextlib.nullcontext) -> dict[str, EvalResult]:
+    """evaluate_source on a fresh source of each held-out set (data.mix: one per source), by name."""
+    return {h.name: evaluate_source(pm, h.make(), batches, autocast) for h in held_out}
+
+
+def combined_loss(results: dict[str, EvalResult], held_out: list[HeldOut]) -> float:
+    """The held-out losses weighted by their mixture shares (renormalised over the sources that
+    have a val split): the expected loss under the mixture; for one data.path, its loss."""
+    total = sum(h.weight for h in held_out)
+    return sum(h.weight * results[h.name].loss for h in held_out) / total
+
+
 def held_out_samples(source: BatchSource) -> int | None:
     """Samples in a held-out source before it repeats (token files: `count`, MDS: one epoch)."""
     for attr in ("count", "samples_per_epoch"):
@@ -77,23 +92,32 @@ def held_out_samples(source: BatchSource) -> int | None:
 
 
 def evaluate_lengths(pm: ParallelModel, cfg: Config, seq_lens: list[int], batch_size: int, batches: int,
-                     autocast: Callable = contextlib.nullcontext) -> dict[int, EvalResult]:
-    """evaluate_source at every sequence length, each on a fresh held-out source of `cfg.data`;
-    `batches` is lowered where the held-out split has fewer samples (nothing is counted twice)."""
+                     autocast: Callable = contextlib.nullcontext) -> dict[int, dict[str, EvalResult]]:
+    """evaluate_source at every sequence length, each on fresh held-out sources of `cfg.data`:
+    {seq_len: {"": the result, and under data.mix each source's by name ("" then holds the losses
+    weighted by the mixture, tokens and batches summed)}}. `batches` is lowered where a held-out
+    split has fewer samples (nothing is counted twice)."""
     from megatron_taper.data.sources import build_sources
 
     ctx = pm.ctx
     out = {}
     for seq_len in seq_lens:
-        _, make_eval = build_sources(cfg.data, seq_len=seq_len, micro_batch=batch_size, seed=cfg.train.seed,
-                                     vocab_size=cfg.model.vocab_size, dp_rank=ctx.dp_rank, dp_size=ctx.dp)
-        if make_eval is None:
-            raise ValueError(f"data.path={cfg.data.path!r} has no held-out split (an MDS folder needs val/, a .npy "
-                             f"file data.eval_fraction > 0); pass --data with held-out data")
-        source = make_eval()
-        available = held_out_samples(source)
-        n = batches if available is None else max(1, min(batches, available // (batch_size * ctx.dp)))
-        out[seq_len] = evaluate_source(pm, source, n, autocast)
+        _, held_out = build_sources(cfg.data, seq_len=seq_len, micro_batch=batch_size, seed=cfg.train.seed,
+                                    vocab_size=cfg.model.vocab_size, dp_rank=ctx.dp_rank, dp_size=ctx.dp)
+        if not held_out:
+            what = "data.mix has no source with" if cfg.data.mix else f"data.path={cfg.data.path!r} has no"
+            raise ValueError(f"{what} held-out split (an MDS folder needs val/, a .npy file data.eval_fraction "
+                             f"> 0); pass --data with held-out data")
+        results = {}
+        for h in held_out:
+            source = h.make()
+            available = held_out_samples(source)
+            n = batches if available is None else max(1, min(batches, available // (batch_size * ctx.dp)))
+            results[h.name] = evaluate_source(pm, source, n, autocast)
+        if cfg.data.mix:
+            results[""] = EvalResult(combined_loss(results, held_out), sum(r.tokens for r in results.values()),
+                                     sum(r.batches for r in results.values()))
+        out[seq_len] = results
     return out
 
 
@@ -107,7 +131,7 @@ def evaluation_config(ref: CheckpointRef, overrides: list[str], batch_size: int,
     for item in overrides:
         apply_override(cfg, item)
     if data:
-        cfg.data.path = data
+        cfg.data.path, cfg.data.mix = data, []
     cfg.validate()
     if cfg.model.architecture_dict() != ref.config.model.architecture_dict():
         raise ConfigError("model.*: the model of a checkpoint is fixed by its weights and cannot be overridden")
@@ -148,9 +172,14 @@ def evaluate_checkpoint(checkpoint: str, overrides: list[str] = (), seq_lens: li
         shutdown(ctx, barrier=ok)
     return {"checkpoint": ref.path, "step": ref.step,
             "layout": {"pp": ctx.pp, "dp": ctx.dp, "tp": ctx.tp, "zero": cfg.parallel.zero},
-            "data": cfg.data.path or "(built-in corpus)",
-            "results": {str(n): {"loss": r.loss, "ppl": r.ppl, "tokens": r.tokens, "batches": r.batches}
+            "data": cfg.data.path or cfg.data.mix or "(built-in corpus)",
+            "results": {str(n): {**_as_dict(r[""]), **({"sources": {k: _as_dict(v) for k, v in r.items() if k}}
+                                                          if len(r) > 1 else {})}
                         for n, r in results.items()}}
+
+
+def _as_dict(r: EvalResult) -> dict:
+    return {"loss": r.loss, "ppl": r.ppl, "tokens": r.tokens, "batches": r.batches}
 
 
 def _autocast(run) -> Callable:

@@ -26,7 +26,7 @@ from megatron_taper.build import build_run
 from megatron_taper.checkpoint import Checkpointer, checkpoint_root, resume_candidates
 from megatron_taper.config import Config, ConfigError, load_config, save_config
 from megatron_taper.data.sources import build_sources
-from megatron_taper.evaluate import evaluate_source
+from megatron_taper.evaluate import combined_loss, evaluate_held_out
 from megatron_taper.flops import mfu, model_costs, peak_flops
 from megatron_taper.metrics import MetricsLogger
 from megatron_taper.optim import lr_at
@@ -70,9 +70,11 @@ class Trainer:
         self.ctx, self.pm, self.optimizer, self.bf16 = run.ctx, run.model, run.optimizer, run.bf16
         self.accum = run.layout.accumulation
         m, t = cfg.model, cfg.train
-        self.train_source, self.eval_factory = build_sources(
+        self.train_source, self.held_out = build_sources(
             cfg.data, seq_len=m.seq_len, micro_batch=t.micro_batch, seed=t.seed, vocab_size=m.vocab_size,
             dp_rank=self.ctx.dp_rank, dp_size=self.ctx.dp)
+        # data.mix: the realised share of each source so far (mix/<name>), logged with every step
+        self.data_metrics = getattr(self.train_source, "metrics", dict)
         self.flops_per_token = model_costs(m).total_flops
         self.peak = peak_flops(self.ctx.device, self.bf16)
         self.step = 0
@@ -136,12 +138,17 @@ class Trainer:
                     f"train.grad_clip or check the data"
                 )
         self.step += 1
-        return {"loss": loss_value, "grad_norm": norm_value, "lr": self.optimizer.param_groups[0]["lr"]}
+        return {"loss": loss_value, "grad_norm": norm_value, "lr": self.optimizer.param_groups[0]["lr"],
+                **self.data_metrics()}
 
-    def evaluate(self) -> float | None:
-        if self.eval_factory is None:
+    def evaluate(self) -> dict[str, float] | None:
+        """Held-out loss: "" the loss (data.mix: the sources' losses weighted by the mixture), and
+        under data.mix each source's own loss by its name; None without held-out data."""
+        if not self.held_out:
             return None
-        return evaluate_source(self.pm, self.eval_factory(), self.cfg.train.eval_batches, self.autocast).loss
+        results = evaluate_held_out(self.pm, self.held_out, self.cfg.train.eval_batches, self.autocast)
+        per_source = {h.name: results[h.name].loss for h in self.held_out if h.name}
+        return {"": combined_loss(results, self.held_out), **per_source}
 
     def fit(self) -> int:
         t, ckpt = self.cfg.train, self.cfg.checkpoint
@@ -202,11 +209,14 @@ class Trainer:
         self.metrics.log(full, line)
 
     def _log_eval(self) -> None:
-        eval_loss = self.evaluate()
-        if eval_loss is not None:
+        losses = self.evaluate()
+        if losses is not None:
+            eval_loss = losses.pop("")
             ppl = math.exp(min(eval_loss, 50.0))
-            self.metrics.log({"step": self.step, "eval_loss": eval_loss, "eval_ppl": ppl},
-                             f"eval  {self.step:>6} | loss {eval_loss:.4f} | ppl {ppl:.2f}")
+            self.metrics.log({"step": self.step, "eval_loss": eval_loss, "eval_ppl": ppl,
+                              **{f"eval_loss/{name}": loss for name, loss in losses.items()}},
+                             f"eval  {self.step:>6} | loss {eval_loss:.4f} | ppl {ppl:.2f}"
+                             + "".join(f" | {name} {loss:.4f}" for name, loss in losses.items()))
 
     def _dp_mean(self, value: torch.Tensor) -> torch.Tensor:
         if self.ctx.dp > 1:

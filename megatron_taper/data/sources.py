@@ -6,11 +6,16 @@
   ...): read through a local cache, `data.cache_dir` or the default one; its stats.json (written
   last by tools/preprocess_data.py) is fetched first and says whether there is a val/ split
 - a .npy file: a flat token array (eval = its tail, `data.eval_fraction`)
+
+`data.mix` (instead of data.path): a weighted mixture of MDS folders (local or remote, as above),
+megatron_taper.data.mixture; each source with a val/ split is a held-out set of its own.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 from megatron_taper.data import BatchSource
@@ -24,43 +29,81 @@ def default_cache_dir(data: DataConfig) -> str:
     return data.cache_dir or os.path.join(os.path.expanduser("~"), ".cache", "megatron_taper")
 
 
+@dataclass
+class HeldOut:
+    """One held-out set: `make()` builds a fresh evaluation source of it."""
+
+    name: str  # "" for data.path; the entry's name for data.mix
+    weight: float  # its share in the mixture (1.0 for data.path)
+    make: Callable[[], BatchSource]
+
+
 def build_sources(data: DataConfig, *, seq_len: int, micro_batch: int, seed: int, vocab_size: int, dp_rank: int,
-                  dp_size: int) -> tuple[BatchSource, Callable[[], BatchSource] | None]:
-    """(training source, factory of a fresh evaluation source or None when there is no held-out
-    data) for this data-parallel rank: sequences of seq_len + 1 tokens, micro_batch at a time."""
+                  dp_size: int) -> tuple[BatchSource, list[HeldOut]]:
+    """(training source, held-out sets: none when there is no held-out data, one per mixture source
+    with a val/ split under data.mix) for this data-parallel rank: sequences of seq_len + 1 tokens,
+    micro_batch at a time."""
     mb = micro_batch
+    if data.mix:
+        return _build_mixture(data, seq_len, mb, seed, dp_rank, dp_size)
     path = data.path
     if path.endswith(".npy"):
         from megatron_taper.data.token_file import TokenFileSource
 
         train = TokenFileSource(path, seq_len, mb, dp_rank, dp_size, seed, "train", data.eval_fraction)
         if data.eval_fraction <= 0:
-            return train, None
-        return train, lambda: TokenFileSource(path, seq_len, mb, dp_rank, dp_size, seed, "val", data.eval_fraction)
-
-    from megatron_taper.data.streaming import StreamingSource, is_remote
-
+            return train, []
+        return train, [HeldOut("", 1.0, lambda: TokenFileSource(path, seq_len, mb, dp_rank, dp_size, seed, "val",
+                                                                 data.eval_fraction))]
     if not path:
         from megatron_taper.data.builtin import prepare_builtin_data
 
         path = prepare_builtin_data(os.path.join(default_cache_dir(data), "builtin"), vocab_size)
+    make, has_val = _mds_dataset(data, path, "data.path")
+
+    def make_split(split: str) -> BatchSource:
+        return make(split, seq_len, mb, dp_rank, dp_size, seed)
+
+    return make_split("train"), ([HeldOut("", 1.0, lambda: make_split("val"))] if has_val else [])
+
+
+def _mds_dataset(data: DataConfig, path: str, key: str) -> tuple[Callable[..., BatchSource], bool]:
+    """(factory of StreamingSources of the MDS folder `path`, whether it has a val/ split)."""
+    from megatron_taper.data.streaming import StreamingSource, is_remote
+
     if is_remote(path):
         # A remote folder is always read through a local cache (data.cache_dir "" = the default).
         cache: str | None = os.path.join(default_cache_dir(data), "streaming")
-        has_val = "val" in remote_splits(path, cache)
+        has_val = "val" in remote_splits(path, cache, key)
     else:
         if not os.path.isdir(os.path.join(path, "train")):
-            raise ValueError(f"data.path={path!r}: expected a .npy token file or a folder with MDS shards in train/")
+            kind = "a .npy token file or " if key == "data.path" else ""
+            raise ValueError(f"{key}={path!r}: expected {kind}a folder with MDS shards in train/")
         cache = os.path.join(default_cache_dir(data), "streaming") if data.cache_dir else None
         has_val = os.path.isdir(os.path.join(path, "val"))
 
-    def make(split: str) -> BatchSource:
+    def make(split: str, seq_len: int, mb: int, dp_rank: int, dp_size: int, seed: int) -> StreamingSource:
         return StreamingSource(path, split, seq_len, mb, dp_rank, dp_size, seed, cache)
 
-    return make("train"), ((lambda: make("val")) if has_val else None)
+    return make, has_val
 
 
-def remote_splits(path: str, cache_dir: str) -> list[str]:
+def _build_mixture(data: DataConfig, seq_len: int, mb: int, seed: int, dp_rank: int,
+                   dp_size: int) -> tuple[BatchSource, list[HeldOut]]:
+    from megatron_taper.data.mixture import MixSchedule, MixtureSource
+
+    names, weights = data.mix_names(), [float(e["weight"]) for e in data.mix]
+    datasets = [_mds_dataset(data, e["path"], f"data.mix[{i}].path") for i, e in enumerate(data.mix)]
+    # every rank reads every source's stream (a mixture sample can come from any of them)
+    train = MixtureSource([make("train", seq_len, 1, 0, 1, seed) for make, _ in datasets], names, weights, mb,
+                          dp_rank, dp_size)
+    shares = MixSchedule(weights).weights
+    held_out = [HeldOut(name, share, functools.partial(make, "val", seq_len, mb, dp_rank, dp_size, seed))
+                for name, share, (make, has_val) in zip(names, shares, datasets) if has_val]
+    return train, held_out
+
+
+def remote_splits(path: str, cache_dir: str, key: str = "data.path") -> list[str]:
     """The splits that the remote dataset's stats.json lists, the file copied once into the
     dataset's cache folder (under a file lock shared by the ranks of a machine, as the shards).
 
@@ -84,12 +127,12 @@ def remote_splits(path: str, cache_dir: str) -> list[str]:
             try:
                 CloudDownloader.direct_download(remote, local, _DOWNLOAD_TIMEOUT_S)
             except Exception as e:  # noqa: BLE001 - the backends raise unrelated types
-                raise ValueError(f"data.path={path}: cannot fetch {remote} (a remote dataset must be a complete "
+                raise ValueError(f"{key}={path}: cannot fetch {remote} (a remote dataset must be a complete "
                                  f"folder written by tools/preprocess_data.py): {type(e).__name__}: {e}") from e
     with open(local) as f:
         stats = json.load(f)
     splits = stats.get("splits") if isinstance(stats, dict) else None
     if not isinstance(splits, dict) or "train" not in splits:
-        raise ValueError(f"data.path={path}: {remote} lists no 'train' split (not written by "
+        raise ValueError(f"{key}={path}: {remote} lists no 'train' split (not written by "
                          f"tools/preprocess_data.py?)")
     return sorted(splits)

@@ -218,29 +218,43 @@ class StreamingSource:
         assert filled == len(out)
         return out
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"version": STATE_VERSION, "samples_consumed": self.samples_consumed, "seed": self.seed,
-                "seq_len": self.seq_len, "split": self.split, "shuffle": self.shuffle,
+    def identity(self) -> dict[str, Any]:
+        """What the sample stream depends on besides the position (checked on resume)."""
+        return {"seed": self.seed, "seq_len": self.seq_len, "split": self.split, "shuffle": self.shuffle,
                 "block_docs": self.order.block_docs, "documents": self.num_documents, "tokens": self.num_tokens}
 
+    def check_identity(self, state: dict, where: str = "data.path") -> None:
+        """Raises when `state` (a state_dict or identity) was written for another stream."""
+        for key, name, now in (("seq_len", "model.seq_len", self.seq_len), ("seed", "train.seed", self.seed),
+                               ("shuffle", "shuffle", self.shuffle),
+                               ("block_docs", "block_docs", self.order.block_docs),
+                               ("documents", where, self.num_documents),
+                               ("tokens", where, self.num_tokens)):
+            if state.get(key) != now:
+                raise ValueError(f"cannot resume the data stream: {name} changed "
+                                 f"({key} was {state.get(key)!r}, now {now!r})")
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"version": STATE_VERSION, "samples_consumed": self.samples_consumed, **self.identity()}
+
     def load_state_dict(self, state: dict) -> None:
+        if "mix_version" in state:
+            raise ValueError("cannot resume the data stream: the checkpoint was written by a data.mix run and this "
+                             "run reads one data.path; resume with the same data.mix")
         if state.get("version") != STATE_VERSION:
             raise ValueError(
                 f"data state version {state.get('version')!r} is not {STATE_VERSION}: it counts samples of "
                 f"another sample order (version 1: a full shuffle per epoch, replaced by the block-wise order "
                 f"of megatron_taper.data.order), so the data stream cannot resume exactly from it; resume "
                 f"this checkpoint with the version that wrote it")
-        for key, name, now in (("seq_len", "model.seq_len", self.seq_len), ("seed", "train.seed", self.seed),
-                               ("shuffle", "shuffle", self.shuffle),
-                               ("block_docs", "block_docs", self.order.block_docs),
-                               ("documents", "data.path", self.num_documents),
-                               ("tokens", "data.path", self.num_tokens)):
-            if state.get(key) != now:
-                raise ValueError(f"cannot resume the data stream: {name} changed "
-                                 f"({key} was {state.get(key)!r}, now {now!r})")
-        consumed = int(state["samples_consumed"])
-        if consumed % self.group_size:
-            raise ValueError(f"cannot resume at global sample {consumed}: dp_size * train.micro_batch = "
-                             f"{self.group_size} does not divide it (resume at a step boundary with a "
-                             f"global batch that dp_size * micro_batch divides)")
-        self.samples_consumed = consumed
+        self.check_identity(state)
+        self.samples_consumed = check_position(int(state["samples_consumed"]), self.group_size)
+
+
+def check_position(consumed: int, group_size: int) -> int:
+    """`consumed` global samples, if a micro-batch call of every rank (group_size samples) divides it."""
+    if consumed % group_size:
+        raise ValueError(f"cannot resume at global sample {consumed}: dp_size * train.micro_batch = "
+                         f"{group_size} does not divide it (resume at a step boundary with a "
+                         f"global batch that dp_size * micro_batch divides)")
+    return consumed

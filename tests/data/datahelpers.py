@@ -76,3 +76,14 @@ def dataset(corpus, tokenizer_model, tmp_path_factory) -> str:
     preprocess(read_documents([corpus["jsonl"]], skips), tokenizer_model, str(out), skips=skips,
                val_fraction=0.2, shard_size="16kb", progress=False)
     return str(out)
+
+
+@pytest.fixture(scope="session")
+def second_dataset(tokenizer_model, tmp_path_factory) -> str:
+    """Another MDS dataset (train + val 20%), of other text (upper-cased library sources), same tokenizer."""
+    root = tmp_path_factory.mktemp("mds2")
+    docs = [d.upper() for d in stdlib_documents(12_000, seed=1)]
+    skips = SkipLog(strict=True)
+    preprocess(read_documents([str(write_jsonl(root / "upper.jsonl", docs))], skips), tokenizer_model,
+               str(root / "upper"), skips=skips, val_fraction=0.2, shard_size="16kb", progress=False)
+    return str(root / "upper")

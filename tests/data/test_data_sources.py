@@ -46,11 +46,10 @@ def file_urls(monkeypatch):
 
 def test_remote_path_reads_through_the_cache_like_local(dataset, tmp_path, file_urls):
     url, cache = file_urls(dataset), str(tmp_path / "cache")
-    train, make_eval = _sources(url, cache, 1, 2)
-    local_train, local_eval = _sources(dataset, "", 1, 2)
-    assert make_eval is not None and local_eval is not None  # stats.json lists val
+    train, (held_out,) = _sources(url, cache, 1, 2)  # stats.json lists val
+    local_train, (local_held_out,) = _sources(dataset, "", 1, 2)
     assert all(torch.equal(a, b) for a, b in zip(_batches(train, 8), _batches(local_train, 8)))
-    assert all(torch.equal(a, b) for a, b in zip(_batches(make_eval(), 3), _batches(local_eval(), 3)))
+    assert all(torch.equal(a, b) for a, b in zip(_batches(held_out.make(), 3), _batches(local_held_out.make(), 3)))
     copied = cache_folder(os.path.join(cache, "streaming"), url)
     assert os.path.isfile(os.path.join(copied, STATS_FILE))
     assert any(f.endswith(".mds") for f in os.listdir(os.path.join(copied, "train")))
@@ -72,8 +71,8 @@ def test_remote_path_without_val_has_no_eval(corpus, tokenizer_model, tmp_path, 
     preprocess(read_documents([corpus["jsonl"]], SkipLog()), tokenizer_model, str(out), skips=SkipLog(),
                val_fraction=0.0, shard_size="16kb", progress=False)
     assert not (out / "val").exists()
-    train, make_eval = _sources(file_urls(out), str(tmp_path / "cache"))
-    assert make_eval is None and train.next_batch().shape == (MB, SEQ + 1)
+    train, held_out = _sources(file_urls(out), str(tmp_path / "cache"))
+    assert held_out == [] and train.next_batch().shape == (MB, SEQ + 1)
 
 
 def test_remote_path_errors(dataset, tmp_path, file_urls):
