@@ -9,4 +9,4 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$root/.cache/torch_extensions}"
 py="${VENV:-$root/.venv}/bin/python"
 "$py" -m ruff check --quiet . || { echo "[tests] ruff found problems (fix: $py -m ruff check --fix .)" >&2; exit 1; }
-exec "$py" -m pytest -q -ra tests "$@"
+exec "$py" -m pytest -q -ra --durations=25 tests "$@"
