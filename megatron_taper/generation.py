@@ -1,16 +1,24 @@
-"""Text generation from a single-device model: sampling, and a KV cache for the attention families.
+"""Text generation from a single-device model: sampling, and a KV cache (plus the online CMS
+state of Hope-attention) for the attention families.
 
-KV cache (model.arch transformer and gated_attention, with RoPE; model.position=alibi takes the
-fallback): `cached_forward` runs the model's own submodules (tok_embeddings, each block's
-attn_norm, attn.wq/wk/wv/wo, attn.wg for the gate, mlp_norm, mlp, the final norm and head) with
+KV cache (model.arch transformer, gated_attention and hope_attention, with RoPE;
+model.position=alibi takes the fallback): `cached_forward` runs the model's own submodules
+(tok_embeddings, each block's attn_norm, attn.wq/wk/wv/wo, attn.wg for the gate, mlp_norm, mlp or
+the CMS levels, the final norm and head) with
 RoPE tables from models/layers.py, but keeps every layer's rotated keys and values, so each new
 token costs one position instead of the whole prefix. The model classes are untouched: training and
 checkpoints are unaffected. The cached path is only taken for exactly those classes (a family that
 subclasses TransformerBlock with another forward gets the fallback).
 
-Fallback (titans, hope_attention and any other family): the full prefix is run through
-`model(tokens)` for every new token (their memories have incremental state of their own that is
-not cached yet), which gives the same tokens at O(length^2) cost.
+Hope-attention takes the same path: its attention uses the KV cache and every online CMS level
+keeps its incremental state (`OnlineLevelState`): the fast weights theta^(c) of the chunk being
+read and the inputs of that chunk so far; when a chunk is complete its update is computed with
+the training code's own `inner_step` on the whole chunk, so decoding reads exactly the weights a
+full forward reads (same chunk boundaries: positions are counted from the start of the sequence).
+
+Fallback (titans and any other family): the full prefix is run through `model(tokens)` for every
+new token (the Titans memory's chunked state is not kept between calls yet), which gives the
+same tokens at O(length^2) cost.
 
 Sampling: temperature 0 is greedy (argmax); otherwise logits / temperature, then top-k (0 = off)
 and top-p (nucleus, 1 = off), drawn with a torch.Generator seeded by `seed`. Generation stops
@@ -26,11 +34,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_taper.models.gated_attention import GatedAttention, GatedAttentionBlock, GatedTransformer
+from megatron_taper.models.hope_attention import (
+    ContinuumLevel,
+    HopeAttention,
+    HopeAttentionBlock,
+    SwiGLUActivations,
+    Weights,
+    inner_step,
+)
 from megatron_taper.models.layers import Attention, apply_rope, rope_tables
 from megatron_taper.models.transformer import Transformer, TransformerBlock
 
-CACHED_MODELS = (Transformer, GatedTransformer)
-CACHED_BLOCKS = (TransformerBlock, GatedAttentionBlock)
+CACHED_MODELS = (Transformer, GatedTransformer, HopeAttention)
+CACHED_BLOCKS = (TransformerBlock, GatedAttentionBlock, HopeAttentionBlock)
 
 
 @dataclass
@@ -68,12 +84,43 @@ class Generation:
 
 
 @dataclass
+class OnlineLevelState:
+    """One online CMS level while decoding: theta^(c), the weights that read the current chunk
+    (w13 [2W, D] and w2 [D, W] until the first update, [B, ...] after), and that chunk's inputs so far."""
+
+    weights: Weights
+    chunk: list[torch.Tensor] = field(default_factory=list)  # n of the chunk's positions, [B, t, D] pieces
+    filled: int = 0
+
+    def read(self, level: ContinuumLevel, n: torch.Tensor) -> torch.Tensor:
+        """The level's output for inputs n [B, T, D] at the next T positions; completes chunks."""
+        outs = []
+        while n.shape[1]:
+            take = min(level.period - self.filled, n.shape[1])
+            part, n = n[:, :take], n[:, take:]
+            acts = SwiGLUActivations.of(part, self.weights[0])
+            outs.append(acts.h @ self.weights[1].transpose(-1, -2))  # [B, take, D]
+            self.chunk.append(part)
+            self.filled += take
+            if self.filled == level.period:  # the update the full forward makes at this chunk's end
+                whole = torch.cat(self.chunk, dim=1)  # [B, C, D]
+                acts = SwiGLUActivations.of(whole, self.weights[0])
+                y = acts.h @ self.weights[1].transpose(-1, -2)
+                self.weights = inner_step(self.weights, whole, acts, y, acts.h.square().sum(-1),
+                                          F.softplus(level.raw_step))
+                self.chunk, self.filled = [], 0
+        return torch.cat(outs, dim=1)
+
+
+@dataclass
 class KVCache:
-    """Rotated keys and values of every layer: [B, K, max_len, E] each; `length` positions filled."""
+    """Rotated keys and values of every layer: [B, K, max_len, E] each; `length` positions filled.
+    For Hope-attention also every block's online CMS levels (None for a level without updates)."""
 
     keys: list[torch.Tensor] = field(default_factory=list)
     values: list[torch.Tensor] = field(default_factory=list)
     length: int = 0
+    levels: list[list[OnlineLevelState | None]] = field(default_factory=list)
 
     @classmethod
     def empty(cls, model: Transformer, batch: int, max_len: int) -> KVCache:
@@ -81,7 +128,9 @@ class KVCache:
         param = next(model.parameters())
         shape = (batch, cfg.kv_heads, max_len, cfg.head_dim)
         n = len(model.layers)
-        return cls([param.new_empty(shape) for _ in range(n)], [param.new_empty(shape) for _ in range(n)])
+        levels = [[OnlineLevelState((torch.cat((level.w1, level.w3)), level.w2)) if level.period else None
+                   for level in getattr(block, "cms", ())] for block in model.layers.values()]
+        return cls([param.new_empty(shape) for _ in range(n)], [param.new_empty(shape) for _ in range(n)], 0, levels)
 
     @property
     def capacity(self) -> int:
@@ -110,7 +159,11 @@ def cached_forward(model: Transformer, tokens: torch.Tensor, cache: KVCache) -> 
     mask = torch.ones(count, start + count, dtype=torch.bool, device=h.device).tril(diagonal=start)
     for i, block in enumerate(model.layers.values()):
         h = h + _cached_attention(block.attn, block.attn_norm(h), cos, sin, mask, cache, i)
-        h = h + block.mlp(block.mlp_norm(h))
+        if isinstance(block, HopeAttentionBlock):
+            for norm, level, state in zip(block.cms_norms, block.cms, cache.levels[i]):
+                h = h + (level(norm(h)) if state is None else state.read(level, norm(h)))
+        else:
+            h = h + block.mlp(block.mlp_norm(h))
     cache.length = start + count
     h = model.norm(h)
     if model.output is not None:
@@ -163,7 +216,8 @@ def generate(model: nn.Module, prompt: list[int], opts: SamplingOptions, use_cac
         raise ValueError("the prompt must have at least one token")
     cached = supports_kv_cache(model) if use_cache is None else use_cache
     if cached and not supports_kv_cache(model):
-        raise ValueError(f"{type(model).__name__} has no KV-cache path (transformer and gated_attention only)")
+        raise ValueError(f"{type(model).__name__} has no KV-cache path (transformer, gated_attention, "
+                         "hope_attention only)")
     device = next(model.parameters()).device
     generator = torch.Generator().manual_seed(opts.seed)
     step = _cached_steps(model, prompt, opts, device) if cached else _full_steps(model, prompt, device)

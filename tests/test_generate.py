@@ -28,6 +28,9 @@ VARIANTS = {
     "transformer_tied": ["model.arch=transformer", "model.tie_embeddings=true"],
     "gated_elementwise": ["model.arch=gated_attention", "model.gated.gate=elementwise", "model.n_kv_heads=2"],
     "gated_headwise": ["model.arch=gated_attention", "model.gated.gate=headwise"],
+    # periods 3 and 6: chunk ends fall inside the 7-token prompt and between decoded tokens
+    "hope_online": ["model.arch=hope_attention", "model.hope.chunk_size=3", "model.hope.chunk_growth=2"],
+    "hope_offline": ["model.arch=hope_attention", "model.hope.online=false", "model.n_kv_heads=2"],
 }
 
 

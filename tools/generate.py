@@ -6,8 +6,8 @@
 DIR: a checkpoint folder, a run folder (its newest checkpoint) or an exported folder (see
 tools/evaluate.py). The model runs in one process (fp32). Tokenizer: --tokenizer, else the run's
 (data.tokenizer, the sentencepiece model beside the data) or UTF-8 bytes for a vocab-256 run on a
-.npy file. transformer and gated_attention decode with a KV cache; titans and hope_attention
-recompute the whole prefix for every token (their memories' incremental state is not cached yet).
+.npy file. transformer, gated_attention and hope_attention (with its online CMS state) decode with
+a KV cache; titans recomputes the whole prefix for every token (its memory's state is not kept yet).
 Prints the prompt followed by the continuation on stdout and one line on stderr with the token
 counts and tokens/s; exit code 2 on bad input. --temperature 0 is greedy decoding.
 """
