@@ -49,7 +49,15 @@ from megatron_taper.models.linear_memory import (
     linear_scan_flops,
 )
 from megatron_taper.models.spec import FamilySpec
-from megatron_taper.models.titans import NeuralMemory, Titans, memory_dims, memory_params, scan_flops, tp_plan_memory
+from megatron_taper.models.titans import (
+    NeuralMemory,
+    Titans,
+    memory_dims,
+    memory_params,
+    scan_act_per_row,
+    scan_flops,
+    tp_plan_memory,
+)
 from megatron_taper.models.transformer import Transformer
 from megatron_taper.validation import ConfigError, check_range
 
@@ -107,8 +115,8 @@ class MemoryCachingMixer(nn.Module):
         self.head_dim = cfg.head_dim
         self.wu = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=False) if mc.variant in GATED else None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None) -> torch.Tensor:
-        """x [B, S, D] (normalised) -> [B, S, D]."""
+    def forward(self, x: torch.Tensor, *_rope: torch.Tensor) -> torch.Tensor:
+        """x [B, S, D] (normalised) -> [B, S, D] (RoPE tables, if passed, are not used)."""
         return self.memory.output(self.reads(x))
 
     def reads(self, x: torch.Tensor) -> torch.Tensor:
@@ -130,18 +138,21 @@ class MemoryCachingMixer(nn.Module):
             state = memory.init_state(batch) if self.independent else final
         if self.variant in ("none", "soup"):
             return torch.cat(onlines, dim=2)
-        stacked = [torch.stack(layer, dim=2) for layer in zip(*finals[:-1])]  # per layer [B, H, N, i, o], once
+        q = q.contiguous()  # so that every slice along time below is a view for the matmuls
+        # the reads of cached state i by every token after segment i: [B, H, T - end_i, E]
+        later = [memory.read(q[:, :, seg.stop:], (final, [])) for seg, final in zip(segments[:-1], finals)]
         outs = []
         for i, seg in enumerate(segments):
-            cached = memory.read(q[:, :, seg].unsqueeze(2), ([w[:, :, :i] for w in stacked], [])) if i else None
-            if self.variant == "residual":  # cached [B, H, i, T, E]
-                outs.append(onlines[i] if cached is None else onlines[i] + cached.sum(2))
+            if not i:
+                outs.append(onlines[0] if gammas[0] is None else gammas[0] * onlines[0])
+                continue
+            rows = [reads[:, :, seg.start - prev.stop:seg.stop - prev.stop] for reads, prev in zip(later, segments)]
+            cached = torch.stack(rows[:i], dim=3)  # [B, H, T, i, E]
+            if self.variant == "residual":
+                outs.append(onlines[i] + cached.sum(3))
                 continue
             gamma = gammas[i]  # [B, H, T, 1 + i]
-            out = gamma[..., :1] * onlines[i]
-            if cached is not None:  # [B, H, T, 1, i] @ [B, H, T, i, E]
-                out = out + (gamma[..., None, 1:] @ cached.transpose(2, 3)).squeeze(-2)
-            outs.append(out)
+            outs.append(gamma[..., :1] * onlines[i] + (gamma[..., None, 1:] @ cached).squeeze(-2))
         return torch.cat(outs, dim=2)
 
     def gammas(self, u: torch.Tensor, k: torch.Tensor, pooled: torch.Tensor | None, cached: int) -> torch.Tensor:
@@ -162,14 +173,15 @@ class MemoryCachingMixer(nn.Module):
     def soup_mix(gamma: torch.Tensor, finals: list[list[torch.Tensor]]) -> Callable[..., torch.Tensor]:
         """The read hook of the memory soup for one segment: layer l's pre-activation is
         g^(s) (r M^(s)_t) + r (sum_i g^(i) M^(i)), the cached memories mixed per token."""
-        mixed = [(gamma[..., 1:] @ torch.stack(layer, dim=2).flatten(3)).unflatten(-1, layer[0].shape[-2:])
-                 for layer in zip(*finals)]  # per layer [B, H, T, N] @ [B, H, N, i*o] -> [B, H, T, i, o]
+        stacked = [torch.stack(layer, dim=2).flatten(3) for layer in zip(*finals)]  # per layer [B, H, N, i*o]
 
         def mix(layer: int, r: torch.Tensor, read: torch.Tensor, positions: slice) -> torch.Tensor:
-            out = gamma[:, :, positions, :1] * read
-            if not mixed:
+            g = gamma[:, :, positions]  # [B, H, C, 1 + N]
+            out = g[..., :1] * read
+            if not stacked:
                 return out
-            return out + (r.unsqueeze(-2) @ mixed[layer][:, :, positions]).squeeze(-2)
+            mixed = (g[..., 1:] @ stacked[layer]).unflatten(-1, (r.shape[-1], -1))  # [B, H, C, i, o]
+            return out + (r.unsqueeze(-2) @ mixed).squeeze(-2)
 
         return mix
 
@@ -243,25 +255,35 @@ def memory_caching_layer_cost(cfg: ModelConfig, width: int, deep: bool) -> Cost:
 
 
 def mixer_act(cfg: ModelConfig, io: list[int], deep: bool) -> Split:
-    """Elements per token the mixer keeps for backward, an estimate (tests/models/
-    test_memory_caching.py compares it with torch's saved tensors within 35%): the norm, its
-    output, 16 head-sized vectors per token (projections, convolutions, normalised q/k/v, reads,
-    read-out), the chunk's [C, C] decay products, and per segment its final state (every layer)
-    and the cached reads (N head vectors per token); the deep memory's per-token activations and
-    deltas; soup's per-token mixed memories."""
-    d, h, e, seq, mc = cfg.d_model, cfg.n_heads, cfg.head_dim, cfg.seq_len, cfg.memory_caching
+    """Elements per token the mixer keeps for backward, fitted to torch's saved tensors (tests/
+    models/test_memory_caching.py checks it within 10%): the norm and its output; per head the
+    base's scan (linear: 19 head vectors per token, the chunk's [C, C] decay products, one state
+    per chunk; deep: Titans' scan_act_per_row and 8 head vectors); with caching the contiguous
+    queries, each cached read's hidden activations (deep), the weights, the scores u and the cached
+    reads they weigh (2E + 1.75 E + 4 per cached state), the final states that independent writes
+    keep only for the cached reads, and soup's per-token mixed memories and per-segment stacks of
+    the cached ones. The constants are fitted to the measured counts."""
+    d, e, seq, mc = cfg.d_model, cfg.head_dim, cfg.seq_len, cfg.memory_caching
     segments = segment_slices(seq, mc.segment, mc.variant)
     chunk = cfg.titans.chunk_size if deep else mc.linear_chunk
-    per_head = 16 * e + 4 * chunk + sum(io) * len(segments) / seq
+    chunks = sum(-(-(s.stop - s.start) // chunk) for s in segments)  # chunks restart at every segment
+    if deep:  # Titans' count assumes seq / chunk chunks of weights and surprise
+        per_head = scan_act_per_row(cfg, seq) + 8 * e + 2 * sum(io) * (chunks - seq / chunk) / seq
+        hidden = sum(memory_dims(e, cfg.titans.memory_depth, cfg.titans.memory_expansion)[1:-1])
+    else:
+        per_head, hidden = 19 * e + 3 * min(chunk, seq) + e * e * chunks / seq, 0
+    n = len(segments)
     cached = sum(i * (s.stop - s.start) for i, s in enumerate(segments)) / seq  # mean cached states per token
     if mc.variant == "soup":
-        per_head += sum(io) * (cached > 0) + sum(io) * len(segments) ** 2 / (2 * seq)
+        with_cache = (seq - segments[0].stop) / seq  # tokens that mix cached memories
+        per_head += sum(io) * (with_cache + n * (n - 1) / (2 * seq)) + 2 * e + 4 * (1 + cached)
     elif mc.variant != "none":
-        per_head += (2 if mc.variant != "residual" else 1) * cached * e
-    if deep:
-        dims = memory_dims(e, cfg.titans.memory_depth, cfg.titans.memory_expansion)
-        per_head += 4 * sum(dims[1:-1]) + 2 * sum(io) / cfg.titans.chunk_size
-    return norm_act(d) + Split(whole=d, heads=h * per_head)
+        per_head += e + 2 * hidden * cached
+        if mc.write_mode == "independent":  # final states kept only for the cached reads
+            per_head += (2 if deep else 0.5) * sum(io) * (n - 1) / seq
+        if mc.variant in GATED:
+            per_head += 2 * e + 1.75 * e * cached + 4 * (1 + cached)
+    return norm_act(d) + Split(whole=d, heads=cfg.n_heads * per_head)
 
 
 def linear_memory_layer_cost(cfg: ModelConfig, width: int, causal: bool = True) -> Cost:

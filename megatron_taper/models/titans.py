@@ -251,7 +251,8 @@ class NeuralMemory(nn.Module):
         r = q
         for layer in range(n):
             a, d = acts[layer], deltas[layer]
-            read = keep_w * (r @ weights[layer]) + keep_s * (r @ surprise[layer]) - (coef * (r @ a.transpose(-1, -2))) @ d
+            read = (keep_w * (r @ weights[layer]) + keep_s * (r @ surprise[layer])
+                    - (coef * (r @ a.transpose(-1, -2))) @ d)
             r = read if mix is None else mix(layer, r, read)
             r = F.silu(r) if layer < n - 1 else r
 
