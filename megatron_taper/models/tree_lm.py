@@ -199,9 +199,9 @@ def tp_plan_tree_layer(block: TreeLayer, prefix: str, cfg: ModelConfig, tp: TPBu
     tp.replicated(block.cell.norm, f"{prefix}.cell.norm")
     tp.replicated(block.mlp_norm, f"{prefix}.mlp_norm")
     rows, cols = tp.width_specs(block.cell.w_in.weight.shape[0], cfg.taper.multiple, f"{prefix}.cell")
-    tp.column(block.cell, "w_in", f"{prefix}.cell", rows)
+    # f on W_in's input only: the children also enter the gated sum, whose gradient is whole on every rank
+    tp.column(block.cell, "w_in", f"{prefix}.cell", rows, input_mode="copy")
     tp.row(block.cell, "w_out", f"{prefix}.cell", cols)
-    tp.enter_region_at_input(block.cell)
     tp.swiglu(block.mlp, f"{prefix}.mlp", cfg.taper.multiple)
 
 

@@ -1,4 +1,5 @@
-"""tp=2 against one process for Gated Attention, Hope-attention and Titans (MAG, MAL, MAC).
+"""tp=2 against one process for Gated Attention, Hope-attention, Titans (MAG, MAL, MAC), the
+ALiBi Transformer (each rank adds its own heads' slopes) and the tree LM (cell width split).
 
 Plans under test (megatron_taper/parallel/tp_plan.py): attention and every MLP / CMS level
 sharded as in the Transformer (uneven MLP shards: widths are odd multiples of 5); the gate of
@@ -27,6 +28,8 @@ CASES = {
     "titans_mag": ["model.arch=titans", "model.titans.variant=mag"],
     "titans_mal": ["model.arch=titans", "model.titans.variant=mal", "model.titans.memory_depth=1"],
     "titans_mac": ["model.arch=titans", "model.titans.variant=mac"],
+    "alibi": ["model.position=alibi"],
+    "tree": ["model.arch=tree", "model.n_layers=1", "model.tree.cell_width=130"],
 }
 ATOL, GRAD_RTOL = 2e-5, 1e-5
 
