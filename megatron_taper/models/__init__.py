@@ -16,8 +16,8 @@ import os
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
+import megatron_taper.models.memory_caching as memory_caching
 from megatron_taper.models import gated_attention, hope_attention, titans, transformer, tree_lm
-from megatron_taper.models import memory_caching
 from megatron_taper.models.spec import FamilySpec
 from megatron_taper.validation import ConfigError
 
