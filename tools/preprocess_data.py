@@ -1,4 +1,4 @@
-"""Tokenize raw text / jsonl into MDS shards for training.
+"""Tokenize raw text, jsonl, parquet, .gz/.zst files or Hugging Face datasets into MDS shards for training.
 
     python tools/preprocess_data.py --input PATH... --tokenizer PREFIX.model --output DIR
         [--workers N] [--val-fraction F]
@@ -7,7 +7,9 @@ Writes DIR/train/ and, when F > 0, DIR/val/ (mosaicml-streaming MDS, one sample 
 its tokens followed by EOS), DIR/stats.json (documents, tokens, skipped lines by reason with
 file:line examples) and DIR/tokenizer.model. Malformed lines are skipped and counted (--strict:
 fail with file:line). A non-empty DIR is refused without --overwrite. The output appears at DIR
-only once complete.
+only once complete. Inputs are recognised by content and name (megatron_taper.data.readers): text,
+jsonl, parquet, .gz/.zst of text or jsonl, saved `datasets` folders, hf:NAME (`datasets` library);
+--text-key names the field holding the text; other binary files are refused, naming the file.
 """
 from __future__ import annotations
 

@@ -1,10 +1,11 @@
-"""Train a sentencepiece tokenizer (BPE by default) on text files, jsonl, folders, globs, .gz.
+"""Train a sentencepiece tokenizer (BPE by default) on text, jsonl, parquet, .gz/.zst, datasets folders.
 
     python tools/train_tokenizer.py --input PATH... --vocab-size N --output PREFIX
 
 Writes PREFIX.model, PREFIX.vocab and PREFIX.json (settings). Byte-exact by default (identity
 normalisation, whitespace kept, byte fallback): decode(encode(text)) == text. The same inputs,
-settings and --seed give the same model bytes.
+settings and --seed give the same model bytes. Progress on stderr: a bar of the documents read,
+then a line every 10 s while sentencepiece trains (--verbose: sentencepiece's own log).
 """
 from __future__ import annotations
 
@@ -31,6 +32,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="train on a seeded uniform sample of at most this many lines")
     parser.add_argument("--character-coverage", type=float, default=0.9995)
     parser.add_argument("--threads", type=int, default=min(4, os.cpu_count() or 1))
+    parser.add_argument("--no-progress", dest="progress", action="store_false",
+                        help="no reading bar and no 'training: N s' lines on stderr")
+    parser.add_argument("--verbose", action="store_true", help="sentencepiece's own log (BPE: its merge count)")
     args = parser.parse_args(argv)
     skips = SkipLog(strict=args.strict)
     started = time.time()
@@ -39,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         settings = train_tokenizer(
             texts, args.output, args.vocab_size, model_type=args.model_type, byte_exact=args.byte_exact,
             seed=args.seed, max_sentences=args.max_sentences, character_coverage=args.character_coverage,
-            num_threads=args.threads,
+            num_threads=args.threads, progress=args.progress, verbose=args.verbose,
             extra={"inputs": args.input or ["<embedded corpus>"]})
     except ValueError as e:
         print(f"train_tokenizer: error: {e}", file=sys.stderr)

@@ -1,12 +1,16 @@
-"""Raw text inputs: files, folders, globs, .gz, jsonl; malformed-line accounting; embedded corpus.
+"""Raw text inputs: files, folders, globs, .gz/.zst, jsonl, parquet, Hugging Face datasets;
+malformed-line accounting; embedded corpus.
 
-Input kinds (by name, `.gz` allowed on each): `*.jsonl`, `*.ndjson`, `*.json` are JSON lines with
-the document in a configurable field; everything else is text, split into documents by
+Input kinds (megatron_taper.data.readers decides from the first bytes and the name): parquet files,
+saved `datasets` folders and `hf:NAME` give one document per row, the text in a configurable field
+(`--text-key`, default `text`); `*.jsonl`, `*.ndjson`, `*.json` (plain, .gz or .zst) are JSON lines
+with the document in that field; everything else that is text is split into documents by
 `text_mode`: `file` (the whole file is one document), `line` (each non-blank line), or
 `paragraph` (runs of non-blank lines separated by blank lines). Blank lines separate documents in
-text files and are ignored in jsonl; they are never counted as malformed.
+text files and are ignored in jsonl; they are never counted as malformed. Binary files of any
+other kind are an error naming the file.
 
-Malformed input is skipped and counted by reason with its `file:line`: `invalid_json`,
+Malformed input is skipped and counted by reason with its `file:line` (`file:row` for rows): `invalid_json`,
 `missing_field` (absent, or not a string), `invalid_utf8`, `empty_document` (empty or only
 whitespace). With `strict`, the first one raises a ValueError that starts with `file:line`.
 """
@@ -17,13 +21,15 @@ import glob
 import gzip
 import json
 import os
+import sys
 import sysconfig
 import zlib
 from dataclasses import dataclass, field
-from typing import BinaryIO, Iterator, Sequence
+from typing import Any, BinaryIO, Iterator, Sequence
+
+from megatron_taper.data import readers
 
 SKIP_REASONS = ("invalid_json", "missing_field", "invalid_utf8", "empty_document")
-JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
 TEXT_MODES = ("file", "line", "paragraph")
 EMBEDDED_MAX_BYTES = 4_000_000
 _EMBEDDED_EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__", "test", "tests"})
@@ -62,10 +68,13 @@ class SkipLog:
 
 
 def expand_inputs(paths: Sequence[str]) -> list[str]:
-    """Files named by paths, folders (recursive, hidden entries skipped) and globs; sorted, unique."""
+    """Files named by paths, folders (recursive, hidden entries skipped; a saved `datasets` folder is
+    one input) and globs, sorted; `hf:NAME` as given; unique."""
     files: list[str] = []
     for path in paths:
-        if any(ch in path for ch in "*?["):
+        if path.startswith(readers.HF_PREFIX) or (os.path.isdir(path) and readers.is_datasets_folder(path)):
+            files.append(path)
+        elif any(ch in path for ch in "*?["):
             matches = sorted(m for m in glob.glob(path, recursive=True) if not os.path.isdir(m))
             if not matches:
                 raise ValueError(f"--input {path}: the pattern matches no file")
@@ -74,7 +83,9 @@ def expand_inputs(paths: Sequence[str]) -> list[str]:
             found = []
             for root, dirs, names in os.walk(path):
                 dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-                found += [os.path.join(root, n) for n in names if not n.startswith(".")]
+                saved = [d for d in dirs if readers.is_datasets_folder(os.path.join(root, d))]
+                dirs[:] = [d for d in dirs if d not in saved]
+                found += [os.path.join(root, n) for n in names + saved if not n.startswith(".")]
             if not found:
                 raise ValueError(f"--input {path}: the folder holds no file")
             files += sorted(found)
@@ -86,37 +97,38 @@ def expand_inputs(paths: Sequence[str]) -> list[str]:
     return [f for f in files if not (f in seen or seen.add(f))]
 
 
-def input_kind(path: str) -> str:
-    name = path[:-3] if path.endswith(".gz") else path
-    return "jsonl" if name.lower().endswith(JSONL_SUFFIXES) else "text"
-
-
-def read_documents(paths: Sequence[str], skips: SkipLog, *, json_key: str = "text",
-                   text_mode: str = "file") -> Iterator[Document]:
-    """Documents of all inputs in order (see the module docstring for the rules)."""
+def read_documents(paths: Sequence[str], skips: SkipLog, *, json_key: str = "text", text_mode: str = "file",
+                   hf_split: str = "train", hf_config: str | None = None) -> Iterator[Document]:
+    """Documents of all inputs in order (see the module docstring for the rules); `json_key` is the
+    field of jsonl records and parquet/datasets rows that holds the text (--text-key)."""
     if text_mode not in TEXT_MODES:
         raise ValueError(f"--text-mode {text_mode!r} is not one of: {', '.join(TEXT_MODES)}")
     if not json_key:
-        raise ValueError("--json-key must not be empty")
-    return _read_files(expand_inputs(paths), skips, json_key, text_mode)
+        raise ValueError("--text-key must not be empty")
+    return _read_files(expand_inputs(paths), skips, json_key, text_mode, hf_split, hf_config)
 
 
-def _read_files(files: list[str], skips: SkipLog, json_key: str, text_mode: str) -> Iterator[Document]:
+def _read_files(files: list[str], skips: SkipLog, json_key: str, text_mode: str, hf_split: str,
+                hf_config: str | None) -> Iterator[Document]:
     for path in files:
+        if path.startswith(readers.HF_PREFIX) or os.path.isdir(path):
+            rows = readers.datasets_rows(path, json_key, hf_split, hf_config)
+            yield from _row_documents(rows, path, json_key, skips)
+            continue
+        fmt = readers.input_format(path)
+        if fmt.kind == "parquet":
+            yield from _row_documents(readers.parquet_rows(path, json_key), path, json_key, skips)
+            continue
         try:
-            with _open_binary(path) as f:
-                if input_kind(path) == "jsonl":
+            with readers.open_decompressed(path, fmt) as f:
+                if fmt.kind == "jsonl":
                     yield from _jsonl_documents(f, path, json_key, skips)
                 elif text_mode == "file":
                     yield from _file_document(f.read(), path, skips)
                 else:
                     yield from _split_documents(f, path, text_mode, skips)
-        except (gzip.BadGzipFile, EOFError, zlib.error) as e:
-            raise ValueError(f"{path}: not a readable gzip file ({e})") from None
-
-
-def _open_binary(path: str) -> BinaryIO:
-    return gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")
+        except (gzip.BadGzipFile, EOFError, zlib.error, *readers.zstd_errors()) as e:
+            raise ValueError(f"{path}: not a readable {fmt.container} file ({e})") from None
 
 
 def _decode(raw: bytes, where_file: str, first_line: int, skips: SkipLog) -> str | None:
@@ -181,19 +193,32 @@ def _jsonl_documents(f: BinaryIO, path: str, key: str, skips: SkipLog) -> Iterat
         if not isinstance(record, dict) or key not in record:
             skips.skip("missing_field", where, f"no field {key!r}")
             continue
-        text = record[key]
-        if not isinstance(text, str):
-            skips.skip("missing_field", where, f"field {key!r} is {type(text).__name__}, not a string")
+        yield from _field_document(record[key], key, where, skips)
+
+
+def _row_documents(rows: Iterator[tuple[int, Any]], path: str, key: str, skips: SkipLog) -> Iterator[Document]:
+    for row, value in rows:
+        where = f"{path}:row {row}"
+        if value is None:
+            skips.skip("missing_field", where, f"field {key!r} is null")
             continue
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError:
-            skips.skip("invalid_utf8", where, f"field {key!r} holds a lone surrogate escape")
-            continue
-        if not text.strip():
-            skips.skip("empty_document", where, f"field {key!r} is empty or only whitespace")
-            continue
-        yield Document(text, where)
+        yield from _field_document(value, key, where, skips)
+
+
+def _field_document(text: Any, key: str, where: str, skips: SkipLog) -> Iterator[Document]:
+    """The document in a record's field, or a skip by reason."""
+    if not isinstance(text, str):
+        skips.skip("missing_field", where, f"field {key!r} is {type(text).__name__}, not a string")
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        skips.skip("invalid_utf8", where, f"field {key!r} holds a lone surrogate escape")
+        return
+    if not text.strip():
+        skips.skip("empty_document", where, f"field {key!r} is empty or only whitespace")
+        return
+    yield Document(text, where)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -235,6 +260,15 @@ def embedded_documents(max_bytes: int = EMBEDDED_MAX_BYTES,
             yield from _file_document(f.read(), path, skips)
 
 
+def progress_bar(desc: str, enabled: bool):
+    """A tqdm bar counting documents on stderr (updated at most once a second), or None."""
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(unit="doc", desc=desc, file=sys.stderr, mininterval=1.0, dynamic_ncols=True)
+
+
 # ---------------------------------------------------------------------------------------------
 # Command-line inputs
 
@@ -243,12 +277,17 @@ def add_input_arguments(parser: argparse.ArgumentParser) -> None:
     """The input options shared by tools/train_tokenizer.py and tools/preprocess_data.py."""
     src = parser.add_mutually_exclusive_group(required=True)
     src.add_argument("--input", nargs="+", metavar="PATH",
-                     help="files, folders (recursive), globs; *.jsonl/*.ndjson/*.json are JSON lines; .gz ok")
+                     help="files, folders (recursive), globs, hf:NAME: text, jsonl (*.jsonl/*.ndjson/*.json), "
+                          "parquet, .gz/.zst of text or jsonl, saved Hugging Face datasets folders (by content "
+                          "and name)")
     src.add_argument("--embedded-corpus", action="store_true",
                      help="use the embedded corpus: the Python standard library's .py files (sorted, capped)")
     parser.add_argument("--embedded-max-mb", type=float, default=EMBEDDED_MAX_BYTES / 1e6,
                         help="size cap of the embedded corpus in MB (default %(default)s)")
-    parser.add_argument("--json-key", default="text", help="jsonl field holding the document (default: text)")
+    parser.add_argument("--text-key", "--json-key", dest="json_key", default="text",
+                        help="field holding the document in jsonl, parquet and datasets rows (default: text)")
+    parser.add_argument("--hf-split", default="train", help="split of a datasets input (default: train)")
+    parser.add_argument("--hf-config", default=None, help="configuration of an hf:NAME input")
     parser.add_argument("--text-mode", choices=TEXT_MODES, default="file",
                         help="documents of a text file: the whole file, each line, or blank-line paragraphs")
     parser.add_argument("--strict", action="store_true", help="fail on the first malformed line (file:line)")
@@ -257,4 +296,5 @@ def add_input_arguments(parser: argparse.ArgumentParser) -> None:
 def documents_from_arguments(args: argparse.Namespace, skips: SkipLog) -> Iterator[Document]:
     if args.embedded_corpus:
         return embedded_documents(int(args.embedded_max_mb * 1e6), skips)
-    return read_documents(args.input, skips, json_key=args.json_key, text_mode=args.text_mode)
+    return read_documents(args.input, skips, json_key=args.json_key, text_mode=args.text_mode,
+                          hf_split=args.hf_split, hf_config=args.hf_config)

@@ -21,7 +21,7 @@ from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 
-from megatron_taper.data.corpus import Document, SkipLog
+from megatron_taper.data.corpus import Document, SkipLog, progress_bar
 from megatron_taper.data.streaming import (
     INDEX_FILE,
     LENGTHS_FILE,
@@ -83,7 +83,7 @@ def preprocess(documents: Iterable[Document], tokenizer_path: str, output: str, 
         started = time.time()
         splits = _SplitWriters(tmp, token_dtype(tokenizer.vocab_size), compression, shard_size)
         docs = tokens = in_bytes = 0
-        bar = _progress_bar(progress)
+        bar = progress_bar("[preprocess]", progress)
         with ThreadPoolExecutor(1) as pool:
             # Encoding (C++ threads, GIL released) of batch i+1 overlaps reading/writing of batch i.
             pending = None
@@ -197,13 +197,6 @@ def _install(tmp: str, output: str) -> None:
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 
-
-def _progress_bar(enabled: bool):
-    if not enabled:
-        return None
-    from tqdm import tqdm
-
-    return tqdm(unit="doc", desc="[preprocess]", file=sys.stderr, mininterval=1.0, dynamic_ncols=True)
 
 
 def _update(bar, n: int, docs: int, tokens: int, started: float) -> None:

@@ -12,18 +12,23 @@ settings used, the sentencepiece version and the model's sha256).
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
 import os
 import random
-from typing import Iterable, Sequence
+import sys
+import threading
+import time
+from typing import Iterable, Iterator, Sequence
 
 import sentencepiece as spm
 
 MODEL_TYPES = ("bpe", "unigram")
 UNK_ID, BOS_ID, EOS_ID = 0, 1, 2
 _MAX_SENTENCE_BYTES = 1 << 16
+HEARTBEAT_S = 10.0  # seconds between the "training: N s" lines while sentencepiece trains
 SPACE_MARK = "\u2581"  # sentencepiece's whitespace symbol; a "▁" piece decodes to " "
 
 
@@ -124,20 +129,28 @@ def training_sentences(documents: Iterable[str], max_sentences: int, seed: int) 
 def train_tokenizer(documents: Iterable[str], prefix: str, vocab_size: int, *, model_type: str = "bpe",
                     byte_exact: bool = True, seed: int = 0, max_sentences: int = 2_000_000,
                     character_coverage: float = 0.9995, num_threads: int = 1,
-                    extra: dict | None = None) -> dict:
-    """Trains and writes PREFIX.model / .vocab / .json; returns the settings written to the JSON."""
+                    extra: dict | None = None, progress: bool = False, verbose: bool = False) -> dict:
+    """Trains and writes PREFIX.model / .vocab / .json; returns the settings written to the JSON.
+    `progress`: a bar of the documents read, then a line every HEARTBEAT_S seconds while
+    sentencepiece trains (stderr); `verbose`: sentencepiece's own log (its merge count for BPE)."""
     if model_type not in MODEL_TYPES:
         raise ValueError(f"--model-type {model_type!r} is not one of: {', '.join(MODEL_TYPES)}")
     if vocab_size < 260:
         raise ValueError(f"--vocab-size {vocab_size} is too small: byte fallback alone needs 256 + 3 ids")
-    sentences, n_lines = training_sentences(documents, max_sentences, seed)
+    from megatron_taper.data.corpus import progress_bar
+
+    bar = progress_bar("[tokenizer] reading", progress)
+    sentences, n_lines = training_sentences(documents if bar is None else _counted(documents, bar), max_sentences,
+                                            seed)
+    if bar is not None:
+        bar.close()
     if not sentences:
         raise ValueError("no text to train the tokenizer on (all inputs empty or skipped)")
     options = dict(
         vocab_size=vocab_size, model_type=model_type, byte_fallback=True,
         character_coverage=character_coverage, unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID, pad_id=-1,
         input_sentence_size=0, shuffle_input_sentence=False, max_sentence_length=_MAX_SENTENCE_BYTES,
-        num_threads=max(1, num_threads), minloglevel=2,
+        num_threads=max(1, num_threads), minloglevel=0 if verbose else 2,
     )
     if byte_exact:
         options.update(normalization_rule_name="identity", remove_extra_whitespaces=False,
@@ -148,8 +161,10 @@ def train_tokenizer(documents: Iterable[str], prefix: str, vocab_size: int, *, m
     # model_writer keeps the output path out of the model's trainer spec: same seed, same bytes.
     model = io.BytesIO()
     spm.set_random_generator_seed(seed)
+    label = f"[tokenizer] training {model_type} (vocab {vocab_size}) on {len(sentences):,} lines"
     try:
-        spm.SentencePieceTrainer.train(sentence_iterator=iter(sentences), model_writer=model, **options)
+        with _heartbeat(label, progress):
+            spm.SentencePieceTrainer.train(sentence_iterator=iter(sentences), model_writer=model, **options)
     except RuntimeError as e:
         raise ValueError(f"sentencepiece refused the settings (--vocab-size {vocab_size}?): {e}") from None
     sp = spm.SentencePieceProcessor(model_proto=model.getvalue())
@@ -169,6 +184,36 @@ def train_tokenizer(documents: Iterable[str], prefix: str, vocab_size: int, *, m
     }
     _write_atomic(prefix + ".json", json.dumps(settings, indent=1, sort_keys=True).encode("utf-8"))
     return settings
+
+
+def _counted(documents: Iterable[str], bar) -> Iterator[str]:
+    for text in documents:
+        bar.update(1)
+        yield text
+
+
+@contextlib.contextmanager
+def _heartbeat(label: str, enabled: bool) -> Iterator[None]:
+    """Prints `label`, then its elapsed time every HEARTBEAT_S seconds from a thread (sentencepiece
+    releases the GIL while it trains) and once when done; nothing when not `enabled`."""
+    if not enabled:
+        yield
+        return
+    started, stop = time.time(), threading.Event()
+    print(f"{label} ...", file=sys.stderr, flush=True)
+
+    def beat() -> None:
+        while not stop.wait(HEARTBEAT_S):
+            print(f"{label}: {time.time() - started:.0f} s", file=sys.stderr, flush=True)
+
+    thread = threading.Thread(target=beat, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+    print(f"{label}: done in {time.time() - started:.1f} s", file=sys.stderr, flush=True)
 
 
 def _write_atomic(path: str, data: bytes) -> None:
