@@ -1,15 +1,31 @@
 """Install megatron_taper: `pip install -e .[dev]` (tests), `.[deepspeed]`, `.[hf]` (Hugging Face
-export/import: transformers), `.[plot]` (matplotlib, for tools/sweep.py's plot) or `.[lmeval]`
-(lm-evaluation-harness; a large dependency tree, not installed by launch/install.sh). Install
-extras with a constraints file pinning the installed torch (launch/install.sh does), so that none
-of them replaces it."""
+export/import: transformers), `.[wandb]` (Weights & Biases logging, run.wandb), `.[plot]`
+(matplotlib, for tools/sweep.py's plot) or `.[lmeval]` (lm-evaluation-harness; a large dependency
+tree, not installed by launch/install.sh). Install extras with a constraints file pinning the
+installed torch (launch/install.sh does), so that none of them replaces it.
+
+Commands (console_scripts): megatron-taper-train and one per tool in tools/, which is installed as
+the package megatron_taper_tools; the tools stay runnable as files (python tools/X.py)."""
 from setuptools import find_packages, setup
 
 setup(
     name="megatron_taper",
     version="0.1.0",
     description="Pretraining of depth-tapered language models with Megatron-style parallelism",
-    packages=find_packages(include=["megatron_taper", "megatron_taper.*"]),
+    packages=[*find_packages(include=["megatron_taper", "megatron_taper.*"]), "megatron_taper_tools"],
+    package_dir={"megatron_taper_tools": "tools"},
+    entry_points={"console_scripts": [
+        "megatron-taper-train = megatron_taper.train:main",
+        "megatron-taper-preprocess = megatron_taper_tools.preprocess_data:main",
+        "megatron-taper-tokenizer = megatron_taper_tools.train_tokenizer:main",
+        "megatron-taper-evaluate = megatron_taper_tools.evaluate:main",
+        "megatron-taper-generate = megatron_taper_tools.generate:main",
+        "megatron-taper-convert = megatron_taper_tools.convert_checkpoint:main",
+        "megatron-taper-sweep = megatron_taper_tools.sweep:main",
+        "megatron-taper-plan = megatron_taper_tools.plan_pipeline:main",
+        "megatron-taper-show = megatron_taper_tools.show_model:main",
+        "megatron-taper-lm-eval = megatron_taper.lm_eval_adapter:main",
+    ]},
     python_requires=">=3.10",
     # torch is pinned loosely on purpose: the installed wheel (CPU or CUDA) must never be replaced.
     install_requires=[
@@ -26,6 +42,7 @@ setup(
         "dev": ["pytest>=8", "hypothesis>=6.100", "pytest-timeout>=2.3", "ruff==0.8.4"],
         "deepspeed": ["deepspeed==0.19.8"],
         "hf": ["transformers>=4.40,<5"],
+        "wandb": ["wandb>=0.17"],
         "plot": ["matplotlib>=3.7"],
         "lmeval": ["lm_eval>=0.4.9", "transformers>=4.40,<5"],
     },

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Creates .venv (if missing) and installs megatron_taper with everything the tests and the
-# quickstart need (extras dev, hf and plot: pytest, ruff, transformers, matplotlib), without ever letting a
-# dependency replace the installed torch wheel. The lm_eval extra is not installed here: its
+# quickstart need (extras dev, hf, plot and wandb: pytest, ruff, transformers, matplotlib, wandb), without
+# ever letting a dependency replace the installed torch wheel. torch is not imported before numpy is
+# installed (its version is read from the package metadata), so a first install prints no
+# "Failed to initialize NumPy" warning. The lm_eval extra is not installed here: its
 # dependency tree (datasets, pandas, pyarrow, scipy, scikit-learn, nltk, ...) is large.
 #   TORCH_SPEC   what to install when torch is missing (default: torch==2.13.0)
 #   VENV         virtual environment folder (default: .venv in the repository)
@@ -16,18 +18,19 @@ pip() { "$py" -m pip --disable-pip-version-check -q "$@"; }
 
 stamp="$venv/.megatron_taper_installed"
 want="$(cat "$root/setup.py" "$root/launch/install.sh" "$root/launch/requirements-lean.txt" | sha256sum | cut -c1-16)"
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$py" -c "import megatron_taper, importlib.util as u; assert u.find_spec('streaming') and u.find_spec('transformers') and u.find_spec('matplotlib')" 2>/dev/null; then
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$py" -c "import megatron_taper, importlib.util as u; assert all(map(u.find_spec, ('streaming', 'transformers', 'matplotlib', 'wandb')))" 2>/dev/null; then
   exit 0
 fi
 
 echo "[install] preparing $venv" >&2
-"$py" -c "import torch" 2>/dev/null || pip install "$torch_spec"
-torch_version="$("$py" -c 'import torch; print(torch.__version__.split("+")[0])')"
+torch_version() { "$py" -c 'from importlib.metadata import version; print(version("torch").split("+")[0])' 2>/dev/null; }
+torch_version >/dev/null || pip install "$torch_spec"
+torch_version="$(torch_version)"
 constraints="$(mktemp)"
 trap 'rm -f "$constraints"' EXIT
 echo "torch==$torch_version" > "$constraints"
 
-pip install -c "$constraints" -e "$root[dev,hf,plot]"
+pip install -c "$constraints" -e "$root[dev,hf,plot,wandb]"
 # mosaicml-streaming and deepspeed declare dependencies that would pull a newer (CUDA) torch,
 # torchvision and ~1 GB of cloud SDKs; install them without dependencies plus their real needs.
 pip install -c "$constraints" -r "$root/launch/requirements-lean.txt"

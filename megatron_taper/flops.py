@@ -39,8 +39,10 @@ class ModelCosts:
 
 def model_costs(cfg: ModelConfig, causal: bool = True) -> ModelCosts:
     widths = layer_widths(cfg)
-    layer_cost = family(cfg.arch).layer_cost
-    layers = [layer_cost(cfg, w, causal) for w in widths]
+    spec = family(cfg.arch)
+    layers = [spec.layer_cost(cfg, w, causal) for w in widths]
+    if spec.block_extra_cost is not None:
+        layers = [cost + spec.block_extra_cost(cfg, index, causal) for index, cost in enumerate(layers)]
     d, v = cfg.d_model, cfg.vocab_size
     embedding = Cost(v * d, 0.0, tp_params=Split(vocab=v * d))
     return ModelCosts(layers, embedding, head_cost(cfg), widths)

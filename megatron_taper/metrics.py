@@ -1,30 +1,74 @@
-"""Run metrics: a console line, metrics.jsonl (one JSON object per record) and tensorboard scalars.
+"""Run metrics: metrics.jsonl (one JSON object per record), tensorboard scalars, Weights & Biases.
 
 Only the main rank writes. Floats go to JSON with full precision (Python's repr round-trips), so
 two runs can be compared exactly. On resume the records after the checkpoint's step are dropped
 first, so the file reads as if the run had never stopped.
+
+metrics.jsonl keeps flat keys (`loss`, `eval_loss`, `tokens_per_s`, ...); tensorboard and wandb
+get the same numbers under grouped names (`scalar_tag`): eval_* -> eval/* (eval_loss/<source>
+-> eval/loss/<source>), the timing and memory keys in PERF_KEYS -> perf/*, a key that already has
+a group (mix/<source>) keeps it, everything else -> train/*.
 """
 from __future__ import annotations
 
 import json
 import math
 import os
-import sys
-from typing import Any
+import time
+import uuid
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from megatron_taper.config import WandbConfig
+
+# keys measured rather than computed: they differ between two runs of the same config
+PERF_KEYS = ("tokens_per_s", "step_time_s", "mfu", "peak_memory_gb")
+WANDB_ID_FILE = "wandb_id"
+
+
+def timestamp() -> str:
+    """Local wall-clock time as the console lines start with it."""
+    return time.strftime("%Y-%m-%d %H:%M:%S")
+
+
+def scalar_tag(key: str) -> str:
+    """The tensorboard tag / wandb key of a metrics.jsonl key."""
+    if key.startswith("eval_"):
+        return "eval/" + key.removeprefix("eval_")
+    if "/" in key:
+        return key
+    if key in PERF_KEYS:
+        return "perf/" + key
+    return "train/" + key
+
+
+def scalars(record: dict[str, Any]) -> dict[str, float]:
+    """The finite numbers of a record (not its step) under their grouped tags."""
+    return {scalar_tag(k): v for k, v in record.items()
+            if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
 
 
 class MetricsLogger:
-    def __init__(self, run_dir: str, enabled: bool, tensorboard: bool = True):
+    def __init__(self, run_dir: str, enabled: bool, tensorboard: bool = True,
+                 wandb: WandbConfig | None = None, config: dict[str, Any] | None = None):
         self.enabled = enabled
         self.path = os.path.join(run_dir, "metrics.jsonl")
         self._file = None
         self._tb = None
+        self._wandb = None
         if not enabled:
             return
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(os.path.join(run_dir, "tb"))
+        if wandb is not None and wandb.enabled:
+            self._wandb = start_wandb(wandb, run_dir, config or {})
+
+    @property
+    def wandb_dir(self) -> str | None:
+        """The local folder of the wandb run (offline: the one `wandb sync` uploads), if any."""
+        return None if self._wandb is None else os.path.dirname(self._wandb.dir)
 
     def truncate_after(self, step: int) -> None:
         """Drop records of steps > step (left by a run that stopped after its last checkpoint)."""
@@ -47,19 +91,21 @@ class MetricsLogger:
             self._tb.add_text("resume", f"resumed after step {step}", step)
 
     def log(self, record: dict[str, Any], console: str | None = None) -> None:
+        """Write `record` everywhere; `console`: also print this line, after a timestamp."""
         if not self.enabled:
             return
         if self._file is None:
             self._file = open(self.path, "a")
         self._file.write(json.dumps(record, allow_nan=True) + "\n")
         self._file.flush()
+        values = scalars(record)
         if self._tb is not None:
-            step = record["step"]
-            for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
-                    self._tb.add_scalar(key, value, step)
+            for tag, value in values.items():
+                self._tb.add_scalar(tag, value, record["step"])
+        if self._wandb is not None and values:
+            self._wandb.log(values, step=record["step"])
         if console:
-            print(console, file=sys.stdout, flush=True)
+            print(f"{timestamp()} {console}", flush=True)
 
     def close(self) -> None:
         if self._file is not None:
@@ -68,3 +114,28 @@ class MetricsLogger:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
+
+
+def start_wandb(options: WandbConfig, run_dir: str, config: dict[str, Any]):
+    """A wandb run writing under RUN/wandb/; a resumed run continues the same wandb run (its id
+    is kept in RUN/wandb_id). wandb is imported only here: it is an optional dependency."""
+    try:
+        import wandb
+    except ImportError as e:
+        raise ImportError("run.wandb.enabled=true needs the wandb package: pip install 'megatron_taper[wandb]'") from e
+    id_file = os.path.join(run_dir, WANDB_ID_FILE)
+    if os.path.exists(id_file):
+        with open(id_file) as f:
+            run_id = f.read().strip()
+    else:
+        run_id = uuid.uuid4().hex[:12]
+        with open(id_file, "w") as f:
+            f.write(run_id + "\n")
+    name = options.name or os.path.basename(os.path.normpath(run_dir))
+    # console="off": wandb does not wrap stdout / stderr (the console stays ours)
+    return wandb.init(project=options.project, entity=options.entity or None, name=name,
+                      group=options.group or None, mode=options.mode, dir=run_dir, id=run_id, resume="allow",
+                      config=config, settings=wandb.Settings(console="off", silent=True))

@@ -2,6 +2,7 @@
 
     torchrun --nproc-per-node N -m megatron_taper.train --config configs/X.yaml [key=value ...]
     python -m megatron_taper.train --config configs/X.yaml [key=value ...]
+    megatron-taper-train --config configs/X.yaml [--key=value | --key value ...]
 
 One step = global_batch sequences: each data-parallel rank runs global_batch / (dp x micro_batch)
 micro-batches through `ParallelModel.forward_backward`, gradients are reduced and clipped, and
@@ -17,6 +18,7 @@ import os
 import shutil
 import signal
 import sys
+import textwrap
 import time
 
 import torch
@@ -24,11 +26,13 @@ import torch.distributed as dist
 
 from megatron_taper.build import build_run
 from megatron_taper.checkpoint import Checkpointer, checkpoint_root, resume_candidates
+from megatron_taper.cli import OVERRIDES_HELP, add_config_arguments, handle_info_flags, parse_with_overrides
 from megatron_taper.config import Config, ConfigError, load_config, save_config
+from megatron_taper.console import DEBUG_ENV, format_duration, peak_memory, report_error, summary_lines
 from megatron_taper.data.sources import build_sources
 from megatron_taper.evaluate import combined_loss, evaluate_held_out
 from megatron_taper.flops import mfu, model_costs, peak_flops
-from megatron_taper.metrics import MetricsLogger
+from megatron_taper.metrics import MetricsLogger, timestamp
 from megatron_taper.optim import lr_at
 from megatron_taper.parallel.context import ParallelContext, init_parallel, shutdown, world_size
 from megatron_taper.preflight import preflight
@@ -76,15 +80,23 @@ class Trainer:
         # data.mix: the realised share of each source so far (mix/<name>), logged with every step
         self.data_metrics = getattr(self.train_source, "metrics", dict)
         self.flops_per_token = model_costs(m).total_flops
-        self.peak = peak_flops(self.ctx.device, self.bf16)
+        self.peak = peak_flops(self.ctx.device, self.bf16, t.peak_tflops)
         self.step = 0
         self.last_saved = -1
         self.skipped = 0
         self.nonfinite_in_row = 0
         self.stop = stop or StopSignal()
         self._prepare_run_dir()
-        self.metrics = MetricsLogger(cfg.run.dir, self.ctx.is_main, cfg.run.tensorboard)
+        self.metrics = MetricsLogger(cfg.run.dir, self.ctx.is_main, cfg.run.tensorboard, cfg.run.wandb,
+                                     cfg.to_dict())
         self.checkpointer = Checkpointer(checkpoint_root(cfg.run.dir), cfg.checkpoint, self.pm)
+        self._saving: dict[str, float] = {}  # checkpoint folder -> when its save began
+        if self.ctx.is_main:
+            summary = summary_lines(cfg, self.ctx, self.pm, self.train_source, bool(self.held_out), self.bf16,
+                                    self.peak)
+            if self.metrics.wandb_dir:
+                summary.append(f"wandb ({cfg.run.wandb.mode}): {self.metrics.wandb_dir}")
+            print(f"{timestamp()} megatron_taper run\n" + "\n".join("  " + line for line in summary), flush=True)
         self._resume()
 
     # -- setup ---------------------------------------------------------------------------------
@@ -107,7 +119,7 @@ class Trainer:
         self.last_saved = self.step
         self.train_source.load_state_dict(state["data"])
         self.metrics.truncate_after(self.step)
-        self._print(f"resumed from {path} at step {self.step}")
+        self._print(f"resumed from: {path} at step {self.step}")
 
     def autocast(self):
         if self.bf16:
@@ -155,16 +167,20 @@ class Trainer:
         tokens_per_step = t.global_batch * self.cfg.model.seq_len
         self.stop.install()
         steps_here, last_time, last_step = 0, time.perf_counter(), self.step
+        started = last_time
         try:
             while self.step < t.steps:
                 record = self.train_step()
                 steps_here += 1
                 self.checkpointer.poll()  # completes a background save once every rank has written
+                self._report_saved()
                 if self.step % t.log_interval == 0 or self.step == t.steps:
                     now = time.perf_counter()
-                    tps = (self.step - last_step) * tokens_per_step / max(now - last_time, 1e-9)
+                    step_time = (now - last_time) / max(self.step - last_step, 1)
                     last_time, last_step = now, self.step
-                    self._log_step(record, tps, tokens_per_step)
+                    # ETA from this process's mean step time so far (evaluations and saves included)
+                    eta = (t.steps - self.step) * (now - started) / steps_here
+                    self._log_step(record, step_time, tokens_per_step, eta)
                 if t.eval_interval and self.step % t.eval_interval == 0 and self.step < t.steps:
                     self._log_eval()
                 if self._agreed_stop():
@@ -190,22 +206,37 @@ class Trainer:
         complete, before the process exits."""
         if self.step != self.last_saved:
             self.last_saved = self.step
+            self._saving[os.path.join(checkpoint_root(self.cfg.run.dir), f"step-{self.step}")] = time.perf_counter()
             self.checkpointer.save(self.optimizer, self.step, self.cfg.to_dict(), {"skipped": self.skipped},
                                    self.train_source.state_dict())
         if final:
             self.checkpointer.wait()
+        self._report_saved()
+
+    def _report_saved(self) -> None:
+        """'checkpoint saved' for every save begun here that is now complete (async: finalised)."""
+        pending = self.checkpointer.pending
+        for path, began in list(self._saving.items()):
+            if pending is None or pending.final != path:
+                del self._saving[path]
+                self._print(f"checkpoint saved: {path} ({time.perf_counter() - began:.1f} s)")
 
     # -- helpers -------------------------------------------------------------------------------
 
-    def _log_step(self, record: dict, tokens_per_s: float, tokens_per_step: int) -> None:
+    def _log_step(self, record: dict, step_time: float, tokens_per_step: int, eta: float) -> None:
+        tokens_per_s = tokens_per_step / max(step_time, 1e-9)
+        memory_gb, memory_kind = peak_memory(self.ctx.device)
+        memory_gb = self._max_over_ranks(memory_gb)
         full = {"step": self.step, **record, "tokens_per_s": tokens_per_s,
-                "tokens_seen": self.step * tokens_per_step, "skipped_steps": self.skipped}
+                "tokens_seen": self.step * tokens_per_step, "skipped_steps": self.skipped,
+                "step_time_s": step_time, "peak_memory_gb": memory_gb}
         util = mfu(tokens_per_s / self.ctx.world_size, self.flops_per_token, self.peak)
         if util is not None:
             full["mfu"] = util
         line = (f"step {self.step:>6}/{self.cfg.train.steps} | loss {record['loss']:.4f} | lr {record['lr']:.3e} | "
-                f"grad_norm {record['grad_norm']:.3f} | {tokens_per_s:,.0f} tok/s"
-                + (f" | mfu {util:.1%}" if util is not None else ""))
+                f"grad_norm {record['grad_norm']:.3f} | {step_time:.3f} s/step | {tokens_per_s:,.0f} tok/s"
+                + (f" | mfu {util:.1%}" if util is not None else "")
+                + f" | mem {memory_gb:.2f} GiB {memory_kind} | eta {format_duration(eta)}")
         self.metrics.log(full, line)
 
     def _log_eval(self) -> None:
@@ -224,6 +255,14 @@ class Trainer:
             dist.all_reduce(value, op=dist.ReduceOp.AVG, group=self.ctx.dp_group)
         return value
 
+    def _max_over_ranks(self, value: float) -> float:
+        """The largest `value` of all ranks (the peak memory of the fullest rank)."""
+        if self.ctx.mesh is None:
+            return value
+        tensor = torch.tensor([value], dtype=torch.float64, device=self.ctx.device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        return float(tensor.item())
+
     def _agreed_stop(self) -> bool:
         flag = torch.tensor([1.0 if self.stop.received else 0.0], device=self.ctx.device)
         if self.ctx.mesh is not None:
@@ -232,15 +271,27 @@ class Trainer:
 
     def _print(self, text: str) -> None:
         if self.ctx.is_main:
-            print(text, flush=True)
+            print(f"{timestamp()} {text}", flush=True)
+
+
+HELP_EPILOG = textwrap.fill(OVERRIDES_HELP + ".", 96) + f"""
+
+Errors: the main rank prints one line; every rank writes its error with the full traceback to
+RUN/logs/rank-N.log; {DEBUG_ENV}=1 also prints the traceback on the console.
+Exit codes: 0 done (or stopped by train.exit_after), 1 failed, 2 bad input, 3 stopped by
+SIGUSR1/SIGTERM after a checkpoint (run the same command again to resume)."""
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m megatron_taper.train", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", help="YAML recipe (configs/*.yaml)")
-    parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.steps=100")
-    args = parser.parse_args(argv)
+    parser = argparse.ArgumentParser(prog="megatron-taper-train", description=__doc__.split("\n\n")[0],
+                                     epilog=HELP_EPILOG, allow_abbrev=False,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_config_arguments(parser)
+    parser.usage = ("%(prog)s [-h] [--config CONFIG] [--print-config] [--list-keys] "
+                    "[key=value | --key=value | --key value ...]")
+    args, overrides = parse_with_overrides(parser, argv)
     ctx = None
+    cfg = None
     created_run_dir = None
     clean = False
     # installed before any setup and kept until exit, so a signal during start-up or the final
@@ -248,7 +299,9 @@ def main(argv: list[str] | None = None) -> int:
     stop = StopSignal()
     stop.install()
     try:
-        cfg = load_config(args.config, args.overrides)
+        if handle_info_flags(args, overrides):
+            return 0
+        cfg = load_config(args.config, overrides)
         if not os.path.exists(cfg.run.dir):
             created_run_dir = cfg.run.dir
         preflight(cfg, world_size())  # before joining: a bad layout fails alike on every rank, at once
@@ -258,13 +311,16 @@ def main(argv: list[str] | None = None) -> int:
         code = trainer.fit()
         clean = True
         return code
-    except (ConfigError, ValueError, NonFiniteLossError) as e:
-        if os.environ.get("MEGATRON_TAPER_DEBUG"):
-            raise
-        if created_run_dir and os.path.isdir(created_run_dir) and (ctx is None or ctx.is_main):
-            shutil.rmtree(created_run_dir, ignore_errors=True)
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        return EXIT_BAD_INPUT if not isinstance(e, NonFiniteLossError) else 1
+    except Exception as e:  # noqa: BLE001 - reported once (main rank) and logged per rank below
+        expected = isinstance(e, (ConfigError, ValueError, NonFiniteLossError))
+        rank = ctx.rank if ctx is not None else int(os.environ.get("RANK", "0"))
+        log_dir = cfg.run.dir if cfg is not None else None
+        if expected and created_run_dir:  # a fresh run folder that never started training goes again
+            log_dir = None
+            if os.path.isdir(created_run_dir) and (ctx is None or ctx.is_main):
+                shutil.rmtree(created_run_dir, ignore_errors=True)
+        report_error(e, rank, log_dir, expected)
+        return EXIT_BAD_INPUT if expected and not isinstance(e, NonFiniteLossError) else 1
     finally:
         if ctx is not None:
             with contextlib.suppress(Exception):

@@ -37,6 +37,7 @@ import torch
 
 from megatron_taper.checkpoint import CheckpointError, load_logical, verify_checkpoint
 from megatron_taper.checkpoint_files import ShardReader, iter_full_tensors, write_safetensors_streaming
+from megatron_taper.cli import OVERRIDES_HELP, parse_with_overrides
 from megatron_taper.config import from_dict, save_config
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -111,7 +112,8 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False,
+                                     epilog=f"--from hf: {OVERRIDES_HELP}, of the run config")
     parser.add_argument("checkpoint", help="a checkpoint folder (run.dir/checkpoints/step-N); with --from hf, "
                                            "a Hugging Face Llama folder")
     parser.add_argument("--output", required=True, help="folder to write")
@@ -123,17 +125,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="fp32", choices=tuple(DTYPES))
     parser.add_argument("--tokenizer", default="", help="--to hf: sentencepiece model to include")
     parser.add_argument("--config", default=None, help="--from hf: recipe for the non-model sections")
-    parser.add_argument("overrides", nargs="*", help="--from hf: key=value overrides of the run config")
-    args = parser.parse_intermixed_args(argv)
+    args, overrides = parse_with_overrides(parser, argv)
     try:
-        if args.overrides and args.source_format != "hf":
-            raise ValueError(f"key=value overrides ({args.overrides[0]!r}) only apply with --from hf")
+        if overrides and args.source_format != "hf":
+            raise ValueError(f"key=value overrides ({overrides[0]!r}) only apply with --from hf")
         if args.source_format == "hf":
             if args.to == "hf":
                 raise ValueError("--from hf and --to hf together: nothing to convert")
             from megatron_taper.interop.hf import import_hf
 
-            info = import_hf(args.checkpoint, args.output, args.config, args.overrides)
+            info = import_hf(args.checkpoint, args.output, args.config, overrides)
         elif args.to == "hf":
             from megatron_taper.interop.hf import export_hf
 

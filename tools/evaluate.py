@@ -21,6 +21,8 @@ import json
 import os
 import sys
 
+from megatron_taper.cli import OVERRIDES_HELP, parse_with_overrides
+
 
 def parse_lengths(text: str) -> list[int]:
     try:
@@ -33,14 +35,14 @@ def parse_lengths(text: str) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False,
+                                     epilog=f"{OVERRIDES_HELP} (e.g. parallel.tp=2 --train.device cpu)")
     parser.add_argument("--checkpoint", required=True, help="checkpoint, run or exported folder")
     parser.add_argument("--data", default="", help="held-out data instead of the run's data.path")
     parser.add_argument("--seq-lens", default="", help="comma-separated sequence lengths (default: model.seq_len)")
     parser.add_argument("--batches", type=int, default=0, help="micro-batches per dp rank and length")
     parser.add_argument("--batch-size", type=int, default=0, help="sequences per micro-batch")
-    parser.add_argument("overrides", nargs="*", help="key=value, e.g. parallel.tp=2 train.device=cpu")
-    args = parser.parse_intermixed_args(argv)
+    args, overrides = parse_with_overrides(parser, argv)
     from megatron_taper.checkpoint import CheckpointError
     from megatron_taper.evaluate import evaluate_checkpoint
 
@@ -48,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.batches < 0 or args.batch_size < 0:
             raise ValueError("--batches and --batch-size must be positive")
         lengths = parse_lengths(args.seq_lens) if args.seq_lens else None
-        result = evaluate_checkpoint(args.checkpoint, args.overrides, lengths, args.batches or None,
+        result = evaluate_checkpoint(args.checkpoint, overrides, lengths, args.batches or None,
                                      args.batch_size or None, args.data)
     except (CheckpointError, ValueError) as e:  # ConfigError is a ValueError
         print(f"error: {e}", file=sys.stderr)

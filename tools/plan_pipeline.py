@@ -24,6 +24,7 @@ import sys
 
 import torch
 
+from megatron_taper.cli import OVERRIDES_HELP, add_config_arguments, handle_info_flags, parse_with_overrides
 from megatron_taper.config import load_config
 from megatron_taper.memory import MemorySetup
 from megatron_taper.models import build_model
@@ -111,8 +112,8 @@ def to_text(plan: PipelinePlan, name: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", help="YAML recipe")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False, epilog=OVERRIDES_HELP)
+    add_config_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--virtual", type=int, default=0,
                         help="chunks per pp rank: plans parallel.pp_schedule=interleaved_1f1b with "
@@ -126,12 +127,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="parameter + gradient + optimizer bytes per tp-local parameter, replacing the "
                              "engine's (default: 16 for zero=none, 16/dp for fsdp2, (param + 4 + 12)/dp for "
                              "deepspeed)")
-    parser.add_argument("overrides", nargs="*", help="key=value config overrides")
-    args = parser.parse_args(argv)
+    args, overrides = parse_with_overrides(parser, argv)
     try:
-        overrides = list(args.overrides)
         if args.virtual:
             overrides += ["parallel.pp_schedule=interleaved_1f1b", f"parallel.pp_virtual={args.virtual}"]
+        if handle_info_flags(args, overrides):
+            return 0
         cfg = load_config(args.config, overrides)
         if args.memory_gb and cfg.parallel.virtual_stages > 1:
             parser.error("--memory-gb: per-stage memory limits are only modelled for non-interleaved schedules")

@@ -11,6 +11,7 @@ import sys
 
 from megatron_taper.config import load_config
 from megatron_taper.flops import model_costs, uniform_twin
+from megatron_taper.models import family
 from megatron_taper.preflight import preflight
 from megatron_taper.taper import taper_widths
 
@@ -18,6 +19,9 @@ from megatron_taper.taper import taper_widths
 def describe(cfg) -> dict:
     costs = model_costs(cfg.model)
     twin = model_costs(uniform_twin(cfg.model))
+    spec = family(cfg.model.arch)  # what the family adds to its blocks (e.g. the memory bridge)
+    extra = (sum(spec.block_extra_cost(cfg.model, i, True).params for i in range(cfg.model.n_layers))
+             if spec.block_extra_cost is not None else 0)
     t = cfg.model.taper
     shortfall = taper_widths(cfg.model.n_layers, cfg.model.mlp_width, t.schedule, t.start, t.multiple,
                              t.sigmoid_sharpness).shortfall
@@ -33,6 +37,7 @@ def describe(cfg) -> dict:
         "head_params": costs.head.params,
         "head_flops": costs.head.flops,
         "total_params": costs.total_params,
+        "extra_params": extra,
         "uniform_total_params": twin.total_params,
         "total_flops": costs.total_flops,
         "uniform_total_flops": twin.total_flops,
@@ -50,6 +55,10 @@ def print_table(info: dict) -> None:
     print(f"{'head':>16} {info['head_params']:>14,} {info['head_flops']:>13.4e}")
     print(f"{'total':>16} {info['total_params']:>14,} {info['total_flops']:>13.4e}")
     print(f"{'uniform twin':>16} {info['uniform_total_params']:>14,} {info['uniform_total_flops']:>13.4e}")
+    if info["extra_params"]:
+        base = info["total_params"] - info["extra_params"]
+        print(f"{info['arch']} adds {info['extra_params']:,} parameters to its blocks: "
+              f"+{info['extra_params'] / base:.1%} over the same model without them")
     if info["width_budget_shortfall"]:
         print(f"note: widths sum to {info['width_budget_shortfall']} less than n_layers x mlp_width "
               f"(the budget is not a multiple of model.taper.multiple)")

@@ -17,7 +17,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 import megatron_taper.models.memory_caching as memory_caching
-from megatron_taper.models import gated_attention, hope_attention, titans, transformer, tree_lm
+from megatron_taper.models import gated_attention, hope_attention, memory_bridge, titans, transformer, tree_lm
 from megatron_taper.models.spec import FamilySpec
 from megatron_taper.validation import ConfigError
 
@@ -30,7 +30,8 @@ FAMILIES_ENV = "MEGATRON_TAPER_FAMILIES"
 
 
 def _registry() -> MappingProxyType:
-    specs = [transformer.SPEC, gated_attention.SPEC, titans.SPEC, hope_attention.SPEC, tree_lm.SPEC]
+    specs = [transformer.SPEC, gated_attention.SPEC, titans.SPEC, hope_attention.SPEC, tree_lm.SPEC,
+             memory_bridge.SPEC]
     specs += memory_caching.SPECS  # linear_memory, deep_memory
     for name in filter(None, (m.strip() for m in os.environ.get(FAMILIES_ENV, "").split(","))):
         try:

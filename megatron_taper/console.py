@@ -1,0 +1,127 @@
+"""What the main rank prints: the start-up summary, the measured parts of a step line (step time,
+ETA, peak memory), and how a failed run reports its error.
+
+Errors: the main rank prints one line (`error: ...`); every rank writes its error with the full
+traceback to RUN/logs/rank-N.log when the run folder exists; MEGATRON_TAPER_DEBUG=1 prints the
+full traceback on the main rank's console as well.
+"""
+from __future__ import annotations
+
+import os
+import resource
+import sys
+import traceback
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from megatron_taper.flops import device_name, model_costs
+from megatron_taper.taper import layer_widths
+
+if TYPE_CHECKING:
+    from megatron_taper.config import Config
+    from megatron_taper.parallel.context import ParallelContext
+    from megatron_taper.parallel.model import ParallelModel
+
+DEBUG_ENV = "MEGATRON_TAPER_DEBUG"
+
+
+def summary_lines(cfg: Config, ctx: ParallelContext, pm: ParallelModel, train_source: Any, has_eval: bool,
+                  bf16: bool, peak_flops: float | None) -> list[str]:
+    """The start-up summary: model, tapered widths, layout, pipeline plan, data, run folder, device."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    costs = model_costs(m)
+    taper = m.taper
+    lines = [
+        f"model: {m.arch}, {m.n_layers} layers, d_model {m.d_model}, {m.n_heads} heads"
+        + (f" ({m.kv_heads} kv)" if m.kv_heads != m.n_heads else "")
+        + f", vocab {m.vocab_size}, seq_len {m.seq_len}: {_count(costs.total_params)} parameters, "
+        f"{_count(costs.total_flops)} forward FLOPs per token",
+        f"mlp widths ({taper.schedule}, start {taper.start:g}, uniform {m.mlp_width}): "
+        + " ".join(str(w) for w in layer_widths(m)),
+        f"layout: {ctx.world_size} process(es) = pp {ctx.pp} x dp {ctx.dp} x tp {ctx.tp}, zero {p.zero}; "
+        f"global_batch {t.global_batch} = dp {ctx.dp} x micro_batch {t.micro_batch} x "
+        f"{t.global_batch // (ctx.dp * t.micro_batch)} accumulation",
+    ]
+    plan = getattr(pm, "plan", None)  # PipelineParallelModel (pp > 1)
+    if plan is not None:
+        stages = " | ".join(f"stage {c} (pp rank {stage.rank}): layers {_span(stage.layers)}"
+                            for c, stage in enumerate(plan.stages))
+        lines.append(f"pipeline ({p.pp_schedule}, balance {p.pp_balance}): {stages}")
+    lines.append(f"data: {describe_source(train_source)}; held-out: {'yes' if has_eval else 'none'}")
+    lines.append(f"run dir: {os.path.abspath(cfg.run.dir)}")
+    dtype = "bf16 autocast" if bf16 else "fp32"
+    name = f" ({device_name(ctx.device)})" if ctx.device.type == "cuda" else ""
+    lines.append(f"device: {ctx.device}{name}, {dtype}; steps {t.steps}")
+    if peak_flops is None:
+        lines.append(f"mfu: not reported: no peak FLOP/s known for {device_name(ctx.device)} "
+                     f"(set train.peak_tflops=N, the device's dense peak in TFLOP/s)")
+    else:
+        lines.append(f"mfu: against a peak of {peak_flops / 1e12:,.1f} TFLOP/s per device"
+                     + (" (train.peak_tflops)" if t.peak_tflops > 0 else ""))
+    return lines
+
+
+def describe_source(source: Any) -> str:
+    """One line about the training data: where it is and how large (documents, tokens, samples)."""
+    parts = getattr(source, "sources", None)  # data.mix: MixtureSource
+    if parts is not None:
+        weights = getattr(source, "configured_weights", [None] * len(parts))
+        names = getattr(source, "names", [str(i) for i in range(len(parts))])
+        return "mixture of " + "; ".join(f"{name} (weight {w:g}): {describe_source(s)}"
+                                         for name, w, s in zip(names, weights, parts))
+    if hasattr(source, "num_tokens"):  # StreamingSource
+        return (f"{source.reader.where}: {source.num_documents:,} documents, {source.num_tokens:,} tokens, "
+                f"{source.samples_per_epoch:,} samples per epoch")
+    if hasattr(source, "count"):  # TokenFileSource
+        return f"token file: {source.count:,} samples of {source.sample_len} tokens"
+    return type(source).__name__
+
+
+def peak_memory(device: torch.device) -> tuple[float, str]:
+    """(GiB, what was measured): CUDA's peak allocated memory on this process's device, or the
+    process's peak resident set size on the host (CPU runs)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30, "gpu"
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return rss / (2**30 if sys.platform == "darwin" else 2**20), "host rss"
+
+
+def format_duration(seconds: float) -> str:
+    seconds = max(0, int(round(seconds)))
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours < 24 else f"{hours // 24}d{hours % 24:02d}:{minutes:02d}"
+
+
+def report_error(error: BaseException, rank: int, run_dir: str | None, expected: bool) -> None:
+    """Rank 0: one line on stderr (the full traceback with MEGATRON_TAPER_DEBUG=1); every rank:
+    the error with its traceback in RUN/logs/rank-N.log, when `run_dir` is given and exists.
+    `expected`: a user error (bad config, bad data), whose message says all."""
+    trace = "".join(traceback.format_exception(error))
+    log = None
+    if run_dir and os.path.isdir(run_dir):
+        log = os.path.join(run_dir, "logs", f"rank-{rank}.log")
+        os.makedirs(os.path.dirname(log), exist_ok=True)
+        with open(log, "a") as f:
+            f.write(trace)
+    if rank != 0:
+        return
+    if os.environ.get(DEBUG_ENV):
+        sys.stderr.write(trace)
+    message = str(error) if expected else f"{type(error).__name__}: {error}"
+    hint = ""
+    if not expected and not os.environ.get(DEBUG_ENV):
+        hint = f" (traceback in {log}; other ranks' next to it)" if log else f" (traceback: {DEBUG_ENV}=1)"
+    print(f"error: {message}{hint}", file=sys.stderr, flush=True)
+
+
+def _count(n: float) -> str:
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f}{unit}"
+    return f"{n:g}"
+
+
+def _span(layers: list[int]) -> str:
+    return f"{layers[0]}-{layers[-1]}" if len(layers) > 1 else str(layers[0]) if layers else "none"

@@ -1,0 +1,287 @@
+"""Persistent GRU memory bridge: our reading of a seed abstract (no public paper or code matches
+it; docs/memory_bridge.md lists what we chose where the abstract is silent).
+
+A tapered Transformer (models/transformer.py's blocks) with a state of m slots (d_model each)
+between its lower and upper halves. The block at index L//2 (the first of the upper half) holds
+the bridge and runs it on its input x, the hidden states after the lower L//2 blocks:
+
+    segments s = 0 .. n-1 of `segment` tokens (the last one may be shorter)
+    S_0 = init_state                                                    (learned, [m, D])
+    write, after segment s:  u = wo(CrossAttn(q = wq(norm(S_s)), k, v = wk, wv(norm(x_s))))
+                             S_{s+1} = GRUCell(u, S_s)          (one cell shared by the m slots)
+    read, in segment s:      r_t = wo'(CrossAttn(q = wq'(norm(x_t)), k, v = wk', wv'(norm(S_s))))
+                             x_t <- x_t + sigmoid(gate(norm(x_t))) * r_t
+
+so the tokens of segment s read only the state left by segments < s (the initial state for
+s = 0): no information flows from the current or a later segment through the bridge, and within
+a segment causality is the self-attention's. The write attends to every token of its segment
+(no mask: its result is read only by later segments). Cross-attention has no positions (the
+slots are unordered; a segment is read as a set). The last segment's write is not computed
+(nothing reads it); `MemoryBridge.states(x, last=True)` computes every state, for probes
+(tools/probe_bridge.py).
+
+Identity at initialisation: the read's output projection wo' is initialised to zero, so r = 0
+and the model computes exactly the Transformer with the same weights (tested); its gradient,
+sigmoid(.) * attention output, is not zero, so the bridge learns from the first step. The
+gate's bias starts at 0 (gate 1/2).
+
+Auxiliary self-prediction loss (`aux_weight` > 0, training mode only): from each state S_s,
+s = 1 .. n-1 (which has read segments < s), a linear head predicts the next segment's content
+    next_hidden: t_s = rms_norm(mean of x over segment s), detached (the model's own layer-L/2
+                 hidden states: self-prediction)
+    random:      t_s = a fixed N(0, I) vector per segment index s (seeded, the same for every
+                 sequence): the same loss and weight, with a target that carries no information
+                 about the text (the "random auxiliary target" control)
+    aux = mean over sequences, s and features of (aux_head(mean over slots of S_s) - t_s)^2.
+It reaches the gradients like Megatron's MoE auxiliary losses: `AuxLossCarrier` passes the block
+output through unchanged and gives `aux` the gradient `aux_weight` in backward, so the logged
+and evaluated losses stay the plain next-token loss. It is added per micro-batch: with gradient
+accumulation over k micro-batches a step minimises mean LM loss + aux_weight x (sum of the k
+auxiliary losses), i.e. the auxiliary weight relative to the LM loss is k x aux_weight.
+
+`slots: 0` builds no bridge: exactly the Transformer (same parameter names and values), the
+"no bridge" ablation. Parallelism: pipeline and tensor parallelism are refused
+(check_bridge_layout); data parallelism and ZeRO apply as to the Transformer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron_taper.models.costs import Cost
+from megatron_taper.models.init import init_tensor
+from megatron_taper.models.layers import RMSNorm, rope_tables
+from megatron_taper.models.spec import FamilySpec
+from megatron_taper.models.transformer import Transformer, TransformerBlock, transformer_layer_cost
+from megatron_taper.validation import ConfigError, check_choice, check_range
+
+if TYPE_CHECKING:
+    from megatron_taper.config import ModelConfig, ParallelConfig
+
+AUX_TARGETS = ("next_hidden", "random")
+RANDOM_TARGET_SEED = 20_240_917  # the fixed random targets of aux_target=random
+
+
+@dataclass
+class BridgeConfig:
+    """model.bridge"""
+
+    slots: int = 8  # m: state slots of d_model each; 0 = no bridge (the plain Transformer)
+    segment: int = 32  # tokens per segment: the state is written after each, read by the later ones
+    aux_weight: float = 0.0  # auxiliary self-prediction loss weight; 0 = off
+    aux_target: str = "next_hidden"  # next_hidden (the next segment's mean hidden state) | random
+
+    def validate(self, prefix: str) -> None:
+        check_range(f"{prefix}.slots", self.slots, 0, None)
+        check_range(f"{prefix}.segment", self.segment, 1, None)
+        check_range(f"{prefix}.aux_weight", self.aux_weight, 0.0, None)
+        check_choice(f"{prefix}.aux_target", self.aux_target, AUX_TARGETS)
+        if self.aux_weight > 0 and self.slots == 0:
+            raise ConfigError(f"{prefix}.aux_weight={self.aux_weight} needs a bridge ({prefix}.slots > 0)")
+
+
+class CrossAttention(nn.Module):
+    """Queries from one sequence, keys and values from another, no mask, no positions."""
+
+    def __init__(self, d_model: int, n_heads: int, head_dim: int):
+        super().__init__()
+        self.head_dim = head_dim
+        self.wq = nn.Linear(d_model, n_heads * head_dim, bias=False)
+        self.wk = nn.Linear(d_model, n_heads * head_dim, bias=False)
+        self.wv = nn.Linear(d_model, n_heads * head_dim, bias=False)
+        self.wo = nn.Linear(n_heads * head_dim, d_model, bias=False)
+
+    def heads(self, x: torch.Tensor) -> torch.Tensor:
+        """[..., N, H*E] -> [..., H, N, E]"""
+        return x.unflatten(-1, (-1, self.head_dim)).transpose(-3, -2)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [..., H, N, E], k, v [..., H, M, E] -> wo(attention) [..., N, D]"""
+        y = F.scaled_dot_product_attention(q, k, v)
+        return self.wo(y.transpose(-3, -2).flatten(-2))
+
+
+class AuxLossCarrier(torch.autograd.Function):
+    """Forward: x unchanged. Backward: x's gradient unchanged, and `weight` for the scalar `aux`,
+    which so joins the gradients without changing the loss the trainer computes."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, aux: torch.Tensor, weight: float) -> torch.Tensor:
+        ctx.weight = weight
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, torch.full((), ctx.weight, device=grad.device, dtype=torch.float32), None
+
+
+def segment_bounds(seq_len: int, segment: int) -> list[tuple[int, int]]:
+    return [(start, min(start + segment, seq_len)) for start in range(0, seq_len, segment)]
+
+
+class MemoryBridge(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        d, b = cfg.d_model, cfg.bridge
+        self.segment = b.segment
+        self.aux_weight = b.aux_weight
+        self.aux_target = b.aux_target
+        self.init_state = nn.Parameter(torch.empty(b.slots, d))
+        self.write_state_norm = RMSNorm(d, cfg.norm_eps)
+        self.write_input_norm = RMSNorm(d, cfg.norm_eps)
+        self.write = CrossAttention(d, cfg.n_heads, cfg.head_dim)
+        self.gru = nn.GRUCell(d, d)
+        self.read_norm = RMSNorm(d, cfg.norm_eps)
+        self.read_state_norm = RMSNorm(d, cfg.norm_eps)
+        self.read = CrossAttention(d, cfg.n_heads, cfg.head_dim)
+        self.gate = nn.Linear(d, d)
+        self.aux_head = nn.Linear(d, d, bias=False) if b.aux_weight > 0 else None
+
+    def states(self, x: torch.Tensor, last: bool = False) -> torch.Tensor:
+        """S_0 .. S_{n-1} ([B, n, m, D]) for x [B, S, D]; with `last` also S_n (after the final
+        segment): [B, n+1, m, D]."""
+        bsz, seq, _ = x.shape
+        bounds = segment_bounds(seq, self.segment)
+        normed = self.write_input_norm(x)
+        k, v = self.write.heads(self.write.wk(normed)), self.write.heads(self.write.wv(normed))  # [B, H, S, E]
+        state = self.init_state.to(x.dtype).repeat(bsz, 1, 1)  # [B, m, D] (a copy: a view of a parameter
+        # keeps requires_grad under no_grad, which torch's module tracker rejects)
+        out = [state]
+        for start, end in bounds[: len(bounds) if last else len(bounds) - 1]:
+            q = self.write.heads(self.write.wq(self.write_state_norm(state)))  # [B, H, m, E]
+            u = self.write.attend(q, k[:, :, start:end], v[:, :, start:end])  # [B, m, D]
+            # the state stays in x's dtype (fp32 under autocast, where the GRU computes in bf16)
+            state = self.gru(u.flatten(0, 1), state.flatten(0, 1)).view_as(state).to(x.dtype)
+            out.append(state)
+        return torch.stack(out, dim=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, S, D] -> x plus the gated read of each segment's state."""
+        bsz, seq, dim = x.shape
+        states = self.states(x)  # [B, n, m, D]
+        n, t = states.shape[1], self.segment
+        normed = self.read_norm(x)
+        q = F.pad(self.read.wq(normed), (0, 0, 0, n * t - seq))  # [B, n*T, H*E], zero rows pad the last segment
+        q = self.read.heads(q.view(bsz, n, t, -1))  # [B, n, H, T, E]
+        s = self.read_state_norm(states)
+        k, v = self.read.heads(self.read.wk(s)), self.read.heads(self.read.wv(s))  # [B, n, H, m, E]
+        r = self.read.attend(q, k, v).view(bsz, n * t, dim)[:, :seq]  # [B, S, D]
+        out = x + torch.sigmoid(self.gate(normed)) * r
+        if self.aux_head is not None and self.training and torch.is_grad_enabled() and n > 1:
+            out = AuxLossCarrier.apply(out, self.aux_loss(x, states), self.aux_weight)
+        return out
+
+    def aux_loss(self, x: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
+        """x: the bridge's input [B, S, D]; states: S_0 .. S_{n-1}. The mean squared error of the
+        next-segment predictions from S_1 .. S_{n-1} (module docstring)."""
+        pred = self.aux_head(states[:, 1:].mean(2))  # [B, n-1, D]
+        if self.aux_target == "random":
+            generator = torch.Generator().manual_seed(RANDOM_TARGET_SEED)
+            target = torch.randn(states.shape[1], x.shape[-1], generator=generator)[1:].to(x.device, x.dtype)
+            target = target.expand_as(pred)
+        else:
+            means = torch.stack([x[:, a:b].mean(1) for a, b in segment_bounds(x.shape[1], self.segment)[1:]], 1)
+            target = F.rms_norm(means.detach(), (x.shape[-1],))
+        return (pred.float() - target.float()).square().mean()
+
+
+class BridgeBlock(TransformerBlock):
+    """A Transformer block that runs its `bridge` (when it has one) on its input first."""
+
+    def __init__(self, cfg: ModelConfig, mlp_width: int):
+        super().__init__(cfg, mlp_width)
+        self.bridge: MemoryBridge | None = None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if self.bridge is not None:
+            x = self.bridge(x)
+        return super().forward(x, cos, sin)
+
+
+def bridge_layer(cfg: ModelConfig) -> int:
+    """The index of the block that holds the bridge: the first of the upper half."""
+    return cfg.n_layers // 2
+
+
+class MemoryBridgeLM(Transformer):
+    block_class = BridgeBlock
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg)
+        if cfg.bridge.slots:
+            self.layers[str(bridge_layer(cfg))].bridge = MemoryBridge(cfg)
+
+    @property
+    def bridge(self) -> MemoryBridge | None:
+        return self.layers[str(bridge_layer(self.cfg))].bridge
+
+    def init_value(self, name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+        """models/init.py's rule, except the read's output projection: zero (identity at init)."""
+        if name.endswith("bridge.read.wo.weight"):
+            return torch.zeros(shape)
+        return init_tensor(name, shape, seed, self.cfg.init_std, self.cfg.n_layers)
+
+    def lower_half(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The hidden states entering the bridge (after blocks 0 .. L//2 - 1) for tokens [B, S]."""
+        h = self.tok_embeddings(tokens)
+        cos, sin = rope_tables(h.shape[1], self.cfg.head_dim, self.cfg.rope_theta, h.device)
+        for index in range(bridge_layer(self.cfg)):
+            h = self.layers[str(index)](h, cos, sin)
+        return h
+
+
+# ---------------------------------------------------------------------------------------------
+# Cost model: forward FLOPs per token of exactly the matmuls above (2 per multiply-add)
+
+
+def bridge_params(cfg: ModelConfig) -> int:
+    d, h, e, b = cfg.d_model, cfg.n_heads, cfg.head_dim, cfg.bridge
+    attention = 4 * d * h * e
+    gru = 2 * 3 * d * d + 2 * 3 * d
+    aux = d * d if b.aux_weight > 0 else 0
+    return b.slots * d + 4 * d + 2 * attention + gru + d * d + d + aux
+
+
+def bridge_flops(cfg: ModelConfig) -> float:
+    """The bridge's forward FLOPs over one sequence of model.seq_len tokens (evaluation: the
+    auxiliary head, training only, adds 2 D^2 per segment and is not counted)."""
+    d, h, e, s, m, t = cfg.d_model, cfg.n_heads, cfg.head_dim, cfg.seq_len, cfg.bridge.slots, cfg.bridge.segment
+    n = -(-s // t)
+    write = 2 * 2 * d * h * e * s  # wk, wv on every token
+    for start, end in segment_bounds(s, t)[:-1]:
+        write += m * (2 * d * h * e + 2 * h * e * d + 2 * 6 * d * d)  # wq, wo, the GRU's two [3D, D] maps
+        write += 4 * h * e * m * (end - start)  # scores and values
+    read = s * (2 * d * h * e + 2 * d * d)  # wq, gate
+    read += n * m * 2 * 2 * d * h * e  # wk, wv on the states
+    read += n * t * (4 * h * e * m + 2 * h * e * d)  # scores, values, wo: padded rows of the last segment included
+    return write + read
+
+
+def bridge_block_cost(cfg: ModelConfig, index: int, causal: bool = True) -> Cost:
+    """The bridge, counted with the block that holds it. Its activation memory is not modelled."""
+    if not cfg.bridge.slots or index != bridge_layer(cfg):
+        return Cost(0, 0.0)
+    return Cost(bridge_params(cfg), bridge_flops(cfg) / cfg.seq_len)
+
+
+def check_bridge_layout(mcfg: ModelConfig, pcfg: ParallelConfig) -> None:
+    if mcfg.n_layers < 2:
+        raise ConfigError(f"model.n_layers={mcfg.n_layers}: model.arch='bridge' needs at least 2 layers (a lower "
+                          f"and an upper half)")
+    if mcfg.bridge.slots and mcfg.seq_len <= mcfg.bridge.segment:
+        raise ConfigError(f"model.bridge.segment={mcfg.bridge.segment} must be smaller than model.seq_len="
+                          f"{mcfg.seq_len}: with one segment nothing is ever read from the state")
+    if pcfg.pp > 1:
+        raise ConfigError(f"parallel.pp={pcfg.pp}: model.arch='bridge' is not pipeline-parallel (not implemented: "
+                          f"block {bridge_layer(mcfg)} runs the bridge's sequential scan over the segments, a stage "
+                          f"the cost model under-weights, as it does not count the bridge's activations, and no "
+                          f"test covers the split); use parallel.pp=1")
+
+
+SPEC = FamilySpec(name="bridge", build=MemoryBridgeLM, layer_cost=transformer_layer_cost,
+                  block_extra_cost=bridge_block_cost, check_layout=check_bridge_layout, section="bridge",
+                  options=BridgeConfig)
