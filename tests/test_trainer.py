@@ -8,6 +8,7 @@ import time
 import pytest
 from runner import REPO, TINY, losses, read_metrics, run_train
 
+from megatron_taper.metrics import PERF_KEYS
 from megatron_taper.train import main
 
 
@@ -33,7 +34,7 @@ def test_loss_falls_and_metrics_are_complete(byte_tokens, tmp_path):
 
     acc = EventAccumulator(str(tmp_path / "run" / "tb"))
     acc.Reload()
-    assert [e.step for e in acc.Scalars("loss")] == list(range(1, 41))
+    assert [e.step for e in acc.Scalars("train/loss")] == list(range(1, 41))
 
 
 def test_resume_is_bitwise_exact(byte_tokens, tmp_path):
@@ -44,8 +45,10 @@ def test_resume_is_bitwise_exact(byte_tokens, tmp_path):
     assert sorted(os.listdir(split / "checkpoints")) == ["step-20"]
     run_train(args(byte_tokens, split, "train.steps=40", "train.eval_interval=15"))
     assert losses(split) == losses(straight)
-    assert read_metrics(split) == [r | {"tokens_per_s": s["tokens_per_s"]} if "tokens_per_s" in r else r
-                                   for r, s in zip(read_metrics(straight), read_metrics(split))]
+    def computed(records):  # timing and memory (PERF_KEYS) differ between any two runs
+        return [{k: v for k, v in r.items() if k not in PERF_KEYS} for r in records]
+
+    assert computed(read_metrics(split)) == computed(read_metrics(straight))
 
 
 def _start(argv):
@@ -81,7 +84,7 @@ def test_sigkill_while_writing_a_checkpoint(byte_tokens, tmp_path):
     complete = sorted(int(d.split("-")[1]) for d in os.listdir(ckpts) if d.startswith("step-"))
     assert int(torn.split("-")[-1]) not in complete  # the torn one is not visible as complete
     result = run_train(args(byte_tokens, run, *common))
-    assert f"resumed from {ckpts / f'step-{complete[-1]}'}" in result.stdout
+    assert f"resumed from: {ckpts / f'step-{complete[-1]}'}" in result.stdout
     assert losses(run) == losses(straight)
 
 
