@@ -1,4 +1,4 @@
-"""tools/plan_pipeline.py: the DESIGN.md contract of --json, the text table, and its errors."""
+"""tools/plan_pipeline.py: the keys of --json (its docstring), the text table, and its errors."""
 from __future__ import annotations
 
 import importlib.util
