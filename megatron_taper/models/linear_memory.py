@@ -13,8 +13,8 @@ chunk's starting state,
 exact for every C (no approximation, unlike the deep memory's chunked gradients).
 
 The module shares Titans' NeuralMemory's interface (project / init_state / scan_features / read
-/ output), so Memory Caching runs over either base unchanged; its projections, read and read-out
-(per-head RMSNorm with gains, wo) are NeuralMemory's own methods.
+/ output), so Memory Caching runs over either base unchanged; its projections and read are
+NeuralMemory's own methods; the read-out is wo(y * gains) (per-channel gains, no normalisation).
 """
 from __future__ import annotations
 
@@ -39,12 +39,18 @@ class LinearMemory(nn.Module):
 
     heads = NeuralMemory.heads
     read = NeuralMemory.read  # one layer: q S
-    output = NeuralMemory.output
+
+    def output(self, reads: torch.Tensor) -> torch.Tensor:
+        """reads [B, H, T, E] -> wo(reads * gains) [B, T, D]. Not RMS-normalised per head as the deep
+        memory's: a read near zero (q_t nearly orthogonal to every key written) would be scaled to
+        unit size, its sign following q_t . k_j: a discontinuity that tiny rounding differences
+        (another tp or pp layout) turn into different training runs."""
+        return self.wo((reads.transpose(1, 2) * self.out_norm_weight.view(-1, self.head_dim)).flatten(2))
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         mc, d, h, e = cfg.memory_caching, cfg.d_model, cfg.n_heads, cfg.head_dim
-        self.head_dim, self.chunk_size, self.eps = e, mc.linear_chunk, cfg.norm_eps
+        self.head_dim, self.chunk_size = e, mc.linear_chunk
         self.decay_offset = math.log(mc.linear_decay_init / (1 - mc.linear_decay_init))
         self.wq = nn.Linear(d, h * e, bias=False)
         self.wk = nn.Linear(d, h * e, bias=False)

@@ -257,7 +257,7 @@ def memory_caching_layer_cost(cfg: ModelConfig, width: int, deep: bool) -> Cost:
 def mixer_act(cfg: ModelConfig, io: list[int], deep: bool) -> Split:
     """Elements per token the mixer keeps for backward, fitted to torch's saved tensors (tests/
     models/test_memory_caching.py checks it within 10%): the norm and its output; per head the
-    base's scan (linear: 19 head vectors per token, the chunk's [C, C] decay products, one state
+    base's scan (linear: 18 head vectors per token, the chunk's [C, C] decay products, one state
     per chunk; deep: Titans' scan_act_per_row and 8 head vectors); with caching the contiguous
     queries, each cached read's hidden activations (deep), the weights, the scores u and the cached
     reads they weigh (2E + 1.75 E + 4 per cached state), the final states that independent writes
@@ -271,7 +271,7 @@ def mixer_act(cfg: ModelConfig, io: list[int], deep: bool) -> Split:
         per_head = scan_act_per_row(cfg, seq) + 8 * e + 2 * sum(io) * (chunks - seq / chunk) / seq
         hidden = sum(memory_dims(e, cfg.titans.memory_depth, cfg.titans.memory_expansion)[1:-1])
     else:
-        per_head, hidden = 19 * e + 3 * min(chunk, seq) + e * e * chunks / seq, 0
+        per_head, hidden = 18 * e + 3 * min(chunk, seq) + e * e * chunks / seq, 0
     n = len(segments)
     cached = sum(i * (s.stop - s.start) for i, s in enumerate(segments)) / seq  # mean cached states per token
     if mc.variant == "soup":

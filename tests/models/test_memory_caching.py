@@ -47,6 +47,8 @@ def mixer_case(arch: str, variant: str, *extra: str):
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("arch", ARCHS)
 def test_chunked_matches_token_by_token_reference(arch, variant, write_mode):
+    if variant == "none" and write_mode == "independent":
+        pytest.skip("the base has one segment: nothing is written anew")
     mixer, x = mixer_case(arch, variant, f"model.memory_caching.write_mode={write_mode}")
     with torch.no_grad():
         torch.testing.assert_close(mixer.reads(x), reference_reads(mixer, x), rtol=1e-10, atol=1e-12)
@@ -87,8 +89,12 @@ def test_soup_of_linear_memories_equals_grm():
         assert (deep_soup.reads(x) - deep_grm.reads(x)).abs().max() > 1e-4
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("arch", ARCHS)
+# the deep memory: its base, the soup (its own read path) and ssc (grm's reads, top-k); the other
+# variants' combination code is the linear memory's
+FEWER = [("linear_memory", v) for v in VARIANTS] + [("deep_memory", v) for v in ("none", "soup", "ssc")]
+
+
+@pytest.mark.parametrize("arch, variant", FEWER)
 def test_causal(arch, variant):
     cfg, model = build(arch, variant)
     x = torch.randint(0, cfg.vocab_size, (2, SEQ))
@@ -101,8 +107,7 @@ def test_causal(arch, variant):
     assert (a[:, cut + 1:] - b[:, cut + 1:]).abs().max() > 1e-4
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch, variant", FEWER)
 def test_cost_model_matches_module_and_flop_counter(arch, variant):
     cfg, model = build(arch, variant, "model.titans.chunk_size=4")
     costs = model_costs(cfg, causal=False)
