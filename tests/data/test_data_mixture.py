@@ -12,6 +12,7 @@ from datahelpers import VOCAB, corpus, dataset, second_dataset, tokenizer_model 
 from megatron_taper.config import ConfigError, DataConfig, load_config
 from megatron_taper.data.mixture import MixSchedule
 from megatron_taper.data.sources import build_sources
+from megatron_taper.evaluate import evaluate_checkpoint
 from megatron_taper.train import main
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -155,3 +156,8 @@ def test_a_70_30_mixture_trains_logs_its_shares_resumes_bitwise_and_evaluates_pe
     assert len(evals) == 3 and evals == [r for r in b if "eval_loss" in r]
     for r in evals:
         assert r["eval_loss"] == pytest.approx(0.7 * r["eval_loss/A"] + 0.3 * r["eval_loss/upper"], rel=1e-12)
+    # tools/evaluate.py's path: each source's val split, and the mixture-weighted loss
+    result = evaluate_checkpoint(os.path.join(straight, "checkpoints", "step-25"), batches=1)["results"][str(SEQ)]
+    sources = result["sources"]
+    assert set(sources) == {"A", "upper"} and result["tokens"] == sources["A"]["tokens"] + sources["upper"]["tokens"]
+    assert result["loss"] == pytest.approx(0.7 * sources["A"]["loss"] + 0.3 * sources["upper"]["loss"], rel=1e-12)
