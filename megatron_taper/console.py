@@ -48,7 +48,14 @@ def summary_lines(cfg: Config, ctx: ParallelContext, pm: ParallelModel, train_so
         stages = " | ".join(f"stage {c} (pp rank {stage.rank}): layers {_span(stage.layers)}"
                             for c, stage in enumerate(plan.stages))
         lines.append(f"pipeline ({p.pp_schedule}, balance {p.pp_balance}): {stages}")
-    lines.append(f"data: {describe_source(train_source)}; held-out: {'yes' if has_eval else 'none'}")
+    held_out = f"held-out: {'yes' if has_eval else 'none'}"
+    parts = getattr(train_source, "sources", None)  # data.mix: MixtureSource
+    if parts is None:
+        lines.append(f"data: {describe_source(train_source)}; {held_out}")
+    else:
+        lines.append(f"data: a mixture of {len(parts)} sources; {held_out}")
+        lines += [f"  {name} (weight {weight:g}): {describe_source(part)}"
+                  for name, weight, part in zip(train_source.names, train_source.configured_weights, parts)]
     lines.append(f"run dir: {os.path.abspath(cfg.run.dir)}")
     dtype = "bf16 autocast" if bf16 else "fp32"
     name = f" ({device_name(ctx.device)})" if ctx.device.type == "cuda" else ""
@@ -63,13 +70,7 @@ def summary_lines(cfg: Config, ctx: ParallelContext, pm: ParallelModel, train_so
 
 
 def describe_source(source: Any) -> str:
-    """One line about the training data: where it is and how large (documents, tokens, samples)."""
-    parts = getattr(source, "sources", None)  # data.mix: MixtureSource
-    if parts is not None:
-        weights = getattr(source, "configured_weights", [None] * len(parts))
-        names = getattr(source, "names", [str(i) for i in range(len(parts))])
-        return "mixture of " + "; ".join(f"{name} (weight {w:g}): {describe_source(s)}"
-                                         for name, w, s in zip(names, weights, parts))
+    """Where one training source reads and how large it is (documents, tokens, samples)."""
     if hasattr(source, "num_tokens"):  # StreamingSource
         return (f"{source.reader.where}: {source.num_documents:,} documents, {source.num_tokens:,} tokens, "
                 f"{source.samples_per_epoch:,} samples per epoch")
