@@ -1,5 +1,6 @@
 """Install megatron_taper: `pip install -e .[dev]` (tests), `.[deepspeed]`, `.[hf]` (Hugging Face
-export/import: transformers), `.[wandb]` (Weights & Biases logging, run.wandb), `.[plot]`
+export/import and datasets inputs: transformers, datasets), `.[data]` (MDS data and the parquet /
+zstd readers: mosaicml-streaming, pyarrow, zstandard), `.[wandb]` (Weights & Biases logging, run.wandb), `.[plot]`
 (matplotlib, for tools/sweep.py's plot) or `.[lmeval]` (lm-evaluation-harness; a large dependency
 tree, not installed by launch/install.sh). Install extras with a constraints file pinning the
 installed torch (launch/install.sh does), so that none of them replaces it.
@@ -41,7 +42,10 @@ setup(
     extras_require={
         "dev": ["pytest>=8", "hypothesis>=6.100", "pytest-timeout>=2.3", "ruff==0.8.4"],
         "deepspeed": ["deepspeed==0.19.8"],
-        "hf": ["transformers>=4.40,<5"],
+        "hf": ["transformers>=4.40,<5", "datasets>=2.14"],
+        # MDS shards (mosaicml-streaming, pinned as launch/requirements-lean.txt pins its needs) and the
+        # parquet / zstd readers of tools/preprocess_data.py and tools/train_tokenizer.py
+        "data": ["mosaicml-streaming==0.13.0", "pyarrow>=14", "zstandard>=0.22"],
         "wandb": ["wandb>=0.17"],
         "plot": ["matplotlib>=3.7"],
         "lmeval": ["lm_eval>=0.4.9", "transformers>=4.40,<5"],

@@ -35,6 +35,8 @@ pip install -c "$constraints" -e "$root[dev,hf,plot,wandb]"
 # torchvision and ~1 GB of cloud SDKs; install them without dependencies plus their real needs.
 pip install -c "$constraints" -r "$root/launch/requirements-lean.txt"
 pip install -c "$constraints" --no-deps mosaicml-streaming==0.13.0 deepspeed==0.19.8
+# the parquet and zstd readers of tools/preprocess_data.py (the rest of the data extra)
+pip install -c "$constraints" "pyarrow>=14" "zstandard>=0.22"
 "$py" -c "import torch, sys; assert torch.__version__.split('+')[0] == '$torch_version', 'torch was replaced'"
 echo "$want" > "$stamp"
 echo "[install] done (torch $torch_version)" >&2
