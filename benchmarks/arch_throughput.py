@@ -40,7 +40,7 @@ from megatron_taper.models import build_model
 from megatron_taper.models.layers import cross_entropy
 
 RECIPES = ["configs/tiny_taper.yaml", "configs/tiny_gated_attention.yaml", "configs/tiny_titans.yaml",
-           "configs/tiny_hope_attention.yaml"]
+           "configs/tiny_hope_attention.yaml", "configs/tiny_tree.yaml"]
 
 
 TITANS_RECIPE = "configs/tiny_titans.yaml"

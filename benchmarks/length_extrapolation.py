@@ -15,10 +15,12 @@ d_model 128, cell width 256, MLP 404) and a 2-layer Transformer with model.posit
 (the same for both). Each is trained by the Trainer (`python -m megatron_taper.train`, one
 process) for --steps steps of 16 sequences of N tokens into OUT/<name> (a finished run is
 reused), then evaluated by tools/evaluate.py on the held-out split at N, 2N, 4N and 8N, each on
-the first --eval-tokens held-out tokens cut into sequences of that length. tokens/s is the
-median of the Trainer's logged training throughput (forward + backward + AdamW) after the first
-10 steps; on a shared machine it moves with the load. The tree's sequential cell levels at every
-length are printed with it (models/tree_lm.py: tree_depth).
+the first --eval-tokens held-out tokens cut into sequences of that length. Training tokens/s:
+both models built in this process, their training steps (forward + backward + AdamW on one
+micro-batch of 8 x N random tokens) alternating for --speed-steps steps after one warm-up step,
+median per model (benchmarks/arch_throughput.py's timed_step), so a changing load on a shared
+machine hits both alike. The tree's sequential cell levels at every length are printed with it
+(models/tree_lm.py: tree_depth).
 """
 from __future__ import annotations
 
@@ -32,11 +34,15 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
+
+import torch  # noqa: E402
+from arch_throughput import timed_step  # noqa: E402
 
 from megatron_taper.config import load_config  # noqa: E402
 from megatron_taper.data.preprocess import is_complete  # noqa: E402
 from megatron_taper.flops import model_costs  # noqa: E402
+from megatron_taper.models import build_model  # noqa: E402
 from megatron_taper.models.tree_lm import tree_depth  # noqa: E402
 
 DEFAULT_CORPUS = REPO.parent / "shared" / "data" / "kjv.txt.gz"
@@ -80,18 +86,38 @@ def prepare_data(corpus: Path, cache: Path, vocab_size: int, threads: int) -> Pa
     return data
 
 
-def train_and_evaluate(name: str, args: argparse.Namespace, data: Path, extra: list[str]) -> dict:
-    run_dir = Path(args.out) / name
+def model_overrides(name: str, args: argparse.Namespace, data: Path, extra: list[str]) -> list[str]:
+    return [*COMMON, f"model.seq_len={args.seq_len}", f"model.vocab_size={args.vocab_size}",
+            f"train.steps={args.steps}", f"data.path={data}", f"run.dir={Path(args.out) / name}",
+            f"train.seed={args.seed}", *MODELS[name][1], *extra]
+
+
+def training_speed(configs: dict, steps: int) -> dict[str, float]:
+    """Training tokens/s of each config's model, their steps alternating in this process (median)."""
+    device = torch.device("cpu")
+    runs = {}
+    for name, cfg in configs.items():
+        model = build_model(cfg.model)
+        model.init_weights(cfg.train.seed)
+        tokens = torch.randint(0, cfg.model.vocab_size, (MICRO_BATCH, cfg.model.seq_len + 1),
+                               generator=torch.Generator().manual_seed(0))
+        runs[name] = (model, torch.optim.AdamW(model.parameters(), lr=1e-4), tokens)
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for step in range(steps + 1):  # the first step of each is a warm-up
+        for name, (model, opt, tokens) in runs.items():
+            elapsed = timed_step(model, opt, tokens, device)
+            if step:
+                times[name].append(elapsed)
+    return {name: MICRO_BATCH * configs[name].model.seq_len / statistics.median(t) for name, t in times.items()}
+
+
+def train_and_evaluate(name: str, cfg, overrides: list[str], args: argparse.Namespace) -> dict:
+    run_dir = Path(cfg.run.dir)
     n = args.seq_len
-    recipe, model_overrides = MODELS[name]
-    overrides = [*COMMON, f"model.seq_len={n}", f"model.vocab_size={args.vocab_size}", f"train.steps={args.steps}",
-                 f"data.path={data}", f"run.dir={run_dir}", f"train.seed={args.seed}", *model_overrides, *extra]
-    cfg = load_config(str(REPO / recipe), overrides)
     print(f"[{name}] training {args.steps} steps at N={n} into {run_dir}", file=sys.stderr, flush=True)
-    run([sys.executable, "-m", "megatron_taper.train", "--config", recipe, *overrides], args.threads)
+    run([sys.executable, "-m", "megatron_taper.train", "--config", MODELS[name][0], *overrides], args.threads)
     with open(run_dir / "metrics.jsonl") as f:
-        records = [json.loads(line) for line in f]
-    steps = [r for r in records if "loss" in r and r["step"] > 10]
+        steps = [record for record in map(json.loads, f) if "loss" in record]
     lengths = [n * k for k in (1, 2, 4, 8)]
     results = {}
     for length in lengths:  # one call per length: the batch count keeps the evaluated tokens equal
@@ -104,7 +130,6 @@ def train_and_evaluate(name: str, args: argparse.Namespace, data: Path, extra: l
         "params": costs.total_params,
         "params_without_embedding_and_head": sum(c.params for c in costs.layers),
         "flops_per_token_at_N": costs.total_flops,
-        "tokens_per_s": statistics.median(r["tokens_per_s"] for r in steps),
         "final_train_loss": statistics.mean(r["loss"] for r in steps[-3:]),
         "held_out_loss": {str(k): v["loss"] for k, v in results.items()},
         "held_out_tokens": {str(k): v["tokens"] for k, v in results.items()},
@@ -125,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vocab-size", type=int, default=1024)
     parser.add_argument("--eval-tokens", type=int, default=32768, help="held-out tokens per evaluated length")
     parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--speed-steps", type=int, default=20, help="timed training steps per model")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated subset of {', '.join(MODELS)}")
     parser.add_argument("overrides", nargs="*", help="key=value applied to both models")
@@ -137,9 +163,14 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"--models: {', '.join(unknown)} not in {', '.join(MODELS)}")
     data = prepare_data(corpus, Path(args.cache), args.vocab_size, args.threads)
+    overrides = {name: model_overrides(name, args, data, args.overrides) for name in names}
+    configs = {name: load_config(str(REPO / MODELS[name][0]), overrides[name]) for name in names}
+    models = {name: train_and_evaluate(name, configs[name], overrides[name], args) for name in names}
+    torch.set_num_threads(args.threads)
+    for name, speed in training_speed(configs, args.speed_steps).items():
+        models[name]["train_tokens_per_s"] = speed
     out = {"corpus": str(corpus), "data": str(data), "N": args.seq_len, "steps": args.steps,
-           "tokens_trained": args.steps * 16 * args.seq_len, "threads": args.threads,
-           "models": {name: train_and_evaluate(name, args, data, args.overrides) for name in names}}
+           "tokens_trained": args.steps * 16 * args.seq_len, "threads": args.threads, "models": models}
     print(json.dumps(out, indent=1))
     return 0
 
