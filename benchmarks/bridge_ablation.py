@@ -91,12 +91,23 @@ def mean_loss(model, batch_windows: torch.Tensor, batch: int = 16) -> float:
     return float(torch.stack(losses).sum() / len(batch_windows))
 
 
+def tokenized(tokenizer: Tokenizer, data_dir: str, split: str) -> list[list[int]]:
+    return [tokenizer.encode(t) for t in read_documents(os.path.join(data_dir, f"{split}.jsonl"))]
+
+
 def run_one(ablation: str, seed: int, args, data_dir: str) -> dict:
     run_dir = os.path.join(args.out, "runs", f"{ablation}-seed{seed}")
     result_path = os.path.join(run_dir, "bridge_eval.json")
     if os.path.exists(result_path):
         with open(result_path) as f:
-            return json.load(f)
+            result = json.load(f)
+        if args.reprobe:  # the probe again on the run's final weights (e.g. after a change of the probe)
+            docs = tokenized(Tokenizer(os.path.join(data_dir, "tokenizer.model")), data_dir, "val")
+            ref = open_checkpoint(run_dir)
+            result["probe"] = probe(load_model(ref), docs, ref.config.model.seq_len)
+            with open(result_path, "w") as f:
+                json.dump(result, f)
+        return result
     overrides = [f"data.path={os.path.join(data_dir, 'mds')}", f"model.vocab_size={args.vocab_size}",
                  f"train.seed={seed}", f"train.steps={args.steps}", f"run.dir={run_dir}", "run.tensorboard=false",
                  f"checkpoint.interval={args.steps}", "train.log_interval=25"]
@@ -107,8 +118,7 @@ def run_one(ablation: str, seed: int, args, data_dir: str) -> dict:
     model = load_model(ref)
     tokenizer = Tokenizer(os.path.join(data_dir, "tokenizer.model"))
     seq_len = ref.config.model.seq_len
-    val_docs = [tokenizer.encode(t) for t in read_documents(os.path.join(data_dir, "val.jsonl"))]
-    train_docs = [tokenizer.encode(t) for t in read_documents(os.path.join(data_dir, "train.jsonl"))]
+    val_docs, train_docs = tokenized(tokenizer, data_dir, "val"), tokenized(tokenizer, data_dir, "train")
     val_windows = windows(val_docs, tokenizer.eos_id, seq_len + 1, args.eval_windows)
     eval_loss = mean_loss(model, val_windows)
     train_loss = mean_loss(model, windows(train_docs, tokenizer.eos_id, seq_len + 1, len(val_windows)))
@@ -163,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--eval-windows", type=int, default=200, help="windows of held-out (and of training) text")
     parser.add_argument("--vocab-size", type=int, default=1024)
+    parser.add_argument("--reprobe", action="store_true", help="recompute the probe of finished runs")
     parser.add_argument("--select-fraction", type=float, default=0.12, help="share of chapters used at all")
     parser.add_argument("--val-fraction", type=float, default=0.35, help="share of those held out")
     args = parser.parse_args(argv)

@@ -40,8 +40,9 @@ accumulation over k micro-batches a step minimises mean LM loss + aux_weight x (
 auxiliary losses), i.e. the auxiliary weight relative to the LM loss is k x aux_weight.
 
 `slots: 0` builds no bridge: exactly the Transformer (same parameter names and values), the
-"no bridge" ablation. Parallelism: pipeline and tensor parallelism are refused
-(check_bridge_layout); data parallelism and ZeRO apply as to the Transformer.
+"no bridge" ablation. Parallelism: pipeline parallelism is refused (check_bridge_layout), tensor
+parallelism too (no plan: preflight); data parallelism and activation checkpointing apply as to
+the Transformer (ZeRO and torch.compile are not tested with the bridge).
 """
 from __future__ import annotations
 

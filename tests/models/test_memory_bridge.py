@@ -20,7 +20,7 @@ from megatron_taper.train import main
 from megatron_taper.validation import ConfigError
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-from probe_bridge import fit_logistic, kjv_chapters, position_windows  # noqa: E402
+from probe_bridge import L2_GRID, choose_l2, fit_logistic, kjv_chapters, position_windows  # noqa: E402
 
 SEQ, SEGMENT = 40, 16  # segments [0, 16), [16, 32), [32, 40): the last one shorter
 SMALL = ["model.arch=bridge", "model.n_layers=4", "model.d_model=64", "model.n_heads=4", "model.mlp_width=128",
@@ -208,3 +208,4 @@ def test_probe_pieces(tmp_path):
     y = torch.arange(60) % 3
     x = F.one_hot(y, 3).float() * 2 + torch.randn(60, 5, generator=gen)[:, :3] * 0.1
     assert fit_logistic(x[:30], y[:30], x[30:], y[30:]) == 1.0
+    assert choose_l2(x[:30], y[:30], torch.arange(30) // 3) in L2_GRID
