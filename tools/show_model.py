@@ -9,6 +9,7 @@ import argparse
 import json
 import sys
 
+from megatron_taper.cli import OVERRIDES_HELP, add_config_arguments, handle_info_flags, parse_with_overrides
 from megatron_taper.config import load_config
 from megatron_taper.flops import model_costs, uniform_twin
 from megatron_taper.models import family
@@ -65,13 +66,14 @@ def print_table(info: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False, epilog=OVERRIDES_HELP)
+    add_config_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("overrides", nargs="*")
-    args = parser.parse_args(argv)
+    args, overrides = parse_with_overrides(parser, argv)
     try:
-        cfg = load_config(args.config, args.overrides)
+        if handle_info_flags(args, overrides):
+            return 0
+        cfg = load_config(args.config, overrides)
         preflight(cfg, cfg.parallel.pp * cfg.parallel.tp)  # the layout of one data-parallel replica
         info = describe(cfg)
     except ValueError as e:  # ConfigError included
