@@ -40,9 +40,11 @@ accumulation over k micro-batches a step minimises mean LM loss + aux_weight x (
 auxiliary losses), i.e. the auxiliary weight relative to the LM loss is k x aux_weight.
 
 `slots: 0` builds no bridge: exactly the Transformer (same parameter names and values), the
-"no bridge" ablation. Parallelism: pipeline parallelism is refused (check_bridge_layout), tensor
-parallelism too (no plan: preflight); data parallelism and activation checkpointing apply as to
-the Transformer (ZeRO and torch.compile are not tested with the bridge).
+"no bridge" ablation. Parallelism: tensor parallelism shards the blocks as the Transformer's and
+replicates the bridge (every tp rank holds the whole residual stream and computes the same state;
+its gradients are whole on every rank, as the norms'); sequence parallelism and pipeline
+parallelism are refused (check_bridge_layout); data parallelism and activation checkpointing apply
+as to the Transformer (ZeRO and torch.compile are not tested with the bridge).
 """
 from __future__ import annotations
 
@@ -57,11 +59,17 @@ from megatron_taper.models.costs import Cost
 from megatron_taper.models.init import init_tensor
 from megatron_taper.models.layers import RMSNorm, rope_tables
 from megatron_taper.models.spec import FamilySpec
-from megatron_taper.models.transformer import Transformer, TransformerBlock, transformer_layer_cost
+from megatron_taper.models.transformer import (
+    Transformer,
+    TransformerBlock,
+    tp_plan_transformer_block,
+    transformer_layer_cost,
+)
 from megatron_taper.validation import ConfigError, check_choice, check_range
 
 if TYPE_CHECKING:
     from megatron_taper.config import ModelConfig, ParallelConfig
+    from megatron_taper.parallel.tp_plan import TPBuilder
 
 AUX_TARGETS = ("next_hidden", "random")
 RANDOM_TARGET_SEED = 20_240_917  # the fixed random targets of aux_target=random
@@ -269,6 +277,14 @@ def bridge_block_cost(cfg: ModelConfig, index: int, causal: bool = True) -> Cost
     return Cost(bridge_params(cfg), bridge_flops(cfg) / cfg.seq_len)
 
 
+def tp_plan_bridge_block(block: BridgeBlock, prefix: str, cfg: ModelConfig, tp: TPBuilder) -> None:
+    """The Transformer's plan; the bridge replicated (its input, the residual stream, is whole on
+    every tp rank without sequence parallelism, which check_bridge_layout refuses)."""
+    tp_plan_transformer_block(block, prefix, cfg, tp)
+    if block.bridge is not None:
+        tp.replicated(block.bridge, f"{prefix}.bridge")
+
+
 def check_bridge_layout(mcfg: ModelConfig, pcfg: ParallelConfig) -> None:
     if mcfg.n_layers < 2:
         raise ConfigError(f"model.n_layers={mcfg.n_layers}: model.arch='bridge' needs at least 2 layers (a lower "
@@ -281,8 +297,12 @@ def check_bridge_layout(mcfg: ModelConfig, pcfg: ParallelConfig) -> None:
                           f"block {bridge_layer(mcfg)} runs the bridge's sequential scan over the segments, a stage "
                           f"the cost model under-weights, as it does not count the bridge's activations, and no "
                           f"test covers the split); use parallel.pp=1")
+    if pcfg.tp > 1 and pcfg.sequence_parallel and mcfg.bridge.slots:
+        raise ConfigError("parallel.sequence_parallel is not supported for model.arch='bridge' (the bridge reads "
+                          "and writes whole segments, which sequence parallelism splits over the tp ranks); set "
+                          "it to false")
 
 
 SPEC = FamilySpec(name="bridge", build=MemoryBridgeLM, layer_cost=transformer_layer_cost,
-                  block_extra_cost=bridge_block_cost, check_layout=check_bridge_layout, section="bridge",
-                  options=BridgeConfig)
+                  block_extra_cost=bridge_block_cost, tp_block_plan=tp_plan_bridge_block,
+                  check_layout=check_bridge_layout, section="bridge", options=BridgeConfig)

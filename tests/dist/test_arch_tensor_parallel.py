@@ -1,5 +1,6 @@
 """tp=2 against one process for Gated Attention, Hope-attention, Titans (MAG, MAL, MAC), the
-ALiBi Transformer (each rank adds its own heads' slopes) and the tree LM (cell width split).
+ALiBi Transformer (each rank adds its own heads' slopes), the tree LM (cell width split) and the
+memory bridge (blocks as the Transformer's, the bridge replicated; auxiliary loss on).
 
 Plans under test (megatron_taper/parallel/tp_plan.py): attention and every MLP / CMS level
 sharded as in the Transformer (uneven MLP shards: widths are odd multiples of 5); the gate of
@@ -30,6 +31,7 @@ CASES = {
     "titans_mac": ["model.arch=titans", "model.titans.variant=mac"],
     "alibi": ["model.position=alibi"],
     "tree": ["model.arch=tree", "model.n_layers=1", "model.tree.cell_width=130"],
+    "bridge": ["model.arch=bridge", "model.bridge.segment=8", "model.bridge.slots=3", "model.bridge.aux_weight=0.1"],
 }
 ATOL, GRAD_RTOL = 2e-5, 1e-5
 
