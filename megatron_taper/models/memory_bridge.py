@@ -42,9 +42,12 @@ auxiliary losses), i.e. the auxiliary weight relative to the LM loss is k x aux_
 `slots: 0` builds no bridge: exactly the Transformer (same parameter names and values), the
 "no bridge" ablation. Parallelism: tensor parallelism shards the blocks as the Transformer's and
 replicates the bridge (every tp rank holds the whole residual stream and computes the same state;
-its gradients are whole on every rank, as the norms'); sequence parallelism and pipeline
-parallelism are refused (check_bridge_layout); data parallelism and activation checkpointing apply
-as to the Transformer (ZeRO and torch.compile are not tested with the bridge).
+its gradients are whole on every rank, as the norms'); sequence parallelism is refused
+(check_bridge_layout). Pipeline parallelism needs nothing more: the bridge lives inside block
+L//2, so it never crosses a stage boundary (the state is written from, and read into, that
+block's input), and the partition weighs that block with the bridge's FLOPs. Data parallelism
+and activation checkpointing apply as to the Transformer (ZeRO and torch.compile are not tested
+with the bridge).
 """
 from __future__ import annotations
 
@@ -292,11 +295,6 @@ def check_bridge_layout(mcfg: ModelConfig, pcfg: ParallelConfig) -> None:
     if mcfg.bridge.slots and mcfg.seq_len <= mcfg.bridge.segment:
         raise ConfigError(f"model.bridge.segment={mcfg.bridge.segment} must be smaller than model.seq_len="
                           f"{mcfg.seq_len}: with one segment nothing is ever read from the state")
-    if pcfg.pp > 1:
-        raise ConfigError(f"parallel.pp={pcfg.pp}: model.arch='bridge' is not pipeline-parallel (not implemented: "
-                          f"block {bridge_layer(mcfg)} runs the bridge's sequential scan over the segments, a stage "
-                          f"the cost model under-weights, as it does not count the bridge's activations, and no "
-                          f"test covers the split); use parallel.pp=1")
     if pcfg.tp > 1 and pcfg.sequence_parallel and mcfg.bridge.slots:
         raise ConfigError("parallel.sequence_parallel is not supported for model.arch='bridge' (the bridge reads "
                           "and writes whole segments, which sequence parallelism splits over the tp ranks); set "

@@ -1,6 +1,6 @@
 """tp=2 against one process for Gated Attention, Hope-attention, Titans (MAG, MAL, MAC), the
 ALiBi Transformer (each rank adds its own heads' slopes), the tree LM (cell width split) and the
-memory bridge (blocks as the Transformer's, the bridge replicated; auxiliary loss on).
+memory bridge (blocks as the Transformer's, the bridge replicated; auxiliary loss on; also pp=2).
 
 Plans under test (megatron_taper/parallel/tp_plan.py): attention and every MLP / CMS level
 sharded as in the Transformer (uneven MLP shards: widths are odd multiples of 5); the gate of
@@ -105,7 +105,7 @@ def test_tp2_matches_one_process(case, tp2_results):
 
 # Pipeline: pp=2 (layers split by the cost model of each family) against one process, 2 steps of
 # 2 micro-batches; losses and grad norms within 2e-5 (measured: bit-identical or ~1e-7).
-PP_CASES = ["gated_elementwise", "hope", "titans_mac", "titans_mal"]
+PP_CASES = ["gated_elementwise", "hope", "titans_mac", "titans_mal", "bridge"]
 
 
 def _pp_steps(case, pp):

@@ -1,7 +1,7 @@
 """Persistent GRU memory bridge (model.arch=bridge): identity at initialisation, causality by
 segment, the batched read against a segment-by-segment reference, the auxiliary loss's
 gradient, parameter/FLOP model, layouts it refuses, training + exact resume, the probe.
-tp=2 against one process: tests/dist/test_arch_tensor_parallel.py (case "bridge")."""
+tp=2 and pp=2 against one process: tests/dist/test_arch_tensor_parallel.py (case "bridge")."""
 import sys
 from pathlib import Path
 
@@ -170,10 +170,10 @@ def test_cost_model_matches_module_and_flop_counter(extra):
 
 
 @pytest.mark.parametrize("extra,world,message", [
-    (["parallel.pp=2"], 2, "parallel.pp=2: model.arch='bridge' is not pipeline-parallel"),
     (["parallel.tp=2", "parallel.sequence_parallel=true"], 2,
      "parallel.sequence_parallel is not supported for model.arch='bridge'"),
     (["model.bridge.segment=40"], 1, "model.bridge.segment=40 must be smaller than model.seq_len=40"),
+    (["model.n_layers=1"], 1, "model.arch='bridge' needs at least 2 layers"),
 ])
 def test_refused_layouts(extra, world, message):
     cfg = load_config(None, SMALL + extra)
