@@ -18,7 +18,9 @@ next-token loss over the first `--eval-windows` windows of seq_len + 1 tokens of
 chapters (each chapter's tokens + EOS, concatenated), the same over as many windows of the
 training chapters (text the run has trained on), their difference (the generalisation gap), and tools/probe_bridge.py's
 probe on the held-out chapters. Prints one JSON object: per run and per ablation (mean, sample
-standard deviation over the seeds); writes it to OUT/results.json and a table to OUT/results.md.
+standard deviation over the seeds; for each bridge ablation also its difference from the
+no-bridge run of the same seed, which shares the data order and every initial weight but the
+bridge's); writes it to OUT/results.json and a table to OUT/results.md.
 """
 from __future__ import annotations
 
@@ -144,6 +146,11 @@ def summarise(runs: list[dict]) -> dict:
             if key in rs[0]["probe"]:
                 row[f"probe_{key}"] = stats([r["probe"][key] for r in rs])
         row["params"] = rs[0]["params"]
+        base = {r["seed"]: r for r in runs if r["ablation"] == "none"}
+        paired = [r for r in rs if r["seed"] in base]
+        if ablation != "none" and paired:  # same seed: same data order and the same initial shared weights
+            for key in ("eval_loss", "gap"):
+                row[f"{key}_minus_none"] = stats([r[key] - base[r["seed"]][key] for r in paired])
         table[ablation] = row
     return table
 
@@ -155,11 +162,11 @@ def markdown(table: dict) -> str:
         s = row[key]
         return f"{100 * s['mean']:.1f}% ± {100 * s['std']:.1f}" if pct else f"{s['mean']:.3f} ± {s['std']:.3f}"
 
-    lines = ["| ablation | params | held-out loss | train loss | gap (held-out - train) | probe: bridge state | "
-             "probe: layer-L/2 hidden | chance |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| ablation | params | held-out loss | minus no bridge (same seed) | train loss | gap (held-out - train) "
+             "| probe: bridge state | probe: layer-L/2 hidden | chance |", "|---|---|---|---|---|---|---|---|---|"]
     for name, row in table.items():
-        lines.append(f"| {name} | {row['params']:,} | {cell(row, 'eval_loss')} | {cell(row, 'train_loss')} | "
-                     f"{cell(row, 'gap')} | {cell(row, 'probe_state_accuracy', True)} | "
+        lines.append(f"| {name} | {row['params']:,} | {cell(row, 'eval_loss')} | {cell(row, 'eval_loss_minus_none')} | "
+                     f"{cell(row, 'train_loss')} | {cell(row, 'gap')} | {cell(row, 'probe_state_accuracy', True)} | "
                      f"{cell(row, 'probe_hidden_accuracy', True)} | {cell(row, 'probe_chance', True)} |")
     return "\n".join(lines)
 
