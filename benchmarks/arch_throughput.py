@@ -40,7 +40,8 @@ from megatron_taper.models import build_model
 from megatron_taper.models.layers import cross_entropy
 
 RECIPES = ["configs/tiny_taper.yaml", "configs/tiny_gated_attention.yaml", "configs/tiny_titans.yaml",
-           "configs/tiny_hope_attention.yaml", "configs/tiny_tree.yaml"]
+           "configs/tiny_hope_attention.yaml", "configs/tiny_tree.yaml", "configs/tiny_linear_memory_caching.yaml",
+           "configs/tiny_deep_memory_caching.yaml"]
 
 
 TITANS_RECIPE = "configs/tiny_titans.yaml"

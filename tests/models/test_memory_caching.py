@@ -2,6 +2,8 @@
 against the token-by-token reference for every variant and write mode, reduction to the base with
 one segment, soup = GRM for a linear memory, causality, the cost model against torch's FLOP
 counter and the module, the activation estimate, option validation."""
+from pathlib import Path
+
 import pytest
 import torch
 from memory_caching_reference import reference_reads
@@ -190,3 +192,14 @@ def test_architecture_keeps_the_sections_the_family_reads():
     arch = load_config(None, ["model.arch=deep_memory"]).model.architecture_dict()
     assert "memory_caching" in arch and "titans" in arch
     assert "memory_caching" not in load_config(None, []).model.architecture_dict()
+
+
+@pytest.mark.parametrize("base", ["linear", "deep"])
+@pytest.mark.parametrize("size", ["760m", "1.3b"])
+def test_paper_scale_twins_exist_with_equal_parameters(base, size):
+    root = Path(__file__).resolve().parents[2] / "configs"
+    taper, uniform = (load_config(str(root / f"{base}_memory_caching_{size}_{kind}.yaml")).model
+                      for kind in ("taper", "uniform"))
+    assert taper.taper.schedule == "cosine" and uniform.taper.schedule == "uniform"
+    assert taper.memory_caching.segment == 256 and taper.seq_len == 4096  # the paper's setting
+    assert model_costs(taper).total_params == model_costs(uniform).total_params
