@@ -15,7 +15,7 @@ d_model 128, cell width 256, MLP 404) and a 2-layer Transformer with model.posit
 (the same for both). Each is trained by the Trainer (`python -m megatron_taper.train`, one
 process) for --steps steps of 16 sequences of N tokens into OUT/<name> (a finished run is
 reused), then evaluated by tools/evaluate.py on the held-out split at N, 2N, 4N and 8N, each on
-the first --eval-tokens held-out tokens cut into sequences of that length. Training tokens/s:
+--eval-tokens held-out tokens (micro-batches of 8 sequences of that length). Training tokens/s:
 both models built in this process, their training steps (forward + backward + AdamW on one
 micro-batch of 8 x N random tokens) alternating for --speed-steps steps after one warm-up step,
 median per model (benchmarks/arch_throughput.py's timed_step), so a changing load on a shared
