@@ -112,3 +112,15 @@ def test_sweep_tokenizes_its_corpus_runs_grids_and_pairs_with_baseline(tmp_path)
     spec.write_text(spec.read_text().replace("val_fraction: 0.1", "val_fraction: 0.9"))
     proc = _tool(spec, "--out", tmp_path / "o4", "--corpus", corpus, "--dry-run")
     assert proc.returncode == 2 and "data.val_fraction 0.9" in proc.stderr
+
+
+def test_sweep_only_selects_runs(tmp_path, byte_tokens):
+    axes = ("  taper:\n    cosine: {model.taper.schedule: cosine}\n    uniform: {model.taper.schedule: uniform}\n"
+            "    linear: {model.taper.schedule: linear}\n")
+    spec = _sweep_file(tmp_path, byte_tokens, axes)
+    proc = _tool(spec, "--out", tmp_path / "o", "--dry-run", "--only", "taper=uniform,linear")
+    assert proc.returncode == 0, proc.stderr
+    assert [json.loads(line)["name"] for line in proc.stdout.splitlines()] == [
+        "taper=uniform,seed=0", "taper=uniform,seed=1", "taper=linear,seed=0", "taper=linear,seed=1"]
+    proc = _tool(spec, "--out", tmp_path / "o", "--dry-run", "--only", "taper=unifrom")
+    assert proc.returncode == 2 and "'unifrom' is not a label of axis taper" in proc.stderr

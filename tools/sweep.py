@@ -5,6 +5,7 @@
     python tools/sweep.py sweeps/taper_cpu.yaml --out runs/sweep --slurm -- -t 4:00:00
     python tools/sweep.py sweeps/taper_cpu.yaml --out runs/sweep --collect  # table + plot only
     python tools/sweep.py sweeps/taper_cpu.yaml --out runs/sweep --corpus my_text.txt.gz  # own raw text
+    python tools/sweep.py sweeps/taper_cpu.yaml --out runs/sweep --only arch=transformer  # a part
 
 The sweep file format is in megatron_taper/sweep.py. Locally the unfinished runs go seed by seed
 (every configuration's first seed, then the second, ...), one after another or --jobs at a time
@@ -39,6 +40,22 @@ def run_local(run: SweepRun, nproc: int, env: dict | None = None) -> int:
         cmd = [sys.executable, "-m", "megatron_taper.train", *run.args]
     with open(os.path.join(run.run_dir, "train.log"), "a") as log:
         return subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+
+def select(sweep, only: list[str]) -> list[SweepRun]:
+    """The runs whose labels match every --only AXIS=LABEL[,LABEL...]."""
+    wanted: dict[str, set[str]] = {}
+    for item in only:
+        axis, _, labels = item.partition("=")
+        if axis not in sweep.axes or not labels:
+            raise ConfigError(f"--only {item}: give AXIS=LABEL[,LABEL...] with AXIS one of {', '.join(sweep.axes)}")
+        known = {label for run in sweep.runs for a, label in run.labels if a == axis}
+        unknown = sorted(set(labels.split(",")) - known)
+        if unknown:
+            raise ConfigError(f"--only {item}: {unknown[0]!r} is not a label of axis {axis} "
+                              f"({', '.join(sorted(known))})")
+        wanted.setdefault(axis, set()).update(labels.split(","))
+    return [r for r in sweep.runs if all(dict(r.labels)[a] in labels for a, labels in wanted.items())]
 
 
 def run_all(todo: list[SweepRun], nproc: int, jobs: int) -> list[str]:
@@ -93,6 +110,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nproc", type=int, default=1, help="processes per run (local: torchrun)")
     parser.add_argument("--jobs", type=int, default=1,
                         help="local runs at the same time (default 1; each gets OMP_NUM_THREADS = cores / jobs)")
+    parser.add_argument("--only", action="append", default=[], metavar="AXIS=LABEL[,LABEL...]",
+                        help="run only the runs with one of these labels on AXIS (repeatable; the table still "
+                             "lists every run)")
     parser.add_argument("--corpus", nargs="+", metavar="PATH",
                         help="raw text to tokenize into OUT/data and train on (replaces the sweep file's data.corpus)")
     mode = parser.add_mutually_exclusive_group()
@@ -112,9 +132,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     os.makedirs(args.out, exist_ok=True)
-    todo = [r for r in sweep.runs if final_record(r, sweep.metric) is None]
+    try:
+        selected = select(sweep, args.only)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    todo = [r for r in selected if final_record(r, sweep.metric) is None]
     if args.dry_run:
-        for r in sweep.runs:
+        for r in selected:
             print(json.dumps({"name": r.name, "finished": r not in todo, "args": r.args}))
         return 0
     if args.slurm:
