@@ -45,9 +45,9 @@ replicates the bridge (every tp rank holds the whole residual stream and compute
 its gradients are whole on every rank, as the norms'); sequence parallelism is refused
 (check_bridge_layout). Pipeline parallelism needs nothing more: the bridge lives inside block
 L//2, so it never crosses a stage boundary (the state is written from, and read into, that
-block's input), and the partition weighs that block with the bridge's FLOPs. Data parallelism
-and activation checkpointing apply as to the Transformer (ZeRO and torch.compile are not tested
-with the bridge).
+block's input), and the partition weighs that block with the bridge's FLOPs. Activation
+checkpointing applies as to the Transformer; data parallelism, ZeRO and torch.compile take its
+code paths but are not tested with the bridge.
 """
 from __future__ import annotations
 
