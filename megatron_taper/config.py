@@ -64,7 +64,6 @@ class _ModelOptions:
         """The keys that shape this architecture: the other families' sections are left out."""
         others = {s.section for s in FAMILIES.values() if s.section and s.name != self.arch}
         others -= set(FAMILIES[self.arch].reads_sections) if self.arch in FAMILIES else set()
-        others -= set(FAMILIES[self.arch].reads_sections) if self.arch in FAMILIES else set()
         return {k: v for k, v in dataclasses.asdict(self).items() if k not in others}
 
     @property

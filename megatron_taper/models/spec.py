@@ -40,8 +40,6 @@ class FamilySpec:
     options: type | None = None  # dataclass of those options, with validate(prefix)
     # other families' option sections this family also reads (kept in ModelConfig.architecture_dict)
     reads_sections: tuple[str, ...] = ()
-    # other families' option sections this family also reads (kept in ModelConfig.architecture_dict)
-    reads_sections: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         assert bool(self.section) == (self.options is not None), f"{self.name}: section and options go together"
