@@ -15,7 +15,10 @@ Every model trains once, on batches whose length is drawn from --lengths each st
 schedule after a warmup), and is evaluated at each length. Models: one shape (2 layers,
 d_model 64, 2 heads of 32, the uniform MLP), with the MLP width of every model but the Transformer's
 chosen (a multiple of 8) so that its parameter count is the Transformer's within a few percent
-(reported per model); Memory Caching with segments of --segment tokens, top-k 2 for SSC.
+(reported per model); Memory Caching with segments of --segment tokens, top-k 2 for SSC; the
+deep memory chunked by 8 (Titans' max_lr * chunk^2 = 0.32: at chunk 16, 1.28, its base diverged
+to NaN on this task at lr 5e-3 while deep_grm trained). Each --models entry can run in its own
+process; the figures in docs/memory_caching.md were measured that way, 1 thread each.
 """
 from __future__ import annotations
 
@@ -41,7 +44,7 @@ MODELS = {
 }
 SHAPE = ["model.n_layers=2", "model.d_model=64", "model.n_heads=2", "model.taper.schedule=uniform",
          "model.taper.start=1.0", "model.taper.multiple=8", "model.memory_caching.top_k=2",
-         "model.memory_caching.linear_chunk=16", "model.titans.chunk_size=16"]
+         "model.memory_caching.linear_chunk=16", "model.titans.chunk_size=8"]
 
 
 def mqar_batch(batch: int, seq: int, keys: int, values: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
