@@ -40,7 +40,7 @@ setup(
         "safetensors>=0.4",
     ],
     extras_require={
-        "dev": ["pytest>=8", "hypothesis>=6.100", "pytest-timeout>=2.3", "ruff==0.8.4"],
+        "dev": ["pytest>=8", "hypothesis>=6.100", "pytest-timeout>=2.3", "pytest-xdist>=3.5", "ruff==0.8.4"],
         "deepspeed": ["deepspeed==0.19.8"],
         "hf": ["transformers>=4.40,<5", "datasets>=2.14"],
         # MDS shards (mosaicml-streaming, pinned as launch/requirements-lean.txt pins its needs) and the

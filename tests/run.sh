@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs what is missing (see launch/install.sh), lints (ruff, ruff.toml) and runs the whole test suite.
-# Extra arguments go to pytest, e.g. `bash tests/run.sh -k taper`.
+# Extra arguments go to pytest, e.g. `bash tests/run.sh -k taper`. Test files run on
+# PYTEST_WORKERS pytest-xdist workers (default 2; a file's tests stay on one worker; 0 = no xdist).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$root/launch/install.sh"
@@ -9,4 +10,7 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$root/.cache/torch_extensions}"
 py="${VENV:-$root/.venv}/bin/python"
 "$py" -m ruff check --quiet . || { echo "[tests] ruff found problems (fix: $py -m ruff check --fix .)" >&2; exit 1; }
-exec "$py" -m pytest -q -ra --durations=25 tests "$@"
+workers="${PYTEST_WORKERS:-2}"
+parallel=()
+[ "$workers" = 0 ] || parallel=(-n "$workers" --dist loadfile)
+exec "$py" -m pytest -q -ra --durations=25 "${parallel[@]}" tests "$@"

@@ -65,10 +65,11 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
                     _drain(results, out)
                     if len(out) < world_size:
                         raise DistributedTestError(
-                            f"{dead[0].name} died with exit code {dead[0].exitcode} before reporting")
+                            f"{dead[0].name} died with exit code {dead[0].exitcode} before reporting") from None
                 if time.monotonic() > deadline:
                     missing = sorted(set(range(world_size)) - set(out))
-                    raise DistributedTestError(f"timed out after {timeout:.0f} s; ranks {missing} did not finish")
+                    raise DistributedTestError(
+                        f"timed out after {timeout:.0f} s; ranks {missing} did not finish") from None
                 continue
             if not ok:
                 raise DistributedTestError(f"rank {rank} of {world_size} failed:\n{value}")

@@ -15,8 +15,8 @@ import pytest
 import torch
 from harness import run_distributed
 
-from megatron_taper.config import ConfigError, ParallelConfig, load_config
 from megatron_taper.build import build_run
+from megatron_taper.config import load_config
 from megatron_taper.parallel.context import ParallelContext
 
 BASE = ["model.n_layers=2", "model.d_model=64", "model.n_heads=4", "model.mlp_width=75",

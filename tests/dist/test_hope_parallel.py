@@ -19,15 +19,11 @@ All two-process layouts run one after another in one 2-process session.
 """
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
 
 import pytest
-import torch
 from harness import run_distributed
-
-from megatron_taper.config import load_config
+from trainer_records import fit_all
 
 LOSS_ATOL, EARLY_NORM_RTOL, NORM_RTOL = 2e-5, 2e-6, 1e-4
 MODEL = ["model.arch=hope_attention", "model.n_layers=3", "model.d_model=64", "model.n_heads=4",
@@ -41,24 +37,8 @@ LAYOUTS = {"tp2": ["parallel.tp=2"], "tp2_sp": ["parallel.tp=2", "parallel.seque
            "pp2": ["parallel.pp=2"]}
 
 
-def _records(run_dir: str) -> dict[str, dict[int, float]]:
-    with open(Path(run_dir) / "metrics.jsonl") as f:
-        records = [json.loads(line) for line in f]
-    return {key: {r["step"]: r[key] for r in records if key in r} for key in ("loss", "grad_norm")}
-
-
 def _fit_all(runs: list[list[str]]) -> list[dict]:
-    """Train each override list with the Trainer, one after another in this process group; rank
-    0's logged losses and grad norms of each."""
-    from megatron_taper.train import Trainer
-
-    torch.set_num_threads(1)
-    out = []
-    for overrides in runs:
-        cfg = load_config(None, MODEL + TRAIN + overrides)
-        Trainer(cfg).fit()
-        out.append(_records(cfg.run.dir) if int(os.environ.get("RANK", 0)) == 0 else {})
-    return out
+    return fit_all([MODEL + TRAIN + overrides for overrides in runs])
 
 
 def _stop_and_resume(run_dir: Path, data: str, *layout: str) -> list[list[str]]:

@@ -19,15 +19,9 @@ All two-process layouts run one after another in one 2-process session.
 """
 from __future__ import annotations
 
-import json
-import os
-from pathlib import Path
-
 import pytest
-import torch
 from harness import run_distributed
-
-from megatron_taper.config import load_config
+from trainer_records import fit_all
 
 LOSS_ATOL, NORM_RTOL = 2e-5, 1e-4
 BASE = ["model.n_layers=2", "model.d_model=64", "model.n_heads=4", "model.mlp_width=96", "model.vocab_size=256",
@@ -43,24 +37,8 @@ TRAIN = ["train.steps=4", "train.global_batch=4", "train.micro_batch=2", "train.
 LAYOUTS = {"tp2": ["parallel.tp=2"], "pp2": ["parallel.pp=2"]}
 
 
-def _records(run_dir: str) -> dict[str, dict[int, float]]:
-    with open(Path(run_dir) / "metrics.jsonl") as f:
-        records = [json.loads(line) for line in f]
-    return {key: {r["step"]: r[key] for r in records if key in r} for key in ("loss", "grad_norm")}
-
-
 def _fit_all(runs: list[list[str]]) -> list[dict]:
-    """Train each override list with the Trainer, one after another in this process group; rank
-    0's logged losses and grad norms of each."""
-    from megatron_taper.train import Trainer
-
-    torch.set_num_threads(1)
-    out = []
-    for overrides in runs:
-        cfg = load_config(None, BASE + TRAIN + overrides)
-        Trainer(cfg).fit()
-        out.append(_records(cfg.run.dir) if int(os.environ.get("RANK", 0)) == 0 else {})
-    return out
+    return fit_all([BASE + TRAIN + overrides for overrides in runs])
 
 
 @pytest.fixture(scope="module")

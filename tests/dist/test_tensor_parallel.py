@@ -16,8 +16,8 @@ import pytest
 import torch
 from harness import run_distributed
 
-from megatron_taper.config import ConfigError, ModelConfig, ParallelConfig, load_config
 from megatron_taper.build import build_run
+from megatron_taper.config import load_config
 from megatron_taper.parallel.context import ParallelContext
 from megatron_taper.parallel.tensor import split_sizes
 from megatron_taper.taper import layer_widths
@@ -139,10 +139,15 @@ def test_split_sizes_refuses_fewer_units_than_ranks():
 def _layers_worker():
     import torch.distributed as dist
 
-    from megatron_taper.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, ShardSpec,
-                                                gather_from_seq_region, scatter_to_seq_region)
+    from megatron_taper.parallel.tensor import (
+        ColumnParallelLinear,
+        RowParallelLinear,
+        ShardSpec,
+        gather_from_seq_region,
+        scatter_to_seq_region,
+    )
 
-    group, rank = dist.group.WORLD, dist.get_rank()
+    group = dist.group.WORLD
     torch.manual_seed(0)  # same full layers and input on every rank
     up, down = torch.nn.Linear(8, 10), torch.nn.Linear(10, 8)
     x = torch.randn(2, 6, 8, requires_grad=True)
@@ -159,10 +164,11 @@ def _layers_worker():
         y = row(torch.relu(col(h)))
         y_full = gather_from_seq_region(y, group) if sp else y
         (y_full.square().sum() / (2 if sp else 1)).backward()  # gather's backward sums both ranks' copies
+        gathered = [(ShardSpec.split(0, sizes).gather(col.weight.grad, group), up.weight.grad),
+                    (ShardSpec.split(0, sizes).gather(col.bias.grad, group), up.bias.grad),
+                    (ShardSpec.split(1, sizes).gather(row.weight.grad, group), down.weight.grad)]
         errors[sp] = max((y_full - want).abs().max().item(), (xin.grad - x.grad).abs().max().item(),
-                         (ShardSpec.split(0, sizes).gather(col.weight.grad, group) - up.weight.grad).abs().max().item(),
-                         (ShardSpec.split(0, sizes).gather(col.bias.grad, group) - up.bias.grad).abs().max().item(),
-                         (ShardSpec.split(1, sizes).gather(row.weight.grad, group) - down.weight.grad).abs().max().item())
+                         *((ours - ref).abs().max().item() for ours, ref in gathered))
         bias_grad = row.bias.grad.clone()
         if sp:  # the replicated bias saw only this rank's sequence chunk
             dist.all_reduce(bias_grad, group=group)

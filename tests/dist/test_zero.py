@@ -26,7 +26,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from harness import run_distributed
 
 REPO = Path(__file__).resolve().parents[2]
