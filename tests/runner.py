@@ -48,3 +48,36 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
 
 def losses(run_dir: str | Path) -> list[float]:
     return [r["loss"] for r in read_metrics(run_dir) if "loss" in r]
+
+
+def assert_resumes_exactly(args: list[str], tmp_path: Path, stop_at: int = 3) -> list[float]:
+    """Trains `args` (train.steps included) in this process straight through, and again stopped
+    at `stop_at` (train.exit_after) then resumed: the loss sequences are bitwise equal and fall."""
+    from megatron_taper.train import main
+
+    assert main([*args, f"run.dir={tmp_path / 'straight'}"]) == 0
+    assert main([*args, f"run.dir={tmp_path / 'split'}", f"train.exit_after={stop_at}"]) == 0
+    assert len(losses(tmp_path / "split")) == stop_at
+    assert main([*args, f"run.dir={tmp_path / 'split'}"]) == 0
+    straight = losses(tmp_path / "straight")
+    assert losses(tmp_path / "split") == straight and straight[-1] < straight[0]
+    return straight
+
+
+def saved_elements(model, forward, floating_only: bool = False) -> int:
+    """Elements of the storages autograd saves for backward while `forward()` runs: each storage
+    counted once, the model's parameters left out (what activation memory adds)."""
+    import torch
+
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params and (t.is_floating_point() or not floating_only):
+            saved[storage.data_ptr()] = storage.nbytes() // t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        forward()
+    return sum(saved.values())

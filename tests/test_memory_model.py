@@ -37,6 +37,7 @@ import random
 
 import pytest
 import torch
+from runner import saved_elements
 
 from megatron_taper.config import load_config
 from megatron_taper.flops import head_cost, model_costs
@@ -139,20 +140,9 @@ def _saved_elements(overrides: list[str], batch: int = 2) -> tuple[float, object
                              "model.vocab_size=512", "model.seq_len=64", "model.taper.multiple=32"] + overrides).model
     model = build_model(cfg)
     model.init_weights(0)
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved: dict[int, int] = {}
-
-    def pack(t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            saved[storage.data_ptr()] = storage.nbytes() // t.element_size()
-        return t
-
     x = torch.randn(batch, cfg.seq_len, cfg.d_model, requires_grad=True)
     cos, sin = rope_tables(cfg.seq_len, cfg.head_dim, cfg.rope_theta, x.device)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model.layers["0"](x, cos, sin)
-    return sum(saved.values()) / (batch * cfg.seq_len), cfg
+    return saved_elements(model, lambda: model.layers["0"](x, cos, sin)) / (batch * cfg.seq_len), cfg
 
 
 @pytest.mark.parametrize("overrides, tolerance", [
@@ -176,19 +166,12 @@ def test_head_act_matches_saved_tensors():
     model = build_model(cfg)
     model.init_weights(0)
     h = torch.randn(2, 32, 64, requires_grad=True)
-    sizes: dict[int, int] = {}
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-
-    def pack(t):
-        if t.untyped_storage().data_ptr() not in params and t.is_floating_point():
-            sizes[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes() // 4
-        return t
 
     from megatron_taper.models.layers import cross_entropy
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        cross_entropy(model.output(model.norm(h)), torch.randint(0, 1024, (2, 32)))
-    assert head_cost(cfg).act.total == pytest.approx(sum(sizes.values()) / 64, rel=0.01)
+    saved = saved_elements(model, lambda: cross_entropy(model.output(model.norm(h)), torch.randint(0, 1024, (2, 32))),
+                           floating_only=True)
+    assert head_cost(cfg).act.total == pytest.approx(saved / 64, rel=0.01)
 
 
 @pytest.mark.parametrize("arch", ["transformer", "gated_attention", "titans", "hope_attention"])

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from runner import TINY, losses
+from runner import TINY, assert_resumes_exactly
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -17,7 +17,6 @@ from megatron_taper.flops import model_costs
 from megatron_taper.models import build_model
 from megatron_taper.models.layers import cross_entropy
 from megatron_taper.preflight import preflight
-from megatron_taper.train import main
 from megatron_taper.validation import ConfigError
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
@@ -189,12 +188,7 @@ def test_trains_and_resumes_exactly(byte_tokens, tmp_path):
     """Through the Trainer with the auxiliary loss on (2 micro-batches per step), split at step 3."""
     recipe = ["--config", "configs/tiny_bridge.yaml", *TINY, "model.n_layers=2", "model.bridge.segment=8",
               "model.bridge.aux_weight=0.1", f"data.path={byte_tokens}", "train.steps=6", "train.eval_interval=4"]
-    assert main([*recipe, f"run.dir={tmp_path / 'straight'}"]) == 0
-    assert main([*recipe, f"run.dir={tmp_path / 'split'}", "train.exit_after=3"]) == 0
-    assert len(losses(tmp_path / "split")) == 3
-    assert main([*recipe, f"run.dir={tmp_path / 'split'}"]) == 0
-    straight = losses(tmp_path / "straight")
-    assert losses(tmp_path / "split") == straight and straight[-1] < straight[0]
+    assert_resumes_exactly(recipe, tmp_path)
 
 
 def test_probe_pieces(tmp_path):

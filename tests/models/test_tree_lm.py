@@ -10,7 +10,7 @@ import math
 
 import pytest
 import torch
-from runner import TINY, losses
+from runner import TINY, assert_resumes_exactly, saved_elements
 from torch.utils.flop_counter import FlopCounterMode
 
 from megatron_taper.config import load_config
@@ -19,7 +19,6 @@ from megatron_taper.models import build_model
 from megatron_taper.models.layers import Attention, alibi_bias, alibi_slopes
 from megatron_taper.models.tree_lm import SweepCount, tree_depth, tree_prefixes
 from megatron_taper.preflight import preflight
-from megatron_taper.train import main
 from megatron_taper.validation import ConfigError
 
 TREE = ["model.arch=tree", "model.n_layers=1", "model.d_model=32", "model.n_heads=4", "model.mlp_width=64",
@@ -105,18 +104,10 @@ def test_cost_model_matches_module_flop_counter_and_saved_tensors(seq_len):
         model(torch.randint(0, cfg.vocab_size, (2, seq_len)))
     assert counter.get_total_flops() / (2 * seq_len) == pytest.approx(costs.total_flops, rel=1e-9)
 
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved: dict[int, int] = {}
-
-    def pack(t):
-        if t.untyped_storage().data_ptr() not in params:
-            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes() // t.element_size()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model.layers["0"](torch.randn(2, seq_len, cfg.d_model, requires_grad=True))
+    x = torch.randn(2, seq_len, cfg.d_model, requires_grad=True)
+    saved = saved_elements(model, lambda: model.layers["0"](x))
     act = costs.layers[0].act
-    assert act.total - act.input_copies == pytest.approx(sum(saved.values()) / (2 * seq_len), rel=0.07)
+    assert act.total - act.input_copies == pytest.approx(saved / (2 * seq_len), rel=0.07)
 
 
 @pytest.mark.parametrize("overrides, world, message", [
@@ -143,12 +134,7 @@ def test_position_option_is_checked_per_family():
 def test_trains_and_resumes_exactly(byte_tokens, tmp_path):
     recipe = ["--config", "configs/tiny_tree.yaml", *TINY, "model.n_layers=1", "model.tree.cell_width=64",
               f"data.path={byte_tokens}", "train.steps=6", "train.eval_interval=4"]
-    assert main([*recipe, f"run.dir={tmp_path / 'straight'}"]) == 0
-    assert main([*recipe, f"run.dir={tmp_path / 'split'}", "train.exit_after=3"]) == 0
-    assert len(losses(tmp_path / "split")) == 3
-    assert main([*recipe, f"run.dir={tmp_path / 'split'}"]) == 0
-    straight = losses(tmp_path / "straight")
-    assert losses(tmp_path / "split") == straight and straight[-1] < straight[0]
+    assert_resumes_exactly(recipe, tmp_path)
 
 
 def test_alibi_attention_matches_explicit_softmax():
