@@ -95,38 +95,30 @@ def handle_info_flags(args: argparse.Namespace, overrides: list[str]) -> bool:
     return False
 
 
-def key_types(obj: Any = None, prefix: str = "") -> dict[str, type]:
-    """Every dotted key of the config and its Python type (int, float, str, bool)."""
+def config_keys(obj: Any = None, prefix: str = "") -> dict[str, tuple[type, Any]]:
+    """Every dotted key of the config: its Python type (int, float, str, bool, list) and default."""
     obj = Config() if obj is None else obj
     hints = typing.get_type_hints(type(obj))
-    out: dict[str, type] = {}
+    out: dict[str, tuple[type, Any]] = {}
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
         if dataclasses.is_dataclass(value):
-            out.update(key_types(value, f"{prefix}{f.name}."))
+            out.update(config_keys(value, f"{prefix}{f.name}."))
         else:
-            out[f"{prefix}{f.name}"] = hints[f.name]
+            out[f"{prefix}{f.name}"] = (hints[f.name], value)
     return out
 
 
-def key_defaults(obj: Any = None, prefix: str = "") -> dict[str, Any]:
-    obj = Config() if obj is None else obj
-    out: dict[str, Any] = {}
-    for f in dataclasses.fields(obj):
-        value = getattr(obj, f.name)
-        if dataclasses.is_dataclass(value):
-            out.update(key_defaults(value, f"{prefix}{f.name}."))
-        else:
-            out[f"{prefix}{f.name}"] = value
-    return out
+def key_types() -> dict[str, type]:
+    return {key: hint for key, (hint, _) in config_keys().items()}
 
 
 def list_keys_text() -> str:
     """One line per key: name, type, default (as it would be written in YAML)."""
-    types, defaults = key_types(), key_defaults()
-    width = max(len(k) for k in types)
+    keys = config_keys()
+    width = max(len(k) for k in keys)
     lines = [f"{'key':<{width}}  {'type':<5}  default"]
-    for key, hint in types.items():
-        default = yaml.safe_dump(defaults[key], default_flow_style=True).strip().removesuffix("...").strip()
+    for key, (hint, value) in keys.items():
+        default = yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
         lines.append(f"{key:<{width}}  {hint.__name__:<5}  {default}")
     return "\n".join(lines) + "\n"
