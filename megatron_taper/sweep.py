@@ -367,7 +367,7 @@ def markdown_table(result: dict) -> str:
 
 def plot(result: dict, path: str) -> None:
     """PNG: the metric (mean, error bars = std over seeds) against the last axis, one line per
-    combination of the other axes."""
+    combination of the other axes; with a baseline, a second panel with the paired differences."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -376,21 +376,30 @@ def plot(result: dict, path: str) -> None:
     axes = result["axes"]
     x_axis, group_axes = (axes[-1], axes[:-1]) if axes else ("seed", [])
     x_labels = list(dict.fromkeys(row.get(x_axis, "") for row in result["table"]))
-    fig, ax = plt.subplots(figsize=(max(5.0, 1.2 * len(x_labels) + 3), 4))
-    lines: dict[tuple, list] = {}
-    for row in result["table"]:
-        if "mean" in row:
-            lines.setdefault(tuple(row[a] for a in group_axes), []).append(row)
-    for n, (group, rows) in enumerate(lines.items()):
-        xs = [x_labels.index(r.get(x_axis, "")) + (n - (len(lines) - 1) / 2) * 0.06 for r in rows]
-        ax.errorbar(xs, [r["mean"] for r in rows], yerr=[r["std"] for r in rows], marker="o", capsize=4,
-                    label=", ".join(group) or result["metric"])
-    ax.set_xticks(range(len(x_labels)), x_labels)
-    ax.set_xlabel(x_axis)
-    ax.set_ylabel(f"final {result['metric']} (mean +- std over seeds)")
-    if len(lines) > 1:
-        ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
+    panels = [("", f"final {result['metric']} (mean +- std over seeds)")]
+    if result.get("baseline"):
+        named = ", ".join(f"{a}={lab}" for a, lab in result["baseline"].items())
+        panels.append(("delta", f"minus {named}, same seed (mean +- std)"))
+    width = max(5.0, 1.2 * len(x_labels) + 3)
+    fig, subplots = plt.subplots(1, len(panels), figsize=(width * len(panels), 4), squeeze=False)
+    for ax, (key, ylabel) in zip(subplots[0], panels):
+        lines: dict[tuple, list] = {}
+        for row in result["table"]:
+            stats = row.get(key) if key else row
+            if stats and "mean" in stats:
+                lines.setdefault(tuple(row[a] for a in group_axes), []).append((row, stats))
+        for n, (group, rows) in enumerate(lines.items()):
+            xs = [x_labels.index(r.get(x_axis, "")) + (n - (len(lines) - 1) / 2) * 0.06 for r, _ in rows]
+            ax.errorbar(xs, [st["mean"] for _, st in rows], yerr=[st["std"] for _, st in rows], marker="o",
+                        capsize=4, label=", ".join(group) or result["metric"])
+        if key:
+            ax.axhline(0.0, color="grey", linewidth=0.8)
+        ax.set_xticks(range(len(x_labels)), x_labels)
+        ax.set_xlabel(x_axis)
+        ax.set_ylabel(ylabel)
+        if len(lines) > 1:
+            ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
     fig.tight_layout()
     tmp = path + ".tmp.png"
     fig.savefig(tmp, dpi=120)
