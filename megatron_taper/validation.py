@@ -5,6 +5,8 @@ they configure (a model family's options in its own file) validate the same way 
 """
 from __future__ import annotations
 
+import difflib
+
 
 class ConfigError(ValueError):
     """A user error in a recipe, an override or a parallel layout; the message names the key."""
@@ -12,7 +14,9 @@ class ConfigError(ValueError):
 
 def check_choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
-        raise ConfigError(f"{key}={value!r} is not one of: {', '.join(allowed)}")
+        close = difflib.get_close_matches(str(value), allowed, n=1, cutoff=0.5)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ConfigError(f"{key}={value!r} is not one of: {', '.join(allowed)}{hint}")
 
 
 def check_range(key: str, value: float, low: float | None, high: float | None,

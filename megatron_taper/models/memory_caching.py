@@ -33,7 +33,6 @@ Titans' `tp_plan_memory`; W_u is column-parallel like wq.
 """
 from __future__ import annotations
 
-import difflib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
@@ -59,7 +58,7 @@ from megatron_taper.models.titans import (
     tp_plan_memory,
 )
 from megatron_taper.models.transformer import Transformer
-from megatron_taper.validation import ConfigError, check_range
+from megatron_taper.validation import ConfigError, check_choice, check_range
 
 if TYPE_CHECKING:
     from megatron_taper.config import ModelConfig, ParallelConfig
@@ -68,13 +67,6 @@ if TYPE_CHECKING:
 VARIANTS = ("none", "residual", "grm", "soup", "ssc")
 GATED = ("grm", "soup", "ssc")  # variants with W_u and the softmax weights
 WRITE_MODES = ("checkpoint", "independent")
-
-
-def check_choice_suggesting(key: str, value: str, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        close = difflib.get_close_matches(str(value), allowed, n=1, cutoff=0.5)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
-        raise ConfigError(f"{key}={value!r} is not one of: {', '.join(allowed)}{hint}")
 
 
 @dataclass
@@ -90,8 +82,8 @@ class MemoryCachingConfig:
     linear_decay_init: float = 0.97  # linear_memory: the decay a_t at initialisation
 
     def validate(self, prefix: str) -> None:
-        check_choice_suggesting(f"{prefix}.variant", self.variant, VARIANTS)
-        check_choice_suggesting(f"{prefix}.write_mode", self.write_mode, WRITE_MODES)
+        check_choice(f"{prefix}.variant", self.variant, VARIANTS)
+        check_choice(f"{prefix}.write_mode", self.write_mode, WRITE_MODES)
         for key in ("segment", "top_k", "linear_chunk"):
             check_range(f"{prefix}.{key}", getattr(self, key), 1, None)
         check_range(f"{prefix}.linear_conv_kernel", self.linear_conv_kernel, 0, None)
