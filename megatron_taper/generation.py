@@ -86,10 +86,11 @@ class Generation:
 @dataclass
 class OnlineLevelState:
     """One online CMS level while decoding: theta^(c), the weights that read the current chunk
-    (w13 [2W, D] and w2 [D, W] until the first update, [B, ...] after), and that chunk's inputs so far."""
+    (w13 [2W, D] and w2 [D, W] until the first update, [B, ...] after), and what that chunk's
+    positions so far read: inputs n, activations and outputs y, kept for the update at its end."""
 
     weights: Weights
-    chunk: list[torch.Tensor] = field(default_factory=list)  # n of the chunk's positions, [B, t, D] pieces
+    chunk: list[tuple[torch.Tensor, SwiGLUActivations, torch.Tensor]] = field(default_factory=list)
     filled: int = 0
 
     def read(self, level: ContinuumLevel, n: torch.Tensor) -> torch.Tensor:
@@ -99,15 +100,16 @@ class OnlineLevelState:
             take = min(level.period - self.filled, n.shape[1])
             part, n = n[:, :take], n[:, take:]
             acts = SwiGLUActivations.of(part, self.weights[0])
-            outs.append(acts.h @ self.weights[1].transpose(-1, -2))  # [B, take, D]
-            self.chunk.append(part)
+            y = acts.h @ self.weights[1].transpose(-1, -2)  # [B, take, D]
+            outs.append(y)
+            self.chunk.append((part, acts, y))
             self.filled += take
             if self.filled == level.period:  # the update the full forward makes at this chunk's end
-                whole = torch.cat(self.chunk, dim=1)  # [B, C, D]
-                acts = SwiGLUActivations.of(whole, self.weights[0])
-                y = acts.h @ self.weights[1].transpose(-1, -2)
-                self.weights = inner_step(self.weights, whole, acts, y, acts.h.square().sum(-1),
-                                          F.softplus(level.raw_step))
+                parts, pieces, ys = zip(*self.chunk)
+                acts = SwiGLUActivations(*(torch.cat(t, dim=1) for t in
+                                           zip(*((a.s, a.h, a.dh_da) for a in pieces))))  # [B, C, W] each
+                self.weights = inner_step(self.weights, torch.cat(parts, dim=1), acts, torch.cat(ys, dim=1),
+                                          acts.h.square().sum(-1), F.softplus(level.raw_step))
                 self.chunk, self.filled = [], 0
         return torch.cat(outs, dim=1)
 
