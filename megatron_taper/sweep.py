@@ -48,7 +48,7 @@ import yaml
 
 from megatron_taper.config import load_config
 from megatron_taper.data.corpus import TEXT_MODES
-from megatron_taper.validation import ConfigError
+from megatron_taper.validation import ConfigError, check_choice
 
 RESERVED = ("recipe",)
 SWEEP_DATA_FILE = "sweep_data.json"
@@ -168,8 +168,7 @@ def _data(path: str, folder: str, raw: Any, corpus: list[str] | None, sweep: Swe
             raise ConfigError(f"{where}.corpus: give the raw text (a path or a list), or pass --corpus")
         paths = [_resolve(folder, c) for c in listed]
     text_mode = raw.get("text_mode", "paragraph")
-    if text_mode not in TEXT_MODES:
-        raise ConfigError(f"{where}.text_mode {text_mode!r} is not one of: {', '.join(TEXT_MODES)}")
+    check_choice(f"{where}.text_mode", text_mode, TEXT_MODES)
     val_fraction = raw.get("val_fraction", 0.05)
     if not isinstance(val_fraction, (int, float)) or not 0.0 < val_fraction < 0.5:
         raise ConfigError(f"{where}.val_fraction {val_fraction!r} must be in (0, 0.5): "
@@ -338,6 +337,10 @@ def collect(sweep: Sweep) -> dict:
             "runs": runs, "table": table}
 
 
+def _baseline_name(baseline: dict[str, str]) -> str:
+    return ", ".join(f"{axis}={label}" for axis, label in baseline.items())
+
+
 def _spread(xs: list[float]) -> dict:
     return {"mean": statistics.fmean(xs), "std": statistics.stdev(xs) if len(xs) > 1 else 0.0,
             "min": min(xs), "max": max(xs), "n": len(xs)}
@@ -348,8 +351,7 @@ def markdown_table(result: dict) -> str:
     cols = [*axes, f"{metric} mean", "std (seeds)", "min", "max", "ppl", "seeds"]
     baseline = result.get("baseline")
     if baseline:
-        named = ", ".join(f"{a}={lab}" for a, lab in baseline.items())
-        cols.append(f"vs {named} (paired by seed: mean +- std)")
+        cols.append(f"vs {_baseline_name(baseline)} (paired by seed: mean +- std)")
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for row in result["table"]:
         cells = [str(row[a]) for a in axes]
@@ -378,8 +380,7 @@ def plot(result: dict, path: str) -> None:
     x_labels = list(dict.fromkeys(row.get(x_axis, "") for row in result["table"]))
     panels = [("", f"final {result['metric']} (mean +- std over seeds)")]
     if result.get("baseline"):
-        named = ", ".join(f"{a}={lab}" for a, lab in result["baseline"].items())
-        panels.append(("delta", f"minus {named}, same seed (mean +- std)"))
+        panels.append(("delta", f"minus {_baseline_name(result['baseline'])}, same seed (mean +- std)"))
     width = max(5.0, 1.2 * len(x_labels) + 3)
     fig, subplots = plt.subplots(1, len(panels), figsize=(width * len(panels), 4), squeeze=False)
     for ax, (key, ylabel) in zip(subplots[0], panels):
