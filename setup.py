@@ -25,7 +25,7 @@ setup(
         "megatron-taper-sweep = megatron_taper_tools.sweep:main",
         "megatron-taper-plan = megatron_taper_tools.plan_pipeline:main",
         "megatron-taper-show = megatron_taper_tools.show_model:main",
-        "megatron-taper-lm-eval = megatron_taper.lm_eval_adapter:main",
+        "megatron-taper-lm-eval = megatron_taper.inference.lm_eval_adapter:main",
     ]},
     python_requires=">=3.10",
     # torch is pinned loosely on purpose: the installed wheel (CPU or CUDA) must never be replaced.

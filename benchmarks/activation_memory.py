@@ -104,7 +104,7 @@ def whole_model(cfg, steps: int) -> dict:
     import torch
 
     from megatron_taper.build import build_run
-    from megatron_taper.memory import MemorySetup, model_memory
+    from megatron_taper.cost.memory import MemorySetup, model_memory
 
     device_type = "cuda" if cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available()) \
         else "cpu"
@@ -132,7 +132,7 @@ def pipeline_stage(cfg, which: str, n_layers: int, in_flight: int) -> dict:
     """One pipeline stage in one process (module doc): `in_flight` forwards, then the backwards."""
     import torch
 
-    from megatron_taper.memory import MemorySetup, model_memory
+    from megatron_taper.cost.memory import MemorySetup, model_memory
     from megatron_taper.models import build_model
     from megatron_taper.models.layers import cross_entropy
     from megatron_taper.parallel.block_options import apply_block_options

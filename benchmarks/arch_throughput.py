@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_taper.config import load_config
-from megatron_taper.flops import model_costs
+from megatron_taper.cost.flops import model_costs
 from megatron_taper.models import build_model
 from megatron_taper.models.layers import cross_entropy
 

@@ -41,7 +41,7 @@ from probe_bridge import kjv_chapters, probe, read_documents  # noqa: E402
 
 from megatron_taper.data.preprocess import in_val_split  # noqa: E402
 from megatron_taper.data.tokenizer import Tokenizer  # noqa: E402
-from megatron_taper.inference import load_model, open_checkpoint  # noqa: E402
+from megatron_taper.inference.load import load_model, open_checkpoint  # noqa: E402
 from megatron_taper.models.layers import cross_entropy  # noqa: E402
 
 RECIPES = {"none": "tiny_bridge_none.yaml", "bridge": "tiny_bridge.yaml", "aux": "tiny_bridge_aux.yaml",

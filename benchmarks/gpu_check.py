@@ -33,8 +33,8 @@ import numpy as np
 import torch
 
 from megatron_taper.config import load_config
+from megatron_taper.cost.flops import mfu, model_costs, peak_flops
 from megatron_taper.data.corpus import embedded_files
-from megatron_taper.flops import mfu, model_costs, peak_flops
 from megatron_taper.train import Trainer
 
 PARITY_TOL = 1e-4

@@ -31,7 +31,7 @@ import time
 import torch
 
 from megatron_taper.config import load_config
-from megatron_taper.flops import model_costs
+from megatron_taper.cost.flops import model_costs
 from megatron_taper.models import build_model
 from megatron_taper.models.layers import IGNORE_INDEX, cross_entropy
 

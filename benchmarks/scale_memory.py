@@ -87,7 +87,7 @@ def worker(overrides: list[str], folder: str, out: str) -> None:
     import torch.distributed as dist
 
     from megatron_taper.build import build_run, seed_everything
-    from megatron_taper.checkpoint import Checkpointer, load_logical
+    from megatron_taper.checkpoint.checkpointer import Checkpointer, load_logical
     from megatron_taper.config import load_config
     from megatron_taper.models import build_model
     from megatron_taper.parallel.context import init_parallel, shutdown
@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
              "model.taper.multiple=64", "train.device=cpu", "train.precision=fp32", "train.global_batch=4",
              "train.micro_batch=1", "parallel.microbatches=2"]
     from megatron_taper.config import load_config
-    from megatron_taper.flops import model_costs
+    from megatron_taper.cost.flops import model_costs
 
     params = model_costs(load_config(None, model).model).total_params
     full_mib = params * 12 / MIB  # fp32 parameters + two AdamW moments

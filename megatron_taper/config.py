@@ -2,6 +2,10 @@
 
 A config is built as: dataclass defaults <- YAML recipe <- command-line overrides, then validated.
 Every user error is a `ConfigError` (a ValueError) that names the offending dotted key.
+
+The ground floor of the package: it imports no torch and no model, parallel or data code (the
+model families' option sections come from their torch-free cards, megatron_taper/models/cards.py),
+so `--print-config`, `--list-keys` and config errors are fast (tests/config/test_layering.py).
 """
 from __future__ import annotations
 
@@ -16,10 +20,8 @@ from typing import Any
 
 import yaml
 
-from megatron_taper.models import FAMILIES, family
-from megatron_taper.parallel.partition import BALANCE_MODES
-from megatron_taper.parallel.partition import SCHEDULES as PP_SCHEDULES
-from megatron_taper.taper import SCHEDULES
+from megatron_taper.models import cards, family_card
+from megatron_taper.taper import TAPER_SCHEDULES
 from megatron_taper.validation import ConfigError, check_choice, check_range
 
 __all__ = ["CheckpointConfig", "Config", "ConfigError", "DataConfig", "DeepSpeedConfig", "ModelConfig",
@@ -34,7 +36,7 @@ class TaperConfig:
     sigmoid_sharpness: float = 10.0  # slope of the sigmoid schedule
 
     def validate(self, prefix: str) -> None:
-        check_choice(f"{prefix}.schedule", self.schedule, SCHEDULES)
+        check_choice(f"{prefix}.schedule", self.schedule, TAPER_SCHEDULES)
         check_range(f"{prefix}.start", self.start, 0.0, 2.0, open_low=True, open_high=True)
         check_range(f"{prefix}.multiple", self.multiple, 1, None)
         check_range(f"{prefix}.sigmoid_sharpness", self.sigmoid_sharpness, 0.0, None, open_low=True)
@@ -62,8 +64,9 @@ class _ModelOptions:
 
     def architecture_dict(self) -> dict[str, Any]:
         """The keys that shape this architecture: the other families' sections are left out."""
-        others = {s.section for s in FAMILIES.values() if s.section and s.name != self.arch}
-        others -= set(FAMILIES[self.arch].reads_sections) if self.arch in FAMILIES else set()
+        registered = cards()
+        others = {c.section for c in registered.values() if c.section and c.name != self.arch}
+        others -= set(registered[self.arch].reads_sections) if self.arch in registered else set()
         return {k: v for k, v in dataclasses.asdict(self).items() if k not in others}
 
     @property
@@ -73,20 +76,20 @@ class _ModelOptions:
     @property
     def position_encoding(self) -> str:
         """model.position, or the family's default when it is empty."""
-        return self.position or family(self.arch).positions[0]
+        return self.position or family_card(self.arch).positions[0]
 
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
 
     def validate(self, prefix: str) -> None:
-        family(self.arch)
+        family_card(self.arch)
         for key in ("n_layers", "d_model", "n_heads", "mlp_width", "vocab_size", "seq_len"):
             check_range(f"{prefix}.{key}", getattr(self, key), 1, None)
         check_range(f"{prefix}.n_kv_heads", self.n_kv_heads, 0, None)
         if self.d_model % self.n_heads:
             raise ConfigError(f"{prefix}.n_heads={self.n_heads} must divide {prefix}.d_model={self.d_model}")
-        allowed = family(self.arch).positions
+        allowed = family_card(self.arch).positions
         if self.position and self.position not in allowed:
             raise ConfigError(f"{prefix}.position={self.position!r}: model.arch={self.arch!r} supports "
                               f"{' | '.join(allowed)} (or empty for {allowed[0]})")
@@ -98,15 +101,15 @@ class _ModelOptions:
         check_range(f"{prefix}.init_std", self.init_std, 0.0, None, open_low=True)
         check_range(f"{prefix}.norm_eps", self.norm_eps, 0.0, None, open_low=True)
         self.taper.validate(f"{prefix}.taper")
-        for spec in FAMILIES.values():
-            if spec.section:
-                getattr(self, spec.section).validate(f"{prefix}.{spec.section}")
+        for card in cards().values():
+            if card.section:
+                getattr(self, card.section).validate(f"{prefix}.{card.section}")
 
 
-# model.<section> for every registered family that has options (models/<family>.py defines them)
+# model.<section> for every registered family that has options (models/cards.py defines the built-in ones)
 ModelConfig = dataclasses.make_dataclass(
     "ModelConfig",
-    [(s.section, s.options, field(default_factory=s.options)) for s in FAMILIES.values() if s.section],
+    [(c.section, c.options, field(default_factory=c.options)) for c in cards().values() if c.section],
     bases=(_ModelOptions,), namespace={"__module__": __name__},
 )
 
@@ -135,6 +138,10 @@ class DeepSpeedConfig:
             raise ConfigError(f"{prefix}.config={self.config!r}: file not found")
 
 
+PP_BALANCE_MODES = ("flops", "uniform", "params", "profile")  # parallel.pp_balance (parallel/partition.py)
+PP_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")  # parallel.pp_schedule (parallel/pipeline.py)
+
+
 @dataclass
 class ParallelConfig:
     tp: int = 1
@@ -157,7 +164,7 @@ class ParallelConfig:
         check_range(f"{prefix}.pp_memory_gb", self.pp_memory_gb, 0.0, None)
         check_range(f"{prefix}.ddp_bucket_mb", self.ddp_bucket_mb, 0.0, None, open_low=True)
         check_choice(f"{prefix}.zero", self.zero, ("none", "fsdp2", "deepspeed"))
-        check_choice(f"{prefix}.pp_balance", self.pp_balance, BALANCE_MODES)
+        check_choice(f"{prefix}.pp_balance", self.pp_balance, PP_BALANCE_MODES)
         check_choice(f"{prefix}.pp_schedule", self.pp_schedule, PP_SCHEDULES)
         self.deepspeed.validate(f"{prefix}.deepspeed")
 

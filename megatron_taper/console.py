@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from megatron_taper.flops import device_name, model_costs
+from megatron_taper.cost.flops import device_name, model_costs
 from megatron_taper.taper import layer_widths
 
 if TYPE_CHECKING:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-SCHEDULES = ("uniform", "linear", "cosine", "sigmoid")
+TAPER_SCHEDULES = ("uniform", "linear", "cosine", "sigmoid")
 
 
 @dataclass(frozen=True)

@@ -25,13 +25,13 @@ import torch
 import torch.distributed as dist
 
 from megatron_taper.build import build_run
-from megatron_taper.checkpoint import Checkpointer, checkpoint_root, resume_candidates
+from megatron_taper.checkpoint.checkpointer import Checkpointer, checkpoint_root, resume_candidates
 from megatron_taper.cli import OVERRIDES_HELP, add_config_arguments, handle_info_flags, parse_with_overrides
 from megatron_taper.config import Config, ConfigError, load_config, save_config
 from megatron_taper.console import DEBUG_ENV, format_duration, peak_memory, report_error, summary_lines
+from megatron_taper.cost.flops import mfu, model_costs, peak_flops
 from megatron_taper.data.sources import build_sources
-from megatron_taper.evaluate import combined_loss, evaluate_held_out
-from megatron_taper.flops import mfu, model_costs, peak_flops
+from megatron_taper.held_out import combined_loss, evaluate_held_out
 from megatron_taper.metrics import MetricsLogger, timestamp
 from megatron_taper.optim import lr_at
 from megatron_taper.parallel.context import ParallelContext, init_parallel, shutdown, world_size

@@ -1,7 +1,7 @@
 """The error type of user input and the checks every config section's `validate(prefix)` uses.
 
-A leaf module (no imports from the package), so that config sections defined next to the code
-they configure (a model family's options in its own file) validate the same way as config.py's.
+A leaf module (no imports from the package, no torch), so that config sections defined outside
+config.py (the model families' options in models/cards.py) validate the same way as config.py's.
 """
 from __future__ import annotations
 
@@ -12,11 +12,15 @@ class ConfigError(ValueError):
     """A user error in a recipe, an override or a parallel layout; the message names the key."""
 
 
+def did_you_mean(value: str, allowed) -> str:
+    """"; did you mean 'x'?" for the allowed value closest to `value`, or "" when none is close."""
+    close = difflib.get_close_matches(str(value), list(allowed), n=1, cutoff=0.5)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
 def check_choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
-        close = difflib.get_close_matches(str(value), allowed, n=1, cutoff=0.5)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
-        raise ConfigError(f"{key}={value!r} is not one of: {', '.join(allowed)}{hint}")
+        raise ConfigError(f"{key}={value!r} is not one of: {', '.join(allowed)}{did_you_mean(value, allowed)}")
 
 
 def check_range(key: str, value: float, low: float | None, high: float | None,

@@ -1,4 +1,4 @@
-"""tools/evaluate.py and megatron_taper.evaluate in one process.
+"""tools/evaluate.py and megatron_taper.inference.evaluate in one process.
 
 A tiny tapered model is trained 3 steps by the Trainer (byte tokens, one process). Its final
 eval record (train.eval_batches=1) must equal evaluate_checkpoint with --batches 1 exactly (the
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_taper.evaluate import evaluate_checkpoint
+from megatron_taper.inference.evaluate import evaluate_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = ["model.n_layers=2", "model.d_model=32", "model.n_heads=4", "model.n_kv_heads=2", "model.mlp_width=48",

@@ -4,7 +4,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from megatron_taper.config import load_config
-from megatron_taper.flops import mfu, model_costs, uniform_twin
+from megatron_taper.cost.flops import mfu, model_costs, uniform_twin
 from megatron_taper.models import build_model
 
 SMALL = ["model.n_layers=4", "model.d_model=64", "model.n_heads=4", "model.mlp_width=192",

@@ -15,8 +15,15 @@ import pytest
 import torch
 
 from megatron_taper.config import load_config
-from megatron_taper.generation import KVCache, SamplingOptions, cached_forward, generate, next_token, supports_kv_cache
-from megatron_taper.inference import save_exported
+from megatron_taper.inference.generation import (
+    KVCache,
+    SamplingOptions,
+    cached_forward,
+    generate,
+    next_token,
+    supports_kv_cache,
+)
+from megatron_taper.inference.load import save_exported
 from megatron_taper.models import build_model
 
 REPO = Path(__file__).resolve().parents[1]

@@ -1,4 +1,4 @@
-"""Hugging Face interop (megatron_taper.interop.hf, tools/convert_checkpoint.py --to hf / --from hf).
+"""Hugging Face interop (megatron_taper.inference.hf, tools/convert_checkpoint.py --to hf / --from hf).
 
 - A tapered GQA model trained 2 steps by the Trainer (sharded checkpoint) exports to a folder
   that transformers loads as TaperedLlamaForCausalLM (trust_remote_code=True): per-layer MLP
@@ -21,7 +21,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from megatron_taper.config import load_config  # noqa: E402
-from megatron_taper.inference import load_model, open_checkpoint, save_exported  # noqa: E402
+from megatron_taper.inference.load import load_model, open_checkpoint, save_exported  # noqa: E402
 from megatron_taper.models import build_model  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -73,7 +73,7 @@ def test_tapered_export_loads_with_its_widths_and_our_logits(tapered_run, tmp_pa
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from megatron_taper.data.tokenizer import Tokenizer
-    from megatron_taper.generation import SamplingOptions, generate
+    from megatron_taper.inference.generation import SamplingOptions, generate
 
     out = tmp_path / "hf"
     _convert(tapered_run, "--to", "hf", "--output", out)

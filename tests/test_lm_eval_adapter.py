@@ -1,4 +1,4 @@
-"""The lm-evaluation-harness adapter (megatron_taper.lm_eval_adapter), offline.
+"""The lm-evaluation-harness adapter (megatron_taper.inference.lm_eval_adapter), offline.
 
 lm_eval itself is an optional extra that launch/install.sh does not install, so the adapter is
 driven here as lm_eval drives it: request objects with `.args`, read from a tiny multiple-choice
@@ -6,7 +6,7 @@ task file (JSONL) that the test writes; when lm_eval is importable, the last tes
 lm_eval.simple_evaluate on the same task as a YAML task (skipped otherwise).
 
 Equalities (model: 2 tapered layers, byte tokens so that tokenization splits exactly):
-- loglikelihood_rolling(text) = -(mean loss x tokens) of megatron_taper.evaluate on the same
+- loglikelihood_rolling(text) = -(mean loss x tokens) of megatron_taper.inference.evaluate on the same
   tokens ([prefix] + text through build_run's model and ParallelModel.evaluate): TOL 1e-4 on sums
   of ~60 log-probabilities in fp32 (measured ~1e-5);
 - loglikelihood(context, continuation) = rolling(context + continuation) - rolling(context)
@@ -21,10 +21,11 @@ import pytest
 import torch
 
 from megatron_taper.config import load_config
-from megatron_taper.evaluate import evaluate_source, evaluation_config
-from megatron_taper.generation import SamplingOptions, generate
-from megatron_taper.inference import load_parallel_weights, open_checkpoint, save_exported
-from megatron_taper.lm_eval_adapter import MegatronTaperLM
+from megatron_taper.held_out import evaluate_source
+from megatron_taper.inference.evaluate import evaluation_config
+from megatron_taper.inference.generation import SamplingOptions, generate
+from megatron_taper.inference.lm_eval_adapter import MegatronTaperLM
+from megatron_taper.inference.load import load_parallel_weights, open_checkpoint, save_exported
 from megatron_taper.models import build_model
 
 TOL = 1e-4
@@ -80,7 +81,7 @@ def _accuracy(lm, docs):
 
 
 def _our_evaluation_logprob(checkpoint, tokens):
-    """-(mean loss x predicted tokens) of megatron_taper.evaluate over `tokens` (one sequence)."""
+    """-(mean loss x predicted tokens) of megatron_taper.inference.evaluate over `tokens` (one sequence)."""
     from megatron_taper.build import build_run
 
     ref = open_checkpoint(checkpoint)
@@ -160,7 +161,7 @@ def test_simple_evaluate_on_a_local_task(byte_checkpoint, task_file, tmp_path):
     lm_eval = pytest.importorskip("lm_eval", reason="lm-evaluation-harness is an optional extra (.[lmeval])")
     from lm_eval.tasks import TaskManager
 
-    from megatron_taper.lm_eval_adapter import lm_eval_model_class
+    from megatron_taper.inference.lm_eval_adapter import lm_eval_model_class
 
     (tmp_path / "tasks").mkdir()
     (tmp_path / "tasks" / "tiny_mc.yaml").write_text(

@@ -1,4 +1,4 @@
-"""The per-stage memory model (megatron_taper/memory.py) against measured peaks and saved tensors.
+"""The per-stage memory model (megatron_taper/cost/memory.py) against measured peaks and saved tensors.
 
 Measured: benchmarks/activation_memory.py runs forward+backward of one micro-batch in fresh
 processes (MALLOC_MMAP_THRESHOLD_=65536, peak RSS from VmHWM after clearing it with
@@ -40,10 +40,10 @@ import torch
 from runner import saved_elements
 
 from megatron_taper.config import load_config
-from megatron_taper.flops import head_cost, model_costs
-from megatron_taper.memory import MemoryModel, MemorySetup, model_memory, piece_memory, pipeline_buffers
+from megatron_taper.cost.block import Cost, Split
+from megatron_taper.cost.flops import head_cost, model_costs
+from megatron_taper.cost.memory import MemoryModel, MemorySetup, model_memory, piece_memory, pipeline_buffers
 from megatron_taper.models import build_model
-from megatron_taper.models.costs import Cost, Split
 from megatron_taper.models.layers import rope_tables
 from megatron_taper.parallel.partition import evaluate, partition
 

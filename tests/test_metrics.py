@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from megatron_taper.config import ConfigError, load_config
-from megatron_taper.flops import PEAK_TFLOPS, lookup_peak_tflops, peak_flops
+from megatron_taper.cost.flops import PEAK_TFLOPS, lookup_peak_tflops, peak_flops
 from megatron_taper.metrics import scalar_tag, scalars
 
 

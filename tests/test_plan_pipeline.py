@@ -81,7 +81,7 @@ def test_70b_recipe_plans_from_the_cost_model_alone(capsys):
 
 
 def test_memory_columns_follow_layout_precision_and_checkpointing(capsys):
-    """The memory columns are the per-rank peak of megatron_taper/memory.py for the config."""
+    """The memory columns are the per-rank peak of megatron_taper/cost/memory.py for the config."""
     tool = _tool()
 
     def plan(*overrides, options=()):

@@ -20,7 +20,7 @@ name, metadata: step, source; peak memory about one tensor for format 2), OUTPUT
 Writing goes through a temporary name + rename.
 
 --to hf: a folder transformers loads (AutoModelForCausalLM.from_pretrained; a tapered model with
-trust_remote_code=True), see megatron_taper/interop/hf.py. CKPT may also be a run folder or a
+trust_remote_code=True), see megatron_taper/inference/hf.py. CKPT may also be a run folder or a
 folder written by the default mode. --from hf: a Llama folder (safetensors) becomes a run folder
 with config.yaml and checkpoints/step-0 that `python -m megatron_taper.train --config
 runs/Y/config.yaml` continues from; key=value overrides apply to that config (e.g. model.seq_len,
@@ -35,8 +35,8 @@ import sys
 
 import torch
 
-from megatron_taper.checkpoint import CheckpointError, load_logical, verify_checkpoint
-from megatron_taper.checkpoint_files import ShardReader, iter_full_tensors, write_safetensors_streaming
+from megatron_taper.checkpoint.checkpointer import CheckpointError, load_logical, verify_checkpoint
+from megatron_taper.checkpoint.files import CheckpointReader, iter_full_tensors, write_safetensors_streaming
 from megatron_taper.cli import OVERRIDES_HELP, parse_with_overrides
 from megatron_taper.config import from_dict, save_config
 
@@ -87,7 +87,7 @@ def convert(path: str, output: str, source: str = "auto", dtype: str = "fp32") -
     out_dtype = DTYPES[dtype]
     name = str(out_dtype).removeprefix("torch.")
     if used == "logical" and sharded:
-        reader = ShardReader(path, meta["tensors"], meta["files"])
+        reader = CheckpointReader(path, meta["tensors"], meta["files"])
         shapes = {k[len("model/"):]: (tuple(e["shape"]), name) for k, e in meta["tensors"].items()
                   if k.startswith("model/")}
         tensors = ((n, t.to(out_dtype)) for n, t in iter_full_tensors(reader))
@@ -132,11 +132,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.source_format == "hf":
             if args.to == "hf":
                 raise ValueError("--from hf and --to hf together: nothing to convert")
-            from megatron_taper.interop.hf import import_hf
+            from megatron_taper.inference.hf import import_hf
 
             info = import_hf(args.checkpoint, args.output, args.config, overrides)
         elif args.to == "hf":
-            from megatron_taper.interop.hf import export_hf
+            from megatron_taper.inference.hf import export_hf
 
             info = export_hf(args.checkpoint, args.output, args.dtype, args.tokenizer)
         else:

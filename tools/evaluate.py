@@ -43,8 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", type=int, default=0, help="micro-batches per dp rank and length")
     parser.add_argument("--batch-size", type=int, default=0, help="sequences per micro-batch")
     args, overrides = parse_with_overrides(parser, argv)
-    from megatron_taper.checkpoint import CheckpointError
-    from megatron_taper.evaluate import evaluate_checkpoint
+    from megatron_taper.checkpoint.checkpointer import CheckpointError
+    from megatron_taper.inference.evaluate import evaluate_checkpoint
 
     try:
         if args.batches < 0 or args.batch_size < 0:

@@ -32,9 +32,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     import torch
 
-    from megatron_taper.checkpoint import CheckpointError
-    from megatron_taper.generation import SamplingOptions, generate
-    from megatron_taper.inference import load_model, load_tokenizer, open_checkpoint
+    from megatron_taper.checkpoint.checkpointer import CheckpointError
+    from megatron_taper.inference.generation import SamplingOptions, generate
+    from megatron_taper.inference.load import load_model, load_tokenizer, open_checkpoint
 
     try:
         ref = open_checkpoint(args.checkpoint)

@@ -3,7 +3,7 @@
     python tools/plan_pipeline.py --config configs/transformer_1.3b_taper.yaml parallel.pp=8 [--json]
 
 Per stage: layers, forward FLOPs per token (embedding on the first stage, final norm + LM head +
-loss on the last), parameters, and the predicted memory of one rank (megatron_taper/memory.py):
+loss on the last), parameters, and the predicted memory of one rank (megatron_taper/cost/memory.py):
 static (parameters, gradients and optimizer state after tp / ZeRO sharding, plus weights held
 unsharded or cast), activations (the micro-batches in flight under the schedule, the largest
 backward moment, the head's loss buffers, pipeline buffers) and their sum, the peak; then
@@ -26,7 +26,7 @@ import torch
 
 from megatron_taper.cli import OVERRIDES_HELP, add_config_arguments, handle_info_flags, parse_with_overrides
 from megatron_taper.config import load_config
-from megatron_taper.memory import MemorySetup
+from megatron_taper.cost.memory import MemorySetup
 from megatron_taper.models import build_model
 from megatron_taper.parallel.context import choose_device
 from megatron_taper.parallel.partition import PipelinePlan

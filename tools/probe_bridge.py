@@ -31,7 +31,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from megatron_taper.inference import load_model, load_tokenizer, open_checkpoint
+from megatron_taper.inference.load import load_model, load_tokenizer, open_checkpoint
 
 CHAPTER_HEADING = re.compile(r"^(\S.*) (\d+)$")
 VERSE = re.compile(r"^\s+\d+ (.*)$")

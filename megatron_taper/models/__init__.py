@@ -1,25 +1,27 @@
-"""Model families and their registry.
+"""Model families and their registry (torch-free: family code is imported on first use).
 
-Every family is single-device code in its own file ending with a `SPEC` (models/spec.py:
-FamilySpec): how to build it, what one block costs, its tensor-parallel plan and preconditions,
-and its options section (`model.<section>`). `FAMILIES` maps `model.arch` to the spec; config.py,
-flops.py, parallel/tp_plan.py and preflight.py all read it.
+A family is a FamilyCard (torch-free: name, options section, positions, test cases; built-in
+ones in models/cards.py) plus a FamilySpec (card + behaviour) in the tuple `SPECS` at the end of
+the card's module (models/spec.py). `cards()` maps `model.arch` to the card and is all that
+config.py needs; `family(arch)` imports the family's module the first time it is asked and
+returns its spec (cost model, TP plan, layout checks, decoding state, Hugging Face adapter).
 
 Families outside this package: the environment variable MEGATRON_TAPER_FAMILIES may name
-modules (comma-separated, importable, each defining `SPEC`) that are registered after the
-built-in ones, when this package is first imported. It is read once; torchrun's workers inherit it.
+modules (comma-separated, importable, each defining `SPECS`, a tuple of FamilySpec) that are
+registered after the built-in ones; those modules are imported when the registry is first read
+(in that process: torchrun's workers inherit the variable).
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 from types import MappingProxyType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Mapping
 
-import megatron_taper.models.memory_caching as memory_caching
-from megatron_taper.models import gated_attention, hope_attention, memory_bridge, titans, transformer, tree_lm
-from megatron_taper.models.spec import FamilySpec
-from megatron_taper.validation import ConfigError
+from megatron_taper.models.cards import BUILTIN_CARDS
+from megatron_taper.models.spec import FamilyCard, FamilySpec
+from megatron_taper.validation import ConfigError, did_you_mean
 
 if TYPE_CHECKING:
     from torch import nn
@@ -29,42 +31,57 @@ if TYPE_CHECKING:
 FAMILIES_ENV = "MEGATRON_TAPER_FAMILIES"
 
 
-def _registry() -> MappingProxyType:
-    specs = [transformer.SPEC, gated_attention.SPEC, titans.SPEC, hope_attention.SPEC, tree_lm.SPEC,
-             memory_bridge.SPEC]
-    specs += memory_caching.SPECS  # linear_memory, deep_memory
-    for name in filter(None, (m.strip() for m in os.environ.get(FAMILIES_ENV, "").split(","))):
-        try:
-            module = importlib.import_module(name)
-        except ImportError as e:
-            raise ConfigError(f"{FAMILIES_ENV}: cannot import model family module {name!r} ({e})") from None
-        spec = getattr(module, "SPEC", None)
-        if not isinstance(spec, FamilySpec):
-            raise ConfigError(f"{FAMILIES_ENV}: module {name!r} defines no SPEC = FamilySpec(...)")
-        specs.append(spec)
-    registry: dict[str, FamilySpec] = {}
+def _module_specs(name: str, where: str) -> tuple[FamilySpec, ...]:
+    try:
+        module = importlib.import_module(name)
+    except ImportError as e:
+        raise ConfigError(f"{where}: cannot import model family module {name!r} ({e})") from None
+    specs = getattr(module, "SPECS", None)
+    if not isinstance(specs, tuple) or not specs or not all(isinstance(s, FamilySpec) for s in specs):
+        raise ConfigError(f"{where}: module {name!r} defines no SPECS = (FamilySpec(...), ...)")
+    return specs
+
+
+@functools.cache
+def _registry(env: str) -> Mapping[str, FamilyCard]:
+    cards = list(BUILTIN_CARDS)
+    for name in filter(None, (m.strip() for m in env.split(","))):
+        cards += [spec.card for spec in _module_specs(name, FAMILIES_ENV)]
+    registry: dict[str, FamilyCard] = {}
     sections: dict[str, str] = {}
-    for spec in specs:
-        if spec.name in registry:
-            raise ConfigError(f"{FAMILIES_ENV}: model family {spec.name!r} is registered twice")
-        if spec.section and spec.section in sections:
-            raise ConfigError(f"model families {sections[spec.section]!r} and {spec.name!r} both use the options "
-                              f"section model.{spec.section}")
-        registry[spec.name] = spec
-        if spec.section:
-            sections[spec.section] = spec.name
+    for card in cards:
+        if card.name in registry:
+            raise ConfigError(f"{FAMILIES_ENV}: model family {card.name!r} is registered twice")
+        if card.section and card.section in sections:
+            raise ConfigError(f"model families {sections[card.section]!r} and {card.name!r} both use the options "
+                              f"section model.{card.section}")
+        registry[card.name] = card
+        if card.section:
+            sections[card.section] = card.name
     return MappingProxyType(registry)
 
 
-FAMILIES = _registry()  # model.arch -> FamilySpec, read-only
+def cards() -> Mapping[str, FamilyCard]:
+    """model.arch -> FamilyCard of every registered family (built-in, then MEGATRON_TAPER_FAMILIES), read-only."""
+    return _registry(os.environ.get(FAMILIES_ENV, ""))
+
+
+def family_card(arch: str) -> FamilyCard:
+    """The card of `model.arch`; ConfigError naming the key for an unknown family."""
+    card = cards().get(arch)
+    if card is None:
+        raise ConfigError(f"model.arch={arch!r} is not one of: {', '.join(cards())}{did_you_mean(arch, cards())}")
+    return card
 
 
 def family(arch: str) -> FamilySpec:
-    """The spec of `model.arch`; ConfigError naming the key for an unknown family."""
-    spec = FAMILIES.get(arch)
-    if spec is None:
-        raise ConfigError(f"model.arch={arch!r} is not one of: {', '.join(FAMILIES)}")
-    return spec
+    """The spec of `model.arch` (imports the family's module on first use)."""
+    card = family_card(arch)
+    for spec in _module_specs(card.module, f"model.arch={arch}"):
+        if spec.name == arch:
+            assert spec.card is card, f"{card.module}: the spec of {arch!r} carries another card"
+            return spec
+    raise ConfigError(f"model.arch={arch!r}: module {card.module!r} has no FamilySpec named {arch!r}")
 
 
 def build_model(cfg: ModelConfig) -> nn.Module:

@@ -11,31 +11,20 @@ head exactly like `wq`.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from megatron_taper.models.costs import Cost, Split, attention_cost, swiglu_cost
+from megatron_taper.cost.block import Cost, Split, attention_cost, swiglu_cost
+from megatron_taper.models.cards import GATED_ATTENTION
 from megatron_taper.models.layers import Attention
 from megatron_taper.models.spec import FamilySpec
 from megatron_taper.models.transformer import Transformer, TransformerBlock, tp_plan_transformer_block
-from megatron_taper.validation import check_choice
 
 if TYPE_CHECKING:
     from megatron_taper.config import ModelConfig
     from megatron_taper.parallel.tp_plan import TPBuilder
-
-
-@dataclass
-class GatedAttentionConfig:
-    """model.gated"""
-
-    gate: str = "elementwise"  # elementwise (one gate per head dimension) | headwise
-
-    def validate(self, prefix: str) -> None:
-        check_choice(f"{prefix}.gate", self.gate, ("elementwise", "headwise"))
 
 
 class GatedAttention(Attention):
@@ -76,5 +65,5 @@ def tp_plan_gated_attention_block(block: GatedAttentionBlock, prefix: str, cfg: 
     tp.column(block.attn, "wg", f"{prefix}.attn", tp.head_rows(cfg.n_heads, per_head))
 
 
-SPEC = FamilySpec(name="gated_attention", build=GatedTransformer, layer_cost=gated_attention_layer_cost,
-                  tp_block_plan=tp_plan_gated_attention_block, section="gated", options=GatedAttentionConfig)
+SPECS = (FamilySpec(card=GATED_ATTENTION, build=GatedTransformer, layer_cost=gated_attention_layer_cost,
+                    tp_block_plan=tp_plan_gated_attention_block),)

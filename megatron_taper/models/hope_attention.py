@@ -47,32 +47,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron_taper.models.costs import Cost, Split, attention_cost, swiglu_cost
+from megatron_taper.cost.block import Cost, Split, attention_cost, swiglu_cost
+from megatron_taper.models.cards import HOPE_ATTENTION
 from megatron_taper.models.init import RESIDUAL_OUT, init_tensor
 from megatron_taper.models.layers import RMSNorm
 from megatron_taper.models.spec import FamilySpec
 from megatron_taper.models.transformer import Transformer, TransformerBlock
-from megatron_taper.validation import check_range
 
 if TYPE_CHECKING:
     from megatron_taper.config import ModelConfig
+    from megatron_taper.models.cards import HopeConfig
     from megatron_taper.parallel.tp_plan import TPBuilder
-
-
-@dataclass
-class HopeConfig:
-    """model.hope"""
-
-    levels: int = 2  # MLP levels of the Continuum Memory System after each attention
-    chunk_size: int = 16  # C_0: tokens per update of the fastest level (online)
-    chunk_growth: int = 4  # level l updates once per C_l = chunk_size * chunk_growth**l tokens
-    online: bool = True  # levels learn inside the sequence (false: a plain chain of SwiGLUs, the ablation)
-    online_lr: float = 0.1  # initial step size eta_l of every level (learnable: softplus(raw_step))
-
-    def validate(self, prefix: str) -> None:
-        for key in ("levels", "chunk_size", "chunk_growth"):
-            check_range(f"{prefix}.{key}", getattr(self, key), 1, None)
-        check_range(f"{prefix}.online_lr", self.online_lr, 0.0, None, open_low=True)
 
 
 def level_period(hope: HopeConfig, level: int) -> int:
@@ -279,5 +264,5 @@ def tensor_parallel_comm(group, sequence_parallel: bool) -> LevelComm:
         leave_partial=on_group(ops.reduce_scatter_to_seq_region if sequence_parallel else ops.reduce_from_tp_region))
 
 
-SPEC = FamilySpec(name="hope_attention", build=HopeAttention, layer_cost=hope_attention_layer_cost,
-                  tp_block_plan=tp_plan_hope_attention_block, section="hope", options=HopeConfig)
+SPECS = (FamilySpec(card=HOPE_ATTENTION, build=HopeAttention, layer_cost=hope_attention_layer_cost,
+                    tp_block_plan=tp_plan_hope_attention_block),)

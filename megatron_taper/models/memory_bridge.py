@@ -51,14 +51,14 @@ code paths but are not tested with the bridge.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron_taper.models.costs import Cost
+from megatron_taper.cost.block import Cost
+from megatron_taper.models.cards import BRIDGE
 from megatron_taper.models.init import init_tensor
 from megatron_taper.models.layers import RMSNorm, rope_tables
 from megatron_taper.models.spec import FamilySpec
@@ -68,32 +68,13 @@ from megatron_taper.models.transformer import (
     tp_plan_transformer_block,
     transformer_layer_cost,
 )
-from megatron_taper.validation import ConfigError, check_choice, check_range
+from megatron_taper.validation import ConfigError
 
 if TYPE_CHECKING:
     from megatron_taper.config import ModelConfig, ParallelConfig
     from megatron_taper.parallel.tp_plan import TPBuilder
 
-AUX_TARGETS = ("next_hidden", "random")
 RANDOM_TARGET_SEED = 20_240_917  # the fixed random targets of aux_target=random
-
-
-@dataclass
-class BridgeConfig:
-    """model.bridge"""
-
-    slots: int = 8  # m: state slots of d_model each; 0 = no bridge (the plain Transformer)
-    segment: int = 32  # tokens per segment: the state is written after each, read by the later ones
-    aux_weight: float = 0.0  # auxiliary self-prediction loss weight; 0 = off
-    aux_target: str = "next_hidden"  # next_hidden (the next segment's mean hidden state) | random
-
-    def validate(self, prefix: str) -> None:
-        check_range(f"{prefix}.slots", self.slots, 0, None)
-        check_range(f"{prefix}.segment", self.segment, 1, None)
-        check_range(f"{prefix}.aux_weight", self.aux_weight, 0.0, None)
-        check_choice(f"{prefix}.aux_target", self.aux_target, AUX_TARGETS)
-        if self.aux_weight > 0 and self.slots == 0:
-            raise ConfigError(f"{prefix}.aux_weight={self.aux_weight} needs a bridge ({prefix}.slots > 0)")
 
 
 class CrossAttention(nn.Module):
@@ -301,6 +282,6 @@ def check_bridge_layout(mcfg: ModelConfig, pcfg: ParallelConfig) -> None:
                           "it to false")
 
 
-SPEC = FamilySpec(name="bridge", build=MemoryBridgeLM, layer_cost=transformer_layer_cost,
-                  block_extra_cost=bridge_block_cost, tp_block_plan=tp_plan_bridge_block,
-                  check_layout=check_bridge_layout, section="bridge", options=BridgeConfig)
+SPECS = (FamilySpec(card=BRIDGE, build=MemoryBridgeLM, layer_cost=transformer_layer_cost,
+                    block_extra_cost=bridge_block_cost, tp_block_plan=tp_plan_bridge_block,
+                    check_layout=check_bridge_layout),)

@@ -33,13 +33,13 @@ Titans' `tp_plan_memory`; W_u is column-parallel like wq.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch import nn
 
-from megatron_taper.models.costs import Cost, Split, attention_cost, norm_act, swiglu_cost
+from megatron_taper.cost.block import Cost, Split, attention_cost, norm_act, swiglu_cost
+from megatron_taper.models.cards import DEEP_MEMORY, LINEAR_MEMORY
 from megatron_taper.models.layers import RMSNorm, SwiGLU
 from megatron_taper.models.linear_memory import (
     LinearMemory,
@@ -58,36 +58,13 @@ from megatron_taper.models.titans import (
     tp_plan_memory,
 )
 from megatron_taper.models.transformer import Transformer
-from megatron_taper.validation import ConfigError, check_choice, check_range
+from megatron_taper.validation import ConfigError
 
 if TYPE_CHECKING:
     from megatron_taper.config import ModelConfig, ParallelConfig
     from megatron_taper.parallel.tp_plan import TPBuilder
 
-VARIANTS = ("none", "residual", "grm", "soup", "ssc")
 GATED = ("grm", "soup", "ssc")  # variants with W_u and the softmax weights
-WRITE_MODES = ("checkpoint", "independent")
-
-
-@dataclass
-class MemoryCachingConfig:
-    """model.memory_caching (both memory families; deep_memory's memory itself is model.titans)"""
-
-    variant: str = "grm"  # none | residual | grm | soup | ssc
-    segment: int = 256  # S: tokens per cached segment
-    top_k: int = 2  # ssc: cached segments each token reads
-    write_mode: str = "checkpoint"  # checkpoint (continue the previous state) | independent (restart)
-    linear_chunk: int = 64  # linear_memory: tokens per chunk of the parallel form (exact for any value)
-    linear_conv_kernel: int = 4  # linear_memory: taps of the causal convolution on q, k, v (0 = none)
-    linear_decay_init: float = 0.97  # linear_memory: the decay a_t at initialisation
-
-    def validate(self, prefix: str) -> None:
-        check_choice(f"{prefix}.variant", self.variant, VARIANTS)
-        check_choice(f"{prefix}.write_mode", self.write_mode, WRITE_MODES)
-        for key in ("segment", "top_k", "linear_chunk"):
-            check_range(f"{prefix}.{key}", getattr(self, key), 1, None)
-        check_range(f"{prefix}.linear_conv_kernel", self.linear_conv_kernel, 0, None)
-        check_range(f"{prefix}.linear_decay_init", self.linear_decay_init, 0.0, 1.0, open_low=True, open_high=True)
 
 
 def segment_slices(seq: int, segment: int, variant: str) -> list[slice]:
@@ -303,10 +280,7 @@ def check_memory_caching_layout(mcfg: ModelConfig, pcfg: ParallelConfig) -> None
                           "memory reads the whole sequence); set it to false")
 
 
-LINEAR_SPEC = FamilySpec(name="linear_memory", build=LinearMemoryLM, layer_cost=linear_memory_layer_cost,
-                         tp_block_plan=tp_plan_memory_caching_block, check_layout=check_memory_caching_layout,
-                         section="memory_caching", options=MemoryCachingConfig)
-DEEP_SPEC = FamilySpec(name="deep_memory", build=DeepMemoryLM, layer_cost=deep_memory_layer_cost,
-                       tp_block_plan=tp_plan_memory_caching_block, check_layout=check_memory_caching_layout,
-                       reads_sections=("memory_caching", "titans"))
-SPECS = (LINEAR_SPEC, DEEP_SPEC)
+SPECS = (FamilySpec(card=LINEAR_MEMORY, build=LinearMemoryLM, layer_cost=linear_memory_layer_cost,
+                    tp_block_plan=tp_plan_memory_caching_block, check_layout=check_memory_caching_layout),
+         FamilySpec(card=DEEP_MEMORY, build=DeepMemoryLM, layer_cost=deep_memory_layer_cost,
+                    tp_block_plan=tp_plan_memory_caching_block, check_layout=check_memory_caching_layout))

@@ -1,9 +1,16 @@
-"""FamilySpec: everything the framework needs to know about one model family, in one object.
+"""FamilyCard and FamilySpec: everything the framework needs to know about one model family.
 
-Each `models/<family>.py` ends with a `SPEC = FamilySpec(...)`; `models/__init__.py` registers
-the specs, and config.py (the family's options section), flops.py (per-layer costs),
-parallel/tp_plan.py (tensor-parallel plan) and preflight.py (layout preconditions) all read that
-one registry. Adding a family = one new file + one registry line + recipes.
+A family has two halves. Its `FamilyCard` is torch-free (name, options section and dataclass,
+position encodings, the overrides the standard tests build it with, and the module holding its
+code): config.py, `--print-config` and every config error read only cards. Its `FamilySpec`
+(card + behaviour) lives at the end of the family's module in a tuple `SPECS` (one module may
+define several families, as models/memory_caching.py does); `models/__init__.py` imports that
+module only when the spec is first asked for. cost/flops.py (per-layer costs), parallel/tp_plan.py
+(tensor-parallel plan), preflight.py (layout preconditions), inference/generation.py (decoding
+state) and inference/hf.py (Hugging Face adapter) read the spec; none of them names a family class.
+
+Adding a family = its module (card, options, code, SPECS) + one line in models/cards.py's
+BUILTIN_CARDS (or, from outside the package, MEGATRON_TAPER_FAMILIES naming the module).
 
 The TP plan is a description, not parallel code: a function that names, for one block, which
 linears split by columns or rows and which parameters are replicated, through the `TPBuilder`
@@ -11,36 +18,92 @@ it is handed (parallel/tp_plan.py); the model classes themselves stay single-dev
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol
 
 if TYPE_CHECKING:
+    import torch
     from torch import nn
 
     from megatron_taper.config import ModelConfig, ParallelConfig
-    from megatron_taper.models.costs import Cost
+    from megatron_taper.cost.block import Cost
     from megatron_taper.parallel.tp_plan import TPBuilder
 
 
 @dataclass(frozen=True)
-class FamilySpec:
+class FamilyCard:
     name: str  # the value of model.arch
+    module: str  # importable module whose SPECS holds this family's FamilySpec
+    section: str = ""  # attribute of ModelConfig holding this family's options (model.<section>)
+    options: type | None = None  # dataclass of those options, with validate(prefix); torch-free
+    positions: tuple[str, ...] = ("rope",)  # values of model.position it accepts; the first is its default
+    # other families' option sections this family also reads (kept in ModelConfig.architecture_dict)
+    reads_sections: tuple[str, ...] = ()
+    # the standard family tests (tests/models/families.py): case name -> overrides that make the
+    # suite's small test shape a valid, representative model of this family ("" = the family's name)
+    test_cases: Mapping[str, tuple[str, ...]] = field(default_factory=lambda: {"": ()})
+    # layouts this family refuses by design (e.g. "pp": the tree has one layer); the standard tests skip them
+    refuses: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        assert bool(self.section) == (self.options is not None), f"{self.name}: section and options go together"
+        assert self.positions, f"{self.name}: name at least one position encoding"
+
+
+class Decoder(Protocol):
+    """Incremental decoding state of one model: each call takes the next tokens [B, T] and returns
+    their logits [B, T, V], exactly what the full forward gives at those positions."""
+
+    def __call__(self, tokens: torch.Tensor) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class HFAdapter:
+    """How a family maps to a Hugging Face transformers architecture (inference/hf.py runs the files)."""
+
+    model_types: tuple[str, ...]  # config.json model_type values it imports
+    # (model cfg) -> the architecture fields of config.json (model_type, sizes, ...)
+    export_config: Callable[[ModelConfig], dict[str, Any]]
+    # (HF config.json, where) -> our model section; ValueError naming `where` if not representable
+    import_config: Callable[[dict[str, Any], str], dict[str, Any]]
+    # (our name, tensor, model cfg) -> (HF name, tensor); KeyError for a name with no HF place
+    export_tensor: Callable[[str, torch.Tensor, ModelConfig], tuple[str, torch.Tensor]]
+    # (HF name, tensor, model cfg) -> (our name, tensor), or None for a name to skip; KeyError if unknown
+    import_tensor: Callable[[str, torch.Tensor, ModelConfig], tuple[str, torch.Tensor] | None]
+    # (model cfg) -> files to copy next to the export (remote modelling code), by path
+    extra_files: Callable[[ModelConfig], tuple[str, ...]] = lambda cfg: ()
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    card: FamilyCard
     # uninitialised single-device model with init_value(name, full shape, seed) and init_weights(seed)
     build: Callable[[ModelConfig], nn.Module]
     layer_cost: Callable[[ModelConfig, int, bool], Cost]  # (cfg, MLP width, causal) -> one block's cost
     # (cfg, block index, causal) -> what the family adds to that block beyond layer_cost (e.g. the
-    # memory bridge held by the middle block); None = nothing. flops.model_costs adds it per block.
+    # memory bridge held by the middle block); None = nothing. cost.flops.model_costs adds it per block.
     block_extra_cost: Callable[[ModelConfig, int, bool], Cost] | None = None
     # (block, parameter-name prefix, cfg, builder): shard one block in place; None = no TP plan
     tp_block_plan: Callable[[nn.Module, str, ModelConfig, TPBuilder], None] | None = None
     # (model cfg, parallel cfg) -> raise ConfigError for layouts only this family refuses
     check_layout: Callable[[ModelConfig, ParallelConfig], None] | None = None
-    section: str = ""  # attribute of ModelConfig holding this family's options (model.<section>)
-    positions: tuple[str, ...] = ("rope",)  # values of model.position it accepts; the first is its default
-    options: type | None = None  # dataclass of those options, with validate(prefix)
-    # other families' option sections this family also reads (kept in ModelConfig.architecture_dict)
-    reads_sections: tuple[str, ...] = ()
+    # (model, batch, max positions) -> incremental decoding state, or None where this model instance
+    # has none (e.g. ALiBi); None here = generation recomputes the whole prefix for every token
+    decoder: Callable[[nn.Module, int, int], Decoder | None] | None = None
+    hf: HFAdapter | None = None  # None = no Hugging Face export / import
 
-    def __post_init__(self) -> None:
-        assert bool(self.section) == (self.options is not None), f"{self.name}: section and options go together"
-        assert self.positions, f"{self.name}: name at least one position encoding"
+    @property
+    def name(self) -> str:
+        return self.card.name
+
+    @property
+    def section(self) -> str:
+        return self.card.section
+
+    @property
+    def options(self) -> type | None:
+        return self.card.options
+
+    @property
+    def positions(self) -> tuple[str, ...]:
+        return self.card.positions

@@ -58,52 +58,24 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron_taper.models.costs import Cost, Split, attention_cost, norm_act, swiglu_cost
+from megatron_taper.cost.block import Cost, Split, attention_cost, norm_act, swiglu_cost
+from megatron_taper.models.cards import TITANS
 from megatron_taper.models.init import init_tensor
 from megatron_taper.models.layers import Attention, RMSNorm, apply_rope, rope_tables
 from megatron_taper.models.local_attention import blockwise_pairs, sliding_window_attention
 from megatron_taper.models.spec import FamilySpec
 from megatron_taper.models.transformer import Transformer, TransformerBlock, tp_plan_transformer_block
-from megatron_taper.validation import ConfigError, check_choice, check_range
+from megatron_taper.validation import ConfigError
 
 if TYPE_CHECKING:
     from megatron_taper.config import ModelConfig, ParallelConfig
     from megatron_taper.parallel.tp_plan import TPBuilder
-
-
-
-@dataclass
-class TitansConfig:
-    """model.titans"""
-
-    variant: str = "mag"  # mac (memory as context) | mag (memory as gate) | mal (memory as layer)
-    window: int = 64  # sliding-window attention span (MAG, MAL); segment length (MAC)
-    persistent_tokens: int = 4  # learnable tokens prepended to the block's sequence
-    memory_depth: int = 2  # layers of the memory MLP (1 = a linear memory)
-    memory_expansion: int = 2  # hidden width of a deep memory, in multiples of head_dim
-    chunk_size: int = 16  # tokens whose memory gradients are taken at the chunk's starting state
-    conv_kernel: int = 4  # taps of the depthwise causal convolution on the memory's q, k, v (0 = none)
-    max_lr: float = 0.005  # upper bound of the data-dependent inner learning rate theta_t; the chunked
-    # updates stay stable for max_lr * chunk_size**2 <~ 1 (measured: 0.1 and 0.01 at chunk 16 diverge)
-    momentum_init: float = 0.9  # eta_t at initialisation (a fixed logit offset)
-    forget_init: float = 0.01  # alpha_t at initialisation (a fixed logit offset)
-
-    def validate(self, prefix: str) -> None:
-        check_choice(f"{prefix}.variant", self.variant, ("mac", "mag", "mal"))
-        for key in ("window", "memory_depth", "memory_expansion", "chunk_size"):
-            check_range(f"{prefix}.{key}", getattr(self, key), 1, None)
-        check_range(f"{prefix}.persistent_tokens", self.persistent_tokens, 0, None)
-        check_range(f"{prefix}.conv_kernel", self.conv_kernel, 0, None)
-        check_range(f"{prefix}.max_lr", self.max_lr, 0.0, None, open_low=True)
-        check_range(f"{prefix}.momentum_init", self.momentum_init, 0.0, 1.0, open_low=True, open_high=True)
-        check_range(f"{prefix}.forget_init", self.forget_init, 0.0, 1.0, open_low=True, open_high=True)
 
 
 State = tuple[list[torch.Tensor], list[torch.Tensor]]  # (memory weights, surprise), each [B, H, i, o]
@@ -518,5 +490,5 @@ def check_titans_layout(mcfg: ModelConfig, pcfg: ParallelConfig) -> None:
                           "and the persistent tokens need the whole sequence); set it to false")
 
 
-SPEC = FamilySpec(name="titans", build=Titans, layer_cost=titans_layer_cost, tp_block_plan=tp_plan_titans_block,
-                  check_layout=check_titans_layout, section="titans", options=TitansConfig)
+SPECS = (FamilySpec(card=TITANS, build=Titans, layer_cost=titans_layer_cost, tp_block_plan=tp_plan_titans_block,
+                    check_layout=check_titans_layout),)

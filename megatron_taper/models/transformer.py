@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from megatron_taper.models.costs import Cost, attention_cost, swiglu_cost
+from megatron_taper.cost.block import Cost, attention_cost, swiglu_cost
+from megatron_taper.models.cards import TRANSFORMER
 from megatron_taper.models.init import init_parameters, init_tensor
 from megatron_taper.models.layers import Attention, RMSNorm, SwiGLU, rope_tables
 from megatron_taper.models.spec import FamilySpec
@@ -103,5 +104,5 @@ def tp_plan_transformer_block(block: TransformerBlock, prefix: str, cfg: ModelCo
     tp.swiglu(block.mlp, f"{prefix}.mlp", cfg.taper.multiple)
 
 
-SPEC = FamilySpec(name="transformer", build=Transformer, layer_cost=transformer_layer_cost,
-                  tp_block_plan=tp_plan_transformer_block, positions=("rope", "alibi"))
+SPECS = (FamilySpec(card=TRANSFORMER, build=Transformer, layer_cost=transformer_layer_cost,
+                    tp_block_plan=tp_plan_transformer_block),)

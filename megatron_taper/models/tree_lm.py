@@ -42,25 +42,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron_taper.models.costs import Cost, Split, norm_act, swiglu_cost
+from megatron_taper.cost.block import Cost, Split, norm_act, swiglu_cost
+from megatron_taper.models.cards import TREE
 from megatron_taper.models.layers import RMSNorm, SwiGLU
 from megatron_taper.models.spec import FamilySpec
 from megatron_taper.models.transformer import Transformer
-from megatron_taper.validation import ConfigError, check_range
+from megatron_taper.validation import ConfigError
 
 if TYPE_CHECKING:
     from megatron_taper.config import ModelConfig, ParallelConfig
     from megatron_taper.parallel.tp_plan import TPBuilder
-
-
-@dataclass
-class TreeConfig:
-    """model.tree"""
-
-    cell_width: int = 0  # hidden width C of the cell's composition h; 0 = 2 * model.d_model
-
-    def validate(self, prefix: str) -> None:
-        check_range(f"{prefix}.cell_width", self.cell_width, 0, None)
 
 
 def cell_width(cfg: ModelConfig) -> int:
@@ -219,5 +210,5 @@ def check_tree_layout(m: ModelConfig, p: ParallelConfig) -> None:
                           f"{units} unit(s) of model.taper.multiple={m.taper.multiple}, fewer than parallel.tp")
 
 
-SPEC = FamilySpec(name="tree", build=TreeLM, layer_cost=tree_layer_cost, tp_block_plan=tp_plan_tree_layer,
-                  check_layout=check_tree_layout, section="tree", options=TreeConfig, positions=("none",))
+SPECS = (FamilySpec(card=TREE, build=TreeLM, layer_cost=tree_layer_cost, tp_block_plan=tp_plan_tree_layer,
+                    check_layout=check_tree_layout),)

@@ -30,14 +30,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-
-def checkpointed_blocks(names: list[str], mode: str, every: int) -> list[str]:
-    """Those of the block `names` (global indices) whose activations are recomputed under `mode`."""
-    if mode == "full":
-        return list(names)
-    if mode == "selective":
-        return [name for name in names if int(name) % every == 0]
-    return []
+from megatron_taper.cost.memory import checkpointed_blocks
 
 
 def apply_block_options(model: nn.Module, activation_checkpointing: str, ac_every: int, compile_blocks: bool) -> None:

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from megatron_taper.checkpoint_files import Piece, ShardReader
+from megatron_taper.checkpoint.files import CheckpointReader, Piece
 from megatron_taper.models.layers import cross_entropy
 from megatron_taper.optim import build_optimizer
 from megatron_taper.parallel.context import ParallelContext
@@ -175,7 +175,7 @@ class ParallelModel:
                     pieces.append(Piece(key, (), (), data))
         return pieces
 
-    def load_pieces(self, optimizer: torch.optim.Optimizer, reader: ShardReader) -> None:
+    def load_pieces(self, optimizer: torch.optim.Optimizer, reader: CheckpointReader) -> None:
         """Fill parameters and AdamW state from a sharded checkpoint, reading only this rank's
         boxes, in place where the tensors exist (so the peak is the resident model plus about one
         record, not a second copy of the state)."""
@@ -276,7 +276,7 @@ class ParallelModel:
         return norm
 
 
-def _read_local(reader: ShardReader, key: str, offsets: tuple[int, ...], local: torch.Tensor) -> None:
+def _read_local(reader: CheckpointReader, key: str, offsets: tuple[int, ...], local: torch.Tensor) -> None:
     """The box of `key` at `offsets` into `local`: in place on the CPU, else through a CPU copy."""
     if local.device.type == "cpu" and local.is_contiguous():
         reader.read_into(key, offsets, local)

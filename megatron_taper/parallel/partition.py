@@ -13,7 +13,7 @@ rank, with no randomness. Costs are compared exactly (floats as given), so integ
 integer-exact answers. Time O(S * L^2), instant for any real model.
 
 Memory limits (optional): stage s must satisfy bytes(s) <= limit(s), where bytes is the
-predicted peak of one rank holding it (megatron_taper/memory.py: parameters, gradients and
+predicted peak of one rank holding it (megatron_taper/cost/memory.py: parameters, gradients and
 optimizer state after tp / ZeRO sharding, plus the activations of the micro-batches in flight,
 tp-, sequence-parallel-, checkpointing- and dtype-aware, the largest moment of a backward, the
 head's loss buffers and the pipeline's p2p buffers). Under 1F1B stage s holds up to
@@ -33,15 +33,12 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence
 
-from megatron_taper.flops import model_costs
-from megatron_taper.memory import GIB, MemoryModel, MemorySetup, model_memory, to_memory_model
+from megatron_taper.config import PP_BALANCE_MODES
+from megatron_taper.cost.flops import model_costs
+from megatron_taper.cost.memory import GIB, MemoryModel, MemorySetup, model_memory, to_memory_model
 
 if TYPE_CHECKING:
     from megatron_taper.config import ModelConfig
-
-BALANCE_MODES = ("flops", "uniform", "params", "profile")
-SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")
-
 
 @dataclass(frozen=True)
 class Partition:
@@ -223,7 +220,7 @@ def plan_pipeline(model_cfg: ModelConfig, pp: int, *, virtual: int = 1, balance:
     1, no ZeRO, fp32, no checkpointing); its micro-batch and micro-batch count are replaced by
     `micro_batch` and the schedule's; `bytes_per_param` replaces the engine's state bytes.
     """
-    assert balance in BALANCE_MODES and virtual >= 1, (balance, virtual)  # validated by ParallelConfig
+    assert balance in PP_BALANCE_MODES and virtual >= 1, (balance, virtual)  # validated by ParallelConfig
     costs = model_costs(model_cfg)
     n_layers = len(costs.layers)
     n_chunks = pp * virtual

@@ -155,10 +155,10 @@ def plan_stages(model_cfg: ModelConfig, parallel: ParallelConfig, train: TrainCo
                 device: torch.device | None = None) -> PipelinePlan:
     """The split the trainer makes at data-parallel size `dp` (micro-batches as preflight derives
     them; memory limits from parallel.pp_memory_gb unless `memory_gb` is given). The memory
-    model (megatron_taper/memory.py) assumes `parallel`'s tp / sequence parallelism / ZeRO
+    model (megatron_taper/cost/memory.py) assumes `parallel`'s tp / sequence parallelism / ZeRO
     engine, `train`'s checkpointing, and its precision on `device` (default: train.device; auto =
     CUDA if this machine has it); `bytes_per_param` replaces the engine's state bytes."""
-    from megatron_taper.memory import MemorySetup
+    from megatron_taper.cost.memory import MemorySetup
     from megatron_taper.parallel.context import choose_device, uses_bf16
 
     rows = train.global_batch // dp  # sequences per step on one data-parallel rank

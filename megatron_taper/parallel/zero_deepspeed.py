@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from megatron_taper.checkpoint_files import Piece, ShardReader
+from megatron_taper.checkpoint.files import CheckpointReader, Piece
 from megatron_taper.optim import build_optimizer
 from megatron_taper.parallel.context import ParallelContext, uses_bf16
 from megatron_taper.parallel.model import ParallelModel
@@ -244,7 +244,7 @@ class DeepSpeedParallelModel(ParallelModel):
                 pieces.append(Piece(f"optim/{name}/{k}", tuple(v.shape), (0,) * v.dim(), v))
         return pieces
 
-    def load_pieces(self, optimizer: torch.optim.Optimizer, reader: ShardReader) -> None:
+    def load_pieces(self, optimizer: torch.optim.Optimizer, reader: CheckpointReader) -> None:
         """Reads the whole logical tensors of this stage and keeps this rank's part of them."""
         def full(key: str) -> torch.Tensor:
             shape = tuple(reader.index[key]["shape"]) if key in reader.index else (0,)

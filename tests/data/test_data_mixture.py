@@ -12,7 +12,7 @@ from datahelpers import VOCAB, corpus, dataset, second_dataset, tokenizer_model 
 from megatron_taper.config import ConfigError, DataConfig, load_config
 from megatron_taper.data.mixture import MixSchedule
 from megatron_taper.data.sources import build_sources
-from megatron_taper.evaluate import evaluate_checkpoint
+from megatron_taper.inference.evaluate import evaluate_checkpoint
 from megatron_taper.train import main
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -12,7 +12,7 @@ from datahelpers import TRICKY, VOCAB, corpus, stdlib_documents, tokenizer_model
 
 from megatron_taper.data import tokenizer as tokenizer_module
 from megatron_taper.data.corpus import SkipLog, read_documents
-from megatron_taper.data.streaming import ShardReader
+from megatron_taper.data.streaming import CheckpointReader
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(REPO, "tools"))
@@ -27,7 +27,7 @@ def _stream(out):
     parts = []
     for split in ("train", "val"):
         if os.path.isdir(os.path.join(out, split)):
-            reader = ShardReader(str(out), split)
+            reader = CheckpointReader(str(out), split)
             parts += [reader[i].astype(np.int64) for i in range(len(reader))]
     return np.concatenate(parts)
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from harness import run_distributed
 
-from megatron_taper.evaluate import evaluate_checkpoint
+from megatron_taper.inference.evaluate import evaluate_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = ["model.n_layers=4", "model.d_model=64", "model.n_heads=4", "model.n_kv_heads=2", "model.mlp_width=75",

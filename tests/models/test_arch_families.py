@@ -7,7 +7,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from megatron_taper.config import load_config
-from megatron_taper.flops import model_costs, uniform_twin
+from megatron_taper.cost.flops import model_costs, uniform_twin
 from megatron_taper.models import build_model
 
 SEQ = 40

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megatron_taper.config import load_config
-from megatron_taper.flops import model_costs, uniform_twin
+from megatron_taper.cost.flops import model_costs, uniform_twin
 from megatron_taper.models import build_model
 
 CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))

@@ -48,7 +48,7 @@ def test_toy_family_trains_plans_and_shards(byte_tokens, tmp_path):
 def test_toy_family_options_and_costs():
     out = _python(
         "from megatron_taper.config import load_config\n"
-        "from megatron_taper.flops import model_costs\n"
+        "from megatron_taper.cost.flops import model_costs\n"
         "from megatron_taper.models import build_model\n"
         "cfg = load_config('configs/tiny_taper.yaml', ['model.arch=toy', 'model.toy.squared=false'])\n"
         "model = build_model(cfg.model)\n"
@@ -71,7 +71,7 @@ def test_toy_family_options_and_costs():
 
 @pytest.mark.parametrize("value, message", [
     ("no_such_module", "cannot import model family module 'no_such_module'"),
-    ("json", "module 'json' defines no SPEC"),
+    ("json", "module 'json' defines no SPECS"),
 ])
 def test_bad_family_module_is_one_clear_error(value, message):
     proc = subprocess.run([sys.executable, "-c", "import megatron_taper.config"], cwd=REPO,

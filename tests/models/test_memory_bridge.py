@@ -13,7 +13,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from megatron_taper.config import load_config
-from megatron_taper.flops import model_costs
+from megatron_taper.cost.flops import model_costs
 from megatron_taper.models import build_model
 from megatron_taper.models.layers import cross_entropy
 from megatron_taper.preflight import preflight

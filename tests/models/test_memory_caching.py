@@ -11,7 +11,7 @@ from runner import saved_elements
 from torch.utils.flop_counter import FlopCounterMode
 
 from megatron_taper.config import ConfigError, load_config
-from megatron_taper.flops import model_costs, uniform_twin
+from megatron_taper.cost.flops import model_costs, uniform_twin
 from megatron_taper.models import build_model
 from megatron_taper.models.layers import rope_tables
 

@@ -19,7 +19,7 @@ from torch.nn.attention.flex_attention import create_block_mask
 from torch.utils.flop_counter import FlopCounterMode
 
 from megatron_taper.config import load_config
-from megatron_taper.flops import model_costs
+from megatron_taper.cost.flops import model_costs
 from megatron_taper.models import build_model
 from megatron_taper.models.layers import Attention
 from megatron_taper.models.local_attention import (

@@ -14,7 +14,7 @@ from runner import TINY, assert_resumes_exactly, saved_elements
 from torch.utils.flop_counter import FlopCounterMode
 
 from megatron_taper.config import load_config
-from megatron_taper.flops import model_costs
+from megatron_taper.cost.flops import model_costs
 from megatron_taper.models import build_model
 from megatron_taper.models.layers import Attention, alibi_bias, alibi_slopes
 from megatron_taper.models.tree_lm import SweepCount, tree_depth, tree_prefixes

@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron_taper.models.costs import Cost, attention_cost
-from megatron_taper.models.spec import FamilySpec
+from megatron_taper.cost.block import Cost, attention_cost
+from megatron_taper.models.spec import FamilyCard, FamilySpec
 from megatron_taper.models.transformer import Transformer, TransformerBlock
 from megatron_taper.validation import ConfigError
 
@@ -71,5 +71,7 @@ def check_toy_layout(mcfg, pcfg) -> None:
         raise ConfigError(f"parallel.tp={pcfg.tp}: the toy family is tested up to parallel.tp=2")
 
 
-SPEC = FamilySpec(name="toy", build=Toy, layer_cost=toy_layer_cost, tp_block_plan=tp_plan_toy_block,
-                  check_layout=check_toy_layout, section="toy", options=ToyConfig)
+CARD = FamilyCard(name="toy", module=__name__, section="toy", options=ToyConfig,
+                  test_cases={"squared": (), "relu": ("model.toy.squared=false",)})
+SPECS = (FamilySpec(card=CARD, build=Toy, layer_cost=toy_layer_cost, tp_block_plan=tp_plan_toy_block,
+                    check_layout=check_toy_layout),)

@@ -10,7 +10,7 @@ Reading a box (a rank's local piece under any layout) loads only the records tha
 (plain reads of one record's bytes at the offsets of the safetensors header; a record that is
 exactly the box is read straight into the destination), checks each record's sha256 and copies
 the overlap. At the same layout a rank reads exactly its own records; at another, the records that
-intersect its piece. `ShardReader.bytes_read` counts what was read.
+intersect its piece. `CheckpointReader.bytes_read` counts what was read.
 """
 from __future__ import annotations
 
@@ -84,7 +84,7 @@ def merge_index(parts: list[dict[str, list]]) -> dict[str, dict]:
 
 
 @dataclass
-class ShardReader:
+class CheckpointReader:
     """Reads boxes of logical tensors from a format-2 checkpoint, verifying every record read."""
 
     folder: str
@@ -175,7 +175,7 @@ class ShardReader:
         return header
 
 
-def iter_full_tensors(reader: ShardReader, prefix: str = "model/") -> Iterator[tuple[str, torch.Tensor]]:
+def iter_full_tensors(reader: CheckpointReader, prefix: str = "model/") -> Iterator[tuple[str, torch.Tensor]]:
     """(name, full logical tensor) for every key under `prefix`, one tensor in memory at a time."""
     for key in sorted(reader.keys(prefix)):
         shape = tuple(reader.index[key]["shape"])

@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING, Iterator
 import torch
 from torch import nn
 
-from megatron_taper.checkpoint import CheckpointError, checkpoint_root, list_checkpoints, load_logical
-from megatron_taper.checkpoint_files import ShardReader
+from megatron_taper.checkpoint.checkpointer import CheckpointError, checkpoint_root, list_checkpoints, load_logical
+from megatron_taper.checkpoint.files import CheckpointReader
 from megatron_taper.config import Config, ConfigError, from_dict, load_config
 from megatron_taper.models import build_model
 
@@ -52,7 +52,7 @@ class CheckpointRef:
     config: Config
     step: int
     meta: dict | None = None  # meta.json of sharded / logical checkpoints
-    _reader: ShardReader | None = field(default=None, repr=False)
+    _reader: CheckpointReader | None = field(default=None, repr=False)
     _state: dict[str, torch.Tensor] | None = field(default=None, repr=False)
 
     def names(self) -> list[str]:
@@ -98,10 +98,10 @@ class CheckpointRef:
         for name in self.names():
             yield name, self.tensor(name)
 
-    def reader(self) -> ShardReader:
+    def reader(self) -> CheckpointReader:
         assert self.kind == "sharded"
         if self._reader is None:
-            self._reader = ShardReader(self.path, self.meta["tensors"], self.meta["files"])
+            self._reader = CheckpointReader(self.path, self.meta["tensors"], self.meta["files"])
         return self._reader
 
     def _entry(self, name: str) -> dict:
@@ -115,7 +115,7 @@ class CheckpointRef:
 
     def _logical_state(self) -> dict[str, torch.Tensor]:
         if self._state is None:
-            from megatron_taper.checkpoint import verify_checkpoint
+            from megatron_taper.checkpoint.checkpointer import verify_checkpoint
 
             verify_checkpoint(self.path)
             self._state, _ = load_logical(self.path, self.meta)

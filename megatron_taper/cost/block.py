@@ -7,7 +7,7 @@ context C is (S + 1) / 2 on average under a causal mask (S when `causal=False`, 
 is not counted, as in the usual 6N accounting. Each family's `layer_cost` (its FamilySpec) is
 built from these; flops.py adds embedding and head and sums over the model.
 
-Memory (read by megatron_taper/memory.py) is counted per piece and by how tensor parallelism lays
+Memory (read by megatron_taper/cost/memory.py) is counted per piece and by how tensor parallelism lays
 it out (`Split`): parameters in `tp_params`; activations in elements per token of one
 micro-batch: `act` is what the piece's forward leaves for its backward (what autograd saves,
 counted op by op from the code; tests/test_memory_model.py compares it with torch's saved

@@ -18,7 +18,7 @@ kill before that leaves only a `.tmp-` folder, which is never loaded (and remove
 save); the previous checkpoint stays the newest.
 
 Loading: every rank reads from the records only the boxes of its own parameters and state
-(`ShardReader`, each record's sha256 checked as it is read), so a resume reads about the rank's
+(`CheckpointReader`, each record's sha256 checked as it is read), so a resume reads about the rank's
 shard at the same layout, and the overlapping records at another (pp, dp, tp) layout or engine.
 With `run.resume=auto` a newest checkpoint that fails verification on any rank is skipped with a
 warning naming the file, and the next older one is loaded; an explicit `run.resume=PATH` refuses.
@@ -42,10 +42,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_taper.checkpoint_files import (
+from megatron_taper.checkpoint.files import (
     FORMAT,
     CheckpointError,
-    ShardReader,
+    CheckpointReader,
     merge_index,
     write_pieces,
 )
@@ -232,7 +232,7 @@ def load_checkpoint(path: str, model_cfg: ModelConfig, pm: ParallelModel, optimi
             _verify(os.path.join(path, name), info)
     if not pm.load_native(path, meta):
         if meta.get("format", 1) >= 2:
-            reader = ShardReader(path, meta["tensors"], meta["files"])
+            reader = CheckpointReader(path, meta["tensors"], meta["files"])
             pm.load_pieces(optimizer, reader)
             if checkpointer is not None:
                 checkpointer.bytes_read = reader.bytes_read
@@ -268,7 +268,7 @@ def verify_checkpoint(path: str) -> dict:
     returns the metadata. Reads the whole checkpoint: for tools, not for resuming."""
     meta = _read_meta(path)
     if meta.get("format", 1) >= 2:
-        reader = ShardReader(path, meta["tensors"], meta["files"])
+        reader = CheckpointReader(path, meta["tensors"], meta["files"])
         for key, entry in meta["tensors"].items():
             for rec in entry["records"]:
                 reader.read(key, tuple(rec["offsets"]), tuple(rec["sizes"]))

@@ -1,85 +1,32 @@
 """Held-out loss and perplexity of a model, at one or several sequence lengths.
 
-`evaluate_source(pm, source, batches, autocast)` is the evaluation loop: `batches` micro-batches
-of this data-parallel rank through `ParallelModel.evaluate` (which handles tp, pp and ZeRO), the
-mean loss averaged over the dp group (every micro-batch has the same number of tokens, so this is
-the mean over all tokens seen). The Trainer's periodic evaluation computes the same quantity.
-
-`evaluate_lengths` runs it once per sequence length on fresh held-out sources (`data.path`'s val
-split, or the tail of a .npy token file; under `data.mix` each source's val split separately, and
-their losses weighted by the mixture), and `evaluate_checkpoint` does everything
-`tools/evaluate.py` does: read a checkpoint's config, build the model at the layout given by the
-overrides (`parallel.*`; default one process, no ZeRO) through `build.build_run`, load only the
-model weights of this rank's pieces (no optimizer state), evaluate, and return one JSON-ready
-object. RoPE tables are computed for any length, so lengths beyond the training `model.seq_len`
-are allowed (that measures length extrapolation).
+`evaluate_lengths` runs the Trainer's evaluation loop (megatron_taper/held_out.py) once per
+sequence length on fresh held-out sources (`data.path`'s val split, or the tail of a .npy token
+file; under `data.mix` each source's val split separately, and their losses weighted by the
+mixture). `evaluate_checkpoint` does everything `tools/evaluate.py` does: read a checkpoint's
+config, build the model at the layout given by the overrides (`parallel.*`; default one process,
+no ZeRO) through `build.build_run`, load only the model weights of this rank's pieces (no
+optimizer state), evaluate, and return one JSON-ready object. RoPE tables are computed for any
+length, so lengths beyond the training `model.seq_len` are allowed (that measures length
+extrapolation).
 """
 from __future__ import annotations
 
 import contextlib
 import copy
-import math
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 import torch
-import torch.distributed as dist
 
 from megatron_taper.config import Config, ParallelConfig, apply_override
-from megatron_taper.inference import CheckpointRef, load_parallel_weights, open_checkpoint
+from megatron_taper.held_out import EvalResult, combined_loss, evaluate_source
+from megatron_taper.inference.load import CheckpointRef, load_parallel_weights, open_checkpoint
 from megatron_taper.parallel.context import init_parallel, shutdown, world_size
 from megatron_taper.validation import ConfigError
 
 if TYPE_CHECKING:
     from megatron_taper.data import BatchSource
-    from megatron_taper.data.sources import HeldOut
     from megatron_taper.parallel.model import ParallelModel
-
-MAX_LOSS_FOR_PPL = 50.0  # exp() of larger losses overflows nothing useful; ppl is capped there
-
-
-@dataclass
-class EvalResult:
-    loss: float  # mean next-token loss (nats) over every token evaluated by all dp ranks
-    tokens: int  # predicted tokens over all dp ranks
-    batches: int  # micro-batches per dp rank
-
-    @property
-    def ppl(self) -> float:
-        return math.exp(min(self.loss, MAX_LOSS_FOR_PPL))
-
-
-def evaluate_source(pm: ParallelModel, source: BatchSource, batches: int,
-                    autocast: Callable = contextlib.nullcontext) -> EvalResult:
-    """Mean loss of `batches` micro-batches of `source` on every dp rank (a collective over the
-    whole mesh: pp broadcasts the loss, dp averages it). The module is left in train mode."""
-    ctx = pm.ctx
-    pm.module.eval()
-    try:
-        losses, tokens = [], 0
-        for _ in range(batches):
-            batch = source.next_batch()
-            losses.append(pm.evaluate(batch, autocast))
-            tokens += batch[:, 1:].numel()
-    finally:
-        pm.module.train()
-    loss = torch.stack(losses).mean().float()
-    if ctx.dp > 1:
-        dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=ctx.dp_group)
-    return EvalResult(float(loss), tokens * ctx.dp, batches)
-
-
-def evaluate_held_out(pm: ParallelModel, held_out: list[HeldOut], batches: int,
-                      autocast: Callable = contextlib.nullcontext) -> dict[str, EvalResult]:
-    """evaluate_source on a fresh source of each held-out set (data.mix: one per source), by name."""
-    return {h.name: evaluate_source(pm, h.make(), batches, autocast) for h in held_out}
-
-
-def combined_loss(results: dict[str, EvalResult], held_out: list[HeldOut]) -> float:
-    """The held-out losses weighted by their mixture shares (renormalised over the sources that
-    have a val split): the expected loss under the mixture; for one data.path, its loss."""
-    total = sum(h.weight for h in held_out)
-    return sum(h.weight * results[h.name].loss for h in held_out) / total
 
 
 def held_out_samples(source: BatchSource) -> int | None:

@@ -1,6 +1,6 @@
 """EleutherAI lm-evaluation-harness adapter: score and sample a megatron_taper checkpoint.
 
-    python -m megatron_taper.lm_eval_adapter --model megatron_taper --model_args checkpoint=runs/X \\
+    python -m megatron_taper.inference.lm_eval_adapter --model megatron_taper --model_args checkpoint=runs/X \\
         --batch_size 8 --tasks hellaswag,arc_easy [lm_eval options]
 
 runs lm_eval's own command line with this model registered as `megatron_taper` (batch size and
@@ -20,7 +20,7 @@ Checked with lm_eval 0.4.13 (simple_evaluate and the command line, offline, on l
 - loglikelihood_rolling((text,)) -> log p(text | prefix token), every token scored exactly once in
   windows of at most `max_length` inputs, each window with as much preceding context as fits.
 - generate_until((context, {"until": [...], "max_gen_toks": N, "temperature": T, "do_sample": b}))
-  -> the continuation cut before the first stop string (megatron_taper.generation, KV cache for
+  -> the continuation cut before the first stop string (megatron_taper.inference.generation, KV cache for
   transformer / gated_attention; greedy unless do_sample with temperature > 0).
 Prefix token: the tokenizer's EOS (documents end with EOS in training data), "\\n" for byte models.
 Scoring runs the single-device model in fp32 (or `dtype`), `batch_size` sequences at a time,
@@ -34,8 +34,8 @@ from typing import Any, Sequence
 
 import torch
 
-from megatron_taper.generation import SamplingOptions, generate
-from megatron_taper.inference import load_model, load_tokenizer, open_checkpoint
+from megatron_taper.inference.generation import SamplingOptions, generate
+from megatron_taper.inference.load import load_model, load_tokenizer, open_checkpoint
 
 MODEL_NAME = "megatron_taper"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

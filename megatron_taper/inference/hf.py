@@ -8,7 +8,7 @@ Export (`export_hf`, `tools/convert_checkpoint.py CKPT --to hf --output DIR`) wr
                              modeling_tapered_llama.py: load with trust_remote_code=True, because no
                              text-only architecture in transformers 4.57 takes a width per layer;
                              gemma3n's list-valued intermediate_size belongs to a different block)
-    modeling_tapered_llama.py  tapered models only (this package's interop/modeling_tapered_llama.py)
+    modeling_tapered_llama.py  tapered models only (this package's inference/modeling_tapered_llama.py)
     generation_config.json   bos / eos ids when a tokenizer is known
     tokenizer.model, tokenizer_config.json, special_tokens_map.json
                              when the run has a sentencepiece model (LlamaTokenizer settings that
@@ -46,10 +46,10 @@ from typing import Iterator
 
 import torch
 
-from megatron_taper.checkpoint import CheckpointError
-from megatron_taper.checkpoint_files import write_safetensors_streaming
+from megatron_taper.checkpoint.checkpointer import CheckpointError
+from megatron_taper.checkpoint.files import write_safetensors_streaming
 from megatron_taper.config import Config, ParallelConfig, apply_override, from_dict, load_config, save_config
-from megatron_taper.inference import open_checkpoint, tokenizer_path
+from megatron_taper.inference.load import open_checkpoint, tokenizer_path
 from megatron_taper.taper import layer_widths
 
 HF_WEIGHTS = "model.safetensors"
@@ -280,7 +280,7 @@ def read_hf_state(hf_dir: str, head_dim: int) -> dict[str, torch.Tensor]:
 def import_hf(hf_dir: str, output: str, recipe: str | None = None, overrides: list[str] = ()) -> dict:
     """Write OUTPUT/config.yaml and OUTPUT/checkpoints/step-0 from an HF Llama folder (module doc)."""
     from megatron_taper.build import build_run
-    from megatron_taper.checkpoint import Checkpointer, checkpoint_root
+    from megatron_taper.checkpoint.checkpointer import Checkpointer, checkpoint_root
     from megatron_taper.data.sources import build_sources
 
     if not os.path.isdir(hf_dir):

@@ -1,9 +1,9 @@
 """Whole-model parameter, FLOP and activation-memory costs, and MFU.
 
-Per-block costs come from each family's FamilySpec.layer_cost (built from models/costs.py's
+Per-block costs come from each family's FamilySpec.layer_cost (built from cost/block.py's
 pieces: FLOPs are forward FLOPs per token, 2 per multiply-add; a training step is ~3x). This
 module adds the embedding (first pipeline stage) and the final norm + LM head + loss (last
-stage). megatron_taper/memory.py turns the memory side into bytes per rank.
+stage). megatron_taper/cost/memory.py turns the memory side into bytes per rank.
 """
 from __future__ import annotations
 
@@ -11,13 +11,13 @@ import copy
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import torch
-
+from megatron_taper.cost.block import Cost, Split, norm_act
 from megatron_taper.models import family
-from megatron_taper.models.costs import Cost, Split, norm_act
 from megatron_taper.taper import layer_widths
 
 if TYPE_CHECKING:
+    import torch
+
     from megatron_taper.config import ModelConfig
 
 
@@ -121,6 +121,8 @@ PEAK_TFLOPS = {
 def device_name(device: torch.device) -> str:
     """The accelerator's product name (CUDA / ROCm), else the device type ("cpu", "mps", ...)."""
     if device.type == "cuda":
+        import torch
+
         return torch.cuda.get_device_name(device)
     return device.type
 

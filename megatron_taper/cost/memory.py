@@ -45,9 +45,8 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence
 
-from megatron_taper.flops import head_cost, model_costs
-from megatron_taper.models.costs import Cost, Split
-from megatron_taper.parallel.block_options import checkpointed_blocks
+from megatron_taper.cost.block import Cost, Split
+from megatron_taper.cost.flops import head_cost, model_costs
 
 if TYPE_CHECKING:
     from megatron_taper.config import ModelConfig, ParallelConfig, TrainConfig
@@ -163,6 +162,16 @@ class StageMemory:
     @property
     def total(self) -> float:
         return self.static + self.activations + self.buffers
+
+
+def checkpointed_blocks(names: list[str], mode: str, every: int) -> list[str]:
+    """The rule of train.activation_checkpointing (applied by parallel/block_options.py): those of the
+    block `names` (global indices) whose activations are recomputed under `mode`."""
+    if mode == "full":
+        return list(names)
+    if mode == "selective":
+        return [name for name in names if int(name) % every == 0]
+    return []
 
 
 def largest_share(units: int, tp: int) -> float:
