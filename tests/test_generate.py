@@ -1,6 +1,6 @@
-"""Generation: the KV-cached forward equals the model's own forward, cached greedy decoding equals
-uncached greedy decoding token for token, sampling options, the fallback for families without a
-cached path, and tools/generate.py (one run, one bad input).
+"""Generation: each family's decoding state (FamilySpec.decoder) gives the model's own forward,
+cached greedy decoding equals uncached greedy decoding token for token, sampling options, the
+fallback for families without a decoder, and tools/generate.py (one run, one bad input).
 
 Models are built in-process with a large init_std (0.5) so that next-token distributions are
 peaked and argmax is never decided by float noise. The cached forward is compared with the full
@@ -15,14 +15,7 @@ import pytest
 import torch
 
 from megatron_taper.config import load_config
-from megatron_taper.inference.generation import (
-    KVCache,
-    SamplingOptions,
-    cached_forward,
-    generate,
-    next_token,
-    supports_kv_cache,
-)
+from megatron_taper.inference.generation import SamplingOptions, generate, make_decoder, next_token
 from megatron_taper.inference.load import save_exported
 from megatron_taper.models import build_model
 
@@ -52,13 +45,13 @@ def _model(extra, seed=0):
 def test_cached_forward_equals_full_forward(variant):
     _, model = _model(VARIANTS[variant])
     model = model.double()
-    assert supports_kv_cache(model)
+    decoder = make_decoder(model, 2, 20)
+    assert decoder is not None
     tokens = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         full = model(tokens)
-    cache = KVCache.empty(model, 2, 20)
-    pieces = [cached_forward(model, tokens[:, :7], cache)]  # a prompt, then one token at a time
-    pieces += [cached_forward(model, tokens[:, i:i + 1], cache) for i in range(7, 20)]
+    pieces = [decoder(tokens[:, :7])]  # a prompt, then one token at a time
+    pieces += [decoder(tokens[:, i:i + 1]) for i in range(7, 20)]
     diff = (torch.cat(pieces, dim=1) - full).abs().max().item()
     print(f"{variant}: max |cached - full logits| (float64) = {diff:.1e}")
     assert diff < LOGIT_TOL
@@ -92,14 +85,14 @@ def test_sampling_options():
 
 def test_families_without_cache_recompute_the_prefix():
     cfg, model = _model(["model.arch=titans"])
-    assert not supports_kv_cache(model)
+    assert make_decoder(model, 1, 8) is None
     out = generate(model, [4, 8, 15], SamplingOptions(max_new_tokens=3, temperature=0))
     ids = [4, 8, 15]
     with torch.no_grad():
         for _ in range(3):
             ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
     assert not out.cached and out.tokens == ids[3:]
-    with pytest.raises(ValueError, match="KV-cache"):
+    with pytest.raises(ValueError, match="has no incremental decoding state"):
         generate(model, [1], SamplingOptions(max_new_tokens=1), use_cache=True)
 
 

@@ -1,35 +1,25 @@
-"""Hugging Face transformers checkpoints: export (ours -> HF) and import (HF Llama -> ours).
+"""Hugging Face transformers checkpoints: export (ours -> HF) and import (HF -> ours), for every
+family whose FamilySpec has an `hf` adapter (models/spec.py HFAdapter; today the Transformer's,
+models/hf_llama.py: Llama and tapered Llama). This module writes and reads the files; the
+adapter says how names, tensors and config.json fields map.
 
 Export (`export_hf`, `tools/convert_checkpoint.py CKPT --to hf --output DIR`) writes a folder that
 `transformers.AutoModelForCausalLM.from_pretrained(DIR)` loads:
     model.safetensors        HF parameter names, written one tensor at a time (fp32 unless dtype)
-    config.json              model_type llama (every layer has the same MLP width) or tapered_llama
-                             (per-layer widths in `intermediate_sizes`, with auto_map to
-                             modeling_tapered_llama.py: load with trust_remote_code=True, because no
-                             text-only architecture in transformers 4.57 takes a width per layer;
-                             gemma3n's list-valued intermediate_size belongs to a different block)
-    modeling_tapered_llama.py  tapered models only (this package's inference/modeling_tapered_llama.py)
+    config.json              the adapter's architecture fields, torch_dtype, special token ids, and
+                             `megatron_taper`: the model section and step, for an exact way back
+    the adapter's extra files (the tapered Llama modelling file for tapered models)
     generation_config.json   bos / eos ids when a tokenizer is known
     tokenizer.model, tokenizer_config.json, special_tokens_map.json
                              when the run has a sentencepiece model (LlamaTokenizer settings that
                              encode as ours: no BOS/EOS added, no prefix space)
-config.json also carries `megatron_taper`: the model section and step, for an exact way back.
 
-Mapping (model.arch=transformer): tok_embeddings -> model.embed_tokens, layers.i.attn_norm ->
-input_layernorm, attn.wq/wk/wv/wo -> self_attn.q/k/v/o_proj, mlp_norm -> post_attention_layernorm,
-mlp.w1/w3/w2 -> mlp.gate/up/down_proj, norm -> model.norm, output -> lm_head (absent when
-model.tie_embeddings: tie_word_embeddings). RoPE: ours rotates (even, odd) pairs of each head's
-dimensions (models/layers.py apply_rope), HF Llama rotates (i, i + E/2) halves (rotate_half), with
-the same frequency for pair i. Within every head the rows of wq and wk are reordered from
-[0, 1, 2, 3, ...] to [0, 2, 4, ..., 1, 3, 5, ...]: q.k is unchanged by a permutation applied to
-both, and values are untouched. RMSNorm eps = model.norm_eps, rope_theta, GQA (num_key_value_heads)
-map one to one; attention scale 1/sqrt(head_dim) on both sides.
-
-Import (`import_hf`, `tools/convert_checkpoint.py HF_DIR --from hf --output RUN_DIR`): a
-LlamaForCausalLM folder (safetensors, one file or an index) or one we exported becomes a run
-folder: RUN_DIR/config.yaml (a recipe's non-model sections, or the defaults, with the model section
-from config.json; then overrides) and RUN_DIR/checkpoints/step-0, a format-2 checkpoint written
-by the Trainer's own Checkpointer (no optimizer state; data position 0 of the run's data), so
+Import (`import_hf`, `tools/convert_checkpoint.py HF_DIR --from hf --output RUN_DIR`): a folder
+whose config.json model_type an adapter reads (safetensors, one file or an index), or one we
+exported, becomes a run folder: RUN_DIR/config.yaml (a recipe's non-model sections, or the
+defaults, with the model section from config.json; then overrides) and RUN_DIR/checkpoints/step-0,
+a format-2 checkpoint written by the Trainer's own Checkpointer (no optimizer state; data position
+0 of the run's data), so
     python -m megatron_taper.train --config RUN_DIR/config.yaml
 continues training from the imported weights (or `run.resume=RUN_DIR/checkpoints/step-0` from
 another run folder with the same model section, data and seed).
@@ -40,7 +30,6 @@ import copy
 import json
 import math
 import os
-import re
 import shutil
 from typing import Iterator
 
@@ -50,89 +39,32 @@ from megatron_taper.checkpoint.checkpointer import CheckpointError
 from megatron_taper.checkpoint.files import write_safetensors_streaming
 from megatron_taper.config import Config, ParallelConfig, apply_override, from_dict, load_config, save_config
 from megatron_taper.inference.load import open_checkpoint, tokenizer_path
+from megatron_taper.models import cards, family
+from megatron_taper.models.spec import HFAdapter
 from megatron_taper.taper import layer_widths
 
 HF_WEIGHTS = "model.safetensors"
 HF_INDEX = "model.safetensors.index.json"
-REMOTE_CODE = "modeling_tapered_llama.py"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-_LAYER_NAMES = {  # ours (after "layers.{i}.") -> HF (after "model.layers.{i}.")
-    "attn_norm.weight": "input_layernorm.weight",
-    "attn.wq.weight": "self_attn.q_proj.weight",
-    "attn.wk.weight": "self_attn.k_proj.weight",
-    "attn.wv.weight": "self_attn.v_proj.weight",
-    "attn.wo.weight": "self_attn.o_proj.weight",
-    "mlp_norm.weight": "post_attention_layernorm.weight",
-    "mlp.w1.weight": "mlp.gate_proj.weight",
-    "mlp.w3.weight": "mlp.up_proj.weight",
-    "mlp.w2.weight": "mlp.down_proj.weight",
-}
-_TOP_NAMES = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
-              "output.weight": "lm_head.weight"}
-_IGNORED_HF = re.compile(r"\.rotary_emb\.inv_freq$")  # a buffer some older exports saved
-_ROPE_ROTATED = ("attn.wq.weight", "attn.wk.weight")
-
-
-def hf_name(name: str) -> str:
-    """Our parameter name -> the HF Llama one (KeyError for a name Llama has no place for)."""
-    if name in _TOP_NAMES:
-        return _TOP_NAMES[name]
-    layer, rest = re.fullmatch(r"layers\.(\d+)\.(.+)", name).groups()
-    return f"model.layers.{layer}.{_LAYER_NAMES[rest]}"
-
-
-def our_name(name: str) -> str:
-    """The HF Llama parameter name -> ours (KeyError for an unknown one)."""
-    for ours, theirs in _TOP_NAMES.items():
-        if name == theirs:
-            return ours
-    match = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
-    if match is None:
-        raise KeyError(name)
-    inverse = {theirs: ours for ours, theirs in _LAYER_NAMES.items()}
-    return f"layers.{match.group(1)}.{inverse[match.group(2)]}"
-
-
-def pairs_to_halves(weight: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """Rows of wq / wk [heads * E, D]: within each head, (even, odd) pair order -> halves order."""
-    rows, cols = weight.shape
-    return weight.reshape(rows // head_dim, head_dim // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
-
-
-def halves_to_pairs(weight: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """Inverse of pairs_to_halves."""
-    rows, cols = weight.shape
-    return weight.reshape(rows // head_dim, 2, head_dim // 2, cols).transpose(1, 2).reshape(rows, cols)
-
 
 # -- export ------------------------------------------------------------------------------------
 
 
-def hf_config(cfg: Config, step: int, dtype: str, special_ids: dict[str, int]) -> dict:
-    """config.json for the model section of `cfg` (llama, or tapered_llama for unequal widths)."""
+def hf_config(cfg: Config, adapter: HFAdapter, step: int, dtype: str, special_ids: dict[str, int]) -> dict:
+    """config.json for the model section of `cfg`: the adapter's fields and ours."""
     m = cfg.model
-    widths = layer_widths(m)
-    tapered = len(set(widths)) > 1
-    out = {
-        "architectures": ["TaperedLlamaForCausalLM" if tapered else "LlamaForCausalLM"],
-        "model_type": "tapered_llama" if tapered else "llama",
-        "vocab_size": m.vocab_size, "hidden_size": m.d_model, "num_hidden_layers": m.n_layers,
-        "num_attention_heads": m.n_heads, "num_key_value_heads": m.kv_heads, "head_dim": m.head_dim,
-        "intermediate_size": m.mlp_width if tapered else widths[0], "hidden_act": "silu",
-        "max_position_embeddings": m.seq_len, "rms_norm_eps": m.norm_eps, "rope_theta": m.rope_theta,
-        "rope_scaling": None, "attention_bias": False, "attention_dropout": 0.0, "mlp_bias": False,
-        "tie_word_embeddings": m.tie_embeddings, "initializer_range": m.init_std, "use_cache": True,
-        "torch_dtype": {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[dtype],
-        **special_ids,
-        "megatron_taper": {"model": m.architecture_dict(), "step": step},
-    }
-    if tapered:
-        out["intermediate_sizes"] = widths
-        module = REMOTE_CODE.removesuffix(".py")
-        out["auto_map"] = {"AutoConfig": f"{module}.TaperedLlamaConfig",
-                           "AutoModelForCausalLM": f"{module}.TaperedLlamaForCausalLM"}
-    return out
+    return {**adapter.export_config(m), "torch_dtype": str(DTYPES[dtype]).removeprefix("torch."), **special_ids,
+            "megatron_taper": {"model": m.architecture_dict(), "step": step}}
+
+
+def adapter_of(arch: str, flag: str) -> HFAdapter:
+    """model.arch's Hugging Face adapter; ValueError naming the families that have one."""
+    adapter = family(arch).hf
+    if adapter is None:
+        have = [name for name in cards() if family(name).hf is not None]
+        raise ValueError(f"{flag}: model.arch={arch!r} has no Hugging Face adapter (families with one: "
+                         f"{', '.join(have)}); export its weights with the default --to safetensors")
+    return adapter
 
 
 def export_hf(checkpoint: str, output: str, dtype: str = "fp32", tokenizer: str = "") -> dict:
@@ -141,38 +73,39 @@ def export_hf(checkpoint: str, output: str, dtype: str = "fp32", tokenizer: str 
         raise ValueError(f"--dtype={dtype!r} is not one of: {', '.join(DTYPES)}")
     ref = open_checkpoint(checkpoint, flag="checkpoint")
     m = ref.config.model
-    if m.arch != "transformer":
-        raise ValueError(f"--to hf: model.arch={m.arch!r} has no transformers architecture yet (transformer only; "
-                         f"export its weights with the default --to safetensors)")
-    if m.position_encoding != "rope":
-        raise ValueError(f"--to hf: model.position={m.position!r} has no Llama equivalent (Llama uses RoPE)")
-    names = {hf_name(n): n for n in ref.names()}
+    adapter = adapter_of(m.arch, "--to hf")
+    special_config = adapter.export_config(m)  # refuses what the target architecture cannot hold, before writing
+    names = {}
+    for ours in ref.names():
+        try:
+            names[adapter.export_name(ours)] = ours
+        except KeyError:
+            raise ValueError(f"--to hf: parameter {ours!r} has no place in a {special_config['model_type']} "
+                             f"model") from None
     shapes = {theirs: (ref.shape(ours), str(DTYPES[dtype]).removeprefix("torch.")) for theirs, ours in names.items()}
     os.makedirs(output, exist_ok=True)
     target = os.path.join(output, HF_WEIGHTS)
-    write_safetensors_streaming(target + ".tmp", shapes, _export_tensors(ref, names, DTYPES[dtype]),
+    write_safetensors_streaming(target + ".tmp", shapes, _export_tensors(ref, adapter, names, DTYPES[dtype]),
                                 {"format": "pt", "step": str(ref.step)})
     os.replace(target + ".tmp", target)
     spm = tokenizer_path(ref.config, ref.path, tokenizer)
     special = _write_tokenizer(spm, output, m.seq_len) if spm else {}
-    config = hf_config(ref.config, ref.step, dtype, special)
+    config = hf_config(ref.config, adapter, ref.step, dtype, special)
     _write_json(os.path.join(output, "config.json"), config)
     _write_json(os.path.join(output, "generation_config.json"), {"_from_model_config": True, **special})
-    if config["model_type"] == "tapered_llama":
-        shutil.copyfile(os.path.join(os.path.dirname(__file__), REMOTE_CODE), os.path.join(output, REMOTE_CODE))
+    extra = adapter.extra_files(m)
+    for path in extra:
+        shutil.copyfile(path, os.path.join(output, os.path.basename(path)))
     return {"path": output, "model_type": config["model_type"], "tensors": len(shapes), "step": ref.step,
             "parameters": sum(math.prod(s) for s, _ in shapes.values()), "tokenizer": spm or None,
-            "trust_remote_code": config["model_type"] == "tapered_llama"}
+            "trust_remote_code": "auto_map" in config}
 
 
-def _export_tensors(ref, names: dict[str, str], dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    head_dim = ref.config.model.head_dim
+def _export_tensors(ref, adapter: HFAdapter, names: dict[str, str], dtype: torch.dtype
+                    ) -> Iterator[tuple[str, torch.Tensor]]:
     for theirs in sorted(names):
         ours = names[theirs]
-        tensor = ref.tensor(ours)
-        if ours.endswith(_ROPE_ROTATED):
-            tensor = pairs_to_halves(tensor, head_dim)
-        yield theirs, tensor.to(dtype).contiguous()
+        yield theirs, adapter.export_tensor(ours, ref.tensor(ours), ref.config.model).to(dtype).contiguous()
 
 
 def _write_tokenizer(spm_path: str, output: str, max_length: int) -> dict[str, int]:
@@ -202,32 +135,18 @@ def _write_json(path: str, obj: dict) -> None:
 # -- import ------------------------------------------------------------------------------------
 
 
-def model_section_from_hf(hf: dict, where: str) -> dict:
-    """Our model section for a Llama config.json (or the one we exported, taken as it was)."""
-    kind = hf.get("model_type")
-    if kind not in ("llama", "tapered_llama"):
-        raise ValueError(f"{where}: model_type={kind!r}; --from hf reads llama (and our tapered_llama) folders")
+def model_section_from_hf(hf: dict, where: str) -> tuple[dict, HFAdapter]:
+    """Our model section for an HF config.json (one we exported is taken as it was), and the adapter."""
     ours = hf.get("megatron_taper", {}).get("model")
     if ours is not None:
-        return copy.deepcopy(ours)
-    heads = hf["num_attention_heads"]
-    head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
-    problems = [(key, hf.get(key)) for key, ok in (
-        ("rope_scaling", hf.get("rope_scaling") is None), ("attention_bias", not hf.get("attention_bias", False)),
-        ("mlp_bias", not hf.get("mlp_bias", False)), ("hidden_act", hf.get("hidden_act", "silu") == "silu"),
-        ("head_dim", head_dim * heads == hf["hidden_size"]), ("intermediate_size", kind == "llama"))
-        if not ok]
-    if problems:
-        raise ValueError(f"{where}: not representable as model.arch=transformer: "
-                         + ", ".join(f"{k}={v!r}" for k, v in problems))
-    width = hf["intermediate_size"]
-    return {"arch": "transformer", "n_layers": hf["num_hidden_layers"], "d_model": hf["hidden_size"],
-            "n_heads": heads, "n_kv_heads": hf.get("num_key_value_heads") or heads, "mlp_width": width,
-            "vocab_size": hf["vocab_size"], "seq_len": hf.get("max_position_embeddings", 2048),
-            "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
-            "rope_theta": float(hf.get("rope_theta", 10000.0)), "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
-            "init_std": float(hf.get("initializer_range", 0.02)),
-            "taper": {"schedule": "uniform", "multiple": math.gcd(width, 64)}}
+        return copy.deepcopy(ours), adapter_of(ours.get("arch", "transformer"), "--from hf")
+    kind = hf.get("model_type")
+    for name in cards():
+        adapter = family(name).hf
+        if adapter is not None and kind in adapter.model_types:
+            return adapter.import_config(hf, where), adapter
+    readable = sorted({t for name in cards() if family(name).hf for t in family(name).hf.model_types})
+    raise ValueError(f"{where}: model_type={kind!r}; --from hf reads {', '.join(readable)} folders")
 
 
 def import_config(hf_dir: str, recipe: str | None, overrides: list[str]) -> Config:
@@ -236,7 +155,7 @@ def import_config(hf_dir: str, recipe: str | None, overrides: list[str]) -> Conf
     where = os.path.join(hf_dir, "config.json")
     hf = _read_json(where)
     base = load_config(recipe).to_dict() if recipe else Config().to_dict()
-    base["model"] = model_section_from_hf(hf, where)
+    base["model"], _ = model_section_from_hf(hf, where)
     cfg = from_dict(base, source=where)
     for item in overrides:
         apply_override(cfg, item)
@@ -248,10 +167,11 @@ def import_config(hf_dir: str, recipe: str | None, overrides: list[str]) -> Conf
     return cfg
 
 
-def read_hf_state(hf_dir: str, head_dim: int) -> dict[str, torch.Tensor]:
-    """Every parameter of a Llama safetensors folder, under our names (wq / wk rows reordered)."""
+def read_hf_state(hf_dir: str, cfg: Config) -> dict[str, torch.Tensor]:
+    """Every parameter of an HF safetensors folder, under our names (as the family's adapter maps them)."""
     from safetensors import safe_open
 
+    adapter = adapter_of(cfg.model.arch, "--from hf")
     index = os.path.join(hf_dir, HF_INDEX)
     if os.path.isfile(index):
         by_file: dict[str, list[str]] = {}
@@ -265,15 +185,13 @@ def read_hf_state(hf_dir: str, head_dim: int) -> dict[str, torch.Tensor]:
     for file, wanted in by_file.items():
         with safe_open(os.path.join(hf_dir, file), "pt") as f:
             for name in wanted or f.keys():
-                if _IGNORED_HF.search(name):
-                    continue
                 try:
-                    ours = our_name(name)
+                    ours = adapter.import_name(name)
                 except KeyError:
-                    raise ValueError(f"{hf_dir}/{file}: tensor {name!r} has no place in a model.arch=transformer "
-                                     f"model") from None
-                tensor = f.get_tensor(name)
-                state[ours] = halves_to_pairs(tensor, head_dim) if ours.endswith(_ROPE_ROTATED) else tensor
+                    raise ValueError(f"{hf_dir}/{file}: tensor {name!r} has no place in a model.arch="
+                                     f"{cfg.model.arch} model") from None
+                if ours is not None:
+                    state[ours] = adapter.import_tensor(ours, f.get_tensor(name), cfg.model)
     return state
 
 
@@ -291,7 +209,7 @@ def import_hf(hf_dir: str, output: str, recipe: str | None = None, overrides: li
     if os.path.isfile(os.path.join(hf_dir, "tokenizer.model")) and not cfg.data.tokenizer:
         shutil.copyfile(os.path.join(hf_dir, "tokenizer.model"), os.path.join(output, "tokenizer.model"))
         cfg.data.tokenizer = os.path.abspath(os.path.join(output, "tokenizer.model"))
-    state = {k: v.float() for k, v in read_hf_state(hf_dir, cfg.model.head_dim).items()}
+    state = {k: v.float() for k, v in read_hf_state(hf_dir, cfg).items()}
     if cfg.model.tie_embeddings:
         state.pop("output.weight", None)  # some tied checkpoints also store lm_head
     one_process = copy.deepcopy(cfg)

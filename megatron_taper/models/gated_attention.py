@@ -11,6 +11,7 @@ head exactly like `wq`.
 """
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 import torch
@@ -18,6 +19,7 @@ from torch import nn
 
 from megatron_taper.cost.block import Cost, Split, attention_cost, swiglu_cost
 from megatron_taper.models.cards import GATED_ATTENTION
+from megatron_taper.models.decoding import kv_decoder
 from megatron_taper.models.layers import Attention
 from megatron_taper.models.spec import FamilySpec
 from megatron_taper.models.transformer import Transformer, TransformerBlock, tp_plan_transformer_block
@@ -32,8 +34,7 @@ class GatedAttention(Attention):
         super().__init__(d_model, n_heads, n_kv_heads, head_dim)
         self.wg = nn.Linear(d_model, n_heads * (head_dim if gate == "elementwise" else 1), bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        y = self.attend(x, cos, sin)  # [B, S, H, E]
+    def project_out(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         g = torch.sigmoid(self.wg(x)).unflatten(-1, (y.shape[2], -1))  # [B, S, H, E or 1]
         return self.wo((y * g).flatten(2))
 
@@ -66,4 +67,5 @@ def tp_plan_gated_attention_block(block: GatedAttentionBlock, prefix: str, cfg: 
 
 
 SPECS = (FamilySpec(card=GATED_ATTENTION, build=GatedTransformer, layer_cost=gated_attention_layer_cost,
-                    tp_block_plan=tp_plan_gated_attention_block),)
+                    tp_block_plan=tp_plan_gated_attention_block,
+                    decoder=functools.partial(kv_decoder, block_class=GatedAttentionBlock)),)

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 import torch
@@ -49,6 +49,7 @@ from torch import nn
 
 from megatron_taper.cost.block import Cost, Split, attention_cost, swiglu_cost
 from megatron_taper.models.cards import HOPE_ATTENTION
+from megatron_taper.models.decoding import kv_decoder
 from megatron_taper.models.init import RESIDUAL_OUT, init_tensor
 from megatron_taper.models.layers import RMSNorm
 from megatron_taper.models.spec import FamilySpec
@@ -264,5 +265,54 @@ def tensor_parallel_comm(group, sequence_parallel: bool) -> LevelComm:
         leave_partial=on_group(ops.reduce_scatter_to_seq_region if sequence_parallel else ops.reduce_from_tp_region))
 
 
+@dataclass
+class OnlineLevelState:
+    """One online CMS level while decoding: theta^(c), the weights that read the current chunk
+    (w13 [2W, D] and w2 [D, W] until the first update, [B, ...] after), and what that chunk's
+    positions so far read: inputs n, activations and outputs y, kept for the update at its end,
+    computed with the training code's own `inner_step`, so decoding reads exactly the weights a full
+    forward reads (same chunk boundaries: positions are counted from the start of the sequence)."""
+
+    weights: Weights
+    chunk: list[tuple[torch.Tensor, SwiGLUActivations, torch.Tensor]] = field(default_factory=list)
+    filled: int = 0
+
+    def read(self, level: ContinuumLevel, n: torch.Tensor) -> torch.Tensor:
+        """The level's output for inputs n [B, T, D] at the next T positions; completes chunks."""
+        outs = []
+        while n.shape[1]:
+            take = min(level.period - self.filled, n.shape[1])
+            part, n = n[:, :take], n[:, take:]
+            acts = SwiGLUActivations.of(part, self.weights[0])
+            y = acts.h @ self.weights[1].transpose(-1, -2)  # [B, take, D]
+            outs.append(y)
+            self.chunk.append((part, acts, y))
+            self.filled += take
+            if self.filled == level.period:  # the update the full forward makes at this chunk's end
+                parts, pieces, ys = zip(*self.chunk)
+                acts = SwiGLUActivations(*(torch.cat(t, dim=1) for t in
+                                           zip(*((a.s, a.h, a.dh_da) for a in pieces))))  # [B, C, W] each
+                self.weights = inner_step(self.weights, torch.cat(parts, dim=1), acts, torch.cat(ys, dim=1),
+                                          acts.h.square().sum(-1), F.softplus(level.raw_step))
+                self.chunk, self.filled = [], 0
+        return torch.cat(outs, dim=1)
+
+
+def online_level_states(block: HopeAttentionBlock) -> list[OnlineLevelState | None]:
+    """Decoding state of a block's CMS levels (None for a level without updates)."""
+    return [OnlineLevelState((torch.cat((level.w1, level.w3)), level.w2)) if level.period else None
+            for level in block.cms]
+
+
+def cms_feedforward(block: HopeAttentionBlock, h: torch.Tensor, states: list[OnlineLevelState | None]
+                    ) -> torch.Tensor:
+    """The block's CMS levels for the next positions h [B, T, D], online levels from their state."""
+    for norm, level, state in zip(block.cms_norms, block.cms, states):
+        h = h + (level(norm(h)) if state is None else state.read(level, norm(h)))
+    return h
+
+
 SPECS = (FamilySpec(card=HOPE_ATTENTION, build=HopeAttention, layer_cost=hope_attention_layer_cost,
-                    tp_block_plan=tp_plan_hope_attention_block),)
+                    tp_block_plan=tp_plan_hope_attention_block,
+                    decoder=functools.partial(kv_decoder, block_class=HopeAttentionBlock, feedforward=cms_feedforward,
+                                              block_state=online_level_states)),)

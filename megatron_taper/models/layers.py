@@ -90,8 +90,12 @@ class Attention(nn.Module):
                                            enable_gqa=q.shape[1] != k.shape[1])
         return y.transpose(1, 2)
 
+    def project_out(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The output projection of the per-head outputs y [B, S, H, E] of the block input x [B, S, D]."""
+        return self.wo(y.flatten(2))
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        return self.wo(self.attend(x, cos, sin).flatten(2))
+        return self.project_out(self.attend(x, cos, sin), x)
 
 
 class SwiGLU(nn.Module):

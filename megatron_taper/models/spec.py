@@ -66,10 +66,12 @@ class HFAdapter:
     export_config: Callable[[ModelConfig], dict[str, Any]]
     # (HF config.json, where) -> our model section; ValueError naming `where` if not representable
     import_config: Callable[[dict[str, Any], str], dict[str, Any]]
-    # (our name, tensor, model cfg) -> (HF name, tensor); KeyError for a name with no HF place
-    export_tensor: Callable[[str, torch.Tensor, ModelConfig], tuple[str, torch.Tensor]]
-    # (HF name, tensor, model cfg) -> (our name, tensor), or None for a name to skip; KeyError if unknown
-    import_tensor: Callable[[str, torch.Tensor, ModelConfig], tuple[str, torch.Tensor] | None]
+    export_name: Callable[[str], str]  # our parameter name -> the HF one; KeyError for a name with no HF place
+    # HF parameter name -> ours, or None for a name to skip (e.g. a saved buffer); KeyError if unknown
+    import_name: Callable[[str], str | None]
+    # (our name, tensor, model cfg) -> the tensor as HF stores it (e.g. rows reordered), and back
+    export_tensor: Callable[[str, torch.Tensor, ModelConfig], torch.Tensor]
+    import_tensor: Callable[[str, torch.Tensor, ModelConfig], torch.Tensor]
     # (model cfg) -> files to copy next to the export (remote modelling code), by path
     extra_files: Callable[[ModelConfig], tuple[str, ...]] = lambda cfg: ()
 

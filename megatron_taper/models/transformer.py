@@ -13,6 +13,7 @@ gone. This file is single-device code: parallelism is applied from outside.
 """
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 import torch
@@ -20,6 +21,8 @@ from torch import nn
 
 from megatron_taper.cost.block import Cost, attention_cost, swiglu_cost
 from megatron_taper.models.cards import TRANSFORMER
+from megatron_taper.models.decoding import kv_decoder
+from megatron_taper.models.hf_llama import LLAMA
 from megatron_taper.models.init import init_parameters, init_tensor
 from megatron_taper.models.layers import Attention, RMSNorm, SwiGLU, rope_tables
 from megatron_taper.models.spec import FamilySpec
@@ -105,4 +108,5 @@ def tp_plan_transformer_block(block: TransformerBlock, prefix: str, cfg: ModelCo
 
 
 SPECS = (FamilySpec(card=TRANSFORMER, build=Transformer, layer_cost=transformer_layer_cost,
-                    tp_block_plan=tp_plan_transformer_block),)
+                    tp_block_plan=tp_plan_transformer_block,
+                    decoder=functools.partial(kv_decoder, block_class=TransformerBlock), hf=LLAMA),)
