@@ -35,7 +35,7 @@ import torch
 from megatron_taper.config import load_config
 from megatron_taper.cost.flops import mfu, model_costs, peak_flops
 from megatron_taper.data.corpus import embedded_files
-from megatron_taper.train import Trainer
+from megatron_taper.trainer import Trainer
 
 PARITY_TOL = 1e-4
 VARIANTS = [("none", False), ("selective", False), ("full", False), ("none", True), ("selective", True),

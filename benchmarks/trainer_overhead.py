@@ -23,7 +23,7 @@ from megatron_taper.data.corpus import embedded_files
 from megatron_taper.models import build_model
 from megatron_taper.models.layers import cross_entropy
 from megatron_taper.optim import build_optimizer
-from megatron_taper.train import Trainer
+from megatron_taper.trainer import Trainer
 
 
 def token_file(folder: str) -> str:

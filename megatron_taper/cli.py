@@ -122,3 +122,4 @@ def list_keys_text() -> str:
         default = yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
         lines.append(f"{key:<{width}}  {hint.__name__:<5}  {default}")
     return "\n".join(lines) + "\n"
+

@@ -13,12 +13,12 @@ import sys
 import traceback
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from megatron_taper.cost.flops import device_name, model_costs
 from megatron_taper.taper import layer_widths
 
 if TYPE_CHECKING:
+    import torch
+
     from megatron_taper.config import Config
     from megatron_taper.parallel.context import ParallelContext
     from megatron_taper.parallel.model import ParallelModel
@@ -83,6 +83,8 @@ def peak_memory(device: torch.device) -> tuple[float, str]:
     """(GiB, what was measured): CUDA's peak allocated memory on this process's device, or the
     process's peak resident set size on the host (CPU runs)."""
     if device.type == "cuda":
+        import torch
+
         return torch.cuda.max_memory_allocated(device) / 2**30, "gpu"
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
     return rss / (2**30 if sys.platform == "darwin" else 2**20), "host rss"

@@ -1,278 +1,23 @@
-"""Trainer and command line entry point.
+"""Command line entry point of training (the Trainer is megatron_taper/trainer.py).
 
     torchrun --nproc-per-node N -m megatron_taper.train --config configs/X.yaml [key=value ...]
     python -m megatron_taper.train --config configs/X.yaml [key=value ...]
     megatron-taper-train --config configs/X.yaml [--key=value | --key value ...]
 
-One step = global_batch sequences: each data-parallel rank runs global_batch / (dp x micro_batch)
-micro-batches through `ParallelModel.forward_backward`, gradients are reduced and clipped, and
-AdamW steps. Exit codes: 0 done (or stopped by train.exit_after), 2 bad input, 3 stopped by
+--print-config and --list-keys are answered without importing torch or any model code.
+Exit codes: 0 done (or stopped by train.exit_after), 1 failed, 2 bad input, 3 stopped by
 SIGUSR1/SIGTERM after a checkpoint (the slurm script requeues the job on 3).
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
-import math
 import os
-import shutil
-import signal
 import sys
 import textwrap
-import time
 
-import torch
-import torch.distributed as dist
-
-from megatron_taper.build import build_run
-from megatron_taper.checkpoint.checkpointer import Checkpointer, checkpoint_root, resume_candidates
 from megatron_taper.cli import OVERRIDES_HELP, add_config_arguments, handle_info_flags, parse_with_overrides
-from megatron_taper.config import Config, ConfigError, load_config, save_config
-from megatron_taper.console import DEBUG_ENV, format_duration, peak_memory, report_error, summary_lines
-from megatron_taper.cost.flops import mfu, model_costs, peak_flops
-from megatron_taper.data.sources import build_sources
-from megatron_taper.held_out import combined_loss, evaluate_held_out
-from megatron_taper.metrics import MetricsLogger, timestamp
-from megatron_taper.optim import lr_at
-from megatron_taper.parallel.context import ParallelContext, init_parallel, shutdown, world_size
-from megatron_taper.preflight import preflight
-
-EXIT_BAD_INPUT = 2
-EXIT_REQUEUE = 3
-
-
-class NonFiniteLossError(RuntimeError):
-    pass
-
-
-class StopSignal:
-    """Records SIGUSR1 / SIGTERM; the Trainer checks it between steps (all ranks agree)."""
-
-    def __init__(self):
-        self.received: int | None = None
-        self._previous = {}
-
-    def install(self) -> None:
-        if self._previous:
-            return
-        for sig in (signal.SIGUSR1, signal.SIGTERM):
-            self._previous[sig] = signal.signal(sig, self._handle)
-
-    def _handle(self, signum, frame) -> None:
-        self.received = self.received or signum
-
-    def uninstall(self) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-        self._previous = {}
-
-
-class Trainer:
-    def __init__(self, cfg: Config, ctx: ParallelContext | None = None, stop: StopSignal | None = None):
-        self.cfg = cfg
-        run = build_run(cfg, ctx)
-        self.ctx, self.pm, self.optimizer, self.bf16 = run.ctx, run.model, run.optimizer, run.bf16
-        self.accum = run.layout.accumulation
-        m, t = cfg.model, cfg.train
-        self.train_source, self.held_out = build_sources(
-            cfg.data, seq_len=m.seq_len, micro_batch=t.micro_batch, seed=t.seed, vocab_size=m.vocab_size,
-            dp_rank=self.ctx.dp_rank, dp_size=self.ctx.dp)
-        # data.mix: the realised share of each source so far (mix/<name>), logged with every step
-        self.data_metrics = getattr(self.train_source, "metrics", dict)
-        self.flops_per_token = model_costs(m).total_flops
-        self.peak = peak_flops(self.ctx.device, self.bf16, t.peak_tflops)
-        self.step = 0
-        self.last_saved = -1
-        self.skipped = 0
-        self.nonfinite_in_row = 0
-        self.stop = stop or StopSignal()
-        self._prepare_run_dir()
-        self.metrics = MetricsLogger(cfg.run.dir, self.ctx.is_main, cfg.run.tensorboard, cfg.run.wandb,
-                                     cfg.to_dict())
-        self.checkpointer = Checkpointer(checkpoint_root(cfg.run.dir), cfg.checkpoint, self.pm)
-        self._saving: dict[str, float] = {}  # checkpoint folder -> when its save began
-        if self.ctx.is_main:
-            summary = summary_lines(cfg, self.ctx, self.pm, self.train_source, bool(self.held_out), self.bf16,
-                                    self.peak)
-            if self.metrics.wandb_dir:
-                summary.append(f"wandb ({cfg.run.wandb.mode}): {self.metrics.wandb_dir}")
-            print(f"{timestamp()} megatron_taper run\n" + "\n".join("  " + line for line in summary), flush=True)
-        self._resume()
-
-    # -- setup ---------------------------------------------------------------------------------
-
-    def _prepare_run_dir(self) -> None:
-        if self.ctx.is_main:
-            os.makedirs(self.cfg.run.dir, exist_ok=True)
-            save_config(self.cfg, os.path.join(self.cfg.run.dir, "config.yaml"))
-        self.ctx.barrier()
-
-    def _resume(self) -> None:
-        mode = self.cfg.run.resume
-        candidates = resume_candidates(mode, checkpoint_root(self.cfg.run.dir))
-        loaded = self.checkpointer.load(candidates, self.cfg.model, self.optimizer, explicit=mode != "auto")
-        if loaded is None:
-            self.metrics.truncate_after(0)
-            return
-        path, state = loaded
-        self.step, self.skipped = state["step"], state["skipped"]
-        self.last_saved = self.step
-        self.train_source.load_state_dict(state["data"])
-        self.metrics.truncate_after(self.step)
-        self._print(f"resumed from: {path} at step {self.step}")
-
-    def autocast(self):
-        if self.bf16:
-            return torch.autocast(self.ctx.device.type, dtype=torch.bfloat16)
-        return contextlib.nullcontext()
-
-    # -- the loop ------------------------------------------------------------------------------
-
-    def train_step(self) -> dict:
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr_at(self.step, self.cfg.train)
-        micro_batches = [self.train_source.next_batch() for _ in range(self.accum)]
-        loss = self._dp_mean(self.pm.forward_backward(micro_batches, self.autocast))
-        loss_value = float(loss)
-        # reduce, clip and step (or skip a non-finite step); the engine owns how (ZeRO, DeepSpeed)
-        grad_norm, stepped = self.pm.optimizer_step(self.optimizer, self.cfg.train.grad_clip,
-                                                    math.isfinite(loss_value))
-        norm_value = float(grad_norm)
-        if stepped:
-            self.nonfinite_in_row = 0
-        else:
-            self.skipped += 1
-            self.nonfinite_in_row += 1
-            if self.nonfinite_in_row >= self.cfg.train.max_nonfinite:
-                raise NonFiniteLossError(
-                    f"loss or gradient norm was non-finite for {self.nonfinite_in_row} steps in a row (up to step "
-                    f"{self.step + 1}, train.max_nonfinite={self.cfg.train.max_nonfinite}); lower train.lr, enable "
-                    f"train.grad_clip or check the data"
-                )
-        self.step += 1
-        return {"loss": loss_value, "grad_norm": norm_value, "lr": self.optimizer.param_groups[0]["lr"],
-                **self.data_metrics()}
-
-    def evaluate(self) -> dict[str, float] | None:
-        """Held-out loss: "" the loss (data.mix: the sources' losses weighted by the mixture), and
-        under data.mix each source's own loss by its name; None without held-out data."""
-        if not self.held_out:
-            return None
-        results = evaluate_held_out(self.pm, self.held_out, self.cfg.train.eval_batches, self.autocast)
-        per_source = {h.name: results[h.name].loss for h in self.held_out if h.name}
-        return {"": combined_loss(results, self.held_out), **per_source}
-
-    def fit(self) -> int:
-        t, ckpt = self.cfg.train, self.cfg.checkpoint
-        tokens_per_step = t.global_batch * self.cfg.model.seq_len
-        self.stop.install()
-        steps_here, last_time, last_step = 0, time.perf_counter(), self.step
-        started = last_time
-        try:
-            while self.step < t.steps:
-                record = self.train_step()
-                steps_here += 1
-                self.checkpointer.poll()  # completes a background save once every rank has written
-                self._report_saved()
-                if self.step % t.log_interval == 0 or self.step == t.steps:
-                    now = time.perf_counter()
-                    step_time = (now - last_time) / max(self.step - last_step, 1)
-                    last_time, last_step = now, self.step
-                    # ETA from this process's mean step time so far (evaluations and saves included)
-                    eta = (t.steps - self.step) * (now - started) / steps_here
-                    self._log_step(record, step_time, tokens_per_step, eta)
-                if t.eval_interval and self.step % t.eval_interval == 0 and self.step < t.steps:
-                    self._log_eval()
-                if self._agreed_stop():
-                    self.save(final=True)
-                    self._print(f"stopped by signal {self.stop.received} at step {self.step}; checkpoint written")
-                    return EXIT_REQUEUE
-                if self.step == t.steps:
-                    break
-                if ckpt.interval and self.step % ckpt.interval == 0:
-                    self.save()
-                if t.exit_after and steps_here >= t.exit_after:
-                    self.save(final=True)
-                    self._print(f"train.exit_after={t.exit_after}: stopped at step {self.step} with a checkpoint")
-                    return 0
-            self._log_eval()
-            self.save(final=True)
-            return 0
-        finally:
-            self.metrics.close()
-
-    def save(self, final: bool = False) -> None:
-        """Checkpoint the current step; `final`: also wait until it (and any background save) is
-        complete, before the process exits."""
-        if self.step != self.last_saved:
-            self.last_saved = self.step
-            self._saving[os.path.join(checkpoint_root(self.cfg.run.dir), f"step-{self.step}")] = time.perf_counter()
-            self.checkpointer.save(self.optimizer, self.step, self.cfg.to_dict(), {"skipped": self.skipped},
-                                   self.train_source.state_dict())
-        if final:
-            self.checkpointer.wait()
-        self._report_saved()
-
-    def _report_saved(self) -> None:
-        """'checkpoint saved' for every save begun here that is now complete (async: finalised)."""
-        pending = self.checkpointer.pending
-        for path, began in list(self._saving.items()):
-            if pending is None or pending.final != path:
-                del self._saving[path]
-                self._print(f"checkpoint saved: {path} ({time.perf_counter() - began:.1f} s)")
-
-    # -- helpers -------------------------------------------------------------------------------
-
-    def _log_step(self, record: dict, step_time: float, tokens_per_step: int, eta: float) -> None:
-        tokens_per_s = tokens_per_step / max(step_time, 1e-9)
-        memory_gb, memory_kind = peak_memory(self.ctx.device)
-        memory_gb = self._max_over_ranks(memory_gb)
-        full = {"step": self.step, **record, "tokens_per_s": tokens_per_s,
-                "tokens_seen": self.step * tokens_per_step, "skipped_steps": self.skipped,
-                "step_time_s": step_time, "peak_memory_gb": memory_gb}
-        util = mfu(tokens_per_s / self.ctx.world_size, self.flops_per_token, self.peak)
-        if util is not None:
-            full["mfu"] = util
-        line = (f"step {self.step:>6}/{self.cfg.train.steps} | loss {record['loss']:.4f} | lr {record['lr']:.3e} | "
-                f"grad_norm {record['grad_norm']:.3f} | {step_time:.3f} s/step | {tokens_per_s:,.0f} tok/s"
-                + (f" | mfu {util:.1%}" if util is not None else "")
-                + f" | mem {memory_gb:.2f} GiB {memory_kind} | eta {format_duration(eta)}")
-        self.metrics.log(full, line)
-
-    def _log_eval(self) -> None:
-        losses = self.evaluate()
-        if losses is not None:
-            eval_loss = losses.pop("")
-            ppl = math.exp(min(eval_loss, 50.0))
-            self.metrics.log({"step": self.step, "eval_loss": eval_loss, "eval_ppl": ppl,
-                              **{f"eval_loss/{name}": loss for name, loss in losses.items()}},
-                             f"eval  {self.step:>6} | loss {eval_loss:.4f} | ppl {ppl:.2f}"
-                             + "".join(f" | {name} {loss:.4f}" for name, loss in losses.items()))
-
-    def _dp_mean(self, value: torch.Tensor) -> torch.Tensor:
-        if self.ctx.dp > 1:
-            value = value.clone()
-            dist.all_reduce(value, op=dist.ReduceOp.AVG, group=self.ctx.dp_group)
-        return value
-
-    def _max_over_ranks(self, value: float) -> float:
-        """The largest `value` of all ranks (the peak memory of the fullest rank)."""
-        if self.ctx.mesh is None:
-            return value
-        tensor = torch.tensor([value], dtype=torch.float64, device=self.ctx.device)
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-        return float(tensor.item())
-
-    def _agreed_stop(self) -> bool:
-        flag = torch.tensor([1.0 if self.stop.received else 0.0], device=self.ctx.device)
-        if self.ctx.mesh is not None:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
-
-    def _print(self, text: str) -> None:
-        if self.ctx.is_main:
-            print(f"{timestamp()} {text}", flush=True)
-
+from megatron_taper.console import DEBUG_ENV, report_error
+from megatron_taper.validation import ConfigError
 
 HELP_EPILOG = textwrap.fill(OVERRIDES_HELP + ".", 96) + f"""
 
@@ -290,42 +35,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.usage = ("%(prog)s [-h] [--config CONFIG] [--print-config] [--list-keys] "
                     "[key=value | --key=value | --key value ...]")
     args, overrides = parse_with_overrides(parser, argv)
-    ctx = None
-    cfg = None
-    created_run_dir = None
-    clean = False
-    # installed before any setup and kept until exit, so a signal during start-up or the final
-    # barrier is recorded instead of killing the process (the default action of SIGUSR1)
-    stop = StopSignal()
-    stop.install()
-    try:
-        if handle_info_flags(args, overrides):
+    if args.print_config or args.list_keys:
+        try:
+            handle_info_flags(args, overrides)
             return 0
-        cfg = load_config(args.config, overrides)
-        if not os.path.exists(cfg.run.dir):
-            created_run_dir = cfg.run.dir
-        preflight(cfg, world_size())  # before joining: a bad layout fails alike on every rank, at once
-        ctx = init_parallel(cfg.parallel, cfg.train.device)
-        trainer = Trainer(cfg, ctx, stop)
-        created_run_dir = None
-        code = trainer.fit()
-        clean = True
-        return code
-    except Exception as e:  # noqa: BLE001 - reported once (main rank) and logged per rank below
-        expected = isinstance(e, (ConfigError, ValueError, NonFiniteLossError))
-        rank = ctx.rank if ctx is not None else int(os.environ.get("RANK", "0"))
-        log_dir = cfg.run.dir if cfg is not None else None
-        if expected and created_run_dir:  # a fresh run folder that never started training goes again
-            log_dir = None
-            if os.path.isdir(created_run_dir) and (ctx is None or ctx.is_main):
-                shutil.rmtree(created_run_dir, ignore_errors=True)
-        report_error(e, rank, log_dir, expected)
-        return EXIT_BAD_INPUT if expected and not isinstance(e, NonFiniteLossError) else 1
-    finally:
-        if ctx is not None:
-            with contextlib.suppress(Exception):
-                shutdown(ctx, barrier=clean)
-        stop.uninstall()
+        except ConfigError as e:
+            report_error(e, int(os.environ.get("RANK", "0")), None, expected=True)
+            return 2
+    from megatron_taper.trainer import run
+
+    return run(args.config, overrides)
 
 
 if __name__ == "__main__":

@@ -1,14 +1,16 @@
-"""Fixtures shared by the whole suite."""
-from __future__ import annotations
+"""Fixtures shared by the whole suite, and its markers.
 
-import sys
-from pathlib import Path
+tests/ is a package tree mirroring megatron_taper/ (one folder per feature); shared helpers live
+in tests/helpers and are imported as `tests.helpers.<name>` (pytest puts the repository root on
+sys.path). Markers (pytest.ini): `multiprocess` (gloo process groups or torchrun), `slurm` (a
+throw-away Slurm cluster), `slow` (over ~20 s alone); e.g. `bash tests/run.sh -m "not slurm"`.
+"""
+from __future__ import annotations
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # `import runner` from any test folder
-from runner import stdlib_bytes  # noqa: E402
+from tests.helpers.runner import stdlib_bytes
 
 
 @pytest.fixture(scope="session")

@@ -7,15 +7,15 @@ import os
 import numpy as np
 import pytest
 import torch
-from datahelpers import VOCAB, corpus, dataset, second_dataset, tokenizer_model  # noqa: F401
 
 from megatron_taper.config import ConfigError, DataConfig, load_config
 from megatron_taper.data.mixture import MixSchedule
 from megatron_taper.data.sources import build_sources
 from megatron_taper.inference.evaluate import evaluate_checkpoint
 from megatron_taper.train import main
+from tests.helpers.datahelpers import VOCAB, corpus, dataset, second_dataset, tokenizer_model  # noqa: F401
+from tests.helpers.runner import REPO
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SEQ = 32
 
 

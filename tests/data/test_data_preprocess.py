@@ -8,20 +8,19 @@ import time
 
 import numpy as np
 import pytest
-from datahelpers import VOCAB, corpus, dataset, tokenizer_model, write_jsonl  # noqa: F401
 
 from megatron_taper.data import preprocess as preprocess_module
 from megatron_taper.data.corpus import SkipLog, read_documents
 from megatron_taper.data.preprocess import in_val_split, is_complete, preprocess
-from megatron_taper.data.streaming import CheckpointReader
+from megatron_taper.data.streaming import ShardReader
 from megatron_taper.data.tokenizer import Tokenizer
+from tests.helpers.datahelpers import VOCAB, corpus, dataset, tokenizer_model, write_jsonl  # noqa: F401
+from tests.helpers.runner import REPO
 from tools.preprocess_data import main
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _decoded(path, split, tok):
-    reader = CheckpointReader(path, split)
+    reader = ShardReader(path, split)
     docs = [reader[i] for i in range(len(reader))]
     assert all(d[-1] == tok.eos_id and tok.eos_id not in d[:-1] for d in docs)
     assert reader.lengths.read(0, len(reader)).tolist() == [len(d) for d in docs]
@@ -57,7 +56,7 @@ def test_tool_workers_give_identical_shards_and_counts_skips(corpus, tokenizer_m
     stats = json.loads((outs[1] / "stats.json").read_text())
     assert stats["skipped"]["examples"][0].startswith(f"{bad}:2: invalid_json")
     for split in ("train", "val"):
-        a, b = CheckpointReader(str(outs[0]), split), CheckpointReader(str(outs[1]), split)
+        a, b = ShardReader(str(outs[0]), split), ShardReader(str(outs[1]), split)
         assert len(a) == len(b) and all(np.array_equal(a[i], b[i]) for i in range(len(a)))
     assert any(f.endswith(".mds.zstd") for f in os.listdir(outs[0] / "train"))
 

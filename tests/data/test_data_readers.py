@@ -4,20 +4,22 @@ jsonl; formats are told by content (a gzip file without .gz); binary input is on
 file; tools/train_tokenizer.py reads parquet like jsonl and shows its progress."""
 import gzip
 import os
-import sys
 
 import numpy as np
 import pytest
-from datahelpers import TRICKY, VOCAB, corpus, stdlib_documents, tokenizer_model, write_jsonl  # noqa: F401
+from megatron_taper_tools import preprocess_data, train_tokenizer
 
 from megatron_taper.data import tokenizer as tokenizer_module
 from megatron_taper.data.corpus import SkipLog, read_documents
-from megatron_taper.data.streaming import CheckpointReader
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(REPO, "tools"))
-import preprocess_data  # noqa: E402
-import train_tokenizer  # noqa: E402
+from megatron_taper.data.streaming import ShardReader
+from tests.helpers.datahelpers import (  # noqa: F401
+    TRICKY,
+    VOCAB,
+    corpus,
+    stdlib_documents,
+    tokenizer_model,
+    write_jsonl,
+)
 
 DOCS = stdlib_documents(8_000, seed=3) + TRICKY
 
@@ -27,7 +29,7 @@ def _stream(out):
     parts = []
     for split in ("train", "val"):
         if os.path.isdir(os.path.join(out, split)):
-            reader = CheckpointReader(str(out), split)
+            reader = ShardReader(str(out), split)
             parts += [reader[i].astype(np.int64) for i in range(len(reader))]
     return np.concatenate(parts)
 

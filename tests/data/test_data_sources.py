@@ -6,12 +6,12 @@ import urllib.parse
 
 import pytest
 import torch
-from datahelpers import corpus, dataset, tokenizer_model  # noqa: F401
 
 from megatron_taper.config import DataConfig
 from megatron_taper.data.sources import build_sources
 from megatron_taper.data.streaming import STATS_FILE, cache_folder
 from megatron_taper.data.torchvision_compat import import_streaming
+from tests.helpers.datahelpers import corpus, dataset, tokenizer_model  # noqa: F401
 
 SEQ, MB = 32, 2
 

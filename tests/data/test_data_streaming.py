@@ -13,9 +13,9 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
-from datahelpers import corpus, dataset, tokenizer_model  # noqa: F401
 
-from megatron_taper.data.streaming import LENGTHS_FILE, CheckpointReader, StreamingSource, cache_folder
+from megatron_taper.data.streaming import LENGTHS_FILE, ShardReader, StreamingSource, cache_folder
+from tests.helpers.datahelpers import corpus, dataset, tokenizer_model  # noqa: F401
 
 SEQ = 32
 BLOCKS = [None, 16]  # the default block size (one block here) and many small blocks
@@ -187,7 +187,7 @@ def test_compressed_shards_and_missing_lengths_file(corpus, tokenizer_model, dat
                val_fraction=0.2, shard_size="16kb", compression="zstd", progress=False)
     remote_batches = run(src(str(out), cache=str(tmp_path / "cache")), 6)
     os.remove(out / "train" / LENGTHS_FILE)
-    rescanned, written = CheckpointReader(str(out), "train"), CheckpointReader(dataset, "train")
+    rescanned, written = ShardReader(str(out), "train"), ShardReader(dataset, "train")
     assert rescanned.lengths.read(0, len(rescanned)).tolist() == written.lengths.read(0, len(written)).tolist()
     plain = run(src(dataset), 6)
     assert all(torch.equal(p, q) for p, q in zip(plain, remote_batches))

@@ -3,9 +3,9 @@ import json
 import os
 
 import pytest
-from datahelpers import TRICKY, VOCAB, corpus, stdlib_documents, tokenizer_model  # noqa: F401
 
 from megatron_taper.data.tokenizer import Tokenizer, train_tokenizer
+from tests.helpers.datahelpers import TRICKY, VOCAB, corpus, stdlib_documents, tokenizer_model  # noqa: F401
 
 
 def test_byte_exact_round_trip(tokenizer_model):

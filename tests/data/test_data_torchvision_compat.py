@@ -4,7 +4,8 @@ import subprocess
 import sys
 import textwrap
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.helpers.runner import REPO
+
 # Loads the module from its file, without the package (whose __init__ imports torch: seconds).
 LOAD = f"""
 import importlib.util

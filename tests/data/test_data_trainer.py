@@ -2,11 +2,10 @@
 import json
 import os
 
-from datahelpers import VOCAB, corpus, dataset, tokenizer_model  # noqa: F401
-
 from megatron_taper.train import main
+from tests.helpers.datahelpers import VOCAB, corpus, dataset, tokenizer_model  # noqa: F401
+from tests.helpers.runner import REPO
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = ["model.n_layers=2", "model.d_model=64", "model.n_heads=4", "model.mlp_width=128", "model.seq_len=32",
         "model.taper.multiple=16", f"model.vocab_size={VOCAB}", "train.global_batch=8", "train.micro_batch=4",
         "train.lr=3e-3", "train.warmup_steps=3", "train.log_interval=1", "train.eval_batches=2",

@@ -1,6 +1,5 @@
 """Every recipe in configs/ loads and builds on the meta device, with the parameter count it states."""
 import re
-from pathlib import Path
 
 import pytest
 import torch
@@ -8,10 +7,10 @@ import torch
 from megatron_taper.config import load_config
 from megatron_taper.cost.flops import model_costs, uniform_twin
 from megatron_taper.models import build_model
+from tests.helpers.runner import REPO
 
-CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
+CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
 STATED = re.compile(r"#\s*params:\s*([\d,]+)")
-FAMILIES = ("transformer", "gated_attention", "titans", "hope_attention")
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
@@ -26,12 +25,23 @@ def test_recipe_builds_on_meta_with_its_stated_parameter_count(path):
         assert real == pytest.approx(int(stated.group(1).replace(",", "")), rel=0.015)
 
 
-@pytest.mark.parametrize("arch", FAMILIES)
-@pytest.mark.parametrize("size", ["125m", "350m", "760m", "1.3b"])
-def test_paper_scale_twins_exist_with_equal_parameters(arch, size):
-    root = CONFIGS[0].parent
-    taper, uniform = root / f"{arch}_{size}_taper.yaml", root / f"{arch}_{size}_uniform.yaml"
-    assert taper.exists() and uniform.exists()
+PAPER_TAPERS = [p for p in CONFIGS if re.fullmatch(r".+_(125m|350m|760m|1\.3b)_taper", p.stem)]
+
+
+def test_every_family_with_paper_recipes_has_them_at_each_of_its_sizes():
+    sizes: dict[str, set[str]] = {}
+    for path in PAPER_TAPERS:
+        arch, size, _ = path.stem.rsplit("_", 2)
+        sizes.setdefault(arch, set()).add(size)
+    assert {"transformer", "gated_attention", "titans", "hope_attention"} <= set(sizes)
+    assert all(sizes[a] == {"125m", "350m", "760m", "1.3b"} for a in ("transformer", "gated_attention", "titans",
+                                                                      "hope_attention")), sizes
+
+
+@pytest.mark.parametrize("taper", PAPER_TAPERS, ids=lambda p: p.stem)
+def test_paper_scale_twins_exist_with_equal_parameters(taper):
+    uniform = taper.with_name(taper.name.replace("_taper.yaml", "_uniform.yaml"))
+    assert uniform.exists()
     t, u = load_config(str(taper)).model, load_config(str(uniform)).model
     assert t.taper.schedule == "cosine" and u.taper.schedule == "uniform"
     assert model_costs(t).total_params == model_costs(u).total_params == model_costs(uniform_twin(t)).total_params

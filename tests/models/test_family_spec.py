@@ -1,18 +1,21 @@
-"""Adding a model family = one spec file. tests/models/toy_family.py, registered through
-MEGATRON_TAPER_FAMILIES and nothing else, trains, plans a pipeline, shards at tp=2 and runs at
-pp=2, matching its one-process run; its options section and cost model come from its spec."""
+"""Adding a model family = one module. tests/helpers/toy_family.py, registered through
+MEGATRON_TAPER_FAMILIES and nothing else, gets the standard family tests (tests/models/
+test_arch_families.py and test_arch_tensor_parallel.py iterate over the registry: causality, cost
+model, tapered twin, resume, tp=2 and pp=2 parity) without a test file naming it; it plans a
+pipeline; its options section and cost model come from its card and spec."""
 import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-from runner import REPO, TINY, losses, run_train
 
-HERE = Path(__file__).resolve().parent
-ENV = {"MEGATRON_TAPER_FAMILIES": "toy_family",
-       "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH", "")]))}
+from tests.helpers.runner import REPO, TINY
+
+pytestmark = pytest.mark.multiprocess
+
+ENV = {"MEGATRON_TAPER_FAMILIES": "tests.helpers.toy_family",
+       "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")]))}
 TOY = ["--config", "configs/tiny_taper.yaml", *TINY, "model.arch=toy", "model.n_layers=4",
        "model.n_kv_heads=2", "train.steps=4", "train.eval_batches=1", "checkpoint.interval=0"]
 # tp and pp change only the order of float32 reductions: the same losses to ~1e-6 (tp/pp tests
@@ -27,17 +30,21 @@ def _python(code: str) -> str:
     return proc.stdout
 
 
-def test_toy_family_trains_plans_and_shards(byte_tokens, tmp_path):
-    data = f"data.path={byte_tokens}"
-    run_train([*TOY, data, f"run.dir={tmp_path / 'one'}"], env=ENV)
-    run_train([*TOY, data, f"run.dir={tmp_path / 'tp'}", "parallel.tp=2"], nproc=2, env=ENV)
-    run_train([*TOY, data, f"run.dir={tmp_path / 'pp'}", "parallel.pp=2"], nproc=2, env=ENV)
-    one = losses(tmp_path / "one")
-    assert len(one) == 4 and all(0 < x < 10 for x in one)
-    for layout in ("tp", "pp"):
-        got = losses(tmp_path / layout)
-        assert max(abs(a - b) for a, b in zip(got, one)) < LOSS_ATOL, (layout, got, one)
+def test_toy_family_gets_the_standard_tests():
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "toy", "-rA",
+                           "tests/models/test_arch_families.py", "tests/models/test_arch_tensor_parallel.py"],
+                          cwd=REPO, env={**os.environ, **ENV}, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    passed = {line.split(" ", 1)[1].split("::")[-1] for line in proc.stdout.splitlines() if line.startswith("PASSED")}
+    for case in ("toy_squared", "toy_relu"):
+        for test in ("test_causal", "test_cost_model_matches_module_and_flop_counter",
+                     "test_tapered_and_uniform_twins_have_equal_parameters", "test_tp2_matches_one_process",
+                     "test_pp2_matches_one_process"):
+            assert f"{test}[{case}]" in passed, (test, case, sorted(passed))
+    assert "test_trains_and_resumes_exactly[toy_squared]" in passed, sorted(passed)
 
+
+def test_toy_family_plans_a_pipeline():
     plan = subprocess.run([sys.executable, "tools/plan_pipeline.py", "--json", *TOY[2:], "parallel.pp=2"],
                           cwd=REPO, env={**os.environ, **ENV}, capture_output=True, text=True, timeout=120)
     assert plan.returncode == 0, plan.stderr

@@ -12,7 +12,6 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from hope_reference import reference_level
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -20,6 +19,7 @@ from megatron_taper.config import load_config
 from megatron_taper.cost.flops import model_costs
 from megatron_taper.models import build_model
 from megatron_taper.models.hope_attention import ContinuumLevel
+from tests.helpers.hope_reference import reference_level
 
 TOL = 1e-5
 D, W, B, S = 16, 24, 2, 18

@@ -2,13 +2,17 @@
 segment, the batched read against a segment-by-segment reference, the auxiliary loss's
 gradient, parameter/FLOP model, layouts it refuses, training + exact resume, the probe.
 tp=2 and pp=2 against one process: tests/dist/test_arch_tensor_parallel.py (case "bridge")."""
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-from runner import TINY, assert_resumes_exactly
+from megatron_taper_tools.probe_bridge import (  # noqa: E402
+    L2_GRID,
+    choose_l2,
+    fit_logistic,
+    kjv_chapters,
+    position_windows,
+)
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -18,9 +22,7 @@ from megatron_taper.models import build_model
 from megatron_taper.models.layers import cross_entropy
 from megatron_taper.preflight import preflight
 from megatron_taper.validation import ConfigError
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-from probe_bridge import L2_GRID, choose_l2, fit_logistic, kjv_chapters, position_windows  # noqa: E402
+from tests.helpers.runner import TINY, assert_resumes_exactly
 
 SEQ, SEGMENT = 40, 16  # segments [0, 16), [16, 32), [32, 40): the last one shorter
 SMALL = ["model.arch=bridge", "model.n_layers=4", "model.d_model=64", "model.n_heads=4", "model.mlp_width=128",

@@ -2,18 +2,17 @@
 against the token-by-token reference for every variant and write mode, reduction to the base with
 one segment, soup = GRM for a linear memory, causality, the cost model against torch's FLOP
 counter and the module, the activation estimate, option validation."""
-from pathlib import Path
 
 import pytest
 import torch
-from memory_caching_reference import reference_reads
-from runner import saved_elements
 from torch.utils.flop_counter import FlopCounterMode
 
 from megatron_taper.config import ConfigError, load_config
 from megatron_taper.cost.flops import model_costs, uniform_twin
 from megatron_taper.models import build_model
 from megatron_taper.models.layers import rope_tables
+from tests.helpers.memory_caching_reference import reference_reads
+from tests.helpers.runner import REPO, saved_elements
 
 SEQ, SEGMENT = 26, 6  # segments 6, 6, 6, 6, 2: up to 4 cached states, top_k=2 selects among them
 SMALL = ["model.n_layers=2", "model.d_model=32", "model.n_heads=2", "model.mlp_width=64", "model.vocab_size=64",
@@ -189,7 +188,7 @@ def test_architecture_keeps_the_sections_the_family_reads():
 @pytest.mark.parametrize("base", ["linear", "deep"])
 @pytest.mark.parametrize("size", ["760m", "1.3b"])
 def test_paper_scale_twins_exist_with_equal_parameters(base, size):
-    root = Path(__file__).resolve().parents[2] / "configs"
+    root = REPO / "configs"
     taper, uniform = (load_config(str(root / f"{base}_memory_caching_{size}_{kind}.yaml")).model
                       for kind in ("taper", "uniform"))
     assert taper.taper.schedule == "cosine" and uniform.taper.schedule == "uniform"

@@ -10,7 +10,6 @@ import math
 
 import pytest
 import torch
-from runner import TINY, assert_resumes_exactly, saved_elements
 from torch.utils.flop_counter import FlopCounterMode
 
 from megatron_taper.config import load_config
@@ -20,6 +19,7 @@ from megatron_taper.models.layers import Attention, alibi_bias, alibi_slopes
 from megatron_taper.models.tree_lm import SweepCount, tree_depth, tree_prefixes
 from megatron_taper.preflight import preflight
 from megatron_taper.validation import ConfigError
+from tests.helpers.runner import TINY, assert_resumes_exactly, saved_elements
 
 TREE = ["model.arch=tree", "model.n_layers=1", "model.d_model=32", "model.n_heads=4", "model.mlp_width=64",
         "model.vocab_size=97", "model.taper.multiple=16", "model.tree.cell_width=48"]

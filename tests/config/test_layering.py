@@ -1,0 +1,110 @@
+"""The layers of the package (docs: ../shared/DESIGN.md section 2), enforced on the import graph.
+
+- config (the ground floor), taper, validation, the family registry and cards, and the cost model
+  import no torch at module level, and importing config loads no torch at all;
+- `megatron-taper-train --print-config` and `--list-keys` import no torch;
+- models import nothing from parallel at module level;
+- the training loop (megatron_taper.train, .trainer and everything they import at module level)
+  imports no post-training code (megatron_taper.inference).
+"""
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.config.test_imports import imports_of, package_modules
+from tests.helpers.runner import REPO
+
+MODULES = package_modules()
+TORCH_FREE = ["megatron_taper.config", "megatron_taper.taper", "megatron_taper.validation", "megatron_taper.cli",
+              "megatron_taper.models", "megatron_taper.models.cards", "megatron_taper.models.spec",
+              "megatron_taper.train", "megatron_taper.console",
+              *[m for m in MODULES if m.startswith("megatron_taper.cost")]]
+
+
+def _module_level_nodes(body: list[ast.stmt]):
+    """Statements that run on import: into if / try / with blocks (not `if TYPE_CHECKING:`), not into functions."""
+    for node in body:
+        yield node
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            yield from _module_level_nodes(node.orelse)
+        elif isinstance(node, (ast.If, ast.Try, ast.With, ast.ClassDef)):
+            for field in ("body", "orelse", "finalbody", "handlers"):
+                for child in getattr(node, field, []):
+                    yield from _module_level_nodes(child.body if isinstance(child, ast.ExceptHandler) else [child])
+
+
+def module_level_imports(name: str) -> set[str]:
+    """Every module `name` imports at module level (outside functions and TYPE_CHECKING), third-party too."""
+    tree = ast.parse(MODULES[name].read_text())
+    found = set()
+    for node in _module_level_nodes(tree.body):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+    return found
+
+
+def _top_level(name: str) -> set[str]:
+    """Package modules imported at module level, by walking only module-level statements."""
+    return {m for m in module_level_imports(name) if m in MODULES}
+
+
+def _closure(start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        todo += [m for m in _top_level(name) if m not in seen]
+        parts = name.split(".")
+        todo += [".".join(parts[:i]) for i in range(1, len(parts)) if ".".join(parts[:i]) in MODULES]
+    return seen
+
+
+@pytest.mark.parametrize("name", TORCH_FREE)
+def test_ground_floor_and_cost_model_import_no_torch_at_module_level(name):
+    closure = _closure(name)
+    heavy = {m: sorted(i for i in module_level_imports(m) if i.split(".")[0] == "torch") for m in closure}
+    assert not {m: t for m, t in heavy.items() if t}, f"{name} reaches torch at module level through {heavy}"
+
+
+def test_models_import_nothing_from_parallel_at_module_level():
+    for name in MODULES:
+        if name.startswith("megatron_taper.models"):
+            bad = sorted(m for m in _top_level(name) if m.startswith("megatron_taper.parallel"))
+            assert not bad, f"{name} imports {bad} at module level"
+
+
+def test_training_loop_imports_no_post_training_code():
+    for start in ("megatron_taper.train", "megatron_taper.trainer"):
+        bad = sorted(m for m in _closure(start) if m.startswith("megatron_taper.inference"))
+        assert not bad, f"{start} reaches {bad} at module level"
+        anywhere = {m for n in _closure(start) for m in imports_of(n, MODULES[n], MODULES)}
+        assert not sorted(m for m in anywhere if m.startswith("megatron_taper.inference")), start
+
+
+def _no_torch(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code + "\nimport sys\nassert 'torch' not in sys.modules, "
+                           "sorted(m for m in sys.modules if m.startswith('torch'))[:5]"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def test_config_and_info_flags_load_no_torch():
+    proc = _no_torch("import megatron_taper.config\n"
+                     "from megatron_taper.config import load_config\n"
+                     "load_config('configs/tiny_titans.yaml', ['model.titans.window=8'])")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc = _no_torch("from megatron_taper.train import main\n"
+                     "assert main(['--config', 'configs/tiny_taper.yaml', '--print-config']) == 0\n"
+                     "assert main(['--list-keys']) == 0\n"
+                     "assert main(['--config', 'configs/tiny_taper.yaml', '--print-config', 'model.nlayers=2']) == 2")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "model:\n  arch: transformer" in proc.stdout and "did you mean 'model.n_layers'" in proc.stderr

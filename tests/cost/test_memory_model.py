@@ -1,0 +1,295 @@
+"""The per-stage memory model (megatron_taper/cost/memory.py) against measured peaks and saved tensors.
+
+Measured: benchmarks/activation_memory.py runs forward+backward of one micro-batch in fresh
+processes (MALLOC_MMAP_THRESHOLD_=65536, peak RSS from VmHWM after clearing it with
+/proc/self/clear_refs, minus the resident bytes just before the step; gradients already resident,
+no optimizer step) on a 4-layer tapered Transformer, d_model 64, MLP widths 384..128, vocabulary
+2048, 16 sequences of 256 tokens: activations of 100-210 MB, far above the allocator's noise.
+Cases: checkpointing none / selective / full; tp=2 with sequence parallelism (two gloo
+processes); bf16 autocast; the last pipeline stage (2 blocks + head) and the first (embedding + 2
+blocks) with 2 micro-batches in flight.
+
+Margin: measured activation bytes within MARGIN = 5% of the prediction. Justification, from
+three runs of every case made while writing this (docs/memory_model.md has the table):
+measured / predicted was 0.994 to 1.021, and runs of one case differed by under 0.2 MB. The
+largest deviations: the first stage, +1.8 MB (2.1%) that appears at the first forward and does
+not grow with the micro-batches in flight; bf16, -0.6%, the weights' bf16 copies (1 MB,
+predicted) being small allocations that reuse heap memory freed by the warm-up. The rest is what
+the model leaves out on purpose (RoPE tables, token ids, a few small temporaries), under 1%.
+5% is over twice the largest deviation, and still catches a missed [N, V] loss buffer (16% of
+the first case), the SwiGLU's backward buffers (6%) or a wrong checkpointing rule (25% or more);
+a single missed d-wide tensor per block (2%) is left to the saved-tensor tests below (1%).
+Parameters + gradients are compared exactly.
+
+Saved tensors: the elements each family's cost function says a block keeps for backward are
+compared with the storages torch's autograd actually saves (saved_tensors_hooks), fp32: the
+families counted op by op within 1% (the RoPE tables are not counted), online Hope levels within
+2% and Titans within 10% (both counted by constants fitted on saved tensors, see their files).
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import importlib.util
+import inspect
+import itertools
+import math
+import os
+import random
+
+import pytest
+import torch
+
+from megatron_taper.config import load_config
+from megatron_taper.cost.block import Cost, Split
+from megatron_taper.cost.flops import head_cost, model_costs
+from megatron_taper.cost.memory import MemoryModel, MemorySetup, model_memory, piece_memory, pipeline_buffers
+from megatron_taper.models import build_model
+from megatron_taper.models.layers import rope_tables
+from megatron_taper.parallel.partition import evaluate, partition
+from tests.helpers.families import family_cases
+from tests.helpers.runner import REPO, saved_elements
+
+MARGIN = 0.05
+SHAPE = ["model.n_layers=4", "model.d_model=64", "model.n_heads=2", "model.mlp_width=256", "model.taper.multiple=32",
+         "model.vocab_size=2048", "model.seq_len=256", "train.micro_batch=16", "train.global_batch=16"]
+TP_SP = ["parallel.tp=2", "parallel.sequence_parallel=true"]
+CASES = {  # name -> (overrides, checkpointing, processes, stage, stage layers, in flight)
+    "none": ([], "none", 1, "", 0, 1),
+    "selective": ([], "selective", 1, "", 0, 1),
+    "full": ([], "full", 1, "", 0, 1),
+    "tp2_sp_selective": (TP_SP, "selective", 2, "", 0, 1),
+    "bf16": (["train.precision=bf16"], "none", 1, "", 0, 1),
+    "last_stage": ([], "none", 1, "last", 2, 1),
+    "first_stage_selective_2_in_flight": ([], "selective", 1, "first", 2, 2),
+}
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("activation_memory", os.path.join(REPO, "benchmarks",
+                                                                                  "activation_memory.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def measured() -> dict:
+    if not os.path.exists("/proc/self/clear_refs"):
+        pytest.skip("peak RSS is measured through Linux's /proc/self/clear_refs")
+    bench = _bench()
+
+    def run(name):
+        overrides, mode, nproc, stage, layers, in_flight = CASES[name]
+        return bench.measure(SHAPE + overrides, mode, nproc, stage=stage, stage_layers=layers, in_flight=in_flight,
+                             timeout=600)
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=3) as pool:
+        return dict(zip(CASES, pool.map(run, CASES)))
+
+
+def _config(name: str):
+    overrides, mode, *_ = CASES[name]
+    return load_config(None, SHAPE + overrides + [f"train.activation_checkpointing={mode}"])
+
+
+def _predicted(name: str) -> tuple[float, float]:
+    """(activation bytes, params + grads bytes) of the case, from the memory model alone."""
+    cfg = _config(name)
+    _, _, nproc, stage, layers, in_flight = CASES[name]
+    p, t = cfg.parallel, cfg.train
+    bf16 = t.precision == "bf16"
+    if stage:
+        setup = MemorySetup(micro_batch=t.micro_batch, pipelined=True, optimizer=False,
+                            activation_checkpointing=t.activation_checkpointing, ac_every=t.ac_every)
+        mm = model_memory(cfg.model, setup)
+        last = stage == "last"
+        ids = range(cfg.model.n_layers - layers, cfg.model.n_layers) if last else range(layers)
+        sm = mm.stage(list(ids), index=int(last), n_stages=2, in_flight=in_flight)
+        sent = 0.0 if last else (in_flight + 1) * mm.io  # outputs kept for backward, one gradient received
+        return sm.activations + sent, sm.static
+    setup = MemorySetup(tp=p.tp, sequence_parallel=p.sequence_parallel, dp=nproc // p.tp, bf16=bf16,
+                        activation_checkpointing=t.activation_checkpointing, ac_every=t.ac_every,
+                        micro_batch=t.micro_batch, optimizer=False)
+    mm = model_memory(cfg.model, setup)
+    sm = mm.stage(range(cfg.model.n_layers))
+    casts = sum(x.params for x in [*mm.layers, mm.embedding, mm.head]) * setup.cast_bytes_per_param()
+    return sm.activations + casts, sm.static - casts  # bf16 copies of the weights: made in the measured forward
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_prediction_within_margin_of_measured_peak(measured, name):
+    act, static = _predicted(name)
+    for row in measured[name]:
+        ratio = row["measured_activation_bytes"] / act
+        assert abs(ratio - 1) <= MARGIN, (name, row["rank"], row["measured_activation_bytes"], act, ratio)
+        assert row["params_grads_bytes"] == pytest.approx(static, rel=1e-9), name
+
+
+def test_checkpointing_and_tensor_parallelism_lower_the_measured_peak(measured):
+    peak = {name: max(r["measured_activation_bytes"] for r in rows) for name, rows in measured.items()}
+    assert peak["none"] > 1.3 * peak["selective"] > 1.3 * 1.3 * peak["full"] > 1e8
+    assert peak["tp2_sp_selective"] < 0.75 * peak["selective"]
+
+
+# ---------------------------------------------------------------------------------------------
+# The cost functions against the tensors autograd saves
+
+
+def _saved_elements(overrides: list[str], batch: int = 2) -> tuple[float, object]:
+    """Elements per token of the storages one block's forward saves for backward (fp32)."""
+    cfg = load_config(None, ["model.n_layers=2", "model.d_model=128", "model.n_heads=4", "model.mlp_width=256",
+                             "model.vocab_size=512", "model.seq_len=64", "model.taper.multiple=32"] + overrides).model
+    model = build_model(cfg)
+    model.init_weights(0)
+    x = torch.randn(batch, cfg.seq_len, cfg.d_model, requires_grad=True)
+    cos, sin = rope_tables(cfg.seq_len, cfg.head_dim, cfg.rope_theta, x.device)
+    return saved_elements(model, lambda: model.layers["0"](x, cos, sin)) / (batch * cfg.seq_len), cfg
+
+
+# Every registered family's standard cases (tests/helpers/families.py) within DEFAULT_TOLERANCE, and
+# tighter where the family's cost function is counted op by op (measured at this shape: 0.5% or better);
+# Titans and online Hope levels are counted by constants fitted on saved tensors. Measured
+# predicted / saved at this shape: transformer 0.994, alibi 0.918 (the [H, S, S] bias per block is not
+# counted), titans 0.98-1.02, hope 0.998-0.999, bridge 0.994, linear_memory grm 1.046 and ssc 1.153
+# (at 8 cached segments the selective-caching scores are over-counted), deep_memory 1.009.
+DEFAULT_TOLERANCE = 0.10
+TOLERANCE = {"transformer": 0.01, "gated_attention_elementwise": 0.01, "gated_attention_headwise": 0.01,
+             "hope_attention": 0.02, "hope_attention_offline": 0.01, "bridge": 0.01, "linear_memory_ssc": 0.20}
+SAVED_CASES = {**family_cases(), "transformer_gqa": ["model.n_kv_heads=2"]}
+
+
+@pytest.mark.parametrize("case", SAVED_CASES)
+def test_cost_act_matches_saved_tensors(case):
+    cfg = load_config(None, SAVED_CASES[case]).model
+    block = build_model(cfg).layers["0"]
+    if len(inspect.signature(block.forward).parameters) != 3:
+        pytest.skip(f"{case}: its blocks do not take (x, cos, sin); its own tests count its saved tensors")
+    tolerance = TOLERANCE.get(case, 0.01 if case == "transformer_gqa" else DEFAULT_TOLERANCE)
+    saved, cfg = _saved_elements(SAVED_CASES[case], batch=2)
+    cost = model_costs(cfg).layers[0]
+    predicted = cost.act.total - cost.act.input_copies + cost.per_batch.total / (2 * cfg.seq_len)
+    assert predicted == pytest.approx(saved, rel=tolerance)
+
+
+def test_head_act_matches_saved_tensors():
+    cfg = load_config(None, ["model.n_layers=1", "model.d_model=64", "model.n_heads=2", "model.vocab_size=1024"]).model
+    model = build_model(cfg)
+    model.init_weights(0)
+    h = torch.randn(2, 32, 64, requires_grad=True)
+
+    from megatron_taper.models.layers import cross_entropy
+
+    saved = saved_elements(model, lambda: cross_entropy(model.output(model.norm(h)), torch.randint(0, 1024, (2, 32))),
+                           floating_only=True)
+    assert head_cost(cfg).act.total == pytest.approx(saved / 64, rel=0.01)
+
+
+@pytest.mark.parametrize("case", family_cases())
+def test_tp_layout_of_parameters_adds_up(case):
+    cfg = load_config(None, ["model.n_layers=3", "model.d_model=64", "model.n_heads=4", "model.mlp_width=128",
+                             "model.vocab_size=256", "model.taper.multiple=16", *family_cases()[case]]).model
+    costs = model_costs(cfg)
+    for cost in [*costs.layers, costs.embedding, costs.head]:
+        assert cost.params_split.total == cost.params
+
+
+# ---------------------------------------------------------------------------------------------
+# Accounting rules
+
+
+def test_state_bytes_per_engine():
+    assert MemorySetup().state_bytes_per_param() == 16
+    assert MemorySetup(optimizer=False).state_bytes_per_param() == 8
+    assert MemorySetup(zero="fsdp2", dp=4).state_bytes_per_param() == 4
+    assert MemorySetup(zero="fsdp2", dp=1).state_bytes_per_param() == 16  # nothing to shard
+    assert MemorySetup(zero="deepspeed", dp=2).state_bytes_per_param() == 10  # fp32 masters too
+    assert MemorySetup(zero="deepspeed", dp=2, bf16=True).state_bytes_per_param() == 9
+    assert MemorySetup(zero="deepspeed", dp=2, offload_optimizer=True).state_bytes_per_param() == 4
+    assert MemorySetup(bytes_per_param=12).state_bytes_per_param() == 12
+    assert MemorySetup(bf16=True).cast_bytes_per_param() == 2
+    assert MemorySetup(bf16=True, zero="fsdp2", dp=2).cast_bytes_per_param() == 0
+    assert MemorySetup(bf16=True, zero="fsdp2", dp=1).cast_bytes_per_param() == 2  # fsdp2 leaves dp=1 alone
+
+
+def test_earlier_cost_form_still_counts():
+    """A family giving only Cost(params, flops, act_bytes) (2 bytes per element, layout unknown)."""
+    legacy = Cost(100, 1.0, 6.0)
+    shares = Split(whole=1.0, seq=1.0, heads=0.5, kv=0.5, width=0.5, vocab=0.5)
+    piece = piece_memory(legacy, shares, MemorySetup(tp=2), tokens=10, recompute=False, d_model=4, block=True)
+    assert piece.params == 100 and piece.static == 100 * 16  # whole on every tp rank
+    assert piece.kept == 3 * 4 * 10  # 3 elements per token, fp32
+    assert (legacy + legacy).act_bytes == 12.0 and (legacy + legacy).params_split.whole == 200
+
+
+def _model_cfg(**over):
+    base = {"model.n_layers": 8, "model.d_model": 512, "model.n_heads": 8, "model.mlp_width": 1536,
+            "model.vocab_size": 8000, "model.seq_len": 512, "model.taper.multiple": 64}
+    base.update(over)
+    return load_config(None, [f"{k}={v}" for k, v in base.items()]).model
+
+
+def _whole(cfg, micro_batch: int = 4, **setup) -> float:
+    mm = model_memory(cfg, MemorySetup(micro_batch=micro_batch, **setup))
+    return mm.stage(range(cfg.n_layers)).total
+
+
+def test_every_knob_moves_the_prediction_the_right_way():
+    cfg = _model_cfg()
+    none = _whole(cfg)
+    assert _whole(cfg, activation_checkpointing="full") < _whole(cfg, activation_checkpointing="selective") < none
+    assert _whole(cfg, tp=2) < none
+    assert _whole(cfg, 1, tp=2, sequence_parallel=True) < _whole(cfg, 1, tp=2)
+    # with several sequences per micro-batch every projection copies the strided gathered input
+    # (models/costs.py input_copies): in fp32 that outweighs what splitting the norms saves
+    assert _whole(cfg, tp=2, sequence_parallel=True) > _whole(cfg, tp=2)
+    assert _whole(cfg, bf16=True) < none
+    assert _whole(cfg, zero="fsdp2", dp=8) < none
+    # a rank holds the largest tp shard: 5 heads over tp=2 -> 3 heads; MLP width units rounded up
+    odd = _model_cfg(**{"model.n_heads": 5, "model.d_model": 320})
+    d, w = 320, model_costs(odd).widths[0]
+    expected = 2 * d + 4 * d * d * 3 / 5 + 3 * d * math.ceil(w / 64 / 2) * 64
+    assert model_memory(odd, MemorySetup(tp=2)).layers[0].params == pytest.approx(expected, rel=1e-12)
+
+
+def test_in_flight_micro_batches_and_pipeline_buffers():
+    cfg = _model_cfg()
+    mm = model_memory(cfg, MemorySetup(micro_batch=4, pipelined=True, microbatches=8))
+    one = mm.stage([0, 1, 2, 3], index=0, n_stages=2, in_flight=1)
+    four = mm.stage([0, 1, 2, 3], index=0, n_stages=2, in_flight=4)
+    assert four.activations - one.activations == pytest.approx(3 * one.kept)
+    assert pipeline_buffers(10.0, [2, 1], 8) == [(8 + 2) * 10.0, (8 - 1) * 10.0]
+    assert pipeline_buffers(10.0, [1], 8) == [0.0]
+
+
+def _brute_force(costs, memory, n_stages):
+    best = None
+    s_pre = [0.0] + list(itertools.accumulate(memory.static))
+    a_pre = [0.0] + list(itertools.accumulate(memory.act))
+    for cuts in itertools.combinations(range(1, len(costs)), n_stages - 1):
+        bounds = (0, *cuts, len(costs))
+        if any(memory.stage_bytes(s, n_stages, bounds[s], bounds[s + 1], s_pre, a_pre) > memory.limits[s]
+               for s in range(n_stages)):
+            continue
+        p = evaluate(bounds, costs)
+        key = (p.bottleneck, sum(c * c for c in p.costs), bounds)
+        best = key if best is None or key < best else best
+    return best
+
+
+def test_partition_with_backward_peaks_matches_brute_force():
+    rng = random.Random(0)
+    for _ in range(150):
+        n = rng.randint(2, 8)
+        s = rng.randint(1, min(4, n))
+        costs = [rng.randint(0, 9) for _ in range(n)]
+        act = [rng.randint(0, 5) for _ in range(n)]
+        memory = MemoryModel([rng.randint(0, 5) for _ in range(n)], act, [min(s - i, 3) for i in range(s)],
+                             [rng.randint(10, 60)] * s, first_static=2, last_static=3, last_act=2,
+                             peak=[a + rng.randint(0, 6) for a in act], last_peak=rng.randint(0, 8),
+                             fixed=[rng.randint(0, 4) for _ in range(s)])
+        ref = _brute_force(costs, memory, s)
+        if ref is None:
+            with pytest.raises(ValueError, match="parallel.pp_memory_gb"):
+                partition(costs, s, memory=memory)
+            continue
+        assert partition(costs, s, memory=memory).bounds == ref[2]

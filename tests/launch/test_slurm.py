@@ -1,0 +1,225 @@
+"""launch/train.sbatch on a real Slurm cluster that these tests start on this machine.
+
+2 emulated nodes x 1 process against torchrun with 2 processes on one machine; a job signalled
+mid-run checkpoints, requeues itself, resumes and ends bitwise equal to an uninterrupted job;
+the cluster is stopped (only its own daemons) also when a test fails.
+Skipped, with the reason, where no cluster can be started (not root, packages missing).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.runner import REPO
+from tests.helpers.slurm_cluster import SlurmCluster, _free_ports, running_cluster
+
+pytestmark = [pytest.mark.slurm, pytest.mark.multiprocess]
+
+STEPS = 30
+TINY = [
+    "--config", "configs/tiny_taper.yaml",
+    "model.n_layers=2", "model.d_model=64", "model.n_heads=2", "model.mlp_width=128",
+    "model.vocab_size=256", "model.seq_len=64", "model.taper.multiple=16",
+    f"train.steps={STEPS}", "train.global_batch=8", "train.micro_batch=4", "train.warmup_steps=5",
+    "train.log_interval=1", "train.eval_interval=0", "train.eval_batches=2", "train.device=cpu",
+    "checkpoint.interval=0", "run.tensorboard=false",
+]
+# numbers that must agree exactly between two runs of the same config (not the timings)
+EXACT = ("step", "loss", "lr", "grad_norm", "tokens_seen", "eval_loss")
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    with running_cluster(tmp_path_factory.mktemp("slurm"), nodes=2) as cluster:
+        yield cluster
+
+
+def job_env(cluster: SlurmCluster) -> dict[str, str]:
+    # a free port for the rendezvous: other test runs on this machine may use the default one
+    return {**cluster.env, "OMP_NUM_THREADS": "1", "NPROC_PER_NODE": "1",
+            "RDZV_PORT": str(_free_ports(1)[0])}
+
+
+def submit(cluster: SlurmCluster, tokens: str, run_dir: Path) -> tuple[int, Path]:
+    out = run_dir.parent / f"{run_dir.name}.slurm.out"
+    job = cluster.sbatch(["--nodes=2", f"--output={out}", "launch/train.sbatch", *TINY,
+                          f"data.path={tokens}", f"run.dir={run_dir}"], env=job_env(cluster), cwd=str(REPO))
+    return job, out
+
+
+def finish(cluster: SlurmCluster, job: int, out: Path, timeout: float = 400) -> dict[str, str]:
+    info = cluster.wait(job, timeout)
+    log = out.read_text(errors="replace") if out.exists() else "(no job output)"
+    assert info["JobState"] == "COMPLETED", f"job {job}: {info['JobState']} {info.get('ExitCode')}\n{log[-4000:]}"
+    return info
+
+
+def records(run_dir: Path) -> list[dict]:
+    """metrics.jsonl, the last record per (step, kind), in step order, reduced to EXACT keys."""
+    latest = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        latest[(r["step"], "eval_loss" in r)] = {k: r[k] for k in EXACT if k in r}
+    return [latest[k] for k in sorted(latest)]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(slurm, byte_tokens, tmp_path_factory):
+    """An sbatch job on 2 nodes x 1 process that runs to the end: (run dir, seconds, job record)."""
+    run_dir = tmp_path_factory.mktemp("sbatch") / "run"
+    t0 = time.monotonic()
+    job, out = submit(slurm, byte_tokens, run_dir)
+    info = finish(slurm, job, out)
+    return run_dir, time.monotonic() - t0, info, out
+
+
+def test_sbatch_two_nodes_matches_torchrun(uninterrupted, byte_tokens, tmp_path):
+    run_dir, seconds, info, out = uninterrupted
+    assert info["NumNodes"] == "2" and info["Restarts"] == "0", info
+    log = out.read_text()
+    assert "2 node(s)" in log and "1 process(es) per node" in log, log[-2000:]
+
+    ref_dir = tmp_path / "torchrun"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    t0 = time.monotonic()
+    proc = subprocess.run(["bash", "launch/torchrun.sh", "2", *TINY, f"data.path={byte_tokens}",
+                           f"run.dir={ref_dir}"], cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    got, want = records(run_dir), records(ref_dir)
+    assert [r["step"] for r in got if "loss" in r] == list(range(1, STEPS + 1))
+    assert got == want
+    print(f"sbatch 2x1: {seconds:.1f}s, torchrun 2 processes: {time.monotonic() - t0:.1f}s; "
+          f"final loss {got[-1].get('eval_loss', got[-1].get('loss'))}")
+
+
+def test_signalled_job_requeues_and_resumes_bitwise(slurm, uninterrupted, byte_tokens, tmp_path):
+    run_dir = tmp_path / "run"
+    t0 = time.monotonic()
+    job, out = submit(slurm, byte_tokens, run_dir)
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    # signal as soon as the first step is logged: the trainers' handlers are installed by then
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 1):
+        assert time.monotonic() < deadline, f"no step logged\n{out.read_text() if out.exists() else ''}"
+        assert slurm.job(job).get("JobState") in ("PENDING", "RUNNING", "CONFIGURING"), slurm.job(job)
+        time.sleep(0.05)
+    signalled = time.monotonic()
+    # like --signal=USR1@N: every process of the job's steps, not the batch shell; twice, as
+    # an impatient user or a preemption right after the warning would (the trainers keep one)
+    for _ in range(2):
+        subprocess.run(["scancel", "--signal=USR1", str(job)], env=slurm.env, check=True, timeout=30)
+    info = finish(slurm, job, out)
+    log = out.read_text()
+
+    assert info["Restarts"] == "1", info
+    assert "requeueing job" in log and "restart 1:" in log, log[-4000:]
+    logged = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in logged if "loss" in r] == list(range(1, STEPS + 1))  # each step once
+    got, want = records(run_dir), records(uninterrupted[0])
+    assert got == want  # every logged number equal, bit for bit (JSON keeps full float precision)
+    checkpoints = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    print(f"signalled after {signalled - t0:.1f}s; job done (with requeue) after {time.monotonic() - t0:.1f}s; "
+          f"checkpoints {checkpoints}")
+
+
+INNER_TEST = '''
+import sys, time
+import pytest
+sys.path.insert(0, {repo!r})
+from tests.helpers.slurm_cluster import MARKER, _pids_with_env, running_cluster
+
+@pytest.fixture
+def slurm(tmp_path):  # the same fixture as test_slurm.py's
+    with running_cluster(tmp_path / "c", nodes=2) as cluster:
+        yield cluster
+
+def test_fails_with_a_running_job(slurm):
+    job = slurm.sbatch(["--nodes=2", "--output=/dev/null", "--wrap", "srun sleep 300"])
+    slurm.wait(job, 30, states=("RUNNING",))
+    time.sleep(0.5)
+    pids = [proc.pid for _, proc in slurm._procs] + _pids_with_env(MARKER, str(slurm.root))
+    with open({pid_file!r}, "w") as f:
+        f.write(" ".join(map(str, sorted(set(pids)))))
+    assert False, "deliberate failure with the cluster running"
+'''
+
+
+def test_cluster_is_stopped_when_a_test_fails(slurm, tmp_path):
+    # `slurm` only to skip (with its reason) where no cluster can run; the inner one is separate.
+    # A decoy named like a daemon, not started by the cluster: it must survive.
+    decoy_bin = tmp_path / "slurmd"
+    shutil.copy("/bin/sleep", decoy_bin)
+    decoy = subprocess.Popen([str(decoy_bin), "300"])
+    try:
+        pid_file = tmp_path / "pids"
+        test_file = tmp_path / "test_inner.py"
+        test_file.write_text(textwrap.dedent(INNER_TEST.format(repo=str(REPO), pid_file=str(pid_file))))
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(test_file)],
+                              cwd=tmp_path, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 1 and "deliberate failure" in proc.stdout, proc.stdout[-3000:]
+        pids = [int(p) for p in pid_file.read_text().split()]
+        # munged, slurmctld, 2 slurmd, and the job's slurmstepd/srun/sleep processes
+        assert len(pids) >= 6, pids
+        deadline = time.monotonic() + 10
+        while (alive := [p for p in pids if _alive(p)]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not alive, f"left running: {[(p, _comm(p)) for p in alive]}"
+        assert decoy.poll() is None, "a process the tests did not start was stopped"
+        assert slurm.idle_nodes(), "the outer cluster was touched"
+    finally:
+        decoy.kill()
+        decoy.wait()
+
+
+def test_sweep_as_job_array(slurm, byte_tokens, tmp_path):
+    """tools/sweep.py --slurm: two runs as one job array of launch/sweep.sbatch, then --collect."""
+    overrides = "\n".join(f"  - {o}" for o in [*TINY[2:], "train.steps=6", f"data.path={byte_tokens}"])
+    spec = tmp_path / "sweep.yaml"
+    spec.write_text(f"recipe: {REPO}/configs/tiny_taper.yaml\noverrides:\n{overrides}\n"
+                    f"axes:\n  model.taper.start: [1.5, 1.0]\nseeds: [0]\n")
+    out = tmp_path / "sweep"
+    env = job_env(slurm)  # its RDZV_PORT is offset by the array task number in sweep.sbatch
+
+    def tool(*args):
+        return subprocess.run([sys.executable, "tools/sweep.py", str(spec), "--out", str(out), *args], cwd=REPO,
+                              env=env, capture_output=True, text=True, timeout=120)
+
+    proc = tool("--slurm", "--", "--nodes=1")
+    assert proc.returncode == 0 and "submitted 2 run(s)" in proc.stdout, proc.stdout + proc.stderr
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        runs = [json.loads(line) for line in tool("--dry-run").stdout.splitlines()]
+        if all(r["finished"] for r in runs) or "exited with" in "".join(
+                p.read_text(errors="replace") for p in (out / "slurm").glob("*.out")).replace("exited with 0", ""):
+            break
+        time.sleep(1)
+    logs = "".join(p.read_text(errors="replace") for p in (out / "slurm").glob("*.out"))
+    assert all(r["finished"] for r in runs), logs[-4000:]
+    assert "array task 0" in logs and "array task 1" in logs
+    proc = tool("--collect")
+    assert proc.returncode == 0, proc.stderr
+    table = json.loads((out / "results.json").read_text())["table"]
+    assert [r["model.taper.start"] for r in table] == ["1.5", "1.0"] and all(r["seeds_done"] == 1 for r in table)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # zombies have ended
+    except OSError:
+        return False
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return "?"
