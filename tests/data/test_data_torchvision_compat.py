@@ -29,7 +29,7 @@ def _fake_torchvision(root, init_body):
 
 def _run(code, pythonpath=None, load=False):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (pythonpath, REPO, env.get("PYTHONPATH")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(str(p) for p in (pythonpath, REPO, env.get("PYTHONPATH")) if p)
     code = textwrap.dedent(code)
     if load:  # after the test's own set-up lines (a meta-path blocker must come first)
         head, tail = code.split("# load\n")

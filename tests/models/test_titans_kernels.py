@@ -12,7 +12,6 @@ import warnings
 
 import pytest
 import torch
-from test_arch_families import CHUNK_TOLERANCE, SEQ, build, memory_case
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import create_block_mask
 from torch.utils.flop_counter import FlopCounterMode
@@ -31,6 +30,7 @@ from megatron_taper.models.local_attention import (
 )
 from megatron_taper.models.titans import RowAttention, causal_conv, context_rows_mask, masked_attention
 from tests.helpers.titans_reference import dense_window_attention, reference_features, reference_scan
+from tests.models.test_arch_families import CHUNK_TOLERANCE, SEQ, build, memory_case
 
 ATOL = 1e-5
 

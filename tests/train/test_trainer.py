@@ -1,4 +1,5 @@
-"""One-process Trainer: loss falls, exact resume, crash safety, signals, bad inputs."""
+"""One-process Trainer: loss falls, exact resume, crash safety, signals, bad inputs. Runs that are
+killed or signalled are processes of their own; the others run in this process."""
 import os
 import signal
 import subprocess
@@ -9,7 +10,7 @@ import pytest
 
 from megatron_taper.metrics import PERF_KEYS
 from megatron_taper.train import main
-from tests.helpers.runner import REPO, TINY, losses, read_metrics, run_train
+from tests.helpers.runner import REPO, TINY, losses, read_metrics, train_in_process
 
 pytestmark = pytest.mark.multiprocess
 
@@ -19,7 +20,7 @@ def args(tokens, run_dir, *extra):
 
 
 def test_loss_falls_and_metrics_are_complete(byte_tokens, tmp_path):
-    run_train(args(byte_tokens, tmp_path / "run", "train.steps=40", "run.tensorboard=true"))
+    train_in_process(args(byte_tokens, tmp_path / "run", "train.steps=40", "run.tensorboard=true"))
     records = read_metrics(tmp_path / "run")
     steps = [r for r in records if "loss" in r]
     assert [r["step"] for r in steps] == list(range(1, 41))
@@ -41,11 +42,11 @@ def test_loss_falls_and_metrics_are_complete(byte_tokens, tmp_path):
 
 def test_resume_is_bitwise_exact(byte_tokens, tmp_path):
     straight, split = tmp_path / "straight", tmp_path / "split"
-    run_train(args(byte_tokens, straight, "train.steps=40", "train.eval_interval=15"))
-    run_train(args(byte_tokens, split, "train.steps=40", "train.eval_interval=15", "train.exit_after=20"))
+    train_in_process(args(byte_tokens, straight, "train.steps=40", "train.eval_interval=15"))
+    train_in_process(args(byte_tokens, split, "train.steps=40", "train.eval_interval=15", "train.exit_after=20"))
     assert len(losses(split)) == 20
     assert sorted(os.listdir(split / "checkpoints")) == ["step-20"]
-    run_train(args(byte_tokens, split, "train.steps=40", "train.eval_interval=15"))
+    train_in_process(args(byte_tokens, split, "train.steps=40", "train.eval_interval=15"))
     assert losses(split) == losses(straight)
     def computed(records):  # timing and memory (PERF_KEYS) differ between any two runs
         return [{k: v for k, v in r.items() if k not in PERF_KEYS} for r in records]
@@ -63,7 +64,7 @@ def test_sigkill_while_writing_a_checkpoint(byte_tokens, tmp_path):
     common = ["train.steps=30", "checkpoint.interval=5", "checkpoint.keep=0", "model.d_model=128",
               "model.mlp_width=512"]
     straight = tmp_path / "straight"
-    run_train(args(byte_tokens, straight, *common))
+    train_in_process(args(byte_tokens, straight, *common))
     for attempt in range(4):
         run = tmp_path / f"killed{attempt}"
         ckpts = run / "checkpoints"
@@ -85,7 +86,7 @@ def test_sigkill_while_writing_a_checkpoint(byte_tokens, tmp_path):
         pytest.fail("never caught the trainer while it was writing a checkpoint")
     complete = sorted(int(d.split("-")[1]) for d in os.listdir(ckpts) if d.startswith("step-"))
     assert int(torn.split("-")[-1]) not in complete  # the torn one is not visible as complete
-    result = run_train(args(byte_tokens, run, *common))
+    result = train_in_process(args(byte_tokens, run, *common))
     assert f"resumed from: {ckpts / f'step-{complete[-1]}'}" in result.stdout
     assert losses(run) == losses(straight)
 
@@ -103,9 +104,9 @@ def test_sigusr1_checkpoints_and_exits_3(byte_tokens, tmp_path):
     assert proc.returncode == 3, err
     stopped = losses(run)
     assert 3 <= len(stopped) < 400 and f"step-{len(stopped)}" in os.listdir(run / "checkpoints")
-    run_train(args(byte_tokens, run, *common, "train.exit_after=10"))
+    train_in_process(args(byte_tokens, run, *common, "train.exit_after=10"))
     straight = tmp_path / "straight"
-    run_train(args(byte_tokens, straight, *common, f"train.exit_after={len(stopped) + 10}"))
+    train_in_process(args(byte_tokens, straight, *common, f"train.exit_after={len(stopped) + 10}"))
     assert losses(run) == losses(straight)
 
 
@@ -132,7 +133,7 @@ def test_bad_input_is_one_clear_error_and_no_run_folder(byte_tokens, tmp_path, c
 
 def _checkpointed_run(byte_tokens, tmp_path):
     run = tmp_path / "run"
-    run_train(args(byte_tokens, run, "train.steps=4"))
+    train_in_process(args(byte_tokens, run, "train.steps=4"))
     return run, run / "checkpoints" / "step-4"
 
 
@@ -165,15 +166,15 @@ def test_corrupted_checkpoint_is_refused(byte_tokens, tmp_path, capsys):
 
 def test_auto_resume_skips_a_corrupted_newest_checkpoint(byte_tokens, tmp_path):
     straight, run = tmp_path / "straight", tmp_path / "run"
-    run_train(args(byte_tokens, straight, "train.steps=8"))
-    run_train(args(byte_tokens, run, "train.steps=8", "train.exit_after=6", "checkpoint.interval=3",
+    train_in_process(args(byte_tokens, straight, "train.steps=8"))
+    train_in_process(args(byte_tokens, run, "train.steps=8", "train.exit_after=6", "checkpoint.interval=3",
                    "checkpoint.keep=0"))
     assert sorted(os.listdir(run / "checkpoints")) == ["step-3", "step-6"]
     shard = run / "checkpoints" / "step-6" / "shards" / "rank-00000.safetensors"
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
-    proc = run_train(args(byte_tokens, run, "train.steps=8"))
+    proc = train_in_process(args(byte_tokens, run, "train.steps=8"))
     assert "skipping checkpoint" in proc.stderr and str(shard) in proc.stderr
     assert losses(run) == losses(straight)  # resumed at step 3, bitwise the uninterrupted run
 
