@@ -1,5 +1,7 @@
 """tools/sweep.py: a 2 x 2-seed grid trained for real (a few steps each), collected into a table;
 restarting skips finished runs; bad sweep files fail before any run with the run and key named."""
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -8,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+from megatron_taper_tools import sweep as sweep_tool
 
 from tests.helpers.runner import REPO
 
@@ -27,6 +30,14 @@ def _sweep_file(tmp_path, data, axes: str) -> Path:
 def _tool(*args):
     return subprocess.run([sys.executable, "tools/sweep.py", *map(str, args)], cwd=REPO, capture_output=True,
                           text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def _tool_here(*args) -> subprocess.CompletedProcess:
+    """The tool's main in this process (dry runs and refusals: no interpreter start-up)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = sweep_tool.main([str(a) for a in args])
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 
 def test_sweep_runs_collects_and_resumes(tmp_path, byte_tokens):
@@ -61,13 +72,13 @@ def test_sweep_runs_collects_and_resumes(tmp_path, byte_tokens):
 
 def test_sweep_bad_inputs(tmp_path, byte_tokens):
     bad_key = _sweep_file(tmp_path, byte_tokens, "  model.taper.strat: [1.5]\n")
-    proc = _tool(bad_key, "--out", tmp_path / "o1", "--dry-run")
+    proc = _tool_here(bad_key, "--out", tmp_path / "o1", "--dry-run")
     assert proc.returncode == 2 and "run model.taper.strat=1.5,seed=0" in proc.stderr
     assert "did you mean 'model.taper.start'" in proc.stderr
     bad_label = _sweep_file(tmp_path, byte_tokens, "  taper:\n    a/b: {model.taper.start: 1.5}\n")
-    proc = _tool(bad_label, "--out", tmp_path / "o2", "--dry-run")
+    proc = _tool_here(bad_label, "--out", tmp_path / "o2", "--dry-run")
     assert proc.returncode == 2 and "label 'a/b'" in proc.stderr
-    proc = _tool(tmp_path / "missing.yaml", "--out", tmp_path / "o3")
+    proc = _tool_here(tmp_path / "missing.yaml", "--out", tmp_path / "o3")
     assert proc.returncode == 2 and "missing.yaml" in proc.stderr
     assert not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists()
 
@@ -101,17 +112,17 @@ def test_sweep_tokenizes_its_corpus_runs_grids_and_pairs_with_baseline(tmp_path)
     assert rows["linear"]["delta"]["mean"] == pytest.approx(loss["linear"] - loss["uniform"])
     assert "delta" not in rows["uniform"]
     assert "vs taper=uniform (paired by seed" in (out / "results.md").read_text()
-    listed = _tool(spec, "--out", out, "--corpus", corpus, "--dry-run").stdout.splitlines()
+    listed = _tool_here(spec, "--out", out, "--corpus", corpus, "--dry-run").stdout.splitlines()
     assert all(f"data.path={out / 'data'}" in json.loads(line)["args"] for line in listed)
     # other raw text for the same OUT: refused, nothing overwritten
     other = tmp_path / "other.txt"
     other.write_text(corpus.read_text()[:100_000])
-    proc = _tool(spec, "--out", out, "--corpus", other)
+    proc = _tool_here(spec, "--out", out, "--corpus", other)
     assert proc.returncode == 2 and "holds data made from" in proc.stderr
     assert json.loads((out / "data" / "sweep_data.json").read_text()) == stamp
     # bad data settings name the key
     spec.write_text(spec.read_text().replace("val_fraction: 0.1", "val_fraction: 0.9"))
-    proc = _tool(spec, "--out", tmp_path / "o4", "--corpus", corpus, "--dry-run")
+    proc = _tool_here(spec, "--out", tmp_path / "o4", "--corpus", corpus, "--dry-run")
     assert proc.returncode == 2 and "data.val_fraction 0.9" in proc.stderr
 
 
@@ -119,9 +130,9 @@ def test_sweep_only_selects_runs(tmp_path, byte_tokens):
     axes = ("  taper:\n    cosine: {model.taper.schedule: cosine}\n    uniform: {model.taper.schedule: uniform}\n"
             "    linear: {model.taper.schedule: linear}\n")
     spec = _sweep_file(tmp_path, byte_tokens, axes)
-    proc = _tool(spec, "--out", tmp_path / "o", "--dry-run", "--only", "taper=uniform,linear")
+    proc = _tool_here(spec, "--out", tmp_path / "o", "--dry-run", "--only", "taper=uniform,linear")
     assert proc.returncode == 0, proc.stderr
     assert [json.loads(line)["name"] for line in proc.stdout.splitlines()] == [
         "taper=uniform,seed=0", "taper=uniform,seed=1", "taper=linear,seed=0", "taper=linear,seed=1"]
-    proc = _tool(spec, "--out", tmp_path / "o", "--dry-run", "--only", "taper=unifrom")
+    proc = _tool_here(spec, "--out", tmp_path / "o", "--dry-run", "--only", "taper=unifrom")
     assert proc.returncode == 2 and "'unifrom' is not a label of axis taper" in proc.stderr
