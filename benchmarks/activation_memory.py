@@ -1,4 +1,4 @@
-"""Measured peak memory of forward+backward next to the memory model's prediction (memory.py).
+"""Measured peak memory of forward+backward next to the memory model's prediction (cost/memory.py).
 
     python benchmarks/activation_memory.py [--modes none,selective,full] [--steps N] [--nproc N]
                                            [--stage first|last --stage-layers K --in-flight N] [key=value ...]

@@ -13,7 +13,7 @@
    the time budget (--budget-s) is nearly spent are reported as skipped, not estimated.
 
 Prints one JSON object (and writes it to --out). `--smoke` runs both parts at toy sizes (2 steps,
-two variants without compile) on whatever device there is, so that tests/test_gpu_check.py keeps
+two variants without compile) on whatever device there is, so that tests/launch/test_gpu_check.py keeps
 this script working on machines without a GPU.
 
     bash benchmarks/gpu_check.sh            # writes benchmarks/results/gpu_check.json
@@ -132,7 +132,7 @@ def main() -> int:
         shape = ["model.n_layers=2", "model.d_model=64", "model.n_heads=4", "model.mlp_width=128",
                  "model.vocab_size=512", "model.seq_len=32", "train.global_batch=2", "train.micro_batch=2"]
         steps, warmup, parity_steps = 2, 1, 2
-        variants = [("none", False), ("full", False)]  # compile is covered by tests/dist/test_step_engines.py
+        variants = [("none", False), ("full", False)]  # compile is covered by tests/parallel/test_step_engines.py
     else:  # global batch 8 x 2048 tokens as 2 micro-batches of 4
         shape = ["train.global_batch=8", "train.micro_batch=4"]
         steps, warmup, parity_steps = args.steps, 3, 10

@@ -151,7 +151,7 @@ class ParallelConfig:
     pp_schedule: str = "1f1b"  # 1f1b | gpipe | interleaved_1f1b
     microbatches: int = 0  # 0 = gradient accumulation steps (pp > 1: at least pp)
     pp_virtual: int = 2  # chunks per pp rank with pp_schedule=interleaved_1f1b
-    pp_memory_gb: float = 0.0  # per-stage limit on the predicted peak (memory.py); 0 = none
+    pp_memory_gb: float = 0.0  # per-stage limit on the predicted peak (cost/memory.py); 0 = none
     sequence_parallel: bool = False
     ddp_bucket_mb: float = 25.0  # zero=none, dp > 1: gradient all-reduce bucket size (torch DDP)
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
@@ -200,7 +200,7 @@ class TrainConfig:
     activation_checkpointing: str = "none"
     ac_every: int = 2
     compile: bool = False  # torch.compile each block (see parallel/block_options.py)
-    peak_tflops: float = 0.0  # peak TFLOP/s of one device for MFU; 0 = look up (flops.py PEAK_TFLOPS)
+    peak_tflops: float = 0.0  # peak TFLOP/s of one device for MFU; 0 = look up (cost/flops.py PEAK_TFLOPS)
 
     def validate(self, prefix: str) -> None:
         for key in ("steps", "global_batch", "micro_batch", "log_interval", "eval_batches", "max_nonfinite"):

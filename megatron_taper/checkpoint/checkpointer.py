@@ -2,7 +2,7 @@
 
 Layout of `run.dir/checkpoints/step-N/` (format 2):
     shards/rank-R.safetensors   the boxes of parameters and AdamW state that rank R owns, as
-                                records of the logical tensors (checkpoint_files.py)
+                                records of the logical tensors (checkpoint/files.py)
     trainer.pt                  step, skipped steps, RNG states and data positions (one entry per rank)
     deepspeed/...               parallel.zero=deepspeed only: DeepSpeed's own files (same dp/tp size)
     meta.json                   format, step, config, layout, the index of every record (full shape,

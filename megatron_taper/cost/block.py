@@ -10,7 +10,7 @@ built from these; flops.py adds embedding and head and sums over the model.
 Memory (read by megatron_taper/cost/memory.py) is counted per piece and by how tensor parallelism lays
 it out (`Split`): parameters in `tp_params`; activations in elements per token of one
 micro-batch: `act` is what the piece's forward leaves for its backward (what autograd saves,
-counted op by op from the code; tests/test_memory_model.py compares it with torch's saved
+counted op by op from the code; tests/cost/test_memory_model.py compares it with torch's saved
 tensors), `per_batch` what it saves once per micro-batch whatever its tokens, and `backward` the
 moments of its backward, each the elements alive besides `act` then (gradient buffers), of which
 memory.py takes the largest. Elements carry no dtype: `seq` (residual stream, norm internals) and

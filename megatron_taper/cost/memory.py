@@ -14,7 +14,7 @@ static   per tp-local parameter P of the stage: parameters, gradients, AdamW sta
          pipelining does so for the root (embedding, final norm, head); bf16 autocast without
          a ZeRO engine keeps a bf16 copy of every weight it casts (2 bytes per P).
 K        bytes one micro-batch keeps for backward: sum over the stage's blocks of their saved
-         activations (models/costs.py: per token x tokens per micro-batch, plus any kept once
+         activations (cost/block.py: per token x tokens per micro-batch, plus any kept once
          per micro-batch), or of their input [b, S, d] alone for the blocks that recompute
          (train.activation_checkpointing: full = all, selective = global index a multiple of
          train.ac_every), plus the head's.
@@ -28,7 +28,7 @@ buffers  torch.distributed.pipelining's p2p buffers, [b, S, d] each: a non-first
          counted in K), a non-last stage a gradient receive buffer per micro-batch and the
          outputs of the n in flight.
 
-Layouts: an activation element (models/costs.py `Split`) counts on a rank as its largest tp
+Layouts: an activation element (cost/block.py `Split`) counts on a rank as its largest tp
 share (shards are uneven in whole units: heads, MLP width units, vocabulary rows); `seq`
 elements (residual stream, norms) are whole on every tp rank, split by tp under sequence
 parallelism. Bytes: `seq` and `vocab` (the loss) in fp32, the rest in the compute dtype (bf16

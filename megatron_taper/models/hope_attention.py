@@ -23,7 +23,7 @@ The gradient is written in closed form from the chunk's activations (e = (y - n)
 grad w2 = e^T h, dh = e w2, grad w1 = (dh * w3 n * silu'(w1 n))^T n, grad w3 =
 (dh * silu(w1 n))^T n), on [B, ...] fast weights, one loop iteration per chunk; the updates are
 differentiable functions of the parameters, so the outer gradient flows through them
-(tests/models/hope_reference.py is the token-by-token autograd reference). Per token of an
+(tests/helpers/hope_reference.py is the token-by-token autograd reference). Per token of an
 updated chunk this costs 4 more matmuls of the level's size (8 W D FLOPs), and backward keeps the
 [W, D] fast weights of every update of every sequence (3 W D values).
 
@@ -221,7 +221,7 @@ def online_update_flops(cfg: ModelConfig, width: int, level: int) -> float:
 
 def online_level_act(cfg: ModelConfig, width: int, level: int) -> Split:
     """Elements per token an online level keeps for backward besides a plain SwiGLU's, as counted
-    from the tensors autograd saves (tests/test_memory_model.py): 4 more W-wide activations per
+    from the tensors autograd saves (tests/cost/test_memory_model.py): 4 more W-wide activations per
     token; per update (every chunk but the last), per sequence, the new fast weights [2W, D] and
     [D, W], and 4 W + 2 D per token of the updated chunk."""
     d, s = cfg.d_model, cfg.seq_len

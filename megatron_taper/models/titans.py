@@ -438,7 +438,7 @@ def titans_mixer_act(cfg: ModelConfig) -> Split:
     for backward. The memory scan is counted as above; the rest (attention over the prefixed rows,
     the memory's read-out norm and gate) as c * d + k * H * (hidden memory widths), with (c, k)
     (17.2, 2.25) for MAG, (18.2, 2.25) for MAL and (31, 4.5) for MAC, matched to torch's saved
-    tensors (tests/test_memory_model.py checks the whole block within 10%)."""
+    tensors (tests/cost/test_memory_model.py checks the whole block within 10%)."""
     t, d, h, s = cfg.titans, cfg.d_model, cfg.n_heads, cfg.seq_len
     hidden = h * sum(memory_dims(cfg.head_dim, t.memory_depth, t.memory_expansion)[1:-1])
     if t.variant == "mac":

@@ -81,6 +81,6 @@ def test_console_scripts_are_installed_and_run():
     show = subprocess.run([bin_dir / "megatron-taper-show", "--config", "configs/tiny_taper.yaml", "--json",
                            "--model.n_layers", "6"], cwd=REPO, capture_output=True, text=True, env=env)
     assert show.returncode == 0, show.stderr
-    # the same function as `python tools/show_model.py` (tests/test_show_model.py runs the file)
+    # the same function as `python tools/show_model.py` (tests/cost/test_show_model.py runs the file)
     assert json.loads(show.stdout)["widths"] == describe(load_config("configs/tiny_taper.yaml",
                                                                      ["model.n_layers=6"]))["widths"]

@@ -240,7 +240,7 @@ def test_every_knob_moves_the_prediction_the_right_way():
     assert _whole(cfg, tp=2) < none
     assert _whole(cfg, 1, tp=2, sequence_parallel=True) < _whole(cfg, 1, tp=2)
     # with several sequences per micro-batch every projection copies the strided gathered input
-    # (models/costs.py input_copies): in fp32 that outweighs what splitting the norms saves
+    # (cost/block.py input_copies): in fp32 that outweighs what splitting the norms saves
     assert _whole(cfg, tp=2, sequence_parallel=True) > _whole(cfg, tp=2)
     assert _whole(cfg, bf16=True) < none
     assert _whole(cfg, zero="fsdp2", dp=8) < none

@@ -1,6 +1,6 @@
 """data.mix: the schedule's exactness, the mixture source against its sources, the config checks, and
 a 70/30 mixture through the Trainer (realised shares logged, bitwise resume, evaluation per source).
-Resume at another dp size through the Trainer: tests/dist/test_data_mixture_dp.py."""
+Resume at another dp size through the Trainer: tests/data/test_data_mixture_dp.py."""
 import json
 import os
 

@@ -205,7 +205,7 @@ class SlurmCluster:
         nodes = "\n".join(
             f"NodeName={n} NodeHostname=localhost NodeAddr=127.0.0.1 Port={p} CPUs={self.cpus_per_node} State=UNKNOWN"
             for n, p in zip(self.node_names, node_ports))
-        return f"""# test cluster written by tests/slurm/cluster.py
+        return f"""# test cluster written by tests/helpers/slurm_cluster.py
 ClusterName=taper
 SlurmctldHost=localhost
 SlurmctldPort={ctld_port}

@@ -5,7 +5,7 @@ eval record (train.eval_batches=1) must equal evaluate_checkpoint with --batches
 same function on the same held-out batch); the folder exported by tools/convert_checkpoint.py
 must give exactly the checkpoint's numbers; JSON shape, several lengths, and the bad inputs
 (missing folder, bad --seq-lens, a model override) exit with code 2 naming the flag or key.
-The multi-process layouts are in tests/dist/test_evaluate_layouts.py.
+The multi-process layouts are in tests/inference/test_evaluate_layouts.py.
 """
 import importlib.util
 import json

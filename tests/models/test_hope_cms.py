@@ -1,5 +1,5 @@
 """Hope-attention's online Continuum Memory System: the chunked closed form against the
-token-by-token autograd reference (tests/models/hope_reference.py), the step-size parameter, the
+token-by-token autograd reference (tests/helpers/hope_reference.py), the step-size parameter, the
 cost model's count of the inner updates, and the plain chain kept as the ablation.
 
 Tolerance (fp32): outputs and outer gradients (by w1, w3, w2 and the input) within 1e-5 of the

@@ -1,7 +1,7 @@
 """Persistent GRU memory bridge (model.arch=bridge): identity at initialisation, causality by
 segment, the batched read against a segment-by-segment reference, the auxiliary loss's
 gradient, parameter/FLOP model, layouts it refuses, training + exact resume, the probe.
-tp=2 and pp=2 against one process: tests/dist/test_arch_tensor_parallel.py (case "bridge")."""
+tp=2 and pp=2 against one process: tests/models/test_arch_tensor_parallel.py (case "bridge")."""
 
 import pytest
 import torch

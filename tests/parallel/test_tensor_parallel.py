@@ -126,7 +126,7 @@ def test_widths_do_not_divide_by_tp():
 
 
 # ---------------------------------------------------------------------------------------------
-# Bad layouts are refused by preflight (tests/test_preflight.py); the shard arithmetic itself:
+# Bad layouts are refused by preflight (tests/train/test_preflight.py); the shard arithmetic itself:
 
 
 def test_split_sizes_refuses_fewer_units_than_ranks():
