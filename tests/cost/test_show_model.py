@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 from megatron_taper_tools import show_model
+
 from tests.helpers.runner import REPO
 
 
