@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.harness import run_distributed
-from tests.helpers.runner import REPO
+from tests.helpers.runner import REPO, train_in_process
 
 pytestmark = pytest.mark.multiprocess
 
@@ -101,8 +101,7 @@ def test_sigkill_during_async_save_keeps_the_previous_checkpoint(tmp_path, byte_
             "checkpoint.interval=2"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     straight = tmp_path / "straight"
-    subprocess.run([sys.executable, *args, f"run.dir={straight}"], cwd=REPO, env=env, check=True,
-                   capture_output=True, timeout=300)
+    train_in_process([*args[2:], f"run.dir={straight}"])
     run_dir = tmp_path / "killed"
     proc = subprocess.Popen([sys.executable, *args, f"run.dir={run_dir}", "checkpoint.async_save=true"], cwd=REPO,
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
@@ -117,7 +116,6 @@ def test_sigkill_during_async_save_keeps_the_previous_checkpoint(tmp_path, byte_
     proc.wait(30)
     assert killed, f"the run ended before it could be killed:\n{proc.stderr.read()[-3000:]}"
     assert sorted(os.listdir(ckpts)) == [".tmp-step-4", "step-2"]
-    subprocess.run([sys.executable, *args, f"run.dir={run_dir}", "checkpoint.async_save=true"], cwd=REPO, env=env,
-                   check=True, capture_output=True, timeout=300)
+    train_in_process([*args[2:], f"run.dir={run_dir}", "checkpoint.async_save=true"])  # resumes from step-2
     assert _losses(run_dir) == _losses(straight)  # bitwise, every step
     assert sorted(os.listdir(ckpts)) == ["step-2", "step-4", "step-6", "step-8"]
