@@ -1,5 +1,6 @@
-"""The layers of the package (docs: ../shared/DESIGN.md section 2), enforced on the import graph.
+"""The layers of the package (README.md "Layout"), enforced on the import graph.
 
+- every module imports (at module level) only from its own floor or the floors below (FLOORS);
 - config (the ground floor), taper, validation, the family registry and cards, and the cost model
   import no torch at module level, and importing config loads no torch at all;
 - `megatron-taper-train --print-config` and `--list-keys` import no torch;
@@ -66,6 +67,36 @@ def _closure(start: str) -> set[str]:
         parts = name.split(".")
         todo += [".".join(parts[:i]) for i in range(1, len(parts)) if ".".join(parts[:i]) in MODULES]
     return seen
+
+
+# floor of each part of the package, longest prefix wins; a module-level import never goes up
+FLOORS = {
+    "megatron_taper": 0, "megatron_taper.validation": 0, "megatron_taper.taper": 0,
+    "megatron_taper.models.spec": 0, "megatron_taper.models.cards": 0,  # the torch-free half of the families
+    "megatron_taper.config": 1, "megatron_taper.cli": 1, "megatron_taper.models": 1,  # the registry
+    "megatron_taper.cost": 2, "megatron_taper.metrics": 2, "megatron_taper.console": 2,
+    "megatron_taper.models.*": 3, "megatron_taper.checkpoint.files": 3,  # family code; the checkpoint format
+    "megatron_taper.parallel": 4, "megatron_taper.data": 4, "megatron_taper.optim": 4,
+    "megatron_taper.checkpoint": 5, "megatron_taper.preflight": 5,
+    "megatron_taper.build": 6, "megatron_taper.held_out": 6,
+    "megatron_taper.trainer": 7, "megatron_taper.train": 8,
+    "megatron_taper.inference": 9, "megatron_taper.sweep": 9,
+}
+
+
+def floor(module: str) -> int:
+    def matches(prefix: str) -> bool:
+        if prefix.endswith(".*"):
+            return module.startswith(prefix[:-1])
+        return module == prefix or module.startswith(prefix + ".")
+
+    return FLOORS[max((p for p in FLOORS if matches(p)), key=len)]
+
+
+def test_no_module_imports_from_a_floor_above_it():
+    upward = [f"{m} (floor {floor(m)}) imports {t} (floor {floor(t)})"
+              for m in MODULES for t in _top_level(m) if t != "megatron_taper" and floor(t) > floor(m)]
+    assert not upward, "\n".join(upward)
 
 
 @pytest.mark.parametrize("name", TORCH_FREE)
