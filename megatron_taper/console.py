@@ -56,6 +56,10 @@ def summary_lines(cfg: Config, ctx: ParallelContext, pm: ParallelModel, train_so
         lines.append(f"data: a mixture of {len(parts)} sources; {held_out}")
         lines += [f"  {name} (weight {weight:g}): {describe_source(part)}"
                   for name, weight, part in zip(train_source.names, train_source.configured_weights, parts)]
+    if not has_eval and t.eval_interval > 0:
+        lines.append(f"warning: train.eval_interval={t.eval_interval} asks for evaluation, but the data has no "
+                     f"held-out split, so none will run (MDS: write val/ with tools/preprocess_data.py "
+                     f"--val-fraction F; a .npy file: data.eval_fraction > 0)")
     lines.append(f"run dir: {os.path.abspath(cfg.run.dir)}")
     dtype = "bf16 autocast" if bf16 else "fp32"
     name = f" ({device_name(ctx.device)})" if ctx.device.type == "cuda" else ""
