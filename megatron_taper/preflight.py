@@ -1,4 +1,6 @@
-"""preflight(cfg, world_size): every rule that spans config sections or needs the world size.
+"""preflight(cfg, world_size): every rule that spans config sections or needs the world size;
+check_data(cfg): the rules that need the data on disk (data.path / data.mix folders, the tokenizer
+against model.vocab_size).
 
 Runs before any process group exists (train.main, the tools, launch/train.sbatch's check), so a
 layout the run cannot execute fails at once with one ConfigError naming the keys, on every rank
@@ -8,6 +10,8 @@ model family has live in its FamilySpec.check_layout, which is called from here.
 """
 from __future__ import annotations
 
+import json
+import os
 import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -45,6 +49,9 @@ def preflight(cfg: Config, world_size: int) -> Layout:
     if spec.check_layout is not None:
         spec.check_layout(m, p)
     _check_zero(m, p, world_size, dp)
+    if cfg.run.init_from and p.zero == "deepspeed":
+        raise ConfigError("run.init_from with parallel.zero=deepspeed is not supported (DeepSpeed partitions the "
+                          "parameters itself); use parallel.zero=fsdp2 or none")
     accumulation = _check_batch(t, dp)
     n_micro = _check_pipeline(m, p, t, dp) if p.pp > 1 else 0
     return Layout(p.pp, dp, p.tp, accumulation, n_micro)
@@ -133,3 +140,46 @@ def _check_pipeline(m: ModelConfig, p: ParallelConfig, t: TrainConfig, dp: int) 
             raise ConfigError(f"parallel.microbatches={n_micro}: interleaved_1f1b needs a multiple of "
                               f"parallel.pp={p.pp} (or fewer than 2 * pp)")
     return n_micro
+
+
+def check_data(cfg: Config, warn: bool = True) -> None:
+    """Local data folders are MDS folders written by tools/preprocess_data.py (or .npy files), and
+    the tokenizer (data.tokenizer, else each folder's stats.json) has no more ids than
+    model.vocab_size; fewer is a warning (when `warn`) naming the padding rows. Remote folders are
+    checked when read."""
+    from megatron_taper.data.sources import check_local_dataset
+
+    d, m = cfg.data, cfg.model
+    paths = [(e["path"], f"data.mix[{i}].path") for i, e in enumerate(d.mix)] or [(d.path, "data.path")]
+    vocabs: list[tuple[int, str]] = []
+    for path, key in paths:
+        if not path or "://" in path:
+            continue
+        if path.endswith(".npy"):
+            if not os.path.isfile(path):
+                raise ConfigError(f"{key}: token file not found: {path}")
+            continue
+        check_local_dataset(path, key)
+        try:
+            with open(os.path.join(path, "stats.json")) as f:
+                vocab = json.load(f).get("vocab_size")
+        except (OSError, ValueError):
+            vocab = None
+        if isinstance(vocab, int) and not d.tokenizer:
+            vocabs.append((vocab, f"the tokenizer of {key}={path} (its stats.json)"))
+    if d.tokenizer:
+        from megatron_taper.data.tokenizer import Tokenizer
+
+        try:
+            vocabs.append((Tokenizer(d.tokenizer).vocab_size, f"data.tokenizer={d.tokenizer}"))
+        except ValueError as e:
+            raise ConfigError(f"data.tokenizer: {e}") from None
+    for vocab, where in vocabs:
+        if vocab > m.vocab_size:
+            raise ConfigError(f"{where} has {vocab} ids, more than model.vocab_size={m.vocab_size}: ids >= "
+                              f"{m.vocab_size} would index past the embedding; set model.vocab_size={vocab} (or "
+                              f"more)")
+        if vocab < m.vocab_size and warn:
+            warnings.warn(f"model.vocab_size={m.vocab_size} is larger than the {vocab} ids of {where}: "
+                          f"{m.vocab_size - vocab} embedding and output rows are padding that no token uses",
+                          stacklevel=2)
