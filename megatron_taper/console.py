@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from megatron_taper.flops import device_name, model_costs
+from megatron_taper.preflight import step_split
 from megatron_taper.taper import layer_widths
 
 if TYPE_CHECKING:
@@ -41,7 +42,8 @@ def summary_lines(cfg: Config, ctx: ParallelContext, pm: ParallelModel, train_so
         + " ".join(str(w) for w in layer_widths(m)),
         f"layout: {ctx.world_size} process(es) = pp {ctx.pp} x dp {ctx.dp} x tp {ctx.tp}, zero {p.zero}; "
         f"global_batch {t.global_batch} = dp {ctx.dp} x micro_batch {t.micro_batch} x "
-        f"{t.global_batch // (ctx.dp * t.micro_batch)} accumulation",
+        f"{t.global_batch // (ctx.dp * t.micro_batch)} accumulation"
+        + ("; pipeline: {1} micro-batches of {0} sequences".format(*step_split(p, t, ctx.dp)) if ctx.pp > 1 else ""),
     ]
     plan = getattr(pm, "plan", None)  # PipelineParallelModel (pp > 1)
     if plan is not None:

@@ -101,6 +101,18 @@ def _check_zero(m: ModelConfig, p: ParallelConfig, world_size: int, dp: int) -> 
                           f"already sharded; use parallel.tp <= model.n_kv_heads or parallel.zero=none")
 
 
+def step_split(p: ParallelConfig, t: TrainConfig, dp: int) -> tuple[int, int]:
+    """(sequences per micro-batch, micro-batches per step) on one data-parallel rank, as the trainer
+    runs them: pp = 1: train.micro_batch x accumulation (parallel.microbatches is not used); pp > 1:
+    the step's global_batch / dp sequences cut into parallel.microbatches pipeline micro-batches
+    (default: one per train.micro_batch)."""
+    rows = t.global_batch // dp
+    if p.pp == 1:
+        return t.micro_batch, max(1, rows // t.micro_batch)
+    n_micro = p.microbatches or max(1, rows // t.micro_batch)
+    return max(1, rows // n_micro), n_micro
+
+
 def _check_batch(t: TrainConfig, dp: int) -> int:
     per_round = t.micro_batch * dp
     if t.global_batch % per_round:
@@ -122,7 +134,7 @@ def _check_pipeline(m: ModelConfig, p: ParallelConfig, t: TrainConfig, dp: int) 
         raise ConfigError("parallel.pp_memory_gb: per-stage memory limits are only modelled for non-interleaved "
                           "schedules (parallel.pp_schedule=1f1b or gpipe)")
     rows = t.global_batch // dp  # sequences per step on one data-parallel rank
-    n_micro = p.microbatches or max(1, rows // t.micro_batch)
+    n_micro = step_split(p, t, dp)[1]
     if rows % n_micro:
         raise ConfigError(f"parallel.microbatches={n_micro} must divide the {rows} sequences of a step on one "
                           f"data-parallel rank (train.global_batch / data-parallel size)")
