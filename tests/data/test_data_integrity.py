@@ -86,6 +86,14 @@ def test_empty_inputs_error_for_records_and_warn_for_text(tmp_path):
         list(read_documents([str(tmp_path / "full.txt"), str(tmp_path / "empty.jsonl")], SkipLog()))
 
 
+def test_tokenizer_that_is_not_sentencepiece_is_one_line(corpus, tmp_path, capsys):  # noqa: F811
+    assert preprocess_main(["--input", corpus["jsonl"], "--tokenizer", corpus["jsonl"], "--output",
+                            str(tmp_path / "out"), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"preprocess_data: error: {corpus['jsonl']} is not a sentencepiece model (") and \
+        err.count("\n") == 1 and not (tmp_path / "out").exists()
+
+
 def test_parquet_named_jsonl_is_refused_like_jsonl_named_parquet(tmp_path):
     pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
     pq.write_table(pa.table({"text": ["a", "b"]}), tmp_path / "rows.jsonl")
