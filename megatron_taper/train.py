@@ -128,8 +128,8 @@ class Trainer:
             saved_steps = json.load(f)["config"]["train"]["steps"]
         if saved_steps != self.cfg.train.steps:
             self._print(f"warning: train.steps changed from {saved_steps} (checkpoint) to {self.cfg.train.steps}: "
-                        f"the learning-rate schedule is stretched from step {self.step} on; to split a run into "
-                        f"parts keep train.steps and set train.exit_after=N")
+                        f"the learning-rate schedule (warmup + decay over train.steps) changes from step "
+                        f"{self.step} on; to split a run into parts keep train.steps and set train.exit_after=N")
 
     def autocast(self):
         if self.bf16:

@@ -84,8 +84,9 @@ def test_resume_hints_and_warnings_and_init_from(byte_tokens, tmp_path, capsys):
     assert "model.d_model: checkpoint 64 vs now 128" in err and "give it a new run.dir, or set run.resume=never" in err
     # train.steps changed on resume: said, with the exact way to split a run
     assert main(args(byte_tokens, first, "train.steps=3")) == 0
-    assert "warning: train.steps changed from 2 (checkpoint) to 3: the learning-rate schedule is stretched from " \
-           "step 2 on; to split a run into parts keep train.steps and set train.exit_after=N" in capsys.readouterr().out
+    assert "warning: train.steps changed from 2 (checkpoint) to 3: the learning-rate schedule (warmup + decay " \
+           "over train.steps) changes from step 2 on; to split a run into parts keep train.steps and set " \
+           "train.exit_after=N" in capsys.readouterr().out
     # run.init_from: a run folder, and the export of it, give the fresh run exactly its weights
     exported = tmp_path / "exported"
     assert convert_checkpoint.main([str(first), "--output", str(exported)]) == 0  # a run folder, not step-N
