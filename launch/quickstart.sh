@@ -13,7 +13,8 @@
 #    and only evaluates; pass run.resume=never or set RUN_DIR for a new run.
 #
 # Environment: VENV (default .venv), MEGATRON_TAPER_CACHE (default ~/.cache/megatron_taper),
-# RUN_DIR (default runs/quickstart), NPROC (default 2).
+# RUN_DIR (default runs/quickstart), NPROC (default 2), QUICKSTART_INSTALL=0 (skip step 1 in an
+# environment that is installed already; tests/launch/test_readme_examples.py runs it so).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -21,7 +22,9 @@ venv="${VENV:-$root/.venv}"
 py="$venv/bin/python"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 
-bash "$root/launch/install.sh"
+if [[ ${QUICKSTART_INSTALL:-1} != 0 ]]; then
+  bash "$root/launch/install.sh"
+fi
 
 config="configs/tiny_taper.yaml"
 vocab="$("$py" -c "from megatron_taper.config import load_config; print(load_config('$config').model.vocab_size)")"

@@ -7,8 +7,12 @@
 # (CUDA_VISIBLE_DEVICES, else `nvidia-smi -L`), else 1. On one machine torchrun runs with
 # --standalone; launch/train.sbatch runs this script once per node with the settings below.
 #
-# Exit code: 0 finished (or stopped by train.exit_after); 3 stopped by SIGUSR1/SIGTERM after
-# writing a checkpoint (run the same command again to resume); anything else is a failure.
+# Before torchrun starts, the trainer's checks run once (python -m megatron_taper.launch_check:
+# the layout at NPROC x NNODES processes, data.path, the tokenizer against model.vocab_size).
+#
+# Exit code: 0 finished (or stopped by train.exit_after); 2 bad input (the checks, or a worker's
+# own); 3 stopped by SIGUSR1/SIGTERM after writing a checkpoint (run the same command again to
+# resume); anything else is a failure.
 # torchrun itself turns every worker failure into 1, so workers leave a marker file when they
 # exit with 3 and this script reports 3 when one did.
 #
@@ -79,6 +83,19 @@ else
   rdzv=(--nnodes="$nnodes" --rdzv-backend=c10d --rdzv-endpoint="$RDZV_ENDPOINT"
         --rdzv-id="${RDZV_ID:-megatron_taper}")
   [[ -n $is_host ]] && rdzv+=(--rdzv-conf="is_host=$is_host")
+fi
+
+# The trainer's checks (the layout at this world size, data.path, the tokenizer) before torchrun
+# starts: a run that cannot start is one line and exit 2, not a worker failure in torchrun's
+# report. train.sbatch has run them for the whole job already (TAPER_PREFLIGHT_DONE=1).
+if [[ -z ${TAPER_PREFLIGHT_DONE:-} ]]; then
+  if ! [[ $nnodes =~ ^[1-9][0-9]*$ ]]; then
+    echo "torchrun.sh: NNODES must be a positive integer, got '$nnodes'" >&2
+    exit 2
+  fi
+  "$py" -m megatron_taper.launch_check --world-size $((nproc * nnodes)) --nodes "$nnodes" "$@"
+  rc=$?
+  [[ $rc == 0 ]] || exit "$rc"
 fi
 
 marker_dir="$(mktemp -d "${TMPDIR:-/tmp}/megatron_taper.XXXXXX")"

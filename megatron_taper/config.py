@@ -302,6 +302,7 @@ class WandbConfig:
 class RunConfig:
     dir: str = "runs/default"
     resume: str = "auto"  # auto (newest complete checkpoint, if any) | never | path of a checkpoint
+    init_from: str = ""  # a fresh run starts from these weights only: checkpoint, run folder or export
     tensorboard: bool = True
     wandb: WandbConfig = field(default_factory=WandbConfig)
 

@@ -14,6 +14,7 @@ import traceback
 from typing import TYPE_CHECKING, Any
 
 from megatron_taper.cost.flops import device_name, model_costs
+from megatron_taper.preflight import step_split
 from megatron_taper.taper import layer_widths
 
 if TYPE_CHECKING:
@@ -41,7 +42,8 @@ def summary_lines(cfg: Config, ctx: ParallelContext, pm: ParallelModel, train_so
         + " ".join(str(w) for w in layer_widths(m)),
         f"layout: {ctx.world_size} process(es) = pp {ctx.pp} x dp {ctx.dp} x tp {ctx.tp}, zero {p.zero}; "
         f"global_batch {t.global_batch} = dp {ctx.dp} x micro_batch {t.micro_batch} x "
-        f"{t.global_batch // (ctx.dp * t.micro_batch)} accumulation",
+        f"{t.global_batch // (ctx.dp * t.micro_batch)} accumulation"
+        + ("; pipeline: {1} micro-batches of {0} sequences".format(*step_split(p, t, ctx.dp)) if ctx.pp > 1 else ""),
     ]
     plan = getattr(pm, "plan", None)  # PipelineParallelModel (pp > 1)
     if plan is not None:
@@ -56,6 +58,10 @@ def summary_lines(cfg: Config, ctx: ParallelContext, pm: ParallelModel, train_so
         lines.append(f"data: a mixture of {len(parts)} sources; {held_out}")
         lines += [f"  {name} (weight {weight:g}): {describe_source(part)}"
                   for name, weight, part in zip(train_source.names, train_source.configured_weights, parts)]
+    if not has_eval and t.eval_interval > 0:
+        lines.append(f"warning: train.eval_interval={t.eval_interval} asks for evaluation, but the data has no "
+                     f"held-out split, so none will run (MDS: write val/ with tools/preprocess_data.py "
+                     f"--val-fraction F; a .npy file: data.eval_fraction > 0)")
     lines.append(f"run dir: {os.path.abspath(cfg.run.dir)}")
     dtype = "bf16 autocast" if bf16 else "fp32"
     name = f" ({device_name(ctx.device)})" if ctx.device.type == "cuda" else ""

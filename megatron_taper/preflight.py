@@ -1,4 +1,6 @@
-"""preflight(cfg, world_size): every rule that spans config sections or needs the world size.
+"""preflight(cfg, world_size): every rule that spans config sections or needs the world size;
+check_data(cfg): the rules that need the data on disk (data.path / data.mix folders, the tokenizer
+against model.vocab_size).
 
 Runs before any process group exists (train.main, the tools, launch/train.sbatch's check), so a
 layout the run cannot execute fails at once with one ConfigError naming the keys, on every rank
@@ -8,6 +10,8 @@ model family has live in its FamilySpec.check_layout, which is called from here.
 """
 from __future__ import annotations
 
+import json
+import os
 import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -45,6 +49,9 @@ def preflight(cfg: Config, world_size: int) -> Layout:
     if spec.check_layout is not None:
         spec.check_layout(m, p)
     _check_zero(m, p, world_size, dp)
+    if cfg.run.init_from and p.zero == "deepspeed":
+        raise ConfigError("run.init_from with parallel.zero=deepspeed is not supported (DeepSpeed partitions the "
+                          "parameters itself); use parallel.zero=fsdp2 or none")
     accumulation = _check_batch(t, dp)
     n_micro = _check_pipeline(m, p, t, dp) if p.pp > 1 else 0
     return Layout(p.pp, dp, p.tp, accumulation, n_micro)
@@ -94,6 +101,18 @@ def _check_zero(m: ModelConfig, p: ParallelConfig, world_size: int, dp: int) -> 
                           f"already sharded; use parallel.tp <= model.n_kv_heads or parallel.zero=none")
 
 
+def step_split(p: ParallelConfig, t: TrainConfig, dp: int) -> tuple[int, int]:
+    """(sequences per micro-batch, micro-batches per step) on one data-parallel rank, as the trainer
+    runs them: pp = 1: train.micro_batch x accumulation (parallel.microbatches is not used); pp > 1:
+    the step's global_batch / dp sequences cut into parallel.microbatches pipeline micro-batches
+    (default: one per train.micro_batch)."""
+    rows = t.global_batch // dp
+    if p.pp == 1:
+        return t.micro_batch, max(1, rows // t.micro_batch)
+    n_micro = p.microbatches or max(1, rows // t.micro_batch)
+    return max(1, rows // n_micro), n_micro
+
+
 def _check_batch(t: TrainConfig, dp: int) -> int:
     per_round = t.micro_batch * dp
     if t.global_batch % per_round:
@@ -115,7 +134,7 @@ def _check_pipeline(m: ModelConfig, p: ParallelConfig, t: TrainConfig, dp: int) 
         raise ConfigError("parallel.pp_memory_gb: per-stage memory limits are only modelled for non-interleaved "
                           "schedules (parallel.pp_schedule=1f1b or gpipe)")
     rows = t.global_batch // dp  # sequences per step on one data-parallel rank
-    n_micro = p.microbatches or max(1, rows // t.micro_batch)
+    n_micro = step_split(p, t, dp)[1]
     if rows % n_micro:
         raise ConfigError(f"parallel.microbatches={n_micro} must divide the {rows} sequences of a step on one "
                           f"data-parallel rank (train.global_batch / data-parallel size)")
@@ -133,3 +152,46 @@ def _check_pipeline(m: ModelConfig, p: ParallelConfig, t: TrainConfig, dp: int) 
             raise ConfigError(f"parallel.microbatches={n_micro}: interleaved_1f1b needs a multiple of "
                               f"parallel.pp={p.pp} (or fewer than 2 * pp)")
     return n_micro
+
+
+def check_data(cfg: Config, warn: bool = True) -> None:
+    """Local data folders are MDS folders written by tools/preprocess_data.py (or .npy files), and
+    the tokenizer (data.tokenizer, else each folder's stats.json) has no more ids than
+    model.vocab_size; fewer is a warning (when `warn`) naming the padding rows. Remote folders are
+    checked when read."""
+    from megatron_taper.data.sources import check_local_dataset
+
+    d, m = cfg.data, cfg.model
+    paths = [(e["path"], f"data.mix[{i}].path") for i, e in enumerate(d.mix)] or [(d.path, "data.path")]
+    vocabs: list[tuple[int, str]] = []
+    for path, key in paths:
+        if not path or "://" in path:
+            continue
+        if path.endswith(".npy"):
+            if not os.path.isfile(path):
+                raise ConfigError(f"{key}: token file not found: {path}")
+            continue
+        check_local_dataset(path, key)
+        try:
+            with open(os.path.join(path, "stats.json")) as f:
+                vocab = json.load(f).get("vocab_size")
+        except (OSError, ValueError):
+            vocab = None
+        if isinstance(vocab, int) and not d.tokenizer:
+            vocabs.append((vocab, f"the tokenizer of {key}={path} (its stats.json)"))
+    if d.tokenizer:
+        from megatron_taper.data.tokenizer import Tokenizer
+
+        try:
+            vocabs.append((Tokenizer(d.tokenizer).vocab_size, f"data.tokenizer={d.tokenizer}"))
+        except ValueError as e:
+            raise ConfigError(f"data.tokenizer: {e}") from None
+    for vocab, where in vocabs:
+        if vocab > m.vocab_size:
+            raise ConfigError(f"{where} has {vocab} ids, more than model.vocab_size={m.vocab_size}: ids >= "
+                              f"{m.vocab_size} would index past the embedding; set model.vocab_size={vocab} (or "
+                              f"more)")
+        if vocab < m.vocab_size and warn:
+            warnings.warn(f"model.vocab_size={m.vocab_size} is larger than the {vocab} ids of {where}: "
+                          f"{m.vocab_size - vocab} embedding and output rows are padding that no token uses",
+                          stacklevel=2)

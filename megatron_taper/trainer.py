@@ -10,6 +10,7 @@ after a checkpoint (the slurm script requeues the job on 3).
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
 import shutil
@@ -20,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_taper.build import build_run
-from megatron_taper.checkpoint.checkpointer import Checkpointer, checkpoint_root, resume_candidates
+from megatron_taper.checkpoint.checkpointer import Checkpointer, checkpoint_root, load_weights_only, resume_candidates
 from megatron_taper.config import Config, ConfigError, load_config, save_config
 from megatron_taper.console import format_duration, peak_memory, report_error, summary_lines
 from megatron_taper.cost.flops import mfu, model_costs, peak_flops
@@ -29,7 +30,7 @@ from megatron_taper.held_out import combined_loss, evaluate_held_out
 from megatron_taper.metrics import MetricsLogger, timestamp
 from megatron_taper.optim import lr_at
 from megatron_taper.parallel.context import ParallelContext, init_parallel, shutdown, world_size
-from megatron_taper.preflight import preflight
+from megatron_taper.preflight import check_data, preflight
 
 EXIT_BAD_INPUT = 2
 EXIT_REQUEUE = 3
@@ -107,6 +108,9 @@ class Trainer:
         loaded = self.checkpointer.load(candidates, self.cfg.model, self.optimizer, explicit=mode != "auto")
         if loaded is None:
             self.metrics.truncate_after(0)
+            if self.cfg.run.init_from:
+                source = load_weights_only(self.cfg.run.init_from, self.cfg.model, self.pm)
+                self._print(f"initialised from: {source} (weights only; optimizer, step and data start fresh)")
             return
         path, state = loaded
         self.step, self.skipped = state["step"], state["skipped"]
@@ -114,6 +118,12 @@ class Trainer:
         self.train_source.load_state_dict(state["data"])
         self.metrics.truncate_after(self.step)
         self._print(f"resumed from: {path} at step {self.step}")
+        with open(os.path.join(path, "meta.json")) as f:
+            saved_steps = json.load(f)["config"]["train"]["steps"]
+        if saved_steps != self.cfg.train.steps:
+            self._print(f"warning: train.steps changed from {saved_steps} (checkpoint) to {self.cfg.train.steps}: "
+                        f"the learning-rate schedule (warmup + decay over train.steps) changes from step "
+                        f"{self.step} on; to split a run into parts keep train.steps and set train.exit_after=N")
 
     def autocast(self):
         if self.bf16:
@@ -284,6 +294,7 @@ def run(recipe: str | None, overrides: list[str]) -> int:
         if not os.path.exists(cfg.run.dir):
             created_run_dir = cfg.run.dir
         preflight(cfg, world_size())  # before joining: a bad layout fails alike on every rank, at once
+        check_data(cfg, warn=int(os.environ.get("RANK", "0")) == 0)
         ctx = init_parallel(cfg.parallel, cfg.train.device)
         trainer = Trainer(cfg, ctx, stop)
         created_run_dir = None

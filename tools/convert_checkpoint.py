@@ -2,6 +2,7 @@
 from Hugging Face transformers folders.
 
     python tools/convert_checkpoint.py runs/X/checkpoints/step-N --output exported/ [--source auto]
+    python tools/convert_checkpoint.py runs/X --output exported/      (a run folder: its newest checkpoint)
     python tools/convert_checkpoint.py CKPT --to hf --output hf_dir/ [--dtype bf16] [--tokenizer X.model]
     python tools/convert_checkpoint.py HF_DIR --from hf --output runs/Y [--config RECIPE] [key=value ...]
 
@@ -17,7 +18,8 @@ deepspeed, any pp/dp/tp layout), then
 Writes OUTPUT/model.safetensors (fp32 unless --dtype, full logical tensors keyed by parameter
 name, metadata: step, source; peak memory about one tensor for format 2), OUTPUT/config.yaml
 (the run's resolved config) and prints one JSON line: path, tensors, parameters, step, source.
-Writing goes through a temporary name + rename.
+Writing goes through a temporary name + rename. A new run starts from such a folder's weights
+(or any checkpoint's) with `run.init_from=exported/`.
 
 --to hf: a folder transformers loads (AutoModelForCausalLM.from_pretrained; a tapered model with
 trust_remote_code=True), see megatron_taper/inference/hf.py. CKPT may also be a run folder or a
@@ -35,7 +37,13 @@ import sys
 
 import torch
 
-from megatron_taper.checkpoint.checkpointer import CheckpointError, load_logical, verify_checkpoint
+from megatron_taper.checkpoint.checkpointer import (
+    CheckpointError,
+    checkpoint_root,
+    list_checkpoints,
+    load_logical,
+    verify_checkpoint,
+)
 from megatron_taper.checkpoint.files import CheckpointReader, iter_full_tensors, write_safetensors_streaming
 from megatron_taper.cli import OVERRIDES_HELP, parse_with_overrides
 from megatron_taper.config import from_dict, save_config
@@ -73,9 +81,21 @@ def consolidated_state(path: str, source: str = "auto") -> tuple[dict[str, torch
     return dict(state), meta, source
 
 
+def checkpoint_folder(path: str) -> str:
+    """`path` itself when it holds meta.json, else the newest complete checkpoint of the run folder `path`."""
+    if os.path.isfile(os.path.join(path, "meta.json")):
+        return path
+    found = list_checkpoints(checkpoint_root(path))
+    if not found:
+        raise CheckpointError(f"{path}: neither a checkpoint folder (meta.json) nor a run folder with complete "
+                              f"checkpoints (checkpoints/step-N)")
+    return found[-1][1]
+
+
 def convert(path: str, output: str, source: str = "auto", dtype: str = "fp32") -> dict:
     if source not in ("auto", "logical", "deepspeed"):
         raise ValueError(f"--source={source!r} is not one of: auto, logical, deepspeed")
+    path = checkpoint_folder(path)
     meta = _read_meta(path)
     sharded = meta.get("format", 1) >= 2
     has_logical = sharded or any(n.startswith("model-pp") for n in meta["files"])
@@ -113,9 +133,10 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False,
-                                     epilog=f"--from hf: {OVERRIDES_HELP}, of the run config")
-    parser.add_argument("checkpoint", help="a checkpoint folder (run.dir/checkpoints/step-N); with --from hf, "
-                                           "a Hugging Face Llama folder")
+                                     epilog=f"--from hf: {OVERRIDES_HELP.split('; see')[0]}, of the run config "
+                                            f"(python -m megatron_taper.train --list-keys lists the keys)")
+    parser.add_argument("checkpoint", help="a checkpoint folder (run.dir/checkpoints/step-N) or a run folder (its "
+                                           "newest); with --from hf, a Hugging Face Llama folder")
     parser.add_argument("--output", required=True, help="folder to write")
     parser.add_argument("--to", default="safetensors", choices=("safetensors", "hf"),
                         help="safetensors: model.safetensors + config.yaml (default); hf: a transformers folder")

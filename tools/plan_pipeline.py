@@ -9,8 +9,12 @@ unsharded or cast), activations (the micro-batches in flight under the schedule,
 backward moment, the head's loss buffers, pipeline buffers) and their sum, the peak; then
 bottleneck / ideal (slowest stage over the mean) for the chosen split (`parallel.pp_balance`)
 and for the layer-count split. The memory model assumes the config's parallel.tp /
-sequence_parallel / zero, train.activation_checkpointing and train.precision on train.device
-(auto: this machine's; plan a GPU run from a CPU machine with train.precision=bf16).
+sequence_parallel / zero, train.activation_checkpointing and train.precision on the target device
+(`--device`, default train.device, and cuda where that is auto: train.precision=auto plans bf16,
+as the run on a GPU with bf16 does, whatever machine the planner runs on; `--device cpu` plans
+fp32); the memory line says which. Micro-batches are the trainer's (preflight.step_split): at pp=1
+train.micro_batch sequences x the accumulation steps (parallel.microbatches is unused there), at
+pp>1 the pipeline's parallel.microbatches.
 `--json` prints one object with `stages` (layer-index lists), `stage_flops`,
 `bottleneck_over_ideal`, `uniform_bottleneck_over_ideal`, the other columns and `memory` (what
 the memory columns assumed).
@@ -41,9 +45,19 @@ def default_dp(cfg) -> int:
     return max(1, t.global_batch // (t.micro_batch * p.microbatches)) if p.microbatches else 1
 
 
+def target_device(cfg, device: str = "") -> str:
+    """The device the plan is for: `device`, else train.device, else (auto) cuda."""
+    return device or (cfg.train.device if cfg.train.device != "auto" else "cuda")
+
+
+def target_bf16(cfg, device: str) -> bool:
+    """train.precision on the target device (auto: bf16 on cuda, as on GPUs with bf16)."""
+    return cfg.train.precision == "bf16" or (cfg.train.precision == "auto" and device == "cuda")
+
+
 def build_plan(cfg, dp: int, memory_gb: list[float] | None, bytes_per_param: float | None = None,
-               memory_key: str | None = None) -> PipelinePlan:
-    """The plan the trainer makes for `cfg` at data-parallel size `dp`."""
+               memory_key: str | None = None, device: str = "") -> PipelinePlan:
+    """The plan the trainer makes for `cfg` at data-parallel size `dp` on the target device."""
     measured = None
     if cfg.parallel.pp_balance == "profile":
         device = choose_device(cfg.train.device)
@@ -54,7 +68,7 @@ def build_plan(cfg, dp: int, memory_gb: list[float] | None, bytes_per_param: flo
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return plan_stages(cfg.model, cfg.parallel, cfg.train, dp, measured, memory_gb, bytes_per_param,
-                       memory_key or "parallel.pp_memory_gb")
+                       memory_key or "parallel.pp_memory_gb", bf16=target_bf16(cfg, target_device(cfg, device)))
 
 
 def to_json(plan: PipelinePlan) -> dict:
@@ -81,20 +95,22 @@ def _span(layers: list[int]) -> str:
     return f"{layers[0]}-{layers[-1]}" if len(layers) > 1 else str(layers[0])
 
 
-def memory_line(setup: MemorySetup | None) -> str:
+def memory_line(setup: MemorySetup | None, precision: str = "", device: str = "") -> str:
     if setup is None:
         return ""
     m = setup
     state = f"{m.state_bytes_per_param():.3g} B/param" + (" (--bytes-per-param)" if m.bytes_per_param else "")
+    split = (f"micro_batch {m.micro_batch} x {m.microbatches} pipeline micro-batches" if m.pipelined else
+             f"micro_batch {m.micro_batch} x {m.microbatches} accumulation")
+    target = f" (train.precision={precision} on {device})" if precision else ""
     return (f"memory per rank: tp={m.tp}{' +sp' if m.sequence_parallel else ''} dp={m.dp} zero={m.zero} ({state}), "
-            f"{'bf16' if m.bf16 else 'fp32'}, checkpointing={m.activation_checkpointing}, "
-            f"{m.micro_batch} sequences x {m.microbatches} micro-batches")
+            f"{'bf16' if m.bf16 else 'fp32'}{target}, checkpointing={m.activation_checkpointing}, {split}")
 
 
-def to_text(plan: PipelinePlan, name: str) -> str:
+def to_text(plan: PipelinePlan, name: str, precision: str = "", device: str = "") -> str:
     total = sum(s.flops for s in plan.stages)
     v = f" x {plan.virtual} virtual" if plan.virtual > 1 else ""
-    lines = [f"{name}: pp={plan.pp}{v}, balance={plan.balance}", memory_line(plan.memory),
+    lines = [f"{name}: pp={plan.pp}{v}, balance={plan.balance}", memory_line(plan.memory, precision, device),
              f"{'stage':>5} {'rank':>4} {'layers':>8} {'n':>3} {'GFLOP/tok':>10} {'share':>6} "
              f"{'params(M)':>10} {'static(GiB)':>11} {'act(GiB)':>9} {'peak(GiB)':>9}"]
     profile = plan.balance == "profile"
@@ -127,6 +143,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="parameter + gradient + optimizer bytes per tp-local parameter, replacing the "
                              "engine's (default: 16 for zero=none, 16/dp for fsdp2, (param + 4 + 12)/dp for "
                              "deepspeed)")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="",
+                        help="the device the run is for, which decides train.precision=auto (default: "
+                             "train.device, cuda where that is auto)")
     args, overrides = parse_with_overrides(parser, argv)
     try:
         if args.virtual:
@@ -138,11 +157,16 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--memory-gb: per-stage memory limits are only modelled for non-interleaved schedules")
         dp = args.dp or default_dp(cfg)
         preflight(cfg, cfg.parallel.pp * cfg.parallel.tp * dp)
-        plan = build_plan(cfg, dp, args.memory_gb, args.bytes_per_param, "--memory-gb" if args.memory_gb else None)
+        device = target_device(cfg, args.device)
+        plan = build_plan(cfg, dp, args.memory_gb, args.bytes_per_param, "--memory-gb" if args.memory_gb else None,
+                          device)
     except ValueError as e:  # ConfigError included
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(json.dumps(to_json(plan)) if args.json else to_text(plan, args.config or "defaults"))
+    if args.json:
+        print(json.dumps({**to_json(plan), "device": device, "precision": cfg.train.precision}))
+    else:
+        print(to_text(plan, args.config or "defaults", cfg.train.precision, device))
     return 0
 
 

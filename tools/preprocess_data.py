@@ -3,13 +3,14 @@
     python tools/preprocess_data.py --input PATH... --tokenizer PREFIX.model --output DIR
         [--workers N] [--val-fraction F]
 
-Writes DIR/train/ and, when F > 0, DIR/val/ (mosaicml-streaming MDS, one sample per document:
+Writes DIR/train/ and, when F > 0 (default 0.01), DIR/val/ (mosaicml-streaming MDS, one sample per document:
 its tokens followed by EOS), DIR/stats.json (documents, tokens, skipped lines by reason with
 file:line examples) and DIR/tokenizer.model. Malformed lines are skipped and counted (--strict:
 fail with file:line). A non-empty DIR is refused without --overwrite. The output appears at DIR
 only once complete. Inputs are recognised by content and name (megatron_taper.data.readers): text,
 jsonl, parquet, .gz/.zst of text or jsonl, saved `datasets` folders, hf:NAME (`datasets` library);
---text-key names the field holding the text; other binary files are refused, naming the file.
+--text-key names the field holding the text (a comma-separated list is tried in order); an input
+that yields no document is an error naming it; other binary files are refused, naming the file.
 """
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ import sys
 
 from megatron_taper.data.corpus import SkipLog, add_input_arguments, documents_from_arguments
 from megatron_taper.data.preprocess import preprocess
+
+VAL_FRACTION = 0.01
 
 
 def _terminate(signum: int, frame: object) -> None:
@@ -32,8 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokenizer", required=True, metavar="PREFIX.model")
     parser.add_argument("--output", required=True, metavar="DIR")
     parser.add_argument("--workers", type=int, default=1, help="tokenizer threads (default 1)")
-    parser.add_argument("--val-fraction", type=float, default=0.0,
-                        help="fraction of documents (by a keyed hash of their text) written to DIR/val")
+    parser.add_argument("--val-fraction", type=float, default=VAL_FRACTION,
+                        help="fraction of documents (by a keyed hash of their text) written to DIR/val "
+                             "(default %(default)s; 0: no held-out split, and runs on DIR evaluate nothing)")
     parser.add_argument("--split-seed", type=int, default=0, help="key of the train/val hash")
     parser.add_argument("--compression", default=None, help="MDS shard compression, e.g. zstd (default none)")
     parser.add_argument("--shard-size", default="64mb", help="MDS shard size limit (default 64mb)")

@@ -252,6 +252,59 @@ def load_checkpoint(path: str, model_cfg: ModelConfig, pm: ParallelModel, optimi
     return trainer
 
 
+EXPORTED_WEIGHTS, EXPORTED_CONFIG = "model.safetensors", "config.yaml"  # tools/convert_checkpoint.py
+
+
+@torch.no_grad()
+def load_weights_only(path: str, model_cfg: ModelConfig, pm: ParallelModel) -> str:
+    """run.init_from: this rank's pieces of the parameters of a checkpoint (a step-N folder, or a
+    run folder: its newest) or of an exported folder (model.safetensors + config.yaml), for a model
+    of the same configuration; optimizer state, step and data position are not read. Returns the
+    folder read. No collectives."""
+    from megatron_taper.parallel.model import local_part
+
+    if not os.path.isdir(path):
+        raise CheckpointError(f"run.init_from={path!r}: no such folder")
+    if not os.path.isfile(os.path.join(path, "meta.json")) and list_checkpoints(checkpoint_root(path)):
+        path = list_checkpoints(checkpoint_root(path))[-1][1]
+    if os.path.isfile(os.path.join(path, "meta.json")):
+        meta = _read_meta(path)
+        _check_compatible(meta, model_cfg, path, init=True)
+        if meta.get("format", 1) >= 2:
+            reader = CheckpointReader(path, meta["tensors"], meta["files"])
+            get = None
+        else:
+            state = load_logical(path, meta)[0]
+            get = state.get
+    elif os.path.isfile(os.path.join(path, EXPORTED_WEIGHTS)) and os.path.isfile(os.path.join(path, EXPORTED_CONFIG)):
+        from safetensors import safe_open
+
+        from megatron_taper.config import load_config
+
+        saved = load_config(os.path.join(path, EXPORTED_CONFIG))
+        _check_compatible({"config": {"model": saved.model.architecture_dict()}}, model_cfg, path, init=True)
+        weights = safe_open(os.path.join(path, EXPORTED_WEIGHTS), "pt")
+        get = lambda name: weights.get_tensor(name) if name in weights.keys() else None  # noqa: E731
+    else:
+        raise CheckpointError(f"run.init_from={path!r}: neither a checkpoint (meta.json), a run folder with "
+                              f"complete checkpoints nor an exported folder ({EXPORTED_WEIGHTS} + {EXPORTED_CONFIG})")
+    for name, param in pm.module.named_parameters():
+        local = local_part(param.data)
+        if get is None:
+            _, offsets, _ = pm.piece_box(name, param)
+            box = reader.read(f"model/{name}", offsets, tuple(local.shape))
+        else:
+            full = get(name)
+            if full is None:
+                raise CheckpointError(f"run.init_from={path}: no tensor for parameter {name!r}")
+            box = local_part(pm.local_tensor(name, full))
+        if tuple(box.shape) != tuple(local.shape):
+            raise CheckpointError(f"run.init_from={path}: {name} has shape {list(box.shape)} there, "
+                                  f"{list(local.shape)} here")
+        local.copy_(box.to(dtype=local.dtype))
+    return path
+
+
 def load_logical(path: str, meta: dict | None = None) -> tuple[dict, dict]:
     """All stages' logical parameters and optimizer state of a format-1 checkpoint (CPU)."""
     meta = meta or _read_meta(path)
@@ -294,14 +347,20 @@ def _hash_tree(root: str, skip: frozenset[str] = frozenset()) -> dict[str, dict]
     return out
 
 
-def _check_compatible(meta: dict, model_cfg: ModelConfig, path: str) -> None:
+def _check_compatible(meta: dict, model_cfg: ModelConfig, path: str, init: bool = False) -> None:
     # keys added to the config after the checkpoint was written count with their default value
     saved_cfg = ModelConfig(arch=model_cfg.arch).architecture_dict()
     saved = {**_flatten(saved_cfg), **_flatten(meta["config"]["model"])}
     current = _flatten(model_cfg.architecture_dict())
     diffs = [f"model.{k}: checkpoint {saved.get(k)!r} vs now {v!r}" for k, v in current.items() if saved.get(k) != v]
+    if diffs and init:
+        raise OtherModelError(f"run.init_from={path} holds weights of another model; differing keys:\n  "
+                              + "\n  ".join(diffs))
     if diffs:
-        raise OtherModelError(f"{path} was written for another model; differing keys:\n  " + "\n  ".join(diffs))
+        raise OtherModelError(f"{path} was written for another model; differing keys:\n  " + "\n  ".join(diffs)
+                              + "\nto train the new model, give it a new run.dir, or set run.resume=never to start "
+                                "over in this one (run.init_from=PATH starts a new run from a checkpoint's weights "
+                                "when the model is the same)")
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:

@@ -3,12 +3,15 @@ malformed-line accounting; embedded corpus.
 
 Input kinds (megatron_taper.data.readers decides from the first bytes and the name): parquet files,
 saved `datasets` folders and `hf:NAME` give one document per row, the text in a configurable field
-(`--text-key`, default `text`); `*.jsonl`, `*.ndjson`, `*.json` (plain, .gz or .zst) are JSON lines
+(`--text-key`, default `text`; a comma-separated list is tried in order: `body,text` takes
+`body` where a record has it, else `text`); `*.jsonl`, `*.ndjson`, `*.json` (plain, .gz or .zst) are JSON lines
 with the document in that field; everything else that is text is split into documents by
 `text_mode`: `file` (the whole file is one document), `line` (each non-blank line), or
 `paragraph` (runs of non-blank lines separated by blank lines). Blank lines separate documents in
 text files and are ignored in jsonl; they are never counted as malformed. Binary files of any
-other kind are an error naming the file.
+other kind are an error naming the file, and so is a jsonl, parquet or datasets input that yields
+no document (e.g. every record lacks the text field): its skips by reason and the last one are in
+the message; a text file without a document is a warning naming it.
 
 Malformed input is skipped and counted by reason with its `file:line` (`file:row` for rows): `invalid_json`,
 `missing_field` (absent, or not a string), `invalid_utf8`, `empty_document` (empty or only
@@ -23,6 +26,7 @@ import json
 import os
 import sys
 import sysconfig
+import warnings
 import zlib
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO, Iterator, Sequence
@@ -49,6 +53,7 @@ class SkipLog:
     max_examples: int = 20
     counts: dict[str, int] = field(default_factory=lambda: {r: 0 for r in SKIP_REASONS})
     examples: list[str] = field(default_factory=list)
+    last: str = ""  # the newest skip's message
 
     def skip(self, reason: str, where: str, detail: str) -> None:
         assert reason in SKIP_REASONS, reason
@@ -56,6 +61,7 @@ class SkipLog:
         if self.strict:
             raise ValueError(message + " (remove --strict to skip and count such lines)")
         self.counts[reason] += 1
+        self.last = message
         if len(self.examples) < self.max_examples:
             self.examples.append(message)
 
@@ -97,38 +103,68 @@ def expand_inputs(paths: Sequence[str]) -> list[str]:
     return [f for f in files if not (f in seen or seen.add(f))]
 
 
-def read_documents(paths: Sequence[str], skips: SkipLog, *, json_key: str = "text", text_mode: str = "file",
-                   hf_split: str = "train", hf_config: str | None = None) -> Iterator[Document]:
-    """Documents of all inputs in order (see the module docstring for the rules); `json_key` is the
-    field of jsonl records and parquet/datasets rows that holds the text (--text-key)."""
+def text_keys(json_key: str | Sequence[str]) -> tuple[str, ...]:
+    """The fields tried in order for a record's text: "body,text" or ["body", "text"]."""
+    names = [json_key] if isinstance(json_key, str) else list(json_key)
+    keys = tuple(k.strip() for name in names for k in name.split(","))
+    if not keys or not all(keys):
+        raise ValueError(f"--text-key {','.join(names)!r}: field names must not be empty")
+    return keys
+
+
+def read_documents(paths: Sequence[str], skips: SkipLog, *, json_key: str | Sequence[str] = "text",
+                   text_mode: str = "file", hf_split: str = "train",
+                   hf_config: str | None = None) -> Iterator[Document]:
+    """Documents of all inputs in order (see the module docstring for the rules); `json_key` names
+    the field(s) of jsonl records and parquet/datasets rows that hold the text (--text-key)."""
     if text_mode not in TEXT_MODES:
         raise ValueError(f"--text-mode {text_mode!r} is not one of: {', '.join(TEXT_MODES)}")
-    if not json_key:
-        raise ValueError("--text-key must not be empty")
-    return _read_files(expand_inputs(paths), skips, json_key, text_mode, hf_split, hf_config)
+    return _read_files(expand_inputs(paths), skips, text_keys(json_key), text_mode, hf_split, hf_config)
 
 
-def _read_files(files: list[str], skips: SkipLog, json_key: str, text_mode: str, hf_split: str,
+def _read_files(files: list[str], skips: SkipLog, keys: tuple[str, ...], text_mode: str, hf_split: str,
                 hf_config: str | None) -> Iterator[Document]:
     for path in files:
-        if path.startswith(readers.HF_PREFIX) or os.path.isdir(path):
-            rows = readers.datasets_rows(path, json_key, hf_split, hf_config)
-            yield from _row_documents(rows, path, json_key, skips)
-            continue
-        fmt = readers.input_format(path)
-        if fmt.kind == "parquet":
-            yield from _row_documents(readers.parquet_rows(path, json_key), path, json_key, skips)
-            continue
-        try:
-            with readers.open_decompressed(path, fmt) as f:
-                if fmt.kind == "jsonl":
-                    yield from _jsonl_documents(f, path, json_key, skips)
-                elif text_mode == "file":
-                    yield from _file_document(f.read(), path, skips)
-                else:
-                    yield from _split_documents(f, path, text_mode, skips)
-        except (gzip.BadGzipFile, EOFError, zlib.error, *readers.zstd_errors()) as e:
-            raise ValueError(f"{path}: not a readable {fmt.container} file ({e})") from None
+        before = dict(skips.counts)
+        found = 0
+        for doc in _read_file(path, skips, keys, text_mode, hf_split, hf_config):
+            found += 1
+            yield doc
+        if not found:
+            skipped = {r: n - before[r] for r, n in skips.counts.items() if n > before[r]}
+            what = ", ".join(f"{n} {r}" for r, n in skipped.items()) or "nothing"
+            hint = (f"; is the text under another field? --text-key takes a comma-separated list tried in order "
+                    f"(now {','.join(keys)})" if "missing_field" in skipped else "")
+            message = (f"{path}: no document in this input (skipped: {what}; last: {skips.last}){hint}"
+                       if skipped else f"{path}: no document in this input (it is empty)")
+            records = path.startswith(readers.HF_PREFIX) or os.path.isdir(path) or \
+                readers.input_format(path).kind != "text"
+            if records:
+                raise ValueError(message)
+            warnings.warn(message, stacklevel=2)  # a text file in a folder of many may be empty
+
+
+def _read_file(path: str, skips: SkipLog, keys: tuple[str, ...], text_mode: str, hf_split: str,
+               hf_config: str | None) -> Iterator[Document]:
+    if path.startswith(readers.HF_PREFIX) or os.path.isdir(path):
+        key, rows = readers.datasets_rows(path, keys, hf_split, hf_config)
+        yield from _row_documents(rows, path, key, skips)
+        return
+    fmt = readers.input_format(path)
+    if fmt.kind == "parquet":
+        key, rows = readers.parquet_rows(path, keys)
+        yield from _row_documents(rows, path, key, skips)
+        return
+    try:
+        with readers.open_decompressed(path, fmt) as f:
+            if fmt.kind == "jsonl":
+                yield from _jsonl_documents(f, path, keys, skips)
+            elif text_mode == "file":
+                yield from _file_document(f.read(), path, skips)
+            else:
+                yield from _split_documents(f, path, text_mode, skips)
+    except (gzip.BadGzipFile, EOFError, zlib.error, *readers.zstd_errors()) as e:
+        raise ValueError(f"{path}: not a readable {fmt.container} file ({e})") from None
 
 
 def _decode(raw: bytes, where_file: str, first_line: int, skips: SkipLog) -> str | None:
@@ -177,7 +213,7 @@ def _block_document(lines: list[bytes], path: str, start: int, skips: SkipLog) -
         yield Document(text, f"{path}:{start}")
 
 
-def _jsonl_documents(f: BinaryIO, path: str, key: str, skips: SkipLog) -> Iterator[Document]:
+def _jsonl_documents(f: BinaryIO, path: str, keys: tuple[str, ...], skips: SkipLog) -> Iterator[Document]:
     for lineno, raw in enumerate(f, 1):
         if not raw.strip():
             continue
@@ -190,8 +226,9 @@ def _jsonl_documents(f: BinaryIO, path: str, key: str, skips: SkipLog) -> Iterat
         except ValueError as e:
             skips.skip("invalid_json", where, str(e))
             continue
-        if not isinstance(record, dict) or key not in record:
-            skips.skip("missing_field", where, f"no field {key!r}")
+        key = next((k for k in keys if k in record), None) if isinstance(record, dict) else None
+        if key is None:
+            skips.skip("missing_field", where, f"no field {' or '.join(map(repr, keys))}")
             continue
         yield from _field_document(record[key], key, where, skips)
 
@@ -285,7 +322,8 @@ def add_input_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--embedded-max-mb", type=float, default=EMBEDDED_MAX_BYTES / 1e6,
                         help="size cap of the embedded corpus in MB (default %(default)s)")
     parser.add_argument("--text-key", "--json-key", dest="json_key", default="text",
-                        help="field holding the document in jsonl, parquet and datasets rows (default: text)")
+                        help="field holding the document in jsonl, parquet and datasets rows (default: text); "
+                             "a comma-separated list is tried in order per record (e.g. body,text)")
     parser.add_argument("--hf-split", default="train", help="split of a datasets input (default: train)")
     parser.add_argument("--hf-config", default=None, help="configuration of an hf:NAME input")
     parser.add_argument("--text-mode", choices=TEXT_MODES, default="file",

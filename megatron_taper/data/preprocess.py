@@ -25,6 +25,7 @@ from megatron_taper.data.corpus import Document, SkipLog, progress_bar
 from megatron_taper.data.streaming import (
     INDEX_FILE,
     LENGTHS_FILE,
+    SHARD_HASH,
     STATS_FILE,
     TOKENIZER_FILE,
     TOKENS_COLUMN,
@@ -144,7 +145,7 @@ class _SplitWriters:
             try:
                 self.writers[split] = streaming.MDSWriter(
                     out=os.path.join(self.root, split), columns={TOKENS_COLUMN: f"ndarray:{self.dtype}"},
-                    compression=self.compression, size_limit=self.shard_size)
+                    compression=self.compression, size_limit=self.shard_size, hashes=[SHARD_HASH])
             except ValueError as e:
                 raise ValueError(f"--compression {self.compression} / --shard-size {self.shard_size}: {e}") from None
             self.lengths[split] = []

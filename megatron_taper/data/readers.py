@@ -4,7 +4,8 @@ Hugging Face `datasets`.
 `input_format(path)` decides from the file's first bytes (magic numbers: `PAR1` parquet, 28 B5 2F FD
 zstd, 1F 8B gzip) and, for what is inside a compressed file or for a plain one, from the name
 (`.jsonl`/`.ndjson`/`.json` are JSON lines, anything else text). A name that promises a format the
-bytes do not have (`x.parquet` that is not parquet, `x.zst` that is not zstd) and a file whose
+bytes do not have (`x.parquet` that is not parquet, `x.jsonl` that is parquet, `x.zst` that is not
+zstd) and a file whose
 first bytes hold a NUL or another known binary signature (zip, bzip2, xz, 7z, Arrow, ...) are one
 error naming the file: binary input is never read as text.
 
@@ -71,9 +72,12 @@ def input_format(path: str) -> InputFormat:
         promised = "parquet"
     if promised and magic != promised:
         raise ValueError(f"{path}: the name says {promised} but the content is not ({_describe(head)})")
-    if magic == "parquet":
-        return InputFormat("", "parquet")
     kind = "jsonl" if name.lower().endswith(JSONL_SUFFIXES) else "text"
+    if magic == "parquet":
+        if kind == "jsonl":  # the same rule as a .parquet name on other bytes
+            raise ValueError(f"{path}: the name says JSON lines but the content is parquet (it starts with PAR1); "
+                             f"rename it to .parquet")
+        return InputFormat("", "parquet")
     if magic:
         return InputFormat(magic, kind)
     check_text_head(head, path)
@@ -124,25 +128,39 @@ def zstd_errors() -> tuple[type[Exception], ...]:
     return (zstandard.ZstdError,)
 
 
-def parquet_rows(path: str, key: str) -> Iterator[tuple[int, Any]]:
-    """(row number from 1, value of column `key`) of every row of a parquet file, a batch at a time."""
+def parquet_rows(path: str, keys: tuple[str, ...]) -> tuple[str, Iterator[tuple[int, Any]]]:
+    """(the first of `keys` that is a column, (row number from 1, value of that column) of every row,
+    a batch at a time)."""
     pq = _require("pyarrow.parquet", "parquet input", "data")
     try:
         table = pq.ParquetFile(path)
     except Exception as e:  # noqa: BLE001 - pyarrow raises ArrowInvalid, OSError, ...
         raise ValueError(f"{path}: not a readable parquet file ({type(e).__name__}: {e})") from None
     names = table.schema_arrow.names
-    if key not in names:
-        raise ValueError(f"{path}: no column {key!r} (columns: {', '.join(names)}); choose one with --text-key")
-    row = 0
-    for batch in table.iter_batches(batch_size=_ROWS_PER_BATCH, columns=[key]):
-        for value in batch.column(0).to_pylist():
-            row += 1
-            yield row, value
+    key = _pick_key(keys, names, path, "column")
+
+    def rows() -> Iterator[tuple[int, Any]]:
+        row = 0
+        for batch in table.iter_batches(batch_size=_ROWS_PER_BATCH, columns=[key]):
+            for value in batch.column(0).to_pylist():
+                row += 1
+                yield row, value
+
+    return key, rows()
 
 
-def datasets_rows(source: str, key: str, split: str, config: str | None) -> Iterator[tuple[int, Any]]:
-    """(row number from 1, value of field `key`) of a saved datasets folder or of `hf:NAME`."""
+def _pick_key(keys: tuple[str, ...], names: list[str], where: str, what: str) -> str:
+    key = next((k for k in keys if k in names), None)
+    if key is None:
+        raise ValueError(f"{where}: no {what} {' or '.join(map(repr, keys))} ({what}s: {', '.join(names)}); "
+                         f"choose one with --text-key (a comma-separated list is tried in order)")
+    return key
+
+
+def datasets_rows(source: str, keys: tuple[str, ...], split: str,
+                  config: str | None) -> tuple[str, Iterator[tuple[int, Any]]]:
+    """(the field used: the first of `keys` present, (row number from 1, value of that field) of
+    every row) of a saved datasets folder or of `hf:NAME`."""
     datasets = _require("datasets", "Hugging Face datasets input", "hf")
     if source.startswith(HF_PREFIX):
         name = source[len(HF_PREFIX):]
@@ -160,15 +178,13 @@ def datasets_rows(source: str, key: str, split: str, config: str | None) -> Iter
                                  f"with --hf-split")
             rows = rows[split]
         columns = rows.column_names
-    if columns is not None and key not in columns:
-        raise ValueError(f"--input {source}: no field {key!r} (fields: {', '.join(columns)}); choose one with "
-                         f"--text-key")
     if columns is not None:
+        key = _pick_key(keys, list(columns), f"--input {source}", "field")
         values = (value for batch in rows.iter(batch_size=_ROWS_PER_BATCH) for value in batch[key])
-    else:  # a streamed dataset whose fields are known only row by row
-        values = (record.get(key) for record in rows)
-    for row, value in enumerate(values, 1):
-        yield row, value
+    else:  # a streamed dataset whose fields are known only row by row: the first key present per row
+        key = keys[0]
+        values = (next((record[k] for k in keys if k in record), None) for record in rows)
+    return key, enumerate(values, 1)
 
 
 def _require(module: str, what: str, extra: str):

@@ -76,9 +76,7 @@ def _mds_dataset(data: DataConfig, path: str, key: str) -> tuple[Callable[..., B
         cache: str | None = os.path.join(default_cache_dir(data), "streaming")
         has_val = "val" in remote_splits(path, cache, key)
     else:
-        if not os.path.isdir(os.path.join(path, "train")):
-            kind = "a .npy token file or " if key == "data.path" else ""
-            raise ValueError(f"{key}={path!r}: expected {kind}a folder with MDS shards in train/")
+        check_local_dataset(path, key)
         cache = os.path.join(default_cache_dir(data), "streaming") if data.cache_dir else None
         has_val = os.path.isdir(os.path.join(path, "val"))
 
@@ -86,6 +84,28 @@ def _mds_dataset(data: DataConfig, path: str, key: str) -> tuple[Callable[..., B
         return StreamingSource(path, split, seq_len, mb, dp_rank, dp_size, seed, cache)
 
     return make, has_val
+
+
+def check_local_dataset(path: str, key: str = "data.path") -> None:
+    """ValueError with the fix when a local `path` is not an MDS folder written by
+    tools/preprocess_data.py (missing; a raw input file; its train/ or val/ split; no train/)."""
+    npy = "a .npy token file or " if key == "data.path" else ""
+    if not os.path.exists(path):
+        raise ValueError(f"{key}={path!r}: no such file or folder (write one with tools/preprocess_data.py "
+                         f"--output {path}" + (", or leave data.path empty for the built-in corpus)"
+                                                if key == "data.path" else ")"))
+    if os.path.isfile(path):
+        raise ValueError(f"{key}={path!r} is a file, not {npy}an MDS folder: tokenize raw text first with "
+                         f"tools/preprocess_data.py --input {path} --tokenizer TOK.model --output DIR, then "
+                         f"{key}=DIR")
+    if os.path.isdir(os.path.join(path, "train")):
+        return
+    parent = os.path.dirname(os.path.abspath(path))
+    if os.path.isfile(os.path.join(path, "index.json")) and os.path.isdir(os.path.join(parent, "train")):
+        raise ValueError(f"{key}={path!r} is the {os.path.basename(os.path.normpath(path))}/ split of an MDS "
+                         f"folder; pass the folder itself: {key}={parent}")
+    raise ValueError(f"{key}={path!r} has no train/ split: not a folder written by tools/preprocess_data.py "
+                     f"(expected {npy}a folder with MDS shards in train/)")
 
 
 def _build_mixture(data: DataConfig, seq_len: int, mb: int, seed: int, dp_rank: int,

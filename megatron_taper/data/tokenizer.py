@@ -39,7 +39,11 @@ class Tokenizer:
         if not os.path.isfile(model_path):
             raise ValueError(f"tokenizer model not found: {model_path}")
         self.path = model_path
-        self._sp = spm.SentencePieceProcessor(model_file=model_path)
+        try:
+            self._sp = spm.SentencePieceProcessor(model_file=model_path)
+        except (RuntimeError, OSError) as e:  # sentencepiece: "Internal: ... ParseFromArray" for other files
+            raise ValueError(f"{model_path} is not a sentencepiece model ({str(e).strip()}); pass the PREFIX.model "
+                             f"file written by tools/train_tokenizer.py") from None
         self._mark_ids = self._space_mark_ids()
 
     @property

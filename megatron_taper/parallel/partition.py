@@ -225,7 +225,8 @@ def plan_pipeline(model_cfg: ModelConfig, pp: int, *, virtual: int = 1, balance:
     n_layers = len(costs.layers)
     n_chunks = pp * virtual
     m = microbatches or pp
-    in_flight = in_flight_microbatches(pp, m, schedule) if virtual == 1 else [1] * n_chunks
+    # pp = 1 runs no schedule: its micro-batches are gradient accumulation, one alive at a time
+    in_flight = [1] if pp == 1 else in_flight_microbatches(pp, m, schedule) if virtual == 1 else [1] * n_chunks
     setup = dataclasses.replace(setup or MemorySetup(), micro_batch=micro_batch, microbatches=m, pipelined=pp > 1,
                                 bytes_per_param=bytes_per_param)
     limits = [math.inf] * n_chunks

@@ -152,23 +152,27 @@ def dense_stage_io(chunk: nn.Module) -> None:
 def plan_stages(model_cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig, dp: int,
                 measured: tuple[list[float], float, float] | None = None, memory_gb: list[float] | None = None,
                 bytes_per_param: float | None = None, memory_key: str = "parallel.pp_memory_gb",
-                device: torch.device | None = None) -> PipelinePlan:
+                device: torch.device | None = None, bf16: bool | None = None) -> PipelinePlan:
     """The split the trainer makes at data-parallel size `dp` (micro-batches as preflight derives
     them; memory limits from parallel.pp_memory_gb unless `memory_gb` is given). The memory
     model (megatron_taper/cost/memory.py) assumes `parallel`'s tp / sequence parallelism / ZeRO
     engine, `train`'s checkpointing, and its precision on `device` (default: train.device; auto =
-    CUDA if this machine has it); `bytes_per_param` replaces the engine's state bytes."""
+    CUDA if this machine has it) unless `bf16` says; `bytes_per_param` replaces the engine's state
+    bytes. Micro-batches follow the trainer (preflight.step_split: at pp = 1 train.micro_batch x
+    accumulation)."""
     from megatron_taper.cost.memory import MemorySetup
     from megatron_taper.parallel.context import choose_device, uses_bf16
+    from megatron_taper.preflight import step_split
 
-    rows = train.global_batch // dp  # sequences per step on one data-parallel rank
-    n_micro = parallel.microbatches or max(1, rows // train.micro_batch)
+    micro_batch, n_micro = step_split(parallel, train, dp)
     if memory_gb is None and parallel.pp_memory_gb > 0:
         memory_gb = [parallel.pp_memory_gb]
-    device = device or (torch.device("cuda") if train.device == "cuda" else choose_device(train.device))
-    setup = MemorySetup.from_config(parallel, train, dp, uses_bf16(train.precision, device))
+    if bf16 is None:
+        device = device or (torch.device("cuda") if train.device == "cuda" else choose_device(train.device))
+        bf16 = uses_bf16(train.precision, device)
+    setup = MemorySetup.from_config(parallel, train, dp, bf16)
     return plan_pipeline(model_cfg, parallel.pp, virtual=parallel.virtual_stages, balance=parallel.pp_balance,
-                         microbatches=n_micro, micro_batch=max(1, rows // n_micro), schedule=parallel.pp_schedule,
+                         microbatches=n_micro, micro_batch=micro_batch, schedule=parallel.pp_schedule,
                          memory_gb=memory_gb, bytes_per_param=bytes_per_param, measured=measured,
                          memory_key=memory_key, setup=setup)
 

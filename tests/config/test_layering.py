@@ -23,7 +23,8 @@ from tests.helpers.runner import REPO
 MODULES = package_modules()
 TORCH_FREE = ["megatron_taper.config", "megatron_taper.taper", "megatron_taper.validation", "megatron_taper.cli",
               "megatron_taper.models", "megatron_taper.models.cards", "megatron_taper.models.spec",
-              "megatron_taper.train", "megatron_taper.console",
+              "megatron_taper.train", "megatron_taper.console", "megatron_taper.preflight",
+              "megatron_taper.launch_check",
               *[m for m in MODULES if m.startswith("megatron_taper.cost")]]
 
 
@@ -74,10 +75,11 @@ FLOORS = {
     "megatron_taper": 0, "megatron_taper.validation": 0, "megatron_taper.taper": 0,
     "megatron_taper.models.spec": 0, "megatron_taper.models.cards": 0,  # the torch-free half of the families
     "megatron_taper.config": 1, "megatron_taper.cli": 1, "megatron_taper.models": 1,  # the registry
-    "megatron_taper.cost": 2, "megatron_taper.metrics": 2, "megatron_taper.console": 2,
+    "megatron_taper.cost": 2, "megatron_taper.metrics": 2,
     "megatron_taper.models.*": 3, "megatron_taper.checkpoint.files": 3,  # family code; the checkpoint format
     "megatron_taper.parallel": 4, "megatron_taper.data": 4, "megatron_taper.optim": 4,
-    "megatron_taper.checkpoint": 5, "megatron_taper.preflight": 5,
+    "megatron_taper.checkpoint": 5, "megatron_taper.preflight": 5, "megatron_taper.console": 5,
+    "megatron_taper.launch_check": 6,
     "megatron_taper.build": 6, "megatron_taper.held_out": 6,
     "megatron_taper.trainer": 7, "megatron_taper.train": 8,
     "megatron_taper.inference": 9, "megatron_taper.sweep": 9,

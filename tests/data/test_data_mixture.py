@@ -119,7 +119,7 @@ def test_mix_config_from_the_command_line_and_its_errors(dataset, tmp_path):
             load_config(None, [f"data.mix={value}"])
     with pytest.raises(ConfigError, match=r"data.mix and data.path='/x' are exclusive"):
         load_config(None, [f"data.mix={mix}", "data.path=/x"])
-    with pytest.raises(ValueError, match=r"data.mix\[1\].path='/nowhere': expected a folder with MDS shards"):
+    with pytest.raises(ValueError, match=r"data.mix\[1\].path='/nowhere': no such file or folder \(write one "):
         build_sources(DataConfig(mix=[{"path": dataset, "weight": 1}, {"path": "/nowhere", "weight": 1}]),
                       seq_len=SEQ, micro_batch=2, seed=5, vocab_size=VOCAB, dp_rank=0, dp_size=1)
 

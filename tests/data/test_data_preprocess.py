@@ -80,7 +80,7 @@ def test_non_empty_output_is_refused_without_overwrite(corpus, tokenizer_model, 
     assert "exists and is not empty; pass --overwrite" in capsys.readouterr().err
     assert os.listdir(out) == ["keep.txt"]
     assert main(args + ["--overwrite"]) == 0
-    assert sorted(os.listdir(out)) == ["stats.json", "tokenizer.model", "train"]
+    assert sorted(os.listdir(out)) == ["stats.json", "tokenizer.model", "train", "val"]  # val: the default 1%
     assert sorted(os.listdir(tmp_path)) == ["out"]
     empty = tmp_path / "empty"
     empty.mkdir()

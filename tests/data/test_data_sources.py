@@ -89,6 +89,6 @@ def test_remote_path_errors(dataset, tmp_path, file_urls):
 
 def test_local_path_without_train_is_refused(tmp_path):
     (tmp_path / "val").mkdir()
-    with pytest.raises(ValueError, match=r"data.path=.*: expected a .npy token file or a folder with MDS shards "
-                                         r"in train/"):
+    with pytest.raises(ValueError, match=r"data.path=.* has no train/ split: not a folder written by "
+                                         r"tools/preprocess_data.py \(expected a .npy token file or a folder"):
         _sources(str(tmp_path))

@@ -50,8 +50,9 @@ def job_env(cluster: SlurmCluster) -> dict[str, str]:
 
 def submit(cluster: SlurmCluster, tokens: str, run_dir: Path) -> tuple[int, Path]:
     out = run_dir.parent / f"{run_dir.name}.slurm.out"
+    # the torchtitan forms (--key=value, --key value) as well as key=value in TINY
     job = cluster.sbatch(["--nodes=2", f"--output={out}", "launch/train.sbatch", *TINY,
-                          f"data.path={tokens}", f"run.dir={run_dir}"], env=job_env(cluster), cwd=str(REPO))
+                          f"--data.path={tokens}", "--run.dir", str(run_dir)], env=job_env(cluster), cwd=str(REPO))
     return job, out
 
 

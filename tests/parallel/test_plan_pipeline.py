@@ -85,7 +85,7 @@ def test_memory_columns_follow_layout_precision_and_checkpointing(capsys):
     """The memory columns are the per-rank peak of megatron_taper/cost/memory.py for the config."""
     tool = _tool()
 
-    def plan(*overrides, options=()):
+    def plan(*overrides, options=("--device", "cpu")):  # cpu: precision auto is fp32
         assert tool.main(["--config", RECIPE, "--json", *options, "parallel.pp=4", *overrides]) == 0
         return json.loads(capsys.readouterr().out)
 
@@ -96,12 +96,12 @@ def test_memory_columns_follow_layout_precision_and_checkpointing(capsys):
         assert max(plan(override)["stage_peak_bytes"]) < 0.8 * peak, override
     fsdp = plan("parallel.zero=fsdp2")  # pipelined: shards of 16/dp, plus the stage's weights gathered
     assert max(fsdp["stage_static_bytes"]) < max(base["stage_static_bytes"])
-    custom = plan(options=("--bytes-per-param", "20"))
+    custom = plan(options=("--device", "cpu", "--bytes-per-param", "20"))
     assert custom["stage_static_bytes"][1] == pytest.approx(base["stage_static_bytes"][1] * 20 / 16)
     # 1F1B: the first stage holds 4 micro-batches in flight, the last one
     assert base["stage_act_bytes"][0] > 2 * base["stage_act_bytes"][-1]
     # a limit the plain run cannot meet fits once blocks are recomputed
-    assert tool.main(["--config", RECIPE, "parallel.pp=4", "parallel.pp_memory_gb=20"]) == 2
+    assert tool.main(["--config", RECIPE, "--device", "cpu", "parallel.pp=4", "parallel.pp_memory_gb=20"]) == 2
     err = capsys.readouterr().err
     assert "parallel.pp_memory_gb" in err and "x the limit on its fullest stage" in err
     recomputed = plan("parallel.pp_memory_gb=20", "train.activation_checkpointing=full")

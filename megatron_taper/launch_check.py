@@ -1,0 +1,78 @@
+"""The check that launch/torchrun.sh and launch/train.sbatch run before starting any process.
+
+    python -m megatron_taper.launch_check --world-size N [--plan] [--print-run-dir]
+        --config X [key=value | --key=value | --key value ...]
+
+Loads the config with the trainer's own command-line forms (megatron_taper.cli), then runs
+preflight (the layout at N processes) and check_data (data.path, the tokenizer against
+model.vocab_size): exit 0 when the run can start, 2 with one `error: ...` line when it cannot.
+`--print-run-dir` prints the absolute run folder (train.sbatch hands it to every node); `--plan`
+prints the resolved plan (layout, batch split, model size, data, run folder). `--print-config` and
+`--list-keys` are left to the trainer: nothing is checked then.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import warnings
+
+from megatron_taper.cli import add_config_arguments, parse_with_overrides
+
+
+def plan_lines(cfg, layout, world: int, nodes: int) -> list[str]:
+    from megatron_taper.cost.flops import model_costs
+
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    costs = model_costs(m)
+    data = (f"data.mix of {len(cfg.data.mix)} sources" if cfg.data.mix else
+            f"data.path={cfg.data.path or '(built-in corpus)'}")
+    lines = [
+        f"processes: {nodes} node(s) x {world // nodes} per node = {world}: pp {layout.pp} x dp {layout.dp} x "
+        f"tp {layout.tp}, zero {p.zero}",
+        f"batch: global_batch {t.global_batch} = dp {layout.dp} x micro_batch {t.micro_batch} x "
+        f"{layout.accumulation} accumulation" + (f"; {layout.pipeline_microbatches} pipeline micro-batches"
+                                                 if layout.pp > 1 else ""),
+        f"model: {m.arch}, {m.n_layers} layers, d_model {m.d_model}, vocab {m.vocab_size}, seq_len {m.seq_len}: "
+        f"{costs.total_params / 1e6:,.2f}M parameters",
+        f"train: {t.steps} steps" + (f", exit_after {t.exit_after}" if t.exit_after else "")
+        + f", lr {t.lr:g}, device {t.device}; {data}",
+        f"run dir: {os.path.abspath(cfg.run.dir)} (resume {cfg.run.resume})",
+    ]
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="megatron_taper.launch_check", description=__doc__.split("\n\n")[0],
+                                     allow_abbrev=False)
+    add_config_arguments(parser)
+    parser.add_argument("--world-size", type=int, required=True, help="processes of the run, all nodes together")
+    parser.add_argument("--nodes", type=int, default=1, help="nodes (for --plan)")
+    parser.add_argument("--plan", action="store_true", help="print the resolved plan")
+    parser.add_argument("--print-run-dir", action="store_true", help="print the absolute run folder")
+    args, overrides = parse_with_overrides(parser, argv)
+    if args.print_config or args.list_keys:
+        return 0
+    from megatron_taper.config import load_config
+    from megatron_taper.preflight import check_data, preflight
+
+    try:
+        cfg = load_config(args.config, overrides)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            layout = preflight(cfg, args.world_size)
+            check_data(cfg)
+    except ValueError as e:  # ConfigError included
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for w in caught:
+        print(f"warning: {w.message}", file=sys.stderr)
+    if args.plan:
+        print("\n".join(plan_lines(cfg, layout, args.world_size, args.nodes)))
+    if args.print_run_dir:
+        print(os.path.abspath(cfg.run.dir))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
