@@ -58,11 +58,19 @@ def _strip(name: str, suffixes: tuple[str, ...]) -> tuple[str, bool]:
 
 def input_format(path: str) -> InputFormat:
     """The format of a file by its first bytes and its name (module docstring); ValueError for
-    binary content that no reader here understands."""
+    binary content that no reader here understands. A named pipe (e.g. bash's `<(zcat x.gz)`) is
+    not sniffed: its bytes can be read only once, so its name alone decides."""
+    name, gz = _strip(path, GZIP_SUFFIXES)
+    if not os.path.isfile(path) and os.path.exists(path):  # a FIFO or a character device
+        if _strip(name, PARQUET_SUFFIXES)[1]:
+            raise ValueError(f"{path}: parquet is read from a regular file only (not a pipe)")
+        zst = not gz and _strip(name, ZSTD_SUFFIXES)[1]
+        bare = _strip(name, ZSTD_SUFFIXES)[0] if zst else name
+        return InputFormat("gzip" if gz else "zstd" if zst else "", "jsonl" if bare.lower().endswith(JSONL_SUFFIXES)
+                           else "text")
     with open(path, "rb") as f:
         head = f.read(_HEAD)
     magic = next((kind for sig, kind in _MAGIC if head.startswith(sig)), "")
-    name, gz = _strip(path, GZIP_SUFFIXES)
     if not gz:
         name, zst = _strip(path, ZSTD_SUFFIXES)
         promised = "zstd" if zst else ""

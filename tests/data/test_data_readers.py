@@ -3,6 +3,7 @@ a saved `datasets` folder and hf:<local folder> writes the same token stream as 
 jsonl; formats are told by content (a gzip file without .gz); binary input is one error naming the
 file; tools/train_tokenizer.py reads parquet like jsonl and shows its progress."""
 import gzip
+import json
 import os
 
 import numpy as np
@@ -114,3 +115,23 @@ def test_tokenizer_from_parquet_equals_from_jsonl_and_shows_progress(inputs, tmp
     assert "[tokenizer] reading" in err and f"{len(DOCS)}doc" in err.replace(" ", "")
     assert f"[tokenizer] training bpe (vocab {VOCAB}) on " in err and ": done in " in err
     assert (tmp_path / "a.model").read_bytes() == (tmp_path / "b.model").read_bytes()
+
+
+def test_a_named_pipe_is_read_once_from_its_first_byte(tmp_path):
+    """bash's `--input <(zcat x.jsonl.gz)` is a pipe: nothing may be lost to sniffing its format
+    (its bytes can be read only once), so its name decides."""
+    import threading
+
+    fifo = tmp_path / "docs.jsonl"
+    os.mkfifo(fifo)
+    texts = [f"document {i} " * 7 for i in range(2000)]
+
+    def write():
+        with open(fifo, "w") as f:
+            f.writelines(json.dumps({"text": t}) + "\n" for t in texts)
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    got = [d.text for d in read_documents([str(fifo)], SkipLog())]
+    writer.join(10)
+    assert got == texts
