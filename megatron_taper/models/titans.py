@@ -90,10 +90,10 @@ class TitansConfig:
     memory_expansion: int = 2  # hidden width of a deep memory, in multiples of head_dim
     chunk_size: int = 16  # tokens whose memory gradients are taken at the chunk's starting state
     conv_kernel: int = 4  # taps of the depthwise causal convolution on the memory's q, k, v (0 = none)
-    max_lr: float = 0.005  # upper bound of the data-dependent inner learning rate theta_t; the chunked
-    # updates stay stable for max_lr * chunk_size**2 <~ 1 (measured: 0.1 and 0.01 at chunk 16 diverge)
+    max_lr: float = 0.03  # upper bound of the normalised inner step theta_t (the fraction of the error a
+    # lone write corrects, over 2); measured at 2048 tokens, chunk 64: 0.1 diverges, 0.03 stays stable
     momentum_init: float = 0.9  # eta_t at initialisation (a fixed logit offset)
-    forget_init: float = 0.01  # alpha_t at initialisation (a fixed logit offset)
+    forget_init: float = 1e-4  # alpha_t at initialisation (a fixed logit offset): retention 0.8 over 2048 tokens
 
     def validate(self, prefix: str) -> None:
         check_choice(f"{prefix}.variant", self.variant, ("mac", "mag", "mal"))
@@ -117,6 +117,15 @@ ReadMix = Callable[..., torch.Tensor]
 
 def memory_dims(head_dim: int, depth: int, expansion: int) -> list[int]:
     return [head_dim] + [expansion * head_dim] * (depth - 1) + [head_dim]
+
+
+def mlp_read(q: torch.Tensor, state: State) -> torch.Tensor:
+    """f(q), the memory MLP with the weights of `state` (SiLU between layers) at q [B, H, T, E]."""
+    r = q
+    for layer, w in enumerate(state[0]):
+        r = r @ w
+        r = F.silu(r) if layer < len(state[0]) - 1 else r
+    return r
 
 
 def silu_grad(z: torch.Tensor) -> torch.Tensor:
@@ -193,12 +202,8 @@ class NeuralMemory(nn.Module):
         return self.wo((r * self.out_norm_weight.view(-1, self.head_dim)).flatten(2))
 
     def read(self, q: torch.Tensor, state: State) -> torch.Tensor:
-        """M(q) of queries q [B, H, T, E] with the memory frozen at `state` (no writes): [B, H, T, E]."""
-        r = q
-        for layer, w in enumerate(state[0]):
-            r = r @ w
-            r = F.silu(r) if layer < len(state[0]) - 1 else r
-        return r
+        """M(q) = q + f(q) of queries q [B, H, T, E] with the memory frozen at `state` (no writes)."""
+        return q + mlp_read(q, state)
 
     def scan(self, x_kv: torch.Tensor, x_q: torch.Tensor, state: State,
              chunk_size: int | None = None) -> tuple[torch.Tensor, State]:
@@ -226,14 +231,15 @@ class NeuralMemory(nn.Module):
         """One chunk of C tokens; k, v, q [B, H, C, E]; theta, log_eta, log_keep [B, H, C]."""
         weights, surprise = state
         n = len(weights)
-        acts, pre, h = [], [], k  # forward of M_0 (the chunk's starting state) on the keys
+        acts, pre, h = [], [], k  # forward of W (the chunk's starting state) on the keys
         for layer, w in enumerate(weights):
             acts.append(h)
             h = h @ w
             if layer < n - 1:
                 pre.append(h)
                 h = F.silu(h)
-        delta = 2.0 * (h - v)  # d ||M(k) - v||^2 / d out
+        delta = 2.0 * (k + h - v)  # d ||k + f(k) - v||^2 / d f(k)
+        theta = theta / sum(a.square().sum(-1) for a in acts)  # normalised step theta_t / nu_t, [B, H, C]
         deltas = [delta] * n
         for layer in range(n - 1, 0, -1):
             delta = (delta @ weights[layer].transpose(-1, -2)) * silu_grad(pre[layer - 1])
@@ -250,8 +256,8 @@ class NeuralMemory(nn.Module):
 
         r = q
         for layer in range(n):
-            a, d = acts[layer], deltas[layer]
-            read = (keep_w * (r @ weights[layer]) + keep_s * (r @ surprise[layer])
+            a, d, init = acts[layer], deltas[layer], self.mem_w[layer].to(r.dtype)
+            read = (r @ init + keep_w * (r @ (weights[layer] - init)) + keep_s * (r @ surprise[layer])
                     - (coef * (r @ a.transpose(-1, -2))) @ d)
             r = read if mix is None else mix(layer, r, read)
             r = F.silu(r) if layer < n - 1 else r
@@ -260,11 +266,11 @@ class NeuralMemory(nn.Module):
         s_coef = (theta * (le[..., -1:] - le).exp())[..., None]
         new_w, new_s = [], []
         for layer in range(n):
-            a_t, d = acts[layer].transpose(-1, -2), deltas[layer]
-            new_w.append(keep_w[..., -1:, :] * weights[layer] + keep_s[..., -1:, :] * surprise[layer]
+            a_t, d, init = acts[layer].transpose(-1, -2), deltas[layer], self.mem_w[layer].to(q.dtype)
+            new_w.append(init + keep_w[..., -1:, :] * (weights[layer] - init) + keep_s[..., -1:, :] * surprise[layer]
                          - a_t @ (last * d))
             new_s.append(le[..., -1:, None].exp() * surprise[layer] - a_t @ (s_coef * d))
-        return r, (new_w, new_s)
+        return q + r, (new_w, new_s)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.output(self.scan(x, x, self.init_state(x.shape[0]))[0])
@@ -408,7 +414,7 @@ def scan_flops(cfg: ModelConfig, tokens: int) -> float:
         c = min(t.chunk_size, tokens - s)
         per_head = 2 * c * (sum(io) + sum(io[1:]))  # forward on keys, backward of deltas
         per_head += 2 * c**3 + 2 * c**2  # coefficients P Q, P E
-        per_head += sum(2 * c * (2 * x) + 2 * c * c * (i + o) for x, i, o in zip(io, dims[:-1], dims[1:]))  # reads
+        per_head += sum(2 * c * (3 * x) + 2 * c * c * (i + o) for x, i, o in zip(io, dims[:-1], dims[1:]))  # reads
         per_head += sum(2 * c * 2 * x for x in io)  # new weights and surprise
         total += h * per_head
     return total
@@ -450,14 +456,15 @@ def titans_layer_cost(cfg: ModelConfig, width: int, causal: bool = True) -> Cost
 
 def scan_act_per_row(cfg: ModelConfig, rows: int) -> float:
     """Elements one head of the neural memory keeps for backward per row it scans (`rows` rows):
-    the memory weights and surprise of every chunk but the first one's weights (views of M_0),
-    and per row its keys, queries, values, gates and per-layer activations and deltas, and the
-    chunk's [C, C] decay / momentum / coefficient products. Counted from torch's saved tensors
-    (the constants 14, 17 and 4.5 + 2 * depth are what NeuralMemory.scan saves per row)."""
+    the memory weights and surprise of every chunk but the first one's weights (views of M_0), the
+    weights' differences from M_0 (read and update), and per row its keys, queries, values, gates,
+    step norms and per-layer activations and deltas, and the chunk's [C, C] decay / momentum /
+    coefficient products. Counted from torch's saved tensors (the constants 4.9 and 2.2 of the
+    state terms, 14, 17 and 4.5 + 2 * depth are fitted to what NeuralMemory.scan saves)."""
     t, e = cfg.titans, cfg.head_dim
     dims = memory_dims(e, t.memory_depth, t.memory_expansion)
     state = sum(i * o for i, o in zip(dims[:-1], dims[1:]))
-    return (2 * state / t.chunk_size - state / rows + 14 * (sum(dims[1:-1]) + e) + 17
+    return (4.9 * state / t.chunk_size + 2.2 * state / rows + 14 * (sum(dims[1:-1]) + e) + 17
             + (4.5 + 2 * t.memory_depth) * t.chunk_size)
 
 
