@@ -5,20 +5,28 @@ Neural memory, per head (H heads of size E), for tokens t = 1..T:
     conv(z)_t = sum_{j<K} w[:, K-1-j] * z_{t-j}     (depthwise causal, K = `conv_kernel` taps)
     theta_t = max_lr * sigmoid(.), eta_t = sigmoid(. + logit(momentum_init)),
     alpha_t = sigmoid(. + logit(forget_init))                  (one linear map x_t -> [H, 3])
-    S_t = eta_t S_{t-1} - theta_t grad_M ||M_{t-1}(k_t) - v_t||^2        (surprise, momentum)
-    M_t = (1 - alpha_t) M_{t-1} + S_t                                      (forgetting)
-    y_t = M_t(q_t)                                                         (read after writing)
-M is an MLP E -> (expansion * E) -> ... -> E of `memory_depth` weight matrices with SiLU
-between them, its initial weights M_0 are parameters; S_0 = 0.
+    M(x) = x + f_W(x)                                          (residual memory, f an MLP)
+    nu_t = sum_l ||a_l(k_t)||^2   (squared norms of every layer's input at k_t, M_{t-1}; >= ||k_t||^2 = 1)
+    S_t = eta_t S_{t-1} - (theta_t / nu_t) grad_W ||M_{t-1}(k_t) - v_t||^2    (surprise, momentum)
+    W_t = W_0 + (1 - alpha_t)(W_{t-1} - W_0) + S_t                           (forgetting toward W_0)
+    y_t = M_t(q_t)                                                          (read after writing)
+f is an MLP E -> (expansion * E) -> ... -> E of `memory_depth` weight matrices with SiLU between
+them, its initial weights W_0 are parameters; S_0 = 0. Departures from eq. 13-14 of the paper,
+for long sequences (docs/architectures.md): the residual path keeps the read's scale whatever W
+holds; forgetting pulls W back to the learned W_0 instead of to 0 (with decay toward 0 a depth-2
+memory's read shrank like (1 - alpha)^(2t): 2e-18 of its start at token 2047); the normalised
+(NLMS-like) step makes theta_t the fraction of the error a lone write corrects, independent of
+the activations' scale.
 
 Chunked parallel form (`chunk_size` C): inside a chunk every gradient is taken at the chunk's
 starting state W, grad_i = a_i delta_i^T per memory layer (a_i the layer input, delta_i the
-backpropagated error). The two linear recurrences then unroll to
-    M_t = B_t W + (sum_j P_tj E_j) S - sum_i c_ti a_i delta_i^T,    c_ti = theta_i (P Q)_ti,
+backpropagated error), and nu_i too. The two linear recurrences then unroll to
+    W_t = W_0 + B_t (W - W_0) + (sum_j P_tj E_j) S - sum_i c_ti a_i delta_i^T,   c_ti = (theta_i / nu_i) (P Q)_ti,
 with P_tj = prod_{j<l<=t} (1 - alpha_l), Q_ji = prod_{i<l<=j} eta_l (from log-space cumsums),
-B_t = prod_{l<=t} (1 - alpha_l), E_j = prod_{l<=j} eta_l. Reading M_t(q_t) layer by layer is
-then attention-like: r M_t = B_t (r W) + D_t (r S) - ((c * r a^T) delta), never materialising
-per-token weights. C = 1 is the exact token-by-token recurrence (tests compare both with a torch.func reference).
+B_t = prod_{l<=t} (1 - alpha_l), E_j = prod_{l<=j} eta_l. Reading f_t(q_t) layer by layer is
+then attention-like: r W_t = r W_0 + B_t (r (W - W_0)) + D_t (r S) - ((c * r a^T) delta), never
+materialising per-token weights. C = 1 is the exact token-by-token recurrence (tests compare both
+with a torch.func reference).
 
 Convolution: the paper's 1D depthwise-separable convolution after the query, key and value
 projections (the projection is its pointwise part), on the neural memory's q, k, v only (the
@@ -90,8 +98,8 @@ class TitansConfig:
     memory_expansion: int = 2  # hidden width of a deep memory, in multiples of head_dim
     chunk_size: int = 16  # tokens whose memory gradients are taken at the chunk's starting state
     conv_kernel: int = 4  # taps of the depthwise causal convolution on the memory's q, k, v (0 = none)
-    max_lr: float = 0.03  # upper bound of the normalised inner step theta_t (the fraction of the error a
-    # lone write corrects, over 2); measured at 2048 tokens, chunk 64: 0.1 diverges, 0.03 stays stable
+    max_lr: float = 0.003  # upper bound of the normalised inner step theta_t (the fraction of the error a
+    # lone write corrects, over 2); byte-level training at 2048 tokens, chunk 64: 0.03 diverged, 0.01 lagged
     momentum_init: float = 0.9  # eta_t at initialisation (a fixed logit offset)
     forget_init: float = 1e-4  # alpha_t at initialisation (a fixed logit offset): retention 0.8 over 2048 tokens
 
