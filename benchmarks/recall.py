@@ -2,7 +2,7 @@
 and deep recurrent memories vs each Memory Caching variant, at equal parameters; prints JSON.
 
     python benchmarks/recall.py [--lengths 32,64,128] [--steps 250] [--batch 32] [--eval 128]
-        [--models transformer,linear_none,linear_residual,...] [--markdown] [key=value ...]
+        [--models transformer,linear_none,linear_residual,...] [--eval-chunks 1] [--markdown] [key=value ...]
 
 Task (Zoology's MQAR, Arora et al. 2023): a sequence of length L holds n = L / 8 key-value pairs
 (keys from `keys` tokens, values from `values` other tokens, keys distinct), then L / 2 filler
@@ -16,9 +16,11 @@ schedule after a warmup), and is evaluated at each length. Models: one shape (2 
 d_model 64, 2 heads of 32, the uniform MLP), with the MLP width of every model but the Transformer's
 chosen (a multiple of 8) so that its parameter count is the Transformer's within a few percent
 (reported per model); Memory Caching with segments of --segment tokens, top-k 2 for SSC; the
-deep memory chunked by 8 (Titans' max_lr * chunk^2 = 0.32: at chunk 16, 1.28, its base diverged
-to NaN on this task at lr 5e-3 while deep_grm trained). Each --models entry can run in its own
-process; the figures in docs/memory_caching.md were measured that way, 1 thread each.
+deep memory chunked by 8 (before issue 27's normalised inner step, at max_lr 0.005, chunk 16 made
+its base diverge to NaN on this task at lr 5e-3 while deep_grm trained). --eval-chunks evaluates
+the trained deep memories again with other chunk sizes (1 = the exact token-by-token recurrence).
+Each --models entry can run in its own process; the figures in docs/memory_caching.md were
+measured that way, 1 thread each.
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ from megatron_taper.config import load_config
 from megatron_taper.cost.flops import model_costs
 from megatron_taper.models import build_model
 from megatron_taper.models.layers import IGNORE_INDEX, cross_entropy
+from megatron_taper.models.titans import NeuralMemory
 
 MODELS = {
     "transformer": ["model.arch=transformer"],
@@ -101,15 +104,21 @@ def train_and_evaluate(name: str, args, vocab: int, width: int, lengths: list[in
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
     train_s = time.perf_counter() - start
-    accuracy = {}
-    eval_gen = torch.Generator().manual_seed(10_000 + args.seed)
-    with torch.no_grad():
-        for seq in lengths:
-            tokens, targets = mqar_batch(args.eval, seq, args.keys, args.values, eval_gen)
-            scored = targets != IGNORE_INDEX
-            accuracy[seq] = round((model(tokens).argmax(-1)[scored] == targets[scored]).float().mean().item(), 4)
+    accuracy, by_chunk = {}, {}
+    memories = [m for m in model.modules() if isinstance(m, NeuralMemory)]
+    for chunk in [None] + ([] if not memories else args.eval_chunks):
+        for m in memories:  # the deep memory read with another chunk size (1: the exact recurrence)
+            m.chunk_size = chunk or cfg.titans.chunk_size
+        eval_gen = torch.Generator().manual_seed(10_000 + args.seed)  # the same sequences for every chunk size
+        result = by_chunk.setdefault(chunk, {}) if chunk else accuracy
+        with torch.no_grad():
+            for seq in lengths:
+                tokens, targets = mqar_batch(args.eval, seq, args.keys, args.values, eval_gen)
+                scored = targets != IGNORE_INDEX
+                result[seq] = round((model(tokens).argmax(-1)[scored] == targets[scored]).float().mean().item(), 4)
+    extra = {"accuracy_by_eval_chunk": by_chunk} if by_chunk else {}
     return {"model": name, "params": sum(p.numel() for p in model.parameters()), "mlp_width": width,
-            "accuracy": accuracy, "final_train_loss": round(sum(losses[-20:]) / len(losses[-20:]), 4),
+            "accuracy": accuracy, **extra, "final_train_loss": round(sum(losses[-20:]) / len(losses[-20:]), 4),
             "train_s": round(train_s, 1)}
 
 
@@ -140,10 +149,13 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--markdown", action="store_true", help="also print the table (stderr)")
+    parser.add_argument("--eval-chunks", default="", help="deep memories: also evaluate with these chunk sizes "
+                                                          "(e.g. 1, the token-by-token recurrence)")
     parser.add_argument("overrides", nargs="*", help="key=value applied to every model")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     lengths = [int(n) for n in args.lengths.split(",")]
+    args.eval_chunks = [int(n) for n in args.eval_chunks.split(",") if n]
     vocab = args.keys + args.values + 1
     names = args.models.split(",")
     target = model_costs(model_config("transformer", args.mlp_width, max(lengths), vocab, args.segment,

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron_taper.models.titans import NeuralMemory, ReadMix, State
+from megatron_taper.models.titans import NeuralMemory, ReadMix, State, mlp_read
 
 if TYPE_CHECKING:
     from megatron_taper.config import ModelConfig
@@ -38,7 +38,11 @@ class LinearMemory(nn.Module):
     """Gated linear attention memory (module docstring); options in model.memory_caching."""
 
     heads = NeuralMemory.heads
-    read = NeuralMemory.read  # one layer: q S
+
+    @staticmethod
+    def read(q: torch.Tensor, state: State) -> torch.Tensor:
+        """q S of queries q [B, H, T, E] with the state frozen at `state` (no residual, unlike the deep memory)."""
+        return mlp_read(q, state)
 
     def output(self, reads: torch.Tensor) -> torch.Tensor:
         """reads [B, H, T, E] -> wo(reads * gains) [B, T, D]. Not RMS-normalised per head as the deep

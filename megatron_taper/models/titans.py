@@ -5,20 +5,28 @@ Neural memory, per head (H heads of size E), for tokens t = 1..T:
     conv(z)_t = sum_{j<K} w[:, K-1-j] * z_{t-j}     (depthwise causal, K = `conv_kernel` taps)
     theta_t = max_lr * sigmoid(.), eta_t = sigmoid(. + logit(momentum_init)),
     alpha_t = sigmoid(. + logit(forget_init))                  (one linear map x_t -> [H, 3])
-    S_t = eta_t S_{t-1} - theta_t grad_M ||M_{t-1}(k_t) - v_t||^2        (surprise, momentum)
-    M_t = (1 - alpha_t) M_{t-1} + S_t                                      (forgetting)
-    y_t = M_t(q_t)                                                         (read after writing)
-M is an MLP E -> (expansion * E) -> ... -> E of `memory_depth` weight matrices with SiLU
-between them, its initial weights M_0 are parameters; S_0 = 0.
+    M(x) = x + f_W(x)                                          (residual memory, f an MLP)
+    nu_t = sum_l ||a_l(k_t)||^2   (squared norms of every layer's input at k_t, M_{t-1}; >= ||k_t||^2 = 1)
+    S_t = eta_t S_{t-1} - (theta_t / nu_t) grad_W ||M_{t-1}(k_t) - v_t||^2    (surprise, momentum)
+    W_t = W_0 + (1 - alpha_t)(W_{t-1} - W_0) + S_t                           (forgetting toward W_0)
+    y_t = M_t(q_t)                                                          (read after writing)
+f is an MLP E -> (expansion * E) -> ... -> E of `memory_depth` weight matrices with SiLU between
+them, its initial weights W_0 are parameters; S_0 = 0. Departures from eq. 13-14 of the paper,
+for long sequences (docs/architectures.md): the residual path keeps the read's scale whatever W
+holds; forgetting pulls W back to the learned W_0 instead of to 0 (with decay toward 0 a depth-2
+memory's read shrank like (1 - alpha)^(2t): 2e-18 of its start at token 2047); the normalised
+(NLMS-like) step makes theta_t the fraction of the error a lone write corrects, independent of
+the activations' scale.
 
 Chunked parallel form (`chunk_size` C): inside a chunk every gradient is taken at the chunk's
 starting state W, grad_i = a_i delta_i^T per memory layer (a_i the layer input, delta_i the
-backpropagated error). The two linear recurrences then unroll to
-    M_t = B_t W + (sum_j P_tj E_j) S - sum_i c_ti a_i delta_i^T,    c_ti = theta_i (P Q)_ti,
+backpropagated error), and nu_i too. The two linear recurrences then unroll to
+    W_t = W_0 + B_t (W - W_0) + (sum_j P_tj E_j) S - sum_i c_ti a_i delta_i^T,   c_ti = (theta_i / nu_i) (P Q)_ti,
 with P_tj = prod_{j<l<=t} (1 - alpha_l), Q_ji = prod_{i<l<=j} eta_l (from log-space cumsums),
-B_t = prod_{l<=t} (1 - alpha_l), E_j = prod_{l<=j} eta_l. Reading M_t(q_t) layer by layer is
-then attention-like: r M_t = B_t (r W) + D_t (r S) - ((c * r a^T) delta), never materialising
-per-token weights. C = 1 is the exact token-by-token recurrence (tests compare both with a torch.func reference).
+B_t = prod_{l<=t} (1 - alpha_l), E_j = prod_{l<=j} eta_l. Reading f_t(q_t) layer by layer is
+then attention-like: r W_t = r W_0 + B_t (r (W - W_0)) + D_t (r S) - ((c * r a^T) delta), never
+materialising per-token weights. C = 1 is the exact token-by-token recurrence (tests compare both
+with a torch.func reference).
 
 Convolution: the paper's 1D depthwise-separable convolution after the query, key and value
 projections (the projection is its pointwise part), on the neural memory's q, k, v only (the
@@ -89,6 +97,15 @@ ReadMix = Callable[..., torch.Tensor]
 
 def memory_dims(head_dim: int, depth: int, expansion: int) -> list[int]:
     return [head_dim] + [expansion * head_dim] * (depth - 1) + [head_dim]
+
+
+def mlp_read(q: torch.Tensor, state: State) -> torch.Tensor:
+    """f(q), the memory MLP with the weights of `state` (SiLU between layers) at q [B, H, T, E]."""
+    r = q
+    for layer, w in enumerate(state[0]):
+        r = r @ w
+        r = F.silu(r) if layer < len(state[0]) - 1 else r
+    return r
 
 
 def silu_grad(z: torch.Tensor) -> torch.Tensor:
@@ -165,12 +182,8 @@ class NeuralMemory(nn.Module):
         return self.wo((r * self.out_norm_weight.view(-1, self.head_dim)).flatten(2))
 
     def read(self, q: torch.Tensor, state: State) -> torch.Tensor:
-        """M(q) of queries q [B, H, T, E] with the memory frozen at `state` (no writes): [B, H, T, E]."""
-        r = q
-        for layer, w in enumerate(state[0]):
-            r = r @ w
-            r = F.silu(r) if layer < len(state[0]) - 1 else r
-        return r
+        """M(q) = q + f(q) of queries q [B, H, T, E] with the memory frozen at `state` (no writes)."""
+        return q + mlp_read(q, state)
 
     def scan(self, x_kv: torch.Tensor, x_q: torch.Tensor, state: State,
              chunk_size: int | None = None) -> tuple[torch.Tensor, State]:
@@ -198,14 +211,15 @@ class NeuralMemory(nn.Module):
         """One chunk of C tokens; k, v, q [B, H, C, E]; theta, log_eta, log_keep [B, H, C]."""
         weights, surprise = state
         n = len(weights)
-        acts, pre, h = [], [], k  # forward of M_0 (the chunk's starting state) on the keys
+        acts, pre, h = [], [], k  # forward of W (the chunk's starting state) on the keys
         for layer, w in enumerate(weights):
             acts.append(h)
             h = h @ w
             if layer < n - 1:
                 pre.append(h)
                 h = F.silu(h)
-        delta = 2.0 * (h - v)  # d ||M(k) - v||^2 / d out
+        delta = 2.0 * (k + h - v)  # d ||k + f(k) - v||^2 / d f(k)
+        theta = theta / sum(a.square().sum(-1) for a in acts)  # normalised step theta_t / nu_t, [B, H, C]
         deltas = [delta] * n
         for layer in range(n - 1, 0, -1):
             delta = (delta @ weights[layer].transpose(-1, -2)) * silu_grad(pre[layer - 1])
@@ -222,8 +236,8 @@ class NeuralMemory(nn.Module):
 
         r = q
         for layer in range(n):
-            a, d = acts[layer], deltas[layer]
-            read = (keep_w * (r @ weights[layer]) + keep_s * (r @ surprise[layer])
+            a, d, init = acts[layer], deltas[layer], self.mem_w[layer].to(r.dtype)
+            read = (r @ init + keep_w * (r @ (weights[layer] - init)) + keep_s * (r @ surprise[layer])
                     - (coef * (r @ a.transpose(-1, -2))) @ d)
             r = read if mix is None else mix(layer, r, read)
             r = F.silu(r) if layer < n - 1 else r
@@ -232,11 +246,11 @@ class NeuralMemory(nn.Module):
         s_coef = (theta * (le[..., -1:] - le).exp())[..., None]
         new_w, new_s = [], []
         for layer in range(n):
-            a_t, d = acts[layer].transpose(-1, -2), deltas[layer]
-            new_w.append(keep_w[..., -1:, :] * weights[layer] + keep_s[..., -1:, :] * surprise[layer]
+            a_t, d, init = acts[layer].transpose(-1, -2), deltas[layer], self.mem_w[layer].to(q.dtype)
+            new_w.append(init + keep_w[..., -1:, :] * (weights[layer] - init) + keep_s[..., -1:, :] * surprise[layer]
                          - a_t @ (last * d))
             new_s.append(le[..., -1:, None].exp() * surprise[layer] - a_t @ (s_coef * d))
-        return r, (new_w, new_s)
+        return q + r, (new_w, new_s)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.output(self.scan(x, x, self.init_state(x.shape[0]))[0])
@@ -380,7 +394,7 @@ def scan_flops(cfg: ModelConfig, tokens: int) -> float:
         c = min(t.chunk_size, tokens - s)
         per_head = 2 * c * (sum(io) + sum(io[1:]))  # forward on keys, backward of deltas
         per_head += 2 * c**3 + 2 * c**2  # coefficients P Q, P E
-        per_head += sum(2 * c * (2 * x) + 2 * c * c * (i + o) for x, i, o in zip(io, dims[:-1], dims[1:]))  # reads
+        per_head += sum(2 * c * (3 * x) + 2 * c * c * (i + o) for x, i, o in zip(io, dims[:-1], dims[1:]))  # reads
         per_head += sum(2 * c * 2 * x for x in io)  # new weights and surprise
         total += h * per_head
     return total
@@ -422,14 +436,15 @@ def titans_layer_cost(cfg: ModelConfig, width: int, causal: bool = True) -> Cost
 
 def scan_act_per_row(cfg: ModelConfig, rows: int) -> float:
     """Elements one head of the neural memory keeps for backward per row it scans (`rows` rows):
-    the memory weights and surprise of every chunk but the first one's weights (views of M_0),
-    and per row its keys, queries, values, gates and per-layer activations and deltas, and the
-    chunk's [C, C] decay / momentum / coefficient products. Counted from torch's saved tensors
-    (the constants 14, 17 and 4.5 + 2 * depth are what NeuralMemory.scan saves per row)."""
+    the memory weights and surprise of every chunk but the first one's weights (views of M_0), the
+    weights' differences from M_0 (read and update), and per row its keys, queries, values, gates,
+    step norms and per-layer activations and deltas, and the chunk's [C, C] decay / momentum /
+    coefficient products. Counted from torch's saved tensors (the constants 4.9 and 2.2 of the
+    state terms, 14, 17 and 4.5 + 2 * depth are fitted to what NeuralMemory.scan saves)."""
     t, e = cfg.titans, cfg.head_dim
     dims = memory_dims(e, t.memory_depth, t.memory_expansion)
     state = sum(i * o for i, o in zip(dims[:-1], dims[1:]))
-    return (2 * state / t.chunk_size - state / rows + 14 * (sum(dims[1:-1]) + e) + 17
+    return (4.9 * state / t.chunk_size + 2.2 * state / rows + 14 * (sum(dims[1:-1]) + e) + 17
             + (4.5 + 2 * t.memory_depth) * t.chunk_size)
 
 

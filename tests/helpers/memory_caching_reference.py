@@ -22,17 +22,23 @@ def mlp_read(weights: list[torch.Tensor], q: torch.Tensor) -> torch.Tensor:
     return r
 
 
-def deep_step(weights, surprise, k, v, theta, eta, keep):
-    """One Titans write at one token (k, v [B, H, E]; gates [B, H])."""
+def deep_step(weights, surprise, initial, k, v, theta, eta, keep):
+    """One Titans write at one token (k, v [B, H, E]; gates [B, H]; `initial` the memory's M_0 [H, i, o]):
+    the residual memory k + f(k), the step normalised by its layers' summed squared input norms, the
+    forgetting toward M_0 (models/titans.py)."""
     from torch.func import grad, vmap
 
     def loss(ws, key, value):
-        return ((mlp_read([w[None, None] for w in ws], key[None, None]) - value) ** 2).sum()
+        return ((key + mlp_read([w[None, None] for w in ws], key[None, None]) - value) ** 2).sum()
 
     grads = vmap(vmap(grad(loss)))(weights, k, v)
-    eta, keep, theta = (z[:, :, None, None] for z in (eta, keep, theta))
+    nu, h = k.square().sum(-1), k
+    for w in weights[:-1]:
+        h = F.silu((h.unsqueeze(-2) @ w).squeeze(-2))
+        nu = nu + h.square().sum(-1)
+    eta, keep, theta = (z[:, :, None, None] for z in (eta, keep, theta / nu))
     surprise = [eta * s - theta * g for s, g in zip(surprise, grads)]
-    return [keep * w + s for w, s in zip(weights, surprise)], surprise
+    return [w0 + keep * (w - w0) + s for w0, w, s in zip(initial, weights, surprise)], surprise
 
 
 def reference_reads(mixer: MemoryCachingMixer, x: torch.Tensor) -> torch.Tensor:
@@ -48,6 +54,9 @@ def reference_reads(mixer: MemoryCachingMixer, x: torch.Tensor) -> torch.Tensor:
         decay, strength = torch.sigmoid(g[..., 0] + memory.decay_offset), torch.sigmoid(g[..., 1])
     heads, seq, e = k.shape[1], k.shape[2], k.shape[3]
     u = None if mixer.wu is None else mixer.wu(x).unflatten(-1, (-1, e)).transpose(1, 2)
+
+    def read(weights, qt):  # the deep memory reads q + f(q), the linear one q S
+        return qt + mlp_read(weights, qt) if deep else mlp_read(weights, qt)
 
     def initial():
         if deep:
@@ -66,17 +75,17 @@ def reference_reads(mixer: MemoryCachingMixer, x: torch.Tensor) -> torch.Tensor:
                 weights, surprise = initial()
         seg_keys.append(k[:, :, t])
         if deep:
-            weights, surprise = deep_step(weights, surprise, k[:, :, t], v[:, :, t], theta[:, :, t], eta[:, :, t],
-                                          keep[:, :, t])
+            weights, surprise = deep_step(weights, surprise, list(memory.mem_w), k[:, :, t], v[:, :, t],
+                                          theta[:, :, t], eta[:, :, t], keep[:, :, t])
         else:
             outer = k[:, :, t, :, None] * v[:, :, t, None, :]
             weights = [decay[:, :, t, None, None] * weights[0] + strength[:, :, t, None, None] * outer]
         qt = q[:, :, t]
         if mixer.variant == "none":
-            reads.append(mlp_read(weights, qt))
+            reads.append(read(weights, qt))
             continue
         if mixer.variant == "residual":
-            reads.append(mlp_read(weights, qt) + sum(mlp_read(c, qt) for c in cached))
+            reads.append(read(weights, qt) + sum(read(c, qt) for c in cached))
             continue
         ut = u[:, :, t]
         online_score = (ut * torch.stack(seg_keys).mean(0)).sum(-1)  # [B, H]
@@ -91,7 +100,7 @@ def reference_reads(mixer: MemoryCachingMixer, x: torch.Tensor) -> torch.Tensor:
         if mixer.variant == "soup":
             mixed = [sum(gamma[:, :, i, None, None] * m[layer] for i, m in enumerate(memories))
                      for layer in range(len(weights))]
-            reads.append(mlp_read(mixed, qt))
+            reads.append(read(mixed, qt))
         else:
-            reads.append(sum(gamma[:, :, i, None] * mlp_read(m, qt) for i, m in enumerate(memories)))
+            reads.append(sum(gamma[:, :, i, None] * read(m, qt) for i, m in enumerate(memories)))
     return torch.stack(reads, dim=2)

@@ -40,7 +40,10 @@ def reference_features(memory: NeuralMemory, x_kv: torch.Tensor, x_q: torch.Tens
 
 def reference_scan(memory: NeuralMemory, x_kv: torch.Tensor, x_q: torch.Tensor,
                    state: State) -> tuple[torch.Tensor, State]:
-    """Token-by-token recurrence with autograd gradients (torch.func), for tests: ([B, H, T, E], state)."""
+    """Token-by-token recurrence with autograd gradients (torch.func), for tests: ([B, H, T, E], state).
+    Per token: M(x) = x + f(x); g = grad ||M(k) - v||^2 at the current weights; nu = the summed
+    squared norms of every layer's input; S = eta S - (theta / nu) g; W = W_0 + (1 - alpha)(W - W_0) + S;
+    read M(q) with the new weights."""
     from torch.func import grad, vmap
 
     def mlp(ws: list[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
@@ -49,18 +52,28 @@ def reference_scan(memory: NeuralMemory, x_kv: torch.Tensor, x_q: torch.Tensor,
             x = F.silu(x) if layer < len(ws) - 1 else x
         return x
 
-    def loss(ws: list[torch.Tensor], key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-        return ((mlp(ws, key) - value) ** 2).sum()
+    def layer_inputs(ws: list[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        total = x.square().sum()
+        for w in ws[:-1]:
+            x = F.silu(x @ w)
+            total = total + x.square().sum()
+        return total
 
-    per_head_grad, per_head_read = vmap(vmap(grad(loss))), vmap(vmap(mlp))
+    def loss(ws: list[torch.Tensor], key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        return ((key + mlp(ws, key) - value) ** 2).sum()
+
+    per_head_grad, per_head_read = vmap(vmap(grad(loss))), vmap(vmap(lambda ws, x: x + mlp(ws, x)))
+    per_head_nu = vmap(vmap(layer_inputs))
     k, v, q, theta, eta, keep = reference_features(memory, x_kv, x_q)
     weights, surprise = list(state[0]), list(state[1])
+    initial = [w.to(k.dtype) for w in memory.mem_w]
     reads = []
     for t in range(k.shape[2]):
         grads = per_head_grad(weights, k[:, :, t], v[:, :, t])
-        eta_t, keep_t, lr = (z[:, :, t, None, None] for z in (eta, keep, theta))
+        nu = per_head_nu(weights, k[:, :, t])
+        eta_t, keep_t, lr = (z[:, :, None, None] for z in (eta[:, :, t], keep[:, :, t], theta[:, :, t] / nu))
         surprise = [eta_t * s - lr * g for s, g in zip(surprise, grads)]
-        weights = [keep_t * w + s for w, s in zip(weights, surprise)]
+        weights = [w0 + keep_t * (w - w0) + s for w0, w, s in zip(initial, weights, surprise)]
         reads.append(per_head_read(weights, q[:, :, t]))
     return torch.stack(reads, dim=2), (weights, surprise)
 

@@ -57,14 +57,14 @@ def test_chunked_matches_token_by_token_reference(arch, variant, write_mode):
 
 
 # The deep memory chunked by 4 takes its inner gradients at each chunk's start (Titans' parallel
-# form): first order in the inner learning rate; measured relative error ~1.9e-3 at max_lr=0.005
-# for every variant (Titans' own test allows 5e-3 at chunk 4).
+# form): first order in the inner learning rate; measured relative error ~6e-6 at the default
+# max_lr=0.003 for both variants (the residual q_t is most of each read's norm).
 @pytest.mark.parametrize("variant", ["grm", "soup"])
 def test_deep_memory_chunked_by_four_stays_near_the_reference(variant):
     mixer, x = mixer_case("deep_memory", variant, "model.titans.chunk_size=4")
     with torch.no_grad():
         out, ref = mixer.reads(x), reference_reads(mixer, x)
-    assert ((out - ref).norm() / ref.norm()).item() < 5e-3
+    assert ((out - ref).norm() / ref.norm()).item() < 5e-5
 
 
 @pytest.mark.parametrize("variant", VARIANTS[1:])
@@ -84,8 +84,8 @@ def test_soup_of_linear_memories_equals_grm():
     with torch.no_grad():
         a, b = soup.reads(x), grm.reads(x)
     torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
-    deep_soup, _ = mixer_case("deep_memory", "soup")
-    deep_grm, _ = mixer_case("deep_memory", "grm")
+    deep_soup, _ = mixer_case("deep_memory", "soup", "model.titans.max_lr=0.03")  # writes that move the memory
+    deep_grm, _ = mixer_case("deep_memory", "grm", "model.titans.max_lr=0.03")
     deep_grm.load_state_dict(deep_soup.state_dict())
     with torch.no_grad():  # a deep memory is not linear in its parameters: soup and grm differ
         assert (deep_soup.reads(x) - deep_grm.reads(x)).abs().max() > 1e-4
