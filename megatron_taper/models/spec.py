@@ -9,8 +9,9 @@ module only when the spec is first asked for. cost/flops.py (per-layer costs), p
 (tensor-parallel plan), preflight.py (layout preconditions), inference/generation.py (decoding
 state) and inference/hf.py (Hugging Face adapter) read the spec; none of them names a family class.
 
-Adding a family = its module (card, options, code, SPECS) + one line in models/cards.py's
-BUILTIN_CARDS (or, from outside the package, MEGATRON_TAPER_FAMILIES naming the module).
+Adding a built-in family = its module (code, ending in SPECS) + its options dataclass and card in
+models/cards.py, listed in BUILTIN_CARDS. From outside the package: one module holding card,
+options, code and SPECS, named in MEGATRON_TAPER_FAMILIES (tests/helpers/toy_family.py is one).
 
 The TP plan is a description, not parallel code: a function that names, for one block, which
 linears split by columns or rows and which parameters are replicated, through the `TPBuilder`
