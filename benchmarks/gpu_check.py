@@ -63,7 +63,7 @@ def sync(device: torch.device) -> None:
 
 def losses(overrides: list[str], steps: int) -> list[float]:
     trainer = Trainer(load_config("configs/tiny_taper.yaml", overrides))
-    out = [trainer.train_step()["loss"] for _ in range(steps)]
+    out = [float(trainer.train_step()["loss"]) for _ in range(steps)]
     trainer.metrics.close()
     return out
 

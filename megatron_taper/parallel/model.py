@@ -79,16 +79,24 @@ class ParallelModel:
         return build_optimizer(self.module, train, self.ctx.device)
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer, max_norm: float,
-                       loss_finite: bool = True) -> tuple[torch.Tensor, bool]:
+                       loss_finite: bool | torch.Tensor = True) -> tuple[torch.Tensor, torch.Tensor]:
         """Reduce and clip gradients, then step unless the loss or the gradient norm is
-        non-finite; gradients are cleared either way. Returns (global grad norm, stepped)."""
+        non-finite; gradients are cleared either way. Returns (global grad norm, stepped), both
+        0-dim tensors on the device: with a fused AdamW the skip happens on the device (its
+        `found_inf`, as torch's GradScaler uses it), so nothing waits for the host."""
         self.reduce_gradients()
         norm = self.clip_gradients(max_norm)
-        stepped = loss_finite and math.isfinite(float(norm))
-        if stepped:
+        finite = torch.isfinite(norm) & torch.as_tensor(loss_finite, device=norm.device)
+        if all(group.get("fused") for group in optimizer.param_groups):
+            optimizer.found_inf = (~finite).float()  # 1.0: the fused kernel leaves params, state and step
+            try:
+                optimizer.step()
+            finally:
+                del optimizer.found_inf
+        elif bool(finite):  # (a host sync: only optimizers without a fused kernel)
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        return norm, stepped
+        return norm, finite
 
     # -- checkpoints (checkpoint.py) ---------------------------------------------------------------
 

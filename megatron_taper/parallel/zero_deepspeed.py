@@ -18,7 +18,10 @@ run's device is the CPU; DeepSpeed JIT-builds C++ ops into TORCH_EXTENSIONS_DIR 
 and the tests point it at .cache/torch_extensions); the process group is left through
 context.shutdown (barrier, then destroy), as DeepSpeed may abort at exit otherwise.
 DeepSpeed skips a step whose gradient norm is non-finite (in every precision); that is reported
-to the Trainer as a skipped step.
+to the Trainer as a skipped step. A step whose loss is non-finite on any dp rank (the Trainer's
+non-finite policy) is given NaN gradients in its last backward, so DeepSpeed skips it as well.
+Precision: DeepSpeed's `bf16` mode is off; its fp32 partitions run under the Trainer's bf16
+autocast (docs/precision.md).
 
 Checkpoints: every DeepSpeed checkpoint holds DeepSpeed's own files (deepspeed/state/, loaded
 only by the same engine at the same dp and tp size) *and* the logical model/optimizer files of
@@ -36,7 +39,7 @@ import torch
 
 from megatron_taper.checkpoint.files import CheckpointReader, Piece
 from megatron_taper.optim import build_optimizer
-from megatron_taper.parallel.context import ParallelContext, uses_bf16
+from megatron_taper.parallel.context import ParallelContext
 from megatron_taper.parallel.model import ParallelModel
 from megatron_taper.validation import ConfigError
 
@@ -105,7 +108,9 @@ def deepspeed_config(t: TrainConfig, d: DeepSpeedConfig, ctx: ParallelContext) -
         "zero_optimization": zero,
         "zero_allow_untested_optimizer": True,  # our torch AdamW
         "zero_force_ds_cpu_optimizer": False,  # ... also when offloaded
-        "bf16": {"enabled": uses_bf16(t.precision, ctx.device)},
+        # one precision policy (docs/precision.md): fp32 partitions, the Trainer's bf16 autocast;
+        # DeepSpeed's own bf16 mode would store every weight (norms, embedding) in bf16
+        "bf16": {"enabled": False},
         "steps_per_print": 1 << 30,
         "wall_clock_breakdown": False,
     }
@@ -169,11 +174,22 @@ class DeepSpeedParallelModel(ParallelModel):
             tokens = tokens.to(self.ctx.device, non_blocking=True)
             with autocast():
                 loss = self.loss_fn(engine(tokens[:, :-1]), tokens[:, 1:])
+            if i == len(micro_batches) - 1 and not self._finite_over_dp(total + loss.detach().float()):
+                # the non-finite policy: DeepSpeed skips a step only for a non-finite gradient
+                # norm, so a step whose loss is non-finite on any dp rank gets NaN gradients
+                loss = loss * float("nan")
             engine.backward(loss)  # scaled by 1 / gradient_accumulation_steps
             if i < len(micro_batches) - 1:
                 engine.step()  # not a boundary: counts the micro-step, no update
             total += loss.detach().float()
         return total / len(micro_batches)
+
+    def _finite_over_dp(self, value: torch.Tensor) -> bool:
+        """Whether `value` is finite on every dp rank (a host read; DeepSpeed's step reads its
+        gradient norm on the host anyway)."""
+        value = value.clone()
+        torch.distributed.all_reduce(value, group=self.ctx.dp_group)
+        return bool(torch.isfinite(value))
 
     def reduce_gradients(self) -> None:  # DeepSpeed reduce-scatters inside backward
         return None
@@ -182,13 +198,16 @@ class DeepSpeedParallelModel(ParallelModel):
         raise NotImplementedError("deepspeed clips inside engine.step (gradient_clipping = train.grad_clip)")
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer, max_norm: float,
-                       loss_finite: bool = True) -> tuple[torch.Tensor, bool]:
+                       loss_finite: bool | torch.Tensor = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """The boundary engine.step(); a non-finite loss was turned into NaN gradients by
+        forward_backward, so DeepSpeed skips that step too. (norm, stepped) as tensors."""
         engine = self.engine
         skipped = engine.skipped_steps
         engine.step()  # boundary: global norm, clip, AdamW (skipped if the norm is non-finite), zero grads
         stepped = engine.skipped_steps == skipped
         norm = engine.get_global_grad_norm() if stepped else float("nan")
-        return torch.as_tensor(float(norm) if norm is not None else float("nan")), stepped
+        norm = torch.as_tensor(float(norm) if norm is not None else float("nan"), device=self.ctx.device)
+        return norm, torch.tensor(stepped, device=self.ctx.device)
 
     # -- checkpoints --------------------------------------------------------------------------
 
