@@ -243,6 +243,7 @@ class Trainer:
                                    else self.train_source.state_dict())
         if final:
             self.checkpointer.wait()
+            self.checkpointer.join_cleanup()  # rank 0's deletions of older checkpoints
         self._report_saved()
 
     def _report_saved(self) -> None:
