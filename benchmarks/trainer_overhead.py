@@ -9,7 +9,12 @@ device sync on CUDA). "before" is the Trainer with the loop of the previous vers
 drawn on the training thread); "after" is the Trainer as it is (reads at log intervals only,
 batches prefetched by a background thread).
 
-    python benchmarks/trainer_overhead.py [--steps 20] [--rounds 3] [key=value ...]
+    python benchmarks/trainer_overhead.py [--steps 20] [--rounds 3] [--data-delay-ms 0] [key=value ...]
+
+--data-delay-ms D makes every batch of the training source take D ms more to draw (a slow
+filesystem or object store standing in: `SlowSource`), for both Trainers (the bare loop's
+batches are drawn before it is timed); with the prefetch thread, a step no longer waits for it
+once the delay per step is below the step's compute.
 """
 from __future__ import annotations
 
@@ -75,6 +80,20 @@ class SyncingTrainer(Trainer):
         return {"loss": loss_value, "grad_norm": norm_value}
 
 
+class SlowSource:
+    """A training source whose every batch takes `delay_s` more (a slow remote source)."""
+
+    def __init__(self, source, delay_s: float):
+        self.source, self.delay_s = source, delay_s
+
+    def next_batch(self):
+        time.sleep(self.delay_s)
+        return self.source.next_batch()
+
+    def __getattr__(self, name):
+        return getattr(self.source, name)
+
+
 class HostReads:
     """Counts host reads of tensor values (Tensor.item / __float__ / __int__ / __bool__)."""
 
@@ -100,10 +119,12 @@ class HostReads:
             setattr(torch.Tensor, name, fn)
 
 
-def trainer_loop(cfg, steps: int, cls=Trainer) -> tuple[float, float]:
+def trainer_loop(cfg, steps: int, cls=Trainer, delay_s: float = 0.0) -> tuple[float, float]:
     """Seconds for `steps` steps as fit() runs them (a log read every train.log_interval), and
     host reads per step."""
     trainer = cls(cfg)
+    if delay_s:
+        trainer.train_source = SlowSource(trainer.train_source, delay_s)
     trainer.train_step()  # warm-up (and the prefetch thread started)
     start = time.perf_counter()
     with HostReads() as reads:
@@ -124,6 +145,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--data-delay-ms", type=float, default=0.0)
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
@@ -139,9 +161,10 @@ def main() -> None:
         bare, ours, before = [], [], []
         for _ in range(args.rounds):
             bare.append(tokens / bare_loop(cfg, batches))
-            seconds, reads_before = trainer_loop(cfg, args.steps, SyncingTrainer)
+            delay = args.data_delay_ms / 1000
+            seconds, reads_before = trainer_loop(cfg, args.steps, SyncingTrainer, delay)
             before.append(tokens / seconds)
-            seconds, reads_after = trainer_loop(cfg, args.steps)
+            seconds, reads_after = trainer_loop(cfg, args.steps, Trainer, delay)
             ours.append(tokens / seconds)
     result = {
         "benchmark": "trainer_overhead",
@@ -155,6 +178,8 @@ def main() -> None:
         "before_syncing_trainer_tokens_per_s": statistics.median(before),
         "before_ratio": statistics.median(before) / statistics.median(bare),
         "log_interval": cfg.train.log_interval,
+        "data_delay_ms_per_batch": args.data_delay_ms,
+        "batches_per_step": cfg.train.global_batch // cfg.train.micro_batch,
         "host_reads_per_step_before": reads_before,
         "host_reads_per_step_after": reads_after,
         "target_ratio": 0.97,

@@ -24,13 +24,15 @@ Precision: DeepSpeed's `bf16` mode is off; its fp32 partitions run under the Tra
 autocast (docs/precision.md).
 
 Checkpoints: every DeepSpeed checkpoint holds DeepSpeed's own files (deepspeed/state/, loaded
-only by the same engine at the same dp and tp size) *and* the logical model/optimizer files of
-checkpoint.py (gathered through deepspeed.utils.safe_get_full_*), which is the route to another
-dp/tp size or to fsdp2/none, and what tools/convert_checkpoint.py reads.
+only by the same engine at the same dp and tp size) *and* the sharded logical files of
+checkpoint/ (each rank writes its own fp32 partitions and AdamW moments as boxes of the logical
+tensors, `checkpoint_pieces`: no gather), which are the route to another dp/tp size or to
+fsdp2/none, and what tools/convert_checkpoint.py reads.
 """
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
@@ -130,6 +132,35 @@ def _merge(base: dict, extra: dict) -> None:
             _merge(base[k], v)
         else:
             base[k] = v
+
+
+def flat_boxes(shape: tuple[int, ...], lo: int, hi: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """(offsets, box shape) of the boxes that cover the flat row-major range [lo, hi) of a tensor
+    of `shape`, in order."""
+    if lo >= hi:
+        return []
+    if len(shape) <= 1:
+        return [((lo,), (hi - lo,))] if shape else [((), ())]
+    inner = math.prod(shape[1:])
+    out = []
+    row = lo // inner
+    if lo % inner:  # a partial first row
+        end = min(hi, (row + 1) * inner)
+        out += [((row, *o), (1, *b)) for o, b in flat_boxes(shape[1:], lo - row * inner, end - row * inner)]
+        row, lo = row + 1, end
+    last = hi // inner
+    if last > row:  # whole rows
+        out.append(((row, *[0] * (len(shape) - 1)), (last - row, *shape[1:])))
+    if hi % inner and hi > max(lo, last * inner):  # a partial last row
+        out += [((last, *o), (1, *b)) for o, b in flat_boxes(shape[1:], 0, hi - last * inner)]
+    return out
+
+
+def _flat_index(shape: tuple[int, ...], offsets: tuple[int, ...]) -> int:
+    index = 0
+    for size, o in zip(shape, offsets):
+        index = index * size + o
+    return index
 
 
 @dataclass
@@ -250,17 +281,36 @@ class DeepSpeedParallelModel(ParallelModel):
                     safe_set_full_optimizer_state(param, self.local_tensor(name, optim_state[name][k]).float(), k)
 
     def checkpoint_pieces(self, optimizer: torch.optim.Optimizer, copy: bool = True) -> list[Piece]:
-        """DeepSpeed's partitions are flat buffers with no box in the logical tensor: the logical
-        tensors are gathered (a collective over dp and tp) and dp/tp rank 0 of the stage writes
-        them whole. DeepSpeed's own sharded files (save_native) are what resumes at the same size."""
-        model_state, optim_state = self.logical_state(optimizer)
-        if self.ctx.dp_rank or self.ctx.tp_rank:
-            return []
+        """Each rank writes its own ZeRO partitions, no gather: a parameter's partition on dp rank
+        r is the flat range [r x P, (r + 1) x P) of the row-major tp-local tensor (P: DeepSpeed's
+        partition size; the last one padded), written as the boxes that range covers (`flat_boxes`:
+        at most 2 x ndim - 1), placed in the logical tensor by the tp layout (piece_box). Replicas
+        over tp write on the owning tp rank only. DeepSpeed's own sharded files (save_native) are
+        what resumes at the same size."""
+        from deepspeed.utils import safe_get_local_fp32_param, safe_get_local_optimizer_state
+
+        step = self._adam_step()
         pieces = []
-        for name, t in model_state.items():
-            pieces.append(Piece(f"model/{name}", tuple(t.shape), (0,) * t.dim(), t))
-            for k, v in optim_state.get(name, {}).items():
-                pieces.append(Piece(f"optim/{name}/{k}", tuple(v.shape), (0,) * v.dim(), v))
+        for name, param in self.module.named_parameters():
+            shape = tuple(param.ds_shape)
+            full, tp_offsets, owner = self.piece_box(name, torch.empty(shape, device="meta"))
+            if not owner:
+                continue
+            size = param.ds_tensor.ds_numel if hasattr(param.ds_tensor, "ds_numel") else param.ds_tensor.numel()
+            lo = min(self.ctx.dp_rank * size, param.ds_numel)
+            hi = min(lo + size, param.ds_numel)
+            tensors = {f"model/{name}": safe_get_local_fp32_param(param)}
+            if step is not None:
+                tensors.update({f"optim/{name}/{k}": safe_get_local_optimizer_state(param, k) for k in OPTIM_KEYS})
+                if self.ctx.dp_rank == 0 and not any(tp_offsets):  # AdamW's step: a scalar, written once
+                    pieces.append(Piece(f"optim/{name}/step", (), (), step.detach().cpu().clone()))
+            for key, flat in tensors.items():
+                flat = flat.detach().reshape(-1)[: hi - lo].to("cpu", copy=copy)
+                for offsets, box in flat_boxes(shape, lo, hi):
+                    start = _flat_index(shape, offsets) - lo
+                    data = flat[start:start + math.prod(box)].reshape(box)
+                    where = tuple(o + t for o, t in zip(offsets, tp_offsets))
+                    pieces.append(Piece(key, full, where, data.contiguous()))
         return pieces
 
     def load_pieces(self, optimizer: torch.optim.Optimizer, reader: CheckpointReader) -> None:
