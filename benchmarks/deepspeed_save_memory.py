@@ -12,10 +12,12 @@ pieces the rank would write. Prints one JSON object.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import json
 import os
+import queue as queues
 import sys
 import tempfile
 import threading
@@ -70,7 +72,7 @@ def worker(rank: int, port: int, folder: str, overrides: list[str], queue) -> No
     pm, optimizer = run.model, run.optimizer
     source, _ = build_sources(cfg.data, seq_len=cfg.model.seq_len, micro_batch=cfg.train.micro_batch,
                               seed=0, vocab_size=cfg.model.vocab_size, dp_rank=run.ctx.dp_rank, dp_size=run.ctx.dp)
-    pm.forward_backward([source.next_batch() for _ in range(run.layout.accumulation)], torch.autocast)
+    pm.forward_backward([source.next_batch() for _ in range(run.layout.accumulation)], contextlib.nullcontext)
     pm.optimizer_step(optimizer, cfg.train.grad_clip)
 
     def before():
@@ -106,7 +108,14 @@ def main() -> None:
         procs = [ctx.Process(target=worker, args=(r, port, folder, overrides, queue)) for r in range(2)]
         for p in procs:
             p.start()
-        results = dict(queue.get(timeout=600) for _ in procs)
+        results = {}
+        while len(results) < len(procs):
+            try:
+                rank, result = queue.get(timeout=1)
+                results[rank] = result
+            except queues.Empty:
+                if any(p.exitcode not in (None, 0) for p in procs):
+                    raise SystemExit("a worker failed (its traceback is above)") from None
         for p in procs:
             p.join()
     print(json.dumps({"benchmark": "deepspeed_save_memory", "dp": 2, "ranks": [results[0], results[1]]}))
