@@ -15,7 +15,8 @@ logical tensors) and writes one file; rank 0 gathers the small per-rank indexes 
 so a folder named step-N is complete. Rank 0 never deletes while the others wait in a
 collective: a folder to replace is renamed aside, and deleting it, leftovers of unfinished saves
 (`.tmp-step-*`) and checkpoints beyond `checkpoint.keep` runs in a thread after the barrier.
-With `checkpoint.async_save`, the writing runs in a background thread after the copy; the
+With `checkpoint.async_save`, the writing runs in a background thread after the copy (from a GPU:
+non-blocking copies into pinned buffers kept for the next save, ParallelModel.checkpoint_pieces); the
 Trainer calls `poll()` every step, and once every rank has finished, the folder is renamed. A
 kill before that leaves only a `.tmp-` folder, which is never loaded (and removed after the next
 save); the previous checkpoint stays the newest.

@@ -52,6 +52,9 @@ class ParallelModel:
     # zero=none with dp > 1: `module` behind torch DDP (attach_data_parallel), used for training
     # forwards; `module` itself stays the unwrapped one (names, checkpoints, evaluation)
     dp_module: nn.Module | None = None
+    # CUDA: pinned host buffers an async save stages its device-to-host copies into, by key
+    # (reused from save to save; the previous save's writer has finished before the next copy)
+    pinned: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def full_tensor(self, name: str, local: torch.Tensor) -> torch.Tensor:
         """The logical tensor of parameter `name` (or of a state tensor shaped like it). For a
@@ -166,9 +169,12 @@ class ParallelModel:
 
     def checkpoint_pieces(self, optimizer: torch.optim.Optimizer, copy: bool = True) -> list[Piece]:
         """The pieces of parameters and AdamW state this rank writes, on the CPU (no
-        communication); `copy=False` shares the memory of CPU tensors (a synchronous save)."""
+        communication); `copy=False` shares the memory of CPU tensors (a synchronous save). For an
+        async save from a GPU the copies go into pinned buffers (`pinned`, kept for the next save:
+        one host copy of the rank's state), non-blocking, with one synchronisation at the end."""
         self._reshard()
         pieces = []
+        staged = False
         for name, param in self.module.named_parameters():
             full, offsets, owner = self.piece_box(name, param)
             if not owner:
@@ -176,11 +182,20 @@ class ParallelModel:
             tensors = {f"model/{name}": param}
             tensors.update({f"optim/{name}/{k}": v for k, v in optimizer.state.get(param, {}).items()})
             for key, t in tensors.items():
-                data = local_part(t.detach()).to("cpu", copy=copy)
+                data = local_part(t.detach())
+                if data.device.type == "cuda" and copy:  # an async save
+                    buffer = self.pinned.get(key)
+                    if buffer is None or buffer.shape != data.shape or buffer.dtype != data.dtype:
+                        buffer = self.pinned[key] = torch.empty(data.shape, dtype=data.dtype, pin_memory=True)
+                    data, staged = buffer.copy_(data, non_blocking=True), True
+                else:
+                    data = data.to("cpu", copy=copy)
                 if data.dim():
                     pieces.append(Piece(key, full, offsets, data))
                 elif not any(offsets):  # a scalar (AdamW's step): written by the first box's owner
                     pieces.append(Piece(key, (), (), data))
+        if staged:
+            torch.cuda.synchronize()
         return pieces
 
     def load_pieces(self, optimizer: torch.optim.Optimizer, reader: CheckpointReader) -> None:

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron_taper.parallel.context import ParallelContext
+from megatron_taper.parallel.context import ParallelContext, uses_bf16
 from megatron_taper.parallel.data_parallel import wrap_ddp
 from megatron_taper.parallel.meta_init import is_meta
 from megatron_taper.parallel.model import ParallelModel
@@ -159,7 +159,7 @@ def plan_stages(model_cfg: ModelConfig, parallel: ParallelConfig, train: TrainCo
     engine, `train`'s checkpointing, and its precision on `device` (default: train.device; auto =
     CUDA if this machine has it); `bytes_per_param` replaces the engine's state bytes."""
     from megatron_taper.cost.memory import MemorySetup
-    from megatron_taper.parallel.context import choose_device, uses_bf16
+    from megatron_taper.parallel.context import choose_device
 
     rows = train.global_batch // dp  # sequences per step on one data-parallel rank
     n_micro = parallel.microbatches or max(1, rows // train.micro_batch)
@@ -180,7 +180,8 @@ def make_plan(model: nn.Module, ctx: ParallelContext, model_cfg: ModelConfig, pa
 
     Profiling times real layers: for a model on the meta device, rank 0 builds one materialised
     copy of the whole model (the values through its init_weights(train.seed)) for as long as it
-    measures, so its peak host memory while building is the whole model, not its stage."""
+    measures, so its peak host memory while building is the whole model, not its stage. The layers
+    run under the run's precision (bf16 autocast when train.precision gives bf16), without tp."""
     measured = None
     if parallel.pp_balance == "profile":
         box: list[Any] = [None]
@@ -189,7 +190,9 @@ def make_plan(model: nn.Module, ctx: ParallelContext, model_cfg: ModelConfig, pa
             if is_meta(real):
                 real.to_empty(device="cpu")
                 real.init_weights(train.seed)
-            box[0] = profile_layer_times(real, train.micro_batch, model_cfg.seq_len, ctx.device)
+            bf16 = uses_bf16(train.precision, ctx.device)  # timed under the run's precision
+            autocast = (lambda: torch.autocast(ctx.device.type, dtype=torch.bfloat16)) if bf16 else None
+            box[0] = profile_layer_times(real, train.micro_batch, model_cfg.seq_len, ctx.device, autocast=autocast)
             del real
         dist.broadcast_object_list(box, src=0)
         measured = box[0]
