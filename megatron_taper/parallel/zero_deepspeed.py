@@ -205,11 +205,12 @@ class DeepSpeedParallelModel(ParallelModel):
             tokens = tokens.to(self.ctx.device, non_blocking=True)
             with autocast():
                 loss = self.loss_fn(engine(tokens[:, :-1]), tokens[:, 1:])
+            scaled = loss
             if i == len(micro_batches) - 1 and not self._finite_over_dp(total + loss.detach().float()):
                 # the non-finite policy: DeepSpeed skips a step only for a non-finite gradient
                 # norm, so a step whose loss is non-finite on any dp rank gets NaN gradients
-                loss = loss * float("nan")
-            engine.backward(loss)  # scaled by 1 / gradient_accumulation_steps
+                scaled = loss * float("nan")
+            engine.backward(scaled)  # scaled by 1 / gradient_accumulation_steps
             if i < len(micro_batches) - 1:
                 engine.step()  # not a boundary: counts the micro-step, no update
             total += loss.detach().float()
