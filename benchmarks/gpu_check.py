@@ -9,12 +9,24 @@
    under bf16 autocast), train.activation_checkpointing none / selective / full, each with and
    without train.compile: step time, tokens/s, MFU (the taper-exact FLOPs of flops.model_costs,
    6 x forward per token, against the device's dense bf16 peak), peak allocated and reserved GPU
-   memory. Steps are the Trainer's own (`train_step`) on random tokens. Variants still to run when
-   the time budget (--budget-s) is nearly spent are reported as skipped, not estimated.
+   memory. MFU is given in two labelled conventions: `mfu_causal` (attention FLOPs of the causal
+   half, this project's FLOPs model) and `mfu_full_attention` (torchtitan's: attention counted as
+   full, which reads higher). Steps are the Trainer's own (`train_step`) on random tokens.
+   Variants still to run when the time budget (--budget-s) is spent are reported as skipped, and a
+   variant that reaches the budget mid-way stops and reports the steps it timed (`truncated`).
+   torch._dynamo.reset() runs between variants, so one compiled variant's caches and recompile
+   limits never reach the next.
+3. NCCL (gloo on a CPU) at world size 1: the process group is initialised in this process and
+   every collective the trainer and checkpointer use (all_reduce sum/avg/max/min, all_gather,
+   reduce_scatter, broadcast, gather_object, broadcast_object_list, barrier) runs once, then a
+   Trainer takes 2 steps with the (1, 1, 1) mesh and writes a checkpoint.
 
-Prints one JSON object (and writes it to --out). `--smoke` runs both parts at toy sizes (2 steps,
-two variants without compile) on whatever device there is, so that tests/launch/test_gpu_check.py keeps
-this script working on machines without a GPU.
+Every part runs in its own try: a failure is recorded in the JSON (`failed`: the error) and the
+next part runs; the JSON file is rewritten after each part, so a crash keeps what finished.
+Prints one JSON object at the end (and writes it to --out); exit 1 when parity or any part failed.
+`--smoke` runs all parts at toy sizes (2 steps, two variants without compile, plus one variant
+made to fail on purpose, recorded as `failed` with `expected_failure`) on whatever device there
+is, so that tests/launch/test_gpu_check.py keeps this script working on machines without a GPU.
 
     bash benchmarks/gpu_check.sh            # writes benchmarks/results/gpu_check.json
 """
@@ -27,6 +39,7 @@ import os
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import numpy as np
@@ -63,7 +76,8 @@ def sync(device: torch.device) -> None:
 
 def losses(overrides: list[str], steps: int) -> list[float]:
     trainer = Trainer(load_config("configs/tiny_taper.yaml", overrides))
-    out = [trainer.train_step()["loss"] for _ in range(steps)]
+    out = [float(trainer.train_step()["loss"]) for _ in range(steps)]
+    trainer.prefetch.close()
     trainer.metrics.close()
     return out
 
@@ -78,39 +92,112 @@ def parity(folder: str, device: str, steps: int) -> dict:
             "ok": diff < PARITY_TOL}
 
 
-def throughput(shape: list[str], folder: str, ac: str, compiled: bool, steps: int, warmup: int) -> dict:
+def throughput(shape: list[str], folder: str, ac: str, compiled: bool, steps: int, warmup: int,
+               deadline: float) -> dict:
     cfg = load_config("configs/transformer_1.3b_taper.yaml", [
         *shape, f"run.dir={folder}/tp_{ac}_{int(compiled)}", "run.tensorboard=false", "parallel.pp=1",
         "parallel.microbatches=0", "parallel.zero=fsdp2", f"train.activation_checkpointing={ac}",
         f"train.compile={str(compiled).lower()}", "train.log_interval=1000", "train.eval_batches=1"])
     trainer = Trainer(cfg)
-    device = trainer.ctx.device
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    start = time.perf_counter()
-    for _ in range(warmup):  # compiles, DDP/FSDP lazy init, allocator warm-up
-        trainer.train_step()
-    sync(device)
-    warm_s = time.perf_counter() - start
-    start = time.perf_counter()
-    for _ in range(steps):
-        trainer.train_step()
-    sync(device)
-    step_s = (time.perf_counter() - start) / steps
-    tokens = cfg.train.global_batch * cfg.model.seq_len
-    flops_per_token = model_costs(cfg.model).total_flops
-    result = {"activation_checkpointing": ac, "compile": compiled, "step_s": step_s, "tokens_per_s": tokens / step_s,
-              "warmup_s": warm_s, "mfu": mfu(tokens / step_s, flops_per_token, peak_flops(device, trainer.bf16)),
-              "bf16": trainer.bf16, "params": model_costs(cfg.model).total_params}
-    if device.type == "cuda":
-        result["peak_allocated_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-        result["peak_reserved_gib"] = torch.cuda.max_memory_reserved(device) / 2**30
-    trainer.metrics.close()
-    del trainer
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    return result
+    try:
+        device = trainer.ctx.device
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        start = time.perf_counter()
+        for _ in range(warmup):  # compiles, FSDP lazy init, allocator warm-up
+            trainer.train_step()
+        sync(device)
+        warm_s = time.perf_counter() - start
+        start, done = time.perf_counter(), 0
+        while done < steps and (done == 0 or time.perf_counter() < deadline):
+            trainer.train_step()
+            done += 1
+            if time.perf_counter() >= deadline:
+                sync(device)
+        sync(device)
+        step_s = (time.perf_counter() - start) / done
+        tokens = cfg.train.global_batch * cfg.model.seq_len
+        peak = peak_flops(device, trainer.bf16)
+        causal, full = model_costs(cfg.model), model_costs(cfg.model, causal=False)
+        result = {"activation_checkpointing": ac, "compile": compiled, "steps": done, "truncated": done < steps,
+                  "step_s": step_s, "tokens_per_s": tokens / step_s, "warmup_s": warm_s,
+                  "mfu_causal": mfu(tokens / step_s, causal.total_flops, peak),
+                  "mfu_full_attention": mfu(tokens / step_s, full.total_flops, peak),
+                  "bf16": trainer.bf16, "params": causal.total_params}
+        if device.type == "cuda":
+            result["peak_allocated_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+            result["peak_reserved_gib"] = torch.cuda.max_memory_reserved(device) / 2**30
+        return result
+    finally:
+        if trainer.prefetch is not None:
+            trainer.prefetch.close()
+        trainer.metrics.close()
+        del trainer
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        torch._dynamo.reset()
+
+
+def collectives(folder: str, device: str) -> dict:
+    """World size 1 on NCCL (gloo on the CPU): every collective once, then 2 Trainer steps and a save."""
+    import torch.distributed as dist
+
+    backend = "nccl" if device == "cuda" else "gloo"
+    os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": os.environ.get("GPU_CHECK_PORT", "29533")})
+    dist.init_process_group(backend, world_size=1, rank=0,
+                            device_id=torch.device("cuda", 0) if device == "cuda" else None)
+    try:
+        x = torch.arange(4.0, device=device)
+        for op in (dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.MIN) + (
+                (dist.ReduceOp.AVG,) if backend == "nccl" else ()):
+            dist.all_reduce(x.clone(), op=op)
+        gathered = [torch.empty_like(x)]
+        dist.all_gather(gathered, x)
+        out = torch.empty_like(x)
+        dist.reduce_scatter_tensor(out, x)
+        dist.all_gather_into_tensor(torch.empty_like(x), x)
+        dist.broadcast(x, src=0)
+        objs = [None]
+        dist.gather_object({"a": 1}, objs, dst=0)
+        box = [{"b": 2}]
+        dist.broadcast_object_list(box, src=0)
+        dist.barrier()
+        ok = torch.equal(gathered[0], x) and torch.equal(out, x) and objs == [{"a": 1}] and box == [{"b": 2}]
+        cfg = load_config("configs/tiny_taper.yaml", [
+            "model.vocab_size=256", f"data.path={byte_tokens(folder)}", f"run.dir={folder}/collectives",
+            "run.tensorboard=false", f"train.device={device}", "train.steps=2", "train.log_interval=1",
+            "checkpoint.interval=1", "parallel.zero=fsdp2"])
+        code = Trainer(cfg).fit()
+        saved = sorted(os.listdir(os.path.join(folder, "collectives", "checkpoints")))
+        return {"backend": backend, "world_size": dist.get_world_size(), "collectives_ok": ok,
+                "trainer_exit_code": code, "checkpoints": saved, "ok": ok and code == 0}
+    finally:
+        dist.destroy_process_group()
+
+
+def attempt(report: dict, out: str, key: str, fn, *args, append: bool = False, **extra) -> None:
+    """Run one part; record its result or its failure, then rewrite the JSON file."""
+    began = time.perf_counter()
+    try:
+        result = {**extra, **fn(*args)}
+    except Exception as e:  # noqa: BLE001 - recorded, and the next part runs
+        result = {**extra, "failed": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-2000:]}
+    result["elapsed_s"] = time.perf_counter() - began
+    if append:
+        report.setdefault(key, []).append(result)
+    else:
+        report[key] = result
+    print(json.dumps({key: {k: v for k, v in result.items() if k != "traceback"}}), file=sys.stderr, flush=True)
+    write(report, out)
+
+
+def write(report: dict, out: str) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    tmp = out + ".tmp"
+    Path(tmp).write_text(json.dumps(report, indent=1) + "\n")
+    os.replace(tmp, out)
 
 
 def main() -> int:
@@ -121,41 +208,50 @@ def main() -> int:
     parser.add_argument("--smoke", action="store_true", help="toy sizes on any device (a CPU check of the script)")
     args = parser.parse_args()
     began = time.perf_counter()
+    deadline = began + args.budget_s
     cuda = torch.cuda.is_available()
     if not cuda and not args.smoke:
         print("error: no CUDA device (use --smoke to exercise the script on the CPU)", file=sys.stderr)
         return 2
     device = "cuda" if cuda else "cpu"
-    report: dict = {"benchmark": "gpu_check", "device": torch.cuda.get_device_name() if cuda else "cpu",
+    report: dict = {"benchmark": "gpu_check", "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+                    "device": torch.cuda.get_device_name() if cuda else "cpu",
                     "torch": torch.__version__, "cuda": torch.version.cuda, "smoke": args.smoke}
     if args.smoke:  # a 2-layer toy of the same recipe, 2 steps
         shape = ["model.n_layers=2", "model.d_model=64", "model.n_heads=4", "model.mlp_width=128",
                  "model.vocab_size=512", "model.seq_len=32", "train.global_batch=2", "train.micro_batch=2"]
         steps, warmup, parity_steps = 2, 1, 2
-        variants = [("none", False), ("full", False)]  # compile is covered by tests/parallel/test_step_engines.py
+        # compile is covered by tests/parallel/test_step_engines.py; "bogus" fails on purpose
+        variants = [("none", False), ("full", False), ("bogus", False)]
     else:  # global batch 8 x 2048 tokens as 2 micro-batches of 4
         shape = ["train.global_batch=8", "train.micro_batch=4"]
         steps, warmup, parity_steps = args.steps, 3, 10
         variants = VARIANTS
+    write(report, args.out)
     with tempfile.TemporaryDirectory() as folder:
-        report["parity"] = parity(folder, device, parity_steps)
+        attempt(report, args.out, "parity", parity, folder, device, parity_steps)
+        attempt(report, args.out, "collectives", collectives, folder, device)
         vocab = load_config("configs/transformer_1.3b_taper.yaml", shape).model.vocab_size
         shape = [*shape, f"data.path={random_tokens(folder, vocab, 4_000_000)}", f"train.device={device}",
                  "train.precision=bf16" if cuda else "train.precision=fp32"]
-        report["throughput"] = []
         for ac, compiled in variants:
-            if time.perf_counter() - began > args.budget_s:
-                report["throughput"].append({"activation_checkpointing": ac, "compile": compiled,
-                                             "skipped": f"time budget of {args.budget_s:.0f} s spent"})
+            label = {"activation_checkpointing": ac, "compile": compiled}
+            if ac == "bogus":
+                label["expected_failure"] = True
+            if time.perf_counter() > deadline:
+                skipped = f"time budget of {args.budget_s:.0f} s spent"
+                report.setdefault("throughput", []).append({**label, "skipped": skipped})
+                write(report, args.out)
                 continue
-            report["throughput"].append(throughput(shape, folder, ac, compiled, steps, warmup))
-            print(json.dumps(report["throughput"][-1]), file=sys.stderr, flush=True)
+            attempt(report, args.out, "throughput", throughput, shape, folder, ac, compiled, steps, warmup, deadline,
+                    append=True, **label)
     report["elapsed_s"] = time.perf_counter() - began
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    write(report, args.out)
     json.dump(report, sys.stdout)
     print()
-    return 0 if report["parity"]["ok"] else 1
+    failed = [r for r in report.get("throughput", []) if "failed" in r and not r.get("expected_failure")]
+    ok = report["parity"].get("ok") and report["collectives"].get("ok") and not failed
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -1,14 +1,26 @@
-"""Tokens/s of the Trainer's step against a bare PyTorch loop over the same model and batches.
+"""Tokens/s of the Trainer's step against a bare PyTorch loop over the same model and batches,
+and the Trainer's step before / after removing its per-step host syncs, side by side.
 
-Both run in this process, alternating in rounds so that machine noise hits both alike; prints
-one JSON object with the median tokens/s of each and their ratio (target >= 0.97).
+All run in this process, alternating in rounds so that machine noise hits all alike; prints one
+JSON object with the median tokens/s of each, their ratio (target >= 0.97), and host reads of
+device values per step (Tensor.item / float / int / bool, counted by wrapping them: each one is a
+device sync on CUDA). "before" is the Trainer with the loop of the previous version restored
+(`SyncingTrainer`: float(loss) and float(norm) every step, the stop flag read every step, batches
+drawn on the training thread); "after" is the Trainer as it is (reads at log intervals only,
+batches prefetched by a background thread).
 
-    python benchmarks/trainer_overhead.py [--steps 20] [--rounds 3] [key=value ...]
+    python benchmarks/trainer_overhead.py [--steps 20] [--rounds 3] [--data-delay-ms 0] [key=value ...]
+
+--data-delay-ms D makes every batch of the training source take D ms more to draw (a slow
+filesystem or object store standing in: `SlowSource`), for both Trainers (the bare loop's
+batches are drawn before it is timed); with the prefetch thread, a step no longer waits for it
+once the delay per step is below the step's compute.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import tempfile
@@ -22,7 +34,7 @@ from megatron_taper.config import load_config
 from megatron_taper.data.corpus import embedded_files
 from megatron_taper.models import build_model
 from megatron_taper.models.layers import cross_entropy
-from megatron_taper.optim import build_optimizer
+from megatron_taper.optim import build_optimizer, lr_at
 from megatron_taper.trainer import Trainer
 
 
@@ -48,20 +60,92 @@ def bare_loop(cfg, batches: list[list[torch.Tensor]]) -> float:
     return time.perf_counter() - start
 
 
-def trainer_loop(cfg, steps: int) -> float:
-    trainer = Trainer(cfg)
+class SyncingTrainer(Trainer):
+    """The step as it was before: batches drawn inline, loss, norm and the stop flag read on the
+    host every step."""
+
+    def train_step(self) -> dict:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr_at(self.step, self.cfg.train)
+        micro_batches = [self.train_source.next_batch() for _ in range(self.accum)]
+        loss = self._dp_mean(self.pm.forward_backward(micro_batches, self.autocast))
+        loss_value = float(loss)
+        grad_norm, stepped = self.pm.optimizer_step(self.optimizer, self.cfg.train.grad_clip,
+                                                    math.isfinite(loss_value))
+        norm_value = float(grad_norm)
+        self.health.update(stepped, self.step + 1, self.cfg.train.max_nonfinite)
+        self.health.breach_step()
+        self.step += 1
+        self._agreed_stop()
+        return {"loss": loss_value, "grad_norm": norm_value}
+
+
+class SlowSource:
+    """A training source whose every batch takes `delay_s` more (a slow remote source)."""
+
+    def __init__(self, source, delay_s: float):
+        self.source, self.delay_s = source, delay_s
+
+    def next_batch(self):
+        time.sleep(self.delay_s)
+        return self.source.next_batch()
+
+    def __getattr__(self, name):
+        return getattr(self.source, name)
+
+
+class HostReads:
+    """Counts host reads of tensor values (Tensor.item / __float__ / __int__ / __bool__)."""
+
+    NAMES = ("item", "__float__", "__int__", "__bool__")
+
+    def __init__(self):
+        self.count = 0
+
+    def __enter__(self):
+        self.saved = {n: getattr(torch.Tensor, n) for n in self.NAMES}
+        for name, fn in self.saved.items():
+            setattr(torch.Tensor, name, self._counting(fn))
+        return self
+
+    def _counting(self, fn):
+        def wrapper(t, *a, **k):
+            self.count += 1
+            return fn(t, *a, **k)
+        return wrapper
+
+    def __exit__(self, *exc):
+        for name, fn in self.saved.items():
+            setattr(torch.Tensor, name, fn)
+
+
+def trainer_loop(cfg, steps: int, cls=Trainer, delay_s: float = 0.0) -> tuple[float, float]:
+    """Seconds for `steps` steps as fit() runs them (a log read every train.log_interval), and
+    host reads per step."""
+    trainer = cls(cfg)
+    if delay_s:
+        trainer.train_source = SlowSource(trainer.train_source, delay_s)
+    trainer.train_step()  # warm-up (and the prefetch thread started)
     start = time.perf_counter()
-    for _ in range(steps):
-        trainer.train_step()
+    with HostReads() as reads:
+        for _ in range(steps):
+            record = trainer.train_step()
+            if trainer.step % cfg.train.log_interval == 0:
+                trainer.check_health()
+                _ = {k: float(v) for k, v in record.items() if isinstance(v, (torch.Tensor, float))}
+                trainer._agreed_stop()
     elapsed = time.perf_counter() - start
+    if trainer.prefetch is not None:
+        trainer.prefetch.close()
     trainer.metrics.close()
-    return elapsed
+    return elapsed, reads.count / steps
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--data-delay-ms", type=float, default=0.0)
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
@@ -74,10 +158,14 @@ def main() -> None:
         probe.metrics.close()
         tokens = args.steps * cfg.train.global_batch * cfg.model.seq_len
         bare_loop(cfg, batches[:2])  # warm-up
-        bare, ours = [], []
+        bare, ours, before = [], [], []
         for _ in range(args.rounds):
             bare.append(tokens / bare_loop(cfg, batches))
-            ours.append(tokens / trainer_loop(cfg, args.steps))
+            delay = args.data_delay_ms / 1000
+            seconds, reads_before = trainer_loop(cfg, args.steps, SyncingTrainer, delay)
+            before.append(tokens / seconds)
+            seconds, reads_after = trainer_loop(cfg, args.steps, Trainer, delay)
+            ours.append(tokens / seconds)
     result = {
         "benchmark": "trainer_overhead",
         "config": "configs/tiny_taper.yaml",
@@ -87,6 +175,13 @@ def main() -> None:
         "bare_tokens_per_s": statistics.median(bare),
         "trainer_tokens_per_s": statistics.median(ours),
         "ratio": statistics.median(ours) / statistics.median(bare),
+        "before_syncing_trainer_tokens_per_s": statistics.median(before),
+        "before_ratio": statistics.median(before) / statistics.median(bare),
+        "log_interval": cfg.train.log_interval,
+        "data_delay_ms_per_batch": args.data_delay_ms,
+        "batches_per_step": cfg.train.global_batch // cfg.train.micro_batch,
+        "host_reads_per_step_before": reads_before,
+        "host_reads_per_step_after": reads_after,
         "target_ratio": 0.97,
     }
     json.dump(result, sys.stdout)

@@ -25,6 +25,7 @@ from megatron_taper.checkpoint.checkpointer import Checkpointer, checkpoint_root
 from megatron_taper.config import Config, ConfigError, load_config, save_config
 from megatron_taper.console import format_duration, peak_memory, report_error, summary_lines
 from megatron_taper.cost.flops import mfu, model_costs, peak_flops
+from megatron_taper.data.prefetch import Prefetcher
 from megatron_taper.data.sources import build_sources
 from megatron_taper.held_out import combined_loss, evaluate_held_out
 from megatron_taper.metrics import MetricsLogger, timestamp
@@ -62,6 +63,30 @@ class StopSignal:
         self._previous = {}
 
 
+class StepHealth:
+    """The non-finite policy's counters, kept on the device so that a step never waits for the
+    host: skipped steps, non-finite steps in a row, and the first step at which the run reached
+    train.max_nonfinite in a row (0: not reached)."""
+
+    def __init__(self, device: torch.device, skipped: int = 0):
+        self.skipped = torch.tensor(skipped, dtype=torch.int64, device=device)
+        self.in_row = torch.zeros((), dtype=torch.int64, device=device)
+        self.breach = torch.zeros((), dtype=torch.int64, device=device)
+
+    def update(self, stepped: torch.Tensor, step: int, max_nonfinite: int) -> None:
+        bad = (~stepped.to(self.in_row.device)).long()
+        self.skipped += bad
+        self.in_row = (self.in_row + 1) * bad
+        first = (self.breach == 0) & (self.in_row >= max_nonfinite)
+        self.breach = torch.where(first, torch.full_like(self.breach, step), self.breach)
+
+    def skipped_steps(self) -> int:
+        return int(self.skipped)
+
+    def breach_step(self) -> int:
+        return int(self.breach)
+
+
 class Trainer:
     def __init__(self, cfg: Config, ctx: ParallelContext | None = None, stop: StopSignal | None = None):
         self.cfg = cfg
@@ -72,14 +97,13 @@ class Trainer:
         self.train_source, self.held_out = build_sources(
             cfg.data, seq_len=m.seq_len, micro_batch=t.micro_batch, seed=t.seed, vocab_size=m.vocab_size,
             dp_rank=self.ctx.dp_rank, dp_size=self.ctx.dp)
-        # data.mix: the realised share of each source so far (mix/<name>), logged with every step
-        self.data_metrics = getattr(self.train_source, "metrics", dict)
         self.flops_per_token = model_costs(m).total_flops
         self.peak = peak_flops(self.ctx.device, self.bf16, t.peak_tflops)
         self.step = 0
         self.last_saved = -1
-        self.skipped = 0
-        self.nonfinite_in_row = 0
+        self.health = StepHealth(self.ctx.device)
+        self.prefetch: Prefetcher | None = None
+        self.data_state: dict | None = None  # the source's state after the last consumed step
         self.stop = stop or StopSignal()
         self._prepare_run_dir()
         self.metrics = MetricsLogger(cfg.run.dir, self.ctx.is_main, cfg.run.tensorboard, cfg.run.wandb,
@@ -113,7 +137,8 @@ class Trainer:
                 self._print(f"initialised from: {source} (weights only; optimizer, step and data start fresh)")
             return
         path, state = loaded
-        self.step, self.skipped = state["step"], state["skipped"]
+        self.step = state["step"]
+        self.health = StepHealth(self.ctx.device, skipped=state["skipped"])
         self.last_saved = self.step
         self.train_source.load_state_dict(state["data"])
         self.metrics.truncate_after(self.step)
@@ -133,29 +158,34 @@ class Trainer:
     # -- the loop ------------------------------------------------------------------------------
 
     def train_step(self) -> dict:
+        """One step. Loss and grad norm stay on the device (no host sync): `record` holds tensors,
+        read at log intervals (`_log_step`), as are the non-finite counters (`check_health`)."""
         for group in self.optimizer.param_groups:
             group["lr"] = lr_at(self.step, self.cfg.train)
-        micro_batches = [self.train_source.next_batch() for _ in range(self.accum)]
+        if self.prefetch is None:
+            self.prefetch = Prefetcher(self.train_source, self.accum, pin=self.ctx.device.type == "cuda")
+        micro_batches, self.data_state, data_metrics = self.prefetch.next()
         loss = self._dp_mean(self.pm.forward_backward(micro_batches, self.autocast))
-        loss_value = float(loss)
-        # reduce, clip and step (or skip a non-finite step); the engine owns how (ZeRO, DeepSpeed)
-        grad_norm, stepped = self.pm.optimizer_step(self.optimizer, self.cfg.train.grad_clip,
-                                                    math.isfinite(loss_value))
-        norm_value = float(grad_norm)
-        if stepped:
-            self.nonfinite_in_row = 0
-        else:
-            self.skipped += 1
-            self.nonfinite_in_row += 1
-            if self.nonfinite_in_row >= self.cfg.train.max_nonfinite:
-                raise NonFiniteLossError(
-                    f"loss or gradient norm was non-finite for {self.nonfinite_in_row} steps in a row (up to step "
-                    f"{self.step + 1}, train.max_nonfinite={self.cfg.train.max_nonfinite}); lower train.lr, enable "
-                    f"train.grad_clip or check the data"
-                )
+        # reduce, clip and step (or skip a non-finite step, on the device); the engine owns how
+        grad_norm, stepped = self.pm.optimizer_step(self.optimizer, self.cfg.train.grad_clip, torch.isfinite(loss))
         self.step += 1
-        return {"loss": loss_value, "grad_norm": norm_value, "lr": self.optimizer.param_groups[0]["lr"],
-                **self.data_metrics()}
+        self.health.update(stepped, self.step, self.cfg.train.max_nonfinite)
+        return {"loss": loss, "grad_norm": grad_norm, "lr": self.optimizer.param_groups[0]["lr"], **data_metrics}
+
+    @property
+    def skipped(self) -> int:
+        return self.health.skipped_steps()
+
+    def check_health(self) -> None:
+        """Raise NonFiniteLossError if train.max_nonfinite steps in a row were non-finite (a host
+        read of the device counters: at log intervals, before every save and at the end)."""
+        breach = self.health.breach_step()
+        if breach:
+            n = self.cfg.train.max_nonfinite
+            raise NonFiniteLossError(
+                f"loss or gradient norm was non-finite for {n} steps in a row (up to step {breach}, "
+                f"train.max_nonfinite={n}); lower train.lr, enable train.grad_clip or check the data"
+            )
 
     def evaluate(self) -> dict[str, float] | None:
         """Held-out loss: "" the loss (data.mix: the sources' losses weighted by the mixture), and
@@ -178,7 +208,9 @@ class Trainer:
                 steps_here += 1
                 self.checkpointer.poll()  # completes a background save once every rank has written
                 self._report_saved()
-                if self.step % t.log_interval == 0 or self.step == t.steps:
+                at_log = self.step % t.log_interval == 0 or self.step == t.steps
+                if at_log:
+                    self.check_health()
                     now = time.perf_counter()
                     step_time = (now - last_time) / max(self.step - last_step, 1)
                     last_time, last_step = now, self.step
@@ -187,13 +219,15 @@ class Trainer:
                     self._log_step(record, step_time, tokens_per_step, eta)
                 if t.eval_interval and self.step % t.eval_interval == 0 and self.step < t.steps:
                     self._log_eval()
-                if self._agreed_stop():
+                # signals are agreed on at log intervals and checkpoint steps (a collective)
+                at_save = bool(ckpt.interval) and self.step % ckpt.interval == 0
+                if (at_log or at_save) and self._agreed_stop():
                     self.save(final=True)
                     self._print(f"stopped by signal {self.stop.received} at step {self.step}; checkpoint written")
                     return EXIT_REQUEUE
                 if self.step == t.steps:
                     break
-                if ckpt.interval and self.step % ckpt.interval == 0:
+                if at_save:
                     self.save()
                 if t.exit_after and steps_here >= t.exit_after:
                     self.save(final=True)
@@ -203,18 +237,23 @@ class Trainer:
             self.save(final=True)
             return 0
         finally:
+            if self.prefetch is not None:
+                self.prefetch.close()
             self.metrics.close()
 
     def save(self, final: bool = False) -> None:
         """Checkpoint the current step; `final`: also wait until it (and any background save) is
         complete, before the process exits."""
+        self.check_health()  # never a checkpoint after train.max_nonfinite non-finite steps in a row
         if self.step != self.last_saved:
             self.last_saved = self.step
             self._saving[os.path.join(checkpoint_root(self.cfg.run.dir), f"step-{self.step}")] = time.perf_counter()
             self.checkpointer.save(self.optimizer, self.step, self.cfg.to_dict(), {"skipped": self.skipped},
-                                   self.train_source.state_dict())
+                                   self.data_state if self.data_state is not None
+                                   else self.train_source.state_dict())
         if final:
             self.checkpointer.wait()
+            self.checkpointer.join_cleanup()  # rank 0's deletions of older checkpoints
         self._report_saved()
 
     def _report_saved(self) -> None:
@@ -228,6 +267,7 @@ class Trainer:
     # -- helpers -------------------------------------------------------------------------------
 
     def _log_step(self, record: dict, step_time: float, tokens_per_step: int, eta: float) -> None:
+        record = {k: float(v) if isinstance(v, torch.Tensor) else v for k, v in record.items()}  # the host read
         tokens_per_s = tokens_per_step / max(step_time, 1e-9)
         memory_gb, memory_kind = peak_memory(self.ctx.device)
         memory_gb = self._max_over_ranks(memory_gb)

@@ -10,11 +10,15 @@ Layout of `run.dir/checkpoints/step-N/` (format 2):
                                 DeepSpeed's files)
 
 Saving: each rank copies its own pieces to the CPU (no communication, except DeepSpeed's gather of
-logical tensors) and writes one file; rank 0 gathers the small per-rank indexes, writes meta.json
-last, and renames `.tmp-step-N/` to `step-N/` (fsynced), so a folder named step-N is complete.
-With `checkpoint.async_save`, the writing runs in a background thread after the copy; the
+logical tensors) and writes one file; rank 0 gathers the small per-rank indexes (a gather to rank
+0, not an all-gather), writes meta.json last, and renames `.tmp-step-N/` to `step-N/` (fsynced),
+so a folder named step-N is complete. Rank 0 never deletes while the others wait in a
+collective: a folder to replace is renamed aside, and deleting it, leftovers of unfinished saves
+(`.tmp-step-*`) and checkpoints beyond `checkpoint.keep` runs in a thread after the barrier.
+With `checkpoint.async_save`, the writing runs in a background thread after the copy (from a GPU:
+non-blocking copies into pinned buffers kept for the next save, ParallelModel.checkpoint_pieces); the
 Trainer calls `poll()` every step, and once every rank has finished, the folder is renamed. A
-kill before that leaves only a `.tmp-` folder, which is never loaded (and removed by the next
+kill before that leaves only a `.tmp-` folder, which is never loaded (and removed after the next
 save); the previous checkpoint stays the newest.
 
 Loading: every rank reads from the records only the boxes of its own parameters and state
@@ -103,6 +107,7 @@ class Checkpointer:
     def __init__(self, root: str, options: CheckpointConfig, pm: ParallelModel):
         self.root, self.options, self.pm, self.ctx = root, options, pm, pm.ctx
         self.pending: _Pending | None = None
+        self.cleanups: list[threading.Thread] = []  # the main rank's deletions, off the step
         self.bytes_read = 0  # of parameter and optimizer records by this rank's last load
 
     # -- saving --------------------------------------------------------------------------------
@@ -115,11 +120,10 @@ class Checkpointer:
         tmp, final = os.path.join(self.root, f".tmp-step-{step}"), os.path.join(self.root, f"step-{step}")
         if ctx.is_main:
             os.makedirs(self.root, exist_ok=True)
-            for name in os.listdir(self.root):  # leftovers of saves that never finished
-                if name.startswith(".tmp-step-"):
-                    shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
+            if os.path.exists(tmp):  # a leftover of this very step: moved aside (deleted off the step)
+                os.rename(tmp, self._trash_name(tmp))
             os.makedirs(tmp)
-        per_rank = _gather_objects(ctx, {"rng": _rng_state(), "data": data_state})
+        per_rank = _gather_to_main(ctx, {"rng": _rng_state(), "data": data_state})
         ctx.barrier()
         pieces = self.pm.checkpoint_pieces(optimizer, copy=self.options.async_save)
         native: dict[str, dict] = {}
@@ -164,13 +168,21 @@ class Checkpointer:
             self._finalise()
 
     def _finalise(self) -> None:
+        """Index gathered to the main rank (not to all), meta.json, rename; the main rank does
+        nothing slow while the others wait: a replaced folder is renamed aside, and deleting it,
+        the leftovers of unfinished saves and the checkpoints beyond options.keep happens in a
+        background thread after the barrier."""
         p, ctx = self.pending, self.ctx
         self.pending = None
         p.thread.join()
-        results = _gather_objects(ctx, p.result)
-        errors = [f"rank {r}: {res['error']}" for r, res in enumerate(results) if "error" in res]
+        results = _gather_to_main(ctx, p.result)
+        errors = None
+        if ctx.is_main:
+            errors = "; ".join(f"rank {r}: {res['error']}" for r, res in enumerate(results) if "error" in res)
+        errors = _broadcast_from_main(ctx, errors)
         if errors:
-            raise CheckpointError(f"{p.tmp}: writing the checkpoint failed: " + "; ".join(errors))
+            raise CheckpointError(f"{p.tmp}: writing the checkpoint failed: " + errors)
+        doomed: list[str] = []
         if ctx.is_main:
             files: dict[str, dict] = {}
             for res in results:
@@ -181,11 +193,31 @@ class Checkpointer:
             _write_text(os.path.join(p.tmp, "meta.json"), json.dumps(meta))
             _fsync_dir(p.tmp)
             if os.path.exists(p.final):
-                shutil.rmtree(p.final)
+                aside = self._trash_name(p.final)
+                os.rename(p.final, aside)
+                doomed.append(aside)
             os.rename(p.tmp, p.final)
             _fsync_dir(self.root)
-            _prune(self.root, self.options.keep)
+            doomed += _to_prune(self.root, self.options.keep)
+            doomed += [os.path.join(self.root, n) for n in os.listdir(self.root)
+                       if n.startswith((".tmp-step-", ".trash-")) and os.path.join(self.root, n) not in doomed]
         ctx.barrier()
+        if doomed:  # not a daemon: the interpreter finishes it before exiting
+            self.cleanups = [t for t in self.cleanups if t.is_alive()]
+            self.cleanups.append(threading.Thread(target=_remove_all, args=(doomed,), name="checkpoint-prune"))
+            self.cleanups[-1].start()
+
+    def join_cleanup(self) -> None:
+        """Wait for the main rank's background deletions."""
+        for thread in self.cleanups:
+            thread.join()
+        self.cleanups = []
+
+    def _trash_name(self, path: str) -> str:
+        n = 0
+        while os.path.exists(aside := os.path.join(self.root, f".trash-{os.path.basename(path)}-{n}")):
+            n += 1
+        return aside
 
     # -- loading -------------------------------------------------------------------------------
 
@@ -430,11 +462,18 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def _prune(root: str, keep: int) -> None:
-    if keep <= 0:
-        return
-    for _, path in list_checkpoints(root)[:-keep]:
-        shutil.rmtree(path, ignore_errors=True)
+def _to_prune(root: str, keep: int) -> list[str]:
+    """The complete checkpoints beyond the newest `keep` (keep <= 0: none)."""
+    return [path for _, path in list_checkpoints(root)[:-keep]] if keep > 0 else []
+
+
+def remove_tree(path: str) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _remove_all(paths: list[str]) -> None:
+    for path in paths:
+        remove_tree(path)
 
 
 def _gather_objects(ctx, obj) -> list:
@@ -443,6 +482,23 @@ def _gather_objects(ctx, obj) -> list:
     out = [None] * ctx.world_size
     dist.all_gather_object(out, obj)
     return out
+
+
+def _gather_to_main(ctx, obj) -> list | None:
+    """Every rank's `obj` on the main rank (rank order); None on the others."""
+    if ctx.mesh is None:
+        return [obj]
+    out = [None] * ctx.world_size if ctx.is_main else None
+    dist.gather_object(obj, out, dst=0)
+    return out
+
+
+def _broadcast_from_main(ctx, obj):
+    if ctx.mesh is None:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def _rng_state() -> dict:

@@ -4,7 +4,8 @@ A logical tensor (a parameter or an AdamW state tensor, full shape, keyed `model
 `optim/<name>/<state key>`) is stored as records: boxes of it (offsets and sizes per dimension),
 each written once by the rank that owns that box (replicas write nothing). Rank r writes all its
 records into `shards/rank-<r>.safetensors`; the index in meta.json lists, per key, its full shape,
-dtype and records {file, offsets, sizes, sha256 of the record's bytes}.
+dtype and records {file, offsets, sizes, sha256 of the record's bytes, and name: the tensor's name in the file
+when it is not the key (a key's second and later boxes on one rank, `key#i`)}.
 
 Reading a box (a rank's local piece under any layout) loads only the records that overlap it
 (plain reads of one record's bytes at the offsets of the safetensors header; a record that is
@@ -60,11 +61,19 @@ def write_pieces(folder: str, rank: int, pieces: list[Piece]) -> tuple[dict[str,
     name = shard_file(rank)
     path = os.path.join(folder, name)
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    save_file({p.key: p.data.contiguous() for p in pieces}, path)
+    index: dict[str, list] = {}
+    tensors = {}
+    for p in pieces:  # a key's second and later boxes on this rank (DeepSpeed's flat partitions): key#i
+        records = index.setdefault(p.key, [])
+        record = {"shape": list(p.full_shape), "dtype": str(p.data.dtype).removeprefix("torch."),
+                  "file": name, "offsets": list(p.offsets), "sizes": list(p.data.shape),
+                  "sha256": tensor_sha256(p.data)}
+        if records:
+            record["name"] = f"{p.key}#{len(records)}"
+        records.append(record)
+        tensors[record.get("name", p.key)] = p.data.contiguous()
+    save_file(tensors, path)
     fsync_file(path)
-    index = {p.key: [{"shape": list(p.full_shape), "dtype": str(p.data.dtype).removeprefix("torch."),
-                      "file": name, "offsets": list(p.offsets), "sizes": list(p.data.shape),
-                      "sha256": tensor_sha256(p.data)}] for p in pieces}
     return index, {name: {"size": os.path.getsize(path)}}
 
 
@@ -76,7 +85,7 @@ def merge_index(parts: list[dict[str, list]]) -> dict[str, dict]:
             for rec in records:
                 entry = merged.setdefault(key, {"shape": rec["shape"], "dtype": rec["dtype"], "records": []})
                 assert entry["shape"] == rec["shape"], (key, entry["shape"], rec["shape"])
-                entry["records"].append({k: rec[k] for k in ("file", "offsets", "sizes", "sha256")})
+                entry["records"].append({k: rec[k] for k in ("file", "offsets", "sizes", "sha256", "name") if k in rec})
     for key, entry in merged.items():
         covered = sum(_numel(r["sizes"]) for r in entry["records"])
         assert covered == _numel(entry["shape"]), f"{key}: records cover {covered} of {_numel(entry['shape'])}"
@@ -138,9 +147,10 @@ class CheckpointReader:
         process's resident set), into `into` when given (same shape and dtype), sha256-checked."""
         path = os.path.join(self.folder, rec["file"])
         header = self._header(path, rec["file"])
-        info = header.get(key)
+        stored = rec.get("name", key)  # the record's tensor name in the file (default: the key)
+        info = header.get(stored)
         if info is None:
-            raise CheckpointError(f"{path}: has no record {key!r}")
+            raise CheckpointError(f"{path}: has no record {stored!r}")
         begin, end = info["data_offsets"]
         dtype = getattr(torch, self._entry(key)["dtype"])
         data = into if into is not None else torch.empty(rec["sizes"], dtype=dtype)

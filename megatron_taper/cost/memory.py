@@ -7,12 +7,14 @@ stage s; GPipe: m; without pipelining 1):
     peak = static + (n - 1) * K + top + buffers
 
 static   per tp-local parameter P of the stage: parameters, gradients, AdamW state
-         (zero=none, also DDP: 4 + 4 + 8 bytes; fsdp2 with dp > 1: 16 / dp; deepspeed: (param
-         bytes + 4 grad + 4 fp32 master + 8 AdamW) / dp, less what is offloaded), plus weights
-         held unsharded: fsdp2 under pipelining keeps the stage's parameters gathered and their
-         gradients unsharded through the step (2 x compute bytes per P); fsdp2 without
-         pipelining does so for the root (embedding, final norm, head); bf16 autocast without
-         a ZeRO engine keeps a bf16 copy of every weight it casts (2 bytes per P).
+         (one precision policy, docs/precision.md: all fp32. zero=none, also DDP: 4 + 4 + 8
+         bytes; fsdp2 with dp > 1: 16 / dp; deepspeed: (4 param + 4 grad + 4 fp32 master + 8
+         AdamW) / dp, less what is offloaded), plus weights held unsharded: fsdp2 under
+         pipelining keeps the stage's parameters gathered and their gradients unsharded through
+         the step (matmul weights in the compute dtype, embedding in fp32; gradients accumulated
+         in fp32 under pipelining); fsdp2 without pipelining does so for the root (embedding,
+         final norm, head); bf16 autocast (every layout but fsdp2 at dp > 1, which gathers
+         matmul weights in bf16) keeps a bf16 copy of every weight it casts (2 bytes per P).
 K        bytes one micro-batch keeps for backward: sum over the stage's blocks of their saved
          activations (cost/block.py: per token x tokens per micro-batch, plus any kept once
          per micro-batch), or of their input [b, S, d] alone for the blocks that recompute
@@ -98,23 +100,30 @@ class MemorySetup:
         return self.zero == "fsdp2" and self.dp > 1
 
     def state_bytes_per_param(self) -> float:
-        """Parameters + gradients + optimizer state per tp-local parameter on one rank."""
+        """Parameters + gradients + optimizer state per tp-local parameter on one rank (fp32 at
+        every layout and precision: docs/precision.md)."""
         if self.bytes_per_param is not None:
             return self.bytes_per_param
         adamw = ADAMW_BYTES if self.optimizer else 0.0
-        if self.zero == "deepspeed":
-            on_device = (0 if self.offload_param else self.compute_bytes) + 4.0
+        if self.zero == "deepspeed":  # fp32 partitions, fp32 gradients, DeepSpeed's fp32 master copy
+            on_device = (0 if self.offload_param else 4.0) + 4.0
             on_device += 0 if self.offload_optimizer else 4.0 + adamw
             return on_device / self.dp
         return (8.0 + adamw) / (self.dp if self.fsdp else 1)
 
-    def unsharded_bytes_per_param(self) -> float:
-        """fsdp2: a gathered parameter and its unsharded gradient, both in the compute dtype."""
-        return 2.0 * self.compute_bytes if self.fsdp else 0.0
+    def unsharded_bytes_per_param(self, matmul: bool = True) -> float:
+        """fsdp2: a gathered parameter and its unsharded gradient. Matmul-only layers (`matmul`)
+        are gathered in the compute dtype, the rest (embedding, norms) in fp32; under pipelining
+        the unsharded gradient accumulates over the micro-batches in fp32 (reduce_dtype)."""
+        if not self.fsdp:
+            return 0.0
+        param = self.compute_bytes if matmul else 4.0
+        return param + (4.0 if self.pipelined else param)
 
     def cast_bytes_per_param(self) -> float:
-        """bf16 autocast's copies of fp32 weights (sharding ZeRO engines hold bf16 weights already)."""
-        return 2.0 if self.bf16 and not (self.fsdp or self.zero == "deepspeed") else 0.0
+        """bf16 autocast's copies of fp32 weights, kept for backward (fsdp2 at dp > 1 gathers the
+        matmul weights in bf16 instead: nothing to cast)."""
+        return 2.0 if self.bf16 and not self.fsdp else 0.0
 
 
 @dataclass(frozen=True)
@@ -207,12 +216,13 @@ def _activations(cost: Cost) -> Split:
 
 
 def piece_memory(cost: Cost, shares: Split, setup: MemorySetup, tokens: int, recompute: bool, d_model: int,
-                 block: bool) -> PieceMemory:
-    """Bytes of one piece (see PieceMemory); `tokens` per micro-batch on this rank."""
+                 block: bool, matmul: bool = True) -> PieceMemory:
+    """Bytes of one piece (see PieceMemory); `tokens` per micro-batch on this rank; `matmul`: its
+    parameters are matmul weights (not an embedding)."""
     params = local_params(cost, shares)
     static = params * (setup.state_bytes_per_param() + setup.cast_bytes_per_param())
     if setup.pipelined or not block:
-        static += params * setup.unsharded_bytes_per_param()
+        static += params * setup.unsharded_bytes_per_param(matmul)
     full = act_bytes_per_token(_activations(cost), shares, setup) * tokens
     full += act_bytes_per_token(cost.per_batch, shares, setup)
     moments = [act_bytes_per_token(m, shares, setup) * tokens for m in cost.backward]
@@ -239,8 +249,10 @@ def model_memory(cfg: ModelConfig, setup: MemorySetup) -> ModelMemory:
               for i, (cost, width) in enumerate(zip(costs.layers, costs.widths))]
     shares = _shares(cfg, setup.tp, cfg.taper.multiple)
     head = head_cost(cfg, vocab_parallel=setup.tp > 1)
-    return ModelMemory(layers, piece_memory(costs.embedding, shares, setup, tokens, False, cfg.d_model, block=False),
-                       piece_memory(head, shares, setup, tokens, False, cfg.d_model, block=False),
+    embedding = piece_memory(costs.embedding, shares, setup, tokens, False, cfg.d_model, block=False, matmul=False)
+    return ModelMemory(layers, embedding,
+                       piece_memory(head, shares, setup, tokens, False, cfg.d_model, block=False,
+                                    matmul=not cfg.tie_embeddings),
                        boundary_bytes(cfg.d_model, tokens, setup), setup)
 
 

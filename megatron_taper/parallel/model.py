@@ -52,6 +52,9 @@ class ParallelModel:
     # zero=none with dp > 1: `module` behind torch DDP (attach_data_parallel), used for training
     # forwards; `module` itself stays the unwrapped one (names, checkpoints, evaluation)
     dp_module: nn.Module | None = None
+    # CUDA: pinned host buffers an async save stages its device-to-host copies into, by key
+    # (reused from save to save; the previous save's writer has finished before the next copy)
+    pinned: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def full_tensor(self, name: str, local: torch.Tensor) -> torch.Tensor:
         """The logical tensor of parameter `name` (or of a state tensor shaped like it). For a
@@ -79,16 +82,24 @@ class ParallelModel:
         return build_optimizer(self.module, train, self.ctx.device)
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer, max_norm: float,
-                       loss_finite: bool = True) -> tuple[torch.Tensor, bool]:
+                       loss_finite: bool | torch.Tensor = True) -> tuple[torch.Tensor, torch.Tensor]:
         """Reduce and clip gradients, then step unless the loss or the gradient norm is
-        non-finite; gradients are cleared either way. Returns (global grad norm, stepped)."""
+        non-finite; gradients are cleared either way. Returns (global grad norm, stepped), both
+        0-dim tensors on the device: with a fused AdamW the skip happens on the device (its
+        `found_inf`, as torch's GradScaler uses it), so nothing waits for the host."""
         self.reduce_gradients()
         norm = self.clip_gradients(max_norm)
-        stepped = loss_finite and math.isfinite(float(norm))
-        if stepped:
+        finite = torch.isfinite(norm) & torch.as_tensor(loss_finite, device=norm.device)
+        if all(group.get("fused") for group in optimizer.param_groups):
+            optimizer.found_inf = (~finite).float()  # 1.0: the fused kernel leaves params, state and step
+            try:
+                optimizer.step()
+            finally:
+                del optimizer.found_inf
+        elif bool(finite):  # (a host sync: only optimizers without a fused kernel)
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        return norm, stepped
+        return norm, finite
 
     # -- checkpoints (checkpoint.py) ---------------------------------------------------------------
 
@@ -158,9 +169,12 @@ class ParallelModel:
 
     def checkpoint_pieces(self, optimizer: torch.optim.Optimizer, copy: bool = True) -> list[Piece]:
         """The pieces of parameters and AdamW state this rank writes, on the CPU (no
-        communication); `copy=False` shares the memory of CPU tensors (a synchronous save)."""
+        communication); `copy=False` shares the memory of CPU tensors (a synchronous save). For an
+        async save from a GPU the copies go into pinned buffers (`pinned`, kept for the next save:
+        one host copy of the rank's state), non-blocking, with one synchronisation at the end."""
         self._reshard()
         pieces = []
+        staged = False
         for name, param in self.module.named_parameters():
             full, offsets, owner = self.piece_box(name, param)
             if not owner:
@@ -168,11 +182,20 @@ class ParallelModel:
             tensors = {f"model/{name}": param}
             tensors.update({f"optim/{name}/{k}": v for k, v in optimizer.state.get(param, {}).items()})
             for key, t in tensors.items():
-                data = local_part(t.detach()).to("cpu", copy=copy)
+                data = local_part(t.detach())
+                if data.device.type == "cuda" and copy:  # an async save
+                    buffer = self.pinned.get(key)
+                    if buffer is None or buffer.shape != data.shape or buffer.dtype != data.dtype:
+                        buffer = self.pinned[key] = torch.empty(data.shape, dtype=data.dtype, pin_memory=True)
+                    data, staged = buffer.copy_(data, non_blocking=True), True
+                else:
+                    data = data.to("cpu", copy=copy)
                 if data.dim():
                     pieces.append(Piece(key, full, offsets, data))
                 elif not any(offsets):  # a scalar (AdamW's step): written by the first box's owner
                     pieces.append(Piece(key, (), (), data))
+        if staged:
+            torch.cuda.synchronize()
         return pieces
 
     def load_pieces(self, optimizer: torch.optim.Optimizer, reader: CheckpointReader) -> None:

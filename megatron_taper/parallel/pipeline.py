@@ -30,12 +30,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron_taper.parallel.context import ParallelContext
+from megatron_taper.parallel.context import ParallelContext, uses_bf16
 from megatron_taper.parallel.data_parallel import wrap_ddp
 from megatron_taper.parallel.meta_init import is_meta
 from megatron_taper.parallel.model import ParallelModel
 from megatron_taper.parallel.partition import PipelinePlan, plan_pipeline
-from megatron_taper.parallel.profile import profile_layer_times
+from megatron_taper.parallel.profile import profile_layer_times, profile_meta_layer_times
 
 if TYPE_CHECKING:
     from megatron_taper.config import ModelConfig, ParallelConfig, TrainConfig
@@ -161,7 +161,7 @@ def plan_stages(model_cfg: ModelConfig, parallel: ParallelConfig, train: TrainCo
     bytes. Micro-batches follow the trainer (preflight.step_split: at pp = 1 train.micro_batch x
     accumulation)."""
     from megatron_taper.cost.memory import MemorySetup
-    from megatron_taper.parallel.context import choose_device, uses_bf16
+    from megatron_taper.parallel.context import choose_device
     from megatron_taper.preflight import step_split
 
     micro_batch, n_micro = step_split(parallel, train, dp)
@@ -182,19 +182,22 @@ def make_plan(model: nn.Module, ctx: ParallelContext, model_cfg: ModelConfig, pa
     """The stage split, identical on every rank (profile: rank 0 measures and broadcasts); memory
     limits are checked for this run's device and precision.
 
-    Profiling times real layers: for a model on the meta device, rank 0 builds one materialised
-    copy of the whole model (the values through its init_weights(train.seed)) for as long as it
-    measures, so its peak host memory while building is the whole model, not its stage."""
+    Profiling (rank 0) times each layer under the run's precision (bf16 autocast when
+    train.precision gives bf16), without tp: a model on the meta device is materialised one piece
+    at a time with random weights (profile_meta_layer_times: the peak is one layer, not the model);
+    a model built with real tensors (families with buffers) is timed as it is."""
     measured = None
     if parallel.pp_balance == "profile":
         box: list[Any] = [None]
         if dist.get_rank() == 0:
-            real = copy.deepcopy(model)
-            if is_meta(real):
-                real.to_empty(device="cpu")
-                real.init_weights(train.seed)
-            box[0] = profile_layer_times(real, train.micro_batch, model_cfg.seq_len, ctx.device)
-            del real
+            bf16 = uses_bf16(train.precision, ctx.device)  # timed under the run's precision
+            autocast = (lambda: torch.autocast(ctx.device.type, dtype=torch.bfloat16)) if bf16 else None
+            if is_meta(model):  # one piece at a time on the device
+                box[0] = profile_meta_layer_times(model, train.micro_batch, model_cfg.seq_len, ctx.device,
+                                                  autocast=autocast)
+            else:
+                box[0] = profile_layer_times(copy.deepcopy(model), train.micro_batch, model_cfg.seq_len, ctx.device,
+                                             autocast=autocast)
         dist.broadcast_object_list(box, src=0)
         measured = box[0]
     return plan_stages(model_cfg, parallel, train, ctx.dp, measured, device=ctx.device)

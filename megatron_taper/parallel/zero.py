@@ -10,9 +10,13 @@ fsdp2 (`torch.distributed.fsdp.fully_shard`)
     One FSDP unit per block, plus the stage's root module (embedding, final norm, head).
     Parameters become DTensors sharded (dim 0) over the dp sub-mesh; gradients are
     reduce-scattered in backward in fp32 (`reduce_dtype`), so the ParallelModel only completes tp
-    sums, takes the global norm over dp shards and clips. With train.precision=bf16 the blocks
-    compute in bf16 from fp32 master shards (MixedPrecisionPolicy(param_dtype=bf16,
-    reduce_dtype=fp32)); AdamW updates the fp32 shards.
+    sums, takes the global norm over dp shards and clips. Precision (docs/precision.md, one policy
+    at every layout): parameters, gradients and AdamW state stay fp32 shards; the forward runs
+    under bf16 autocast as everywhere else. Each block (and the root) is two FSDP units: its
+    matmul-only layers (`matmul_only_layers`) are gathered in bf16 (MixedPrecisionPolicy
+    param_dtype=bf16: the same rounding autocast applies to them at dp = 1, at half the
+    all-gather bytes), the rest (norms, embeddings, gates) in fp32, so norms, embeddings and the
+    residual stream compute in fp32 at any dp. Gradients are reduce-scattered in fp32.
     reshard_after_forward: without pipelining, True for blocks (ZeRO-3: a block's full weights
     exist only while it runs; all-gathered again for its backward) and False for the root (its
     backward follows at once). Under pipelining, False everywhere: 1F1B interleaves the forward
@@ -22,7 +26,7 @@ fsdp2 (`torch.distributed.fsdp.fully_shard`)
     (torch.distributed.pipelining drives FSDP's no-sync / post-backward on the stage's root
     module). Memory of a stage is then ZeRO-1-like during the step and fully sharded between
     steps. The interleaved schedule (several chunks per rank sharing one root) is refused.
-    With dp = 1 there is nothing to shard and the model is left as is.
+    With dp = 1 there is nothing to shard and the model is left as is (same numerics).
 
 deepspeed (DeepSpeed ZeRO stage 3, see `DeepSpeedParallelModel` in zero_deepspeed.py)
 
@@ -65,20 +69,59 @@ def apply_zero(pm: ParallelModel, parallel: ParallelConfig, train: TrainConfig,
 
 
 def _fsdp2(pm: ParallelModel, bf16: bool, pipelined: bool) -> ParallelModel:
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
     ctx = pm.ctx
     if ctx.dp == 1:
-        return pm
+        return pm  # nothing to shard; the numerics are those of dp > 1 (docs/precision.md)
     mesh = ctx.mesh["dp"]
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32)
+    fp32 = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=torch.float32)
+    matmul = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32)
     module = pm.module
     for block in _blocks(module):
-        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=not pipelined)
-    fully_shard(module, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
+        _shard_unit(block, mesh, fp32, matmul, reshard=not pipelined)
+    _shard_unit(module, mesh, fp32, matmul, reshard=False)
     pm.dp_sharded = True
     pm.dp_shard = functools.partial(_dp_shard, mesh=mesh, device=ctx.device)
     return pm
+
+
+def _shard_unit(unit: nn.Module, mesh, fp32, matmul, reshard: bool) -> None:
+    """Two FSDP units: the unit's matmul-only layers (gathered in the matmul policy's dtype) inside
+    the unit itself (everything else: norms, embeddings, gates, in fp32)."""
+    from torch.distributed.fsdp import fully_shard
+
+    linears = matmul_only_layers(unit)
+    if linears and matmul.param_dtype is not None:
+        fully_shard(linears, mesh=mesh, mp_policy=matmul, reshard_after_forward=reshard)
+    fully_shard(unit, mesh=mesh, mp_policy=fp32, reshard_after_forward=reshard)
+
+
+def matmul_only_layers(unit: nn.Module) -> list[nn.Module]:
+    """The layers of `unit` (not yet in an FSDP unit) whose parameters feed only F.linear, the
+    one op autocast casts them for: nn.Linear, ColumnParallelLinear, and RowParallelLinear without
+    a bias (its bias is added after the reduction, outside the matmul). A parameter shared with
+    any other module (a tied embedding) keeps them out."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from megatron_taper.parallel.tensor import ColumnParallelLinear, RowParallelLinear
+
+    def matmul_only(m: nn.Module) -> bool:
+        return (isinstance(m, (nn.Linear, ColumnParallelLinear))
+                or (isinstance(m, RowParallelLinear) and m.bias is None))
+
+    candidates, others = [], set()
+    stack = [unit]
+    while stack:
+        m = stack.pop()
+        if m is not unit and isinstance(m, FSDPModule):
+            continue  # an inner unit (a block inside the root) keeps its own parameters
+        if m is not unit and matmul_only(m):
+            candidates.append(m)
+        else:
+            others.update(id(p) for p in m.parameters(recurse=False))
+        stack.extend(m.children())
+    return [m for m in candidates if not any(id(p) in others for p in m.parameters())]
 
 
 def _blocks(module: nn.Module) -> list[nn.Module]:

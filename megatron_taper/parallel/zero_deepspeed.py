@@ -18,16 +18,21 @@ run's device is the CPU; DeepSpeed JIT-builds C++ ops into TORCH_EXTENSIONS_DIR 
 and the tests point it at .cache/torch_extensions); the process group is left through
 context.shutdown (barrier, then destroy), as DeepSpeed may abort at exit otherwise.
 DeepSpeed skips a step whose gradient norm is non-finite (in every precision); that is reported
-to the Trainer as a skipped step.
+to the Trainer as a skipped step. A step whose loss is non-finite on any dp rank (the Trainer's
+non-finite policy) is given NaN gradients in its last backward, so DeepSpeed skips it as well.
+Precision: DeepSpeed's `bf16` mode is off; its fp32 partitions run under the Trainer's bf16
+autocast (docs/precision.md).
 
 Checkpoints: every DeepSpeed checkpoint holds DeepSpeed's own files (deepspeed/state/, loaded
-only by the same engine at the same dp and tp size) *and* the logical model/optimizer files of
-checkpoint.py (gathered through deepspeed.utils.safe_get_full_*), which is the route to another
-dp/tp size or to fsdp2/none, and what tools/convert_checkpoint.py reads.
+only by the same engine at the same dp and tp size) *and* the sharded logical files of
+checkpoint/ (each rank writes its own fp32 partitions and AdamW moments as boxes of the logical
+tensors, `checkpoint_pieces`: no gather), which are the route to another dp/tp size or to
+fsdp2/none, and what tools/convert_checkpoint.py reads.
 """
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
@@ -36,7 +41,7 @@ import torch
 
 from megatron_taper.checkpoint.files import CheckpointReader, Piece
 from megatron_taper.optim import build_optimizer
-from megatron_taper.parallel.context import ParallelContext, uses_bf16
+from megatron_taper.parallel.context import ParallelContext
 from megatron_taper.parallel.model import ParallelModel
 from megatron_taper.validation import ConfigError
 
@@ -105,7 +110,9 @@ def deepspeed_config(t: TrainConfig, d: DeepSpeedConfig, ctx: ParallelContext) -
         "zero_optimization": zero,
         "zero_allow_untested_optimizer": True,  # our torch AdamW
         "zero_force_ds_cpu_optimizer": False,  # ... also when offloaded
-        "bf16": {"enabled": uses_bf16(t.precision, ctx.device)},
+        # one precision policy (docs/precision.md): fp32 partitions, the Trainer's bf16 autocast;
+        # DeepSpeed's own bf16 mode would store every weight (norms, embedding) in bf16
+        "bf16": {"enabled": False},
         "steps_per_print": 1 << 30,
         "wall_clock_breakdown": False,
     }
@@ -125,6 +132,35 @@ def _merge(base: dict, extra: dict) -> None:
             _merge(base[k], v)
         else:
             base[k] = v
+
+
+def flat_boxes(shape: tuple[int, ...], lo: int, hi: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """(offsets, box shape) of the boxes that cover the flat row-major range [lo, hi) of a tensor
+    of `shape`, in order."""
+    if lo >= hi:
+        return []
+    if len(shape) <= 1:
+        return [((lo,), (hi - lo,))] if shape else [((), ())]
+    inner = math.prod(shape[1:])
+    out = []
+    row = lo // inner
+    if lo % inner:  # a partial first row
+        end = min(hi, (row + 1) * inner)
+        out += [((row, *o), (1, *b)) for o, b in flat_boxes(shape[1:], lo - row * inner, end - row * inner)]
+        row, lo = row + 1, end
+    last = hi // inner
+    if last > row:  # whole rows
+        out.append(((row, *[0] * (len(shape) - 1)), (last - row, *shape[1:])))
+    if hi % inner and hi > max(lo, last * inner):  # a partial last row
+        out += [((last, *o), (1, *b)) for o, b in flat_boxes(shape[1:], 0, hi - last * inner)]
+    return out
+
+
+def _flat_index(shape: tuple[int, ...], offsets: tuple[int, ...]) -> int:
+    index = 0
+    for size, o in zip(shape, offsets):
+        index = index * size + o
+    return index
 
 
 @dataclass
@@ -169,11 +205,23 @@ class DeepSpeedParallelModel(ParallelModel):
             tokens = tokens.to(self.ctx.device, non_blocking=True)
             with autocast():
                 loss = self.loss_fn(engine(tokens[:, :-1]), tokens[:, 1:])
-            engine.backward(loss)  # scaled by 1 / gradient_accumulation_steps
+            scaled = loss
+            if i == len(micro_batches) - 1 and not self._finite_over_dp(total + loss.detach().float()):
+                # the non-finite policy: DeepSpeed skips a step only for a non-finite gradient
+                # norm, so a step whose loss is non-finite on any dp rank gets NaN gradients
+                scaled = loss * float("nan")
+            engine.backward(scaled)  # scaled by 1 / gradient_accumulation_steps
             if i < len(micro_batches) - 1:
                 engine.step()  # not a boundary: counts the micro-step, no update
             total += loss.detach().float()
         return total / len(micro_batches)
+
+    def _finite_over_dp(self, value: torch.Tensor) -> bool:
+        """Whether `value` is finite on every dp rank (a host read; DeepSpeed's step reads its
+        gradient norm on the host anyway)."""
+        value = value.clone()
+        torch.distributed.all_reduce(value, group=self.ctx.dp_group)
+        return bool(torch.isfinite(value))
 
     def reduce_gradients(self) -> None:  # DeepSpeed reduce-scatters inside backward
         return None
@@ -182,13 +230,16 @@ class DeepSpeedParallelModel(ParallelModel):
         raise NotImplementedError("deepspeed clips inside engine.step (gradient_clipping = train.grad_clip)")
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer, max_norm: float,
-                       loss_finite: bool = True) -> tuple[torch.Tensor, bool]:
+                       loss_finite: bool | torch.Tensor = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """The boundary engine.step(); a non-finite loss was turned into NaN gradients by
+        forward_backward, so DeepSpeed skips that step too. (norm, stepped) as tensors."""
         engine = self.engine
         skipped = engine.skipped_steps
         engine.step()  # boundary: global norm, clip, AdamW (skipped if the norm is non-finite), zero grads
         stepped = engine.skipped_steps == skipped
         norm = engine.get_global_grad_norm() if stepped else float("nan")
-        return torch.as_tensor(float(norm) if norm is not None else float("nan")), stepped
+        norm = torch.as_tensor(float(norm) if norm is not None else float("nan"), device=self.ctx.device)
+        return norm, torch.tensor(stepped, device=self.ctx.device)
 
     # -- checkpoints --------------------------------------------------------------------------
 
@@ -231,17 +282,36 @@ class DeepSpeedParallelModel(ParallelModel):
                     safe_set_full_optimizer_state(param, self.local_tensor(name, optim_state[name][k]).float(), k)
 
     def checkpoint_pieces(self, optimizer: torch.optim.Optimizer, copy: bool = True) -> list[Piece]:
-        """DeepSpeed's partitions are flat buffers with no box in the logical tensor: the logical
-        tensors are gathered (a collective over dp and tp) and dp/tp rank 0 of the stage writes
-        them whole. DeepSpeed's own sharded files (save_native) are what resumes at the same size."""
-        model_state, optim_state = self.logical_state(optimizer)
-        if self.ctx.dp_rank or self.ctx.tp_rank:
-            return []
+        """Each rank writes its own ZeRO partitions, no gather: a parameter's partition on dp rank
+        r is the flat range [r x P, (r + 1) x P) of the row-major tp-local tensor (P: DeepSpeed's
+        partition size; the last one padded), written as the boxes that range covers (`flat_boxes`:
+        at most 2 x ndim - 1), placed in the logical tensor by the tp layout (piece_box). Replicas
+        over tp write on the owning tp rank only. DeepSpeed's own sharded files (save_native) are
+        what resumes at the same size."""
+        from deepspeed.utils import safe_get_local_fp32_param, safe_get_local_optimizer_state
+
+        step = self._adam_step()
         pieces = []
-        for name, t in model_state.items():
-            pieces.append(Piece(f"model/{name}", tuple(t.shape), (0,) * t.dim(), t))
-            for k, v in optim_state.get(name, {}).items():
-                pieces.append(Piece(f"optim/{name}/{k}", tuple(v.shape), (0,) * v.dim(), v))
+        for name, param in self.module.named_parameters():
+            shape = tuple(param.ds_shape)
+            full, tp_offsets, owner = self.piece_box(name, torch.empty(shape, device="meta"))
+            if not owner:
+                continue
+            size = param.ds_tensor.ds_numel if hasattr(param.ds_tensor, "ds_numel") else param.ds_tensor.numel()
+            lo = min(self.ctx.dp_rank * size, param.ds_numel)
+            hi = min(lo + size, param.ds_numel)
+            tensors = {f"model/{name}": safe_get_local_fp32_param(param)}
+            if step is not None:
+                tensors.update({f"optim/{name}/{k}": safe_get_local_optimizer_state(param, k) for k in OPTIM_KEYS})
+                if self.ctx.dp_rank == 0 and not any(tp_offsets):  # AdamW's step: a scalar, written once
+                    pieces.append(Piece(f"optim/{name}/step", (), (), step.detach().cpu().clone()))
+            for key, flat in tensors.items():
+                flat = flat.detach().reshape(-1)[: hi - lo].to("cpu", copy=copy)
+                for offsets, box in flat_boxes(shape, lo, hi):
+                    start = _flat_index(shape, offsets) - lo
+                    data = flat[start:start + math.prod(box)].reshape(box)
+                    where = tuple(o + t for o, t in zip(offsets, tp_offsets))
+                    pieces.append(Piece(key, full, where, data.contiguous()))
         return pieces
 
     def load_pieces(self, optimizer: torch.optim.Optimizer, reader: CheckpointReader) -> None:

@@ -203,12 +203,14 @@ def test_state_bytes_per_engine():
     assert MemorySetup(zero="fsdp2", dp=4).state_bytes_per_param() == 4
     assert MemorySetup(zero="fsdp2", dp=1).state_bytes_per_param() == 16  # nothing to shard
     assert MemorySetup(zero="deepspeed", dp=2).state_bytes_per_param() == 10  # fp32 masters too
-    assert MemorySetup(zero="deepspeed", dp=2, bf16=True).state_bytes_per_param() == 9
+    assert MemorySetup(zero="deepspeed", dp=2, bf16=True).state_bytes_per_param() == 10  # fp32 under autocast
     assert MemorySetup(zero="deepspeed", dp=2, offload_optimizer=True).state_bytes_per_param() == 4
     assert MemorySetup(bytes_per_param=12).state_bytes_per_param() == 12
     assert MemorySetup(bf16=True).cast_bytes_per_param() == 2
     assert MemorySetup(bf16=True, zero="fsdp2", dp=2).cast_bytes_per_param() == 0
     assert MemorySetup(bf16=True, zero="fsdp2", dp=1).cast_bytes_per_param() == 2  # fsdp2 leaves dp=1 alone
+    assert MemorySetup(bf16=True, zero="deepspeed", dp=2).cast_bytes_per_param() == 2  # autocast casts
+    assert MemorySetup(bf16=True, zero="fsdp2", dp=2, pipelined=True).unsharded_bytes_per_param() == 6  # fp32 grads
 
 
 def test_earlier_cost_form_still_counts():

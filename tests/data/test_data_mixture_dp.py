@@ -23,7 +23,8 @@ ARGS = ["model.n_layers=2", "model.d_model=32", "model.n_heads=2", "model.mlp_wi
 
 
 def _fit_recording(overrides):
-    """Trainer(...).fit() that records (global sample index, row) of every micro-batch this rank reads."""
+    """Trainer(...).fit() that records (global sample index, row) of every micro-batch this rank
+    trains on (the prefetch thread reads a few steps ahead: those are left out)."""
     from megatron_taper.config import load_config
     from megatron_taper.trainer import Trainer
 
@@ -38,7 +39,9 @@ def _fit_recording(overrides):
         return batch
 
     source.next_batch = recording
-    return trainer.fit(), seen
+    start = trainer.step
+    code = trainer.fit()
+    return code, seen[:(trainer.step - start) * trainer.accum * source.micro_batch]
 
 
 def _losses(run_dir):

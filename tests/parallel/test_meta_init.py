@@ -162,3 +162,33 @@ def test_materialise_keeps_parameter_attributes():
     assert materialise(pm, logical_shapes(model), model.init_value, 0) == len(list(model.parameters()))
     assert model.layers["0"].mlp.w1.weight.tensor_model_parallel is True
     assert not hasattr(model.layers["0"].mlp.w3.weight, "tensor_model_parallel")
+
+
+def test_profile_of_a_meta_model_materialises_one_piece_at_a_time():
+    """pp_balance=profile on a meta model: every block, the embedding and the head are timed,
+    each materialised alone (the model itself stays on the meta device throughout)."""
+    from megatron_taper.models import build_model
+    from megatron_taper.parallel.meta_init import is_meta
+    from megatron_taper.parallel.profile import profile_meta_layer_times
+
+    cfg = load_config(None, ["model.n_layers=3", "model.d_model=32", "model.n_heads=2", "model.vocab_size=128",
+                             "model.seq_len=16"])
+    with torch.device("meta"):
+        model = build_model(cfg.model)
+    materialised = []
+    real_to_empty = torch.nn.Module.to_empty
+
+    def spy(module, *args, **kwargs):
+        materialised.append(sum(p.numel() for p in module.parameters()))
+        return real_to_empty(module, *args, **kwargs)
+
+    torch.nn.Module.to_empty = spy
+    try:
+        blocks, embedding, head = profile_meta_layer_times(model, 2, 16, torch.device("cpu"), warmup=0, iters=1,
+                                                           autocast=lambda: torch.autocast("cpu", dtype=torch.bfloat16))
+    finally:
+        torch.nn.Module.to_empty = real_to_empty
+    assert len(blocks) == 3 and all(t > 0 for t in [*blocks, embedding, head])
+    assert is_meta(model)
+    total = sum(p.numel() for p in model.parameters())
+    assert materialised and max(materialised) < total / 2  # never the whole model
