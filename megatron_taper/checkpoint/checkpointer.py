@@ -50,6 +50,7 @@ from megatron_taper.checkpoint.files import (
     FORMAT,
     CheckpointError,
     CheckpointReader,
+    fsync_file,
     merge_index,
     write_pieces,
 )
@@ -191,13 +192,13 @@ class Checkpointer:
                     "layout": {"pp": ctx.pp, "dp": ctx.dp, "tp": ctx.tp},
                     "tensors": merge_index([res["index"] for res in results]), "files": files}
             _write_text(os.path.join(p.tmp, "meta.json"), json.dumps(meta))
-            _fsync_dir(p.tmp)
+            fsync_file(p.tmp)
             if os.path.exists(p.final):
                 aside = self._trash_name(p.final)
                 os.rename(p.final, aside)
                 doomed.append(aside)
             os.rename(p.tmp, p.final)
-            _fsync_dir(self.root)
+            fsync_file(self.root)
             doomed += _to_prune(self.root, self.options.keep)
             doomed += [os.path.join(self.root, n) for n in os.listdir(self.root)
                        if n.startswith((".tmp-step-", ".trash-")) and os.path.join(self.root, n) not in doomed]
@@ -452,14 +453,6 @@ def _sha256(file: str) -> str:
         for block in iter(lambda: f.read(1 << 22), b""):
             h.update(block)
     return h.hexdigest()
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _to_prune(root: str, keep: int) -> list[str]:

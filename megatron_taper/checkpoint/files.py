@@ -220,6 +220,7 @@ def write_safetensors_streaming(path: str, shapes: dict[str, tuple[tuple[int, ..
 
 
 def fsync_file(path: str) -> None:
+    """fsync a file or a folder (a folder: so that a rename or a new entry in it is durable)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

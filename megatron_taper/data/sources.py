@@ -132,7 +132,7 @@ def remote_splits(path: str, cache_dir: str, key: str = "data.path") -> list[str
     FileNotFoundError), so any failure to fetch stats.json is an error and its `splits` decide."""
     from filelock import FileLock
 
-    from megatron_taper.data.streaming import _DOWNLOAD_TIMEOUT_S, STATS_FILE, cache_folder
+    from megatron_taper.data.streaming import DOWNLOAD_TIMEOUT_S, STATS_FILE, cache_folder
     from megatron_taper.data.torchvision_compat import import_streaming
 
     import_streaming()
@@ -145,7 +145,7 @@ def remote_splits(path: str, cache_dir: str, key: str = "data.path") -> list[str
     with FileLock(os.path.join(folder, ".stats.lock")):
         if not os.path.isfile(local):
             try:
-                CloudDownloader.direct_download(remote, local, _DOWNLOAD_TIMEOUT_S)
+                CloudDownloader.direct_download(remote, local, DOWNLOAD_TIMEOUT_S)
             except Exception as e:  # noqa: BLE001 - the backends raise unrelated types
                 raise ValueError(f"{key}={path}: cannot fetch {remote} (a remote dataset must be a complete "
                                  f"folder written by tools/preprocess_data.py): {type(e).__name__}: {e}") from e

@@ -31,7 +31,11 @@ Remote. With `cache_dir`, `path` is a remote location (a shared-filesystem folde
 mosaicml-streaming can download from): index and shards are copied on first use into
 `cache_dir/<name>-<hash>/<split>/`, guarded by file locks so that ranks sharing a cache copy each
 file once. Without `cache_dir`, `path` is read in place (compressed shards are decompressed beside
-themselves, as mosaicml-streaming does).
+themselves, as mosaicml-streaming does). A shard download gives up after DOWNLOAD_ATTEMPTS tries
+of DOWNLOAD_TIMEOUT_S each (at most 180 s, well under the 600 s collective timeout, so a stuck
+filesystem fails this rank with the shard named instead of every rank in a collective); shards
+are fetched by the trainer's batch-prefetch thread (data/prefetch.py), steps ahead of the step
+that needs them, never inside a step on the training thread.
 
 Why not `streaming.StreamingDataset` itself: its constructor runs `dist.barrier()` collectives and
 registers a per-folder shared-memory slot, so every rank of the job must build each dataset at the
@@ -61,7 +65,8 @@ STATS_FILE = "stats.json"
 TOKENIZER_FILE = "tokenizer.model"
 # 1: a full permutation of documents and samples per epoch; 2: the block-wise order of data.order.
 STATE_VERSION = 2
-_DOWNLOAD_TIMEOUT_S = 600.0
+DOWNLOAD_TIMEOUT_S = 60.0  # one attempt at one shard
+DOWNLOAD_ATTEMPTS = 3
 SHARD_HASH = "xxh64"  # written by preprocess, checked on open: ~10 ms per 64 MB shard
 
 
@@ -114,8 +119,8 @@ class ShardReader:
             shard.validate(False)
             if TOKENS_COLUMN not in getattr(shard, "column_names", ()):
                 raise ValueError(f"{self.where}: shards have no '{TOKENS_COLUMN}' column")
-        self._stream = Stream(remote=remote, local=local, split=split, download_retry=2,
-                              download_timeout=_DOWNLOAD_TIMEOUT_S, keep_zip=False)
+        self._stream = Stream(remote=remote, local=local, split=split, download_retry=DOWNLOAD_ATTEMPTS - 1,
+                              download_timeout=DOWNLOAD_TIMEOUT_S, keep_zip=False)
         counts = np.array([shard.samples for shard in self._shards], np.int64)
         self._shard_ends = np.cumsum(counts)
         self._maps: dict[int, tuple[mmap.mmap, np.ndarray]] = {}
@@ -145,7 +150,7 @@ class ShardReader:
                 if os.path.exists(local):
                     continue
                 try:
-                    CloudDownloader.direct_download(os.path.join(remote_split, name), local, _DOWNLOAD_TIMEOUT_S)
+                    CloudDownloader.direct_download(os.path.join(remote_split, name), local, DOWNLOAD_TIMEOUT_S)
                 except FileNotFoundError:
                     if required:
                         raise ValueError(f"{remote_split}: no {name} to copy into the cache") from None
@@ -156,7 +161,12 @@ class ShardReader:
         if not os.path.isfile(raw):
             # Download and/or decompress once per machine; other ranks wait on the lock.
             with FileLock(raw + ".lock"):
-                self._stream.prepare_shard(shard)
+                try:
+                    self._stream.prepare_shard(shard)
+                except Exception as e:  # noqa: BLE001 - the library's download and decompression errors
+                    raise RuntimeError(f"{self.where}: shard {shard.raw_data.basename} could not be fetched into "
+                                       f"the cache ({DOWNLOAD_ATTEMPTS} attempts of {DOWNLOAD_TIMEOUT_S:.0f} s): {e}"
+                                       ) from e
         check_shard(raw, shard.raw_data.bytes, shard.raw_data.hashes, self.where)
         with open(raw, "rb") as f:
             data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)

@@ -178,6 +178,20 @@ def test_remote_with_cache_matches_local_and_copies_once(dataset, tmp_path):
         src("s3://bucket/data")
 
 
+def test_a_shard_that_cannot_be_fetched_is_one_error_naming_it(dataset, tmp_path):
+    """The remote loses its shards after the index was copied: the first read names the shard and the
+    bounded download (attempts x timeout, under the collective timeout) instead of a bare library error."""
+    remote = tmp_path / "remote"
+    shutil.copytree(dataset, remote)
+    source = src(str(remote), cache=str(tmp_path / "cache"))
+    for name in os.listdir(remote / "train"):
+        if name.endswith(".mds"):
+            os.remove(remote / "train" / name)
+    with pytest.raises(RuntimeError, match=r"shard shard\.\d+\.mds could not be fetched into the cache "
+                                           r"\(3 attempts of 60 s\)"):
+        source.next_batch()
+
+
 def test_compressed_shards_and_missing_lengths_file(corpus, tokenizer_model, dataset, tmp_path):
     from megatron_taper.data.corpus import SkipLog, read_documents
     from megatron_taper.data.preprocess import preprocess
