@@ -26,11 +26,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 
 import torch
+from small_training import train_small  # benchmarks/small_training.py, beside this script
 
 from megatron_taper.config import load_config
 from megatron_taper.cost.flops import model_costs
@@ -88,21 +88,15 @@ def train_and_evaluate(name: str, args, vocab: int, width: int, lengths: list[in
     torch.manual_seed(args.seed)
     model = build_model(cfg)
     model.init_weights(args.seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     gen = torch.Generator().manual_seed(args.seed)
-    start, losses = time.perf_counter(), []
-    for step in range(args.steps):
-        lr = args.lr * min(1.0, (step + 1) / args.warmup) * 0.5 * (1 + math.cos(math.pi * step / args.steps))
-        for group in opt.param_groups:
-            group["lr"] = lr
+
+    def next_loss(step: int) -> torch.Tensor:
         seq = lengths[int(torch.randint(0, len(lengths), (1,), generator=gen))]
         tokens, targets = mqar_batch(args.batch, seq, args.keys, args.values, gen)
-        loss = cross_entropy(model(tokens), targets)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
+        return cross_entropy(model(tokens), targets)
+
+    start = time.perf_counter()
+    losses = train_small(model, args.lr, args.steps, args.warmup, next_loss)
     train_s = time.perf_counter() - start
     accuracy, by_chunk = {}, {}
     memories = [m for m in model.modules() if isinstance(m, NeuralMemory)]

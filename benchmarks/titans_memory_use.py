@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
-import sys
 import time
 
 import torch
 import torch.nn.functional as F
+from small_training import train_small  # benchmarks/small_training.py, beside this script
 
 from megatron_taper.config import load_config
 from megatron_taper.data.corpus import EMBEDDED_MAX_BYTES, embedded_files
@@ -82,23 +81,14 @@ def main() -> None:
     torch.manual_seed(args.seed)
     model = build_model(cfg)
     model.init_weights(args.seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     gen = torch.Generator().manual_seed(args.seed)
-    start, trace = time.perf_counter(), []
-    for step in range(args.steps):
-        lr = args.lr * min(1.0, (step + 1) / args.warmup) * 0.5 * (1 + math.cos(math.pi * step / args.steps))
-        for group in opt.param_groups:
-            group["lr"] = lr
+
+    def next_loss(step: int) -> torch.Tensor:
         b = windows(train, args.batch, cfg.seq_len, gen)
-        loss = F.cross_entropy(model(b[:, :-1]).float().flatten(0, 1), b[:, 1:].flatten())
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        trace.append(loss.item())
-        if step % 10 == 0:
-            print(json.dumps({"step": step, "loss": round(loss.item(), 4), "s": round(time.perf_counter() - start)}),
-                  file=sys.stderr, flush=True)
+        return F.cross_entropy(model(b[:, :-1]).float().flatten(0, 1), b[:, 1:].flatten())
+
+    start = time.perf_counter()
+    trace = train_small(model, args.lr, args.steps, args.warmup, next_loss, log_every=10)
     eval_gen = torch.Generator().manual_seed(10_000 + args.seed)
     batches = [windows(held, args.batch, cfg.seq_len, eval_gen) for _ in range(args.eval_batches)]
     model.eval()
