@@ -6,11 +6,75 @@ import contextlib
 import copy
 import statistics
 import time
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
 from megatron_taper.models.layers import cross_entropy
+
+
+def _record_block_inputs(model: nn.Module, tokens: torch.Tensor, keep: Callable[[torch.Tensor], Any],
+                         autocast: Callable) -> dict[str, tuple]:
+    """One forward of `model` on `tokens`: each block's (and the final norm's, as "norm") positional
+    inputs, tensors passed through `keep`."""
+    inputs: dict[str, tuple] = {}
+
+    def capture(name):
+        def hook(_module, args):
+            inputs[name] = tuple(keep(a) if torch.is_tensor(a) else a for a in args)
+        return hook
+
+    handles = [block.register_forward_pre_hook(capture(name)) for name, block in model.layers.items()]
+    if model.norm is not None:
+        handles.append(model.norm.register_forward_pre_hook(capture("norm")))
+    with torch.no_grad(), autocast():
+        model(tokens)
+    for h in handles:
+        h.remove()
+    return inputs
+
+
+def _block_run(block: nn.Module, args: tuple, autocast: Callable) -> Callable[[], None]:
+    def run():
+        x = args[0].clone().requires_grad_(True)
+        with autocast():
+            out = block(x, *args[1:])
+        out.float().sum().backward()
+    return run
+
+
+def _embedding_run(embedding: nn.Module | None, tokens: torch.Tensor, autocast: Callable) -> Callable[[], None]:
+    def run():
+        if embedding is not None:
+            with autocast():
+                out = embedding(tokens[:, :-1])
+            out.float().sum().backward()
+    return run
+
+
+def _head_run(norm: nn.Module, output: nn.Module | None, embedding: nn.Module | None, args: tuple,
+              tokens: torch.Tensor, autocast: Callable) -> Callable[[], None]:
+    def run():  # norm + head (or the tied embedding) + loss
+        x = args[0].clone().requires_grad_(True)
+        with autocast():
+            h = norm(x)
+            logits = output(h) if output is not None else h @ embedding.weight.t()
+            loss = cross_entropy(logits, tokens[:, 1:])
+        loss.backward()
+    return run
+
+
+def _timer(device) -> Callable[[Callable[[], None]], float]:
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+
+    def timed_once(fn) -> float:
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        return time.perf_counter() - t0
+    return timed_once
 
 
 def profile_layer_times(model: nn.Module, micro_batch: int, seq_len: int, device, warmup: int = 2, iters: int = 5,
@@ -24,58 +88,15 @@ def profile_layer_times(model: nn.Module, micro_batch: int, seq_len: int, device
     """
     autocast = autocast or contextlib.nullcontext
     model = model.to(device)
-    vocab = model.cfg.vocab_size
     gen = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, vocab, (micro_batch, seq_len + 1), generator=gen).to(device)
-    inputs: dict[str, tuple] = {}
-
-    def capture(name):
-        def hook(_module, args):
-            inputs[name] = tuple(a.detach() if torch.is_tensor(a) else a for a in args)
-        return hook
-
-    handles = [block.register_forward_pre_hook(capture(name)) for name, block in model.layers.items()]
-    if model.norm is not None:
-        handles.append(model.norm.register_forward_pre_hook(capture("norm")))
-    with torch.no_grad(), autocast():
-        model(tokens[:, :-1])
-    for h in handles:
-        h.remove()
-
-    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
-
-    def timed_once(fn) -> float:
-        sync()
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        return time.perf_counter() - t0
-
-    def run_block(name):
-        args = inputs[name]
-        x = args[0].clone().requires_grad_(True)
-        with autocast():
-            out = model.layers[name](x, *args[1:])
-        out.float().sum().backward()
-
-    def run_embedding():
-        if model.tok_embeddings is None:
-            return
-        with autocast():
-            out = model.tok_embeddings(tokens[:, :-1])
-        out.float().sum().backward()
-
-    def run_head():
-        x = inputs["norm"][0].clone().requires_grad_(True)
-        with autocast():
-            h = model.norm(x)
-            logits = model.output(h) if model.output is not None else h @ model.tok_embeddings.weight.t()
-            loss = cross_entropy(logits, tokens[:, 1:])
-        loss.backward()
-
+    tokens = torch.randint(0, model.cfg.vocab_size, (micro_batch, seq_len + 1), generator=gen).to(device)
+    inputs = _record_block_inputs(model, tokens[:, :-1], torch.Tensor.detach, autocast)
+    timed_once = _timer(device)
     # Rounds over all pieces (not piece after piece), so slow drifts of a shared machine hit
     # every layer alike; the median of the rounds after warm-up.
-    pieces = [lambda n=name: run_block(n) for name in model.layers] + [run_embedding, run_head]
+    pieces = [_block_run(block, inputs[name], autocast) for name, block in model.layers.items()]
+    pieces += [_embedding_run(model.tok_embeddings, tokens, autocast),
+               _head_run(model.norm, model.output, model.tok_embeddings, inputs["norm"], tokens, autocast)]
     samples: list[list[float]] = [[] for _ in pieces]
     for k in range(warmup + iters):
         for i, fn in enumerate(pieces):
@@ -95,21 +116,8 @@ def profile_meta_layer_times(model: nn.Module, micro_batch: int, seq_len: int, d
     random inputs of those shapes, timed (`warmup` rounds, the median of `iters`) and freed, so
     the peak is one piece, not the model. Pieces are timed one after the other (not in rounds)."""
     autocast = autocast or contextlib.nullcontext
-    vocab = model.cfg.vocab_size
-    shapes: dict[str, tuple] = {}
-
-    def capture(name):
-        def hook(_module, args):
-            shapes[name] = tuple((a.shape, a.dtype) if torch.is_tensor(a) else a for a in args)
-        return hook
-
-    handles = [block.register_forward_pre_hook(capture(name)) for name, block in model.layers.items()]
-    if model.norm is not None:
-        handles.append(model.norm.register_forward_pre_hook(capture("norm")))
-    with torch.no_grad():
-        model(torch.zeros(micro_batch, seq_len, dtype=torch.long, device="meta"))
-    for h in handles:
-        h.remove()
+    meta_tokens = torch.zeros(micro_batch, seq_len, dtype=torch.long, device="meta")
+    shapes = _record_block_inputs(model, meta_tokens, lambda a: (a.shape, a.dtype), contextlib.nullcontext)
     gen = torch.Generator().manual_seed(0)
 
     def real(module: nn.Module) -> nn.Module:
@@ -119,56 +127,26 @@ def profile_meta_layer_times(model: nn.Module, micro_batch: int, seq_len: int, d
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
         return piece
 
-    def inputs(name: str) -> list:
-        return [torch.randn(a[0], generator=gen).to(device=device, dtype=a[1])
-                if isinstance(a, tuple) and len(a) == 2 and isinstance(a[1], torch.dtype) and a[1].is_floating_point
-                else torch.zeros(a[0], dtype=a[1], device=device)
-                if isinstance(a, tuple) and len(a) == 2 and isinstance(a[1], torch.dtype) else a
-                for a in shapes[name]]
+    def inputs(name: str) -> tuple:
+        def value(a):
+            if not (isinstance(a, tuple) and len(a) == 2 and isinstance(a[1], torch.dtype)):
+                return a
+            shape, dtype = a
+            if dtype.is_floating_point:
+                return torch.randn(shape, generator=gen).to(device=device, dtype=dtype)
+            return torch.zeros(shape, dtype=dtype, device=device)
+        return tuple(value(a) for a in shapes[name])
 
-    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+    timed_once = _timer(device)
 
     def median_time(fn) -> float:
-        samples = []
-        for k in range(warmup + iters):
-            sync()
-            t0 = time.perf_counter()
-            fn()
-            sync()
-            if k >= warmup:
-                samples.append(time.perf_counter() - t0)
+        samples = [timed_once(fn) for _ in range(warmup + iters)][warmup:]
         return statistics.median(samples)
 
-    def block_time(name: str) -> float:
-        block, args = real(model.layers[name]), inputs(name)
-
-        def run():
-            x = args[0].clone().requires_grad_(True)
-            with autocast():
-                out = block(x, *args[1:])
-            out.float().sum().backward()
-        return median_time(run)
-
-    tokens = torch.randint(0, vocab, (micro_batch, seq_len + 1), generator=gen).to(device)
+    tokens = torch.randint(0, model.cfg.vocab_size, (micro_batch, seq_len + 1), generator=gen).to(device)
     embedding = real(model.tok_embeddings) if model.tok_embeddings is not None else None
-
-    def run_embedding():
-        if embedding is not None:
-            with autocast():
-                out = embedding(tokens[:, :-1])
-            out.float().sum().backward()
-
-    blocks = [block_time(name) for name in model.layers]
-    embed_s = median_time(run_embedding)
+    blocks = [median_time(_block_run(real(model.layers[name]), inputs(name), autocast)) for name in model.layers]
+    embed_s = median_time(_embedding_run(embedding, tokens, autocast))
     norm, output = real(model.norm), real(model.output) if model.output is not None else None
-    head_args = inputs("norm")
-
-    def run_head():
-        x = head_args[0].clone().requires_grad_(True)
-        with autocast():
-            h = norm(x)
-            logits = output(h) if output is not None else h @ embedding.weight.t()
-            loss = cross_entropy(logits, tokens[:, 1:])
-        loss.backward()
-
-    return blocks, embed_s, median_time(run_head)
+    head_s = median_time(_head_run(norm, output, embedding, inputs("norm"), tokens, autocast))
+    return blocks, embed_s, head_s
