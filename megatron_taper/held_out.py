@@ -25,6 +25,11 @@ if TYPE_CHECKING:
 MAX_LOSS_FOR_PPL = 50.0  # exp() of larger losses overflows nothing useful; ppl is capped there
 
 
+def perplexity(loss: float) -> float:
+    """exp(loss), capped at exp(MAX_LOSS_FOR_PPL)."""
+    return math.exp(min(loss, MAX_LOSS_FOR_PPL))
+
+
 @dataclass
 class EvalResult:
     loss: float  # mean next-token loss (nats) over every token evaluated by all dp ranks
@@ -33,7 +38,7 @@ class EvalResult:
 
     @property
     def ppl(self) -> float:
-        return math.exp(min(self.loss, MAX_LOSS_FOR_PPL))
+        return perplexity(self.loss)
 
 
 def evaluate_source(pm: ParallelModel, source: BatchSource, batches: int,

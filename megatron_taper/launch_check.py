@@ -54,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.print_config or args.list_keys:
         return 0
     from megatron_taper.config import load_config
+    from megatron_taper.console import report_error
     from megatron_taper.preflight import check_data, preflight
 
     try:
@@ -63,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
             layout = preflight(cfg, args.world_size)
             check_data(cfg)
     except ValueError as e:  # ConfigError included
-        print(f"error: {e}", file=sys.stderr)
+        report_error(e, 0, None, expected=True)
         return 2
     for w in caught:
         print(f"warning: {w.message}", file=sys.stderr)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import shutil
 import signal
@@ -27,7 +26,7 @@ from megatron_taper.console import format_duration, peak_memory, report_error, s
 from megatron_taper.cost.flops import mfu, model_costs, peak_flops
 from megatron_taper.data.prefetch import Prefetcher
 from megatron_taper.data.sources import build_sources
-from megatron_taper.held_out import combined_loss, evaluate_held_out
+from megatron_taper.held_out import combined_loss, evaluate_held_out, perplexity
 from megatron_taper.metrics import MetricsLogger, timestamp
 from megatron_taper.optim import lr_at
 from megatron_taper.parallel.context import ParallelContext, init_parallel, shutdown, world_size
@@ -287,7 +286,7 @@ class Trainer:
         losses = self.evaluate()
         if losses is not None:
             eval_loss = losses.pop("")
-            ppl = math.exp(min(eval_loss, 50.0))
+            ppl = perplexity(eval_loss)
             self.metrics.log({"step": self.step, "eval_loss": eval_loss, "eval_ppl": ppl,
                               **{f"eval_loss/{name}": loss for name, loss in losses.items()}},
                              f"eval  {self.step:>6} | loss {eval_loss:.4f} | ppl {ppl:.2f}"
