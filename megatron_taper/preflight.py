@@ -16,6 +16,7 @@ import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from megatron_taper.data import is_remote
 from megatron_taper.models import family
 from megatron_taper.taper import layer_widths
 from megatron_taper.validation import ConfigError
@@ -165,7 +166,7 @@ def check_data(cfg: Config, warn: bool = True) -> None:
     paths = [(e["path"], f"data.mix[{i}].path") for i, e in enumerate(d.mix)] or [(d.path, "data.path")]
     vocabs: list[tuple[int, str]] = []
     for path, key in paths:
-        if not path or "://" in path:
+        if not path or is_remote(path):
             continue
         if path.endswith(".npy"):
             if not os.path.isfile(path):

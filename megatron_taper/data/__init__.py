@@ -21,3 +21,8 @@ class BatchSource(Protocol):
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from a position written by `state_dict` (possibly at another dp size)."""
+
+
+def is_remote(path: str) -> bool:
+    """A data path that is a URL (s3://, gs://, ...): read through a local cache, never checked on disk."""
+    return "://" in path

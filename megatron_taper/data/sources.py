@@ -18,7 +18,7 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
-from megatron_taper.data import BatchSource
+from megatron_taper.data import BatchSource, is_remote
 
 if TYPE_CHECKING:
     from megatron_taper.config import DataConfig
@@ -69,7 +69,7 @@ def build_sources(data: DataConfig, *, seq_len: int, micro_batch: int, seed: int
 
 def _mds_dataset(data: DataConfig, path: str, key: str) -> tuple[Callable[..., BatchSource], bool]:
     """(factory of StreamingSources of the MDS folder `path`, whether it has a val/ split)."""
-    from megatron_taper.data.streaming import StreamingSource, is_remote
+    from megatron_taper.data.streaming import StreamingSource
 
     if is_remote(path):
         # A remote folder is always read through a local cache (data.cache_dir "" = the default).

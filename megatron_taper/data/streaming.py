@@ -55,6 +55,7 @@ import numpy as np
 import torch
 from filelock import FileLock
 
+from megatron_taper.data import is_remote
 from megatron_taper.data.order import BLOCK_DOCS, LengthTable, SampleOrder
 from megatron_taper.data.torchvision_compat import import_streaming
 
@@ -72,10 +73,6 @@ SHARD_HASH = "xxh64"  # written by preprocess, checked on open: ~10 ms per 64 MB
 
 def token_dtype(vocab_size: int) -> str:
     return "uint16" if vocab_size <= 1 << 16 else "uint32"
-
-
-def is_remote(path: str) -> bool:
-    return "://" in path
 
 
 def cache_folder(cache_dir: str, path: str) -> str:

@@ -32,6 +32,7 @@ from torch import nn
 from megatron_taper.checkpoint.checkpointer import CheckpointError, checkpoint_root, list_checkpoints, load_logical
 from megatron_taper.checkpoint.files import CheckpointReader
 from megatron_taper.config import Config, ConfigError, from_dict, load_config
+from megatron_taper.data import is_remote
 from megatron_taper.models import build_model
 
 if TYPE_CHECKING:
@@ -256,7 +257,7 @@ def tokenizer_path(cfg: Config, checkpoint_dir: str = "", override: str = "") ->
     if beside and os.path.isfile(beside):
         return beside
     data = cfg.data.path
-    if data.endswith(".npy") or "://" in data:
+    if data.endswith(".npy") or is_remote(data):
         return None
     if not data:
         from megatron_taper.data.builtin import builtin_data_dir
