@@ -10,7 +10,6 @@ after a checkpoint (the slurm script requeues the job on 3).
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 import signal
@@ -142,8 +141,7 @@ class Trainer:
         self.train_source.load_state_dict(state["data"])
         self.metrics.truncate_after(self.step)
         self._print(f"resumed from: {path} at step {self.step}")
-        with open(os.path.join(path, "meta.json")) as f:
-            saved_steps = json.load(f)["config"]["train"]["steps"]
+        saved_steps = state["config"]["train"]["steps"]
         if saved_steps != self.cfg.train.steps:
             self._print(f"warning: train.steps changed from {saved_steps} (checkpoint) to {self.cfg.train.steps}: "
                         f"the learning-rate schedule (warmup + decay over train.steps) changes from step "

@@ -256,7 +256,8 @@ class OtherModelError(CheckpointError):
 def load_checkpoint(path: str, model_cfg: ModelConfig, pm: ParallelModel, optimizer: torch.optim.Optimizer,
                     checkpointer: Checkpointer | None = None) -> dict:
     """Restore model, optimizer, RNG from one checkpoint (no collectives); returns the trainer
-    state (step, ..., data state of this rank). Raises CheckpointError naming the bad file."""
+    state (step, ..., data state of this rank) and the config it was saved with ("config").
+    Raises CheckpointError naming the bad file."""
     ctx = pm.ctx
     meta = _read_meta(path)
     _check_compatible(meta, model_cfg, path)
@@ -282,6 +283,7 @@ def load_checkpoint(path: str, model_cfg: ModelConfig, pm: ParallelModel, optimi
     _set_rng_state(mine["rng"])
     same_dp = meta["layout"]["dp"] == ctx.dp and len(ranks) == ctx.world_size
     trainer["data"] = mine["data"] if same_dp else ranks[0]["data"]
+    trainer["config"] = meta["config"]  # the run config it was written with (not part of the saved state)
     return trainer
 
 
