@@ -116,6 +116,7 @@ def _predicted(name: str) -> tuple[float, float]:
     return sm.activations + casts, sm.static - casts  # bf16 copies of the weights: made in the measured forward
 
 
+@pytest.mark.slow  # over ~20 s alone
 @pytest.mark.parametrize("name", list(CASES))
 def test_prediction_within_margin_of_measured_peak(measured, name):
     act, static = _predicted(name)

@@ -40,6 +40,7 @@ def _tool_here(*args) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 
+@pytest.mark.slow  # over ~20 s alone
 def test_sweep_runs_collects_and_resumes(tmp_path, byte_tokens):
     axes = ("  taper:\n    cosine-1.5: {model.taper.schedule: cosine, model.taper.start: 1.5}\n"
             "    uniform: {model.taper.schedule: uniform}\n")
@@ -83,6 +84,7 @@ def test_sweep_bad_inputs(tmp_path, byte_tokens):
     assert not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists()
 
 
+@pytest.mark.slow  # over ~20 s alone
 def test_sweep_tokenizes_its_corpus_runs_grids_and_pairs_with_baseline(tmp_path):
     """`data` turns raw text into OUT/data once; two grids with the same axes run together
     (--jobs 2); the baseline column is each run minus the baseline's run of the same seed."""

@@ -92,6 +92,7 @@ def _run(argv: list[str], cwd: Path, env: dict, monkeypatch) -> None:
                                  f"{proc.stderr[-3000:]}"
 
 
+@pytest.mark.slow  # over ~20 s alone
 def test_every_readme_example_runs_after_the_quickstart(workspace, monkeypatch):
     commands = readme_commands()
     assert len(commands) >= 10 and all(" runs/tiny_taper" not in c for c in commands)

@@ -101,6 +101,7 @@ def test_sbatch_two_nodes_matches_torchrun(uninterrupted, byte_tokens, tmp_path)
           f"final loss {got[-1].get('eval_loss', got[-1].get('loss'))}")
 
 
+@pytest.mark.slow  # over ~20 s alone
 def test_signalled_job_requeues_and_resumes_bitwise(slurm, uninterrupted, byte_tokens, tmp_path):
     run_dir = tmp_path / "run"
     t0 = time.monotonic()

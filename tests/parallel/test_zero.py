@@ -124,6 +124,7 @@ def test_fsdp2_checkpoint_resumes_on_another_layout(runs, tmp_path, nproc, extra
     assert diff < TOL
 
 
+@pytest.mark.slow  # over ~20 s alone
 def test_fsdp2_sigkill_and_resume_is_bitwise(runs, tmp_path):
     run_dir = tmp_path / "killed"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
