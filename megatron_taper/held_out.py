@@ -10,24 +10,19 @@ the per-source losses by their mixture shares.
 from __future__ import annotations
 
 import contextlib
-import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.distributed as dist
 
+from megatron_taper.metrics import perplexity
+
 if TYPE_CHECKING:
     from megatron_taper.data import BatchSource
     from megatron_taper.data.sources import HeldOut
     from megatron_taper.parallel.model import ParallelModel
 
-MAX_LOSS_FOR_PPL = 50.0  # exp() of larger losses overflows nothing useful; ppl is capped there
-
-
-def perplexity(loss: float) -> float:
-    """exp(loss), capped at exp(MAX_LOSS_FOR_PPL)."""
-    return math.exp(min(loss, MAX_LOSS_FOR_PPL))
 
 
 @dataclass

@@ -24,6 +24,12 @@ if TYPE_CHECKING:
 # keys measured rather than computed: they differ between two runs of the same config
 PERF_KEYS = ("tokens_per_s", "step_time_s", "mfu", "peak_memory_gb")
 WANDB_ID_FILE = "wandb_id"
+MAX_LOSS_FOR_PPL = 50.0  # exp() of larger losses overflows nothing useful; ppl is capped there
+
+
+def perplexity(loss: float) -> float:
+    """exp(loss), capped at exp(MAX_LOSS_FOR_PPL): the one rule for the trainer, evaluation and sweeps."""
+    return math.exp(min(loss, MAX_LOSS_FOR_PPL))
 
 
 def timestamp() -> str:

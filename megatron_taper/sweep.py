@@ -36,7 +36,6 @@ restarted at any time. Every run's config is loaded and checked before the first
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 import statistics
@@ -48,6 +47,7 @@ import yaml
 
 from megatron_taper.config import load_config
 from megatron_taper.data.corpus import TEXT_MODES
+from megatron_taper.metrics import perplexity
 from megatron_taper.validation import ConfigError, check_choice
 
 RESERVED = ("recipe",)
@@ -324,7 +324,7 @@ def collect(sweep: Sweep) -> dict:
         if done:
             row.update(_spread(done))
             if sweep.metric.endswith("loss"):
-                row["ppl"] = math.exp(min(row["mean"], 50.0))
+                row["ppl"] = perplexity(row["mean"])
         if sweep.baseline:
             axis, label = next(iter(sweep.baseline.items()))
             base = tuple((a, label if a == axis else lab) for a, lab in labels)

@@ -25,8 +25,8 @@ from megatron_taper.console import format_duration, peak_memory, report_error, s
 from megatron_taper.cost.flops import mfu, model_costs, peak_flops
 from megatron_taper.data.prefetch import Prefetcher
 from megatron_taper.data.sources import build_sources
-from megatron_taper.held_out import combined_loss, evaluate_held_out, perplexity
-from megatron_taper.metrics import MetricsLogger, timestamp
+from megatron_taper.held_out import combined_loss, evaluate_held_out
+from megatron_taper.metrics import MetricsLogger, perplexity, timestamp
 from megatron_taper.optim import lr_at
 from megatron_taper.parallel.context import ParallelContext, init_parallel, shutdown, world_size
 from megatron_taper.preflight import check_data, preflight
