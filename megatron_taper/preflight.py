@@ -155,11 +155,38 @@ def _check_pipeline(m: ModelConfig, p: ParallelConfig, t: TrainConfig, dp: int) 
     return n_micro
 
 
+TOKEN_SCAN_ELEMENTS = 1 << 26  # ids per read while scanning a .npy token file (128-512 MiB of host memory)
+
+
+def check_token_ids(path: str, key: str, vocab_size: int) -> None:
+    """A .npy token file is a 1-D integer array whose ids lie in [0, vocab_size): one error naming
+    the file, the first bad id and its index otherwise. The whole file is scanned (memory-mapped, in
+    slices), about one second per GB read: an out-of-range id would otherwise fail inside the
+    embedding at the step that first samples it, hours in."""
+    import numpy as np
+
+    if not os.path.isfile(path):
+        raise ConfigError(f"{key}: token file not found: {path}")
+    try:
+        tokens = np.load(path, mmap_mode="r")
+    except (ValueError, OSError) as e:
+        raise ConfigError(f"{key}: {path} is not a readable .npy token array: {e}") from None
+    if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
+        raise ConfigError(f"{key}: {path} must hold a 1-D integer token array, got {tokens.dtype} {tokens.shape}")
+    for start in range(0, len(tokens), TOKEN_SCAN_ELEMENTS):
+        part = np.asarray(tokens[start: start + TOKEN_SCAN_ELEMENTS])
+        if part.size and (int(part.min()) < 0 or int(part.max()) >= vocab_size):
+            index = start + int(np.flatnonzero((part < 0) | (part >= vocab_size))[0])
+            raise ConfigError(f"{key}: {path} holds token id {int(tokens[index])} at index {index}, outside "
+                              f"[0, model.vocab_size={vocab_size}): set model.vocab_size to the tokenizer's size "
+                              f"or re-tokenize the file")
+
+
 def check_data(cfg: Config, warn: bool = True) -> None:
-    """Local data folders are MDS folders written by tools/preprocess_data.py (or .npy files), and
-    the tokenizer (data.tokenizer, else each folder's stats.json) has no more ids than
-    model.vocab_size; fewer is a warning (when `warn`) naming the padding rows. Remote folders are
-    checked when read."""
+    """Local data folders are MDS folders written by tools/preprocess_data.py (or .npy token files
+    whose ids all fit model.vocab_size: check_token_ids), and the tokenizer (data.tokenizer, else
+    each folder's stats.json) has no more ids than model.vocab_size; fewer is a warning (when
+    `warn`) naming the padding rows. Remote folders are checked when read."""
     from megatron_taper.data.sources import check_local_dataset
 
     d, m = cfg.data, cfg.model
@@ -169,8 +196,7 @@ def check_data(cfg: Config, warn: bool = True) -> None:
         if not path or is_remote(path):
             continue
         if path.endswith(".npy"):
-            if not os.path.isfile(path):
-                raise ConfigError(f"{key}: token file not found: {path}")
+            check_token_ids(path, key, m.vocab_size)
             continue
         check_local_dataset(path, key)
         try:

@@ -52,6 +52,29 @@ def test_tokenizer_against_vocab_size(byte_tokens, tokenizer_512, tmp_path, caps
         check_data(cfg)
 
 
+def test_token_file_ids_are_checked_against_vocab_size(tmp_path, capsys, monkeypatch):
+    import numpy as np
+
+    from megatron_taper import preflight
+
+    monkeypatch.setattr(preflight, "TOKEN_SCAN_ELEMENTS", 1000)  # the bad id sits in the third slice
+    ids = np.arange(5000, dtype=np.uint16) % 250
+    ids[2345] = 300
+    np.save(tmp_path / "ids.npy", ids)
+    floats = tmp_path / "floats.npy"
+    np.save(floats, np.zeros(10, dtype=np.float32))
+    cases = {
+        tmp_path / "ids.npy": f"{tmp_path / 'ids.npy'} holds token id 300 at index 2345, outside [0, "
+                              "model.vocab_size=256): set model.vocab_size to the tokenizer's size or re-tokenize "
+                              "the file",
+        floats: f"{floats} must hold a 1-D integer token array, got float32 (10,)",
+    }
+    for path, message in cases.items():
+        err = _bad_start(args(path, tmp_path / "run", "model.vocab_size=256"), capsys)
+        assert err == f"error: data.path: {message}", err
+        assert not (tmp_path / "run").exists()
+
+
 def test_each_bad_data_path_gets_its_own_fix(tmp_path, capsys):
     (tmp_path / "mds" / "train").mkdir(parents=True)
     (tmp_path / "mds" / "train" / "index.json").write_text("{}")
