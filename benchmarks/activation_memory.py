@@ -36,9 +36,9 @@ pipeline.strip_model to its first (embedding + layers 0..K-1) or last (layers L-
 micro-batches, then optimizer_step), at any layout (`--nproc` processes: pp x dp x tp, fsdp2 or
 DeepSpeed): `--steps` warm-up steps (the AdamW state allocated), then the peak of one more step
 (VmHWM as above; measured_peak_bytes counts from the RSS after importing torch and the modules a
-step imports on first use: torch._dynamo, FSDP2, pipelining, DeepSpeed when it is the engine) against this rank's predicted peak with the optimizer state (its stage of
-the plan under pipelining). benchmarks/layout_memory.py runs it over the layouts of
-docs/memory_model.md.
+step imports on first use: torch._dynamo, FSDP2, pipelining, DeepSpeed when it is the engine)
+against this rank's predicted peak with the optimizer state (its stage of the plan under
+pipelining). benchmarks/layout_memory.py runs it over the layouts of docs/memory_model.md.
 
 Prints one JSON object: {"config": ..., "results": [one per mode and rank]}.
 """

@@ -10,7 +10,9 @@ training steps, then the peak of one more, per rank, against that rank's predict
 (cost/memory.py, with the AdamW state). The model (SHAPE: 4 layers, d_model 512, MLP width 1536
 tapered, vocabulary 16384, 29M parameters; 16 sequences of 128 tokens per step, micro-batches of
 4, so at dp = 2 every rank accumulates gradients over 2 micro-batches, and the pipeline's 8
-sequences per rank are 2 micro-batches of 4) is large enough that the state terms under test (fp32 gradients accumulated between the pipeline's
+sequences per rank are 4 micro-batches of 2: 1F1B then reaches its steady state, where the first
+stage holds 2 micro-batches' activations next to the fp32 gradients accumulated so far) is large
+enough that the state terms under test (fp32 gradients accumulated between the pipeline's
 micro-batches, DeepSpeed's fp32 partitions and moments, bf16 cast copies) are tens of MiB.
 Prints one JSON object: per layout, precision and rank, measured and predicted peaks and their
 ratio.
@@ -31,7 +33,7 @@ SHAPE = ["model.n_layers=4", "model.d_model=512", "model.n_heads=8", "model.mlp_
 LAYOUTS = {  # name -> (processes, overrides)
     "none_dp1": (1, ["parallel.zero=none"]),
     "fsdp2_dp2": (2, ["parallel.zero=fsdp2"]),
-    "fsdp2_pp2_dp2": (4, ["parallel.zero=fsdp2", "parallel.pp=2", "parallel.microbatches=2"]),
+    "fsdp2_pp2_dp2": (4, ["parallel.zero=fsdp2", "parallel.pp=2", "parallel.microbatches=4"]),
     "deepspeed_dp2": (2, ["parallel.zero=deepspeed"]),
 }
 

@@ -86,7 +86,9 @@ class PipelineParallelModel(ParallelModel):
         first, last = 0 in self.chunk_ids, self.n_stages - 1 in self.chunk_ids
         args = (tokens[:, :-1],) if first else ()
         kwargs = {"target": tokens[:, 1:], "losses": losses} if last else {}
-        run(*args, **kwargs)
+        # return_outputs=False: the last stage would keep every micro-batch's logits [b, S, V / tp]
+        # to the end of the step and then concatenate them (the losses are all that is used)
+        run(*args, return_outputs=False, **kwargs)
 
     def _mean_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
         if losses:
