@@ -89,7 +89,7 @@ def profile_layer_times(model: nn.Module, micro_batch: int, seq_len: int, device
     One forward through `model` (blocks in `model.layers`) records each block's real inputs; then
     each piece is timed alone on `device`: `warmup` rounds, then the median of `iters` rounds. Generic over
     families whose blocks take positional tensors. Measurements differ per rank: pipeline.py
-    measures on one rank and broadcasts, so every rank balances the same numbers.
+    measures on rank 0 (or its tp group) and broadcasts, so every rank balances the same numbers.
     """
     autocast = autocast or contextlib.nullcontext
     model = model.to(device)
