@@ -207,6 +207,31 @@ def test_deepspeed_checkpoint_same_size_and_another_size(runs, tmp_path):
     assert sorted(_losses(tmp_path / "dp1")) == list(range(6, 11)) and diff < TOL
 
 
+def _fit_error(overrides):
+    """The error this rank's run ends with ("" if none)."""
+    try:
+        _fit(overrides)
+    except Exception as e:  # noqa: BLE001 - returned to the test
+        return str(e)
+    return ""
+
+
+def test_deepspeed_native_file_failing_on_one_rank_stops_every_rank(runs, tmp_path):
+    """Only rank 1 reads (and verifies) its own optimizer-state file; when it is corrupted, rank 0
+    must not go on into DeepSpeed's collective load: both ranks end with the error naming it."""
+    import shutil
+
+    step5 = tmp_path / "step-5"
+    shutil.copytree(runs["root"] / "ds_dp2" / "checkpoints" / "step-5", step5)
+    victim = next((step5 / "deepspeed" / "state").glob("*zero_pp_rank_1_*optim_states.pt"))
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    errors = run_distributed(_fit_error, 2, _args(tmp_path / "run", runs["data"], "parallel.zero=deepspeed",
+                                                  f"run.resume={step5}"), timeout=180, env=ENV)
+    assert all(victim.name in e and "checksum" in e for e in errors), errors
+
+
 def test_convert_checkpoint_from_every_kind(runs, tmp_path):
     """The command line once (DeepSpeed's own files, in a fresh process), the logical files of
     every engine through the same function in-process."""
