@@ -32,6 +32,14 @@ pipeline.strip_model to its first (embedding + layers 0..K-1) or last (layers L-
 [b, S, d] per backward. Predicted: the stage's activations plus those outputs and one gradient
 (the p2p receive buffers of torch.distributed.pipelining are not part of this one-process run).
 
+`--full-step` measures whole training steps instead (forward_backward over the step's
+micro-batches, then optimizer_step), at any layout (`--nproc` processes: pp x dp x tp, fsdp2 or
+DeepSpeed): `--steps` warm-up steps (the AdamW state allocated), then the peak of one more step
+(VmHWM as above; measured_peak_bytes counts from the RSS after importing torch and the modules a
+step imports on first use: torch._dynamo, FSDP2, pipelining, DeepSpeed when it is the engine)
+against this rank's predicted peak with the optimizer state (its stage of the plan under
+pipelining). benchmarks/layout_memory.py runs it over the layouts of docs/memory_model.md.
+
 Prints one JSON object: {"config": ..., "results": [one per mode and rank]}.
 """
 from __future__ import annotations
@@ -176,6 +184,54 @@ def pipeline_stage(cfg, which: str, n_layers: int, in_flight: int) -> dict:
     return row
 
 
+def full_step(cfg, steps: int) -> dict:
+    """`--full-step`: build_run, `steps` training steps as the Trainer takes them (the step's
+    micro-batches through forward_backward, then optimizer_step: reduce, clip, AdamW, gradients
+    cleared), then one more measured; the whole step's peak against the predicted peak of this
+    rank's stage with the optimizer state (plan_stages under pipelining, else the whole model)."""
+    import torch
+    import torch._dynamo  # noqa: F401 - the optimizer's first use imports it: modules, not the step's memory
+    import torch.distributed.fsdp  # noqa: F401
+    import torch.distributed.pipelining  # noqa: F401
+
+    if cfg.parallel.zero == "deepspeed":
+        import deepspeed  # noqa: F401
+
+    from megatron_taper.build import build_run
+    from megatron_taper.cost.memory import MemorySetup, model_memory
+
+    meter = PeakMeter(torch.device("cpu"))
+    run = build_run(cfg)
+    pm, ctx, optimizer = run.model, run.ctx, run.optimizer
+    autocast = (lambda: torch.autocast(ctx.device.type, dtype=torch.bfloat16)) if run.bf16 else contextlib.nullcontext
+    accum = cfg.train.global_batch // (cfg.train.micro_batch * ctx.dp)
+
+    def step(seed: int) -> None:
+        batches = [_tokens(cfg, cfg.train.micro_batch, cfg.model.seq_len, seed * 100 + ctx.dp_rank * 10 + i)
+                   for i in range(accum)]
+        pm.forward_backward(batches, autocast)
+        pm.optimizer_step(optimizer, cfg.train.grad_clip)
+
+    for i in range(steps):
+        step(i)
+    before = meter.reset()
+    step(steps)
+    peak = meter.peak()
+    plan = getattr(pm, "plan", None)
+    if plan is not None:
+        stage = plan.stages[ctx.pp_rank]
+        predicted_static, predicted_peak = stage.static_bytes, stage.peak_bytes
+    else:
+        setup = MemorySetup.from_config(cfg.parallel, cfg.train, ctx.dp, run.bf16)
+        whole = model_memory(cfg.model, setup).stage(range(cfg.model.n_layers))
+        predicted_static, predicted_peak = whole.static, whole.total
+    return {"layout": {"zero": cfg.parallel.zero, "pp": ctx.pp, "dp": ctx.dp, "tp": ctx.tp},
+            "precision": "bf16" if run.bf16 else "fp32", "rank": ctx.rank,
+            "measured_peak_bytes": peak - meter.start, "predicted_peak_bytes": predicted_peak,
+            "peak_ratio": (peak - meter.start) / predicted_peak,
+            "resident_before_step_bytes": before - meter.start, "predicted_static_bytes": predicted_static}
+
+
 def _nbytes(t) -> int:
     if t is None:
         return 0
@@ -198,7 +254,9 @@ def worker(args: argparse.Namespace) -> None:
     from megatron_taper.config import load_config
 
     cfg = load_config(None, DEFAULT + args.overrides + [f"train.activation_checkpointing={args.mode}"])
-    if args.stage:
+    if args.full_step:
+        row = full_step(cfg, args.steps)
+    elif args.stage:
         row = pipeline_stage(cfg, args.stage, args.stage_layers, args.in_flight)
     else:
         row = whole_model(cfg, args.steps)
@@ -218,7 +276,7 @@ def _free_port() -> int:
 
 
 def measure(overrides: list[str], mode: str, nproc: int = 1, steps: int = 1, stage: str = "",
-            stage_layers: int = 1, in_flight: int = 1, timeout: float = 3600.0) -> list[dict]:
+            stage_layers: int = 1, in_flight: int = 1, timeout: float = 3600.0, full: bool = False) -> list[dict]:
     """Run one measurement in `nproc` fresh processes; one result per rank."""
     port = _free_port()
     with tempfile.TemporaryDirectory() as tmp:
@@ -227,8 +285,9 @@ def measure(overrides: list[str], mode: str, nproc: int = 1, steps: int = 1, sta
             out = os.path.join(tmp, f"rank{rank}.json")
             cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--out", out, "--mode", mode,
                    "--steps", str(steps), "--stage", stage, "--stage-layers", str(stage_layers),
-                   "--in-flight", str(in_flight), *overrides]
+                   "--in-flight", str(in_flight), *(["--full-step"] if full else []), *overrides]
             env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": MMAP_THRESHOLD, "PYTHONPATH": REPO}
+            env.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(REPO, ".cache", "torch_extensions"))
             if nproc > 1:
                 env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
                            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
@@ -252,6 +311,8 @@ def main() -> None:
     parser.add_argument("--stage", default="", choices=("", "first", "last"), help="measure one pipeline stage")
     parser.add_argument("--stage-layers", type=int, default=1)
     parser.add_argument("--in-flight", type=int, default=1)
+    parser.add_argument("--full-step", action="store_true",
+                        help="whole training steps (optimizer included) against the predicted peak with AdamW state")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--mode", default="none", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
@@ -263,7 +324,7 @@ def main() -> None:
     results = []
     for mode in args.modes.split(","):
         results += measure(args.overrides, mode, args.nproc, args.steps, args.stage, args.stage_layers,
-                           args.in_flight)
+                           args.in_flight, full=args.full_step)
     print(json.dumps({"config": DEFAULT + args.overrides, "steps": args.steps, "results": results}, indent=1))
 
 

@@ -16,8 +16,9 @@ a time while initialising; the weights equal the one-process model's (`init_weig
 layout. Where meta is not used:
 - parallel.zero=deepspeed: materialised before deepspeed.initialize (at build_optimizer), which
   partitions real tensors, so each rank briefly holds its whole tp-local stage (full / tp) in fp32.
-- parallel.pp_balance=profile: rank 0 builds one materialised copy of the whole model to time its
-  layers (parallel/pipeline.py make_plan), and frees it before its stage is materialised.
+- parallel.pp_balance=profile: rank 0's tp group materialises one piece (a block, the embedding,
+  the head) at a time, its own tp shard of it, to time it (parallel/pipeline.py make_plan), and
+  frees it before the next piece and before its stage is materialised.
 - a model that registers buffers (none here): to_empty cannot recreate their values, so such a model
   is built and initialised whole on every rank, then parallelised.
 

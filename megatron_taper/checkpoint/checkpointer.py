@@ -24,6 +24,7 @@ save); the previous checkpoint stays the newest.
 Loading: every rank reads from the records only the boxes of its own parameters and state
 (`CheckpointReader`, each record's sha256 checked as it is read), so a resume reads about the rank's
 shard at the same layout, and the overlapping records at another (pp, dp, tp) layout or engine.
+An engine's own files (DeepSpeed's) are verified by the ranks that read them, each its own.
 With `run.resume=auto` a newest checkpoint that fails verification on any rank is skipped with a
 warning naming the file, and the next older one is loaded; an explicit `run.resume=PATH` refuses.
 Format 1 checkpoints (logical per-stage files model-ppK.pt / optim-ppK.pt) still load, every rank
@@ -255,16 +256,19 @@ class OtherModelError(CheckpointError):
 
 def load_checkpoint(path: str, model_cfg: ModelConfig, pm: ParallelModel, optimizer: torch.optim.Optimizer,
                     checkpointer: Checkpointer | None = None) -> dict:
-    """Restore model, optimizer, RNG from one checkpoint (no collectives); returns the trainer
-    state (step, ..., data state of this rank) and the config it was saved with ("config").
+    """Restore model, optimizer, RNG from one checkpoint (no collectives, except in an engine's own
+    load: DeepSpeed's); returns the trainer state (step, ..., data state of this rank) and the
+    config it was saved with ("config").
     Raises CheckpointError naming the bad file."""
     ctx = pm.ctx
     meta = _read_meta(path)
     _check_compatible(meta, model_cfg, path)
-    for name, info in meta["files"].items():  # DeepSpeed's own files: every rank checks them all
-        if name.startswith("deepspeed/"):
-            _verify(os.path.join(path, name), info)
-    if not pm.load_native(path, meta):
+    def verify(name: str) -> None:  # an engine's own file this rank reads
+        if name not in meta["files"]:
+            raise CheckpointError(f"{os.path.join(path, name)}: not listed in meta.json")
+        _verify(os.path.join(path, name), meta["files"][name])
+
+    if not pm.load_native(path, meta, verify):
         if meta.get("format", 1) >= 2:
             reader = CheckpointReader(path, meta["tensors"], meta["files"])
             pm.load_pieces(optimizer, reader)

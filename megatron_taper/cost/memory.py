@@ -12,9 +12,11 @@ static   per tp-local parameter P of the stage: parameters, gradients, AdamW sta
          AdamW) / dp, less what is offloaded), plus weights held unsharded: fsdp2 under
          pipelining keeps the stage's parameters gathered and their gradients unsharded through
          the step (matmul weights in the compute dtype, embedding in fp32; gradients accumulated
-         in fp32 under pipelining); fsdp2 without pipelining does so for the root (embedding,
-         final norm, head); bf16 autocast (every layout but fsdp2 at dp > 1, which gathers
-         matmul weights in bf16) keeps a bf16 copy of every weight it casts (2 bytes per P).
+         in fp32 under pipelining; the sharded gradient, made at the step's end as the unsharded
+         one is freed, is not counted besides it: 12 / dp + 4 + param bytes); fsdp2 without
+         pipelining does so for the root (embedding, final norm, head); bf16 autocast (every
+         layout but fsdp2 at dp > 1, which gathers matmul weights in bf16) keeps a bf16 copy of
+         every weight it casts (2 bytes per P).
 K        bytes one micro-batch keeps for backward: sum over the stage's blocks of their saved
          activations (cost/block.py: per token x tokens per micro-batch, plus any kept once
          per micro-batch), or of their input [b, S, d] alone for the blocks that recompute
@@ -28,7 +30,9 @@ top      the largest moment of the backward of the micro-batch being processed: 
 buffers  torch.distributed.pipelining's p2p buffers, [b, S, d] each: a non-first stage keeps
          a receive buffer per micro-batch of the step (those of the n in flight are the inputs
          counted in K), a non-last stage a gradient receive buffer per micro-batch and the
-         outputs of the n in flight.
+         outputs of the n in flight; deepspeed: its fp32 gradient reduce bucket
+         (parallel.deepspeed.reduce_bucket_size elements) and the fp32 parameters it holds
+         gathered (the piece running + prefetch_bucket_size elements, at most the model).
 
 Layouts: an activation element (cost/block.py `Split`) counts on a rank as its largest tp
 share (shards are uneven in whole units: heads, MLP width units, vocabulary rows); `seq`
@@ -37,7 +41,7 @@ parallelism. Bytes: `seq` and `vocab` (the loss) in fp32, the rest in the comput
 under autocast, else fp32); a recomputed block's input in fp32.
 
 Not modelled: the optimizer step's temporaries (after the activations are freed), collective
-buffers (DDP buckets are the gradients themselves), allocator caching and fragmentation, the
+buffers besides DeepSpeed's (DDP buckets are the gradients themselves), allocator caching and fragmentation, the
 CUDA context and kernels' workspaces, token ids and other [b, S] tensors, the embedding's dense
 gradient while it is accumulated. docs/memory_model.md compares the model with measured peaks.
 """
@@ -75,6 +79,8 @@ class MemorySetup:
     optimizer: bool = True  # AdamW state allocated (False: forward+backward alone, as benchmarks measure)
     offload_optimizer: bool = False  # deepspeed: masters and AdamW state off the device
     offload_param: bool = False  # deepspeed: parameter partitions off the device
+    reduce_bucket: float = 0.0  # deepspeed: elements of its fp32 gradient reduce bucket
+    prefetch_bucket: float = 0.0  # deepspeed: elements of parameters it gathers ahead
 
     @classmethod
     def from_config(cls, parallel: ParallelConfig, train: TrainConfig, dp: int, bf16: bool,
@@ -88,7 +94,9 @@ class MemorySetup:
                    activation_checkpointing=train.activation_checkpointing, ac_every=train.ac_every,
                    micro_batch=micro_batch or train.micro_batch, microbatches=microbatches,
                    bytes_per_param=bytes_per_param, offload_optimizer=ds.offload_optimizer != "none",
-                   offload_param=ds.offload_param != "none")
+                   offload_param=ds.offload_param != "none",
+                   reduce_bucket=ds.reduce_bucket_size if parallel.zero == "deepspeed" else 0.0,
+                   prefetch_bucket=ds.prefetch_bucket_size if parallel.zero == "deepspeed" else 0.0)
 
     @property
     def compute_bytes(self) -> int:
@@ -109,6 +117,8 @@ class MemorySetup:
             on_device = (0 if self.offload_param else 4.0) + 4.0
             on_device += 0 if self.offload_optimizer else 4.0 + adamw
             return on_device / self.dp
+        if self.fsdp and self.pipelined:  # the sharded gradient appears only as the unsharded one is freed
+            return (4.0 + adamw) / self.dp
         return (8.0 + adamw) / (self.dp if self.fsdp else 1)
 
     def unsharded_bytes_per_param(self, matmul: bool = True) -> float:
@@ -270,15 +280,29 @@ def pipeline_buffers(io: float, in_flight: Sequence[int], microbatches: int) -> 
     return out
 
 
+def deepspeed_buffers(mm: ModelMemory) -> float:
+    """DeepSpeed ZeRO-3's working buffers on one rank (no pipelining: the whole model): its fp32
+    gradient reduce bucket (allocated whole; contiguous_gradients) and the parameters it holds
+    gathered at once, in fp32 (docs/precision.md): the piece running and up to prefetch_bucket
+    elements ahead of it, at most the whole model."""
+    setup = mm.setup
+    if setup.zero != "deepspeed":
+        return 0.0
+    pieces = [p.params for p in [*mm.layers, mm.embedding, mm.head]]
+    gathered = min(setup.prefetch_bucket + max(pieces), sum(pieces))
+    return 4.0 * (setup.reduce_bucket + gathered)
+
+
 def to_memory_model(mm: ModelMemory, in_flight: Sequence[int], limits: Sequence[float],
                     key: str = "parallel.pp_memory_gb") -> "MemoryModel":
     """The partitioner's view of `mm` for len(in_flight) stages with byte limits `limits`."""
+    engine = deepspeed_buffers(mm)
     return MemoryModel(
         static=[p.static for p in mm.layers], act=[p.kept for p in mm.layers], in_flight=list(in_flight),
         limits=list(limits), first_static=mm.embedding.static, first_act=mm.embedding.kept,
         last_static=mm.head.static, last_act=mm.head.kept, key=key, peak=[p.peak for p in mm.layers],
         last_peak=mm.head.peak - mm.head.kept,
-        fixed=pipeline_buffers(mm.io, in_flight, mm.setup.microbatches))
+        fixed=[b + engine for b in pipeline_buffers(mm.io, in_flight, mm.setup.microbatches)])
 
 
 def _prefix(values: Sequence[float]) -> list[float]:

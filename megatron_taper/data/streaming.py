@@ -33,9 +33,13 @@ mosaicml-streaming can download from): index and shards are copied on first use 
 file once. Without `cache_dir`, `path` is read in place (compressed shards are decompressed beside
 themselves, as mosaicml-streaming does). A shard download gives up after DOWNLOAD_ATTEMPTS tries
 of DOWNLOAD_TIMEOUT_S each (at most 180 s, well under the 600 s collective timeout, so a stuck
-filesystem fails this rank with the shard named instead of every rank in a collective); shards
-are fetched by the trainer's batch-prefetch thread (data/prefetch.py), steps ahead of the step
-that needs them, never inside a step on the training thread.
+filesystem fails this rank with the shard named instead of every rank in a collective; the
+timeout is the library downloader's, which its hf:// and plain-path downloaders do not apply).
+Shards are fetched ahead of need: each `next_batch` looks at this rank's next SAMPLES_AHEAD
+samples and hands the shards they read that are not yet open to SHARDS_IN_FLIGHT background
+download threads, so a shard is usually in the cache before the sample that needs it is drawn
+(by the trainer's batch-prefetch thread, data/prefetch.py, itself steps ahead of the training
+thread); a sample whose shard is still downloading waits for that download, not a new one.
 
 Why not `streaming.StreamingDataset` itself: its constructor runs `dist.barrier()` collectives and
 registers a per-folder shared-memory slot, so every rank of the job must build each dataset at the
@@ -49,6 +53,7 @@ import hashlib
 import json
 import mmap
 import os
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -68,6 +73,8 @@ TOKENIZER_FILE = "tokenizer.model"
 STATE_VERSION = 2
 DOWNLOAD_TIMEOUT_S = 60.0  # one attempt at one shard
 DOWNLOAD_ATTEMPTS = 3
+SAMPLES_AHEAD = 64  # remote data: this rank's next samples whose shards are fetched in the background
+SHARDS_IN_FLIGHT = 4  # remote data: parallel shard downloads per reader
 SHARD_HASH = "xxh64"  # written by preprocess, checked on open: ~10 ms per 64 MB shard
 
 
@@ -121,13 +128,27 @@ class ShardReader:
         counts = np.array([shard.samples for shard in self._shards], np.int64)
         self._shard_ends = np.cumsum(counts)
         self._maps: dict[int, tuple[mmap.mmap, np.ndarray]] = {}
+        self.remote = remote is not None
+        self._fetching: dict[int, Future] = {}  # shard id -> its background download (remote only)
+        self._pool = (ThreadPoolExecutor(SHARDS_IN_FLIGHT, thread_name_prefix="shard-fetch")
+                      if remote is not None else None)
         self.lengths = self._doc_lengths()
 
     def __len__(self) -> int:
         return int(self._shard_ends[-1]) if len(self._shard_ends) else 0
 
+    def shard_of(self, doc: int) -> int:
+        return int(np.searchsorted(self._shard_ends, doc, side="right"))
+
+    def fetch_ahead(self, doc: int) -> None:
+        """Start downloading the shard of document `doc` in the background, unless it is open,
+        already downloading, or the data is local."""
+        shard_id = self.shard_of(doc)
+        if self._pool is not None and shard_id not in self._maps and shard_id not in self._fetching:
+            self._fetching[shard_id] = self._pool.submit(self._download, shard_id)
+
     def __getitem__(self, doc: int) -> np.ndarray:
-        shard_id = int(np.searchsorted(self._shard_ends, doc, side="right"))
+        shard_id = self.shard_of(doc)
         idx = doc - (int(self._shard_ends[shard_id - 1]) if shard_id else 0)
         if shard_id not in self._maps:
             self._prepare(shard_id)
@@ -154,6 +175,17 @@ class ShardReader:
 
     def _prepare(self, shard_id: int) -> None:
         shard = self._shards[shard_id]
+        fetching = self._fetching.pop(shard_id, None)
+        raw = fetching.result() if fetching is not None else self._download(shard_id)
+        check_shard(raw, shard.raw_data.bytes, shard.raw_data.hashes, self.where)
+        with open(raw, "rb") as f:
+            data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        offsets = np.frombuffer(data, np.uint32, count=shard.samples + 1, offset=4)
+        self._maps[shard_id] = (data, offsets)
+
+    def _download(self, shard_id: int) -> str:
+        """The raw shard's local path, downloaded and/or decompressed into it first if needed."""
+        shard = self._shards[shard_id]
         raw = os.path.join(self._split_dir, shard.raw_data.basename)
         if not os.path.isfile(raw):
             # Download and/or decompress once per machine; other ranks wait on the lock.
@@ -164,11 +196,7 @@ class ShardReader:
                     raise RuntimeError(f"{self.where}: shard {shard.raw_data.basename} could not be fetched into "
                                        f"the cache ({DOWNLOAD_ATTEMPTS} attempts of {DOWNLOAD_TIMEOUT_S:.0f} s): {e}"
                                        ) from e
-        check_shard(raw, shard.raw_data.bytes, shard.raw_data.hashes, self.where)
-        with open(raw, "rb") as f:
-            data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        offsets = np.frombuffer(data, np.uint32, count=shard.samples + 1, offset=4)
-        self._maps[shard_id] = (data, offsets)
+        return raw
 
     def _doc_lengths(self) -> LengthTable:
         path = os.path.join(self._split_dir, LENGTHS_FILE)
@@ -224,6 +252,7 @@ class StreamingSource:
             raise ValueError(f"{self.reader.where}: {self.num_tokens} tokens are too few for one sample "
                              f"of model.seq_len + 1 = {seq_len + 1} tokens")
         self.samples_consumed = 0
+        self._ahead = 0  # this rank's samples (counted from the stream's start) looked ahead at
 
     @property
     def group_size(self) -> int:
@@ -236,9 +265,22 @@ class StreamingSource:
 
     def next_batch(self) -> torch.Tensor:
         first = self.samples_consumed + self.dp_rank * self.micro_batch
+        self._look_ahead()
         batch = np.stack([self.sample(first + i) for i in range(self.micro_batch)])
         self.samples_consumed += self.group_size
         return torch.from_numpy(batch)
+
+    def _look_ahead(self) -> None:
+        """Hand the shards of this rank's next SAMPLES_AHEAD samples to the reader's background
+        downloads (remote data; each sample is looked at once)."""
+        mb = self.micro_batch
+        own = self.samples_consumed // self.group_size * mb  # this rank's samples drawn so far
+        self._ahead = max(self._ahead, own)
+        while self._ahead < own + SAMPLES_AHEAD and self.reader.remote:
+            g = self._ahead // mb * self.group_size + self.dp_rank * mb + self._ahead % mb
+            for doc, _, _ in self.order.pieces(g):
+                self.reader.fetch_ahead(doc)
+            self._ahead += 1
 
     def sample(self, g: int) -> np.ndarray:
         """Global sample g of the stream: int64 [seq_len + 1]."""

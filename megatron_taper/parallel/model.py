@@ -108,8 +108,9 @@ class ParallelModel:
         any (none by default: the logical files are the whole checkpoint)."""
         return False
 
-    def load_native(self, folder: str, meta: dict) -> bool:
-        """Restore from the engine's own files if they fit this layout; False: use the logical ones."""
+    def load_native(self, folder: str, meta: dict, verify: Callable[[str], None]) -> bool:
+        """Restore from the engine's own files if they fit this layout, first passing each file
+        this rank will read (its name in meta["files"]) to `verify`; False: use the logical ones."""
         return False
 
     @property

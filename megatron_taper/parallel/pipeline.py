@@ -1,7 +1,7 @@
 """Pipeline parallelism: split the model into stages by cost, run them with torch.distributed.pipelining.
 
     full model (on the meta device, or initialised and the same on every rank)
-      -> plan (partition.py: layers per stage by parallel.pp_balance; profile: measured on rank 0)
+      -> plan (partition.py: layers per stage by parallel.pp_balance; profile: measured by rank 0's tp group)
       -> this pp rank keeps only its layers (+ embedding on stage 0; final norm, head, loss on the
          last stage), parameter names unchanged (global layer indices)
       -> tensor parallelism etc. on that module (`parallelize(..., whole_model=False)`)
@@ -35,7 +35,7 @@ from megatron_taper.parallel.data_parallel import wrap_ddp
 from megatron_taper.parallel.meta_init import is_meta
 from megatron_taper.parallel.model import ParallelModel
 from megatron_taper.parallel.partition import PipelinePlan, plan_pipeline
-from megatron_taper.parallel.profile import profile_layer_times, profile_meta_layer_times
+from megatron_taper.parallel.profile import TPShard, profile_layer_times, profile_meta_layer_times
 
 if TYPE_CHECKING:
     from megatron_taper.config import ModelConfig, ParallelConfig, TrainConfig
@@ -86,7 +86,9 @@ class PipelineParallelModel(ParallelModel):
         first, last = 0 in self.chunk_ids, self.n_stages - 1 in self.chunk_ids
         args = (tokens[:, :-1],) if first else ()
         kwargs = {"target": tokens[:, 1:], "losses": losses} if last else {}
-        run(*args, **kwargs)
+        # return_outputs=False: the last stage would keep every micro-batch's logits [b, S, V / tp]
+        # to the end of the step and then concatenate them (the losses are all that is used)
+        run(*args, return_outputs=False, **kwargs)
 
     def _mean_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
         if losses:
@@ -179,25 +181,28 @@ def plan_stages(model_cfg: ModelConfig, parallel: ParallelConfig, train: TrainCo
 
 def make_plan(model: nn.Module, ctx: ParallelContext, model_cfg: ModelConfig, parallel: ParallelConfig,
               train: TrainConfig) -> PipelinePlan:
-    """The stage split, identical on every rank (profile: rank 0 measures and broadcasts); memory
-    limits are checked for this run's device and precision.
+    """The stage split, identical on every rank (profile: measured by the tp group of rank 0 and
+    broadcast); memory limits are checked for this run's device and precision.
 
-    Profiling (rank 0) times each layer under the run's precision (bf16 autocast when
-    train.precision gives bf16), without tp: a model on the meta device is materialised one piece
-    at a time with random weights (profile_meta_layer_times: the peak is one layer, not the model);
-    a model built with real tensors (families with buffers) is timed as it is."""
+    Profiling times each layer under the run's precision (bf16 autocast when train.precision gives
+    bf16) and tp degree: a model on the meta device is materialised one piece at a time with random
+    weights (profile_meta_layer_times: the peak is one layer, not the model); under tp each rank of
+    rank 0's tp group (pp rank 0, dp rank 0) materialises and times its own shard of each piece,
+    with the tp collectives. A model built with real tensors (families with buffers; none today)
+    is timed whole and unsharded on rank 0."""
     measured = None
     if parallel.pp_balance == "profile":
         box: list[Any] = [None]
-        if dist.get_rank() == 0:
-            bf16 = uses_bf16(train.precision, ctx.device)  # timed under the run's precision
-            autocast = (lambda: torch.autocast(ctx.device.type, dtype=torch.bfloat16)) if bf16 else None
-            if is_meta(model):  # one piece at a time on the device
-                box[0] = profile_meta_layer_times(model, train.micro_batch, model_cfg.seq_len, ctx.device,
-                                                  autocast=autocast)
-            else:
-                box[0] = profile_layer_times(copy.deepcopy(model), train.micro_batch, model_cfg.seq_len, ctx.device,
-                                             autocast=autocast)
+        bf16 = uses_bf16(train.precision, ctx.device)  # timed under the run's precision
+        autocast = (lambda: torch.autocast(ctx.device.type, dtype=torch.bfloat16)) if bf16 else None
+        if is_meta(model) and ctx.pp_rank == 0 and ctx.dp_rank == 0:  # one piece at a time on the device
+            tp = (TPShard(ctx.tp_group, ctx.tp_rank, ctx.tp, model_cfg, parallel.sequence_parallel)
+                  if ctx.tp > 1 else None)
+            box[0] = profile_meta_layer_times(model, train.micro_batch, model_cfg.seq_len, ctx.device,
+                                              autocast=autocast, tp=tp)
+        elif not is_meta(model) and dist.get_rank() == 0:
+            box[0] = profile_layer_times(copy.deepcopy(model), train.micro_batch, model_cfg.seq_len, ctx.device,
+                                         autocast=autocast)
         dist.broadcast_object_list(box, src=0)
         measured = box[0]
     return plan_stages(model_cfg, parallel, train, ctx.dp, measured, device=ctx.device)

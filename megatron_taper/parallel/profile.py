@@ -4,14 +4,19 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import statistics
 import time
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from megatron_taper.models.layers import cross_entropy
+from megatron_taper.parallel.tensor import vocab_parallel_cross_entropy
+from megatron_taper.parallel.tp_plan import apply_tp
 
 
 def _record_block_inputs(model: nn.Module, tokens: torch.Tensor, keep: Callable[[torch.Tensor], Any],
@@ -54,13 +59,13 @@ def _embedding_run(embedding: nn.Module | None, tokens: torch.Tensor, autocast: 
 
 
 def _head_run(norm: nn.Module, output: nn.Module | None, embedding: nn.Module | None, args: tuple,
-              tokens: torch.Tensor, autocast: Callable) -> Callable[[], None]:
+              tokens: torch.Tensor, autocast: Callable, loss_fn: Callable = cross_entropy) -> Callable[[], None]:
     def run():  # norm + head (or the tied embedding) + loss
         x = args[0].clone().requires_grad_(True)
         with autocast():
             h = norm(x)
             logits = output(h) if output is not None else h @ embedding.weight.t()
-            loss = cross_entropy(logits, tokens[:, 1:])
+            loss = loss_fn(logits, tokens[:, 1:])
         loss.backward()
     return run
 
@@ -84,7 +89,7 @@ def profile_layer_times(model: nn.Module, micro_batch: int, seq_len: int, device
     One forward through `model` (blocks in `model.layers`) records each block's real inputs; then
     each piece is timed alone on `device`: `warmup` rounds, then the median of `iters` rounds. Generic over
     families whose blocks take positional tensors. Measurements differ per rank: pipeline.py
-    measures on one rank and broadcasts, so every rank balances the same numbers.
+    measures on rank 0 (or its tp group) and broadcasts, so every rank balances the same numbers.
     """
     autocast = autocast or contextlib.nullcontext
     model = model.to(device)
@@ -108,24 +113,47 @@ def profile_layer_times(model: nn.Module, micro_batch: int, seq_len: int, device
     return medians[:-2], medians[-2], medians[-1]
 
 
+@dataclass(frozen=True)
+class TPShard:
+    """The tensor-parallel group a profile times its pieces under (every member calls the profile)."""
+
+    group: Any  # torch.distributed.ProcessGroup
+    rank: int
+    size: int
+    model_cfg: Any  # ModelConfig
+    sequence_parallel: bool
+
+
 def profile_meta_layer_times(model: nn.Module, micro_batch: int, seq_len: int, device, warmup: int = 2,
-                             iters: int = 5, autocast=None) -> tuple[list[float], float, float]:
+                             iters: int = 5, autocast=None, tp: TPShard | None = None
+                             ) -> tuple[list[float], float, float]:
     """As profile_layer_times, for a model on the meta device, materialising one piece at a time:
     a forward on the meta device records each block's input shapes; then each block (then the
-    embedding, then norm + head + loss) alone is copied to `device` with random weights and
+    embedding, then norm + head + loss) alone is materialised on `device` with random weights and
     random inputs of those shapes, timed (`warmup` rounds, the median of `iters`) and freed, so
-    the peak is one piece, not the model. Pieces are timed one after the other (not in rounds)."""
+    the peak is one piece, not the model. Pieces are timed one after the other (not in rounds).
+
+    With `tp`, every rank of tp.group calls this: a meta copy of the model is sharded by the
+    family's tp plan (parallel/tp_plan.py apply_tp), so each rank times its own shard of each piece
+    with the run's tp collectives (sequence parallel: block inputs of seq_len / tp positions; head
+    loss: the vocab-parallel cross-entropy); each piece's time is the maximum over the tp ranks."""
     autocast = autocast or contextlib.nullcontext
-    meta_tokens = torch.zeros(micro_batch, seq_len, dtype=torch.long, device="meta")
+    sp = tp is not None and tp.sequence_parallel
+    meta_tokens = torch.zeros(micro_batch, seq_len // tp.size if sp else seq_len, dtype=torch.long, device="meta")
     shapes = _record_block_inputs(model, meta_tokens, lambda a: (a.shape, a.dtype), contextlib.nullcontext)
     gen = torch.Generator().manual_seed(0)
+    pieces = copy.deepcopy(model)  # on meta: no storage
+    loss_fn = cross_entropy
+    if tp is not None:
+        plan = apply_tp(pieces, tp.group, tp.rank, tp.size, tp.model_cfg, tp.sequence_parallel)
+        loss_fn = functools.partial(vocab_parallel_cross_entropy, group=tp.group, vocab_start=plan.vocab_start)
 
     def real(module: nn.Module) -> nn.Module:
-        piece = copy.deepcopy(module).to_empty(device=device)
+        module.to_empty(device=device)
         with torch.no_grad():
-            for p in piece.parameters():
+            for p in module.parameters():
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
-        return piece
+        return module
 
     def inputs(name: str) -> tuple:
         def value(a):
@@ -144,9 +172,16 @@ def profile_meta_layer_times(model: nn.Module, micro_batch: int, seq_len: int, d
         return statistics.median(samples)
 
     tokens = torch.randint(0, model.cfg.vocab_size, (micro_batch, seq_len + 1), generator=gen).to(device)
-    embedding = real(model.tok_embeddings) if model.tok_embeddings is not None else None
-    blocks = [median_time(_block_run(real(model.layers[name]), inputs(name), autocast)) for name in model.layers]
+    embedding = real(pieces.tok_embeddings) if pieces.tok_embeddings is not None else None
+    blocks = []
+    for name in list(pieces.layers):
+        blocks.append(median_time(_block_run(real(pieces.layers[name]), inputs(name), autocast)))
+        del pieces.layers[name]  # freed before the next block is materialised
     embed_s = median_time(_embedding_run(embedding, tokens, autocast))
-    norm, output = real(model.norm), real(model.output) if model.output is not None else None
-    head_s = median_time(_head_run(norm, output, embedding, inputs("norm"), tokens, autocast))
-    return blocks, embed_s, head_s
+    norm, output = real(pieces.norm), real(pieces.output) if pieces.output is not None else None
+    head_s = median_time(_head_run(norm, output, embedding, inputs("norm"), tokens, autocast, loss_fn))
+    times = torch.tensor([*blocks, embed_s, head_s], dtype=torch.float64)
+    if tp is not None:  # a piece takes as long as its slowest shard
+        dist.all_reduce(times, op=dist.ReduceOp.MAX, group=tp.group)
+    times_list = times.tolist()
+    return times_list[:-2], times_list[-2], times_list[-1]

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from megatron_taper.checkpoint.files import CheckpointReader, Piece
+from megatron_taper.checkpoint.files import CheckpointError, CheckpointReader, Piece, shard_file
 from megatron_taper.optim import build_optimizer
 from megatron_taper.parallel.context import ParallelContext
 from megatron_taper.parallel.model import ParallelModel
@@ -161,6 +161,34 @@ def _flat_index(shape: tuple[int, ...], offsets: tuple[int, ...]) -> int:
     for size, o in zip(shape, offsets):
         index = index * size + o
     return index
+
+
+@dataclass(frozen=True)
+class Partition:
+    """A rank's ZeRO-3 partition of one parameter: flat range [lo, hi) of the tp-local tensor of
+    `shape`, which sits at `tp_offsets` in the logical tensor of shape `full`; `padded` elements
+    in DeepSpeed's partition buffer."""
+
+    shape: tuple[int, ...]
+    full: tuple[int, ...]
+    tp_offsets: tuple[int, ...]
+    owner: bool  # writes it (tp replicas do not)
+    padded: int
+    lo: int
+    hi: int
+
+    def boxes(self) -> list[tuple[int, tuple[int, ...], tuple[int, ...]]]:
+        """(start in the flat partition, offsets in the logical tensor, box shape) of each box of
+        the range (`flat_boxes`: at most 2 x ndim - 1)."""
+        return [(_flat_index(self.shape, offsets) - self.lo, tuple(o + t for o, t in zip(offsets, self.tp_offsets)),
+                 box) for offsets, box in flat_boxes(self.shape, self.lo, self.hi)]
+
+    def read(self, reader: CheckpointReader, key: str) -> torch.Tensor:
+        """The partition of logical tensor `key` from its records (fp32, CPU, padded with zeros)."""
+        flat = torch.zeros(self.padded, dtype=torch.float32)
+        for start, where, box in self.boxes():
+            reader.read_into(key, where, flat[start:start + math.prod(box)].view(box))
+        return flat
 
 
 @dataclass
@@ -286,65 +314,105 @@ class DeepSpeedParallelModel(ParallelModel):
         r is the flat range [r x P, (r + 1) x P) of the row-major tp-local tensor (P: DeepSpeed's
         partition size; the last one padded), written as the boxes that range covers (`flat_boxes`:
         at most 2 x ndim - 1), placed in the logical tensor by the tp layout (piece_box). Replicas
-        over tp write on the owning tp rank only. DeepSpeed's own sharded files (save_native) are
-        what resumes at the same size."""
+        over tp write on the owning tp rank only. AdamW's step (a scalar, the same on every rank)
+        is written once per parameter, by the ranks in turn, so each rank finds one in its own
+        file. DeepSpeed's own sharded files (save_native) are what resumes at the same size."""
         from deepspeed.utils import safe_get_local_fp32_param, safe_get_local_optimizer_state
 
         step = self._adam_step()
         pieces = []
-        for name, param in self.module.named_parameters():
-            shape = tuple(param.ds_shape)
-            full, tp_offsets, owner = self.piece_box(name, torch.empty(shape, device="meta"))
-            if not owner:
+        for i, (name, param) in enumerate(self.module.named_parameters()):
+            turn = (i % self.ctx.dp, i // self.ctx.dp % self.ctx.tp)  # the (dp, tp) rank writing this step
+            if step is not None and (self.ctx.dp_rank, self.ctx.tp_rank) == turn:
+                pieces.append(Piece(f"optim/{name}/step", (), (), step.detach().cpu().clone()))
+            part = self._partition(name, param)
+            if not part.owner:
                 continue
-            size = param.ds_tensor.ds_numel if hasattr(param.ds_tensor, "ds_numel") else param.ds_tensor.numel()
-            lo = min(self.ctx.dp_rank * size, param.ds_numel)
-            hi = min(lo + size, param.ds_numel)
             tensors = {f"model/{name}": safe_get_local_fp32_param(param)}
             if step is not None:
                 tensors.update({f"optim/{name}/{k}": safe_get_local_optimizer_state(param, k) for k in OPTIM_KEYS})
-                if self.ctx.dp_rank == 0 and not any(tp_offsets):  # AdamW's step: a scalar, written once
-                    pieces.append(Piece(f"optim/{name}/step", (), (), step.detach().cpu().clone()))
             for key, flat in tensors.items():
-                flat = flat.detach().reshape(-1)[: hi - lo].to("cpu", copy=copy)
-                for offsets, box in flat_boxes(shape, lo, hi):
-                    start = _flat_index(shape, offsets) - lo
-                    data = flat[start:start + math.prod(box)].reshape(box)
-                    where = tuple(o + t for o, t in zip(offsets, tp_offsets))
-                    pieces.append(Piece(key, full, where, data.contiguous()))
+                flat = flat.detach().reshape(-1)[: part.hi - part.lo].to("cpu", copy=copy)
+                for start, where, box in part.boxes():
+                    pieces.append(Piece(key, part.full, where, flat[start:start + math.prod(box)].reshape(box)
+                                        .contiguous()))
         return pieces
 
     def load_pieces(self, optimizer: torch.optim.Optimizer, reader: CheckpointReader) -> None:
-        """Reads the whole logical tensors of this stage and keeps this rank's part of them."""
-        def full(key: str) -> torch.Tensor:
-            shape = tuple(reader.index[key]["shape"]) if key in reader.index else (0,)
-            return reader.read(key, (0,) * len(shape), shape)
+        """Each rank reads only its own ZeRO partition of every parameter and AdamW moment (the
+        boxes of its flat range, as checkpoint_pieces writes them) and sets it in place: the
+        working partition and the fp32 master (DeepSpeed's local API), no gather. At the dp and tp
+        size that wrote the checkpoint a rank reads (and verifies) only its own records; at another
+        size, the records that overlap its partition."""
+        from deepspeed.utils import safe_set_local_fp32_param, safe_set_local_optimizer_state
 
-        model_state, optim_state = {}, {}
-        for name, _ in self.module.named_parameters():
-            model_state[name] = full(f"model/{name}")
-            state = {key.rsplit("/", 1)[1]: full(key) for key in reader.keys(f"optim/{name}/")}
-            if state:
-                optim_state[name] = state
-        self.load_logical_state(optimizer, model_state, optim_state, missing=lambda n: KeyError(n))
+        params = [(name, param, self._partition(name, param)) for name, param in self.module.named_parameters()]
+        with torch.no_grad():
+            for name, param, part in params:
+                value = part.read(reader, f"model/{name}")
+                param.ds_tensor.data.copy_(value.reshape(param.ds_tensor.shape))  # the working copy
+                safe_set_local_fp32_param(param, value.to(self.ctx.device))  # the fp32 master copy
+        steps = [f"optim/{name}/step" for name, _, _ in params if f"optim/{name}/step" in reader.index]
+        if not steps:
+            return
+        own = [k for k in steps if reader.index[k]["records"][0]["file"] == shard_file(self.ctx.rank)]
+        self._init_adam_state(reader.read((own or steps)[0], (), ()))  # one value: from this rank's file if there
+        for name, param, part in params:
+            for k in OPTIM_KEYS:
+                if f"optim/{name}/{k}" in reader.index:
+                    safe_set_local_optimizer_state(param, part.read(reader, f"optim/{name}/{k}").to(self.ctx.device), k)
+
+    def _partition(self, name: str, param: torch.nn.Parameter) -> "Partition":
+        """This rank's ZeRO partition of `param`: the flat range [dp_rank x P, (dp_rank + 1) x P) of
+        the row-major tp-local tensor (P: DeepSpeed's partition size; the last one padded), placed
+        in the logical tensor by the tp layout (piece_box)."""
+        shape = tuple(param.ds_shape)
+        full, tp_offsets, owner = self.piece_box(name, torch.empty(shape, device="meta"))
+        size = param.ds_tensor.ds_numel if hasattr(param.ds_tensor, "ds_numel") else param.ds_tensor.numel()
+        lo = min(self.ctx.dp_rank * size, param.ds_numel)
+        return Partition(shape, full, tp_offsets, owner, param.ds_tensor.numel(), lo, min(lo + size, param.ds_numel))
 
     def save_native(self, folder: str) -> bool:
         """DeepSpeed's own checkpoint into folder/deepspeed/state/ (a collective; every rank writes)."""
         self.engine.save_checkpoint(os.path.join(folder, NATIVE_DIR), tag=NATIVE_TAG, save_latest=False)
         return True
 
-    def load_native(self, folder: str, meta: dict) -> bool:
-        """Load DeepSpeed's own files when they fit this run (same engine, dp and tp); else False."""
+    def load_native(self, folder: str, meta: dict, verify: Callable[[str], None]) -> bool:
+        """Load DeepSpeed's own files when they fit this run (same engine, dp and tp); else False.
+        Only the files this rank's engine reads are verified (`native_reads`); a failure on any
+        rank is raised on every rank (one gather), before DeepSpeed reads anything."""
         layout = meta["layout"]
         same = (meta["config"]["parallel"].get("zero") == "deepspeed" and layout["dp"] == self.ctx.dp
                 and layout["tp"] == self.ctx.tp and os.path.isdir(os.path.join(folder, NATIVE_DIR, NATIVE_TAG)))
         if not same:
             return False
+        error = ""
+        try:
+            for name in self.native_reads(folder, meta):
+                verify(name)
+        except CheckpointError as e:
+            error = str(e)
+        errors: list = [None] * self.ctx.world_size  # engine.load_checkpoint is a collective: all ranks or none
+        torch.distributed.all_gather_object(errors, error)
+        if any(errors):
+            raise CheckpointError(next(e for e in errors if e))
         path, _ = self.engine.load_checkpoint(os.path.join(folder, NATIVE_DIR), tag=NATIVE_TAG,
                                               load_optimizer_states=True, load_lr_scheduler_states=False)
         if path is None:
             raise ConfigError(f"{folder}: DeepSpeed could not load its checkpoint files")
         return True
+
+    def native_reads(self, folder: str, meta: dict) -> list[str]:
+        """The files of DeepSpeed's checkpoint in `folder` that this rank's engine.load_checkpoint
+        opens (names as in meta["files"]): its own model-state and ZeRO optimizer-state files
+        (named by DeepSpeed for this dp and tp rank), or every optimizer-state file when DeepSpeed's
+        elastic checkpoints are on."""
+        root = os.path.join(folder, NATIVE_DIR)
+        own = [self.engine._get_ckpt_name(root, NATIVE_TAG), self.engine._get_zero_ckpt_name(root, NATIVE_TAG)]
+        names = [os.path.relpath(f, folder).replace(os.sep, "/") for f in own]
+        if self.engine.zero_elastic_checkpoint():
+            names += [n for n in meta["files"] if n.startswith(f"{NATIVE_DIR}/") and n.endswith("optim_states.pt")]
+        return sorted(set(names))
 
     def _inner_optimizer(self) -> torch.optim.Optimizer:
         return self.engine.optimizer.optimizer  # the torch AdamW over DeepSpeed's fp32 partitions
@@ -356,12 +424,14 @@ class DeepSpeedParallelModel(ParallelModel):
         return None
 
     def _init_adam_state(self, step: torch.Tensor) -> None:
-        """AdamW creates its state lazily at the first step; create it (zeros) so it can be set."""
+        """AdamW creates its state lazily at the first step; create it (zeros) so it can be set. Its
+        state is keyed by DeepSpeed's fp32 partition groups (its param_groups hold them only
+        during a step)."""
         inner = self._inner_optimizer()
-        for group in inner.param_groups:
-            for p in group["params"]:
-                state = inner.state[p]
-                for k in OPTIM_KEYS:
-                    state.setdefault(k, torch.zeros_like(p, memory_format=torch.preserve_format))
-                state["step"] = step.to(dtype=torch.float32, device=p.device).clone() \
-                    if group.get("fused") or group.get("capturable") else step.to(torch.float32).clone()
+        on_device = any(g.get("fused") or g.get("capturable") for g in inner.param_groups)
+        for p in self.engine.optimizer.fp32_partitioned_groups_flat:
+            state = inner.state[p]
+            for k in OPTIM_KEYS:
+                state.setdefault(k, torch.zeros_like(p, memory_format=torch.preserve_format))
+            state["step"] = step.to(dtype=torch.float32, device=p.device).clone() if on_device \
+                else step.to(torch.float32).clone()

@@ -42,7 +42,14 @@ import torch
 from megatron_taper.config import load_config
 from megatron_taper.cost.block import Cost, Split
 from megatron_taper.cost.flops import head_cost, model_costs
-from megatron_taper.cost.memory import MemoryModel, MemorySetup, model_memory, piece_memory, pipeline_buffers
+from megatron_taper.cost.memory import (
+    MemoryModel,
+    MemorySetup,
+    deepspeed_buffers,
+    model_memory,
+    piece_memory,
+    pipeline_buffers,
+)
 from megatron_taper.models import build_model
 from megatron_taper.models.layers import rope_tables
 from megatron_taper.parallel.partition import evaluate, partition
@@ -203,6 +210,7 @@ def test_state_bytes_per_engine():
     assert MemorySetup(optimizer=False).state_bytes_per_param() == 8
     assert MemorySetup(zero="fsdp2", dp=4).state_bytes_per_param() == 4
     assert MemorySetup(zero="fsdp2", dp=1).state_bytes_per_param() == 16  # nothing to shard
+    assert MemorySetup(zero="fsdp2", dp=4, pipelined=True).state_bytes_per_param() == 3  # grads: unsharded only
     assert MemorySetup(zero="deepspeed", dp=2).state_bytes_per_param() == 10  # fp32 masters too
     assert MemorySetup(zero="deepspeed", dp=2, bf16=True).state_bytes_per_param() == 10  # fp32 under autocast
     assert MemorySetup(zero="deepspeed", dp=2, offload_optimizer=True).state_bytes_per_param() == 4
@@ -212,6 +220,19 @@ def test_state_bytes_per_engine():
     assert MemorySetup(bf16=True, zero="fsdp2", dp=1).cast_bytes_per_param() == 2  # fsdp2 leaves dp=1 alone
     assert MemorySetup(bf16=True, zero="deepspeed", dp=2).cast_bytes_per_param() == 2  # autocast casts
     assert MemorySetup(bf16=True, zero="fsdp2", dp=2, pipelined=True).unsharded_bytes_per_param() == 6  # fp32 grads
+
+
+def test_deepspeed_buffers_are_its_reduce_bucket_and_gathered_parameters():
+    """Measured (docs/memory_model.md, benchmarks/layout_memory.py): DeepSpeed holds its fp32
+    reduce bucket and, with the default 5e7-element prefetch, every parameter gathered at once."""
+    cfg = load_config(None, SHAPE)
+    big = model_memory(cfg.model, MemorySetup(zero="deepspeed", dp=2, reduce_bucket=1000, prefetch_bucket=1e9))
+    params = [p.params for p in [*big.layers, big.embedding, big.head]]
+    assert deepspeed_buffers(big) == 4 * (1000 + sum(params))  # the whole model gathered
+    assert big.stage(range(cfg.model.n_layers)).buffers == deepspeed_buffers(big)
+    small = model_memory(cfg.model, MemorySetup(zero="deepspeed", dp=2, prefetch_bucket=100))
+    assert deepspeed_buffers(small) == 4 * (100 + max(params))  # the running piece + the prefetch
+    assert deepspeed_buffers(model_memory(cfg.model, MemorySetup(zero="fsdp2", dp=2, prefetch_bucket=100))) == 0
 
 
 def test_earlier_cost_form_still_counts():

@@ -178,6 +178,29 @@ def test_remote_with_cache_matches_local_and_copies_once(dataset, tmp_path):
         src("s3://bucket/data")
 
 
+def test_remote_shards_are_fetched_ahead_of_the_samples_that_need_them(dataset, tmp_path):
+    """After one micro-batch, the shards of this rank's next SAMPLES_AHEAD samples are downloaded
+    (in background threads) before any of those samples is drawn; the batches are unchanged."""
+    from megatron_taper.data.streaming import SAMPLES_AHEAD
+
+    remote = tmp_path / "remote"
+    shutil.copytree(dataset, remote)
+    source = src(str(remote), 1, 2, cache=str(tmp_path / "cache"))
+    first = source.next_batch()
+    for fetching in list(source.reader._fetching.values()):
+        fetching.result()
+    copied = os.path.join(cache_folder(str(tmp_path / "cache"), str(remote)), "train")
+    cached = {f for f in os.listdir(copied) if f.endswith(".mds")}
+    mb, group = source.micro_batch, source.group_size
+    ahead = [(p // mb) * group + source.dp_rank * mb + p % mb for p in range(mb, SAMPLES_AHEAD)]
+    needed = {source.reader._shards[source.reader.shard_of(doc)].raw_data.basename
+              for g in ahead for doc, _, _ in source.order.pieces(g)}
+    assert len(needed) > 1 and needed <= cached, sorted(needed - cached)
+    local = src(dataset, 1, 2)
+    assert torch.equal(first, local.next_batch())
+    assert all(torch.equal(p, q) for p, q in zip(run(source, 6), run(local, 6)))
+
+
 def test_a_shard_that_cannot_be_fetched_is_one_error_naming_it(dataset, tmp_path):
     """The remote loses its shards after the index was copied: the first read names the shard and the
     bounded download (attempts x timeout, under the collective timeout) instead of a bare library error."""

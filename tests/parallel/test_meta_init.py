@@ -5,7 +5,8 @@ Every layout is built by build_run on gloo processes and compared, parameter by 
 ParallelModel.full_tensor (tp gather, fsdp2 all-gather), with torch.equal against
 build_model + init_weights in the same process. Layouts: pp=2 (1f1b, interleaved, profile
 balance), tp=2 (GQA, MLP widths and vocabulary that split unevenly; transformer, titans,
-gated_attention, hope_attention), fsdp2 dp=2 (uneven dp shards), and tp=2 x fsdp2 dp=2 on 4 ranks.
+gated_attention, hope_attention), fsdp2 dp=2 (uneven dp shards); on 4 ranks tp=2 x fsdp2 dp=2 and
+tp=2 x pp=2 with profile balance (timed per tp shard).
 One-process checks: no parameter is left with to_empty's memory, and a model with buffers is
 built materialised.
 """
@@ -74,7 +75,8 @@ def test_pp_tp_fsdp2_weights_equal_one_process():
 
 
 def test_tp_x_fsdp2_weights_equal_one_process():
-    layouts = [["parallel.tp=2", "parallel.zero=fsdp2"]]
+    layouts = [["parallel.tp=2", "parallel.zero=fsdp2"],
+               ["parallel.tp=2", "parallel.pp=2", "parallel.pp_balance=profile"]]
     _check(run_distributed(_compare, 4, layouts, timeout=120), layouts, sharded=True)
 
 

@@ -9,7 +9,8 @@ Parity: each layout's 10 losses within TOL = 5e-5 of one process (zero=none); fp
 orders alone differ by ~1e-6 per step. Resume on another layout: the fsdp2 dp=2 run's step-5
 checkpoint continues at dp=1 and at tp=2 with that run's losses (TOL); a dp=2 run SIGKILLed
 after step 5 and resumed at dp=2 repeats them bitwise; a DeepSpeed checkpoint resumes bitwise at
-its own dp size (DeepSpeed's files) and within TOL at dp=1 without DeepSpeed (the logical files),
+its own dp size from DeepSpeed's files and from the logical files alone (each rank opening only
+its own files), and within TOL at dp=1 without DeepSpeed (the logical files),
 and tools/convert_checkpoint.py exports the same tensors from either source.
 
 DeepSpeed JIT-builds a C++ op on first use (30-100 s); it is cached in TORCH_EXTENSIONS_DIR,
@@ -149,19 +150,86 @@ def test_fsdp2_sigkill_and_resume_is_bitwise(runs, tmp_path):
     assert got == straight  # bitwise: every float equal
 
 
+def _fit_recording_opens(overrides, folder):
+    """_fit, returning the files under `folder` this rank opened (relative names)."""
+    import builtins
+
+    opened, real_open = set(), builtins.open
+
+    def spy(file, *args, **kwargs):
+        path = os.path.abspath(os.fspath(file)) if isinstance(file, (str, os.PathLike)) else ""
+        if path.startswith(folder + os.sep):
+            opened.add(os.path.relpath(path, folder))
+        return real_open(file, *args, **kwargs)
+
+    builtins.open = spy
+    try:
+        assert _fit(overrides) == 0
+    finally:
+        builtins.open = real_open
+    return sorted(opened)
+
+
+def _resume_recording_opens(run_dir, data, step_dir, *extra):
+    os.makedirs(EXT_DIR, exist_ok=True)
+    return run_distributed(_fit_recording_opens, 2, _args(run_dir, data, "parallel.zero=deepspeed",
+                                                          f"run.resume={step_dir}", *extra),
+                           str(step_dir), timeout=300, env=ENV)
+
+
 def test_deepspeed_checkpoint_same_size_and_another_size(runs, tmp_path):
+    """Resume at the same dp size from DeepSpeed's files and from the logical files alone (bitwise
+    both), each rank opening only its own files; at dp=1 without DeepSpeed within TOL."""
+    import shutil
+
     saved = runs["root"] / "ds_dp2"
     step5 = saved / "checkpoints" / "step-5"
     assert (step5 / "deepspeed" / "state").is_dir() and (step5 / "shards").is_dir()
     straight = _losses(saved)
-    # same dp size: DeepSpeed's own files, bitwise
-    _run(2, tmp_path / "same", runs["data"], "parallel.zero=deepspeed", f"run.resume={step5}")
+    # same dp size: DeepSpeed's own files, bitwise; rank r opens (and verifies) only its own
+    opened = _resume_recording_opens(tmp_path / "same", runs["data"], step5)
     assert _losses(tmp_path / "same") == {s: straight[s] for s in range(6, 11)}
+    for rank, files in enumerate(opened):
+        native = [f for f in files if f.startswith("deepspeed/")]
+        assert native and all(f"zero_pp_rank_{rank}_" in f for f in native), (rank, files)
+        assert not any(f.startswith("shards/") for f in files), (rank, files)
+    # same dp size from the logical files alone (DeepSpeed's removed): each rank reads its own partitions
+    logical = tmp_path / "logical-step-5"
+    shutil.copytree(step5, logical, ignore=shutil.ignore_patterns("deepspeed"))
+    opened = _resume_recording_opens(tmp_path / "from_logical", runs["data"], logical)
+    assert _losses(tmp_path / "from_logical") == {s: straight[s] for s in range(6, 11)}
+    for rank, files in enumerate(opened):
+        assert [f for f in files if f.startswith("shards/")] == [f"shards/rank-{rank:05d}.safetensors"], (rank, files)
     # another dp size (and no DeepSpeed): the logical files written beside them
     _run(1, tmp_path / "dp1", runs["data"], f"run.resume={step5}")
     diff = _max_diff(_losses(tmp_path / "dp1"), straight)
     print(f"deepspeed dp=2 -> dp=1 (zero=none): max |loss - uninterrupted| over steps 6-10 = {diff:.1e}")
     assert sorted(_losses(tmp_path / "dp1")) == list(range(6, 11)) and diff < TOL
+
+
+def _fit_error(overrides):
+    """The error this rank's run ends with ("" if none)."""
+    try:
+        _fit(overrides)
+    except Exception as e:  # noqa: BLE001 - returned to the test
+        return str(e)
+    return ""
+
+
+def test_deepspeed_native_file_failing_on_one_rank_stops_every_rank(runs, tmp_path):
+    """Only rank 1 reads (and verifies) its own optimizer-state file; when it is corrupted, rank 0
+    must not go on into DeepSpeed's collective load: both ranks end with the error naming it."""
+    import shutil
+
+    step5 = tmp_path / "step-5"
+    shutil.copytree(runs["root"] / "ds_dp2" / "checkpoints" / "step-5", step5)
+    victim = next((step5 / "deepspeed" / "state").glob("*zero_pp_rank_1_*optim_states.pt"))
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    errors = run_distributed(_fit_error, 2, _args(tmp_path / "run", runs["data"], "parallel.zero=deepspeed",
+                                                  f"run.resume={step5}"), timeout=180, env=ENV)
+    assert all(victim.name in e and "checksum" in e for e in errors), errors
 
 
 def test_convert_checkpoint_from_every_kind(runs, tmp_path):
