@@ -1,0 +1,85 @@
+"""The memory bridge's carried state (model.bridge.carry_state): two consecutive windows with the
+state carried give the values of one recurrence over the joined window, gradients stop at the
+window boundary, a row that starts a document starts from the initial state, and a run stopped and
+resumed at dp=2 (gloo) continues bitwise like the uninterrupted one (dp=1: test_memory_bridge.py
+test_trains_and_resumes_exactly)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_taper.config import load_config
+from megatron_taper.models import build_model, family
+from tests.helpers.datahelpers import corpus, dataset, tokenizer_model  # noqa: F401
+from tests.helpers.harness import run_distributed
+from tests.helpers.runner import TINY
+from tests.helpers.trainer_records import fit_all
+
+WINDOW, SEGMENT = 32, 8
+SMALL = ["model.arch=bridge", "model.n_layers=2", "model.d_model=64", "model.n_heads=4", "model.mlp_width=128",
+         "model.vocab_size=256", f"model.seq_len={WINDOW}", "model.taper.multiple=16", "model.bridge.slots=4",
+         f"model.bridge.segment={SEGMENT}", "model.bridge.carry_state=true"]
+# The same matmuls on fewer rows may sum in another order: float32 rounding (measured: 0, bit-equal)
+ATOL = 1e-6
+
+
+@pytest.fixture
+def bridge():
+    model = build_model(load_config(None, SMALL).model)
+    model.init_weights(0)
+    with torch.no_grad():  # the read's output projection starts at zero: give it weights to read with
+        model.bridge.read.wo.weight.normal_(0.0, 0.3, generator=torch.Generator().manual_seed(1))
+    return model
+
+
+def windows(model, x: torch.Tensor, continues: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The bridge over x's two halves, the state of the first handed to the second (the trainer's
+    way, through the family's CarriedState): (outputs [B, 2W, D], the final state)."""
+    spec = family("bridge").carried_state
+    first = model.bridge(x[:, :WINDOW])
+    spec.put(model, spec.take(model), continues)
+    second = model.bridge(x[:, WINDOW:])
+    return torch.cat([first, second], 1), spec.take(model)
+
+
+def test_two_windows_with_the_carried_state_equal_one_recurrence(bridge):
+    x = torch.randn(2, 2 * WINDOW, 64, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    joined = bridge.bridge(x)
+    final = bridge.bridge.states(x, last=True)[:, -1]
+    out, state = windows(bridge, x, torch.tensor([True, True]))
+    torch.testing.assert_close(out, joined, atol=ATOL, rtol=0)
+    torch.testing.assert_close(state, final, atol=ATOL, rtol=0)
+    assert not state.requires_grad and bridge.bridge.carry_in is None
+    # truncated backpropagation: the second window's outputs reach no input of the first through the state
+    out[:, WINDOW:].sum().backward()
+    assert x.grad[:, :WINDOW].abs().max() == 0 and x.grad[:, WINDOW:].abs().max() > 0
+    x.grad = None
+    joined[:, WINDOW:].sum().backward()
+    assert x.grad[:, :WINDOW].abs().max() > 0  # (one long recurrence: it does)
+
+
+def test_a_row_that_starts_a_document_starts_from_the_initial_state(bridge):
+    x = torch.randn(2, 2 * WINDOW, 64, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        out, _ = windows(bridge, x, torch.tensor([True, False]))
+        fresh = bridge.bridge(x[1:, WINDOW:])
+        joined = bridge.bridge(x)
+    torch.testing.assert_close(out[1:, WINDOW:], fresh, atol=ATOL, rtol=0)
+    torch.testing.assert_close(out[:1], joined[:1], atol=ATOL, rtol=0)
+    assert (fresh - joined[1:, WINDOW:]).abs().max() > 1e-3  # the reset changed what row 1 reads
+
+
+@pytest.mark.multiprocess
+def test_dp2_resumes_exactly(dataset, tmp_path):
+    """2 gloo ranks, 2 micro-batches of 2 rows per rank and step: 6 steps straight, and stopped after
+    step 3 then resumed; the logged losses are bitwise equal."""
+    args = [*TINY, "model.arch=bridge", "model.n_layers=2", "model.vocab_size=512", "model.bridge.slots=4",
+            "model.bridge.segment=8", "model.bridge.carry_state=true", "model.bridge.aux_weight=0.1",
+            "train.micro_batch=2", "train.steps=6", "train.eval_interval=0", f"data.path={dataset}",
+            "train.device=cpu"]
+    runs = [[*args, f"run.dir={tmp_path / 'straight'}"],
+            [*args, f"run.dir={tmp_path / 'split'}", "train.exit_after=3"],
+            [*args, f"run.dir={tmp_path / 'split'}"]]
+    straight, stopped, resumed = run_distributed(fit_all, 2, runs, timeout=240)[0]
+    assert sorted(stopped["loss"]) == [1, 2, 3] and sorted(resumed["loss"]) == list(range(1, 7))
+    assert resumed["loss"] == straight["loss"]
