@@ -27,6 +27,11 @@ step boundary resumes at another dp size (or micro-batch) with no sample repeate
 provided the new G divides the position (it does when it divides the global batch); otherwise
 `load_state_dict` raises. Tensor-parallel ranks pass the same dp_rank and get the same samples.
 
+Row streams (data.row_streams, `RowStreamSource`): the same calls and position, but call c of rank
+r serves the global batch rows that the layout above gives it (rows a*G + r*mb .. of step c // A)
+their next window of megatron_taper.data.order.RowStreams, with a per-row `continues` flag; the
+order is dp-size-free, as above.
+
 Remote. With `cache_dir`, `path` is a remote location (a shared-filesystem folder, or any URL
 mosaicml-streaming can download from): index and shards are copied on first use into
 `cache_dir/<name>-<hash>/<split>/`, guarded by file locks so that ranks sharing a cache copy each

@@ -54,9 +54,9 @@ its gradients are whole on every rank, as the norms'); sequence parallelism is r
 (check_bridge_layout). Pipeline parallelism needs nothing more: the bridge lives inside block
 L//2, so it never crosses a stage boundary (the state is written from, and read into, that
 block's input), and the partition weighs that block with the bridge's FLOPs. Activation
-checkpointing applies as to the Transformer; data parallelism, ZeRO and torch.compile take its
-code paths but are not tested with the bridge. `carry_state` is refused with pp > 1, tp > 1 and
-DeepSpeed (check_bridge_layout).
+checkpointing applies as to the Transformer; ZeRO and torch.compile take its code paths but are
+not tested with the bridge; data parallelism is tested with `carry_state` (dp=2 resume), which is
+refused with pp > 1, tp > 1 and DeepSpeed (check_bridge_layout).
 """
 from __future__ import annotations
 
