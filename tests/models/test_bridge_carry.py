@@ -2,7 +2,8 @@
 state carried give the values of one recurrence over the joined window, gradients stop at the
 window boundary, a row that starts a document starts from the initial state, and a run stopped and
 resumed at dp=2 (gloo) continues bitwise like the uninterrupted one (dp=1: test_memory_bridge.py
-test_trains_and_resumes_exactly)."""
+test_trains_and_resumes_exactly), and a .npy token file (which the row order cannot read) is one
+error."""
 from __future__ import annotations
 
 import pytest
@@ -12,7 +13,7 @@ from megatron_taper.config import load_config
 from megatron_taper.models import build_model, family
 from tests.helpers.datahelpers import corpus, dataset, tokenizer_model  # noqa: F401
 from tests.helpers.harness import run_distributed
-from tests.helpers.runner import TINY
+from tests.helpers.runner import TINY, train_in_process
 from tests.helpers.trainer_records import fit_all
 
 WINDOW, SEGMENT = 32, 8
@@ -83,3 +84,14 @@ def test_dp2_resumes_exactly(dataset, tmp_path):
     straight, stopped, resumed = run_distributed(fit_all, 2, runs, timeout=240)[0]
     assert sorted(stopped["loss"]) == [1, 2] and sorted(resumed["loss"]) == list(range(1, 5))
     assert resumed["loss"] == straight["loss"]
+
+
+def test_a_token_file_is_refused_with_one_error_and_no_run_folder(byte_tokens, tmp_path):
+    """data.row_streams (on by itself with carry_state) reads one MDS folder: a .npy token file is
+    one error naming the field, before anything is written."""
+    run_dir = tmp_path / "run"
+    proc = train_in_process(["--config", "configs/tiny_bridge.yaml", *TINY, "model.n_layers=2",
+                             "model.bridge.segment=8", f"data.path={byte_tokens}", f"run.dir={run_dir}"], check=False)
+    assert proc.returncode == 2
+    assert "data.row_streams (on for a model that carries a state, e.g. model.bridge.carry_state)" in proc.stderr
+    assert not run_dir.exists()
