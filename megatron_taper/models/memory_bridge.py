@@ -55,8 +55,8 @@ its gradients are whole on every rank, as the norms'); sequence parallelism is r
 L//2, so it never crosses a stage boundary (the state is written from, and read into, that
 block's input), and the partition weighs that block with the bridge's FLOPs. Activation
 checkpointing applies as to the Transformer; ZeRO and torch.compile take its code paths but are
-not tested with the bridge; data parallelism is tested with `carry_state` (dp=2 resume), which is
-refused with pp > 1, tp > 1 and DeepSpeed (check_bridge_layout).
+not tested with the bridge; data and tensor parallelism are tested with `carry_state` (dp=2, tp=2
+against one process), which is refused with pp > 1 and DeepSpeed (check_bridge_layout).
 """
 from __future__ import annotations
 
@@ -305,11 +305,11 @@ def check_bridge_layout(mcfg: ModelConfig, pcfg: ParallelConfig) -> None:
         raise ConfigError("parallel.sequence_parallel is not supported for model.arch='bridge' (the bridge reads "
                           "and writes whole segments, which sequence parallelism splits over the tp ranks); set "
                           "it to false")
-    if mcfg.bridge.carry_state and (pcfg.pp > 1 or pcfg.tp > 1 or pcfg.zero == "deepspeed"):
-        raise ConfigError(f"model.bridge.carry_state=true is supported with parallel.pp=1, parallel.tp=1 and "
-                          f"parallel.zero none or fsdp2 (the trainer hands the carried state to one whole model "
-                          f"per micro-batch); got pp={pcfg.pp}, tp={pcfg.tp}, zero={pcfg.zero}: set "
-                          f"model.bridge.carry_state=false or change the layout")
+    if mcfg.bridge.carry_state and (pcfg.pp > 1 or pcfg.zero == "deepspeed"):
+        raise ConfigError(f"model.bridge.carry_state=true is supported with parallel.pp=1 and parallel.zero none "
+                          f"or fsdp2 (the trainer hands the carried state to one whole model per micro-batch, "
+                          f"which the pipeline schedule and DeepSpeed's engine do not); got pp={pcfg.pp}, "
+                          f"zero={pcfg.zero}: set model.bridge.carry_state=false or change the layout")
 
 
 def put_state(model: MemoryBridgeLM, state: torch.Tensor | None, continues: torch.Tensor) -> None:
