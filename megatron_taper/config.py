@@ -232,6 +232,9 @@ class DataConfig:
     eval_fraction: float = 0.05  # token files only: tail held out for evaluation
     # weighted MDS datasets instead of path: [{path, weight, name (default: the path's last part)}]
     mix: list = field(default_factory=list)
+    # serve each global batch row a stream of consecutive windows (data/order.py RowStreams) instead of
+    # shuffled packed samples; on by itself for a model that carries a state (model.bridge.carry_state)
+    row_streams: bool = False
 
     MIX_KEYS = ("path", "weight", "name")
 

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_taper.build import build_run
+from megatron_taper.carried import CarriedRows
 from megatron_taper.checkpoint.checkpointer import Checkpointer, checkpoint_root, load_weights_only, resume_candidates
 from megatron_taper.config import Config, ConfigError, load_config, save_config
 from megatron_taper.console import format_duration, peak_memory, report_error, summary_lines
@@ -27,6 +28,7 @@ from megatron_taper.data.prefetch import Prefetcher
 from megatron_taper.data.sources import build_sources
 from megatron_taper.held_out import combined_loss, evaluate_held_out
 from megatron_taper.metrics import MetricsLogger, perplexity, timestamp
+from megatron_taper.models import family
 from megatron_taper.optim import lr_at
 from megatron_taper.parallel.context import ParallelContext, init_parallel, shutdown, world_size
 from megatron_taper.preflight import check_data, preflight
@@ -92,9 +94,13 @@ class Trainer:
         self.ctx, self.pm, self.optimizer, self.bf16 = run.ctx, run.model, run.optimizer, run.bf16
         self.accum = run.layout.accumulation
         m, t = cfg.model, cfg.train
+        carried = family(m.arch).carried_state
+        self.carry = (CarriedRows(carried, self.pm.module, self.accum, self.ctx.dp, self.ctx.dp_rank, self.ctx.device)
+                      if carried is not None and carried.enabled(m) else None)
+        self.row_streams = cfg.data.row_streams or self.carry is not None  # batches: (tokens, continues)
         self.train_source, self.held_out = build_sources(
             cfg.data, seq_len=m.seq_len, micro_batch=t.micro_batch, seed=t.seed, vocab_size=m.vocab_size,
-            dp_rank=self.ctx.dp_rank, dp_size=self.ctx.dp)
+            dp_rank=self.ctx.dp_rank, dp_size=self.ctx.dp, rows=t.global_batch if self.row_streams else 0)
         self.flops_per_token = model_costs(m).total_flops
         self.peak = peak_flops(self.ctx.device, self.bf16, t.peak_tflops)
         self.step = 0
@@ -138,7 +144,11 @@ class Trainer:
         self.step = state["step"]
         self.health = StepHealth(self.ctx.device, skipped=state["skipped"])
         self.last_saved = self.step
-        self.train_source.load_state_dict(state["data"])
+        data = dict(state["data"])
+        carried = data.pop("carried", None)
+        if self.carry is not None:
+            self.carry.load_state_dict(carried)
+        self.train_source.load_state_dict(data)
         self.metrics.truncate_after(self.step)
         self._print(f"resumed from: {path} at step {self.step}")
         saved_steps = state["config"]["train"]["steps"]
@@ -162,7 +172,11 @@ class Trainer:
         if self.prefetch is None:
             self.prefetch = Prefetcher(self.train_source, self.accum, pin=self.ctx.device.type == "cuda")
         micro_batches, self.data_state, data_metrics = self.prefetch.next()
-        loss = self._dp_mean(self.pm.forward_backward(micro_batches, self.autocast))
+        if self.carry is not None:
+            micro_batches = self.carry.split(micro_batches)
+        elif self.row_streams:
+            micro_batches = [tokens for tokens, _ in micro_batches]
+        loss = self._dp_mean(self.pm.forward_backward(micro_batches, self.autocast, self.carry))
         # reduce, clip and step (or skip a non-finite step, on the device); the engine owns how
         grad_norm, stepped = self.pm.optimizer_step(self.optimizer, self.cfg.train.grad_clip, torch.isfinite(loss))
         self.step += 1
@@ -245,9 +259,10 @@ class Trainer:
         if self.step != self.last_saved:
             self.last_saved = self.step
             self._saving[os.path.join(checkpoint_root(self.cfg.run.dir), f"step-{self.step}")] = time.perf_counter()
-            self.checkpointer.save(self.optimizer, self.step, self.cfg.to_dict(), {"skipped": self.skipped},
-                                   self.data_state if self.data_state is not None
-                                   else self.train_source.state_dict())
+            data = self.data_state if self.data_state is not None else self.train_source.state_dict()
+            if self.carry is not None:  # this rank's rows' states, with the data position they belong to
+                data = {**data, "carried": self.carry.state_dict()}
+            self.checkpointer.save(self.optimizer, self.step, self.cfg.to_dict(), {"skipped": self.skipped}, data)
         if final:
             self.checkpointer.wait()
             self.checkpointer.join_cleanup()  # rank 0's deletions of older checkpoints

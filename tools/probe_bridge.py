@@ -6,7 +6,10 @@ Documents (jsonl, field `text`; e.g. the held-out chapters benchmarks/bridge_abl
 are tokenized with the checkpoint's tokenizer and cut into consecutive windows of model.seq_len
 tokens (a shorter tail is dropped). A window's label is the third of its document (beginning,
 middle, end, by token position) that holds the window's middle token. Features of a window:
-- state:  the bridge state after the window's last segment (S_n), mean over its slots [D];
+- state:  the bridge state after the window's last segment (S_n), mean over its slots [D]; with
+  model.bridge.carry_state the state runs along the document: each window starts from the state
+  its document's previous window ended with (the first window from the initial state), as in
+  training;
 - hidden: the mean over the window of the hidden states entering the bridge (after the lower
   L//2 blocks) [D], for every model, with or without a bridge: what attention's own
   representations hold at the same depth.
@@ -75,16 +78,29 @@ def position_windows(docs: list[list[int]], seq_len: int) -> tuple[torch.Tensor,
 
 
 @torch.no_grad()
-def window_features(model, windows: torch.Tensor, batch: int = 32) -> dict[str, torch.Tensor]:
+def window_features(model, windows: torch.Tensor, owners: torch.Tensor, batch: int = 32) -> dict[str, torch.Tensor]:
     """'hidden' (mean hidden state entering the bridge) for every model, 'state' (mean over
-    slots of the final bridge state) when the model has a bridge: [N, D] each."""
+    slots of the final bridge state) when the model has a bridge: [N, D] each. `owners`: each
+    window's document (a document's windows consecutive, in order), for a carried state."""
     model.eval()
     out: dict[str, list[torch.Tensor]] = {"hidden": [], "state": []}
-    for chunk in windows.split(batch):
-        h = model.lower_half(chunk)
+    bridge = model.bridge
+    carry = bridge is not None and bridge.carry_state
+    state = None
+    for first in range(0, len(windows), batch):
+        h = model.lower_half(windows[first:first + batch])
         out["hidden"].append(h.mean(1))
-        if model.bridge is not None:
-            out["state"].append(model.bridge.states(h, last=True)[:, -1].mean(1))
+        if bridge is None:
+            continue
+        if not carry:
+            out["state"].append(bridge.states(h, last=True)[:, -1].mean(1))
+            continue
+        for i in range(len(h)):  # one window after the other: the state runs along its document
+            g = first + i
+            bridge.carry_in = (state, torch.tensor([g > 0 and bool(owners[g] == owners[g - 1])]))
+            state = bridge.states(h[i:i + 1], last=True)[:, -1]
+            bridge.carry_in = None
+            out["state"].append(state.mean(1))
     return {k: torch.cat(v).float() for k, v in out.items() if v}
 
 
@@ -126,7 +142,7 @@ def probe(model, docs: list[list[int]], seq_len: int) -> dict:
     result = {"documents": len(docs), "train_windows": int(train.sum()), "test_windows": int(test.sum()),
               "chance": float(torch.bincount(labels[test], minlength=3).max() / test.sum()),
               "label_counts": torch.bincount(labels, minlength=3).tolist()}
-    for name, x in window_features(model, windows).items():
+    for name, x in window_features(model, windows, owners).items():
         l2 = choose_l2(x[train], labels[train], owners[train])
         result[f"{name}_accuracy"] = fit_logistic(x[train], labels[train], x[test], labels[test], l2)
         result[f"{name}_l2"] = l2

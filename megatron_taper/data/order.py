@@ -224,8 +224,11 @@ class EpochOrder:
     def pieces(self, packed: int) -> list[tuple[int, int, int]]:
         """(document, start, stop) token ranges that, concatenated, are packed sample `packed`."""
         assert 0 <= packed < self.num_samples
-        pos = packed * self.seq_len
-        end = pos + self.seq_len + 1
+        return self.token_pieces(packed * self.seq_len, packed * self.seq_len + self.seq_len + 1)
+
+    def token_pieces(self, pos: int, end: int) -> list[tuple[int, int, int]]:
+        """(document, start, stop) token ranges that, concatenated, are tokens [pos, end) of the
+        epoch's concatenation of documents."""
         slot = int(np.searchsorted(self.block_ends, pos, side="right"))
         out = []
         while pos < end:
@@ -296,3 +299,34 @@ class SampleOrder:
         assert g >= 0 and self.samples_per_epoch
         plan = self.epoch(g // self.samples_per_epoch)
         return plan.pieces(plan.position(g % self.samples_per_epoch))
+
+
+class RowStreams:
+    """Windows served in sequence to the rows of a global batch (data.row_streams): row r of `rows`
+    reads, window after window, its own contiguous share of an epoch's concatenation of documents
+    (the packing of SampleOrder: shuffled blocks, shuffled documents, each document's tokens + EOS):
+    tokens [r*L, (r+1)*L) with L = (tokens - 1) // rows (the last < rows tokens are dropped). Window k
+    of a row is its tokens [k*seq_len, k*seq_len + seq_len + 1) (consecutive windows share one
+    boundary token, as packed samples do), k < K = (L - 1) // seq_len; step t serves every row
+    window t mod K of epoch t // K. So a document's windows reach one row in order, at consecutive
+    steps (a document cut by the border between two rows' shares continues in the next row,
+    unconnected). A window `continues` when its first token is not its document's first token and
+    it is not the first window of an epoch: a state carried from the row's previous window then
+    belongs to the same document. A document that starts inside a window follows the end of the
+    previous one in that window (packing), and a state carried into the next window has read both.
+    A pure function of (seed, step, row)."""
+
+    def __init__(self, order: SampleOrder, rows: int) -> None:
+        if rows < 1:
+            raise ValueError(f"rows={rows} must be >= 1")
+        self.order, self.rows, self.seq_len = order, rows, order.seq_len
+        self.row_tokens = (order.num_tokens - 1) // rows
+        self.windows_per_epoch = max(0, (self.row_tokens - 1) // self.seq_len)
+
+    def window(self, step: int, row: int) -> tuple[list[tuple[int, int, int]], bool]:
+        """(the (document, start, stop) ranges of row `row`'s window at step `step`, whether it continues)."""
+        assert self.windows_per_epoch and 0 <= row < self.rows and step >= 0
+        epoch, k = divmod(step, self.windows_per_epoch)
+        pos = row * self.row_tokens + k * self.seq_len
+        pieces = self.order.epoch(epoch).token_pieces(pos, pos + self.seq_len + 1)
+        return pieces, k > 0 and pieces[0][1] > 0

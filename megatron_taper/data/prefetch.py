@@ -32,8 +32,9 @@ class Prefetcher:
         try:
             while not self._stop.is_set():
                 batches = [self.source.next_batch() for _ in range(self.per_step)]
-                if self.pin:
-                    batches = [b.pin_memory() for b in batches]
+                if self.pin:  # a batch is a tensor, or a tuple of tensors (data.row_streams)
+                    batches = [tuple(t.pin_memory() for t in b) if isinstance(b, tuple) else b.pin_memory()
+                               for b in batches]
                 item = (batches, self.source.state_dict(), self._metrics())
                 while not self._stop.is_set():
                     try:

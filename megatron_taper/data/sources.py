@@ -39,11 +39,17 @@ class HeldOut:
 
 
 def build_sources(data: DataConfig, *, seq_len: int, micro_batch: int, seed: int, vocab_size: int, dp_rank: int,
-                  dp_size: int) -> tuple[BatchSource, list[HeldOut]]:
+                  dp_size: int, rows: int = 0) -> tuple[BatchSource, list[HeldOut]]:
     """(training source, held-out sets: none when there is no held-out data, one per mixture source
     with a val/ split under data.mix) for this data-parallel rank: sequences of seq_len + 1 tokens,
-    micro_batch at a time."""
+    micro_batch at a time. `rows` > 0: the training source serves that many global batch rows
+    consecutive windows (data.row_streams: streaming.RowStreamSource, one MDS folder or the
+    built-in corpus); the held-out sets stay packed samples."""
     mb = micro_batch
+    if rows and (data.mix or data.path.endswith(".npy")):
+        raise ValueError(f"data.row_streams (on for a model that carries a state, e.g. model.bridge.carry_state) "
+                         f"reads one MDS folder or the built-in corpus, not "
+                         f"{'data.mix' if data.mix else 'the .npy token file data.path=' + repr(data.path)}")
     if data.mix:
         return _build_mixture(data, seq_len, mb, seed, dp_rank, dp_size)
     path = data.path
@@ -64,12 +70,13 @@ def build_sources(data: DataConfig, *, seq_len: int, micro_batch: int, seed: int
     def make_split(split: str) -> BatchSource:
         return make(split, seq_len, mb, dp_rank, dp_size, seed)
 
-    return make_split("train"), ([HeldOut("", 1.0, lambda: make_split("val"))] if has_val else [])
+    train = make("train", seq_len, mb, dp_rank, dp_size, seed, rows) if rows else make_split("train")
+    return train, ([HeldOut("", 1.0, lambda: make_split("val"))] if has_val else [])
 
 
 def _mds_dataset(data: DataConfig, path: str, key: str) -> tuple[Callable[..., BatchSource], bool]:
     """(factory of StreamingSources of the MDS folder `path`, whether it has a val/ split)."""
-    from megatron_taper.data.streaming import StreamingSource
+    from megatron_taper.data.streaming import RowStreamSource, StreamingSource
 
     if is_remote(path):
         # A remote folder is always read through a local cache (data.cache_dir "" = the default).
@@ -80,7 +87,10 @@ def _mds_dataset(data: DataConfig, path: str, key: str) -> tuple[Callable[..., B
         cache = os.path.join(default_cache_dir(data), "streaming") if data.cache_dir else None
         has_val = os.path.isdir(os.path.join(path, "val"))
 
-    def make(split: str, seq_len: int, mb: int, dp_rank: int, dp_size: int, seed: int) -> StreamingSource:
+    def make(split: str, seq_len: int, mb: int, dp_rank: int, dp_size: int, seed: int,
+             rows: int = 0) -> StreamingSource:
+        if rows:
+            return RowStreamSource(path, split, seq_len, mb, dp_rank, dp_size, seed, cache, rows=rows)
         return StreamingSource(path, split, seq_len, mb, dp_rank, dp_size, seed, cache)
 
     return make, has_val

@@ -27,6 +27,11 @@ step boundary resumes at another dp size (or micro-batch) with no sample repeate
 provided the new G divides the position (it does when it divides the global batch); otherwise
 `load_state_dict` raises. Tensor-parallel ranks pass the same dp_rank and get the same samples.
 
+Row streams (data.row_streams, `RowStreamSource`): the same calls and position, but call c of rank
+r serves the global batch rows that the layout above gives it (rows a*G + r*mb .. of step c // A)
+their next window of megatron_taper.data.order.RowStreams, with a per-row `continues` flag; the
+order is dp-size-free, as above.
+
 Remote. With `cache_dir`, `path` is a remote location (a shared-filesystem folder, or any URL
 mosaicml-streaming can download from): index and shards are copied on first use into
 `cache_dir/<name>-<hash>/<split>/`, guarded by file locks so that ranks sharing a cache copy each
@@ -61,7 +66,7 @@ import torch
 from filelock import FileLock
 
 from megatron_taper.data import is_remote
-from megatron_taper.data.order import BLOCK_DOCS, LengthTable, SampleOrder
+from megatron_taper.data.order import BLOCK_DOCS, LengthTable, RowStreams, SampleOrder
 from megatron_taper.data.torchvision_compat import import_streaming
 
 TOKENS_COLUMN = "tokens"
@@ -232,6 +237,8 @@ def check_shard(path: str, size: int, hashes: dict, where: str) -> None:
 class StreamingSource:
     """Endless micro-batches [micro_batch, seq_len + 1] (int64, CPU) of one data-parallel rank."""
 
+    rows: int | None = None  # RowStreamSource: the global batch rows it serves
+
     def __init__(self, path: str, split: str, seq_len: int, micro_batch: int, dp_rank: int, dp_size: int,
                  seed: int, cache_dir: str | None = None, shuffle: bool = True, block_docs: int = BLOCK_DOCS) -> None:
         for key, value, low in (("model.seq_len", seq_len, 1), ("train.micro_batch", micro_batch, 1),
@@ -284,9 +291,13 @@ class StreamingSource:
 
     def sample(self, g: int) -> np.ndarray:
         """Global sample g of the stream: int64 [seq_len + 1]."""
+        return self.read(self.order.pieces(g))
+
+    def read(self, pieces: list[tuple[int, int, int]]) -> np.ndarray:
+        """The tokens of (document, start, stop) ranges that make one sample: int64 [seq_len + 1]."""
         out = np.empty(self.seq_len + 1, np.int64)
         filled = 0
-        for doc, start, stop in self.order.pieces(g):
+        for doc, start, stop in pieces:
             out[filled:filled + stop - start] = self.reader[doc][start:stop]
             filled += stop - start
         assert filled == len(out)
@@ -294,8 +305,10 @@ class StreamingSource:
 
     def identity(self) -> dict[str, Any]:
         """What the sample stream depends on besides the position (checked on resume)."""
+        rows = {} if self.rows is None else {"rows": self.rows}
         return {"seed": self.seed, "seq_len": self.seq_len, "split": self.split, "shuffle": self.shuffle,
-                "block_docs": self.order.block_docs, "documents": self.num_documents, "tokens": self.num_tokens}
+                "block_docs": self.order.block_docs, "documents": self.num_documents, "tokens": self.num_tokens,
+                **rows}
 
     def check_identity(self, state: dict, where: str = "data.path") -> None:
         """Raises when `state` (a state_dict or identity) was written for another stream."""
@@ -303,7 +316,8 @@ class StreamingSource:
                                ("shuffle", "shuffle", self.shuffle),
                                ("block_docs", "block_docs", self.order.block_docs),
                                ("documents", where, self.num_documents),
-                               ("tokens", where, self.num_tokens)):
+                               ("tokens", where, self.num_tokens),
+                               ("rows", "data.row_streams with train.global_batch", self.rows)):
             if state.get(key) != now:
                 raise ValueError(f"cannot resume the data stream: {name} changed "
                                  f"({key} was {state.get(key)!r}, now {now!r})")
@@ -332,3 +346,31 @@ def check_position(consumed: int, group_size: int) -> int:
                          f"{group_size} does not divide it (resume at a step boundary with a "
                          f"global batch that dp_size * micro_batch divides)")
     return consumed
+
+
+class RowStreamSource(StreamingSource):
+    """data.row_streams: each of `rows` (the global batch) rows gets consecutive windows
+    (megatron_taper.data.order.RowStreams). Micro-batch call c of dp rank r serves step
+    t = c // A (A = rows / G calls per step, G = dp_size * micro_batch) to global rows
+    a*G + r*micro_batch .. + micro_batch with a = c mod A, the rows that StreamingSource's layout
+    gives the same rank and call: (tokens [micro_batch, seq_len + 1] int64, continues
+    [micro_batch] bool), CPU. The position counts global samples as StreamingSource's does."""
+
+    def __init__(self, *args: Any, rows: int, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if rows < 1 or rows % self.group_size:
+            raise ValueError(f"data.row_streams: train.global_batch={rows} must be a multiple of dp_size * "
+                             f"train.micro_batch = {self.group_size}")
+        self.rows = rows
+        self.streams = RowStreams(self.order, rows)
+        if not self.streams.windows_per_epoch:
+            raise ValueError(f"{self.reader.where}: {self.num_tokens} tokens are too few for data.row_streams: "
+                             f"each of train.global_batch={rows} rows needs model.seq_len + 2 = {self.seq_len + 2}")
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        step, offset = divmod(self.samples_consumed, self.rows)
+        first = offset + self.dp_rank * self.micro_batch
+        windows = [self.streams.window(step, row) for row in range(first, first + self.micro_batch)]
+        self.samples_consumed += self.group_size
+        return (torch.from_numpy(np.stack([self.read(pieces) for pieces, _ in windows])),
+                torch.tensor([continues for _, continues in windows]))

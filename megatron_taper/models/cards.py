@@ -114,6 +114,10 @@ class BridgeConfig:
     segment: int = 32  # tokens per segment: the state is written after each, read by the later ones
     aux_weight: float = 0.0  # auxiliary self-prediction loss weight; 0 = off
     aux_target: str = "next_hidden"  # next_hidden (the next segment's mean hidden state) | random
+    # carry the state from one window of a batch row to the next window of the same document (reset at
+    # a document's first window; detached: truncated backpropagation at window boundaries); the trainer
+    # then serves each batch row consecutive windows (data.row_streams)
+    carry_state: bool = False
 
     def validate(self, prefix: str) -> None:
         check_range(f"{prefix}.slots", self.slots, 0, None)
@@ -122,6 +126,8 @@ class BridgeConfig:
         check_choice(f"{prefix}.aux_target", self.aux_target, AUX_TARGETS)
         if self.aux_weight > 0 and self.slots == 0:
             raise ConfigError(f"{prefix}.aux_weight={self.aux_weight} needs a bridge ({prefix}.slots > 0)")
+        if self.carry_state and self.slots == 0:
+            raise ConfigError(f"{prefix}.carry_state=true needs a bridge ({prefix}.slots > 0)")
 
 
 # -- cards ---------------------------------------------------------------------------------------

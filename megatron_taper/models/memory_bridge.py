@@ -16,9 +16,17 @@ so the tokens of segment s read only the state left by segments < s (the initial
 s = 0): no information flows from the current or a later segment through the bridge, and within
 a segment causality is the self-attention's. The write attends to every token of its segment
 (no mask: its result is read only by later segments). Cross-attention has no positions (the
-slots are unordered; a segment is read as a set). The last segment's write is not computed
-(nothing reads it); `MemoryBridge.states(x, last=True)` computes every state, for probes
-(tools/probe_bridge.py).
+slots are unordered; a segment is read as a set). Without `carry_state` the last segment's write
+is not computed (nothing reads it); `MemoryBridge.states(x, last=True)` computes every state, for
+probes (tools/probe_bridge.py).
+
+Carried state (`carry_state`): S_0 of row b is the state S_n its previous window ended with, where
+the caller says the row continues a document (`carry_in` = (states [B, m, D], continues [B] bool),
+set through the family's CarriedState: `put_state`), else `init_state`. The forward then also
+computes S_n and leaves it, detached, in `carry_out` (`take_state`): gradients stop at the window
+boundary (truncated backpropagation through time), the values are those of one recurrence over
+the joined windows (tested). Without a state handed in (evaluation, generation) every window
+starts from `init_state`.
 
 Identity at initialisation: the read's output projection wo' is initialised to zero, so r = 0
 and the model computes exactly the Transformer with the same weights (tested); its gradient,
@@ -46,8 +54,9 @@ its gradients are whole on every rank, as the norms'); sequence parallelism is r
 (check_bridge_layout). Pipeline parallelism needs nothing more: the bridge lives inside block
 L//2, so it never crosses a stage boundary (the state is written from, and read into, that
 block's input), and the partition weighs that block with the bridge's FLOPs. Activation
-checkpointing applies as to the Transformer; data parallelism, ZeRO and torch.compile take its
-code paths but are not tested with the bridge.
+checkpointing applies as to the Transformer; ZeRO and torch.compile take its code paths but are
+not tested with the bridge; data and tensor parallelism are tested with `carry_state` (dp=2, tp=2
+against one process), which is refused with pp > 1 and DeepSpeed (check_bridge_layout).
 """
 from __future__ import annotations
 
@@ -61,7 +70,7 @@ from megatron_taper.cost.block import Cost
 from megatron_taper.models.cards import BRIDGE
 from megatron_taper.models.init import init_tensor
 from megatron_taper.models.layers import RMSNorm, rope_tables
-from megatron_taper.models.spec import FamilySpec
+from megatron_taper.models.spec import CarriedState, FamilySpec
 from megatron_taper.models.transformer import (
     Transformer,
     TransformerBlock,
@@ -133,16 +142,27 @@ class MemoryBridge(nn.Module):
         self.read = CrossAttention(d, cfg.n_heads, cfg.head_dim)
         self.gate = nn.Linear(d, d)
         self.aux_head = nn.Linear(d, d, bias=False) if b.aux_weight > 0 else None
+        self.carry_state = b.carry_state
+        self.carry_in: tuple[torch.Tensor | None, torch.Tensor] | None = None  # (previous S_n, continues)
+        self.carry_out: torch.Tensor | None = None  # S_n of the last forward [B, m, D], detached
+
+    def initial_state(self, x: torch.Tensor) -> torch.Tensor:
+        """S_0 [B, m, D] in x's dtype: the carried state where a row continues, else init_state (a copy:
+        a view of a parameter keeps requires_grad under no_grad, which torch's module tracker rejects)."""
+        state = self.init_state.to(x.dtype).repeat(x.shape[0], 1, 1)
+        carried, continues = self.carry_in if self.carry_in is not None else (None, None)
+        if carried is not None:
+            state = torch.where(continues.to(x.device)[:, None, None], carried.to(x.device, x.dtype), state)
+        return state
 
     def states(self, x: torch.Tensor, last: bool = False) -> torch.Tensor:
         """S_0 .. S_{n-1} ([B, n, m, D]) for x [B, S, D]; with `last` also S_n (after the final
         segment): [B, n+1, m, D]."""
-        bsz, seq, _ = x.shape
+        seq = x.shape[1]
         bounds = segment_bounds(seq, self.segment)
         normed = self.write_input_norm(x)
         k, v = self.write.heads(self.write.wk(normed)), self.write.heads(self.write.wv(normed))  # [B, H, S, E]
-        state = self.init_state.to(x.dtype).repeat(bsz, 1, 1)  # [B, m, D] (a copy: a view of a parameter
-        # keeps requires_grad under no_grad, which torch's module tracker rejects)
+        state = self.initial_state(x)  # [B, m, D]
         out = [state]
         for start, end in bounds[: len(bounds) if last else len(bounds) - 1]:
             q = self.write.heads(self.write.wq(self.write_state_norm(state)))  # [B, H, m, E]
@@ -155,7 +175,10 @@ class MemoryBridge(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [B, S, D] -> x plus the gated read of each segment's state."""
         bsz, seq, dim = x.shape
-        states = self.states(x)  # [B, n, m, D]
+        states = self.states(x, last=self.carry_state)  # [B, n (+1 with carry_state), m, D]
+        if self.carry_state:
+            self.carry_out = states[:, -1].detach()
+            states = states[:, :-1]
         n, t = states.shape[1], self.segment
         normed = self.read_norm(x)
         q = F.pad(self.read.wq(normed), (0, 0, 0, n * t - seq))  # [B, n*T, H*E], zero rows pad the last segment
@@ -241,11 +264,13 @@ def bridge_params(cfg: ModelConfig) -> int:
 
 def bridge_flops(cfg: ModelConfig) -> float:
     """The bridge's forward FLOPs over one sequence of model.seq_len tokens (evaluation: the
-    auxiliary head, training only, adds 2 D^2 per segment and is not counted)."""
+    auxiliary head, training only, adds 2 D^2 per segment and is not counted). The last segment's
+    write is counted with carry_state only (otherwise it is not computed)."""
     d, h, e, s, m, t = cfg.d_model, cfg.n_heads, cfg.head_dim, cfg.seq_len, cfg.bridge.slots, cfg.bridge.segment
     n = -(-s // t)
     write = 2 * 2 * d * h * e * s  # wk, wv on every token
-    for start, end in segment_bounds(s, t)[:-1]:
+    bounds = segment_bounds(s, t)
+    for start, end in bounds if cfg.bridge.carry_state else bounds[:-1]:
         write += m * (2 * d * h * e + 2 * h * e * d + 2 * 6 * d * d)  # wq, wo, the GRU's two [3D, D] maps
         write += 4 * h * e * m * (end - start)  # scores and values
     read = s * (2 * d * h * e + 2 * d * d)  # wq, gate
@@ -280,8 +305,25 @@ def check_bridge_layout(mcfg: ModelConfig, pcfg: ParallelConfig) -> None:
         raise ConfigError("parallel.sequence_parallel is not supported for model.arch='bridge' (the bridge reads "
                           "and writes whole segments, which sequence parallelism splits over the tp ranks); set "
                           "it to false")
+    if mcfg.bridge.carry_state and (pcfg.pp > 1 or pcfg.zero == "deepspeed"):
+        raise ConfigError(f"model.bridge.carry_state=true is supported with parallel.pp=1 and parallel.zero none "
+                          f"or fsdp2 (the trainer hands the carried state to one whole model per micro-batch, "
+                          f"which the pipeline schedule and DeepSpeed's engine do not); got pp={pcfg.pp}, "
+                          f"zero={pcfg.zero}: set model.bridge.carry_state=false or change the layout")
+
+
+def put_state(model: MemoryBridgeLM, state: torch.Tensor | None, continues: torch.Tensor) -> None:
+    model.bridge.carry_in = (state, continues)
+
+
+def take_state(model: MemoryBridgeLM) -> torch.Tensor:
+    bridge = model.bridge
+    state, bridge.carry_in, bridge.carry_out = bridge.carry_out, None, None
+    return state
 
 
 SPECS = (FamilySpec(card=BRIDGE, build=MemoryBridgeLM, layer_cost=transformer_layer_cost,
                     block_extra_cost=bridge_block_cost, tp_block_plan=tp_plan_bridge_block,
-                    check_layout=check_bridge_layout),)
+                    check_layout=check_bridge_layout,
+                    carried_state=CarriedState(enabled=lambda cfg: cfg.bridge.slots > 0 and cfg.bridge.carry_state,
+                                               put=put_state, take=take_state)),)

@@ -78,6 +78,23 @@ class HFAdapter:
 
 
 @dataclass(frozen=True)
+class CarriedState:
+    """A state a model carries from one window of a batch row to that row's next window (e.g. the
+    memory bridge's state along a document). The trainer holds one per row across steps on the
+    rows' device, hands it in before each micro-batch's forward, takes the new one after its
+    backward, saves it with the data position, and serves each row consecutive windows
+    (data.row_streams); the model code sees only `put` and `take`."""
+
+    # (model cfg) -> whether this configuration carries a state at all
+    enabled: Callable[[ModelConfig], bool]
+    # (model, state from the row's previous window or None = none yet, continues [B] bool): the
+    # next forward starts row b from `state[b]` where continues[b], else from the model's initial state
+    put: Callable[[nn.Module, torch.Tensor | None, torch.Tensor], None]
+    # (model) -> the state after the last forward's window (detached), and no state handed in any more
+    take: Callable[[nn.Module], torch.Tensor]
+
+
+@dataclass(frozen=True)
 class FamilySpec:
     card: FamilyCard
     # uninitialised single-device model with init_value(name, full shape, seed) and init_weights(seed)
@@ -94,6 +111,7 @@ class FamilySpec:
     # has none (e.g. ALiBi); None here = generation recomputes the whole prefix for every token
     decoder: Callable[[nn.Module, int, int], Decoder | None] | None = None
     hf: HFAdapter | None = None  # None = no Hugging Face export / import
+    carried_state: CarriedState | None = None  # None = every window starts from the model's initial state
 
     @property
     def name(self) -> str:

@@ -26,6 +26,7 @@ from megatron_taper.parallel.data_parallel import wrap_ddp
 from megatron_taper.parallel.tensor import ShardSpec
 
 if TYPE_CHECKING:
+    from megatron_taper.carried import CarriedRows
     from megatron_taper.config import TrainConfig
 
 
@@ -237,15 +238,21 @@ class ParallelModel:
                 if isinstance(module, FSDPModule):
                     module.reshard()
 
-    def forward_backward(self, micro_batches: list[torch.Tensor], autocast: Callable) -> torch.Tensor:
+    def forward_backward(self, micro_batches: list[torch.Tensor], autocast: Callable,
+                         carry: CarriedRows | None = None) -> torch.Tensor:
         """Forward and backward over one rank's micro-batches ([b, S + 1] tokens each) of one step.
 
         Returns the mean loss over the micro-batches (detached, float32 scalar on the device);
         gradients are accumulated as for that mean. Pipeline-parallel models override this.
+        `carry` (a model that carries a state across steps): carry.before(i) runs before micro-batch
+        i's forward, carry.after(i) after its backward (activation checkpointing recomputes the
+        forward inside backward with the same state).
         """
         total = torch.zeros((), device=self.ctx.device)
         runner = self.dp_module or self.module
         for i, tokens in enumerate(micro_batches):
+            if carry is not None:
+                carry.before(i)
             tokens = tokens.to(self.ctx.device, non_blocking=True)
             # DDP reduces in the last micro-batch's backward only (gradients accumulate before)
             last = i == len(micro_batches) - 1
@@ -253,6 +260,8 @@ class ParallelModel:
                 with autocast():
                     loss = self.loss_fn(runner(tokens[:, :-1]), tokens[:, 1:])
                 (loss / len(micro_batches)).backward()
+            if carry is not None:
+                carry.after(i)
             total += loss.detach().float()
         return total / len(micro_batches)
 

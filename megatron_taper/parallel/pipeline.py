@@ -60,7 +60,9 @@ class PipelineParallelModel(ParallelModel):
     def n_stages(self) -> int:
         return self.ctx.pp * len(self.chunks)
 
-    def forward_backward(self, micro_batches: list[torch.Tensor], autocast: Callable) -> torch.Tensor:
+    def forward_backward(self, micro_batches: list[torch.Tensor], autocast: Callable,
+                         carry: None = None) -> torch.Tensor:
+        assert carry is None, "a carried state is refused with this layout (the family's check_layout)"
         tokens = torch.cat([t.to(self.ctx.device, non_blocking=True) for t in micro_batches])
         n_micro = self.microbatches or len(micro_batches)
         assert tokens.shape[0] % n_micro == 0, "preflight checks parallel.microbatches against the batch"

@@ -223,7 +223,9 @@ class DeepSpeedParallelModel(ParallelModel):
             dist_init_required=False)
         return optimizer
 
-    def forward_backward(self, micro_batches: list[torch.Tensor], autocast: Callable) -> torch.Tensor:
+    def forward_backward(self, micro_batches: list[torch.Tensor], autocast: Callable,
+                         carry: None = None) -> torch.Tensor:
+        assert carry is None, "a carried state is refused with this layout (the family's check_layout)"
         engine = self.engine
         if engine.gradient_accumulation_steps() != len(micro_batches):
             raise ConfigError(f"deepspeed: {len(micro_batches)} micro-batches per step, but the engine was built "

@@ -22,7 +22,8 @@ from megatron_taper.models import build_model
 from megatron_taper.models.layers import cross_entropy
 from megatron_taper.preflight import preflight
 from megatron_taper.validation import ConfigError
-from tests.helpers.runner import TINY, assert_resumes_exactly
+from tests.helpers.datahelpers import corpus, dataset, tokenizer_model  # noqa: F401
+from tests.helpers.runner import TINY, assert_resumes_exactly, losses, train_in_process
 
 SEQ, SEGMENT = 40, 16  # segments [0, 16), [16, 32), [32, 40): the last one shorter
 SMALL = ["model.arch=bridge", "model.n_layers=4", "model.d_model=64", "model.n_heads=4", "model.mlp_width=128",
@@ -153,7 +154,8 @@ def test_random_targets_carry_no_information_about_the_text():
         assert model.bridge.aux_loss(h, states) == model.bridge.aux_loss(h * 3 + 1, states)
 
 
-@pytest.mark.parametrize("extra", [[], ["model.bridge.aux_weight=0.1"], [f"model.seq_len={3 * SEGMENT}"]])
+@pytest.mark.parametrize("extra", [[], ["model.bridge.aux_weight=0.1"], [f"model.seq_len={3 * SEGMENT}"],
+                                   ["model.bridge.carry_state=true"]])
 def test_cost_model_matches_module_and_flop_counter(extra):
     cfg, model = build(*extra)
     costs = model_costs(cfg, causal=False)
@@ -165,7 +167,8 @@ def test_cost_model_matches_module_and_flop_counter(extra):
     with counter, torch.no_grad(), sdpa_kernel(SDPBackend.MATH):
         model(tokens(seq=cfg.seq_len))
     assert counter.get_total_flops() / (2 * cfg.seq_len) == pytest.approx(costs.total_flops, rel=1e-9)
-    plain = model_costs(load_config(None, SMALL + extra + ["model.bridge.slots=0", "model.bridge.aux_weight=0"]).model)
+    plain = model_costs(load_config(None, SMALL + extra + ["model.bridge.slots=0", "model.bridge.aux_weight=0",
+                                                           "model.bridge.carry_state=false"]).model)
     overhead = costs.total_params - plain.total_params
     assert overhead == sum(p.numel() for p in model.bridge.parameters())
 
@@ -175,6 +178,9 @@ def test_cost_model_matches_module_and_flop_counter(extra):
      "parallel.sequence_parallel is not supported for model.arch='bridge'"),
     (["model.bridge.segment=40"], 1, "model.bridge.segment=40 must be smaller than model.seq_len=40"),
     (["model.n_layers=1"], 1, "model.arch='bridge' needs at least 2 layers"),
+    (["model.bridge.carry_state=true", "parallel.pp=2"], 2, "model.bridge.carry_state=true is supported with "
+                                                            "parallel.pp=1 and parallel.zero none or fsdp2"),
+    (["model.bridge.carry_state=true", "parallel.zero=deepspeed"], 2, "got pp=1, zero=deepspeed"),
 ])
 def test_refused_layouts(extra, world, message):
     cfg = load_config(None, SMALL + extra)
@@ -186,11 +192,19 @@ def test_refused_layouts(extra, world, message):
         load_config(None, SMALL + ["model.bridge.aux_target=noise"])
 
 
-def test_trains_and_resumes_exactly(byte_tokens, tmp_path):
-    """Through the Trainer with the auxiliary loss on (2 micro-batches per step), split at step 3."""
+def test_trains_and_resumes_exactly(dataset, tmp_path):
+    """Through the Trainer with the recipe's carried state and the auxiliary loss on (2 micro-batches
+    per step), split at step 3: the resumed run continues bitwise (the rows' states are in the
+    checkpoint). The same run with the state reset at every window logs other losses, so the carried
+    state is what the resume had to restore."""
     recipe = ["--config", "configs/tiny_bridge.yaml", *TINY, "model.n_layers=2", "model.bridge.segment=8",
-              "model.bridge.aux_weight=0.1", f"data.path={byte_tokens}", "train.steps=6", "train.eval_interval=4"]
-    assert_resumes_exactly(recipe, tmp_path)
+              "model.vocab_size=512", "model.bridge.aux_weight=0.1", f"data.path={dataset}", "train.steps=6",
+              "train.eval_interval=4"]
+    straight = assert_resumes_exactly(recipe, tmp_path)
+    assert train_in_process([*recipe, "model.bridge.carry_state=false", "data.row_streams=true",
+                             f"run.dir={tmp_path / 'reset'}"]).returncode == 0
+    reset = losses(tmp_path / "reset")
+    assert reset[0] == straight[0] and reset[1:] != straight[1:]
 
 
 def test_probe_pieces(tmp_path):
