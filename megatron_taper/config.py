@@ -24,7 +24,7 @@ from megatron_taper.models import cards, family_card
 from megatron_taper.taper import TAPER_SCHEDULES
 from megatron_taper.validation import ConfigError, check_choice, check_range
 
-__all__ = ["CheckpointConfig", "Config", "ConfigError", "DataConfig", "DeepSpeedConfig", "ModelConfig",
+__all__ = ["CheckpointConfig", "Config", "ConfigError", "DataConfig", "DeepSpeedConfig", "FaultConfig", "ModelConfig",
            "ParallelConfig", "RunConfig", "TaperConfig", "TrainConfig", "WandbConfig", "load_config"]
 
 
@@ -282,6 +282,30 @@ class CheckpointConfig:
 
 
 @dataclass
+class FaultConfig:
+    """fault: the hang watchdog (megatron_taper/fault/watchdog.py; README "Surviving faults").
+
+    A section's timeout: its `*_timeout_s` when > 0, else auto: timeout_factor x the longest
+    completed section of that kind so far, at least min_timeout_s; startup_timeout_s before one
+    of that kind has completed (the first step, save and evaluation)."""
+
+    watchdog: bool = True
+    startup_timeout_s: float = 900.0  # process start to the first step: joining, building, loading
+    step_timeout_s: float = 0.0  # one step (and the log line, the poll of an async save); 0 = auto
+    save_timeout_s: float = 0.0  # a checkpoint save; 0 = auto
+    eval_timeout_s: float = 0.0  # an evaluation; 0 = auto
+    timeout_factor: float = 20.0
+    min_timeout_s: float = 120.0
+
+    def validate(self, prefix: str) -> None:
+        for key in ("step_timeout_s", "save_timeout_s", "eval_timeout_s"):
+            check_range(f"{prefix}.{key}", getattr(self, key), 0.0, None)
+        for key in ("startup_timeout_s", "min_timeout_s"):
+            check_range(f"{prefix}.{key}", getattr(self, key), 0.0, None, open_low=True)
+        check_range(f"{prefix}.timeout_factor", self.timeout_factor, 1.0, None)
+
+
+@dataclass
 class WandbConfig:
     """run.wandb: Weights & Biases logging from the main rank (the scalars tensorboard gets)."""
 
@@ -319,6 +343,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
     def validate(self) -> "Config":

@@ -5,7 +5,8 @@ One step = global_batch sequences: each data-parallel rank runs global_batch / (
 micro-batches through `ParallelModel.forward_backward`, gradients are reduced and clipped, and
 AdamW steps. `run` builds and fits a run from a recipe and overrides and maps errors to exit codes:
 0 done (or stopped by train.exit_after), 1 failed, 2 bad input, 3 stopped by SIGUSR1/SIGTERM
-after a checkpoint (the slurm script requeues the job on 3).
+after a checkpoint (the slurm script requeues the job on 3), 4 a hang detected by the watchdog
+(megatron_taper/fault/watchdog.py; launch/torchrun.sh restarts the workers from the last checkpoint).
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from megatron_taper.console import format_duration, peak_memory, report_error, s
 from megatron_taper.cost.flops import mfu, model_costs, peak_flops
 from megatron_taper.data.prefetch import Prefetcher
 from megatron_taper.data.sources import build_sources
+from megatron_taper.fault.guard import FaultGuard
 from megatron_taper.held_out import combined_loss, evaluate_held_out, perplexity
 from megatron_taper.metrics import MetricsLogger, timestamp
 from megatron_taper.optim import lr_at
@@ -86,8 +88,10 @@ class StepHealth:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, ctx: ParallelContext | None = None, stop: StopSignal | None = None):
+    def __init__(self, cfg: Config, ctx: ParallelContext | None = None, stop: StopSignal | None = None,
+                 guard: FaultGuard | None = None):
         self.cfg = cfg
+        self.guard = guard or FaultGuard()
         run = build_run(cfg, ctx)
         self.ctx, self.pm, self.optimizer, self.bf16 = run.ctx, run.model, run.optimizer, run.bf16
         self.accum = run.layout.accumulation
@@ -107,6 +111,7 @@ class Trainer:
         self.metrics = MetricsLogger(cfg.run.dir, self.ctx.is_main, cfg.run.tensorboard, cfg.run.wandb,
                                      cfg.to_dict())
         self.checkpointer = Checkpointer(checkpoint_root(cfg.run.dir), cfg.checkpoint, self.pm)
+        self.checkpointer.before_write = self.guard.before_write
         self._saving: dict[str, float] = {}  # checkpoint folder -> when its save began
         if self.ctx.is_main:
             summary = summary_lines(cfg, self.ctx, self.pm, self.train_source, bool(self.held_out), self.bf16,
@@ -162,7 +167,7 @@ class Trainer:
         if self.prefetch is None:
             self.prefetch = Prefetcher(self.train_source, self.accum, pin=self.ctx.device.type == "cuda")
         micro_batches, self.data_state, data_metrics = self.prefetch.next()
-        loss = self._dp_mean(self.pm.forward_backward(micro_batches, self.autocast))
+        loss = self._dp_mean(self.guard.loss(self.pm.forward_backward(micro_batches, self.autocast), self.step + 1))
         # reduce, clip and step (or skip a non-finite step, on the device); the engine owns how
         grad_norm, stepped = self.pm.optimizer_step(self.optimizer, self.cfg.train.grad_clip, torch.isfinite(loss))
         self.step += 1
@@ -201,7 +206,9 @@ class Trainer:
         started = last_time
         try:
             while self.step < t.steps:
+                self.guard.step_begins(self.step + 1)
                 record = self.train_step()
+                self.guard.step_done(self.step)
                 steps_here += 1
                 self.checkpointer.poll()  # completes a background save once every rank has written
                 self._report_saved()
@@ -242,6 +249,11 @@ class Trainer:
         """Checkpoint the current step; `final`: also wait until it (and any background save) is
         complete, before the process exits."""
         self.check_health()  # never a checkpoint after train.max_nonfinite non-finite steps in a row
+        with self.guard.section("save", self.step):
+            self._save(final)
+        self._report_saved()
+
+    def _save(self, final: bool) -> None:
         if self.step != self.last_saved:
             self.last_saved = self.step
             self._saving[os.path.join(checkpoint_root(self.cfg.run.dir), f"step-{self.step}")] = time.perf_counter()
@@ -251,7 +263,6 @@ class Trainer:
         if final:
             self.checkpointer.wait()
             self.checkpointer.join_cleanup()  # rank 0's deletions of older checkpoints
-        self._report_saved()
 
     def _report_saved(self) -> None:
         """'checkpoint saved' for every save begun here that is now complete (async: finalised)."""
@@ -281,7 +292,8 @@ class Trainer:
         self.metrics.log(full, line)
 
     def _log_eval(self) -> None:
-        losses = self.evaluate()
+        with self.guard.section("eval", self.step):
+            losses = self.evaluate()
         if losses is not None:
             eval_loss = losses.pop("")
             ppl = perplexity(eval_loss)
@@ -326,19 +338,24 @@ def run(recipe: str | None, overrides: list[str]) -> int:
     # barrier is recorded instead of killing the process (the default action of SIGUSR1)
     stop = StopSignal()
     stop.install()
+    guard = None
     try:
         cfg = load_config(recipe, overrides)
         if not os.path.exists(cfg.run.dir):
             created_run_dir = cfg.run.dir
         preflight(cfg, world_size())  # before joining: a bad layout fails alike on every rank, at once
         check_data(cfg, warn=int(os.environ.get("RANK", "0")) == 0)
+        guard = FaultGuard.start(cfg.fault, cfg.run.dir, int(os.environ.get("RANK", "0")), world_size())
         ctx = init_parallel(cfg.parallel, cfg.train.device)
-        trainer = Trainer(cfg, ctx, stop)
+        trainer = Trainer(cfg, ctx, stop, guard)
         created_run_dir = None
         code = trainer.fit()
+        guard.enter("finish", trainer.step)
         clean = True
         return code
     except Exception as e:  # noqa: BLE001 - reported once (main rank) and logged per rank below
+        if guard is not None:  # before a fresh run folder is removed below
+            guard.stop()
         expected = isinstance(e, (ConfigError, ValueError, NonFiniteLossError))
         rank = ctx.rank if ctx is not None else int(os.environ.get("RANK", "0"))
         log_dir = cfg.run.dir if cfg is not None else None
@@ -352,4 +369,6 @@ def run(recipe: str | None, overrides: list[str]) -> int:
         if ctx is not None:
             with contextlib.suppress(Exception):
                 shutdown(ctx, barrier=clean)
+        if guard is not None:
+            guard.stop()
         stop.uninstall()

@@ -40,7 +40,7 @@ import shutil
 import threading
 import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import torch
@@ -110,6 +110,7 @@ class Checkpointer:
         self.pending: _Pending | None = None
         self.cleanups: list[threading.Thread] = []  # the main rank's deletions, off the step
         self.bytes_read = 0  # of parameter and optimizer records by this rank's last load
+        self.before_write: Callable[[int], None] | None = None  # called with the step in the writer
 
     # -- saving --------------------------------------------------------------------------------
 
@@ -137,6 +138,8 @@ class Checkpointer:
 
         def write() -> None:
             try:
+                if self.before_write is not None:
+                    self.before_write(step)
                 index, files = write_pieces(tmp, ctx.rank, pieces)
                 if trainer is not None:
                     files["trainer.pt"] = _write(os.path.join(tmp, "trainer.pt"), trainer)

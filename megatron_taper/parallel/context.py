@@ -101,8 +101,16 @@ def init_parallel(pcfg: ParallelConfig, device: str = "auto", timeout_s: float =
         return ParallelContext(1, 0, 0, 1, 1, 1, dev, None)
     if not dist.is_initialized():
         backend = "nccl" if dev.type == "cuda" else "gloo"
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s),
-                                device_id=dev if dev.type == "cuda" else None)
+        timeout = datetime.timedelta(seconds=timeout_s)
+        joined = {}
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+        if attempt is not None:
+            # torchrun: the agent's store outlives an in-job restart with the previous attempt's
+            # keys (the old ranks' addresses), so each attempt joins under its own prefix
+            store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=timeout))
+            joined = {"store": dist.PrefixStore(f"megatron_taper.attempt-{attempt}", store), "rank": rank,
+                      "world_size": world}
+        dist.init_process_group(backend, timeout=timeout, device_id=dev if dev.type == "cuda" else None, **joined)
     mesh = init_device_mesh(dev.type, (pcfg.pp, dp, pcfg.tp), mesh_dim_names=("pp", "dp", "tp"))
     return ParallelContext(world, rank, local_rank, pcfg.pp, dp, pcfg.tp, dev, mesh)
 
