@@ -1,0 +1,100 @@
+"""Faults survived (README "Surviving faults"), injected with MEGATRON_TAPER_FAULT.
+
+- A malformed MEGATRON_TAPER_FAULT or fault section is one error line (exit 2), nothing written.
+- Under launch/torchrun.sh (2 gloo workers, in-job restarts): rank 1 SIGSTOPped at step 3 is
+  detected by rank 0's watchdog (fault.step_timeout_s), which writes its stacks, names rank 1 and
+  exits 4; torchrun restarts the workers, which resume from the last checkpoint; rank 0 SIGKILLed
+  at step 7 is restarted the same way; the run ends with losses, grad norms and every checkpoint
+  record (weights and AdamW state, by sha256) bitwise equal to the uninterrupted run's.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megatron_taper.fault.inject import parse_faults
+from megatron_taper.validation import ConfigError
+from tests.helpers.runner import REPO, read_metrics, train_in_process
+
+STEPS = 10
+TINY = ["--config", "configs/tiny_taper.yaml", "model.n_layers=2", "model.d_model=64", "model.n_heads=4",
+        "model.mlp_width=128", "model.vocab_size=256", "model.seq_len=32", "model.taper.multiple=16",
+        "train.global_batch=8", "train.micro_batch=4", f"train.steps={STEPS}", "train.log_interval=1",
+        "train.eval_interval=0", "train.device=cpu", "checkpoint.interval=2", "checkpoint.keep=0",
+        "run.tensorboard=false"]
+STEP_TIMEOUT = 5  # s: the steps take ~0.05 s; room for a loaded machine
+COLLECTIVE_TIMEOUT = 600  # s: init_parallel's process-group timeout, what a hang waited for before
+
+
+def test_malformed_fault_settings_are_one_error(byte_tokens, tmp_path, monkeypatch):
+    assert parse_faults("") == []
+    assert [(p.kind, p.rank, p.step, p.arg) for p in parse_faults("sleep:1:3:0.2,nan:0:5")] == [
+        ("sleep", 1, 3, 0.2), ("nan", 0, 5, 0.0)]
+    for bad in ("kil:0:3", "kill:0", "kill:-1:3", "kill:0:0", "sleep:0:3:x", "spike:0:2:0"):
+        with pytest.raises(ConfigError, match="MEGATRON_TAPER_FAULT="):
+            parse_faults(bad)
+    run = tmp_path / "run"
+    monkeypatch.setenv("MEGATRON_TAPER_FAULT", "kill:zero:3")
+    proc = train_in_process([*TINY, f"data.path={byte_tokens}", f"run.dir={run}"], check=False)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "error: MEGATRON_TAPER_FAULT='kill:zero:3': 'kill:zero:3' must be KIND:RANK:STEP[:ARG] with KIND one of "
+        "kill, stop, term, raise, nan, spike, sleep, write_fail, RANK >= 0, STEP >= 1 and ARG a number > 0 "
+        "(spike: loss factor, sleep: seconds)"]
+    assert not run.exists()
+    monkeypatch.delenv("MEGATRON_TAPER_FAULT")
+    proc = train_in_process([*TINY, f"data.path={byte_tokens}", f"run.dir={run}", "fault.step_timeout_s=-1"],
+                            check=False)
+    assert proc.returncode == 2 and "fault.step_timeout_s=-1.0 is outside the allowed range" in proc.stderr
+    assert not run.exists()
+
+
+def _torchrun_sh(args: list[str], fault: str = "") -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "VENV": sys.prefix, "MEGATRON_TAPER_FAULT": fault,
+           "TAPER_PREFLIGHT_DONE": "1",  # tests/launch/test_launchers.py covers torchrun.sh's checks
+           "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)}
+    return subprocess.run(["bash", "launch/torchrun.sh", "2", *args], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+def _records(run_dir) -> dict:
+    """What must be bitwise equal: per step loss and grad norm; per checkpoint every record's sha256."""
+    metrics = [(r["step"], r["loss"], r["grad_norm"]) for r in read_metrics(run_dir) if "loss" in r]
+    shas = {}
+    for name in sorted(os.listdir(run_dir / "checkpoints")):
+        meta = json.loads((run_dir / "checkpoints" / name / "meta.json").read_text())
+        shas[name] = {k: [rec["sha256"] for rec in e["records"]] for k, e in meta["tensors"].items()}
+    return {"metrics": metrics, "checkpoints": shas}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow  # over ~20 s alone: 2 x 2 workers, 3 attempts and a step timeout
+def test_hang_and_dead_worker_restart_in_job_bitwise(byte_tokens, tmp_path):
+    args = [*TINY, f"data.path={byte_tokens}", f"fault.step_timeout_s={STEP_TIMEOUT}"]
+    faulty = tmp_path / "faulty"
+    proc = _torchrun_sh([*args, f"run.dir={faulty}"], fault="stop:1:3,kill:0:7")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-6000:]
+    hang = [line for line in out.splitlines() if line.startswith("hang: rank 0:")]
+    assert len(hang) == 1 and "stopped first: rank 1 (heartbeat not written" in hang[0], out[-4000:]
+    stacks = (faulty / "logs" / "stacks-rank0.txt").read_text()
+    assert "in section step of step 3" in stacks and "megatron_taper/trainer.py" in stacks
+    events = [json.loads(line) for line in (faulty / "logs" / "faults.jsonl").read_text().splitlines()]
+    fired = {e["kind"]: e for e in events if e["event"] == "fired"}
+    restarts = {e["restart"]: e for e in events if e["event"] == "first_step"}
+    assert sorted(fired) == ["kill", "stop"] and sorted(restarts) == ["0", "1", "2"]
+    assert restarts["1"]["step"] == 3 and restarts["2"]["step"] == 7  # resumed from step-2 and step-6
+    # the hang cost the step timeout and a restart, far below the collective timeout it waited for before
+    recovery = restarts["1"]["time"] - fired["stop"]["time"]
+    assert STEP_TIMEOUT < recovery < COLLECTIVE_TIMEOUT / 5, recovery
+
+    straight = tmp_path / "straight"
+    proc = _torchrun_sh([*args, f"run.dir={straight}"])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    want = _records(straight)
+    assert [m[0] for m in want["metrics"]] == list(range(1, STEPS + 1))
+    assert _records(faulty) == want
