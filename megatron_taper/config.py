@@ -283,7 +283,8 @@ class CheckpointConfig:
 
 @dataclass
 class FaultConfig:
-    """fault: the hang watchdog (megatron_taper/fault/watchdog.py; README "Surviving faults").
+    """fault: the hang watchdog (megatron_taper/fault/watchdog.py) and the bad-step policy
+    (megatron_taper/fault/rollback.py); README "Surviving faults".
 
     A section's timeout: its `*_timeout_s` when > 0, else auto: timeout_factor x the longest
     completed section of that kind so far, at least min_timeout_s; startup_timeout_s before one
@@ -296,6 +297,12 @@ class FaultConfig:
     eval_timeout_s: float = 0.0  # an evaluation; 0 = auto
     timeout_factor: float = 20.0
     min_timeout_s: float = 120.0
+    # bad steps (megatron_taper/fault/rollback.py): after rollback_after of them in a row, reload the
+    # newest checkpoint from before them and skip their data (RUN/data_skips.json); 0 = never
+    # (non-finite steps are skipped and train.max_nonfinite applies)
+    rollback_after: int = 0
+    spike_factor: float = 0.0  # a loss above this x the running mean is a spike (logged); 0 = off
+    spike_rollback: bool = False  # spikes count as bad steps for rollback_after
 
     def validate(self, prefix: str) -> None:
         for key in ("step_timeout_s", "save_timeout_s", "eval_timeout_s"):
@@ -303,6 +310,12 @@ class FaultConfig:
         for key in ("startup_timeout_s", "min_timeout_s"):
             check_range(f"{prefix}.{key}", getattr(self, key), 0.0, None, open_low=True)
         check_range(f"{prefix}.timeout_factor", self.timeout_factor, 1.0, None)
+        check_range(f"{prefix}.rollback_after", self.rollback_after, 0, None)
+        if self.spike_factor != 0:
+            check_range(f"{prefix}.spike_factor", self.spike_factor, 1.0, None, open_low=True)
+        if self.spike_rollback and not (self.spike_factor and self.rollback_after):
+            raise ConfigError(f"{prefix}.spike_rollback=true needs {prefix}.spike_factor > 1 and "
+                              f"{prefix}.rollback_after >= 1")
 
 
 @dataclass

@@ -74,6 +74,9 @@ class MetricsLogger:
         """Drop records of steps > step (left by a run that stopped after its last checkpoint)."""
         if not self.enabled or not os.path.exists(self.path):
             return
+        if self._file is not None:  # a rollback during the run: the next record reopens the new file
+            self._file.close()
+            self._file = None
         kept = []
         with open(self.path) as f:
             for line in f:

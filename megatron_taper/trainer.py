@@ -20,13 +20,20 @@ import torch
 import torch.distributed as dist
 
 from megatron_taper.build import build_run
-from megatron_taper.checkpoint.checkpointer import Checkpointer, checkpoint_root, load_weights_only, resume_candidates
+from megatron_taper.checkpoint.checkpointer import (
+    Checkpointer,
+    checkpoint_root,
+    list_checkpoints,
+    load_weights_only,
+    resume_candidates,
+)
 from megatron_taper.config import Config, ConfigError, load_config, save_config
 from megatron_taper.console import format_duration, peak_memory, report_error, summary_lines
 from megatron_taper.cost.flops import mfu, model_costs, peak_flops
 from megatron_taper.data.prefetch import Prefetcher
 from megatron_taper.data.sources import build_sources
 from megatron_taper.fault.guard import FaultGuard
+from megatron_taper.fault.rollback import BadSteps, DataSkips
 from megatron_taper.held_out import combined_loss, evaluate_held_out, perplexity
 from megatron_taper.metrics import MetricsLogger, timestamp
 from megatron_taper.optim import lr_at
@@ -104,6 +111,9 @@ class Trainer:
         self.step = 0
         self.last_saved = -1
         self.health = StepHealth(self.ctx.device)
+        self.bad = self._bad_steps()
+        self.skips = DataSkips(cfg.run.dir)  # data windows never trained on (rollbacks)
+        self.batches = 0  # steps' worth of batches drawn, skipped windows included
         self.prefetch: Prefetcher | None = None
         self.data_state: dict | None = None  # the source's state after the last consumed step
         self.stop = stop or StopSignal()
@@ -140,17 +150,29 @@ class Trainer:
                 self._print(f"initialised from: {source} (weights only; optimizer, step and data start fresh)")
             return
         path, state = loaded
-        self.step = state["step"]
-        self.health = StepHealth(self.ctx.device, skipped=state["skipped"])
-        self.last_saved = self.step
-        self.train_source.load_state_dict(state["data"])
-        self.metrics.truncate_after(self.step)
+        self._restore(state)
         self._print(f"resumed from: {path} at step {self.step}")
         saved_steps = state["config"]["train"]["steps"]
         if saved_steps != self.cfg.train.steps:
             self._print(f"warning: train.steps changed from {saved_steps} (checkpoint) to {self.cfg.train.steps}: "
                         f"the learning-rate schedule (warmup + decay over train.steps) changes from step "
                         f"{self.step} on; to split a run into parts keep train.steps and set train.exit_after=N")
+
+    def _restore(self, state: dict) -> None:
+        """Continue from a loaded checkpoint's trainer state."""
+        self.step = state["step"]
+        self.health = StepHealth(self.ctx.device, skipped=state["skipped"])
+        self.batches = self.step + state.get("data_skipped", 0)
+        self.last_saved = self.step
+        if self.prefetch is not None:  # it has drawn ahead of the restored position
+            self.prefetch.close()
+            self.prefetch = None
+        self.train_source.load_state_dict(state["data"])
+        self.metrics.truncate_after(self.step)
+
+    def _bad_steps(self) -> BadSteps:
+        f = self.cfg.fault
+        return BadSteps(self.ctx.device, f.rollback_after, f.spike_factor, f.spike_rollback)
 
     def autocast(self):
         if self.bf16:
@@ -166,12 +188,17 @@ class Trainer:
             group["lr"] = lr_at(self.step, self.cfg.train)
         if self.prefetch is None:
             self.prefetch = Prefetcher(self.train_source, self.accum, pin=self.ctx.device.type == "cuda")
-        micro_batches, self.data_state, data_metrics = self.prefetch.next()
+        while True:  # the batches of a skipped window are drawn and dropped
+            micro_batches, self.data_state, data_metrics = self.prefetch.next()
+            self.batches += 1
+            if not self.skips.covers(self.batches):
+                break
         loss = self._dp_mean(self.guard.loss(self.pm.forward_backward(micro_batches, self.autocast), self.step + 1))
         # reduce, clip and step (or skip a non-finite step, on the device); the engine owns how
         grad_norm, stepped = self.pm.optimizer_step(self.optimizer, self.cfg.train.grad_clip, torch.isfinite(loss))
         self.step += 1
         self.health.update(stepped, self.step, self.cfg.train.max_nonfinite)
+        self.bad.update(loss, stepped, self.step, self.batches)
         return {"loss": loss, "grad_norm": grad_norm, "lr": self.optimizer.param_groups[0]["lr"], **data_metrics}
 
     @property
@@ -213,6 +240,10 @@ class Trainer:
                 self.checkpointer.poll()  # completes a background save once every rank has written
                 self._report_saved()
                 at_log = self.step % t.log_interval == 0 or self.step == t.steps
+                at_save = bool(ckpt.interval) and self.step % ckpt.interval == 0
+                at_exit = bool(t.exit_after) and steps_here >= t.exit_after
+                if (at_log or at_save or at_exit) and self._bad_step_policy():
+                    continue  # rolled back to an earlier checkpoint
                 if at_log:
                     self.check_health()
                     now = time.perf_counter()
@@ -224,7 +255,6 @@ class Trainer:
                 if t.eval_interval and self.step % t.eval_interval == 0 and self.step < t.steps:
                     self._log_eval()
                 # signals are agreed on at log intervals and checkpoint steps (a collective)
-                at_save = bool(ckpt.interval) and self.step % ckpt.interval == 0
                 if (at_log or at_save) and self._agreed_stop():
                     self.save(final=True)
                     self._print(f"stopped by signal {self.stop.received} at step {self.step}; checkpoint written")
@@ -257,12 +287,49 @@ class Trainer:
         if self.step != self.last_saved:
             self.last_saved = self.step
             self._saving[os.path.join(checkpoint_root(self.cfg.run.dir), f"step-{self.step}")] = time.perf_counter()
-            self.checkpointer.save(self.optimizer, self.step, self.cfg.to_dict(), {"skipped": self.skipped},
+            self.checkpointer.save(self.optimizer, self.step, self.cfg.to_dict(),
+                                   {"skipped": self.skipped, "data_skipped": self.batches - self.step},
                                    self.data_state if self.data_state is not None
                                    else self.train_source.state_dict())
         if final:
             self.checkpointer.wait()
             self.checkpointer.join_cleanup()  # rank 0's deletions of older checkpoints
+
+    def _bad_step_policy(self) -> bool:
+        """Log new loss spikes; roll back when fault.rollback_after bad steps in a row were reached
+        (megatron_taper/fault/rollback.py). A host read of the device counters and one all-reduce,
+        at log intervals and checkpoint steps; True after a rollback."""
+        f = self.cfg.fault
+        if f.spike_factor > 0:
+            new, (step, loss, mean) = self.bad.new_spikes()
+            if new:
+                self._print(f"loss spike at step {step:.0f}: {loss:.4f} > fault.spike_factor={f.spike_factor:g} x "
+                            f"the running mean {mean:.4f}" + (f" ({new} spikes since the last check)" if new > 1
+                                                              else ""))
+        if not f.rollback_after:
+            return False
+        trigger = self.bad.trigger.clone()
+        if self.ctx.mesh is not None:
+            dist.all_reduce(trigger, op=dist.ReduceOp.MAX)  # every rank takes the same decision
+        reached, first_step, first_batch, last_batch = (int(x) for x in trigger)
+        if not reached:
+            return False
+        self.checkpointer.wait()
+        before = [path for step, path in reversed(list_checkpoints(checkpoint_root(self.cfg.run.dir)))
+                  if step < first_step]
+        if not before:
+            raise NonFiniteLossError(f"{reached - first_step + 1} bad step(s) from step {first_step} (fault.rollback_"
+                                     f"after={f.rollback_after}), and no checkpoint from before step {first_step} "
+                                     f"to roll back to; set checkpoint.interval")
+        self.skips.add(first_batch, last_batch, write=self.ctx.is_main)
+        path, state = self.checkpointer.load(before, self.cfg.model, self.optimizer, explicit=False)
+        self._restore(state)
+        self.bad = self._bad_steps()
+        self._print(f"rollback: {reached - first_step + 1} bad step(s) from step {first_step} (non-finite"
+                    + (" or spike" if f.spike_rollback else "") + f"; fault.rollback_after={f.rollback_after}): "
+                    f"reloaded {path} at step {self.step}; data batches {first_batch}-{last_batch} are skipped "
+                    f"(recorded in {self.skips.path})")
+        return True
 
     def _report_saved(self) -> None:
         """'checkpoint saved' for every save begun here that is now complete (async: finalised)."""

@@ -6,6 +6,9 @@
   exits 4; torchrun restarts the workers, which resume from the last checkpoint; rank 0 SIGKILLed
   at step 7 is restarted the same way; the run ends with losses, grad norms and every checkpoint
   record (weights and AdamW state, by sha256) bitwise equal to the uninterrupted run's.
+- A NaN loss at step 7, and a loss spike at step 7, with fault.rollback_after=1: the run reloads
+  step-6, skips the data of step 7 (RUN/data_skips.json) and ends bitwise equal to a run that
+  skipped the same batch from the start (the same file in its fresh run folder).
 """
 from __future__ import annotations
 
@@ -98,3 +101,24 @@ def test_hang_and_dead_worker_restart_in_job_bitwise(byte_tokens, tmp_path):
     want = _records(straight)
     assert [m[0] for m in want["metrics"]] == list(range(1, STEPS + 1))
     assert _records(faulty) == want
+
+
+def test_nan_and_spike_roll_back_and_skip_their_data_bitwise(byte_tokens, tmp_path, monkeypatch):
+    args = [*TINY, f"data.path={byte_tokens}"]
+    reference = tmp_path / "skipped_from_the_start"
+    reference.mkdir()
+    (reference / "data_skips.json").write_text('{"windows": [[7, 7]]}')
+    train_in_process([*args, f"run.dir={reference}"])
+    want = _records(reference)
+    assert [m[0] for m in want["metrics"]] == list(range(1, STEPS + 1))
+    for fault, options in (("nan:0:7", []), ("spike:0:7:20", ["fault.spike_factor=3", "fault.spike_rollback=true"])):
+        run = tmp_path / fault.split(":")[0]
+        monkeypatch.setenv("MEGATRON_TAPER_FAULT", fault)
+        proc = train_in_process([*args, f"run.dir={run}", "fault.rollback_after=1", *options])
+        assert (f"rollback: 1 bad step(s) from step 7 (non-finite{' or spike' if options else ''}; "
+                f"fault.rollback_after=1): reloaded {run / 'checkpoints' / 'step-6'} at step 6; data batches 7-7 "
+                f"are skipped") in proc.stdout, proc.stdout[-3000:]
+        if options:
+            assert "loss spike at step 7: " in proc.stdout
+        assert json.loads((run / "data_skips.json").read_text()) == {"windows": [[7, 7]]}
+        assert _records(run) == want, fault
