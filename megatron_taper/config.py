@@ -274,11 +274,13 @@ class DataConfig:
 class CheckpointConfig:
     interval: int = 0  # steps between checkpoints; 0 = only at the end (and on exit_after)
     keep: int = 2  # newest complete checkpoints kept; 0 = all
+    keep_every: int = 0  # also kept: every checkpoint whose step is a multiple of this; 0 = none
     async_save: bool = False  # write in a background thread after copying the shards to the CPU
 
     def validate(self, prefix: str) -> None:
         check_range(f"{prefix}.interval", self.interval, 0, None)
         check_range(f"{prefix}.keep", self.keep, 0, None)
+        check_range(f"{prefix}.keep_every", self.keep_every, 0, None)
 
 
 @dataclass

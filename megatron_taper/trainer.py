@@ -279,6 +279,11 @@ class Trainer:
         """Checkpoint the current step; `final`: also wait until it (and any background save) is
         complete, before the process exits."""
         self.check_health()  # never a checkpoint after train.max_nonfinite non-finite steps in a row
+        if not final and self.cfg.fault.rollback_after and int(self.bad.in_row):
+            # bad steps in a row: the newest checkpoint stays one from before them (the rollback's)
+            self._print(f"checkpoint of step {self.step} not written: the steps before it were bad "
+                        f"(fault.rollback_after={self.cfg.fault.rollback_after})")
+            return
         with self.guard.section("save", self.step):
             self._save(final)
         self._report_saved()

@@ -14,7 +14,8 @@ logical tensors) and writes one file; rank 0 gathers the small per-rank indexes 
 0, not an all-gather), writes meta.json last, and renames `.tmp-step-N/` to `step-N/` (fsynced),
 so a folder named step-N is complete. Rank 0 never deletes while the others wait in a
 collective: a folder to replace is renamed aside, and deleting it, leftovers of unfinished saves
-(`.tmp-step-*`) and checkpoints beyond `checkpoint.keep` runs in a thread after the barrier.
+(`.tmp-step-*`) and checkpoints beyond `checkpoint.keep` (except the multiples of
+`checkpoint.keep_every`) runs in a thread after the barrier.
 With `checkpoint.async_save`, the writing runs in a background thread after the copy (from a GPU:
 non-blocking copies into pinned buffers kept for the next save, ParallelModel.checkpoint_pieces); the
 Trainer calls `poll()` every step, and once every rank has finished, the folder is renamed. A
@@ -202,7 +203,7 @@ class Checkpointer:
                 doomed.append(aside)
             os.rename(p.tmp, p.final)
             fsync_file(self.root)
-            doomed += _to_prune(self.root, self.options.keep)
+            doomed += _to_prune(self.root, self.options.keep, self.options.keep_every)
             doomed += [os.path.join(self.root, n) for n in os.listdir(self.root)
                        if n.startswith((".tmp-step-", ".trash-")) and os.path.join(self.root, n) not in doomed]
         ctx.barrier()
@@ -460,9 +461,11 @@ def _sha256(file: str) -> str:
     return h.hexdigest()
 
 
-def _to_prune(root: str, keep: int) -> list[str]:
-    """The complete checkpoints beyond the newest `keep` (keep <= 0: none)."""
-    return [path for _, path in list_checkpoints(root)[:-keep]] if keep > 0 else []
+def _to_prune(root: str, keep: int, keep_every: int = 0) -> list[str]:
+    """The complete checkpoints beyond the newest `keep` (keep <= 0: none), except those whose
+    step is a multiple of `keep_every` (> 0)."""
+    older = list_checkpoints(root)[:-keep] if keep > 0 else []
+    return [path for step, path in older if not (keep_every > 0 and step % keep_every == 0)]
 
 
 def remove_tree(path: str) -> None:

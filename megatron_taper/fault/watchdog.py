@@ -19,6 +19,7 @@ launcher's SIGTERM (torchrun would wait 30 s for it).
 """
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import json
 import os
@@ -70,8 +71,6 @@ class Watchdog:
         self._thread = threading.Thread(target=self._run, name="fault-watchdog", daemon=True)
 
     def start(self) -> Watchdog:
-        os.makedirs(self.log_dir, exist_ok=True)
-        self._beat()
         self._thread.start()
         return self
 
@@ -107,7 +106,15 @@ class Watchdog:
         return os.path.join(self.log_dir, f"heartbeat-rank{rank}.json")
 
     def _beat(self) -> None:
+        """Write the heartbeat; skipped while RUN/logs cannot be written (not created yet, disk full)."""
         section, step, began = self.current
+        try:
+            os.makedirs(self.log_dir, exist_ok=True)
+            self._write_beat(section, step, began)
+        except OSError:
+            pass
+
+    def _write_beat(self, section: str, step: int, began: float) -> None:
         _write_json(self._heartbeat_path(self.rank), {
             "rank": self.rank, "pid": os.getpid(), "host": socket.gethostname(), "step": step,
             "section": section, "began": began, "beat": time.time(), "run_id": self.attempt[0],
@@ -120,8 +127,9 @@ class Watchdog:
             waited = time.time() - began
             limit = self.timeout(section)
             if waited > limit:
-                _write_json(os.path.join(self.log_dir, HANG_FILE), {
-                    "rank": self.rank, "run_id": self.attempt[0], "restart": self.attempt[1], "time": time.time()})
+                with contextlib.suppress(OSError):
+                    _write_json(os.path.join(self.log_dir, HANG_FILE), {
+                        "rank": self.rank, "run_id": self.attempt[0], "restart": self.attempt[1], "time": time.time()})
                 self._expire(f"rank {self.rank}: no progress for {waited:.1f} s in section {section} of step {step} "
                              f"(fault.{self._key(section)}: {limit:g} s)")
             other = _read_json(os.path.join(self.log_dir, HANG_FILE))
@@ -132,10 +140,14 @@ class Watchdog:
 
     def _expire(self, what: str) -> None:
         stacks = os.path.join(self.log_dir, f"stacks-rank{self.rank}.txt")
-        with open(stacks, "w") as f:
-            f.write(f"{what}\n\n")
-            f.flush()
-            faulthandler.dump_traceback(file=f, all_threads=True)
+        try:
+            with open(stacks, "w") as f:
+                f.write(f"{what}\n\n")
+                f.flush()
+                faulthandler.dump_traceback(file=f, all_threads=True)
+        except OSError as e:  # the stacks go to the console instead
+            stacks = f"not written ({e}); on stderr"
+            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         first, frozen = self.stopped_first()
         sys.stdout.flush()
         print(f"hang: {what}; stopped first: {first}; stacks: {stacks}; exiting with {EXIT_HANG} "

@@ -9,6 +9,9 @@
 - A NaN loss at step 7, and a loss spike at step 7, with fault.rollback_after=1: the run reloads
   step-6, skips the data of step 7 (RUN/data_skips.json) and ends bitwise equal to a run that
   skipped the same batch from the start (the same file in its fresh run folder).
+- Retention: with checkpoint.keep=1 and keep_every=4, NaNs at steps 3-5 and rollback_after=3,
+  the save of step 4 (inside the bad streak) is not written, so step-2, the rollback target,
+  survives pruning; the run ends with step-4, step-8 (multiples of 4) and step-10 (the newest).
 """
 from __future__ import annotations
 
@@ -122,3 +125,16 @@ def test_nan_and_spike_roll_back_and_skip_their_data_bitwise(byte_tokens, tmp_pa
             assert "loss spike at step 7: " in proc.stdout
         assert json.loads((run / "data_skips.json").read_text()) == {"windows": [[7, 7]]}
         assert _records(run) == want, fault
+
+
+def test_pruning_keeps_the_rollback_target_and_every_kth(byte_tokens, tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    monkeypatch.setenv("MEGATRON_TAPER_FAULT", "nan:0:3,nan:0:4,nan:0:5")
+    proc = train_in_process([*TINY, f"data.path={byte_tokens}", f"run.dir={run}", "fault.rollback_after=3",
+                             "checkpoint.keep=1", "checkpoint.keep_every=4"])
+    assert "checkpoint of step 4 not written: the steps before it were bad" in proc.stdout
+    assert (f"rollback: 3 bad step(s) from step 3 (non-finite; fault.rollback_after=3): reloaded "
+            f"{run / 'checkpoints' / 'step-2'} at step 2; data batches 3-5 are skipped") in proc.stdout
+    assert sorted(os.listdir(run / "checkpoints"), key=lambda n: int(n.split("-")[1])) == [
+        "step-4", "step-8", "step-10"]
+    assert [m[0] for m in _records(run)["metrics"]] == list(range(1, STEPS + 1))
