@@ -31,7 +31,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 FAULTS = ("kill", "stop", "term", "raise", "nan", "spike", "sleep", "write_fail")
 BASE = ["--config", "configs/tiny_taper.yaml", "model.n_layers=2", "model.d_model=64", "model.n_heads=4",
-        "model.mlp_width=128", "model.vocab_size=256", "model.seq_len=32", "model.taper.multiple=16",
+        "model.mlp_width=128", "model.seq_len=32", "model.taper.multiple=16",
         "train.global_batch=8", "train.micro_batch=4", "train.steps=12", "train.log_interval=1",
         "train.eval_interval=0", "checkpoint.interval=2", "checkpoint.keep=0", "run.tensorboard=false",
         "fault.step_timeout_s=10", "fault.rollback_after=1", "fault.spike_factor=3", "fault.spike_rollback=true"]

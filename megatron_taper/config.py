@@ -305,6 +305,9 @@ class FaultConfig:
     rollback_after: int = 0
     spike_factor: float = 0.0  # a loss above this x the running mean is a spike (logged); 0 = off
     spike_rollback: bool = False  # spikes count as bad steps for rollback_after
+    # per-rank readiness at log intervals (megatron_taper/fault/straggler.py): a rank that makes
+    # the steps this many times slower is named; 0 = off
+    straggler_factor: float = 1.2
 
     def validate(self, prefix: str) -> None:
         for key in ("step_timeout_s", "save_timeout_s", "eval_timeout_s"):
@@ -313,6 +316,8 @@ class FaultConfig:
             check_range(f"{prefix}.{key}", getattr(self, key), 0.0, None, open_low=True)
         check_range(f"{prefix}.timeout_factor", self.timeout_factor, 1.0, None)
         check_range(f"{prefix}.rollback_after", self.rollback_after, 0, None)
+        if self.straggler_factor != 0:
+            check_range(f"{prefix}.straggler_factor", self.straggler_factor, 1.0, None, open_low=True)
         if self.spike_factor != 0:
             check_range(f"{prefix}.spike_factor", self.spike_factor, 1.0, None, open_low=True)
         if self.spike_rollback and not (self.spike_factor and self.rollback_after):

@@ -22,7 +22,8 @@ if TYPE_CHECKING:
     from megatron_taper.config import WandbConfig
 
 # keys measured rather than computed: they differ between two runs of the same config
-PERF_KEYS = ("tokens_per_s", "step_time_s", "mfu", "peak_memory_gb")
+PERF_KEYS = ("tokens_per_s", "step_time_s", "mfu", "peak_memory_gb", "ready_s_min", "ready_s_median", "ready_s_max",
+             "ready_s_max_rank")
 WANDB_ID_FILE = "wandb_id"
 
 

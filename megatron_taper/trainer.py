@@ -34,6 +34,7 @@ from megatron_taper.data.prefetch import Prefetcher
 from megatron_taper.data.sources import build_sources
 from megatron_taper.fault.guard import FaultGuard
 from megatron_taper.fault.rollback import BadSteps, DataSkips
+from megatron_taper.fault.straggler import StragglerWatch
 from megatron_taper.held_out import combined_loss, evaluate_held_out, perplexity
 from megatron_taper.metrics import MetricsLogger, timestamp
 from megatron_taper.optim import lr_at
@@ -114,6 +115,7 @@ class Trainer:
         self.bad = self._bad_steps()
         self.skips = DataSkips(cfg.run.dir)  # data windows never trained on (rollbacks)
         self.batches = 0  # steps' worth of batches drawn, skipped windows included
+        self.stragglers = StragglerWatch(cfg.fault.straggler_factor, self.ctx)
         self.prefetch: Prefetcher | None = None
         self.data_state: dict | None = None  # the source's state after the last consumed step
         self.stop = stop or StopSignal()
@@ -193,6 +195,7 @@ class Trainer:
             self.batches += 1
             if not self.skips.covers(self.batches):
                 break
+        self.stragglers.ready()
         loss = self._dp_mean(self.guard.loss(self.pm.forward_backward(micro_batches, self.autocast), self.step + 1))
         # reduce, clip and step (or skip a non-finite step, on the device); the engine owns how
         grad_norm, stepped = self.pm.optimizer_step(self.optimizer, self.cfg.train.grad_clip, torch.isfinite(loss))
@@ -233,6 +236,7 @@ class Trainer:
         started = last_time
         try:
             while self.step < t.steps:
+                self.stragglers.begin()
                 self.guard.step_begins(self.step + 1)
                 record = self.train_step()
                 self.guard.step_done(self.step)
@@ -354,6 +358,8 @@ class Trainer:
         full = {"step": self.step, **record, "tokens_per_s": tokens_per_s,
                 "tokens_seen": self.step * tokens_per_step, "skipped_steps": self.skipped,
                 "step_time_s": step_time, "peak_memory_gb": memory_gb}
+        straggler, warning = self.stragglers.report(step_time)
+        full.update(straggler)
         util = mfu(tokens_per_s / self.ctx.world_size, self.flops_per_token, self.peak)
         if util is not None:
             full["mfu"] = util
@@ -362,6 +368,8 @@ class Trainer:
                 + (f" | mfu {util:.1%}" if util is not None else "")
                 + f" | mem {memory_gb:.2f} GiB {memory_kind} | eta {format_duration(eta)}")
         self.metrics.log(full, line)
+        if warning:
+            self._print(warning)
 
     def _log_eval(self) -> None:
         with self.guard.section("eval", self.step):

@@ -5,7 +5,9 @@
   detected by rank 0's watchdog (fault.step_timeout_s), which writes its stacks, names rank 1 and
   exits 4; torchrun restarts the workers, which resume from the last checkpoint; rank 0 SIGKILLed
   at step 7 is restarted the same way; the run ends with losses, grad norms and every checkpoint
-  record (weights and AdamW state, by sha256) bitwise equal to the uninterrupted run's.
+  record (weights and AdamW state, by sha256) bitwise equal to the uninterrupted run's. Rank 1
+  also sleeps 0.2 s before every step: the metrics name it as the slowest to be ready, and a
+  warning names it as a straggler.
 - A NaN loss at step 7, and a loss spike at step 7, with fault.rollback_after=1: the run reloads
   step-6, skips the data of step 7 (RUN/data_skips.json) and ends bitwise equal to a run that
   skipped the same batch from the start (the same file in its fresh run folder).
@@ -82,11 +84,13 @@ def _records(run_dir) -> dict:
 def test_hang_and_dead_worker_restart_in_job_bitwise(byte_tokens, tmp_path):
     args = [*TINY, f"data.path={byte_tokens}", f"fault.step_timeout_s={STEP_TIMEOUT}"]
     faulty = tmp_path / "faulty"
-    proc = _torchrun_sh([*args, f"run.dir={faulty}"], fault="stop:1:3,kill:0:7")
+    proc = _torchrun_sh([*args, f"run.dir={faulty}"], fault="stop:1:3,kill:0:7,sleep:1:1:0.2")
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
     hang = [line for line in out.splitlines() if line.startswith("hang: rank 0:")]
     assert len(hang) == 1 and "stopped first: rank 1 (heartbeat not written" in hang[0], out[-4000:]
+    assert "straggler: rank 1 needs " in out, out[-4000:]
+    assert {r["ready_s_max_rank"] for r in read_metrics(faulty) if "loss" in r} == {1}
     stacks = (faulty / "logs" / "stacks-rank0.txt").read_text()
     assert "in section step of step 3" in stacks and "megatron_taper/trainer.py" in stacks
     events = [json.loads(line) for line in (faulty / "logs" / "faults.jsonl").read_text().splitlines()]
