@@ -52,7 +52,7 @@ def records(run_dir: Path) -> dict:
         if "loss" in r:
             latest[r["step"]] = (r["loss"], r["grad_norm"])
     shas = {}
-    for name in sorted(os.listdir(run_dir / "checkpoints")):
+    for name in sorted(n for n in os.listdir(run_dir / "checkpoints") if n.startswith("step-")):
         meta = json.loads((run_dir / "checkpoints" / name / "meta.json").read_text())
         shas[name] = {k: [rec["sha256"] for rec in e["records"]] for k, e in meta["tensors"].items()}
     return {"metrics": sorted(latest.items()), "checkpoints": shas}

@@ -61,8 +61,8 @@ from megatron_taper.parallel.model import ParallelModel
 if TYPE_CHECKING:
     from megatron_taper.config import CheckpointConfig
 
-__all__ = ["CheckpointError", "Checkpointer", "checkpoint_root", "list_checkpoints", "resume_candidates",
-           "load_checkpoint", "load_logical", "verify_checkpoint"]
+__all__ = ["CheckpointError", "CheckpointWriteError", "Checkpointer", "checkpoint_root", "list_checkpoints",
+           "resume_candidates", "load_checkpoint", "load_logical", "verify_checkpoint"]
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 
@@ -186,7 +186,7 @@ class Checkpointer:
             errors = "; ".join(f"rank {r}: {res['error']}" for r, res in enumerate(results) if "error" in res)
         errors = _broadcast_from_main(ctx, errors)
         if errors:
-            raise CheckpointError(f"{p.tmp}: writing the checkpoint failed: " + errors)
+            raise CheckpointWriteError(f"{p.tmp}: writing the checkpoint failed: " + errors)
         doomed: list[str] = []
         if ctx.is_main:
             files: dict[str, dict] = {}
@@ -251,6 +251,11 @@ class Checkpointer:
             raise CheckpointError(f"no checkpoint under {self.root} passes verification (newest: {first_error}); "
                                   f"move the folders away or set run.resume=never to start over")
         return None
+
+
+class CheckpointWriteError(RuntimeError):
+    """Writing a checkpoint failed on some rank (disk full, an I/O error): a failure of the run
+    (exit 1; launch/torchrun.sh restarts the workers from the previous checkpoint), not bad input."""
 
 
 class OtherModelError(CheckpointError):
