@@ -148,8 +148,9 @@ def test_killed_worker_recovers_inside_the_job(slurm, uninterrupted, byte_tokens
     assert info["Restarts"] == "0", info
     events = [json.loads(line) for line in (run_dir / "logs" / "faults.jsonl").read_text().splitlines()]
     fired = [e for e in events if e["event"] == "fired"]
-    again = [e for e in events if e["event"] == "first_step" and e["restart"] != "0"]
     assert len(fired) == 1 and fired[0]["step"] == STEPS // 2, events
+    # (torchrun's restart count is not one: the node whose worker survived restarts uncounted)
+    again = [e for e in events if e["event"] == "first_step" and e["time"] > fired[0]["time"]]
     assert [e["step"] for e in again] == [11], events  # resumed from step-10
     assert records(run_dir) == records(uninterrupted[0])
     print(f"killed at step {STEPS // 2}: training again after {again[0]['time'] - fired[0]['time']:.1f} s")
