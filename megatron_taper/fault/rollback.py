@@ -66,6 +66,8 @@ class BadSteps:
         self.spikes_seen = 0  # host: spikes already reported
 
     def update(self, loss: torch.Tensor, stepped: torch.Tensor, step: int, batch: int) -> None:
+        if not (self.rollback_after or self.spike_factor):
+            return  # the policy is off: no device work per step
         loss = loss.detach().to(self.mean.device, torch.float64)
         finite = stepped.to(self.in_row.device) & torch.isfinite(loss)
         spike = torch.zeros_like(finite)
