@@ -15,7 +15,8 @@ finished (the run reached train.steps), bitwise_equal (every step's loss and gra
 checkpoint record's sha256 equal to the uninterrupted run's; for nan and spike, to a run that
 skipped the same data window from the start), seconds_to_training (the fault firing to the first
 step after it, from RUN/logs/faults.jsonl; null where no restart or rollback happens), restarts,
-and console: the lines the run printed about it (hang, rollback, spike, error, torchrun.sh).
+and console: the lines the run printed about it (hang, rollback, spike, straggler, error,
+torchrun.sh, and torchrun's line naming the worker that failed).
 """
 from __future__ import annotations
 
@@ -35,7 +36,9 @@ BASE = ["--config", "configs/tiny_taper.yaml", "model.n_layers=2", "model.d_mode
         "train.global_batch=8", "train.micro_batch=4", "train.steps=12", "train.log_interval=1",
         "train.eval_interval=0", "checkpoint.interval=2", "checkpoint.keep=0", "run.tensorboard=false",
         "fault.step_timeout_s=10", "fault.rollback_after=1", "fault.spike_factor=3", "fault.spike_rollback=true"]
-SAID = ("hang:", "rollback:", "loss spike", "error:", "[torchrun.sh]", "resumed from", "not written")
+# the trainer's lines about a fault, and torchrun's line naming the failed worker
+SAID = ("hang:", "rollback:", "loss spike", "straggler:", "error:", "[torchrun.sh]", "resumed from", "not written",
+        "failed (exitcode")
 
 
 def launch(nproc: int, args: list[str], fault: str) -> subprocess.CompletedProcess:

@@ -6,9 +6,9 @@ time says nothing about who is slow. What differs is how long each rank needs be
 join the step's collectives: from the start of its step to having the step's batches in hand
 (data fetch, host work, an injected `sleep`), `ready_s`. Each rank sums it over the log
 interval (host clock only, no device sync); at the log interval one all-gather of one number per
-rank gives ready_s_min / _median / _max and ready_s_max_rank in the metrics. A rank that needed
-more than (straggler_factor - 1) x the step time beyond the median rank, at PATIENCE log
-intervals in a row, is named in a warning: it makes every step straggler_factor x slower or more.
+rank gives ready_s_min / _median / _max and ready_s_max_rank in the metrics. When the slowest
+rank's excess over the other ranks' median makes the step straggler_factor x longer than it would
+be without it, at PATIENCE log intervals in a row, a warning names the rank.
 Slowness inside the device's compute (a throttled GPU) is not seen by this host-side measure.
 """
 from __future__ import annotations
@@ -51,17 +51,16 @@ class StragglerWatch:
         dist.all_gather(out, mine)
         ready = [float(t) for t in out]  # the host read
         slowest = max(range(len(ready)), key=ready.__getitem__)
-        median = statistics.median(ready)
-        metrics = {"ready_s_min": min(ready), "ready_s_median": median, "ready_s_max": ready[slowest],
+        metrics = {"ready_s_min": min(ready), "ready_s_median": statistics.median(ready), "ready_s_max": ready[slowest],
                    "ready_s_max_rank": slowest}
-        excess = ready[slowest] - median
+        excess = ready[slowest] - statistics.median(ready[:slowest] + ready[slowest + 1:])
         slow = excess > (self.factor - 1) * max(step_time - excess, 1e-9)
         rank, count = self._suspect
         self._suspect = (slowest, count + 1 if rank == slowest else 1) if slow else (-1, 0)
         warning = None
         if self._suspect[1] == PATIENCE:
-            warning = (f"straggler: rank {slowest} needs {excess:.3f} s more than the median rank before each step "
-                       f"(data, host work) for {PATIENCE} log intervals in a row: the steps take "
+            warning = (f"straggler: rank {slowest} needs {excess:.3f} s more than the other ranks' median before "
+                       f"each step (data, host work) for {PATIENCE} log intervals in a row: the steps take "
                        f"{step_time / max(step_time - excess, 1e-9):.2f}x as long "
                        f"(fault.straggler_factor={self.factor:g})")
         return metrics, warning
