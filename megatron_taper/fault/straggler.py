@@ -25,7 +25,7 @@ PATIENCE = 3  # log intervals in a row
 class StragglerWatch:
     def __init__(self, factor: float, ctx):
         self.factor, self.ctx = factor, ctx
-        self.on = factor > 0 and ctx.mesh is not None
+        self.on = factor > 0 and ctx.mesh is not None and ctx.world_size > 1
         self._began = 0.0
         self._ready = 0.0
         self._steps = 0
