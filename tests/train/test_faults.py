@@ -4,10 +4,11 @@
 - Under launch/torchrun.sh (2 gloo workers, in-job restarts): rank 1 SIGSTOPped at step 3 is
   detected by rank 0's watchdog (fault.step_timeout_s), which writes its stacks, names rank 1 and
   exits 4; torchrun restarts the workers, which resume from the last checkpoint; rank 0 SIGKILLed
-  at step 7 is restarted the same way; the run ends with losses, grad norms and every checkpoint
-  record (weights and AdamW state, by sha256) bitwise equal to the uninterrupted run's. Rank 1
-  also sleeps 0.2 s before every step: the metrics name it as the slowest to be ready, and a
-  warning names it as a straggler.
+  at step 7 is restarted the same way; rank 1's loss at step 9 is NaN: both ranks agree to roll
+  back to step-8 and skip batch 9 (fault.rollback_after=1); the run ends with losses, grad norms
+  and every checkpoint record (weights and AdamW state, by sha256) bitwise equal to the run that
+  skipped batch 9 from the start without faults. Rank 1 also sleeps 0.2 s before every step: the
+  metrics name it as the slowest to be ready, and a warning names it as a straggler.
 - A NaN loss at step 7, and a loss spike at step 7, with fault.rollback_after=1: the run reloads
   step-6, skips the data of step 7 (RUN/data_skips.json) and ends bitwise equal to a run that
   skipped the same batch from the start (the same file in its fresh run folder).
@@ -81,28 +82,32 @@ def _records(run_dir) -> dict:
 
 @pytest.mark.multiprocess
 @pytest.mark.slow  # over ~20 s alone: 2 x 2 workers, 3 attempts and a step timeout
-def test_hang_and_dead_worker_restart_in_job_bitwise(byte_tokens, tmp_path):
-    args = [*TINY, f"data.path={byte_tokens}", f"fault.step_timeout_s={STEP_TIMEOUT}"]
+def test_hang_dead_worker_nan_and_slow_rank_under_torchrun_bitwise(byte_tokens, tmp_path):
+    args = [*TINY, f"data.path={byte_tokens}", f"fault.step_timeout_s={STEP_TIMEOUT}", "fault.rollback_after=1"]
     faulty = tmp_path / "faulty"
-    proc = _torchrun_sh([*args, f"run.dir={faulty}"], fault="stop:1:3,kill:0:7,sleep:1:1:0.2")
+    proc = _torchrun_sh([*args, f"run.dir={faulty}"], fault="stop:1:3,kill:0:7,sleep:1:1:0.2,nan:1:9")
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
     hang = [line for line in out.splitlines() if line.startswith("hang: rank 0:")]
     assert len(hang) == 1 and "stopped first: rank 1 (heartbeat not written" in hang[0], out[-4000:]
     assert "straggler: rank 1 needs " in out, out[-4000:]
+    assert (f"rollback: 1 bad step(s) from step 9 (non-finite; fault.rollback_after=1): reloaded "
+            f"{faulty / 'checkpoints' / 'step-8'} at step 8; data batches 9-9 are skipped") in out, out[-4000:]
     assert {r["ready_s_max_rank"] for r in read_metrics(faulty) if "loss" in r} == {1}
     stacks = (faulty / "logs" / "stacks-rank0.txt").read_text()
     assert "in section step of step 3" in stacks and "megatron_taper/trainer.py" in stacks
     events = [json.loads(line) for line in (faulty / "logs" / "faults.jsonl").read_text().splitlines()]
     fired = {e["kind"]: e for e in events if e["event"] == "fired"}
     restarts = {e["restart"]: e for e in events if e["event"] == "first_step"}
-    assert sorted(fired) == ["kill", "stop"] and sorted(restarts) == ["0", "1", "2"]
+    assert sorted(fired) == ["kill", "nan", "stop"] and sorted(restarts) == ["0", "1", "2"]
     assert restarts["1"]["step"] == 3 and restarts["2"]["step"] == 7  # resumed from step-2 and step-6
     # the hang cost the step timeout and a restart, far below the collective timeout it waited for before
     recovery = restarts["1"]["time"] - fired["stop"]["time"]
     assert STEP_TIMEOUT < recovery < COLLECTIVE_TIMEOUT / 5, recovery
 
     straight = tmp_path / "straight"
+    straight.mkdir()
+    (straight / "data_skips.json").write_text('{"windows": [[9, 9]]}')
     proc = _torchrun_sh([*args, f"run.dir={straight}"])
     assert proc.returncode == 0, proc.stderr[-4000:]
     want = _records(straight)
