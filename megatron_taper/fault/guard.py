@@ -27,7 +27,12 @@ class FaultGuard:
         log_dir = os.path.join(run_dir, "logs")
         plans = parse_faults(os.environ.get(FAULT_ENV))
         injector = Injector(plans, rank, log_dir) if plans else None
-        watchdog = Watchdog(options, rank, world, log_dir).start() if options.watchdog else None
+        watchdog = None
+        if options.watchdog:
+            # torch's flight recorder (read when the process group is created): the hang report's
+            # last collectives of each rank
+            os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "256")
+            watchdog = Watchdog(options, rank, world, log_dir).start()
         return cls(watchdog, injector, log_dir, rank == 0)
 
     def stop(self) -> None:

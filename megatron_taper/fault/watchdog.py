@@ -6,10 +6,11 @@ no I/O, no synchronisation). The watchdog thread, every POLL_S:
 - writes this rank's heartbeat, RUN/logs/heartbeat-rank{r}.json (rank, pid, host, step, section,
   when the section began, when the heartbeat was written, torchrun's run id and restart count);
 - on expiry of the current section's timeout, or when another rank of the same attempt has
-  reported a hang (RUN/logs/hang.json): writes every Python thread's stack (faulthandler) to
-  RUN/logs/stacks-rank{r}.txt, prints one line naming the rank(s) that stopped first, and exits
-  the process with EXIT_HANG (launch/torchrun.sh restarts the workers, which resume from the last
-  checkpoint).
+  reported a hang (RUN/logs/hang.json): writes every Python thread's stack (faulthandler) and the
+  last collectives this rank issued (torch's flight recorder; FaultGuard turns it on with
+  TORCH_FR_BUFFER_SIZE unless set) to RUN/logs/stacks-rank{r}.txt, prints one line naming the
+  rank(s) that stopped first, and exits the process with EXIT_HANG (launch/torchrun.sh restarts
+  the workers, which resume from the last checkpoint).
 
 "Stopped first", from the heartbeats of the same attempt: the ranks whose heartbeat is no longer
 written (frozen or dead: SIGSTOP, a lost node), else the ranks furthest behind (step, then
@@ -58,6 +59,28 @@ def _read_json(path: str) -> dict | None:
             return json.load(f)
     except (OSError, ValueError):
         return None
+
+
+def last_collectives(n: int = 8) -> list[str]:
+    """The last `n` collectives this process issued, from torch's flight recorder (comparing the
+    ranks' sequence numbers shows who is behind); a line saying why when there are none."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.distributed.is_available() or not torch.distributed.is_initialized():
+        return ["(no process group)"]
+    try:
+        import pickle
+
+        from torch._C._distributed_c10d import _dump_fr_trace
+
+        entries = pickle.loads(_dump_fr_trace(includeCollectives=True, includeStackTraces=False,
+                                              onlyActive=False)).get("entries", [])
+    except Exception as e:  # noqa: BLE001 - a private torch API: report, never fail the dump
+        return [f"(torch's flight recorder is not available: {type(e).__name__}: {e})"]
+    if not entries:
+        return ["(none recorded: TORCH_FR_BUFFER_SIZE=0)"]
+    return [f"{e.get('profiling_name')} #{e.get('collective_seq_id')} in process group "
+            f"{(e.get('process_group') or ('', '?'))[1]}: input sizes {e.get('input_sizes')}, "
+            f"state {e.get('state')}" for e in entries[-n:]]
 
 
 class Watchdog:
@@ -145,6 +168,8 @@ class Watchdog:
                 f.write(f"{what}\n\n")
                 f.flush()
                 faulthandler.dump_traceback(file=f, all_threads=True)
+                f.write("\nThe last collectives this rank issued (torch's flight recorder; oldest first):\n"
+                        + "".join(f"  {line}\n" for line in last_collectives()))
         except OSError as e:  # the stacks go to the console instead
             stacks = f"not written ({e}); on stderr"
             faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
