@@ -10,11 +10,18 @@
 # Before torchrun starts, the trainer's checks run once (python -m megatron_taper.launch_check:
 # the layout at NPROC x NNODES processes, data.path, the tokenizer against model.vocab_size).
 #
+# In-job restarts: when a worker fails (killed, an exception, a hang the watchdog detected: exit 4)
+# torchrun stops the others and starts all workers again, up to MAX_RESTARTS times (default 3);
+# they resume from the newest valid checkpoint of run.dir (run.resume=auto).
+#
 # Exit code: 0 finished (or stopped by train.exit_after); 2 bad input (the checks, or a worker's
 # own); 3 stopped by SIGUSR1/SIGTERM after writing a checkpoint (run the same command again to
-# resume); anything else is a failure.
+# resume); 4 the restarts are used up and a worker exited with 4 (a hang: resubmit, ideally on
+# other nodes; train.sbatch requeues); anything else is a failure.
 # torchrun itself turns every worker failure into 1, so workers leave a marker file when they
-# exit with 3 and this script reports 3 when one did.
+# exit with 2, 3 or 4 and this script reports that code. Workers that exit with 2 or 3 report
+# success to torchrun, so that it does not restart them (a restart cannot fix bad input, and 3
+# is a requested stop).
 #
 # Stopping by hand: `kill -USR1 <pids of the python workers>` (torchrun ignores USR1, as under
 # Slurm, where every process of the step gets it), or `kill -TERM <torchrun pid>`: torchrun
@@ -22,6 +29,7 @@
 #
 # Environment:
 #   VENV           virtual environment (default: .venv in the repository)
+#   MAX_RESTARTS   in-job restarts of the workers after a failure (default 3; 0: none)
 #   NNODES         nodes in the run (default 1: standalone)
 #   RDZV_ENDPOINT  host:port of the c10d rendezvous store (required when NNODES > 1)
 #   RDZV_ID        rendezvous id, the same on all nodes (default: megatron_taper)
@@ -33,14 +41,17 @@ root="$(dirname "$(dirname "$self")")"
 py="${VENV:-$root/.venv}/bin/python"
 
 if [[ ${1:-} == --worker ]]; then
-  # One torchrun worker. Its exit code is all torchrun drops, so 3 leaves a marker. A trapped
+  # One torchrun worker. Its exit code is all torchrun drops, so 2, 3 and 4 leave a marker. A trapped
   # TERM only runs after the trainer exits (it saves first); USR1 arrives ignored from the node
   # level and stays so here, while the trainer installs its own handler.
   shift
   trap ':' TERM
+  attempt="${TORCHELASTIC_RESTART_COUNT:-0}"
+  [[ -n ${TAPER_MARKER_DIR:-} ]] && : >"$TAPER_MARKER_DIR/attempt-$attempt"
   "$py" -m megatron_taper.train "$@"
   rc=$?
-  if [[ $rc == 3 && -n ${TAPER_STOP_MARKER:-} ]]; then : >"$TAPER_STOP_MARKER"; fi
+  if [[ $rc == [234] && -n ${TAPER_MARKER_DIR:-} ]]; then : >"$TAPER_MARKER_DIR/exit-$rc-$attempt"; fi
+  [[ $rc == [23] ]] && exit 0
   exit "$rc"
 fi
 
@@ -69,6 +80,11 @@ if [[ ! -x $py ]]; then
 fi
 
 nnodes="${NNODES:-1}"
+max_restarts="${MAX_RESTARTS:-3}"
+if ! [[ $max_restarts =~ ^[0-9]+$ ]]; then
+  echo "torchrun.sh: MAX_RESTARTS must be a non-negative integer, got '$max_restarts'" >&2
+  exit 2
+fi
 if [[ $nnodes == 1 && -z ${RDZV_ENDPOINT:-} ]]; then
   rdzv=(--standalone)
 else
@@ -105,13 +121,20 @@ trap 'rm -rf "$marker_dir"' EXIT
 # keeps this script alive until torchrun has let the workers save.
 trap '' USR1
 trap ':' TERM
-TAPER_STOP_MARKER="$marker_dir/stopped" "$py" -m torch.distributed.run \
-  "${rdzv[@]}" --nproc-per-node="$nproc" --max-restarts=0 \
+TAPER_MARKER_DIR="$marker_dir" "$py" -m torch.distributed.run \
+  "${rdzv[@]}" --nproc-per-node="$nproc" --max-restarts="$max_restarts" \
   --no-python bash "$self" --worker "$@"
 rc=$?
-if [[ -e $marker_dir/stopped ]]; then
-  echo "[torchrun.sh] workers stopped by a signal after writing a checkpoint: exit 3 (torchrun's" \
-       "report above is about that exit code); the same command resumes" >&2
+# the markers of the last attempt (torchrun's restart count) decide
+last=$(find "$marker_dir" -name 'attempt-*' | sed 's/.*attempt-//' | sort -n | tail -n1)
+if [[ -e $marker_dir/exit-2-$last ]]; then
+  rc=2
+elif [[ -e $marker_dir/exit-3-$last ]]; then
+  echo "[torchrun.sh] workers stopped by a signal after writing a checkpoint: exit 3; the same command resumes" >&2
   rc=3
+elif [[ $rc != 0 && -e $marker_dir/exit-4-$last ]]; then
+  echo "[torchrun.sh] a hang was detected (exit 4) and the $max_restarts restart(s) are used up; stacks and" \
+       "heartbeats are in RUN/logs; the same command resumes from the last checkpoint" >&2
+  rc=4
 fi
 exit "$rc"

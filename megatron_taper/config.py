@@ -24,7 +24,7 @@ from megatron_taper.models import cards, family_card
 from megatron_taper.taper import TAPER_SCHEDULES
 from megatron_taper.validation import ConfigError, check_choice, check_range
 
-__all__ = ["CheckpointConfig", "Config", "ConfigError", "DataConfig", "DeepSpeedConfig", "ModelConfig",
+__all__ = ["CheckpointConfig", "Config", "ConfigError", "DataConfig", "DeepSpeedConfig", "FaultConfig", "ModelConfig",
            "ParallelConfig", "RunConfig", "TaperConfig", "TrainConfig", "WandbConfig", "load_config"]
 
 
@@ -277,11 +277,55 @@ class DataConfig:
 class CheckpointConfig:
     interval: int = 0  # steps between checkpoints; 0 = only at the end (and on exit_after)
     keep: int = 2  # newest complete checkpoints kept; 0 = all
+    keep_every: int = 0  # also kept: every checkpoint whose step is a multiple of this; 0 = none
     async_save: bool = False  # write in a background thread after copying the shards to the CPU
 
     def validate(self, prefix: str) -> None:
         check_range(f"{prefix}.interval", self.interval, 0, None)
         check_range(f"{prefix}.keep", self.keep, 0, None)
+        check_range(f"{prefix}.keep_every", self.keep_every, 0, None)
+
+
+@dataclass
+class FaultConfig:
+    """fault: the hang watchdog (megatron_taper/fault/watchdog.py) and the bad-step policy
+    (megatron_taper/fault/rollback.py); README "Surviving faults".
+
+    A section's timeout: its `*_timeout_s` when > 0, else auto: timeout_factor x the longest
+    completed section of that kind so far, at least min_timeout_s; startup_timeout_s before one
+    of that kind has completed (the first step, save and evaluation)."""
+
+    watchdog: bool = True
+    startup_timeout_s: float = 900.0  # process start to the first step: joining, building, loading
+    step_timeout_s: float = 0.0  # one step (and the log line, the poll of an async save); 0 = auto
+    save_timeout_s: float = 0.0  # a checkpoint save; 0 = auto
+    eval_timeout_s: float = 0.0  # an evaluation; 0 = auto
+    timeout_factor: float = 20.0
+    min_timeout_s: float = 120.0
+    # bad steps (megatron_taper/fault/rollback.py): after rollback_after of them in a row, reload the
+    # newest checkpoint from before them and skip their data (RUN/data_skips.json); 0 = never
+    # (non-finite steps are skipped and train.max_nonfinite applies)
+    rollback_after: int = 0
+    spike_factor: float = 0.0  # a loss above this x the running mean is a spike (logged); 0 = off
+    spike_rollback: bool = False  # spikes count as bad steps for rollback_after
+    # per-rank readiness at log intervals (megatron_taper/fault/straggler.py): a rank that makes
+    # the steps this many times slower is named; 0 = off
+    straggler_factor: float = 1.2
+
+    def validate(self, prefix: str) -> None:
+        for key in ("step_timeout_s", "save_timeout_s", "eval_timeout_s"):
+            check_range(f"{prefix}.{key}", getattr(self, key), 0.0, None)
+        for key in ("startup_timeout_s", "min_timeout_s"):
+            check_range(f"{prefix}.{key}", getattr(self, key), 0.0, None, open_low=True)
+        check_range(f"{prefix}.timeout_factor", self.timeout_factor, 1.0, None)
+        check_range(f"{prefix}.rollback_after", self.rollback_after, 0, None)
+        if self.straggler_factor != 0:
+            check_range(f"{prefix}.straggler_factor", self.straggler_factor, 1.0, None, open_low=True)
+        if self.spike_factor != 0:
+            check_range(f"{prefix}.spike_factor", self.spike_factor, 1.0, None, open_low=True)
+        if self.spike_rollback and not (self.spike_factor and self.rollback_after):
+            raise ConfigError(f"{prefix}.spike_rollback=true needs {prefix}.spike_factor > 1 and "
+                              f"{prefix}.rollback_after >= 1")
 
 
 @dataclass
@@ -322,6 +366,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
     def validate(self) -> "Config":

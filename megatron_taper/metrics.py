@@ -22,7 +22,8 @@ if TYPE_CHECKING:
     from megatron_taper.config import WandbConfig
 
 # keys measured rather than computed: they differ between two runs of the same config
-PERF_KEYS = ("tokens_per_s", "step_time_s", "mfu", "peak_memory_gb")
+PERF_KEYS = ("tokens_per_s", "step_time_s", "mfu", "peak_memory_gb", "ready_s_min", "ready_s_median", "ready_s_max",
+             "ready_s_max_rank")
 WANDB_ID_FILE = "wandb_id"
 MAX_LOSS_FOR_PPL = 50.0  # exp() of larger losses overflows nothing useful; ppl is capped there
 
@@ -80,6 +81,9 @@ class MetricsLogger:
         """Drop records of steps > step (left by a run that stopped after its last checkpoint)."""
         if not self.enabled or not os.path.exists(self.path):
             return
+        if self._file is not None:  # a rollback during the run: the next record reopens the new file
+            self._file.close()
+            self._file = None
         kept = []
         with open(self.path) as f:
             for line in f:

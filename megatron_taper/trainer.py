@@ -5,7 +5,8 @@ One step = global_batch sequences: each data-parallel rank runs global_batch / (
 micro-batches through `ParallelModel.forward_backward`, gradients are reduced and clipped, and
 AdamW steps. `run` builds and fits a run from a recipe and overrides and maps errors to exit codes:
 0 done (or stopped by train.exit_after), 1 failed, 2 bad input, 3 stopped by SIGUSR1/SIGTERM
-after a checkpoint (the slurm script requeues the job on 3).
+after a checkpoint (the slurm script requeues the job on 3), 4 a hang detected by the watchdog
+(megatron_taper/fault/watchdog.py; launch/torchrun.sh restarts the workers from the last checkpoint).
 """
 from __future__ import annotations
 
@@ -20,12 +21,21 @@ import torch.distributed as dist
 
 from megatron_taper.build import build_run
 from megatron_taper.carried import CarriedRows
-from megatron_taper.checkpoint.checkpointer import Checkpointer, checkpoint_root, load_weights_only, resume_candidates
+from megatron_taper.checkpoint.checkpointer import (
+    Checkpointer,
+    checkpoint_root,
+    list_checkpoints,
+    load_weights_only,
+    resume_candidates,
+)
 from megatron_taper.config import Config, ConfigError, load_config, save_config
 from megatron_taper.console import format_duration, peak_memory, report_error, summary_lines
 from megatron_taper.cost.flops import mfu, model_costs, peak_flops
 from megatron_taper.data.prefetch import Prefetcher
 from megatron_taper.data.sources import build_sources
+from megatron_taper.fault.guard import FaultGuard
+from megatron_taper.fault.rollback import BadSteps, DataSkips
+from megatron_taper.fault.straggler import StragglerWatch
 from megatron_taper.held_out import combined_loss, evaluate_held_out
 from megatron_taper.metrics import MetricsLogger, perplexity, timestamp
 from megatron_taper.models import family
@@ -88,8 +98,10 @@ class StepHealth:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, ctx: ParallelContext | None = None, stop: StopSignal | None = None):
+    def __init__(self, cfg: Config, ctx: ParallelContext | None = None, stop: StopSignal | None = None,
+                 guard: FaultGuard | None = None):
         self.cfg = cfg
+        self.guard = guard or FaultGuard()
         run = build_run(cfg, ctx)
         self.ctx, self.pm, self.optimizer, self.bf16 = run.ctx, run.model, run.optimizer, run.bf16
         self.accum = run.layout.accumulation
@@ -106,6 +118,10 @@ class Trainer:
         self.step = 0
         self.last_saved = -1
         self.health = StepHealth(self.ctx.device)
+        self.bad = self._bad_steps()
+        self.skips = DataSkips(cfg.run.dir)  # data windows never trained on (rollbacks)
+        self.batches = 0  # steps' worth of batches drawn, skipped windows included
+        self.stragglers = StragglerWatch(cfg.fault.straggler_factor, self.ctx)
         self.prefetch: Prefetcher | None = None
         self.data_state: dict | None = None  # the source's state after the last consumed step
         self.stop = stop or StopSignal()
@@ -113,6 +129,7 @@ class Trainer:
         self.metrics = MetricsLogger(cfg.run.dir, self.ctx.is_main, cfg.run.tensorboard, cfg.run.wandb,
                                      cfg.to_dict())
         self.checkpointer = Checkpointer(checkpoint_root(cfg.run.dir), cfg.checkpoint, self.pm)
+        self.checkpointer.before_write = self.guard.before_write
         self._saving: dict[str, float] = {}  # checkpoint folder -> when its save began
         if self.ctx.is_main:
             summary = summary_lines(cfg, self.ctx, self.pm, self.train_source, bool(self.held_out), self.bf16,
@@ -141,21 +158,33 @@ class Trainer:
                 self._print(f"initialised from: {source} (weights only; optimizer, step and data start fresh)")
             return
         path, state = loaded
-        self.step = state["step"]
-        self.health = StepHealth(self.ctx.device, skipped=state["skipped"])
-        self.last_saved = self.step
-        data = dict(state["data"])
-        carried = data.pop("carried", None)
-        if self.carry is not None:
-            self.carry.load_state_dict(carried)
-        self.train_source.load_state_dict(data)
-        self.metrics.truncate_after(self.step)
+        self._restore(state)
         self._print(f"resumed from: {path} at step {self.step}")
         saved_steps = state["config"]["train"]["steps"]
         if saved_steps != self.cfg.train.steps:
             self._print(f"warning: train.steps changed from {saved_steps} (checkpoint) to {self.cfg.train.steps}: "
                         f"the learning-rate schedule (warmup + decay over train.steps) changes from step "
                         f"{self.step} on; to split a run into parts keep train.steps and set train.exit_after=N")
+
+    def _restore(self, state: dict) -> None:
+        """Continue from a loaded checkpoint's trainer state."""
+        self.step = state["step"]
+        self.health = StepHealth(self.ctx.device, skipped=state["skipped"])
+        self.batches = self.step + state.get("data_skipped", 0)
+        self.last_saved = self.step
+        if self.prefetch is not None:  # it has drawn ahead of the restored position
+            self.prefetch.close()
+            self.prefetch = None
+        data = dict(state["data"])
+        carried = data.pop("carried", None)
+        if self.carry is not None:
+            self.carry.load_state_dict(carried)
+        self.train_source.load_state_dict(data)
+        self.metrics.truncate_after(self.step)
+
+    def _bad_steps(self) -> BadSteps:
+        f = self.cfg.fault
+        return BadSteps(self.ctx.device, f.rollback_after, f.spike_factor, f.spike_rollback)
 
     def autocast(self):
         if self.bf16:
@@ -171,16 +200,23 @@ class Trainer:
             group["lr"] = lr_at(self.step, self.cfg.train)
         if self.prefetch is None:
             self.prefetch = Prefetcher(self.train_source, self.accum, pin=self.ctx.device.type == "cuda")
-        micro_batches, self.data_state, data_metrics = self.prefetch.next()
+        while True:  # the batches of a skipped window are drawn and dropped
+            micro_batches, self.data_state, data_metrics = self.prefetch.next()
+            self.batches += 1
+            if not self.skips.covers(self.batches):
+                break
+        self.stragglers.ready()
         if self.carry is not None:
             micro_batches = self.carry.split(micro_batches)
         elif self.row_streams:
             micro_batches = [tokens for tokens, _ in micro_batches]
-        loss = self._dp_mean(self.pm.forward_backward(micro_batches, self.autocast, self.carry))
+        losses = self.pm.forward_backward(micro_batches, self.autocast, self.carry)
+        loss = self._dp_mean(self.guard.loss(losses, self.step + 1))
         # reduce, clip and step (or skip a non-finite step, on the device); the engine owns how
         grad_norm, stepped = self.pm.optimizer_step(self.optimizer, self.cfg.train.grad_clip, torch.isfinite(loss))
         self.step += 1
         self.health.update(stepped, self.step, self.cfg.train.max_nonfinite)
+        self.bad.update(loss, stepped, self.step, self.batches)
         return {"loss": loss, "grad_norm": grad_norm, "lr": self.optimizer.param_groups[0]["lr"], **data_metrics}
 
     @property
@@ -215,11 +251,18 @@ class Trainer:
         started = last_time
         try:
             while self.step < t.steps:
+                self.stragglers.begin()
+                self.guard.step_begins(self.step + 1)
                 record = self.train_step()
+                self.guard.step_done(self.step)
                 steps_here += 1
                 self.checkpointer.poll()  # completes a background save once every rank has written
                 self._report_saved()
                 at_log = self.step % t.log_interval == 0 or self.step == t.steps
+                at_save = bool(ckpt.interval) and self.step % ckpt.interval == 0
+                at_exit = bool(t.exit_after) and steps_here >= t.exit_after
+                if (at_log or at_save or at_exit) and self._bad_step_policy():
+                    continue  # rolled back to an earlier checkpoint
                 if at_log:
                     self.check_health()
                     now = time.perf_counter()
@@ -231,7 +274,6 @@ class Trainer:
                 if t.eval_interval and self.step % t.eval_interval == 0 and self.step < t.steps:
                     self._log_eval()
                 # signals are agreed on at log intervals and checkpoint steps (a collective)
-                at_save = bool(ckpt.interval) and self.step % ckpt.interval == 0
                 if (at_log or at_save) and self._agreed_stop():
                     self.save(final=True)
                     self._print(f"stopped by signal {self.stop.received} at step {self.step}; checkpoint written")
@@ -256,17 +298,63 @@ class Trainer:
         """Checkpoint the current step; `final`: also wait until it (and any background save) is
         complete, before the process exits."""
         self.check_health()  # never a checkpoint after train.max_nonfinite non-finite steps in a row
+        if not final and self.cfg.fault.rollback_after and int(self.bad.in_row):
+            # bad steps in a row: the newest checkpoint stays one from before them (the rollback's)
+            self._print(f"checkpoint of step {self.step} not written: the steps before it were bad "
+                        f"(fault.rollback_after={self.cfg.fault.rollback_after})")
+            return
+        with self.guard.section("save", self.step):
+            self._save(final)
+        self._report_saved()
+
+    def _save(self, final: bool) -> None:
         if self.step != self.last_saved:
             self.last_saved = self.step
             self._saving[os.path.join(checkpoint_root(self.cfg.run.dir), f"step-{self.step}")] = time.perf_counter()
             data = self.data_state if self.data_state is not None else self.train_source.state_dict()
             if self.carry is not None:  # this rank's rows' states, with the data position they belong to
                 data = {**data, "carried": self.carry.state_dict()}
-            self.checkpointer.save(self.optimizer, self.step, self.cfg.to_dict(), {"skipped": self.skipped}, data)
+            self.checkpointer.save(self.optimizer, self.step, self.cfg.to_dict(),
+                                   {"skipped": self.skipped, "data_skipped": self.batches - self.step}, data)
         if final:
             self.checkpointer.wait()
             self.checkpointer.join_cleanup()  # rank 0's deletions of older checkpoints
-        self._report_saved()
+
+    def _bad_step_policy(self) -> bool:
+        """Log new loss spikes; roll back when fault.rollback_after bad steps in a row were reached
+        (megatron_taper/fault/rollback.py). A host read of the device counters and one all-reduce,
+        at log intervals and checkpoint steps; True after a rollback."""
+        f = self.cfg.fault
+        if f.spike_factor > 0:
+            new, (step, loss, mean) = self.bad.new_spikes()
+            if new:
+                self._print(f"loss spike at step {step:.0f}: {loss:.4f} > fault.spike_factor={f.spike_factor:g} x "
+                            f"the running mean {mean:.4f}" + (f" ({new} spikes since the last check)" if new > 1
+                                                              else ""))
+        if not f.rollback_after:
+            return False
+        trigger = self.bad.trigger.clone()
+        if self.ctx.mesh is not None:
+            dist.all_reduce(trigger, op=dist.ReduceOp.MAX)  # every rank takes the same decision
+        reached, first_step, first_batch, last_batch = (int(x) for x in trigger)
+        if not reached:
+            return False
+        self.checkpointer.wait()
+        before = [path for step, path in reversed(list_checkpoints(checkpoint_root(self.cfg.run.dir)))
+                  if step < first_step]
+        if not before:
+            raise NonFiniteLossError(f"{reached - first_step + 1} bad step(s) from step {first_step} (fault.rollback_"
+                                     f"after={f.rollback_after}), and no checkpoint from before step {first_step} "
+                                     f"to roll back to; set checkpoint.interval")
+        self.skips.add(first_batch, last_batch, write=self.ctx.is_main)
+        path, state = self.checkpointer.load(before, self.cfg.model, self.optimizer, explicit=False)
+        self._restore(state)
+        self.bad = self._bad_steps()
+        self._print(f"rollback: {reached - first_step + 1} bad step(s) from step {first_step} (non-finite"
+                    + (" or spike" if f.spike_rollback else "") + f"; fault.rollback_after={f.rollback_after}): "
+                    f"reloaded {path} at step {self.step}; data batches {first_batch}-{last_batch} are skipped "
+                    f"(recorded in {self.skips.path})")
+        return True
 
     def _report_saved(self) -> None:
         """'checkpoint saved' for every save begun here that is now complete (async: finalised)."""
@@ -286,6 +374,8 @@ class Trainer:
         full = {"step": self.step, **record, "tokens_per_s": tokens_per_s,
                 "tokens_seen": self.step * tokens_per_step, "skipped_steps": self.skipped,
                 "step_time_s": step_time, "peak_memory_gb": memory_gb}
+        straggler, warning = self.stragglers.report(step_time)
+        full.update(straggler)
         util = mfu(tokens_per_s / self.ctx.world_size, self.flops_per_token, self.peak)
         if util is not None:
             full["mfu"] = util
@@ -294,9 +384,12 @@ class Trainer:
                 + (f" | mfu {util:.1%}" if util is not None else "")
                 + f" | mem {memory_gb:.2f} GiB {memory_kind} | eta {format_duration(eta)}")
         self.metrics.log(full, line)
+        if warning:
+            self._print(warning)
 
     def _log_eval(self) -> None:
-        losses = self.evaluate()
+        with self.guard.section("eval", self.step):
+            losses = self.evaluate()
         if losses is not None:
             eval_loss = losses.pop("")
             ppl = perplexity(eval_loss)
@@ -341,19 +434,24 @@ def run(recipe: str | None, overrides: list[str]) -> int:
     # barrier is recorded instead of killing the process (the default action of SIGUSR1)
     stop = StopSignal()
     stop.install()
+    guard = None
     try:
         cfg = load_config(recipe, overrides)
         if not os.path.exists(cfg.run.dir):
             created_run_dir = cfg.run.dir
         preflight(cfg, world_size())  # before joining: a bad layout fails alike on every rank, at once
         check_data(cfg, warn=int(os.environ.get("RANK", "0")) == 0)
+        guard = FaultGuard.start(cfg.fault, cfg.run.dir, int(os.environ.get("RANK", "0")), world_size())
         ctx = init_parallel(cfg.parallel, cfg.train.device)
-        trainer = Trainer(cfg, ctx, stop)
+        trainer = Trainer(cfg, ctx, stop, guard)
         created_run_dir = None
         code = trainer.fit()
+        guard.enter("finish", trainer.step)
         clean = True
         return code
     except Exception as e:  # noqa: BLE001 - reported once (main rank) and logged per rank below
+        if guard is not None:  # before a fresh run folder is removed below
+            guard.stop()
         expected = isinstance(e, (ConfigError, ValueError, NonFiniteLossError))
         rank = ctx.rank if ctx is not None else int(os.environ.get("RANK", "0"))
         log_dir = cfg.run.dir if cfg is not None else None
@@ -367,4 +465,6 @@ def run(recipe: str | None, overrides: list[str]) -> int:
         if ctx is not None:
             with contextlib.suppress(Exception):
                 shutdown(ctx, barrier=clean)
+        if guard is not None:
+            guard.stop()
         stop.uninstall()

@@ -14,7 +14,8 @@ logical tensors) and writes one file; rank 0 gathers the small per-rank indexes 
 0, not an all-gather), writes meta.json last, and renames `.tmp-step-N/` to `step-N/` (fsynced),
 so a folder named step-N is complete. Rank 0 never deletes while the others wait in a
 collective: a folder to replace is renamed aside, and deleting it, leftovers of unfinished saves
-(`.tmp-step-*`) and checkpoints beyond `checkpoint.keep` runs in a thread after the barrier.
+(`.tmp-step-*`) and checkpoints beyond `checkpoint.keep` (except the multiples of
+`checkpoint.keep_every`) runs in a thread after the barrier.
 With `checkpoint.async_save`, the writing runs in a background thread after the copy (from a GPU:
 non-blocking copies into pinned buffers kept for the next save, ParallelModel.checkpoint_pieces); the
 Trainer calls `poll()` every step, and once every rank has finished, the folder is renamed. A
@@ -41,7 +42,7 @@ import shutil
 import threading
 import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import torch
@@ -61,8 +62,8 @@ from megatron_taper.parallel.model import ParallelModel
 if TYPE_CHECKING:
     from megatron_taper.config import CheckpointConfig
 
-__all__ = ["CheckpointError", "Checkpointer", "checkpoint_root", "list_checkpoints", "resume_candidates",
-           "load_checkpoint", "load_logical", "verify_checkpoint"]
+__all__ = ["CheckpointError", "CheckpointWriteError", "Checkpointer", "checkpoint_root", "list_checkpoints",
+           "resume_candidates", "load_checkpoint", "load_logical", "verify_checkpoint"]
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 
@@ -111,6 +112,7 @@ class Checkpointer:
         self.pending: _Pending | None = None
         self.cleanups: list[threading.Thread] = []  # the main rank's deletions, off the step
         self.bytes_read = 0  # of parameter and optimizer records by this rank's last load
+        self.before_write: Callable[[int], None] | None = None  # called with the step in the writer
 
     # -- saving --------------------------------------------------------------------------------
 
@@ -138,6 +140,8 @@ class Checkpointer:
 
         def write() -> None:
             try:
+                if self.before_write is not None:
+                    self.before_write(step)
                 index, files = write_pieces(tmp, ctx.rank, pieces)
                 if trainer is not None:
                     files["trainer.pt"] = _write(os.path.join(tmp, "trainer.pt"), trainer)
@@ -183,7 +187,7 @@ class Checkpointer:
             errors = "; ".join(f"rank {r}: {res['error']}" for r, res in enumerate(results) if "error" in res)
         errors = _broadcast_from_main(ctx, errors)
         if errors:
-            raise CheckpointError(f"{p.tmp}: writing the checkpoint failed: " + errors)
+            raise CheckpointWriteError(f"{p.tmp}: writing the checkpoint failed: " + errors)
         doomed: list[str] = []
         if ctx.is_main:
             files: dict[str, dict] = {}
@@ -200,7 +204,7 @@ class Checkpointer:
                 doomed.append(aside)
             os.rename(p.tmp, p.final)
             fsync_file(self.root)
-            doomed += _to_prune(self.root, self.options.keep)
+            doomed += _to_prune(self.root, self.options.keep, self.options.keep_every)
             doomed += [os.path.join(self.root, n) for n in os.listdir(self.root)
                        if n.startswith((".tmp-step-", ".trash-")) and os.path.join(self.root, n) not in doomed]
         ctx.barrier()
@@ -248,6 +252,11 @@ class Checkpointer:
             raise CheckpointError(f"no checkpoint under {self.root} passes verification (newest: {first_error}); "
                                   f"move the folders away or set run.resume=never to start over")
         return None
+
+
+class CheckpointWriteError(RuntimeError):
+    """Writing a checkpoint failed on some rank (disk full, an I/O error): a failure of the run
+    (exit 1; launch/torchrun.sh restarts the workers from the previous checkpoint), not bad input."""
 
 
 class OtherModelError(CheckpointError):
@@ -461,9 +470,11 @@ def _sha256(file: str) -> str:
     return h.hexdigest()
 
 
-def _to_prune(root: str, keep: int) -> list[str]:
-    """The complete checkpoints beyond the newest `keep` (keep <= 0: none)."""
-    return [path for _, path in list_checkpoints(root)[:-keep]] if keep > 0 else []
+def _to_prune(root: str, keep: int, keep_every: int = 0) -> list[str]:
+    """The complete checkpoints beyond the newest `keep` (keep <= 0: none), except those whose
+    step is a multiple of `keep_every` (> 0)."""
+    older = list_checkpoints(root)[:-keep] if keep > 0 else []
+    return [path for step, path in older if not (keep_every > 0 and step % keep_every == 0)]
 
 
 def remove_tree(path: str) -> None:

@@ -101,8 +101,18 @@ def init_parallel(pcfg: ParallelConfig, device: str = "auto", timeout_s: float =
         return ParallelContext(1, 0, 0, 1, 1, 1, dev, None)
     if not dist.is_initialized():
         backend = "nccl" if dev.type == "cuda" else "gloo"
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s),
-                                device_id=dev if dev.type == "cuda" else None)
+        timeout = datetime.timedelta(seconds=timeout_s)
+        joined = {}
+        if "TORCHELASTIC_RUN_ID" in os.environ:
+            # torchrun: the agents' store outlives an in-job restart with the previous attempt's
+            # keys (the old ranks' addresses), so each attempt joins under its own prefix: the
+            # number of times this rank has started (TORCHELASTIC_RESTART_COUNT differs between
+            # nodes: a node restarted because another one failed does not count it)
+            store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=timeout))
+            starts = store.add(f"megatron_taper.starts.rank{rank}", 1)
+            joined = {"store": dist.PrefixStore(f"megatron_taper.attempt-{starts}", store), "rank": rank,
+                      "world_size": world}
+        dist.init_process_group(backend, timeout=timeout, device_id=dev if dev.type == "cuda" else None, **joined)
     mesh = init_device_mesh(dev.type, (pcfg.pp, dp, pcfg.tp), mesh_dim_names=("pp", "dp", "tp"))
     return ParallelContext(world, rank, local_rank, pcfg.pp, dp, pcfg.tp, dev, mesh)
 

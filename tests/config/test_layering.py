@@ -79,6 +79,7 @@ FLOORS = {
     "megatron_taper.models.*": 3, "megatron_taper.checkpoint.files": 3,  # family code; the checkpoint format
     "megatron_taper.parallel": 4, "megatron_taper.data": 4, "megatron_taper.optim": 4,
     "megatron_taper.checkpoint": 5, "megatron_taper.preflight": 5, "megatron_taper.console": 5,
+    "megatron_taper.fault": 5,
     "megatron_taper.launch_check": 6,
     "megatron_taper.build": 6, "megatron_taper.held_out": 6, "megatron_taper.carried": 6,
     "megatron_taper.trainer": 7, "megatron_taper.train": 8,

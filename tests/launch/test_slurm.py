@@ -2,7 +2,9 @@
 
 2 emulated nodes x 1 process against torchrun with 2 processes on one machine; a job signalled
 mid-run checkpoints, requeues itself, resumes and ends bitwise equal to an uninterrupted job;
-the cluster is stopped (only its own daemons) also when a test fails.
+a worker SIGKILLed mid-run is restarted inside the job (torchrun.sh's in-job restart, no
+requeue) and the job ends equal to the uninterrupted one; the cluster is stopped (only its own
+daemons) also when a test fails.
 Skipped, with the reason, where no cluster can be started (not root, packages missing).
 """
 from __future__ import annotations
@@ -130,6 +132,28 @@ def test_signalled_job_requeues_and_resumes_bitwise(slurm, uninterrupted, byte_t
     checkpoints = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
     print(f"signalled after {signalled - t0:.1f}s; job done (with requeue) after {time.monotonic() - t0:.1f}s; "
           f"checkpoints {checkpoints}")
+
+
+@pytest.mark.slow  # over ~20 s alone
+def test_killed_worker_recovers_inside_the_job(slurm, uninterrupted, byte_tokens, tmp_path):
+    """A worker SIGKILLed mid-run (MEGATRON_TAPER_FAULT) is restarted by torchrun.sh's in-job
+    restart on both nodes, resumes from the last checkpoint, and the job (never requeued) ends
+    with losses equal to the uninterrupted job's."""
+    run_dir = tmp_path / "run"
+    out = tmp_path / "killed.slurm.out"
+    env = {**job_env(slurm), "MEGATRON_TAPER_FAULT": f"kill:1:{STEPS // 2}"}
+    job = slurm.sbatch(["--nodes=2", f"--output={out}", "launch/train.sbatch", *TINY, "checkpoint.interval=10",
+                        f"--data.path={byte_tokens}", "--run.dir", str(run_dir)], env=env, cwd=str(REPO))
+    info = finish(slurm, job, out)
+    assert info["Restarts"] == "0", info
+    events = [json.loads(line) for line in (run_dir / "logs" / "faults.jsonl").read_text().splitlines()]
+    fired = [e for e in events if e["event"] == "fired"]
+    assert len(fired) == 1 and fired[0]["step"] == STEPS // 2, events
+    # (torchrun's restart count is not one: the node whose worker survived restarts uncounted)
+    again = [e for e in events if e["event"] == "first_step" and e["time"] > fired[0]["time"]]
+    assert [e["step"] for e in again] == [11], events  # resumed from step-10
+    assert records(run_dir) == records(uninterrupted[0])
+    print(f"killed at step {STEPS // 2}: training again after {again[0]['time'] - fired[0]['time']:.1f} s")
 
 
 INNER_TEST = '''

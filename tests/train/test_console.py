@@ -107,7 +107,8 @@ def test_console_summary_eta_memory_and_the_same_scalars_in_wandb_and_tensorboar
 
 def test_peak_memory_and_timing_are_perf_keys():
     assert {scalar_tag(k) for k in PERF_KEYS} == {"perf/tokens_per_s", "perf/step_time_s", "perf/mfu",
-                                                  "perf/peak_memory_gb"}
+                                                  "perf/peak_memory_gb", "perf/ready_s_min", "perf/ready_s_median",
+                                                  "perf/ready_s_max", "perf/ready_s_max_rank"}
 
 
 def test_errors_one_line_on_rank_0_and_full_traceback_in_each_rank_log(tmp_path, capsys, monkeypatch):
