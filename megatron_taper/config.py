@@ -199,6 +199,9 @@ class TrainConfig:
     # selective (blocks whose global index is a multiple of ac_every; the others keep everything)
     activation_checkpointing: str = "none"
     ac_every: int = 2
+    # tokens per chunk of the cross entropy (parallel/loss.py): at most this many tokens' logits
+    # in fp32 at once; 0 = the whole micro-batch at once (fp32 copies of all its logits)
+    loss_chunk: int = 0
     compile: bool = False  # torch.compile each block (see parallel/block_options.py)
     peak_tflops: float = 0.0  # peak TFLOP/s of one device for MFU; 0 = look up (cost/flops.py PEAK_TFLOPS)
 
@@ -206,7 +209,7 @@ class TrainConfig:
         for key in ("steps", "global_batch", "micro_batch", "log_interval", "eval_batches", "max_nonfinite"):
             check_range(f"{prefix}.{key}", getattr(self, key), 1, None)
         check_range(f"{prefix}.peak_tflops", self.peak_tflops, 0.0, None)
-        for key in ("warmup_steps", "exit_after", "eval_interval", "seed"):
+        for key in ("warmup_steps", "exit_after", "eval_interval", "seed", "loss_chunk"):
             check_range(f"{prefix}.{key}", getattr(self, key), 0, None)
         check_range(f"{prefix}.lr", self.lr, 0.0, None, open_low=True)
         check_range(f"{prefix}.min_lr_ratio", self.min_lr_ratio, 0.0, 1.0)

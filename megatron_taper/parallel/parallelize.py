@@ -23,10 +23,11 @@ from torch.distributed.tensor import DTensor
 
 from megatron_taper.parallel.block_options import apply_block_options
 from megatron_taper.parallel.context import ParallelContext
+from megatron_taper.parallel.loss import loss_function
 from megatron_taper.parallel.meta_init import is_meta
 from megatron_taper.parallel.model import ParallelModel, local_part
 from megatron_taper.parallel.pipeline import build_pipeline
-from megatron_taper.parallel.tensor import ShardSpec, sum_replicas_, vocab_parallel_cross_entropy
+from megatron_taper.parallel.tensor import ShardSpec, sum_replicas_
 from megatron_taper.parallel.tp_plan import apply_tp
 from megatron_taper.parallel.zero import apply_zero
 
@@ -45,19 +46,21 @@ def parallelize(model: nn.Module, ctx: ParallelContext, model_cfg: ModelConfig, 
         return build_pipeline(model, ctx, model_cfg, parallel, train, stage)
     if not is_meta(model):
         model = model.to(ctx.device)
-    pm = ParallelModel(model, ctx) if ctx.tp == 1 else _tensor_parallel(model, ctx, model_cfg, parallel)
+    if ctx.tp == 1:
+        pm = ParallelModel(model, ctx, loss_fn=loss_function(train.loss_chunk))
+    else:
+        pm = _tensor_parallel(model, ctx, model_cfg, parallel, train.loss_chunk)
     apply_block_options(pm.module, train.activation_checkpointing, train.ac_every, train.compile)
     return apply_zero(pm, parallel, train, pipelined=not whole_model)
 
 
 def _tensor_parallel(model: nn.Module, ctx: ParallelContext, model_cfg: ModelConfig,
-                     parallel: ParallelConfig) -> ParallelModel:
+                     parallel: ParallelConfig, loss_chunk: int) -> ParallelModel:
     """Shard `model` over the tp group; checkpoints see logical tensors through to_full/to_local
     (to_full is a collective over the tp group: every tp rank must call it)."""
     group, rank = ctx.tp_group, ctx.tp_rank
     plan = apply_tp(model, group, rank, ctx.tp, model_cfg, parallel.sequence_parallel)
-    pm = ParallelModel(model, ctx, loss_fn=functools.partial(
-        vocab_parallel_cross_entropy, group=group, vocab_start=plan.vocab_start))
+    pm = ParallelModel(model, ctx, loss_fn=loss_function(loss_chunk, group, plan.vocab_start))
     shared = []  # tensors some of whose slices several tp ranks hold
     for name, spec in plan.specs.items():
         pm.to_full[name] = functools.partial(spec.gather, group=group)
