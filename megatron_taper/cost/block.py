@@ -14,8 +14,8 @@ counted op by op from the code; tests/cost/test_memory_model.py compares it with
 tensors), `per_batch` what it saves once per micro-batch whatever its tokens, and `backward` the
 moments of its backward, each the elements alive besides `act` then (gradient buffers), of which
 memory.py takes the largest. Elements carry no dtype: `seq` (residual stream, norm internals) and
-`vocab` (the loss) elements are fp32, the others are in the compute dtype (bf16 under autocast),
-applied once in memory.py.
+`vocab` (the loss) elements are fp32, the others (`logits` too) are in the compute dtype (bf16
+under autocast), applied once in memory.py.
 
 Saved tensors of the shared pieces, per token (the norm is torch 2.13's composite rms_norm, as
 on the CPU: it keeps its input, the normalised input and 1 / rms; a fused kernel that keeps less
@@ -50,6 +50,9 @@ class Split:
     # casts the fp32 norm output itself) and under sequence parallelism with more than one
     # sequence per micro-batch (the all-gathered input is strided, so each makes it contiguous)
     input_copies: float = 0.0
+    # activations: split with the vocabulary like `vocab`, but in the compute dtype (the logits
+    # a chunked loss keeps, and their gradient)
+    logits: float = 0.0
 
     def __add__(self, other: "Split") -> "Split":
         return Split(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
