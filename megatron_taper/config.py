@@ -196,7 +196,8 @@ class TrainConfig:
     eval_batches: int = 8
     max_nonfinite: int = 5  # stop after this many non-finite steps in a row
     # recompute activations in backward: none | full (every block keeps only its input) |
-    # selective (blocks whose global index is a multiple of ac_every; the others keep everything)
+    # selective (blocks whose global index is a multiple of ac_every; the others keep everything) |
+    # op (every block keeps its input and its matmul and attention outputs, recomputes the rest)
     activation_checkpointing: str = "none"
     ac_every: int = 2
     # tokens per chunk of the cross entropy (parallel/loss.py): at most this many tokens' logits
@@ -220,7 +221,7 @@ class TrainConfig:
         check_choice(f"{prefix}.precision", self.precision, ("auto", "fp32", "bf16"))
         check_choice(f"{prefix}.device", self.device, ("auto", "cpu", "cuda"))
         check_choice(f"{prefix}.activation_checkpointing", self.activation_checkpointing,
-                     ("none", "full", "selective"))
+                     ("none", "full", "selective", "op"))
         check_range(f"{prefix}.ac_every", self.ac_every, 1, None)
         if self.global_batch % self.micro_batch:
             raise ConfigError(f"{prefix}.micro_batch={self.micro_batch} must divide "

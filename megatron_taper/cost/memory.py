@@ -19,7 +19,9 @@ K        bytes one micro-batch keeps for backward: sum over the stage's blocks o
          activations (cost/block.py: per token x tokens per micro-batch, plus any kept once
          per micro-batch), or of their input [b, S, d] alone for the blocks that recompute
          (train.activation_checkpointing: full = all, selective = global index a multiple of
-         train.ac_every), plus the head's.
+         train.ac_every), plus the head's; op: every block's input and the outputs of its
+         matmuls and attention kernels (cost/block.py `op_act`; a family that does not count
+         them is booked as keeping everything).
 top      the largest moment of the backward of the micro-batch being processed: at the head,
          K + its loss buffers (train.loss_chunk: the logits' gradient in the compute dtype and
          one chunk's fp32 softmax, two under bf16, instead of [tokens, V] fp32 buffers); at
@@ -71,7 +73,7 @@ class MemorySetup:
     zero: str = "none"  # none | fsdp2 | deepspeed (parallel.zero)
     pipelined: bool = False  # pp > 1
     bf16: bool = False  # autocast to bf16 (train.precision on the device)
-    activation_checkpointing: str = "none"  # none | full | selective
+    activation_checkpointing: str = "none"  # none | full | selective | op
     ac_every: int = 2
     loss_chunk: int = 0  # tokens per chunk of the cross entropy (train.loss_chunk); 0 = unchunked
     micro_batch: int = 1  # sequences per forward (per pipeline micro-batch when pipelined)
@@ -182,7 +184,7 @@ class StageMemory:
 def checkpointed_blocks(names: list[str], mode: str, every: int) -> list[str]:
     """The rule of train.activation_checkpointing (applied by parallel/block_options.py): those of the
     block `names` (global indices) whose activations are recomputed under `mode`."""
-    if mode == "full":
+    if mode in ("full", "op"):
         return list(names)
     if mode == "selective":
         return [name for name in names if int(name) % every == 0]
@@ -225,7 +227,8 @@ def _activations(cost: Cost) -> Split:
 def piece_memory(cost: Cost, shares: Split, setup: MemorySetup, tokens: int, recompute: bool, d_model: int,
                  block: bool, matmul: bool = True) -> PieceMemory:
     """Bytes of one piece (see PieceMemory); `tokens` per micro-batch on this rank; `matmul`: its
-    parameters are matmul weights (not an embedding)."""
+    parameters are matmul weights (not an embedding). A recomputed piece keeps its input, and
+    under activation_checkpointing=op also its `op_act` (all of `act` where that is unknown)."""
     params = local_params(cost, shares)
     static = params * (setup.state_bytes_per_param() + setup.cast_bytes_per_param())
     if setup.pipelined or not block:
@@ -236,7 +239,14 @@ def piece_memory(cost: Cost, shares: Split, setup: MemorySetup, tokens: int, rec
     peak = full + max(moments, default=0.0)
     if block and not setup.pipelined:  # fsdp2: this block and the prefetched one, gathered
         peak += 2 * params * setup.unsharded_bytes_per_param()
-    kept = boundary_bytes(d_model, tokens, setup) if recompute else full
+    if not recompute:
+        kept = full
+    elif setup.activation_checkpointing != "op":
+        kept = boundary_bytes(d_model, tokens, setup)
+    elif cost.op_kept is None:
+        kept = full
+    else:
+        kept = boundary_bytes(d_model, tokens, setup) + act_bytes_per_token(cost.op_kept, shares, setup) * tokens
     return PieceMemory(params, static, kept, peak)
 
 
