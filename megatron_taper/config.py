@@ -204,6 +204,7 @@ class TrainConfig:
     # in fp32 at once; 0 = the whole micro-batch at once (fp32 copies of all its logits)
     loss_chunk: int = 0
     compile: bool = False  # torch.compile each block (see parallel/block_options.py)
+    float8: bool = False  # the blocks' linears in float8 through torchao (parallel/float8.py; tp = 1)
     peak_tflops: float = 0.0  # peak TFLOP/s of one device for MFU; 0 = look up (cost/flops.py PEAK_TFLOPS)
 
     def validate(self, prefix: str) -> None:

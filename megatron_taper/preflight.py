@@ -50,6 +50,8 @@ def preflight(cfg: Config, world_size: int) -> Layout:
     if spec.check_layout is not None:
         spec.check_layout(m, p)
     _check_zero(m, p, world_size, dp)
+    if t.float8:
+        _check_float8(m, p)
     if cfg.run.init_from and p.zero == "deepspeed":
         raise ConfigError("run.init_from with parallel.zero=deepspeed is not supported (DeepSpeed partitions the "
                           "parameters itself); use parallel.zero=fsdp2 or none")
@@ -100,6 +102,17 @@ def _check_zero(m: ModelConfig, p: ParallelConfig, world_size: int, dp: int) -> 
         raise ConfigError(f"parallel.zero={p.zero} with parallel.tp={p.tp} > model.n_kv_heads={m.kv_heads}: kv "
                           f"heads replicated over tp ranks need a gradient sum over whole tensors, which ZeRO has "
                           f"already sharded; use parallel.tp <= model.n_kv_heads or parallel.zero=none")
+
+
+def _check_float8(m: ModelConfig, p: ParallelConfig) -> None:
+    """train.float8 (parallel/float8.py): float8 matmuls need both dimensions multiples of 16."""
+    if p.tp > 1:
+        raise ConfigError(f"train.float8=true with parallel.tp={p.tp} is not supported (the tensor-parallel "
+                          f"linears are not torchao Float8Linear); use parallel.tp=1 or train.float8=false")
+    if m.taper.multiple % 16 or m.d_model % 16:
+        raise ConfigError(f"train.float8=true needs model.taper.multiple (={m.taper.multiple}: every MLP width is a "
+                          f"multiple of it) and model.d_model (={m.d_model}) to be multiples of 16 (float8 "
+                          f"matmuls, torch._scaled_mm); set model.taper.multiple to a multiple of 16")
 
 
 def step_split(p: ParallelConfig, t: TrainConfig, dp: int) -> tuple[int, int]:

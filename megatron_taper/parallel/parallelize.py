@@ -4,10 +4,10 @@ The model is either on the meta device (build.py: every step below only reshapes
 records layouts, and parallel/meta_init.py materialises this rank's pieces afterwards) or
 initialised and identical on every rank.
 
-Order: pipeline split -> tensor parallel -> per-block options (activation checkpointing, compile:
-block_options.py) -> ZeRO (fsdp2 | deepspeed). Plain data parallelism (DDP, data_parallel.py)
-comes after materialisation, in build.py. With pp > 1 the model is
-first cut to this rank's pipeline stage (pipeline.py), which then calls back here with
+Order: pipeline split -> tensor parallel -> float8 linears (float8.py) -> per-block options
+(activation checkpointing, compile: block_options.py) -> ZeRO (fsdp2 | deepspeed). Plain data
+parallelism (DDP, data_parallel.py) comes after materialisation, in build.py. With pp > 1 the
+model is first cut to this rank's pipeline stage (pipeline.py), which then calls back here with
 `whole_model=False` for the rest of the chain on that stage. The layout was checked by
 preflight.py before any process group existed.
 """
@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from megatron_taper.parallel.block_options import apply_block_options
 from megatron_taper.parallel.context import ParallelContext
+from megatron_taper.parallel.float8 import apply_float8
 from megatron_taper.parallel.loss import loss_function
 from megatron_taper.parallel.meta_init import is_meta
 from megatron_taper.parallel.model import ParallelModel, local_part
@@ -50,6 +51,10 @@ def parallelize(model: nn.Module, ctx: ParallelContext, model_cfg: ModelConfig, 
         pm = ParallelModel(model, ctx, loss_fn=loss_function(train.loss_chunk))
     else:
         pm = _tensor_parallel(model, ctx, model_cfg, parallel, train.loss_chunk)
+    if train.float8:
+        # float8 all-gathers only over NCCL: gloo has no float8 dtype ("Invalid scalar type")
+        apply_float8(pm.module, ctx.device,
+                     fsdp_all_gather=parallel.zero == "fsdp2" and ctx.dp > 1 and ctx.device.type == "cuda")
     apply_block_options(pm.module, train.activation_checkpointing, train.ac_every, train.compile)
     return apply_zero(pm, parallel, train, pipelined=not whole_model)
 
