@@ -139,7 +139,12 @@ class DeepSpeedConfig:
 
 
 PP_BALANCE_MODES = ("flops", "uniform", "params", "profile")  # parallel.pp_balance (parallel/partition.py)
-PP_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")  # parallel.pp_schedule (parallel/pipeline.py)
+# parallel.pp_schedule (parallel/pipeline.py); the zero-bubble ones split backward into input and
+# weight gradients; zbv and dualpipev place 2 chunks per rank in a V (rank r: chunks r, 2 pp - 1 - r)
+PP_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b", "interleaved_zero_bubble", "zbv", "dualpipev")
+INTERLEAVED_SCHEDULES = ("interleaved_1f1b", "interleaved_zero_bubble")  # pp_virtual chunks, looped
+V_SCHEDULES = ("zbv", "dualpipev")  # 2 chunks per rank, V-shaped
+ZERO_BUBBLE_SCHEDULES = ("interleaved_zero_bubble", *V_SCHEDULES)
 
 
 @dataclass
@@ -148,9 +153,9 @@ class ParallelConfig:
     pp: int = 1
     zero: str = "none"  # none | fsdp2 | deepspeed
     pp_balance: str = "flops"  # flops | uniform | params | profile
-    pp_schedule: str = "1f1b"  # 1f1b | gpipe | interleaved_1f1b
+    pp_schedule: str = "1f1b"  # 1f1b | gpipe | interleaved_1f1b | interleaved_zero_bubble | zbv | dualpipev
     microbatches: int = 0  # 0 = gradient accumulation steps (pp > 1: at least pp)
-    pp_virtual: int = 2  # chunks per pp rank with pp_schedule=interleaved_1f1b
+    pp_virtual: int = 2  # chunks per pp rank with the interleaved schedules (zbv, dualpipev: always 2)
     pp_memory_gb: float = 0.0  # per-stage limit on the predicted peak (cost/memory.py); 0 = none
     sequence_parallel: bool = False
     ddp_bucket_mb: float = 25.0  # zero=none, dp > 1: gradient all-reduce bucket size (torch DDP)
@@ -170,8 +175,11 @@ class ParallelConfig:
 
     @property
     def virtual_stages(self) -> int:
-        """Pipeline chunks per pp rank (pp_virtual under interleaved_1f1b, else 1)."""
-        return self.pp_virtual if self.pp_schedule == "interleaved_1f1b" else 1
+        """Pipeline chunks per pp rank (pp_virtual under the interleaved schedules, 2 under the V
+        ones, else 1)."""
+        if self.pp_schedule in V_SCHEDULES:
+            return 2
+        return self.pp_virtual if self.pp_schedule in INTERLEAVED_SCHEDULES else 1
 
 
 @dataclass
