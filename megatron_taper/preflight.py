@@ -143,7 +143,9 @@ def _check_batch(t: TrainConfig, dp: int) -> int:
 def _check_pipeline(m: ModelConfig, p: ParallelConfig, t: TrainConfig, dp: int) -> int:
     virtual = p.virtual_stages
     if p.pp * virtual > m.n_layers:
-        what = f"parallel.pp={p.pp}" + (f" x {virtual} chunks per rank ({p.pp_schedule})" if virtual > 1 else "")
+        per_rank = f"parallel.pp_virtual={virtual}" if p.pp_schedule in INTERLEAVED_SCHEDULES else \
+            f"{virtual} chunks per rank ({p.pp_schedule})"
+        what = f"parallel.pp={p.pp}" + (f" x {per_rank}" if virtual > 1 else "")
         raise ConfigError(f"{what} = {p.pp * virtual} stages is more than model.n_layers={m.n_layers}: every "
                           f"stage needs a layer")
     if m.tie_embeddings:
