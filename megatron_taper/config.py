@@ -158,7 +158,9 @@ class ParallelConfig:
     pp_virtual: int = 2  # chunks per pp rank with the interleaved schedules (zbv, dualpipev: always 2)
     pp_memory_gb: float = 0.0  # per-stage limit on the predicted peak (cost/memory.py); 0 = none
     sequence_parallel: bool = False
-    ddp_bucket_mb: float = 25.0  # zero=none, dp > 1: gradient all-reduce bucket size (torch DDP)
+    # zero=none, dp > 1: gradient all-reduce bucket size (torch DDP); 0 = scaled with the model and
+    # dp (parallel/data_parallel.py bucket_mb)
+    ddp_bucket_mb: float = 0.0
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
 
     def validate(self, prefix: str) -> None:
@@ -167,7 +169,7 @@ class ParallelConfig:
         check_range(f"{prefix}.microbatches", self.microbatches, 0, None)
         check_range(f"{prefix}.pp_virtual", self.pp_virtual, 1, None)
         check_range(f"{prefix}.pp_memory_gb", self.pp_memory_gb, 0.0, None)
-        check_range(f"{prefix}.ddp_bucket_mb", self.ddp_bucket_mb, 0.0, None, open_low=True)
+        check_range(f"{prefix}.ddp_bucket_mb", self.ddp_bucket_mb, 0.0, None)
         check_choice(f"{prefix}.zero", self.zero, ("none", "fsdp2", "deepspeed"))
         check_choice(f"{prefix}.pp_balance", self.pp_balance, PP_BALANCE_MODES)
         check_choice(f"{prefix}.pp_schedule", self.pp_schedule, PP_SCHEDULES)

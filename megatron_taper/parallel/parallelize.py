@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from megatron_taper.parallel.block_options import apply_block_options
 from megatron_taper.parallel.context import ParallelContext
+from megatron_taper.parallel.data_parallel import bucket_mb
 from megatron_taper.parallel.float8 import apply_float8
 from megatron_taper.parallel.loss import loss_function
 from megatron_taper.parallel.meta_init import is_meta
@@ -74,7 +75,7 @@ def _tensor_parallel(model: nn.Module, ctx: ParallelContext, model_cfg: ModelCon
         pm.tp_specs[name] = spec
         if any(spec.replicas(r) > 1 for r in range(ctx.tp)):
             shared.append((name, spec))
-    for bucket in _buckets(shared, model, parallel.ddp_bucket_mb * 2**20):
+    for bucket in _buckets(shared, model, bucket_mb(parallel.ddp_bucket_mb, model, ctx.dp) * 2**20):
         pm.tp_grad_syncs.append(functools.partial(_sum_replica_grads, bucket, group))
     if plan.seq_local:
         pm.tp_grad_syncs.append(functools.partial(_sum_grads, plan.seq_local, group))
@@ -99,7 +100,7 @@ def _buckets(shared: list[tuple[str, ShardSpec]], model: nn.Module, cap_bytes: f
 
 def _sum_replica_grads(bucket: list[tuple[str, ShardSpec]], group: dist.ProcessGroup, module: nn.Module) -> None:
     """Sum the gradients of tensors held by several tp ranks (e.g. shared kv heads) over them:
-    one all-reduce per bucket of parallel.ddp_bucket_mb."""
+    one all-reduce per bucket of data_parallel.bucket_mb."""
     items = []
     for name, spec in bucket:
         grad = module.get_parameter(name).grad
