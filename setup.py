@@ -1,4 +1,5 @@
-"""Install megatron_taper: `pip install -e .[dev]` (tests), `.[deepspeed]`, `.[hf]` (Hugging Face
+"""Install megatron_taper: `pip install -e .[dev]` (tests), `.[deepspeed]`, `.[float8]` (torchao, for
+train.float8), `.[hf]` (Hugging Face
 export/import and datasets inputs: transformers, datasets), `.[data]` (MDS data and the parquet /
 zstd readers: mosaicml-streaming, pyarrow, zstandard), `.[wandb]` (Weights & Biases logging, run.wandb), `.[plot]`
 (matplotlib, for tools/sweep.py's plot) or `.[lmeval]` (lm-evaluation-harness; a large dependency
@@ -42,6 +43,7 @@ setup(
     extras_require={
         "dev": ["pytest>=8", "hypothesis>=6.100", "pytest-timeout>=2.3", "pytest-xdist>=3.5", "ruff==0.8.4"],
         "deepspeed": ["deepspeed==0.19.8"],
+        "float8": ["torchao==0.18.0"],  # train.float8 (parallel/float8.py); declares no dependencies
         "hf": ["transformers>=4.40,<5", "datasets>=2.14"],
         # MDS shards (mosaicml-streaming, pinned as launch/requirements-lean.txt pins its needs) and the
         # parquet / zstd readers of tools/preprocess_data.py and tools/train_tokenizer.py

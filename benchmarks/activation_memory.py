@@ -1,6 +1,7 @@
 """Measured peak memory of forward+backward next to the memory model's prediction (cost/memory.py).
 
-    python benchmarks/activation_memory.py [--modes none,selective,full] [--steps N] [--nproc N]
+    python benchmarks/activation_memory.py [--modes none,selective,full] [--loss-chunks 0,1024]
+                                           [--steps N] [--nproc N]
                                            [--stage first|last --stage-layers K --in-flight N] [key=value ...]
 
 Default shape: a ~1B tapered Transformer (16 layers, d_model 2048, 16 heads, uniform MLP width
@@ -39,6 +40,11 @@ DeepSpeed): `--steps` warm-up steps (the AdamW state allocated), then the peak o
 step imports on first use: torch._dynamo, FSDP2, pipelining, DeepSpeed when it is the engine)
 against this rank's predicted peak with the optimizer state (its stage of the plan under
 pipelining). benchmarks/layout_memory.py runs it over the layouts of docs/memory_model.md.
+
+`--loss-chunks` repeats every mode for each train.loss_chunk (0 = the unchunked loss; the
+chunked one, parallel/loss.py, never holds fp32 logits of the whole micro-batch), e.g. the loss
+at vocabulary 32K and 128K: `--modes none --loss-chunks 0,1024 model.vocab_size=128000
+model.n_layers=2 model.d_model=256 ...` (docs/memory_model.md has the table).
 
 Prints one JSON object: {"config": ..., "results": [one per mode and rank]}.
 """
@@ -142,8 +148,8 @@ def pipeline_stage(cfg, which: str, n_layers: int, in_flight: int) -> dict:
 
     from megatron_taper.cost.memory import MemorySetup, model_memory
     from megatron_taper.models import build_model
-    from megatron_taper.models.layers import cross_entropy
     from megatron_taper.parallel.block_options import apply_block_options
+    from megatron_taper.parallel.loss import loss_function
     from megatron_taper.parallel.pipeline import strip_model
 
     meter = PeakMeter(torch.device("cpu"))
@@ -161,9 +167,11 @@ def pipeline_stage(cfg, which: str, n_layers: int, in_flight: int) -> dict:
             return torch.randn(rows, seq, d, generator=gen, requires_grad=True), _tokens(cfg, rows, seq, 1)[:, 1:]
         return _tokens(cfg, rows, seq, 1)[:, :-1], None
 
+    loss_fn = loss_function(cfg.train.loss_chunk)
+
     def forward(x, target):
         out = model(x)
-        return cross_entropy(out, target) if last else out
+        return loss_fn(out, target) if last else out
 
     x, target = inputs(1, 2)  # warm-up: gradients allocated
     forward(x, target).sum().backward()
@@ -175,7 +183,7 @@ def pipeline_stage(cfg, which: str, n_layers: int, in_flight: int) -> dict:
     peak = meter.peak()
     mm = model_memory(m, MemorySetup(micro_batch=b, pipelined=True, optimizer=False,
                                      activation_checkpointing=cfg.train.activation_checkpointing,
-                                     ac_every=cfg.train.ac_every))
+                                     ac_every=cfg.train.ac_every, loss_chunk=cfg.train.loss_chunk))
     stage = mm.stage(layers, index=int(last), n_stages=2, in_flight=in_flight)
     sent = 0.0 if last else (in_flight + 1) * mm.io  # the outputs in flight and one received gradient
     state = sum(_nbytes(p) + _nbytes(p.grad) for p in model.parameters())
@@ -242,7 +250,8 @@ def _nbytes(t) -> int:
 def _row(cfg, rank: int, measured_act: int, measured_peak: int, predicted_act: float, predicted_static: float,
          state_bytes: int) -> dict:
     predicted_peak = predicted_act + predicted_static
-    return {"activation_checkpointing": cfg.train.activation_checkpointing, "rank": rank,
+    return {"activation_checkpointing": cfg.train.activation_checkpointing, "loss_chunk": cfg.train.loss_chunk,
+            "vocab_size": cfg.model.vocab_size, "precision": cfg.train.precision, "rank": rank,
             "measured_activation_bytes": measured_act, "predicted_activation_bytes": predicted_act,
             "activation_ratio": measured_act / predicted_act,
             "measured_peak_bytes": measured_peak, "predicted_peak_bytes": predicted_peak,
@@ -253,7 +262,8 @@ def _row(cfg, rank: int, measured_act: int, measured_peak: int, predicted_act: f
 def worker(args: argparse.Namespace) -> None:
     from megatron_taper.config import load_config
 
-    cfg = load_config(None, DEFAULT + args.overrides + [f"train.activation_checkpointing={args.mode}"])
+    cfg = load_config(None, DEFAULT + args.overrides + [f"train.activation_checkpointing={args.mode}",
+                                                        f"train.loss_chunk={args.loss_chunk}"])
     if args.full_step:
         row = full_step(cfg, args.steps)
     elif args.stage:
@@ -276,7 +286,8 @@ def _free_port() -> int:
 
 
 def measure(overrides: list[str], mode: str, nproc: int = 1, steps: int = 1, stage: str = "",
-            stage_layers: int = 1, in_flight: int = 1, timeout: float = 3600.0, full: bool = False) -> list[dict]:
+            stage_layers: int = 1, in_flight: int = 1, timeout: float = 3600.0, full: bool = False,
+            loss_chunk: int = 0) -> list[dict]:
     """Run one measurement in `nproc` fresh processes; one result per rank."""
     port = _free_port()
     with tempfile.TemporaryDirectory() as tmp:
@@ -285,7 +296,8 @@ def measure(overrides: list[str], mode: str, nproc: int = 1, steps: int = 1, sta
             out = os.path.join(tmp, f"rank{rank}.json")
             cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--out", out, "--mode", mode,
                    "--steps", str(steps), "--stage", stage, "--stage-layers", str(stage_layers),
-                   "--in-flight", str(in_flight), *(["--full-step"] if full else []), *overrides]
+                   "--in-flight", str(in_flight), "--loss-chunk", str(loss_chunk),
+                   *(["--full-step"] if full else []), *overrides]
             env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": MMAP_THRESHOLD, "PYTHONPATH": REPO}
             env.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(REPO, ".cache", "torch_extensions"))
             if nproc > 1:
@@ -306,6 +318,7 @@ def measure(overrides: list[str], mode: str, nproc: int = 1, steps: int = 1, sta
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--modes", default="none,selective,full")
+    parser.add_argument("--loss-chunks", default="0", help="train.loss_chunk values, each with every mode")
     parser.add_argument("--steps", type=int, default=1, help="measured forward+backward passes per mode")
     parser.add_argument("--nproc", type=int, default=1, help="processes (tp x dp, gloo on CPU)")
     parser.add_argument("--stage", default="", choices=("", "first", "last"), help="measure one pipeline stage")
@@ -315,6 +328,7 @@ def main() -> None:
                         help="whole training steps (optimizer included) against the predicted peak with AdamW state")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--mode", default="none", help=argparse.SUPPRESS)
+    parser.add_argument("--loss-chunk", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*", help="key=value config overrides")
     args = parser.parse_args()
@@ -322,9 +336,10 @@ def main() -> None:
         worker(args)
         return
     results = []
-    for mode in args.modes.split(","):
-        results += measure(args.overrides, mode, args.nproc, args.steps, args.stage, args.stage_layers,
-                           args.in_flight, full=args.full_step)
+    for chunk in (int(c) for c in args.loss_chunks.split(",")):
+        for mode in args.modes.split(","):
+            results += measure(args.overrides, mode, args.nproc, args.steps, args.stage, args.stage_layers,
+                               args.in_flight, full=args.full_step, loss_chunk=chunk)
     print(json.dumps({"config": DEFAULT + args.overrides, "steps": args.steps, "results": results}, indent=1))
 
 

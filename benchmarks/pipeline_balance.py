@@ -11,6 +11,15 @@ stage; the busy times show the balance regardless, and `estimated_step_s_on_free
 1F1B step they imply ((m + pp - 1) / m x the busiest stage).
 
     python benchmarks/pipeline_balance.py [--steps 4] [--rounds 3] [key=value ...]
+
+`--schedules 1f1b,interleaved_1f1b,interleaved_zero_bubble,zbv,dualpipev` compares schedules
+instead (all with the FLOPs split, parallel.pp processes): per schedule the measured bubble as
+busy / wall (mean over stages of busy time over step time) beside the predicted one for equal
+forward, input-gradient and weight-gradient times per chunk: m / (m + pp - 1) for 1f1b and gpipe,
+m / (m + (pp - 1) / v) for interleaved_1f1b with v chunks per rank, and 1 (no bubble: what the
+zero-bubble schedules are built to reach under that assumption) for interleaved_zero_bubble, zbv
+and dualpipev. With fewer free cores than processes the stages take turns and busy / wall
+measures the machine, not the schedule (`cpu_cores` is reported).
 """
 from __future__ import annotations
 
@@ -68,8 +77,9 @@ def compute_timer() -> list[float]:
     return total
 
 
-def _worker(rank: int, port: int, overrides: list[str], steps: int, rounds: int, out_path: str) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
+def _worker(rank: int, port: int, overrides: list[str], steps: int, rounds: int, out_path: str,
+            variants: dict[str, list[str]], world: int) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
@@ -77,12 +87,12 @@ def _worker(rank: int, port: int, overrides: list[str], steps: int, rounds: int,
 
     busy = compute_timer()
     models = {}
-    for balance in BALANCES:
-        cfg = load_config(None, MODEL + overrides + [f"parallel.pp_balance={balance}", "train.device=cpu"])
+    for key, extra in variants.items():
+        cfg = load_config(None, MODEL + overrides + extra + ["train.device=cpu"])
         run = build_run(cfg)
-        models[balance] = (cfg, run.model, run.optimizer)
-    step_s: dict[str, list[float]] = {b: [] for b in BALANCES}
-    busy_s: dict[str, list[float]] = {b: [] for b in BALANCES}
+        models[key] = (cfg, run.model, run.optimizer)
+    step_s: dict[str, list[float]] = {b: [] for b in variants}
+    busy_s: dict[str, list[float]] = {b: [] for b in variants}
 
     def one_step(cfg, pm, opt, step):
         pm.forward_backward(_batches(cfg, step), contextlib.nullcontext)
@@ -103,18 +113,21 @@ def _worker(rank: int, port: int, overrides: list[str], steps: int, rounds: int,
                 busy_s[balance].append(busy[0] - busy0)
     mine = {b: {"busy_s": statistics.median(busy_s[b]), "step_s": statistics.median(step_s[b]),
                 "layers": sorted(int(k) for k in models[b][1].module.layers.keys()),
-                "plan": models[b][1].plan} for b in BALANCES}
-    gathered: list = [None, None]
+                "plan": models[b][1].plan} for b in variants}
+    gathered: list = [None] * world
     dist.all_gather_object(gathered, mine)
     if rank == 0:
         report = {}
-        n_micro = models["flops"][0].train.global_batch // models["flops"][0].train.micro_batch
-        for b in BALANCES:
+        for b in variants:
+            cfg = models[b][0]
+            n_micro = cfg.parallel.microbatches or cfg.train.global_batch // cfg.train.micro_batch
             plan = gathered[0][b]["plan"]
             step = max(g[b]["step_s"] for g in gathered)
             busy = [g[b]["busy_s"] for g in gathered]
             report[b] = {
                 "stages": [f"{g[b]['layers'][0]}-{g[b]['layers'][-1]}" for g in gathered],
+                "measured_busy_over_wall": round(sum(busy) / len(busy) / step, 4),
+                "predicted_busy_over_wall": round(_predicted_busy(cfg.parallel, n_micro), 4),
                 "predicted_bottleneck_over_ideal": round(plan.bottleneck_over_ideal, 4),
                 "step_s": round(step, 4),
                 "stage_busy_s": [round(x, 4) for x in busy],
@@ -129,18 +142,36 @@ def _worker(rank: int, port: int, overrides: list[str], steps: int, rounds: int,
     dist.destroy_process_group()
 
 
+def _predicted_busy(parallel, m: int) -> float:
+    """Busy / wall of a schedule with equal per-chunk forward / input-gradient / weight-gradient
+    times (module doc)."""
+    from megatron_taper.config import ZERO_BUBBLE_SCHEDULES
+
+    pp, v = parallel.pp, parallel.virtual_stages
+    if parallel.pp_schedule in ZERO_BUBBLE_SCHEDULES:
+        return 1.0
+    return m / (m + (pp - 1) / v)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=4, help="timed steps per split per round")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--schedules", default="", help="compare these parallel.pp_schedule values instead")
     parser.add_argument("overrides", nargs="*", help="key=value config overrides (model.*, train.*)")
     args = parser.parse_args(argv)
     cfg = load_config(None, MODEL + args.overrides)  # fail early on bad overrides
+    if args.schedules:
+        variants = {s: ["parallel.pp_balance=flops", f"parallel.pp_schedule={s}"] for s in args.schedules.split(",")}
+    else:
+        variants = {b: [f"parallel.pp_balance={b}"] for b in BALANCES}
+    world = cfg.parallel.pp * cfg.parallel.tp
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out_path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"pipeline_balance_{os.getpid()}.json")
-    mp.spawn(_worker, args=(port, args.overrides, args.steps, args.rounds, out_path), nprocs=2, join=True)
+    mp.spawn(_worker, args=(port, args.overrides, args.steps, args.rounds, out_path, variants, world), nprocs=world,
+             join=True)
     with open(out_path) as f:
         report = json.load(f)
     os.remove(out_path)
@@ -148,13 +179,14 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "model": {"n_layers": m.n_layers, "d_model": m.d_model, "mlp_width": m.mlp_width, "seq_len": m.seq_len,
                   "taper": f"{m.taper.schedule} {m.taper.start}", "vocab_size": m.vocab_size},
-        "processes": 2, "threads_per_process": 1,
+        "processes": world, "threads_per_process": 1, "cpu_cores": len(os.sched_getaffinity(0)),
         "microbatches_per_step": cfg.train.global_batch // cfg.train.micro_batch,
         "micro_batch": cfg.train.micro_batch, "steps_timed": args.steps * args.rounds,
         **report,
-        "speedup_flops_over_uniform": round(report["uniform"]["step_s"] / report["flops"]["step_s"], 4),
-        "speedup_profile_over_uniform": round(report["uniform"]["step_s"] / report["profile"]["step_s"], 4),
     }
+    if not args.schedules:
+        result["speedup_flops_over_uniform"] = round(report["uniform"]["step_s"] / report["flops"]["step_s"], 4)
+        result["speedup_profile_over_uniform"] = round(report["uniform"]["step_s"] / report["profile"]["step_s"], 4)
     print(json.dumps(result))
     return 0
 

@@ -18,7 +18,7 @@ pip() { "$py" -m pip --disable-pip-version-check -q "$@"; }
 
 stamp="$venv/.megatron_taper_installed"
 want="$(cat "$root/setup.py" "$root/launch/install.sh" "$root/launch/requirements-lean.txt" | sha256sum | cut -c1-16)"
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$py" -c "import megatron_taper, importlib.util as u; assert all(map(u.find_spec, ('streaming', 'transformers', 'matplotlib', 'wandb')))" 2>/dev/null; then
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$py" -c "import megatron_taper, importlib.util as u; assert all(map(u.find_spec, ('streaming', 'transformers', 'matplotlib', 'wandb', 'torchao')))" 2>/dev/null; then
   exit 0
 fi
 
@@ -32,7 +32,7 @@ trap 'rm -f "$constraints"' EXIT
 # through datasets' releases (measured here: a dry run of the extras resolved in 135 s instead of 381 s)
 printf 'torch==%s\nhuggingface_hub<1\n' "$torch_version" > "$constraints"
 
-pip install -c "$constraints" -e "$root[dev,hf,plot,wandb]"
+pip install -c "$constraints" -e "$root[dev,float8,hf,plot,wandb]"
 # mosaicml-streaming and deepspeed declare dependencies that would pull a newer (CUDA) torch,
 # torchvision and ~1 GB of cloud SDKs; install them without dependencies plus their real needs.
 pip install -c "$constraints" -r "$root/launch/requirements-lean.txt"

@@ -139,7 +139,12 @@ class DeepSpeedConfig:
 
 
 PP_BALANCE_MODES = ("flops", "uniform", "params", "profile")  # parallel.pp_balance (parallel/partition.py)
-PP_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")  # parallel.pp_schedule (parallel/pipeline.py)
+# parallel.pp_schedule (parallel/pipeline.py); the zero-bubble ones split backward into input and
+# weight gradients; zbv and dualpipev place 2 chunks per rank in a V (rank r: chunks r, 2 pp - 1 - r)
+PP_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b", "interleaved_zero_bubble", "zbv", "dualpipev")
+INTERLEAVED_SCHEDULES = ("interleaved_1f1b", "interleaved_zero_bubble")  # pp_virtual chunks, looped
+V_SCHEDULES = ("zbv", "dualpipev")  # 2 chunks per rank, V-shaped
+ZERO_BUBBLE_SCHEDULES = ("interleaved_zero_bubble", *V_SCHEDULES)
 
 
 @dataclass
@@ -148,12 +153,14 @@ class ParallelConfig:
     pp: int = 1
     zero: str = "none"  # none | fsdp2 | deepspeed
     pp_balance: str = "flops"  # flops | uniform | params | profile
-    pp_schedule: str = "1f1b"  # 1f1b | gpipe | interleaved_1f1b
+    pp_schedule: str = "1f1b"  # 1f1b | gpipe | interleaved_1f1b | interleaved_zero_bubble | zbv | dualpipev
     microbatches: int = 0  # 0 = gradient accumulation steps (pp > 1: at least pp)
-    pp_virtual: int = 2  # chunks per pp rank with pp_schedule=interleaved_1f1b
+    pp_virtual: int = 2  # chunks per pp rank with the interleaved schedules (zbv, dualpipev: always 2)
     pp_memory_gb: float = 0.0  # per-stage limit on the predicted peak (cost/memory.py); 0 = none
     sequence_parallel: bool = False
-    ddp_bucket_mb: float = 25.0  # zero=none, dp > 1: gradient all-reduce bucket size (torch DDP)
+    # zero=none, dp > 1: gradient all-reduce bucket size (torch DDP); 0 = scaled with the model and
+    # dp (parallel/data_parallel.py bucket_mb)
+    ddp_bucket_mb: float = 0.0
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
 
     def validate(self, prefix: str) -> None:
@@ -162,7 +169,7 @@ class ParallelConfig:
         check_range(f"{prefix}.microbatches", self.microbatches, 0, None)
         check_range(f"{prefix}.pp_virtual", self.pp_virtual, 1, None)
         check_range(f"{prefix}.pp_memory_gb", self.pp_memory_gb, 0.0, None)
-        check_range(f"{prefix}.ddp_bucket_mb", self.ddp_bucket_mb, 0.0, None, open_low=True)
+        check_range(f"{prefix}.ddp_bucket_mb", self.ddp_bucket_mb, 0.0, None)
         check_choice(f"{prefix}.zero", self.zero, ("none", "fsdp2", "deepspeed"))
         check_choice(f"{prefix}.pp_balance", self.pp_balance, PP_BALANCE_MODES)
         check_choice(f"{prefix}.pp_schedule", self.pp_schedule, PP_SCHEDULES)
@@ -170,8 +177,11 @@ class ParallelConfig:
 
     @property
     def virtual_stages(self) -> int:
-        """Pipeline chunks per pp rank (pp_virtual under interleaved_1f1b, else 1)."""
-        return self.pp_virtual if self.pp_schedule == "interleaved_1f1b" else 1
+        """Pipeline chunks per pp rank (pp_virtual under the interleaved schedules, 2 under the V
+        ones, else 1)."""
+        if self.pp_schedule in V_SCHEDULES:
+            return 2
+        return self.pp_virtual if self.pp_schedule in INTERLEAVED_SCHEDULES else 1
 
 
 @dataclass
@@ -196,17 +206,22 @@ class TrainConfig:
     eval_batches: int = 8
     max_nonfinite: int = 5  # stop after this many non-finite steps in a row
     # recompute activations in backward: none | full (every block keeps only its input) |
-    # selective (blocks whose global index is a multiple of ac_every; the others keep everything)
+    # selective (blocks whose global index is a multiple of ac_every; the others keep everything) |
+    # op (every block keeps its input and its matmul and attention outputs, recomputes the rest)
     activation_checkpointing: str = "none"
     ac_every: int = 2
+    # tokens per chunk of the cross entropy (parallel/loss.py): at most this many tokens' logits
+    # in fp32 at once; 0 = the whole micro-batch at once (fp32 copies of all its logits)
+    loss_chunk: int = 0
     compile: bool = False  # torch.compile each block (see parallel/block_options.py)
+    float8: bool = False  # the blocks' linears in float8 through torchao (parallel/float8.py; tp = 1)
     peak_tflops: float = 0.0  # peak TFLOP/s of one device for MFU; 0 = look up (cost/flops.py PEAK_TFLOPS)
 
     def validate(self, prefix: str) -> None:
         for key in ("steps", "global_batch", "micro_batch", "log_interval", "eval_batches", "max_nonfinite"):
             check_range(f"{prefix}.{key}", getattr(self, key), 1, None)
         check_range(f"{prefix}.peak_tflops", self.peak_tflops, 0.0, None)
-        for key in ("warmup_steps", "exit_after", "eval_interval", "seed"):
+        for key in ("warmup_steps", "exit_after", "eval_interval", "seed", "loss_chunk"):
             check_range(f"{prefix}.{key}", getattr(self, key), 0, None)
         check_range(f"{prefix}.lr", self.lr, 0.0, None, open_low=True)
         check_range(f"{prefix}.min_lr_ratio", self.min_lr_ratio, 0.0, 1.0)
@@ -217,7 +232,7 @@ class TrainConfig:
         check_choice(f"{prefix}.precision", self.precision, ("auto", "fp32", "bf16"))
         check_choice(f"{prefix}.device", self.device, ("auto", "cpu", "cuda"))
         check_choice(f"{prefix}.activation_checkpointing", self.activation_checkpointing,
-                     ("none", "full", "selective"))
+                     ("none", "full", "selective", "op"))
         check_range(f"{prefix}.ac_every", self.ac_every, 1, None)
         if self.global_batch % self.micro_batch:
             raise ConfigError(f"{prefix}.micro_batch={self.micro_batch} must divide "

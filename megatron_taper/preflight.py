@@ -16,6 +16,7 @@ import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from megatron_taper.config import INTERLEAVED_SCHEDULES, ZERO_BUBBLE_SCHEDULES
 from megatron_taper.data import is_remote
 from megatron_taper.models import family
 from megatron_taper.taper import layer_widths
@@ -50,6 +51,8 @@ def preflight(cfg: Config, world_size: int) -> Layout:
     if spec.check_layout is not None:
         spec.check_layout(m, p)
     _check_zero(m, p, world_size, dp)
+    if t.float8:
+        _check_float8(m, p)
     if cfg.run.init_from and p.zero == "deepspeed":
         raise ConfigError("run.init_from with parallel.zero=deepspeed is not supported (DeepSpeed partitions the "
                           "parameters itself); use parallel.zero=fsdp2 or none")
@@ -92,14 +95,29 @@ def _check_zero(m: ModelConfig, p: ParallelConfig, world_size: int, dp: int) -> 
             raise ConfigError("parallel.zero=deepspeed with parallel.sequence_parallel=true is not supported "
                               "(DeepSpeed reduces gradients inside backward, before the tp sums of sequence-"
                               "parallel norms); use parallel.zero=fsdp2")
-    if p.zero == "fsdp2" and p.pp > 1 and p.pp_schedule == "interleaved_1f1b":
-        raise ConfigError("parallel.zero=fsdp2 with parallel.pp_schedule=interleaved_1f1b is not supported "
+    if p.zero == "fsdp2" and p.pp > 1 and p.virtual_stages > 1:
+        raise ConfigError(f"parallel.zero=fsdp2 with parallel.pp_schedule={p.pp_schedule} is not supported "
                           "(several chunks per rank would share one FSDP root); use 1f1b or gpipe")
+    if p.zero == "none" and dp > 1 and p.pp > 1 and p.pp_schedule in ZERO_BUBBLE_SCHEDULES:
+        raise ConfigError(f"parallel.pp_schedule={p.pp_schedule} with data parallelism (DDP, data-parallel size "
+                          f"{dp}) is not supported: its split input / weight backward is untested with DDP's "
+                          f"reduction hooks; use parallel.pp_schedule=interleaved_1f1b or 1f1b")
     shards = p.zero == "deepspeed" or (p.zero == "fsdp2" and dp > 1)
     if shards and p.tp > m.kv_heads:
         raise ConfigError(f"parallel.zero={p.zero} with parallel.tp={p.tp} > model.n_kv_heads={m.kv_heads}: kv "
                           f"heads replicated over tp ranks need a gradient sum over whole tensors, which ZeRO has "
                           f"already sharded; use parallel.tp <= model.n_kv_heads or parallel.zero=none")
+
+
+def _check_float8(m: ModelConfig, p: ParallelConfig) -> None:
+    """train.float8 (parallel/float8.py): float8 matmuls need both dimensions multiples of 16."""
+    if p.tp > 1:
+        raise ConfigError(f"train.float8=true with parallel.tp={p.tp} is not supported (the tensor-parallel "
+                          f"linears are not torchao Float8Linear); use parallel.tp=1 or train.float8=false")
+    if m.taper.multiple % 16 or m.d_model % 16:
+        raise ConfigError(f"train.float8=true needs model.taper.multiple (={m.taper.multiple}: every MLP width is a "
+                          f"multiple of it) and model.d_model (={m.d_model}) to be multiples of 16 (float8 "
+                          f"matmuls, torch._scaled_mm); set model.taper.multiple to a multiple of 16")
 
 
 def step_split(p: ParallelConfig, t: TrainConfig, dp: int) -> tuple[int, int]:
@@ -125,7 +143,9 @@ def _check_batch(t: TrainConfig, dp: int) -> int:
 def _check_pipeline(m: ModelConfig, p: ParallelConfig, t: TrainConfig, dp: int) -> int:
     virtual = p.virtual_stages
     if p.pp * virtual > m.n_layers:
-        what = f"parallel.pp={p.pp}" + (f" x parallel.pp_virtual={virtual}" if virtual > 1 else "")
+        per_rank = f"parallel.pp_virtual={virtual}" if p.pp_schedule in INTERLEAVED_SCHEDULES else \
+            f"{virtual} chunks per rank ({p.pp_schedule})"
+        what = f"parallel.pp={p.pp}" + (f" x {per_rank}" if virtual > 1 else "")
         raise ConfigError(f"{what} = {p.pp * virtual} stages is more than model.n_layers={m.n_layers}: every "
                           f"stage needs a layer")
     if m.tie_embeddings:
@@ -147,11 +167,14 @@ def _check_pipeline(m: ModelConfig, p: ParallelConfig, t: TrainConfig, dp: int) 
                 f"parallel.microbatches or train.global_batch / train.micro_batch) or parallel.pp_schedule=gpipe")
         warnings.warn(f"parallel.microbatches={n_micro} is fewer than parallel.pp={p.pp} stages: every step is "
                       f"mostly pipeline bubble (use at least {p.pp}, ideally 4x)", stacklevel=3)
-    if p.pp_schedule == "interleaved_1f1b":
+    if p.pp_schedule in INTERLEAVED_SCHEDULES:
         rounds = max(1, n_micro // p.pp)
         if n_micro % rounds:
-            raise ConfigError(f"parallel.microbatches={n_micro}: interleaved_1f1b needs a multiple of "
+            raise ConfigError(f"parallel.microbatches={n_micro}: {p.pp_schedule} needs a multiple of "
                               f"parallel.pp={p.pp} (or fewer than 2 * pp)")
+    if p.pp_schedule == "dualpipev" and n_micro < 2 * p.pp:
+        raise ConfigError(f"parallel.microbatches={n_micro}: dualpipev needs at least 2 x parallel.pp = {2 * p.pp} "
+                          f"(one per stage)")
     return n_micro
 
 

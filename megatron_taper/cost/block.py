@@ -14,8 +14,8 @@ counted op by op from the code; tests/cost/test_memory_model.py compares it with
 tensors), `per_batch` what it saves once per micro-batch whatever its tokens, and `backward` the
 moments of its backward, each the elements alive besides `act` then (gradient buffers), of which
 memory.py takes the largest. Elements carry no dtype: `seq` (residual stream, norm internals) and
-`vocab` (the loss) elements are fp32, the others are in the compute dtype (bf16 under autocast),
-applied once in memory.py.
+`vocab` (the loss) elements are fp32, the others (`logits` too) are in the compute dtype (bf16
+under autocast), applied once in memory.py.
 
 Saved tensors of the shared pieces, per token (the norm is torch 2.13's composite rms_norm, as
 on the CPU: it keeps its input, the normalised input and 1 / rms; a fused kernel that keeps less
@@ -50,6 +50,9 @@ class Split:
     # casts the fp32 norm output itself) and under sequence parallelism with more than one
     # sequence per micro-batch (the all-gathered input is strided, so each makes it contiguous)
     input_copies: float = 0.0
+    # activations: split with the vocabulary like `vocab`, but in the compute dtype (the logits
+    # a chunked loss keeps, and their gradient)
+    logits: float = 0.0
 
     def __add__(self, other: "Split") -> "Split":
         return Split(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
@@ -73,11 +76,22 @@ class Cost:
     act: Split = Split()  # elements per token kept for backward
     backward: tuple[Split, ...] = ()  # moments of the backward: elements per token besides `act`
     per_batch: Split = Split()  # elements kept for backward once per micro-batch, whatever its tokens
+    # elements per token kept under train.activation_checkpointing=op besides the block's input:
+    # the outputs of its matmuls and attention kernels; None = not counted (memory.py keeps `act`)
+    op_act: Split | None = None
 
     def __add__(self, other: "Cost") -> "Cost":
+        mine, theirs = self.op_kept, other.op_kept
         return Cost(self.params + other.params, self.flops + other.flops, self.act_bytes + other.act_bytes,
                     self.params_split + other.params_split, self.act + other.act, self.backward + other.backward,
-                    self.per_batch + other.per_batch)
+                    self.per_batch + other.per_batch, None if mine is None or theirs is None else mine + theirs)
+
+    @property
+    def op_kept(self) -> Split | None:
+        """`op_act`, or nothing for a piece that keeps no activations at all."""
+        if self.op_act is not None or self.act.total or self.act_bytes or self.per_batch.total:
+            return self.op_act
+        return Split()
 
     @property
     def params_split(self) -> Split:
@@ -85,8 +99,9 @@ class Cost:
 
     def repeated(self, n: int) -> "Cost":
         """`n` copies of this piece one after another (their moments of backward stay one each)."""
+        op = self.op_kept
         return Cost(self.params * n, self.flops * n, self.act_bytes * n, self.params_split.scaled(n),
-                    self.act.scaled(n), self.backward, self.per_batch.scaled(n))
+                    self.act.scaled(n), self.backward, self.per_batch.scaled(n), None if op is None else op.scaled(n))
 
 
 def norm_act(d: int) -> Split:
@@ -108,7 +123,10 @@ def attention_cost(cfg: ModelConfig, causal: bool = True, extra_outputs: int = 0
                               input_copies=(projections - 1) * d)
     # SDPA's backward: gradients of its output, q, k and v, and the residual's gradient
     backward = Split(seq=d, heads=2 * h * e, kv=2 * k * e)
-    return Cost(matmul + d, flops, tp_params=params, act=act, backward=(backward,))
+    # op-level recompute keeps q, k, v and the extra projection's outputs (before RoPE), SDPA's
+    # output and logsumexp, and wo's output
+    op_act = Split(whole=d, heads=2 * h * e + h + extra_outputs, kv=2 * k * e)
+    return Cost(matmul + d, flops, tp_params=params, act=act, backward=(backward,), op_act=op_act)
 
 
 def swiglu_cost(cfg: ModelConfig, width: int) -> Cost:
@@ -119,4 +137,6 @@ def swiglu_cost(cfg: ModelConfig, width: int) -> Cost:
     # the product's backward: gradients of silu(w1 out) and of w3 out while the one of the product
     # still exists (the product itself is freed by then), and the residual's gradient
     backward = Split(seq=d, width=2 * width)
-    return Cost(matmul + d, 2 * matmul, tp_params=Split(whole=d, width=matmul), act=act, backward=(backward,))
+    op_act = Split(whole=d, width=2 * width)  # op-level recompute keeps w1's, w3's and w2's outputs
+    return Cost(matmul + d, 2 * matmul, tp_params=Split(whole=d, width=matmul), act=act, backward=(backward,),
+                op_act=op_act)

@@ -48,20 +48,27 @@ def model_costs(cfg: ModelConfig, causal: bool = True) -> ModelCosts:
     return ModelCosts(layers, embedding, head_cost(cfg), widths)
 
 
-def head_cost(cfg: ModelConfig, vocab_parallel: bool = False) -> Cost:
-    """Final norm, output projection and the fp32 cross-entropy of the last stage.
+def head_cost(cfg: ModelConfig, vocab_parallel: bool = False, chunked: bool = False) -> Cost:
+    """Final norm, output projection and the cross-entropy of the last stage.
 
-    Kept for backward per token: the norm's, the projection's input, and the loss's [V] fp32
-    (F.cross_entropy: the log-softmax; vocab-parallel: the softmax of this rank's slice). The
-    logits themselves (compute dtype) are not kept. Its backward's moment: besides those, the
-    gradient of the log-softmax and of the logits (F.cross_entropy), or the softmax's copy, its
-    scaled copy and the masked result (vocab_parallel_cross_entropy): 2 or 3 more [V] in fp32.
+    Kept for backward per token: the norm's, the projection's input, and the loss's [V]: in fp32
+    unchunked (F.cross_entropy: the log-softmax; vocab-parallel: the softmax of this rank's
+    slice; the logits themselves, compute dtype, are not kept), or the logits in the compute
+    dtype under train.loss_chunk (`chunked`, parallel/loss.py). Its backward's moment: besides
+    those, the gradient of the log-softmax and of the logits (F.cross_entropy), or the softmax's
+    copy, its scaled copy and the masked result (vocab_parallel_cross_entropy): 2 or 3 more [V]
+    in fp32; chunked, the logits' gradient [V] in the compute dtype (the fp32 chunks, a fixed
+    number of tokens, are added by cost/memory.py).
     """
     d, v = cfg.d_model, cfg.vocab_size
     params = d + (0 if cfg.tie_embeddings else v * d)
     tp_params = Split(whole=d, vocab=params - d)
-    act = norm_act(d) + Split(whole=d, vocab=v)
-    backward = Split(seq=d, vocab=(3 if vocab_parallel else 2) * v)
+    if chunked:
+        act = norm_act(d) + Split(whole=d, logits=v)
+        backward = Split(seq=d, logits=v)
+    else:
+        act = norm_act(d) + Split(whole=d, vocab=v)
+        backward = Split(seq=d, vocab=(3 if vocab_parallel else 2) * v)
     return Cost(params, 2.0 * d * v, tp_params=tp_params, act=act, backward=(backward,))
 
 

@@ -21,9 +21,13 @@ K        bytes one micro-batch keeps for backward: sum over the stage's blocks o
          activations (cost/block.py: per token x tokens per micro-batch, plus any kept once
          per micro-batch), or of their input [b, S, d] alone for the blocks that recompute
          (train.activation_checkpointing: full = all, selective = global index a multiple of
-         train.ac_every), plus the head's.
+         train.ac_every), plus the head's; op: every block's input and the outputs of its
+         matmuls and attention kernels (cost/block.py `op_act`; a family that does not count
+         them is booked as keeping everything).
 top      the largest moment of the backward of the micro-batch being processed: at the head,
-         K + its loss buffers; at block l, the kept bytes of the stage's blocks before l plus
+         K + its loss buffers (train.loss_chunk: the logits' gradient in the compute dtype and
+         one chunk's fp32 softmax, two under bf16, instead of [tokens, V] fp32 buffers); at
+         block l, the kept bytes of the stage's blocks before l plus
          all of l's activations (recomputed or kept) and its largest backward moment (gradient
          buffers); fsdp2 without pipelining adds the gathered parameters and unsharded gradients
          of the block and of the one prefetched.
@@ -37,8 +41,9 @@ buffers  torch.distributed.pipelining's p2p buffers, [b, S, d] each: a non-first
 Layouts: an activation element (cost/block.py `Split`) counts on a rank as its largest tp
 share (shards are uneven in whole units: heads, MLP width units, vocabulary rows); `seq`
 elements (residual stream, norms) are whole on every tp rank, split by tp under sequence
-parallelism. Bytes: `seq` and `vocab` (the loss) in fp32, the rest in the compute dtype (bf16
-under autocast, else fp32); a recomputed block's input in fp32.
+parallelism. Bytes: `seq` and `vocab` (the unchunked loss) in fp32, the rest (the chunked loss's
+`logits` too) in the compute dtype (bf16 under autocast, else fp32); a recomputed block's input
+in fp32.
 
 Not modelled: the optimizer step's temporaries (after the activations are freed), collective
 buffers besides DeepSpeed's (DDP buckets are the gradients themselves), allocator caching and fragmentation, the
@@ -47,6 +52,7 @@ gradient while it is accumulated. docs/memory_model.md compares the model with m
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence
@@ -71,8 +77,9 @@ class MemorySetup:
     zero: str = "none"  # none | fsdp2 | deepspeed (parallel.zero)
     pipelined: bool = False  # pp > 1
     bf16: bool = False  # autocast to bf16 (train.precision on the device)
-    activation_checkpointing: str = "none"  # none | full | selective
+    activation_checkpointing: str = "none"  # none | full | selective | op
     ac_every: int = 2
+    loss_chunk: int = 0  # tokens per chunk of the cross entropy (train.loss_chunk); 0 = unchunked
     micro_batch: int = 1  # sequences per forward (per pipeline micro-batch when pipelined)
     microbatches: int = 1  # pipeline micro-batches per step on one rank
     bytes_per_param: float | None = None  # replaces the engine's params + grads + optimizer bytes
@@ -92,6 +99,7 @@ class MemorySetup:
         return cls(tp=parallel.tp, sequence_parallel=parallel.sequence_parallel and parallel.tp > 1, dp=dp,
                    zero=parallel.zero, pipelined=parallel.pp > 1, bf16=bf16,
                    activation_checkpointing=train.activation_checkpointing, ac_every=train.ac_every,
+                   loss_chunk=train.loss_chunk,
                    micro_batch=micro_batch or train.micro_batch, microbatches=microbatches,
                    bytes_per_param=bytes_per_param, offload_optimizer=ds.offload_optimizer != "none",
                    offload_param=ds.offload_param != "none",
@@ -186,7 +194,7 @@ class StageMemory:
 def checkpointed_blocks(names: list[str], mode: str, every: int) -> list[str]:
     """The rule of train.activation_checkpointing (applied by parallel/block_options.py): those of the
     block `names` (global indices) whose activations are recomputed under `mode`."""
-    if mode == "full":
+    if mode in ("full", "op"):
         return list(names)
     if mode == "selective":
         return [name for name in names if int(name) % every == 0]
@@ -217,7 +225,8 @@ def act_bytes_per_token(act: Split, shares: Split, setup: MemorySetup) -> float:
     compute = act.whole + act.heads * shares.heads + act.kv * shares.kv + act.width * shares.width
     if setup.bf16 or (setup.sequence_parallel and setup.micro_batch > 1):
         compute += act.input_copies
-    return 4.0 * seq + setup.compute_bytes * compute + 4.0 * act.vocab * shares.vocab
+    return (4.0 * seq + setup.compute_bytes * compute + 4.0 * act.vocab * shares.vocab
+            + setup.compute_bytes * act.logits * shares.vocab)
 
 
 def _activations(cost: Cost) -> Split:
@@ -228,7 +237,8 @@ def _activations(cost: Cost) -> Split:
 def piece_memory(cost: Cost, shares: Split, setup: MemorySetup, tokens: int, recompute: bool, d_model: int,
                  block: bool, matmul: bool = True) -> PieceMemory:
     """Bytes of one piece (see PieceMemory); `tokens` per micro-batch on this rank; `matmul`: its
-    parameters are matmul weights (not an embedding)."""
+    parameters are matmul weights (not an embedding). A recomputed piece keeps its input, and
+    under activation_checkpointing=op also its `op_act` (all of `act` where that is unknown)."""
     params = local_params(cost, shares)
     static = params * (setup.state_bytes_per_param() + setup.cast_bytes_per_param())
     if setup.pipelined or not block:
@@ -239,7 +249,14 @@ def piece_memory(cost: Cost, shares: Split, setup: MemorySetup, tokens: int, rec
     peak = full + max(moments, default=0.0)
     if block and not setup.pipelined:  # fsdp2: this block and the prefetched one, gathered
         peak += 2 * params * setup.unsharded_bytes_per_param()
-    kept = boundary_bytes(d_model, tokens, setup) if recompute else full
+    if not recompute:
+        kept = full
+    elif setup.activation_checkpointing != "op":
+        kept = boundary_bytes(d_model, tokens, setup)
+    elif cost.op_kept is None:
+        kept = full
+    else:
+        kept = boundary_bytes(d_model, tokens, setup) + act_bytes_per_token(cost.op_kept, shares, setup) * tokens
     return PieceMemory(params, static, kept, peak)
 
 
@@ -258,12 +275,20 @@ def model_memory(cfg: ModelConfig, setup: MemorySetup) -> ModelMemory:
                            cfg.d_model, block=True)
               for i, (cost, width) in enumerate(zip(costs.layers, costs.widths))]
     shares = _shares(cfg, setup.tp, cfg.taper.multiple)
-    head = head_cost(cfg, vocab_parallel=setup.tp > 1)
+    head_piece = piece_memory(head_cost(cfg, vocab_parallel=setup.tp > 1, chunked=setup.loss_chunk > 0), shares,
+                              setup, tokens, False, cfg.d_model, block=False, matmul=not cfg.tie_embeddings)
+    head_piece = dataclasses.replace(head_piece, peak=head_piece.peak + loss_chunk_bytes(cfg, setup, tokens))
     embedding = piece_memory(costs.embedding, shares, setup, tokens, False, cfg.d_model, block=False, matmul=False)
-    return ModelMemory(layers, embedding,
-                       piece_memory(head, shares, setup, tokens, False, cfg.d_model, block=False,
-                                    matmul=not cfg.tie_embeddings),
-                       boundary_bytes(cfg.d_model, tokens, setup), setup)
+    return ModelMemory(layers, embedding, head_piece, boundary_bytes(cfg.d_model, tokens, setup), setup)
+
+
+def loss_chunk_bytes(cfg: ModelConfig, setup: MemorySetup, tokens: int) -> float:
+    """The chunked loss's fp32 temporaries in its backward (parallel/loss.py): the softmax of one
+    chunk [c, V_r], and under bf16 the chunk's fp32 copy it is computed from; 0 unchunked."""
+    if setup.loss_chunk <= 0:
+        return 0.0
+    rows = min(setup.loss_chunk, tokens) * cfg.vocab_size * largest_share(cfg.vocab_size, setup.tp)
+    return 4.0 * rows * (2 if setup.bf16 else 1)
 
 
 def pipeline_buffers(io: float, in_flight: Sequence[int], microbatches: int) -> list[float]:

@@ -55,7 +55,8 @@ def gate_width(cfg: ModelConfig) -> int:
 def gated_attention_layer_cost(cfg: ModelConfig, width: int, causal: bool = True) -> Cost:
     """The Transformer's block with the gate W_g as one more projection of the normalised input;
     besides the gate's output, wo's input is then the gated product Y' (H*E per token), not Y."""
-    gated_product = Cost(0, 0.0, tp_params=Split(), act=Split(heads=cfg.n_heads * cfg.head_dim))
+    gated_product = Cost(0, 0.0, tp_params=Split(), act=Split(heads=cfg.n_heads * cfg.head_dim),
+                         op_act=Split())  # elementwise: recomputed under op-level checkpointing
     return attention_cost(cfg, causal, extra_outputs=gate_width(cfg)) + gated_product + swiglu_cost(cfg, width)
 
 

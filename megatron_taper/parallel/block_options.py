@@ -13,6 +13,11 @@ train.activation_checkpointing
     selective  as full for the blocks whose global index is a multiple of train.ac_every
                (0, k, 2k, ...), the others keep everything: about 1/k of full's recompute for
                about 1/k of its saving. With a taper, block 0 (the widest MLP) is always among them.
+    op         every block, op-level (torch's selective checkpoint policies): the outputs of its
+               matmuls (aten mm / addmm / bmm / baddbmm) and attention kernels (SDPA) are saved,
+               everything else (norms, RoPE, activations, elementwise products, casts and the tp
+               collectives) is recomputed in backward. Costs the elementwise work of one forward
+               and no matmul FLOPs.
 
 train.compile
     torch.compile (inductor) of each block's forward, after checkpointing (the recompute is then
@@ -28,7 +33,7 @@ import functools
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from megatron_taper.cost.memory import checkpointed_blocks
 
@@ -39,9 +44,10 @@ def apply_block_options(model: nn.Module, activation_checkpointing: str, ac_ever
     layers = model.layers
     for block in layers.values():
         block.options = ()
+    recompute = _op_recomputed if activation_checkpointing == "op" else _recomputed
     for name in checkpointed_blocks(list(layers.keys()), activation_checkpointing, ac_every):
         block = layers[name]
-        block.forward = functools.partial(_recomputed, block.forward)
+        block.forward = functools.partial(recompute, block.forward)
         block.options += ("recompute",)
     if compile_blocks:
         for block in layers.values():
@@ -51,6 +57,27 @@ def apply_block_options(model: nn.Module, activation_checkpointing: str, ac_ever
 
 def _recomputed(forward, *args, **kwargs) -> torch.Tensor:
     return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+
+def _saved_ops() -> set:
+    aten = torch.ops.aten
+    ops = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default}
+    for name in ("_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
+                 "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention"):
+        op = getattr(aten, name, None)
+        if op is not None:
+            ops.add(op.default)
+    return ops
+
+
+def _save_matmuls(saved: set, ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _op_recomputed(forward, *args, **kwargs) -> torch.Tensor:
+    policy = functools.partial(_save_matmuls, _saved_ops())
+    return checkpoint(forward, *args, use_reentrant=False,
+                      context_fn=functools.partial(create_selective_checkpoint_contexts, policy), **kwargs)
 
 
 def _compiled(compiled_forward, *args, **kwargs) -> torch.Tensor:

@@ -2,7 +2,7 @@
 
 Every dp rank holds the whole (tp-local, stage-local) model; gradients are averaged over the dp
 group of the (pp, dp, tp) mesh by DDP's reducer: parameters are grouped into buckets of
-`parallel.ddp_bucket_mb` (in reverse registration order, re-ordered after the first step by the
+`bucket_mb(parallel.ddp_bucket_mb, ...)` (in reverse registration order, re-ordered after the first step by the
 order gradients actually became ready) and each bucket's all-reduce is launched as soon as its
 last gradient is accumulated, so communication overlaps the rest of the backward pass. Gradients
 are views into the buckets (`gradient_as_bucket_view`), so no second copy of them exists.
@@ -22,16 +22,34 @@ from torch.nn.parallel import DistributedDataParallel
 
 from megatron_taper.parallel.context import ParallelContext
 
+MIN_BUCKETS = 4  # a module's gradients in at least this many buckets, so reduction overlaps backward
+MIN_BUCKET_ELEMENTS = 2**18  # 1 MiB of fp32: below it a collective's latency dominates
 
-def wrap_ddp(module: nn.Module, ctx: ParallelContext, bucket_mb: float) -> DistributedDataParallel:
-    """`module` (this rank's materialised part) behind DDP over the dp group."""
+
+def bucket_mb(configured: float, module: nn.Module, dp: int) -> float:
+    """The gradient bucket size in MiB: `configured` when > 0 (parallel.ddp_bucket_mb), else
+    Megatron-LM's rule, max(40M, 1M x dp) elements (larger buckets as dp grows, so that each
+    all-reduce's per-rank share stays large enough to run at bandwidth), capped at 1 / MIN_BUCKETS
+    of the module's trainable elements (at least MIN_BUCKET_ELEMENTS) so that a small model or
+    pipeline chunk still overlaps reduction with backward; gradients are fp32 (docs/precision.md)."""
+    if configured > 0:
+        return configured
+    elements = max(40_000_000, 1_000_000 * dp)
+    trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)
+    elements = min(elements, max(trainable // MIN_BUCKETS, MIN_BUCKET_ELEMENTS))
+    return elements * 4 / 2**20
+
+
+def wrap_ddp(module: nn.Module, ctx: ParallelContext, configured_mb: float) -> DistributedDataParallel:
+    """`module` (this rank's materialised part) behind DDP over the dp group, buckets of
+    bucket_mb(configured_mb, module, dp)."""
     on_gpu = ctx.device.type == "cuda"
     return DistributedDataParallel(
         module,
         device_ids=[ctx.device.index] if on_gpu else None,
         output_device=ctx.device.index if on_gpu else None,
         process_group=ctx.dp_group,
-        bucket_cap_mb=bucket_mb,
+        bucket_cap_mb=bucket_mb(configured_mb, module, ctx.dp),
         init_sync=False,
         gradient_as_bucket_view=True,
     )

@@ -4,10 +4,10 @@ The model is either on the meta device (build.py: every step below only reshapes
 records layouts, and parallel/meta_init.py materialises this rank's pieces afterwards) or
 initialised and identical on every rank.
 
-Order: pipeline split -> tensor parallel -> per-block options (activation checkpointing, compile:
-block_options.py) -> ZeRO (fsdp2 | deepspeed). Plain data parallelism (DDP, data_parallel.py)
-comes after materialisation, in build.py. With pp > 1 the model is
-first cut to this rank's pipeline stage (pipeline.py), which then calls back here with
+Order: pipeline split -> tensor parallel -> float8 linears (float8.py) -> per-block options
+(activation checkpointing, compile: block_options.py) -> ZeRO (fsdp2 | deepspeed). Plain data
+parallelism (DDP, data_parallel.py) comes after materialisation, in build.py. With pp > 1 the
+model is first cut to this rank's pipeline stage (pipeline.py), which then calls back here with
 `whole_model=False` for the rest of the chain on that stage. The layout was checked by
 preflight.py before any process group existed.
 """
@@ -23,10 +23,13 @@ from torch.distributed.tensor import DTensor
 
 from megatron_taper.parallel.block_options import apply_block_options
 from megatron_taper.parallel.context import ParallelContext
+from megatron_taper.parallel.data_parallel import bucket_mb
+from megatron_taper.parallel.float8 import apply_float8
+from megatron_taper.parallel.loss import loss_function
 from megatron_taper.parallel.meta_init import is_meta
 from megatron_taper.parallel.model import ParallelModel, local_part
 from megatron_taper.parallel.pipeline import build_pipeline
-from megatron_taper.parallel.tensor import ShardSpec, sum_replicas_, vocab_parallel_cross_entropy
+from megatron_taper.parallel.tensor import ShardSpec, sum_replicas_
 from megatron_taper.parallel.tp_plan import apply_tp
 from megatron_taper.parallel.zero import apply_zero
 
@@ -45,19 +48,25 @@ def parallelize(model: nn.Module, ctx: ParallelContext, model_cfg: ModelConfig, 
         return build_pipeline(model, ctx, model_cfg, parallel, train, stage)
     if not is_meta(model):
         model = model.to(ctx.device)
-    pm = ParallelModel(model, ctx) if ctx.tp == 1 else _tensor_parallel(model, ctx, model_cfg, parallel)
+    if ctx.tp == 1:
+        pm = ParallelModel(model, ctx, loss_fn=loss_function(train.loss_chunk))
+    else:
+        pm = _tensor_parallel(model, ctx, model_cfg, parallel, train.loss_chunk)
+    if train.float8:
+        # float8 all-gathers only over NCCL: gloo has no float8 dtype ("Invalid scalar type")
+        apply_float8(pm.module, ctx.device,
+                     fsdp_all_gather=parallel.zero == "fsdp2" and ctx.dp > 1 and ctx.device.type == "cuda")
     apply_block_options(pm.module, train.activation_checkpointing, train.ac_every, train.compile)
     return apply_zero(pm, parallel, train, pipelined=not whole_model)
 
 
 def _tensor_parallel(model: nn.Module, ctx: ParallelContext, model_cfg: ModelConfig,
-                     parallel: ParallelConfig) -> ParallelModel:
+                     parallel: ParallelConfig, loss_chunk: int) -> ParallelModel:
     """Shard `model` over the tp group; checkpoints see logical tensors through to_full/to_local
     (to_full is a collective over the tp group: every tp rank must call it)."""
     group, rank = ctx.tp_group, ctx.tp_rank
     plan = apply_tp(model, group, rank, ctx.tp, model_cfg, parallel.sequence_parallel)
-    pm = ParallelModel(model, ctx, loss_fn=functools.partial(
-        vocab_parallel_cross_entropy, group=group, vocab_start=plan.vocab_start))
+    pm = ParallelModel(model, ctx, loss_fn=loss_function(loss_chunk, group, plan.vocab_start))
     shared = []  # tensors some of whose slices several tp ranks hold
     for name, spec in plan.specs.items():
         pm.to_full[name] = functools.partial(spec.gather, group=group)
@@ -66,7 +75,7 @@ def _tensor_parallel(model: nn.Module, ctx: ParallelContext, model_cfg: ModelCon
         pm.tp_specs[name] = spec
         if any(spec.replicas(r) > 1 for r in range(ctx.tp)):
             shared.append((name, spec))
-    for bucket in _buckets(shared, model, parallel.ddp_bucket_mb * 2**20):
+    for bucket in _buckets(shared, model, bucket_mb(parallel.ddp_bucket_mb, model, ctx.dp) * 2**20):
         pm.tp_grad_syncs.append(functools.partial(_sum_replica_grads, bucket, group))
     if plan.seq_local:
         pm.tp_grad_syncs.append(functools.partial(_sum_grads, plan.seq_local, group))
@@ -91,7 +100,7 @@ def _buckets(shared: list[tuple[str, ShardSpec]], model: nn.Module, cap_bytes: f
 
 def _sum_replica_grads(bucket: list[tuple[str, ShardSpec]], group: dist.ProcessGroup, module: nn.Module) -> None:
     """Sum the gradients of tensors held by several tp ranks (e.g. shared kv heads) over them:
-    one all-reduce per bucket of parallel.ddp_bucket_mb."""
+    one all-reduce per bucket of data_parallel.bucket_mb."""
     items = []
     for name, spec in bucket:
         grad = module.get_parameter(name).grad

@@ -21,8 +21,10 @@ min(pp - s, m) micro-batches in flight, under GPipe all m. No feasible split -> 
 naming the key and how far over its limit the best split's fullest stage is.
 
 Virtual stages (interleaved schedules): the stack is cut into pp * v chunks with the same
-objective, chunk c lives on pp rank c % pp (looped placement, as torch's interleaved 1F1B
-expects); the embedding is on chunk 0 and the head on the last chunk. Memory limits are only
+objective, chunk c lives on pp rank c % pp (looped placement, as torch's interleaved 1F1B and
+interleaved zero-bubble schedules expect), or, for the V schedules (zbv, dualpipev: 2 chunks per
+rank), on rank c for c < pp and 2 pp - 1 - c after (rank 0 holds the first and the last chunk);
+the embedding is on chunk 0 and the head on the last chunk. Memory limits are only
 modelled for v = 1 (an interleaved rank's in-flight count depends on the chunk) and are refused
 otherwise.
 """
@@ -179,7 +181,7 @@ def in_flight_microbatches(n_stages: int, microbatches: int, schedule: str = "1f
 @dataclass
 class StagePlan:
     layers: list[int]
-    rank: int  # pp rank holding this stage (chunk c -> c % pp)
+    rank: int  # pp rank holding this stage (chunk_rank)
     flops: float  # forward FLOPs per token, embedding / head included
     params: int
     static_bytes: float  # one rank: params + grads + optimizer states (+ unsharded / cast weights)
@@ -198,6 +200,7 @@ class PipelinePlan:
     uniform_bottleneck_over_ideal: float  # by FLOPs, for the layer-count split
     uniform_stages: list[list[int]] = field(default_factory=list)
     memory: MemorySetup | None = None  # what the memory columns assumed
+    v_shape: bool = False  # V placement of 2 chunks per rank (zbv, dualpipev), else looped
 
     @property
     def stage_layers(self) -> list[list[int]]:
@@ -205,13 +208,21 @@ class PipelinePlan:
 
     def rank_chunks(self, pp_rank: int) -> list[int]:
         """Indices of the (virtual) stages on this pp rank, in schedule order."""
-        return [c for c in range(len(self.stages)) if c % self.pp == pp_rank]
+        return [c for c in range(len(self.stages)) if chunk_rank(c, self.pp, self.v_shape) == pp_rank]
+
+
+def chunk_rank(chunk: int, pp: int, v_shape: bool = False) -> int:
+    """The pp rank holding (virtual) stage `chunk` (module doc)."""
+    if v_shape and chunk >= pp:
+        return 2 * pp - 1 - chunk
+    return chunk % pp
 
 
 def plan_pipeline(model_cfg: ModelConfig, pp: int, *, virtual: int = 1, balance: str = "flops", microbatches: int = 0,
                   micro_batch: int = 1, schedule: str = "1f1b", memory_gb: Sequence[float] | None = None,
                   bytes_per_param: float | None = None, measured: tuple[list[float], float, float] | None = None,
-                  memory_key: str = "parallel.pp_memory_gb", setup: MemorySetup | None = None) -> PipelinePlan:
+                  memory_key: str = "parallel.pp_memory_gb", setup: MemorySetup | None = None,
+                  v_shape: bool = False) -> PipelinePlan:
     """Split `model_cfg`'s layers over pp ranks x `virtual` chunks by the `balance` metric.
 
     measured: (per-layer seconds, embedding seconds, head seconds), required for balance=profile.
@@ -264,7 +275,7 @@ def plan_pipeline(model_cfg: ModelConfig, pp: int, *, virtual: int = 1, balance:
         params = sum(costs.layers[i].params for i in layers)
         params += (costs.embedding.params if c == 0 else 0) + (costs.head.params if c == n_chunks - 1 else 0)
         static, act, fixed = memory.stage_parts(c, n_chunks, layers[0], layers[-1] + 1, static_pre, act_pre, table)
-        stages.append(StagePlan(layers, c % pp, by_flops.costs[c], params, static, act + fixed, part.costs[c],
-                                static + act + fixed))
+        stages.append(StagePlan(layers, chunk_rank(c, pp, v_shape), by_flops.costs[c], params, static, act + fixed,
+                                part.costs[c], static + act + fixed))
     return PipelinePlan(pp, virtual, balance, stages, by_flops.bottleneck_over_ideal,
-                        uniform_flops.bottleneck_over_ideal, uniform.stages, setup)
+                        uniform_flops.bottleneck_over_ideal, uniform.stages, setup, v_shape)

@@ -8,7 +8,14 @@
       -> torch.distributed.pipelining stage(s) + schedule over the pp group of the (pp, dp, tp) mesh
 
 Schedules (`parallel.pp_schedule`): 1f1b (default), gpipe, interleaved_1f1b (each rank holds
-`parallel.pp_virtual` chunks, chunk c on pp rank c % pp).
+`parallel.pp_virtual` chunks, chunk c on pp rank c % pp), and the zero-bubble ones, which split
+each backward into the input gradient (sent upstream at once) and the weight gradient (deferred
+into what would be bubble): interleaved_zero_bubble (ZB1P; looped placement like
+interleaved_1f1b), zbv (ZB-V) and dualpipev (DualPipeV), both with exactly 2 chunks per rank in a
+V (rank r: chunks r and 2 pp - 1 - r, so rank 0 holds embedding and head). Forward-only
+evaluation (one micro-batch) runs interleaved 1F1B over the same stages (looped placement) or,
+in the V placement, ZB-V's action list without its backward actions (`_forward_only_v`: ZB-V's
+own evaluation runs them and fails; DualPipeV needs 2 pp micro-batches).
 
 Micro-batches: the rank's micro-batches of one step are concatenated along the batch and cut
 into `parallel.microbatches` equal pieces (0 = as many as the Trainer passes). 1F1B and
@@ -30,11 +37,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megatron_taper.config import V_SCHEDULES
 from megatron_taper.parallel.context import ParallelContext, uses_bf16
 from megatron_taper.parallel.data_parallel import wrap_ddp
 from megatron_taper.parallel.meta_init import is_meta
 from megatron_taper.parallel.model import ParallelModel
-from megatron_taper.parallel.partition import PipelinePlan, plan_pipeline
+from megatron_taper.parallel.partition import PipelinePlan, chunk_rank, plan_pipeline
 from megatron_taper.parallel.profile import TPShard, profile_layer_times, profile_meta_layer_times
 
 if TYPE_CHECKING:
@@ -97,8 +105,9 @@ class PipelineParallelModel(ParallelModel):
             loss = torch.stack([x.detach().float() for x in losses]).mean()
         else:
             loss = torch.zeros((), device=self.ctx.device, dtype=torch.float32)
-        # the last stage holds the loss: pp rank pp-1 (also with interleaving, chunk pp*v-1)
-        dist.broadcast(loss, group=self.ctx.pp_group, group_src=self.ctx.pp - 1)
+        # the rank of the last chunk holds the loss: pp - 1 (looped placement), 0 (V)
+        holder = chunk_rank(self.n_stages - 1, self.ctx.pp, self.schedule_name in V_SCHEDULES)
+        dist.broadcast(loss, group=self.ctx.pp_group, group_src=holder)
         return loss
 
     def _schedule(self, n_micro: int, shape: tuple[int, ...], train: bool):
@@ -108,14 +117,23 @@ class PipelineParallelModel(ParallelModel):
             from torch.distributed.pipelining import (
                 PipelineStage,
                 Schedule1F1B,
+                ScheduleDualPipeV,
                 ScheduleGPipe,
                 ScheduleInterleaved1F1B,
+                ScheduleInterleavedZeroBubble,
+                ScheduleZBVZeroBubble,
             )
 
             stages = [PipelineStage(chunk, idx, self.n_stages, self.ctx.device, group=self.ctx.pp_group)
                       for chunk, idx in zip(self.chunks, self.chunk_ids)]
             loss_fn = self.loss_fn
-            if self.schedule_name == "interleaved_1f1b":
+            zero_bubble = {"interleaved_zero_bubble": ScheduleInterleavedZeroBubble, "zbv": ScheduleZBVZeroBubble,
+                           "dualpipev": ScheduleDualPipeV}
+            if train and self.schedule_name in zero_bubble:
+                schedule = zero_bubble[self.schedule_name](stages, n_microbatches=n_micro, loss_fn=loss_fn)
+            elif self.schedule_name in V_SCHEDULES:  # forward-only evaluation in the V placement
+                schedule = _forward_only_v(ScheduleZBVZeroBubble(stages, n_microbatches=n_micro, loss_fn=loss_fn))
+            elif len(stages) > 1:  # interleaved_1f1b; forward-only evaluation of interleaved_zero_bubble
                 schedule = ScheduleInterleaved1F1B(stages, n_microbatches=n_micro, loss_fn=loss_fn)
             elif self.schedule_name == "1f1b" and train:
                 schedule = Schedule1F1B(stages[0], n_microbatches=n_micro, loss_fn=loss_fn)
@@ -123,6 +141,18 @@ class PipelineParallelModel(ParallelModel):
                 schedule = ScheduleGPipe(stages[0], n_microbatches=n_micro, loss_fn=loss_fn)
             self._schedules[key] = schedule
         return self._schedules[key]
+
+
+def _forward_only_v(schedule):
+    """A ZB-V schedule whose lowered action list keeps only the forwards and their sends and
+    receives (ZB-V's eval() would run its backward actions too, and fail without gradients)."""
+    from torch.distributed.pipelining.schedules import _ComputationType as T
+
+    kept = (T.FORWARD, T.SEND_F, T.RECV_F, T.UNSHARD, T.RESHARD)
+    schedule.pipeline_order_with_comms = {
+        rank: [a for a in actions if a.computation_type in kept]
+        for rank, actions in schedule.pipeline_order_with_comms.items()}
+    return schedule
 
 
 class _DenseGrad(torch.autograd.Function):
@@ -178,7 +208,7 @@ def plan_stages(model_cfg: ModelConfig, parallel: ParallelConfig, train: TrainCo
     return plan_pipeline(model_cfg, parallel.pp, virtual=parallel.virtual_stages, balance=parallel.pp_balance,
                          microbatches=n_micro, micro_batch=micro_batch, schedule=parallel.pp_schedule,
                          memory_gb=memory_gb, bytes_per_param=bytes_per_param, measured=measured,
-                         memory_key=memory_key, setup=setup)
+                         memory_key=memory_key, setup=setup, v_shape=parallel.pp_schedule in V_SCHEDULES)
 
 
 def make_plan(model: nn.Module, ctx: ParallelContext, model_cfg: ModelConfig, parallel: ParallelConfig,

@@ -64,6 +64,7 @@ CASES = {  # name -> (overrides, checkpointing, processes, stage, stage layers, 
     "none": ([], "none", 1, "", 0, 1),
     "selective": ([], "selective", 1, "", 0, 1),
     "full": ([], "full", 1, "", 0, 1),
+    "op": ([], "op", 1, "", 0, 1),
     "tp2_sp_selective": (TP_SP, "selective", 2, "", 0, 1),
     "bf16": (["train.precision=bf16"], "none", 1, "", 0, 1),
     "last_stage": ([], "none", 1, "last", 2, 1),
@@ -179,17 +180,19 @@ def test_cost_act_matches_saved_tensors(case):
     assert predicted == pytest.approx(saved, rel=tolerance)
 
 
-def test_head_act_matches_saved_tensors():
+@pytest.mark.parametrize("loss_chunk", [0, 24])
+def test_head_act_matches_saved_tensors(loss_chunk):
     cfg = load_config(None, ["model.n_layers=1", "model.d_model=64", "model.n_heads=2", "model.vocab_size=1024"]).model
     model = build_model(cfg)
     model.init_weights(0)
     h = torch.randn(2, 32, 64, requires_grad=True)
 
-    from megatron_taper.models.layers import cross_entropy
+    from megatron_taper.parallel.loss import loss_function
 
-    saved = saved_elements(model, lambda: cross_entropy(model.output(model.norm(h)), torch.randint(0, 1024, (2, 32))),
+    loss_fn = loss_function(loss_chunk)
+    saved = saved_elements(model, lambda: loss_fn(model.output(model.norm(h)), torch.randint(0, 1024, (2, 32))),
                            floating_only=True)
-    assert head_cost(cfg).act.total == pytest.approx(saved / 64, rel=0.01)
+    assert head_cost(cfg, chunked=loss_chunk > 0).act.total == pytest.approx(saved / 64, rel=0.01)
 
 
 @pytest.mark.parametrize("case", family_cases())

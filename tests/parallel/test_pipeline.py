@@ -178,3 +178,26 @@ def test_pp2_with_sequence_parallel_interleaving_and_fsdp2():
             assert max(abs(a - b) / b for a, b in zip(got["grad_norm"], ref["grad_norm"])) < NORM_RTOL
 
 
+
+
+ZERO_BUBBLE = ("interleaved_zero_bubble", "zbv", "dualpipev")
+
+
+def _zero_bubble_schedules() -> dict:
+    return {name: _loop(["parallel.pp=2", f"parallel.pp_schedule={name}"]) for name in ZERO_BUBBLE}
+
+
+def test_zero_bubble_schedules_match_one_process():
+    """Each zero-bubble schedule at pp=2 (2 chunks per rank: 4 stages of the 5 layers) against
+    one process: losses, grad norms and a forward-only evaluation."""
+    ref = _loop([])
+    results = run_distributed(_zero_bubble_schedules, 2, timeout=150)
+    for rank, r in enumerate(results):
+        for name in ZERO_BUBBLE:
+            got = r[name]
+            for key in ("loss", "eval_loss"):
+                assert max(abs(a - b) for a, b in zip(got[key], ref[key])) < LOSS_ATOL, (name, key, got, ref)
+            assert max(abs(a - b) / b for a, b in zip(got["grad_norm"], ref["grad_norm"])) < NORM_RTOL, name
+        # V placement: rank 0 holds the first and the last chunk, rank 1 the two middle ones
+        assert (0 in r["zbv"]["layers"] and 4 in r["zbv"]["layers"]) == (rank == 0)
+        assert r["dualpipev"]["layers"] == r["zbv"]["layers"]

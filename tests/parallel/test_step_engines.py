@@ -88,14 +88,14 @@ def test_ddp_matches_one_process(reference, byte_tokens, tmp_path, layout):
     print(f"DDP {layout}: max |loss - one process| = {_assert_close(got, reference, dp=2):.1e}")
 
 
-@pytest.mark.parametrize("mode", ["full", "selective"])
+@pytest.mark.parametrize("mode", ["full", "selective", "op"])
 @pytest.mark.parametrize("layout", [["parallel.tp=2", "parallel.pp=2"], ["parallel.zero=fsdp2"]],
                          ids=["tp2_pp2", "fsdp2_dp2"])
 def test_activation_checkpointing_matches_one_process(reference, byte_tokens, tmp_path, mode, layout):
     nproc = 4 if "parallel.pp=2" in layout else 2
     got = _run(nproc, tmp_path, byte_tokens, *layout, f"train.activation_checkpointing={mode}")
     # rank 0 holds blocks 0-1 under pp=2 (the wide ones, by FLOPs), all four otherwise
-    expected = {"full": [0, 1, 2, 3], "selective": [0, 2]}[mode]
+    expected = {"full": [0, 1, 2, 3], "selective": [0, 2], "op": [0, 1, 2, 3]}[mode]
     assert got["recomputed"] == [b for b in expected if nproc == 2 or b < 2]
     dp = 2 if "parallel.zero=fsdp2" in layout else 1
     print(f"checkpointing={mode} {layout}: max |loss - one process| = {_assert_close(got, reference, dp):.1e}")

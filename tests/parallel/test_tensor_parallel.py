@@ -89,6 +89,7 @@ def _max_rel(got, want):
     (2, []),
     (4, []),  # kv heads (2) < tp: each kv head on two ranks
     (4, ["parallel.sequence_parallel=true", "model.tie_embeddings=true"]),
+    (2, ["train.loss_chunk=7"]),  # chunked vocab-parallel loss against chunked one-process loss
 ])
 def test_tp_matches_one_process(tp, overrides):
     results = run_distributed(_tp_worker, tp, tp, overrides, timeout=180)
