@@ -188,14 +188,9 @@ def check_token_ids(path: str, key: str, vocab_size: int) -> None:
     embedding at the step that first samples it, hours in."""
     import numpy as np
 
-    if not os.path.isfile(path):
-        raise ConfigError(f"{key}: token file not found: {path}")
-    try:
-        tokens = np.load(path, mmap_mode="r")
-    except (ValueError, OSError) as e:
-        raise ConfigError(f"{key}: {path} is not a readable .npy token array: {e}") from None
-    if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
-        raise ConfigError(f"{key}: {path} must hold a 1-D integer token array, got {tokens.dtype} {tokens.shape}")
+    from megatron_taper.data.token_file import open_token_array
+
+    tokens = open_token_array(path, key)
     for start in range(0, len(tokens), TOKEN_SCAN_ELEMENTS):
         part = np.asarray(tokens[start: start + TOKEN_SCAN_ELEMENTS])
         if part.size and (int(part.min()) < 0 or int(part.max()) >= vocab_size):
