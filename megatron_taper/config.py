@@ -250,6 +250,9 @@ class DataConfig:
     # serve each global batch row a stream of consecutive windows (data/order.py RowStreams) instead of
     # shuffled packed samples; on by itself for a model that carries a state (model.bridge.carry_state)
     row_streams: bool = False
+    # remote MDS data: one attempt at fetching one shard (3 attempts); the training thread waits at most
+    # 3 x this for a shard, then this rank stops naming it (keep it well under the 600 s collective timeout)
+    download_timeout_s: float = 60.0
 
     MIX_KEYS = ("path", "weight", "name")
 
@@ -259,6 +262,7 @@ class DataConfig:
 
     def validate(self, prefix: str) -> None:
         check_range(f"{prefix}.eval_fraction", self.eval_fraction, 0.0, 0.5)
+        check_range(f"{prefix}.download_timeout_s", self.download_timeout_s, 1.0, None)
         for i, entry in enumerate(self.mix):
             key = f"{prefix}.mix[{i}]"
             if not isinstance(entry, dict):
