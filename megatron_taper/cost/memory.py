@@ -8,12 +8,14 @@ stage s; GPipe: m; without pipelining 1):
 
 static   per tp-local parameter P of the stage: parameters, gradients, AdamW state
          (one precision policy, docs/precision.md: all fp32. zero=none, also DDP: 4 + 4 + 8
-         bytes; fsdp2 with dp > 1: 16 / dp; deepspeed: (4 param + 4 grad + 4 fp32 master + 8
-         AdamW) / dp, less what is offloaded), plus weights held unsharded: fsdp2 under
+         bytes; fsdp2 with dp > 1: 16 / s, s = dp_shard under HSDP (parallel.dp_replicate x
+         parallel.dp_shard: the replicas hold the same shard), else dp; deepspeed: (4 param + 4
+         grad + 4 fp32 master + 8 AdamW) / dp, less what is offloaded), plus weights held
+         unsharded: fsdp2 under
          pipelining keeps the stage's parameters gathered and their gradients unsharded through
          the step (matmul weights in the compute dtype, embedding in fp32; gradients accumulated
          in fp32 under pipelining; the sharded gradient, made at the step's end as the unsharded
-         one is freed, is not counted besides it: 12 / dp + 4 + param bytes); fsdp2 without
+         one is freed, is not counted besides it: 12 / s + 4 + param bytes); fsdp2 without
          pipelining does so for the root (embedding, final norm, head); bf16 autocast (every
          layout but fsdp2 at dp > 1, which gathers matmul weights in bf16) keeps a bf16 copy of
          every weight it casts (2 bytes per P).
@@ -75,6 +77,7 @@ class MemorySetup:
     sequence_parallel: bool = False
     dp: int = 1
     zero: str = "none"  # none | fsdp2 | deepspeed (parallel.zero)
+    dp_shard: int = 0  # fsdp2: ranks the state is sharded over (HSDP: parallel.dp_shard); 0 = dp
     pipelined: bool = False  # pp > 1
     bf16: bool = False  # autocast to bf16 (train.precision on the device)
     activation_checkpointing: str = "none"  # none | full | selective | op
@@ -97,7 +100,8 @@ class MemorySetup:
         (default train.micro_batch) is the pipeline micro-batch when pipelined."""
         ds = parallel.deepspeed
         return cls(tp=parallel.tp, sequence_parallel=parallel.sequence_parallel and parallel.tp > 1, dp=dp,
-                   zero=parallel.zero, pipelined=parallel.pp > 1, bf16=bf16,
+                   zero=parallel.zero, dp_shard=parallel.dp_split(dp)[1] if parallel.zero == "fsdp2" else 0,
+                   pipelined=parallel.pp > 1, bf16=bf16,
                    activation_checkpointing=train.activation_checkpointing, ac_every=train.ac_every,
                    loss_chunk=train.loss_chunk,
                    micro_batch=micro_batch or train.micro_batch, microbatches=microbatches,
@@ -125,9 +129,10 @@ class MemorySetup:
             on_device = (0 if self.offload_param else 4.0) + 4.0
             on_device += 0 if self.offload_optimizer else 4.0 + adamw
             return on_device / self.dp
+        shards = (self.dp_shard or self.dp) if self.fsdp else 1
         if self.fsdp and self.pipelined:  # the sharded gradient appears only as the unsharded one is freed
-            return (4.0 + adamw) / self.dp
-        return (8.0 + adamw) / (self.dp if self.fsdp else 1)
+            return (4.0 + adamw) / shards
+        return (8.0 + adamw) / shards
 
     def unsharded_bytes_per_param(self, matmul: bool = True) -> float:
         """fsdp2: a gathered parameter and its unsharded gradient. Matmul-only layers (`matmul`)

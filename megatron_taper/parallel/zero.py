@@ -74,7 +74,7 @@ def _fsdp2(pm: ParallelModel, bf16: bool, pipelined: bool) -> ParallelModel:
     ctx = pm.ctx
     if ctx.dp == 1:
         return pm  # nothing to shard; the numerics are those of dp > 1 (docs/precision.md)
-    mesh = ctx.mesh["dp"]
+    mesh = ctx.dp_mesh  # HSDP: (dp_replicate, dp_shard), parameters Replicate() x Shard(0)
     fp32 = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=torch.float32)
     matmul = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32)
     module = pm.module
@@ -131,7 +131,8 @@ def _blocks(module: nn.Module) -> list[nn.Module]:
 
 
 def _dp_shard(local: torch.Tensor, mesh, device: torch.device) -> torch.Tensor:
-    """This rank's FSDP2 shard (dim 0, torch.chunk sizes) of a tp-local tensor, without comms."""
-    from torch.distributed.tensor import Shard, distribute_tensor
+    """This rank's FSDP2 shard (dim 0, torch.chunk sizes over the last mesh dimension; replicated
+    over an HSDP mesh's first) of a tp-local tensor, without comms."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    return distribute_tensor(local.to(device), mesh, [Shard(0)], src_data_rank=None)
+    return distribute_tensor(local.to(device), mesh, [Replicate()] * (mesh.ndim - 1) + [Shard(0)], src_data_rank=None)
