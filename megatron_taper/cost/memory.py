@@ -28,7 +28,9 @@ K        bytes one micro-batch keeps for backward: sum over the stage's blocks o
          them is booked as keeping everything).
 top      the largest moment of the backward of the micro-batch being processed: at the head,
          K + its loss buffers (train.loss_chunk: the logits' gradient in the compute dtype and
-         one chunk's fp32 softmax, two under bf16, instead of [tokens, V] fp32 buffers); at
+         one chunk's fp32 softmax, two under bf16, instead of [tokens, V] fp32 buffers; fsdp2
+         without pipelining: + the last block's gathered weights, which stay gathered from its
+         forward to its backward, parallel/zero.py); at
          block l, the kept bytes of the stage's blocks before l plus
          all of l's activations (recomputed or kept) and its largest backward moment (gradient
          buffers); fsdp2 without pipelining adds the gathered parameters and unsharded gradients
@@ -282,7 +284,8 @@ def model_memory(cfg: ModelConfig, setup: MemorySetup) -> ModelMemory:
     shares = _shares(cfg, setup.tp, cfg.taper.multiple)
     head_piece = piece_memory(head_cost(cfg, vocab_parallel=setup.tp > 1, chunked=setup.loss_chunk > 0), shares,
                               setup, tokens, False, cfg.d_model, block=False, matmul=not cfg.tie_embeddings)
-    head_piece = dataclasses.replace(head_piece, peak=head_piece.peak + loss_chunk_bytes(cfg, setup, tokens))
+    gathered = layers[-1].params * setup.compute_bytes if setup.fsdp and not setup.pipelined else 0.0
+    head_piece = dataclasses.replace(head_piece, peak=head_piece.peak + loss_chunk_bytes(cfg, setup, tokens) + gathered)
     embedding = piece_memory(costs.embedding, shares, setup, tokens, False, cfg.d_model, block=False, matmul=False)
     return ModelMemory(layers, embedding, head_piece, boundary_bytes(cfg.d_model, tokens, setup), setup)
 

@@ -78,23 +78,40 @@ def _fsdp2(pm: ParallelModel, bf16: bool, pipelined: bool) -> ParallelModel:
     fp32 = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=torch.float32)
     matmul = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32)
     module = pm.module
-    for block in _blocks(module):
-        _shard_unit(block, mesh, fp32, matmul, reshard=not pipelined)
-    _shard_unit(module, mesh, fp32, matmul, reshard=False)
+    blocks = _blocks(module)
+    units = [_shard_unit(block, mesh, fp32, matmul, reshard=not pipelined and i < len(blocks) - 1)
+             for i, block in enumerate(blocks)]
+    root = _shard_unit(module, mesh, fp32, matmul, reshard=False)
+    _prefetch_next([root, *units])
     pm.dp_sharded = True
     pm.dp_shard = functools.partial(_dp_shard, mesh=mesh, device=ctx.device)
     return pm
 
 
-def _shard_unit(unit: nn.Module, mesh, fp32, matmul, reshard: bool) -> None:
+def _shard_unit(unit: nn.Module, mesh, fp32, matmul, reshard: bool) -> list[nn.Module]:
     """Two FSDP units: the unit's matmul-only layers (gathered in the matmul policy's dtype) inside
-    the unit itself (everything else: norms, embeddings, gates, in fp32)."""
+    the unit itself (everything else: norms, embeddings, gates, in fp32). Returns one module of
+    each FSDP unit made (the prefetch targets of `unit`)."""
     from torch.distributed.fsdp import fully_shard
 
+    made = []
     linears = matmul_only_layers(unit)
     if linears and matmul.param_dtype is not None:
         fully_shard(linears, mesh=mesh, mp_policy=matmul, reshard_after_forward=reshard)
+        made.append(linears[0])
     fully_shard(unit, mesh=mesh, mp_policy=fp32, reshard_after_forward=reshard)
+    return [unit, *made]
+
+
+def _prefetch_next(units: list[list[nn.Module]]) -> None:
+    """Forward prefetch of depth 1: when a piece (the root, then each block in order) starts its
+    forward, the all-gathers of the next piece's units are issued, so they run while this piece
+    computes (without it FSDP2 issues them when the next piece starts, which overlaps only as
+    far as the host runs ahead of the device). Backward keeps FSDP2's own depth-1 prefetch (the
+    piece before, in reverse forward order); recomputation under activation checkpointing
+    prefetches nothing."""
+    for piece, following in zip(units, units[1:]):
+        piece[0].set_modules_to_forward_prefetch(following)
 
 
 def matmul_only_layers(unit: nn.Module) -> list[nn.Module]:
