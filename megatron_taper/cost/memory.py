@@ -29,12 +29,13 @@ K        bytes one micro-batch keeps for backward: sum over the stage's blocks o
 top      the largest moment of the backward of the micro-batch being processed: at the head,
          K + its loss buffers (train.loss_chunk: the logits' gradient in the compute dtype and
          one chunk's fp32 softmax, two under bf16, instead of [tokens, V] fp32 buffers; fsdp2
-         without pipelining: + the last block's gathered weights, which stay gathered from its
+         without pipelining: + the last FSDP unit's gathered weights, which stay gathered from its
          forward to its backward, parallel/zero.py); at
          block l, the kept bytes of the stage's blocks before l plus
          all of l's activations (recomputed or kept) and its largest backward moment (gradient
          buffers); fsdp2 without pipelining adds the gathered parameters and unsharded gradients
-         of the block and of the one prefetched.
+         of the block's FSDP unit (`fsdp_units`: consecutive blocks grouped) and of the unit
+         before it (prefetched).
 buffers  torch.distributed.pipelining's p2p buffers, [b, S, d] each: a non-first stage keeps
          a receive buffer per micro-batch of the step (those of the n in flight are the inputs
          counted in K), a non-last stage a gradient receive buffer per micro-batch and the
@@ -198,6 +199,29 @@ class StageMemory:
         return self.static + self.activations + self.buffers
 
 
+FSDP_UNIT_PER_RANK = 1_000_000  # elements of a unit's all-gather per dp_shard rank (Megatron's 1M x dp)
+FSDP_UNIT_CAP = 40_000_000  # elements: the gathered unit's memory bound (Megatron's 40M bucket)
+
+
+def fsdp_units(block_params: Sequence[float], dp_shard: int) -> list[list[int]]:
+    """fsdp2's FSDP units over a stage's blocks (indices into `block_params`, the tp-local
+    parameters of each block, in forward order): consecutive blocks grouped until a unit holds
+    min(FSDP_UNIT_PER_RANK x dp_shard, FSDP_UNIT_CAP) elements (each rank's share of the unit's
+    all-gather and reduce-scatter at least 1M elements, so they run at bandwidth rather than
+    latency, while what is gathered at once stays bounded); a block at least that large is a unit
+    alone; the last unit takes the blocks left over. parallel/zero.py applies it."""
+    target = min(FSDP_UNIT_PER_RANK * dp_shard, FSDP_UNIT_CAP)
+    units: list[list[int]] = [[]]
+    size = 0.0
+    for i, params in enumerate(block_params):
+        if size >= target:
+            units.append([])
+            size = 0.0
+        units[-1].append(i)
+        size += params
+    return units if block_params else []
+
+
 def checkpointed_blocks(names: list[str], mode: str, every: int) -> list[str]:
     """The rule of train.activation_checkpointing (applied by parallel/block_options.py): those of the
     block `names` (global indices) whose activations are recomputed under `mode`."""
@@ -254,8 +278,6 @@ def piece_memory(cost: Cost, shares: Split, setup: MemorySetup, tokens: int, rec
     full += act_bytes_per_token(cost.per_batch, shares, setup)
     moments = [act_bytes_per_token(m, shares, setup) * tokens for m in cost.backward]
     peak = full + max(moments, default=0.0)
-    if block and not setup.pipelined:  # fsdp2: this block and the prefetched one, gathered
-        peak += 2 * params * setup.unsharded_bytes_per_param()
     if not recompute:
         kept = full
     elif setup.activation_checkpointing != "op":
@@ -281,13 +303,29 @@ def model_memory(cfg: ModelConfig, setup: MemorySetup) -> ModelMemory:
     layers = [piece_memory(cost, _shares(cfg, setup.tp, width), setup, tokens, str(i) in recomputed,
                            cfg.d_model, block=True)
               for i, (cost, width) in enumerate(zip(costs.layers, costs.widths))]
+    if setup.fsdp and not setup.pipelined:
+        layers = _gathered_units(layers, setup)
     shares = _shares(cfg, setup.tp, cfg.taper.multiple)
     head_piece = piece_memory(head_cost(cfg, vocab_parallel=setup.tp > 1, chunked=setup.loss_chunk > 0), shares,
                               setup, tokens, False, cfg.d_model, block=False, matmul=not cfg.tie_embeddings)
-    gathered = layers[-1].params * setup.compute_bytes if setup.fsdp and not setup.pipelined else 0.0
+    last = fsdp_units([p.params for p in layers], setup.dp_shard or setup.dp)[-1] if layers else []
+    gathered = sum(layers[i].params for i in last) * setup.compute_bytes if setup.fsdp and not setup.pipelined else 0.0
     head_piece = dataclasses.replace(head_piece, peak=head_piece.peak + loss_chunk_bytes(cfg, setup, tokens) + gathered)
     embedding = piece_memory(costs.embedding, shares, setup, tokens, False, cfg.d_model, block=False, matmul=False)
     return ModelMemory(layers, embedding, head_piece, boundary_bytes(cfg.d_model, tokens, setup), setup)
+
+
+def _gathered_units(layers: list[PieceMemory], setup: MemorySetup) -> list[PieceMemory]:
+    """fsdp2 without pipelining: while block l runs backward its whole FSDP unit (fsdp_units) and
+    the unit before it (prefetched) are gathered, parameters and unsharded gradients."""
+    per_param = setup.unsharded_bytes_per_param()
+    units = fsdp_units([p.params for p in layers], setup.dp_shard or setup.dp)
+    out = list(layers)
+    for k, unit in enumerate(units):
+        gathered = sum(layers[i].params for i in unit) + sum(layers[i].params for i in units[k - 1] if k)
+        for i in unit:
+            out[i] = dataclasses.replace(layers[i], peak=layers[i].peak + gathered * per_param)
+    return out
 
 
 def loss_chunk_bytes(cfg: ModelConfig, setup: MemorySetup, tokens: int) -> float:

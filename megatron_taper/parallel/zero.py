@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from megatron_taper.cost.memory import fsdp_units
 from megatron_taper.parallel.context import uses_bf16
 from megatron_taper.parallel.model import ParallelModel
 
@@ -79,8 +80,9 @@ def _fsdp2(pm: ParallelModel, bf16: bool, pipelined: bool) -> ParallelModel:
     matmul = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32)
     module = pm.module
     blocks = _blocks(module)
-    units = [_shard_unit(block, mesh, fp32, matmul, reshard=not pipelined and i < len(blocks) - 1)
-             for i, block in enumerate(blocks)]
+    groups = fsdp_units([sum(p.numel() for p in block.parameters()) for block in blocks], ctx.dp_shard)
+    units = [_shard_unit([blocks[i] for i in group], mesh, fp32, matmul, reshard=not pipelined and k < len(groups) - 1)
+             for k, group in enumerate(groups)]
     root = _shard_unit(module, mesh, fp32, matmul, reshard=False)
     _prefetch_next([root, *units])
     pm.dp_sharded = True
@@ -88,19 +90,21 @@ def _fsdp2(pm: ParallelModel, bf16: bool, pipelined: bool) -> ParallelModel:
     return pm
 
 
-def _shard_unit(unit: nn.Module, mesh, fp32, matmul, reshard: bool) -> list[nn.Module]:
-    """Two FSDP units: the unit's matmul-only layers (gathered in the matmul policy's dtype) inside
-    the unit itself (everything else: norms, embeddings, gates, in fp32). Returns one module of
-    each FSDP unit made (the prefetch targets of `unit`)."""
+def _shard_unit(unit: nn.Module | list[nn.Module], mesh, fp32, matmul, reshard: bool) -> list[nn.Module]:
+    """Two FSDP units: the matmul-only layers of `unit` (a module, or consecutive blocks sharded
+    as one) gathered in the matmul policy's dtype, inside the unit itself (everything else: norms,
+    embeddings, gates, in fp32). Returns one module of each FSDP unit made (the prefetch targets
+    of `unit`)."""
     from torch.distributed.fsdp import fully_shard
 
+    modules = unit if isinstance(unit, list) else [unit]
     made = []
-    linears = matmul_only_layers(unit)
+    linears = [layer for m in modules for layer in matmul_only_layers(m)]
     if linears and matmul.param_dtype is not None:
         fully_shard(linears, mesh=mesh, mp_policy=matmul, reshard_after_forward=reshard)
         made.append(linears[0])
     fully_shard(unit, mesh=mesh, mp_policy=fp32, reshard_after_forward=reshard)
-    return [unit, *made]
+    return [modules[0], *made]
 
 
 def _prefetch_next(units: list[list[nn.Module]]) -> None:
