@@ -7,19 +7,28 @@ state over the dp group of the (pp, dp, tp) mesh; each tp rank shards its own tp
 tp ranks are independent and every dp group only ever sees same-shaped tensors.
 
 fsdp2 (`torch.distributed.fsdp.fully_shard`)
-    One FSDP unit per block, plus the stage's root module (embedding, final norm, head).
-    Parameters become DTensors sharded (dim 0) over the dp sub-mesh; gradients are
-    reduce-scattered in backward in fp32 (`reduce_dtype`), so the ParallelModel only completes tp
-    sums, takes the global norm over dp shards and clips. Precision (docs/precision.md, one policy
+    FSDP units (each one all-gather per pass and one reduce-scatter: the fsdp2 "bucket"): the
+    stage's blocks grouped consecutively by cost/memory.py `fsdp_units` (until a unit holds
+    min(1M x dp_shard, 40M) elements: every rank's share of a collective at least 1M elements,
+    what is gathered at once bounded; a larger block is a unit alone), plus the stage's root
+    module (embedding, final norm, head). Forward prefetch depth 1: a piece's pre-forward issues
+    the next unit's all-gathers (the root's: the first unit's); backward keeps FSDP2's own
+    depth-1 prefetch. Parameters become DTensors sharded (dim 0) over `ctx.dp_mesh`: the dp
+    sub-mesh, or under HSDP (parallel.dp_replicate > 1) the 2-D (dp_replicate, dp_shard) mesh,
+    Replicate() x Shard(0), where FSDP2 reduce-scatters inside dp_shard and all-reduces the shard
+    over dp_replicate. Gradients are reduced in backward in fp32 (`reduce_dtype`), so the
+    ParallelModel only completes tp sums, takes the global norm over the dp_shard shards (each
+    replica holds the same shard: counted once) and clips. Precision (docs/precision.md, one policy
     at every layout): parameters, gradients and AdamW state stay fp32 shards; the forward runs
-    under bf16 autocast as everywhere else. Each block (and the root) is two FSDP units: its
+    under bf16 autocast as everywhere else. Each unit (and the root) is two FSDP units: its
     matmul-only layers (`matmul_only_layers`) are gathered in bf16 (MixedPrecisionPolicy
     param_dtype=bf16: the same rounding autocast applies to them at dp = 1, at half the
     all-gather bytes), the rest (norms, embeddings, gates) in fp32, so norms, embeddings and the
     residual stream compute in fp32 at any dp. Gradients are reduce-scattered in fp32.
-    reshard_after_forward: without pipelining, True for blocks (ZeRO-3: a block's full weights
-    exist only while it runs; all-gathered again for its backward) and False for the root (its
-    backward follows at once). Under pipelining, False everywhere: 1F1B interleaves the forward
+    reshard_after_forward: without pipelining, True for the units of blocks (ZeRO-3: a unit's full
+    weights exist only while it runs; all-gathered again for its backward) but the last one, and
+    False for the root and the last unit (their backward follows at once, as in torchtitan).
+    Under pipelining, False everywhere: 1F1B interleaves the forward
     and backward of many micro-batches, and resharding would all-gather every block twice per
     micro-batch; instead a stage's weights stay gathered from its first forward until the
     schedule's last backward, which reshards them and reduce-scatters the gradients once per step
@@ -30,12 +39,11 @@ fsdp2 (`torch.distributed.fsdp.fully_shard`)
 
 deepspeed (DeepSpeed ZeRO stage 3, see `DeepSpeedParallelModel` in zero_deepspeed.py)
 
-Checkpoints (checkpoint.py) stay in the logical, layout-free format: full tensors keyed by
-parameter name, gathered shard by shard (`ParallelModel.full_tensor`: DTensor.full_tensor over dp,
-then the tp gather). DCP cannot describe our tp layout (uneven Megatron shards held as plain
-tensors, not DTensors), and the logical format already resumes on any (pp, dp, tp) and engine.
-The cost is that dp/tp rank 0 of each stage holds that stage's full state in CPU memory while
-writing; for models beyond a few billion parameters per stage a DCP writer would be needed.
+Checkpoints (checkpoint/checkpointer.py, format 2) hold boxes of the logical tensors: each rank
+writes the pieces it owns (`ParallelModel.piece_box`: its tp slice and its dp_shard rows; under
+HSDP only the first replica writes) without gathering, and a resume reads the boxes overlapping
+its own pieces, so a checkpoint loads on any (pp, dp, tp), HSDP split and engine. DCP is not used:
+it cannot describe our tp layout (uneven Megatron shards held as plain tensors, not DTensors).
 """
 from __future__ import annotations
 
