@@ -20,7 +20,7 @@ fsdp2 (`torch.distributed.fsdp.fully_shard`)
     ParallelModel only completes tp sums, takes the global norm over the dp_shard shards (each
     replica holds the same shard: counted once) and clips. Precision (docs/precision.md, one policy
     at every layout): parameters, gradients and AdamW state stay fp32 shards; the forward runs
-    under bf16 autocast as everywhere else. Each unit (and the root) is two FSDP units: its
+    under bf16 autocast as everywhere else. Each unit (and the root) is two FSDP groups: its
     matmul-only layers (`matmul_only_layers`) are gathered in bf16 (MixedPrecisionPolicy
     param_dtype=bf16: the same rounding autocast applies to them at dp = 1, at half the
     all-gather bytes), the rest (norms, embeddings, gates) in fp32, so norms, embeddings and the

@@ -7,7 +7,8 @@ norm clipping uses, summed over dp_shard only: replicas hold the same shard) wit
 one process (zero=none), as every ZeRO layout in test_zero.py; the final parameters (the step-10
 checkpoint) within WEIGHT_TOL = 1e-5 (fp32 reduction orders differ by ~1e-7 per step and the
 AdamW updates of lr 3e-3 carry that over 10 steps). Its step-5 checkpoint (written by the first
-replica alone) resumes at plain fsdp2 dp=2 with that run's losses for steps 6-10 (TOL).
+replica alone) resumes at plain fsdp2 dp=2 and in one process with that run's losses for steps
+6-10 (TOL). A NaN gradient on one rank makes every rank skip that step (the non-finite policy).
 """
 import pytest
 import torch
@@ -16,6 +17,7 @@ from megatron_taper.checkpoint.files import CheckpointReader, iter_full_tensors
 from megatron_taper.config import load_config
 from megatron_taper.preflight import preflight
 from megatron_taper.validation import ConfigError
+from tests.helpers.harness import run_distributed
 from tests.parallel.test_zero import MODEL, TOL, TRAIN, _losses, _max_diff, _run
 
 pytestmark = pytest.mark.multiprocess
@@ -59,14 +61,15 @@ def test_hsdp_2x2_matches_one_process(hsdp_runs):
     assert min(_norms(root / "ref").values()) > 1.0  # clipping was active: the norm's value mattered
 
 
-def test_hsdp_checkpoint_resumes_into_plain_fsdp2(hsdp_runs, tmp_path):
+@pytest.mark.parametrize("nproc", [2, 1])
+def test_hsdp_checkpoint_resumes_into_plain_fsdp2(hsdp_runs, tmp_path, nproc):
     saved = hsdp_runs["root"] / "hsdp"
-    _run(2, tmp_path / "run", hsdp_runs["data"], "parallel.zero=fsdp2",
+    _run(nproc, tmp_path / "run", hsdp_runs["data"], "parallel.zero=fsdp2",
          f"run.resume={saved / 'checkpoints' / 'step-5'}")
     got = _losses(tmp_path / "run")
     assert sorted(got) == list(range(6, 11))
     diff = _max_diff(got, _losses(saved))
-    print(f"HSDP 2 x 2 -> fsdp2 dp=2: max |loss - uninterrupted| over steps 6-10 = {diff:.1e}")
+    print(f"HSDP 2 x 2 -> fsdp2 dp={nproc}: max |loss - uninterrupted| over steps 6-10 = {diff:.1e}")
     assert diff < TOL
 
 
@@ -79,6 +82,38 @@ def test_hsdp_composes_with_tp(hsdp_runs, tmp_path):
     diff = _max_diff(got, _losses(hsdp_runs["root"] / "ref"))
     print(f"tp=2 x HSDP 2 x 1: max |loss - one process| = {diff:.1e}")
     assert len(got) == 10 and diff < TOL
+
+
+def _nan_gradients_on_rank3(overrides):
+    """3 HSDP steps; in step 2 the last rank's loss (another replica and shard than rank 0) is
+    multiplied by NaN, so its gradients are NaN and only reach the others through FSDP2's
+    reduce-scatter and replica all-reduce: every rank must skip that step and no other."""
+    import torch.distributed as dist
+
+    from megatron_taper.parallel.model import local_part
+    from megatron_taper.trainer import Trainer
+
+    trainer = Trainer(load_config(None, overrides))
+    pm, calls, loss_fn = trainer.pm, [0], trainer.pm.loss_fn
+
+    def poisoned(logits, target):
+        calls[0] += 1
+        loss = loss_fn(logits, target)
+        return loss * float("nan") if dist.get_rank() == 3 and calls[0] == 2 else loss
+
+    pm.loss_fn = poisoned
+    changed = []
+    for _ in range(3):
+        before = [local_part(p).detach().clone() for p in pm.module.parameters()]
+        trainer.train_step()
+        changed.append(any(not torch.equal(b, local_part(p)) for b, p in zip(before, pm.module.parameters())))
+    return trainer.skipped, changed
+
+
+def test_hsdp_non_finite_gradient_on_one_rank_skips_the_step_everywhere(hsdp_runs, tmp_path):
+    args = MODEL + TRAIN + HSDP + [f"run.dir={tmp_path}", f"data.path={hsdp_runs['data']}", "train.steps=3"]
+    for skipped, changed in run_distributed(_nan_gradients_on_rank3, 4, args, timeout=120):
+        assert skipped == 1 and changed == [True, False, True]
 
 
 @pytest.mark.parametrize("overrides,world,message", [
