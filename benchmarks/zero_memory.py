@@ -116,6 +116,8 @@ def main() -> None:
     if args.worker:
         worker(args.worker, args.overrides, args.out)
         return
+    if args.hsdp:  # global_batch 4 over dp = 4
+        args.overrides = ["train.micro_batch=1", *args.overrides]
     total = launch("none", 1, args.overrides)[0]
     report = {"total_dp1": {k: total[k] for k in ("params_bytes", "grads_bytes", "optim_bytes")}}
     runs = ([("dp4", "fsdp2", 4, [], 4), ("hsdp_2x2", "fsdp2", 4, ["parallel.dp_replicate=2"], 2)] if args.hsdp else
