@@ -28,6 +28,20 @@ def test_units_grow_with_dp_shard_up_to_the_cap():
     assert fsdp_units([], 2) == []
 
 
+def test_memory_model_counts_the_gathered_units():
+    """At block l's backward: l's unit and the unit before it, gathered (fp32: 4 + 4 bytes per
+    parameter, weight and unsharded gradient); at the head's: the last unit's weights."""
+    from megatron_taper.config import load_config
+    from megatron_taper.cost.memory import MemorySetup, model_memory
+
+    cfg = load_config(None, MODEL + WIDER).model
+    fsdp, none = model_memory(cfg, MemorySetup(zero="fsdp2", dp=2)), model_memory(cfg, MemorySetup())
+    p = [layer.params for layer in fsdp.layers]
+    extra = [f.peak - n.peak for f, n in zip(fsdp.layers, none.layers)]
+    assert extra == pytest.approx([8 * p[0], 8 * sum(p), 8 * sum(p)])
+    assert fsdp.head.peak - none.head.peak == pytest.approx(4 * (p[1] + p[2]))
+
+
 def _forward_backward_observed(overrides):
     import torch
     from torch.distributed.tensor import DTensor
