@@ -40,6 +40,10 @@ def plan_lines(cfg, layout, world: int, nodes: int) -> list[str]:
         + f", lr {t.lr:g}, device {t.device}; {data}",
         f"run dir: {os.path.abspath(cfg.run.dir)} (resume {cfg.run.resume})",
     ]
+    group = p.tp * p.dp_split(layout.dp)[1]  # consecutive ranks of one HSDP shard group
+    if p.dp_replicate > 1 and (world // nodes) % group:
+        lines.append(f"note: an HSDP shard group is parallel.tp x parallel.dp_shard = {group} consecutive ranks, which "
+                     f"do not fit the {world // nodes} per node: its all-gathers cross nodes")
     return lines
 
 

@@ -140,6 +140,15 @@ def test_bad_hsdp_values_are_refused(overrides, message):
         load_config(None, MODEL + TRAIN + overrides)
 
 
+def test_launch_plan_names_shard_groups_that_cross_nodes():
+    from megatron_taper.launch_check import plan_lines
+
+    cfg = load_config(None, MODEL + TRAIN + ["parallel.zero=fsdp2", "parallel.dp_replicate=2", "train.global_batch=8"])
+    inside, across = plan_lines(cfg, preflight(cfg, 8), 8, 2), plan_lines(cfg, preflight(cfg, 8), 8, 4)
+    assert "HSDP dp_replicate 2 x dp_shard 4" in inside[0] and not any("cross nodes" in x for x in inside)
+    assert "parallel.tp x parallel.dp_shard = 4 consecutive ranks, which do not fit the 2 per node" in across[-1]
+
+
 def test_hsdp_rank_layout_and_memory_model():
     from megatron_taper.cost.memory import MemorySetup
     from megatron_taper.parallel.context import ParallelContext
