@@ -8,7 +8,8 @@ one process (zero=none), as every ZeRO layout in test_zero.py; the final paramet
 checkpoint) within WEIGHT_TOL = 1e-5 (fp32 reduction orders differ by ~1e-7 per step and the
 AdamW updates of lr 3e-3 carry that over 10 steps). Its step-5 checkpoint (written by the first
 replica alone) resumes at plain fsdp2 dp=2 and in one process with that run's losses for steps
-6-10 (TOL). A NaN gradient on one rank makes every rank skip that step (the non-finite policy).
+6-10 (TOL). A NaN gradient on one rank makes every rank skip that step (the non-finite policy),
+and the shard groups are the ones the rank layout of parallel/context.py names.
 """
 import pytest
 import torch
@@ -107,13 +108,20 @@ def _nan_gradients_on_rank3(overrides):
         before = [local_part(p).detach().clone() for p in pm.module.parameters()]
         trainer.train_step()
         changed.append(any(not torch.equal(b, local_part(p)) for b, p in zip(before, pm.module.parameters())))
-    return trainer.skipped, changed
+    ctx = trainer.ctx
+    mesh = (tuple(ctx.dp_mesh.get_coordinate()), (ctx.dp_replicate_rank, ctx.dp_shard_rank),
+            dist.get_process_group_ranks(ctx.dp_shard_group), dist.get_process_group_ranks(ctx.dp_group))
+    return trainer.skipped, changed, mesh
 
 
-def test_hsdp_non_finite_gradient_on_one_rank_skips_the_step_everywhere(hsdp_runs, tmp_path):
+def test_hsdp_mesh_follows_the_rank_layout_and_a_nan_gradient_skips_the_step_everywhere(hsdp_runs, tmp_path):
     args = MODEL + TRAIN + HSDP + [f"run.dir={tmp_path}", f"data.path={hsdp_runs['data']}", "train.steps=3"]
-    for skipped, changed in run_distributed(_nan_gradients_on_rank3, 4, args, timeout=120):
+    for rank, (skipped, changed, mesh) in enumerate(run_distributed(_nan_gradients_on_rank3, 4, args, timeout=120)):
         assert skipped == 1 and changed == [True, False, True]
+        coordinate, from_rank, shard_group, dp_group = mesh
+        # dp_shard the faster dimension: ranks 0, 1 and 2, 3 share shards; the flat dp group is all
+        assert coordinate == from_rank == (rank // 2, rank % 2)
+        assert shard_group == [rank // 2 * 2, rank // 2 * 2 + 1] and dp_group == [0, 1, 2, 3]
 
 
 @pytest.mark.parametrize("overrides,world,message", [
