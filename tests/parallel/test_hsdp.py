@@ -64,7 +64,12 @@ def test_hsdp_2x2_matches_one_process(hsdp_runs):
 
 @pytest.mark.parametrize("nproc", [2, 1])
 def test_hsdp_checkpoint_resumes_into_plain_fsdp2(hsdp_runs, tmp_path, nproc):
+    import json
+
     saved = hsdp_runs["root"] / "hsdp"
+    meta = json.loads((saved / "checkpoints" / "step-5" / "meta.json").read_text())
+    writers = {r["file"] for entry in meta["tensors"].values() for r in entry["records"]}
+    assert writers == {"shards/rank-00000.safetensors", "shards/rank-00001.safetensors"}  # the first replica's ranks
     _run(nproc, tmp_path / "run", hsdp_runs["data"], "parallel.zero=fsdp2",
          f"run.resume={saved / 'checkpoints' / 'step-5'}")
     got = _losses(tmp_path / "run")
