@@ -151,6 +151,8 @@ ZERO_BUBBLE_SCHEDULES = ("interleaved_zero_bubble", *V_SCHEDULES)
 class ParallelConfig:
     tp: int = 1
     pp: int = 1
+    # context parallelism: each sequence split over this many ranks (parallel/context_parallel.py)
+    cp: int = 1
     zero: str = "none"  # none | fsdp2 | deepspeed
     pp_balance: str = "flops"  # flops | uniform | params | profile
     pp_schedule: str = "1f1b"  # 1f1b | gpipe | interleaved_1f1b | interleaved_zero_bubble | zbv | dualpipev
@@ -166,6 +168,7 @@ class ParallelConfig:
     def validate(self, prefix: str) -> None:
         check_range(f"{prefix}.tp", self.tp, 1, None)
         check_range(f"{prefix}.pp", self.pp, 1, None)
+        check_range(f"{prefix}.cp", self.cp, 1, None)
         check_range(f"{prefix}.microbatches", self.microbatches, 0, None)
         check_range(f"{prefix}.pp_virtual", self.pp_virtual, 1, None)
         check_range(f"{prefix}.pp_memory_gb", self.pp_memory_gb, 0.0, None)

@@ -29,7 +29,7 @@ def plan_lines(cfg, layout, world: int, nodes: int) -> list[str]:
             f"data.path={cfg.data.path or '(built-in corpus)'}")
     lines = [
         f"processes: {nodes} node(s) x {world // nodes} per node = {world}: pp {layout.pp} x dp {layout.dp} x "
-        f"tp {layout.tp}, zero {p.zero}",
+        + (f"cp {layout.cp} x " if layout.cp > 1 else "") + f"tp {layout.tp}, zero {p.zero}",
         f"batch: global_batch {t.global_batch} = dp {layout.dp} x micro_batch {t.micro_batch} x "
         f"{layout.accumulation} accumulation" + (f"; {layout.pipeline_microbatches} pipeline micro-batches"
                                                  if layout.pp > 1 else ""),
