@@ -151,3 +151,35 @@ def test_preflight_refuses_what_cp_does_not_support(overrides, world, message):
 def test_unknown_cp_key_suggests_parallel_cp():
     with pytest.raises(ConfigError, match=re.escape("did you mean 'parallel.cp'")):
         load_config(None, ["parallel.cp_size=2"])
+
+
+def _train_main(args):
+    """The Trainer's command line on this process (the harness joined the process group)."""
+    from megatron_taper.train import main
+
+    assert main(list(args)) == 0
+
+
+def test_resume_at_another_cp_size(tmp_path):
+    """Trained at cp=2 (2 processes) up to a checkpoint at step 2, resumed in one process: the loss
+    sequence (and the held-out loss at the end) equals the uninterrupted one-process run within the
+    tolerance above. The checkpoint is cp-free: only cp rank 0 writes the replicated parameters."""
+    import numpy as np
+
+    from tests.helpers.runner import losses, read_metrics, stdlib_bytes, train_in_process
+
+    tokens = tmp_path / "tokens.npy"
+    np.save(tokens, np.frombuffer(stdlib_bytes(200_000), dtype=np.uint8).astype(np.int64) % 101)
+    args = [*MODEL, f"data.path={tokens}", "train.steps=4", "train.log_interval=1", "train.eval_batches=2",
+            "run.tensorboard=false", "train.device=cpu"]
+    train_in_process([*args, f"run.dir={tmp_path / 'straight'}"])
+    run_distributed(_train_main, 2, [*args, "parallel.cp=2", "train.exit_after=2", f"run.dir={tmp_path / 'split'}"],
+                    timeout=120)
+    assert len(losses(tmp_path / "split")) == 2
+    out = train_in_process([*args, f"run.dir={tmp_path / 'split'}"])
+    assert "resumed from" in out.stdout and "at step 2" in out.stdout
+    straight, split = losses(tmp_path / "straight"), losses(tmp_path / "split")
+    assert len(split) == len(straight) == 4
+    assert max(abs(a - b) for a, b in zip(split, straight)) < LOSS_ATOL, (split, straight)
+    evals = [[r["eval_loss"] for r in read_metrics(tmp_path / d) if "eval_loss" in r] for d in ("straight", "split")]
+    assert len(evals[0]) == 1 and abs(evals[0][0] - evals[1][-1]) < LOSS_ATOL, evals
