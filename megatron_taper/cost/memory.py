@@ -1,7 +1,7 @@
 """Predicted peak memory of one rank during a training step, per pipeline stage, in bytes.
 
 For a stage (its layers; the embedding on the first, final norm + head + loss on the last) on
-one rank of the (pp, dp, tp) layout, with n micro-batches in flight (1F1B: min(pp - s, m) on
+one rank of the (pp, dp, cp, tp) layout, with n micro-batches in flight (1F1B: min(pp - s, m) on
 stage s; GPipe: m; without pipelining 1):
 
     peak = static + (n - 1) * K + top + buffers
@@ -45,6 +45,14 @@ parallelism. Bytes: `seq` and `vocab` (the unchunked loss) in fp32, the rest (th
 `logits` too) in the compute dtype (bf16 under autocast, else fp32); a recomputed block's input
 in fp32.
 
+Context parallelism (parallel.cp, parallel/context_parallel.py): a rank holds micro_batch x
+seq_len / cp tokens, so every per-token activation divides by cp; but each attention layer keeps
+the K and V of the whole sequence it all-gathered ([b, K, S, E] each, in the compute dtype) instead
+of its own slice, and its backward holds their gradients at that size before the reduce-scatter:
+the elements split with the kv heads (`kv`) of a block count cp times per local token (for the
+families that support cp, `kv` is exactly K and V). The causal mask of the gathered keys ([S / cp,
+S] booleans per micro-batch; ALiBi: [H, S / cp, S] in the compute dtype) is not modelled.
+
 Not modelled: the optimizer step's temporaries (after the activations are freed), collective
 buffers besides DeepSpeed's (DDP buckets are the gradients themselves), allocator caching and fragmentation, the
 CUDA context and kernels' workspaces, token ids and other [b, S] tensors, the embedding's dense
@@ -74,6 +82,7 @@ class MemorySetup:
     tp: int = 1
     sequence_parallel: bool = False
     dp: int = 1
+    cp: int = 1  # context parallelism: each sequence split over cp ranks (module doc)
     zero: str = "none"  # none | fsdp2 | deepspeed (parallel.zero)
     pipelined: bool = False  # pp > 1
     bf16: bool = False  # autocast to bf16 (train.precision on the device)
@@ -97,6 +106,7 @@ class MemorySetup:
         (default train.micro_batch) is the pipeline micro-batch when pipelined."""
         ds = parallel.deepspeed
         return cls(tp=parallel.tp, sequence_parallel=parallel.sequence_parallel and parallel.tp > 1, dp=dp,
+                   cp=parallel.cp,
                    zero=parallel.zero, pipelined=parallel.pp > 1, bf16=bf16,
                    activation_checkpointing=train.activation_checkpointing, ac_every=train.ac_every,
                    loss_chunk=train.loss_chunk,
@@ -268,11 +278,11 @@ def boundary_bytes(d_model: int, tokens: int, setup: MemorySetup) -> float:
 def model_memory(cfg: ModelConfig, setup: MemorySetup) -> ModelMemory:
     """Bytes of every piece of the model `cfg` under `setup` (module doc)."""
     costs = model_costs(cfg)
-    tokens = setup.micro_batch * cfg.seq_len
+    tokens = setup.micro_batch * cfg.seq_len // setup.cp
     recomputed = set(checkpointed_blocks([str(i) for i in range(cfg.n_layers)], setup.activation_checkpointing,
                                          setup.ac_every))
-    layers = [piece_memory(cost, _shares(cfg, setup.tp, width), setup, tokens, str(i) in recomputed,
-                           cfg.d_model, block=True)
+    layers = [piece_memory(gathered_kv(cost, setup.cp), _shares(cfg, setup.tp, width), setup, tokens,
+                           str(i) in recomputed, cfg.d_model, block=True)
               for i, (cost, width) in enumerate(zip(costs.layers, costs.widths))]
     shares = _shares(cfg, setup.tp, cfg.taper.multiple)
     head_piece = piece_memory(head_cost(cfg, vocab_parallel=setup.tp > 1, chunked=setup.loss_chunk > 0), shares,
@@ -280,6 +290,19 @@ def model_memory(cfg: ModelConfig, setup: MemorySetup) -> ModelMemory:
     head_piece = dataclasses.replace(head_piece, peak=head_piece.peak + loss_chunk_bytes(cfg, setup, tokens))
     embedding = piece_memory(costs.embedding, shares, setup, tokens, False, cfg.d_model, block=False, matmul=False)
     return ModelMemory(layers, embedding, head_piece, boundary_bytes(cfg.d_model, tokens, setup), setup)
+
+
+def gathered_kv(cost: Cost, cp: int) -> Cost:
+    """A block's cost per local token under context parallelism: its K and V (and their gradients
+    in backward) are those of the whole sequence, cp times the rank's tokens (module doc). Under
+    activation_checkpointing=op the kept K and V projections stay the rank's own (`op_act`)."""
+    if cp == 1:
+        return cost
+
+    def more(split: Split) -> Split:
+        return split + Split(kv=split.kv * (cp - 1))
+
+    return dataclasses.replace(cost, act=more(cost.act), backward=tuple(more(b) for b in cost.backward))
 
 
 def loss_chunk_bytes(cfg: ModelConfig, setup: MemorySetup, tokens: int) -> float:
