@@ -59,7 +59,6 @@ def theory(cfg, cp: int, params: int) -> dict:
 
 def worker(overrides: list[str], steps: int) -> dict:
     import torch
-
     from activation_memory import PeakMeter, _tokens
     from tp_comm import CollectiveCounter
 
