@@ -153,6 +153,8 @@ class ParallelConfig:
     pp: int = 1
     # context parallelism: each sequence split over this many ranks (parallel/context_parallel.py)
     cp: int = 1
+    # how attention sees the other cp ranks' keys: allgather (K and V of the whole sequence) | ring
+    cp_attention: str = "allgather"
     zero: str = "none"  # none | fsdp2 | deepspeed
     pp_balance: str = "flops"  # flops | uniform | params | profile
     pp_schedule: str = "1f1b"  # 1f1b | gpipe | interleaved_1f1b | interleaved_zero_bubble | zbv | dualpipev
@@ -174,6 +176,7 @@ class ParallelConfig:
         check_range(f"{prefix}.pp_memory_gb", self.pp_memory_gb, 0.0, None)
         check_range(f"{prefix}.ddp_bucket_mb", self.ddp_bucket_mb, 0.0, None)
         check_choice(f"{prefix}.zero", self.zero, ("none", "fsdp2", "deepspeed"))
+        check_choice(f"{prefix}.cp_attention", self.cp_attention, ("allgather", "ring"))
         check_choice(f"{prefix}.pp_balance", self.pp_balance, PP_BALANCE_MODES)
         check_choice(f"{prefix}.pp_schedule", self.pp_schedule, PP_SCHEDULES)
         self.deepspeed.validate(f"{prefix}.deepspeed")

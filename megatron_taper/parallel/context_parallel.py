@@ -24,6 +24,22 @@ Communication per attention layer and micro-batch, per rank: forward an all-gath
 Memory: the gathered K and V ([B, K, S, E] each, the whole sequence) are kept for backward in every
 layer, beside the activations of the rank's S / cp tokens (cost/memory.py).
 
+parallel.cp_attention=ring (`_RingAttention`): K and V blocks travel around the ring instead.
+
+    forward   cp steps: attend to the block held (the rank's own first, then the one received
+              from cp rank r - 1 at the step before), merge the block's output by its
+              log-sum-exp (online softmax), pass the block on to r + 1 while computing (isend /
+              irecv of [B, K, S / cp, E] x 2)
+    saved     q, k, v of the rank's slice, the merged output and log-sum-exp [B, H, S / cp]
+    backward  cp steps again: each block's dq, dk, dv from the saved global output and
+              log-sum-exp (as flash attention's backward); the block's dk, dv accumulate as they
+              travel with it, and one last step hands them to the rank that owns it
+
+Same bytes on the wire as the all-gather (forward (cp - 1) blocks; backward (cp - 1) blocks of
+K, V and cp of their gradients), in point-to-point steps that overlap the blocks' attention, and
+only the rank's own K and V kept for backward. Each block's attention is computed here in fp32
+matmuls ([B, H, S / cp, S / cp] scores at a time, masked by causal_mask_at), not by a fused kernel.
+
 Loss (`split_loss`): each rank's share is the sum of its tokens' losses x cp / the kept targets of
 the whole sequence (a scalar all-reduce of the count), so that the mean of the shares over the cp
 group is the loss of the whole sequence; gradients are averaged over dp x cp (DDP over
@@ -49,6 +65,7 @@ class SequenceSplit:
     cp: int
     rank: int  # this rank's index in the cp group
     group: dist.ProcessGroup
+    ring: bool = False  # parallel.cp_attention=ring: K/V passed around the ring, else all-gathered
 
     def positions_of(self, rank: int, local_len: int, device: torch.device) -> torch.Tensor:
         """True positions [local_len] of the tokens cp rank `rank` holds (chunks rank, 2 cp - 1 - rank)."""
@@ -66,10 +83,32 @@ class SequenceSplit:
         chunks = x.chunk(2 * self.cp, dim=1)
         return torch.cat((chunks[self.rank], chunks[2 * self.cp - 1 - self.rank]), dim=1)
 
+    def pass_on(self, x: torch.Tensor, tag: int = 0):
+        """Send x to cp rank r + 1 and receive the same shape from r - 1 (in the background); a
+        function that waits and returns what was received. `tag` tells apart transfers in flight
+        at once (a block and the gradients travelling with another)."""
+        world = dist.get_process_group_ranks(self.group)
+        received = torch.empty_like(x)
+        works = dist.batch_isend_irecv([
+            dist.P2POp(dist.isend, x.contiguous(), world[(self.rank + 1) % self.cp], self.group, tag),
+            dist.P2POp(dist.irecv, received, world[(self.rank - 1) % self.cp], self.group, tag)])
+
+        def wait() -> torch.Tensor:
+            for work in works:
+                work.wait()
+            return received
+        return wait
+
+    def block_mask(self, q_pos: torch.Tensor, owner: int, slopes: torch.Tensor | None) -> torch.Tensor:
+        """The causal mask (or ALiBi bias) of this rank's queries over the keys cp rank `owner` holds."""
+        return causal_mask_at(q_pos, self.positions_of(owner, q_pos.shape[0], q_pos.device), slopes)
+
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                slopes: torch.Tensor | None = None) -> torch.Tensor:
         """Causal attention of this rank's queries over the whole sequence's keys: q [B, H, s, E],
         k, v [B, K, s, E] at this rank's positions (s = S / cp); `slopes` [H]: ALiBi. -> [B, H, s, E]."""
+        if self.ring:
+            return _RingAttention.apply(q, k, v, slopes, self)
         s = q.shape[2]
         # all-gather along the sequence (dim 1 of [B, s, K, E]); backward reduce-scatters
         k_all, v_all = (gather_from_seq_region(t.transpose(1, 2), self.group).transpose(1, 2) for t in (k, v))
@@ -79,6 +118,77 @@ class SequenceSplit:
         if slopes is not None:
             mask = mask.to(q.dtype)
         return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def _block_scores(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Scaled, masked scores [B, H, s, t] in fp32 of q [B, H, s, E] over k [B, H, t, E]; `mask`:
+    boolean (True = may attend) or an additive bias, [s, t] or [H, s, t]."""
+    scores = (q.float() @ k.float().transpose(-1, -2)) * q.shape[-1] ** -0.5
+    if mask.dtype == torch.bool:
+        return scores.masked_fill(~mask, float("-inf"))
+    return scores + mask
+
+
+def _heads(t: torch.Tensor, n: int) -> torch.Tensor:
+    """[B, K, t, E] -> [B, n, t, E], each kv head repeated for its query heads (GQA)."""
+    return t if t.shape[1] == n else t.repeat_interleave(n // t.shape[1], dim=1)
+
+
+def _fold(t: torch.Tensor, k: int) -> torch.Tensor:
+    """The gradient of _heads: [B, n, t, E] summed back to [B, k, t, E]."""
+    return t if t.shape[1] == k else t.unflatten(1, (k, -1)).sum(2)
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, slopes, split):
+        # q [B, H, s, E]; k, v [B, K, s, E] at this rank's positions
+        h, s = q.shape[1], q.shape[2]
+        q_pos = split.positions(s, q.device)
+        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)  # [B, H, s]
+        block = torch.stack((k, v))  # [2, B, K, s, E]
+        for step in range(split.cp):
+            pending = split.pass_on(block) if step < split.cp - 1 else None
+            mask = split.block_mask(q_pos, (split.rank - step) % split.cp, slopes)
+            scores = _block_scores(q, _heads(block[0], h), mask)
+            block_lse = scores.logsumexp(-1)
+            new_lse = torch.logaddexp(lse, block_lse)
+            safe = torch.where(torch.isinf(new_lse), 0.0, new_lse).unsqueeze(-1)
+            out = out * (lse.unsqueeze(-1) - safe).exp() + (scores - safe).exp() @ _heads(block[1], h).float()
+            lse = new_lse
+            if pending is not None:
+                block = pending()
+        ctx.save_for_backward(q, k, v, out, lse, slopes)
+        ctx.split = split
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, out, lse, slopes = ctx.saved_tensors
+        split = ctx.split
+        h, s, kv_heads = q.shape[1], q.shape[2], k.shape[1]
+        q_pos = split.positions(s, q.device)
+        grad = grad.float()
+        delta = (grad * out).sum(-1, keepdim=True)  # [B, H, s, 1]
+        safe = torch.where(torch.isinf(lse), 0.0, lse).unsqueeze(-1)
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        block = torch.stack((k, v))
+        dblock = torch.zeros(block.shape, dtype=torch.float32, device=q.device)  # travels with its block
+        for step in range(split.cp):
+            pending = split.pass_on(block) if step < split.cp - 1 else None
+            mask = split.block_mask(q_pos, (split.rank - step) % split.cp, slopes)
+            kh, vh = _heads(block[0], h).float(), _heads(block[1], h).float()
+            p = (_block_scores(q, kh, mask) - safe).exp()  # [B, H, s, t]
+            ds = p * (grad @ vh.transpose(-1, -2) - delta) * q.shape[-1] ** -0.5
+            dq += ds @ kh
+            dblock[0] += _fold(ds.transpose(-1, -2) @ q.float(), kv_heads)
+            dblock[1] += _fold(p.transpose(-1, -2) @ grad, kv_heads)
+            dblock = split.pass_on(dblock, tag=1)()  # to the next rank, with the block it belongs to
+            if pending is not None:
+                block = pending()
+        # dblock now holds the gradients of the block of rank r (each block ended one step past its owner)
+        return dq.to(q.dtype), dblock[0].to(k.dtype), dblock[1].to(v.dtype), None, None
 
 
 def apply_context_parallel(model: nn.Module, split: SequenceSplit) -> None:

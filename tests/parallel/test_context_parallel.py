@@ -100,7 +100,9 @@ def _compare(got, ref, label):
 
 
 CP2_CASES = {"rope": ["model.position=rope"], "alibi": ["model.position=alibi"],
-             "gated_attention": ["model.arch=gated_attention"]}
+             "gated_attention": ["model.arch=gated_attention"],
+             "ring rope": ["parallel.cp_attention=ring", "model.position=rope"],
+             "ring alibi": ["parallel.cp_attention=ring", "model.position=alibi"]}
 
 
 def test_cp2_matches_one_process():
@@ -110,13 +112,18 @@ def test_cp2_matches_one_process():
         _compare(rec, _reference(overrides), f"cp=2 {label}")
 
 
-def test_cp2_with_tp2_and_with_dp2():
-    """4 processes: cp=2 x tp=2 (heads and vocabulary split, ALiBi slopes of the global heads), then
-    cp=2 x dp=2 (gradients averaged over the flattened dp x cp group, rank = (dp_rank x cp + cp_rank))."""
-    layouts = [["parallel.cp=2", "parallel.tp=2", "model.position=alibi"], ["parallel.cp=2"]]
-    got = run_distributed(_worker, 4, layouts, timeout=180)[0]
-    _compare(got[0], _reference(["model.position=alibi"]), "cp=2 x tp=2 alibi")
-    _compare(got[1], _reference([]), "cp=2 x dp=2")
+def test_cp4_and_cp2_with_tp2_and_with_dp2():
+    """4 processes: cp=2 x tp=2 (heads and vocabulary split, ALiBi slopes of the global heads);
+    cp=2 x dp=2 (gradients averaged over the flattened dp x cp group, rank = (dp_rank x cp + cp_rank));
+    cp=4 with the all-gather and with the ring (blocks and their gradients travel 3 and 4 hops)."""
+    layouts = {"cp=2 x tp=2 alibi": ["parallel.cp=2", "parallel.tp=2", "model.position=alibi"],
+               "cp=2 x dp=2": ["parallel.cp=2"],
+               "cp=4": ["parallel.cp=4"],
+               "cp=4 ring alibi": ["parallel.cp=4", "parallel.cp_attention=ring", "model.position=alibi"]}
+    got = run_distributed(_worker, 4, list(layouts.values()), timeout=180)[0]
+    for (label, overrides), rec in zip(layouts.items(), got):
+        model = [o for o in overrides if o.startswith("model.")]
+        _compare(rec, _reference(model), label)
 
 
 def test_split_covers_the_sequence_once():
