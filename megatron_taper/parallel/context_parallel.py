@@ -67,12 +67,14 @@ class SequenceSplit:
     group: dist.ProcessGroup
     ring: bool = False  # parallel.cp_attention=ring: K/V passed around the ring, else all-gathered
 
+    def chunk_starts(self, rank: int, chunk: int) -> tuple[int, int]:
+        """First positions of the two chunks of `chunk` tokens that cp rank `rank` holds."""
+        return rank * chunk, (2 * self.cp - 1 - rank) * chunk
+
     def positions_of(self, rank: int, local_len: int, device: torch.device) -> torch.Tensor:
         """True positions [local_len] of the tokens cp rank `rank` holds (chunks rank, 2 cp - 1 - rank)."""
         c = local_len // 2
-        late = 2 * self.cp - 1 - rank
-        return torch.cat((torch.arange(rank * c, (rank + 1) * c, device=device),
-                          torch.arange(late * c, (late + 1) * c, device=device)))
+        return torch.cat([torch.arange(start, start + c, device=device) for start in self.chunk_starts(rank, c)])
 
     def positions(self, local_len: int, device: torch.device) -> torch.Tensor:
         """True positions of this rank's `local_len` tokens."""
@@ -99,10 +101,6 @@ class SequenceSplit:
             return received
         return wait
 
-    def block_mask(self, q_pos: torch.Tensor, owner: int, slopes: torch.Tensor | None) -> torch.Tensor:
-        """The causal mask (or ALiBi bias) of this rank's queries over the keys cp rank `owner` holds."""
-        return causal_mask_at(q_pos, self.positions_of(owner, q_pos.shape[0], q_pos.device), slopes)
-
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                slopes: torch.Tensor | None = None) -> torch.Tensor:
         """Causal attention of this rank's queries over the whole sequence's keys: q [B, H, s, E],
@@ -120,18 +118,23 @@ class SequenceSplit:
         return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
 
 
-def _block_scores(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Scaled, masked scores [B, H, s, t] in fp32 of q [B, H, s, E] over k [B, H, t, E]; `mask`:
-    boolean (True = may attend) or an additive bias, [s, t] or [H, s, t]."""
+RING_TILE = 512  # query rows per piece of the ring's block attention (bounds its [B, H, rows, C] scores)
+
+
+def _block_scores(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Scaled scores [B, H, s, t] in fp32 of q [B, H, s, E] over k [B, H, t, E]; `mask`: None (all
+    visible), boolean (True = may attend) or an additive bias, [s, t] or [H, s, t]."""
     scores = (q.float() @ k.float().transpose(-1, -2)) * q.shape[-1] ** -0.5
+    if mask is None:
+        return scores
     if mask.dtype == torch.bool:
         return scores.masked_fill(~mask, float("-inf"))
     return scores + mask
 
 
 def _heads(t: torch.Tensor, n: int) -> torch.Tensor:
-    """[B, K, t, E] -> [B, n, t, E], each kv head repeated for its query heads (GQA)."""
-    return t if t.shape[1] == n else t.repeat_interleave(n // t.shape[1], dim=1)
+    """[B, K, t, E] -> [B, n, t, E] in fp32, each kv head repeated for its query heads (GQA)."""
+    return (t if t.shape[1] == n else t.repeat_interleave(n // t.shape[1], dim=1)).float()
 
 
 def _fold(t: torch.Tensor, k: int) -> torch.Tensor:
@@ -139,24 +142,45 @@ def _fold(t: torch.Tensor, k: int) -> torch.Tensor:
     return t if t.shape[1] == k else t.unflatten(1, (k, -1)).sum(2)
 
 
+def _pieces(split: SequenceSplit, s: int, owner: int, slopes: torch.Tensor | None, device: torch.device):
+    """The pieces of this rank's attention over the block of cp rank `owner`: (query rows, key rows,
+    mask or None) per (query tile of at most RING_TILE rows of one chunk, key chunk), leaving out
+    the pairs where every key lies after every query (half of the diagonal blocks' work)."""
+    c = s // 2
+    out = []
+    for qi, q0 in enumerate(split.chunk_starts(split.rank, c)):
+        for lo in range(0, c, RING_TILE):
+            hi = min(lo + RING_TILE, c)
+            for ki, k0 in enumerate(split.chunk_starts(owner, c)):
+                if k0 >= q0 + hi:
+                    continue
+                mask = None
+                if slopes is not None or k0 + c - 1 > q0 + lo:
+                    mask = causal_mask_at(torch.arange(q0 + lo, q0 + hi, device=device),
+                                          torch.arange(k0, k0 + c, device=device), slopes)
+                out.append((slice(qi * c + lo, qi * c + hi), slice(ki * c, (ki + 1) * c), mask))
+    return out
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, slopes, split):
         # q [B, H, s, E]; k, v [B, K, s, E] at this rank's positions
         h, s = q.shape[1], q.shape[2]
-        q_pos = split.positions(s, q.device)
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)  # [B, H, s]
         block = torch.stack((k, v))  # [2, B, K, s, E]
         for step in range(split.cp):
             pending = split.pass_on(block) if step < split.cp - 1 else None
-            mask = split.block_mask(q_pos, (split.rank - step) % split.cp, slopes)
-            scores = _block_scores(q, _heads(block[0], h), mask)
-            block_lse = scores.logsumexp(-1)
-            new_lse = torch.logaddexp(lse, block_lse)
-            safe = torch.where(torch.isinf(new_lse), 0.0, new_lse).unsqueeze(-1)
-            out = out * (lse.unsqueeze(-1) - safe).exp() + (scores - safe).exp() @ _heads(block[1], h).float()
-            lse = new_lse
+            kh, vh = _heads(block[0], h), _heads(block[1], h)
+            for rows, keys, mask in _pieces(split, s, (split.rank - step) % split.cp, slopes, q.device):
+                scores = _block_scores(q[:, :, rows], kh[:, :, keys], mask)  # [B, H, tile, C]
+                old = lse[:, :, rows]
+                new = torch.logaddexp(old, scores.logsumexp(-1))
+                safe = torch.where(torch.isinf(new), 0.0, new).unsqueeze(-1)
+                out[:, :, rows] = (out[:, :, rows] * (old.unsqueeze(-1) - safe).exp()
+                                   + (scores - safe).exp() @ vh[:, :, keys])
+                lse[:, :, rows] = new
             if pending is not None:
                 block = pending()
         ctx.save_for_backward(q, k, v, out, lse, slopes)
@@ -168,26 +192,30 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, lse, slopes = ctx.saved_tensors
         split = ctx.split
         h, s, kv_heads = q.shape[1], q.shape[2], k.shape[1]
-        q_pos = split.positions(s, q.device)
         grad = grad.float()
         delta = (grad * out).sum(-1, keepdim=True)  # [B, H, s, 1]
         safe = torch.where(torch.isinf(lse), 0.0, lse).unsqueeze(-1)
+        scale = q.shape[-1] ** -0.5
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         block = torch.stack((k, v))
-        dblock = torch.zeros(block.shape, dtype=torch.float32, device=q.device)  # travels with its block
+        dblock = None  # the gradients travelling with `block`
         for step in range(split.cp):
             pending = split.pass_on(block) if step < split.cp - 1 else None
-            mask = split.block_mask(q_pos, (split.rank - step) % split.cp, slopes)
-            kh, vh = _heads(block[0], h).float(), _heads(block[1], h).float()
-            p = (_block_scores(q, kh, mask) - safe).exp()  # [B, H, s, t]
-            ds = p * (grad @ vh.transpose(-1, -2) - delta) * q.shape[-1] ** -0.5
-            dq += ds @ kh
-            dblock[0] += _fold(ds.transpose(-1, -2) @ q.float(), kv_heads)
-            dblock[1] += _fold(p.transpose(-1, -2) @ grad, kv_heads)
-            dblock = split.pass_on(dblock, tag=1)()  # to the next rank, with the block it belongs to
+            kh, vh = _heads(block[0], h), _heads(block[1], h)
+            dkh, dvh = torch.zeros_like(kh), torch.zeros_like(vh)
+            for rows, keys, mask in _pieces(split, s, (split.rank - step) % split.cp, slopes, q.device):
+                p = (_block_scores(q[:, :, rows], kh[:, :, keys], mask) - safe[:, :, rows]).exp()  # [B, H, tile, C]
+                ds = p * (grad[:, :, rows] @ vh[:, :, keys].transpose(-1, -2) - delta[:, :, rows]) * scale
+                dq[:, :, rows] += ds @ kh[:, :, keys]
+                dkh[:, :, keys] += ds.transpose(-1, -2) @ q[:, :, rows].float()
+                dvh[:, :, keys] += p.transpose(-1, -2) @ grad[:, :, rows]
+            travelling = torch.stack((_fold(dkh, kv_heads), _fold(dvh, kv_heads)))
+            if dblock is not None:
+                travelling += dblock
+            dblock = split.pass_on(travelling, tag=1)()  # to the next rank, with the block it belongs to
             if pending is not None:
                 block = pending()
-        # dblock now holds the gradients of the block of rank r (each block ended one step past its owner)
+        # dblock now holds the gradients of this rank's own block (each ended one step past its owner)
         return dq.to(q.dtype), dblock[0].to(k.dtype), dblock[1].to(v.dtype), None, None
 
 
