@@ -66,6 +66,7 @@ class SequenceSplit:
     rank: int  # this rank's index in the cp group
     group: dist.ProcessGroup
     ring: bool = False  # parallel.cp_attention=ring: K/V passed around the ring, else all-gathered
+    tile: int = 512  # ring: query rows per piece of a block's attention (bounds its [B, H, rows, C] scores)
 
     def chunk_starts(self, rank: int, chunk: int) -> tuple[int, int]:
         """First positions of the two chunks of `chunk` tokens that cp rank `rank` holds."""
@@ -118,9 +119,6 @@ class SequenceSplit:
         return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
 
 
-RING_TILE = 512  # query rows per piece of the ring's block attention (bounds its [B, H, rows, C] scores)
-
-
 def _block_scores(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """Scaled scores [B, H, s, t] in fp32 of q [B, H, s, E] over k [B, H, t, E]; `mask`: None (all
     visible), boolean (True = may attend) or an additive bias, [s, t] or [H, s, t]."""
@@ -144,13 +142,13 @@ def _fold(t: torch.Tensor, k: int) -> torch.Tensor:
 
 def _pieces(split: SequenceSplit, s: int, owner: int, slopes: torch.Tensor | None, device: torch.device):
     """The pieces of this rank's attention over the block of cp rank `owner`: (query rows, key rows,
-    mask or None) per (query tile of at most RING_TILE rows of one chunk, key chunk), leaving out
+    mask or None) per (query tile of at most split.tile rows of one chunk, key chunk), leaving out
     the pairs where every key lies after every query (half of the diagonal blocks' work)."""
     c = s // 2
     out = []
     for qi, q0 in enumerate(split.chunk_starts(split.rank, c)):
-        for lo in range(0, c, RING_TILE):
-            hi = min(lo + RING_TILE, c)
+        for lo in range(0, c, split.tile):
+            hi = min(lo + split.tile, c)
             for ki, k0 in enumerate(split.chunk_starts(owner, c)):
                 if k0 >= q0 + hi:
                     continue
