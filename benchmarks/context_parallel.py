@@ -1,12 +1,12 @@
 """Context parallelism: per-rank memory, step time and communication vs sequence length, beside
 the memory model (cost/memory.py) and the communication theory (parallel/context_parallel.py).
 
-    python benchmarks/context_parallel.py [--seq-lens 1024,2048,4096,8192] [--cps 1,2] [--steps 2]
-                                          [key=value ...]
+    python benchmarks/context_parallel.py [--seq-lens 1024,2048,4096,8192] [--cps 1,2]
+                                          [--attentions allgather,ring] [--steps 2] [key=value ...]
 
 Default shape: a narrow Transformer (2 layers, d_model 64, 4 heads over 2 kv heads, vocabulary
 256, uniform MLP width 176), one sequence per micro-batch, fp32 on the CPU (gloo). For each
-sequence length and cp, `cp` fresh processes (torchrun, with MALLOC_MMAP_THRESHOLD_ as
+sequence length, cp and (cp > 1) parallel.cp_attention, `cp` fresh processes (torchrun, with MALLOC_MMAP_THRESHOLD_ as
 benchmarks/activation_memory.py uses it) build the run through build_run and
   memory   after one warm-up step (gradients resident, as between micro-batches), the host-RSS peak
            of one forward+backward of one micro-batch minus the RSS before it (activation_memory's
@@ -17,7 +17,10 @@ benchmarks/activation_memory.py uses it) build the run through build_run and
   comm     the c10d collectives of one forward_backward (benchmarks/tp_comm.py's counter: the
            full-size buffer bytes of each call) beside the theory: per attention layer an
            all-gather of K and V (2 calls of [b, S, K, E] out) forward and a reduce-scatter of
-           their gradients (2 calls of the same size in) backward; all-reduces: per micro-batch
+           their gradients (2 calls of the same size in) backward; the ring instead sends
+           point-to-point (cp - 1) blocks [2, b, K, S / cp, E] forward and (cp - 1) blocks plus
+           cp gradient blocks of that size backward (its bytes per rank: the theory's
+           `p2p_bytes_per_rank`; the dispatch counter sees no send / recv); all-reduces: per micro-batch
            two scalars (the loss share's token count, the reported loss) and DDP's gradient
            all-reduce over dp x cp (the parameters in fp32, in its buckets: their number is not
            predicted). ring bytes per rank: (cp - 1) / cp of each gather / reduce-scatter buffer.
@@ -53,8 +56,12 @@ def theory(cfg, cp: int, params: int) -> dict:
     if cp == 1:
         return {}
     kv = cfg.train.micro_batch * m.seq_len * m.kv_heads * m.head_dim * 4  # [b, S, K, E] fp32
+    reduce = {"all_reduce": {"bytes": 8 + 4 * params}}
+    if cfg.parallel.cp_attention == "ring":
+        block = 2 * kv // cp  # K and V of one rank's slice
+        return {**reduce, "p2p_bytes_per_rank": m.n_layers * block * (2 * (cp - 1) + cp)}
     per_kind = {"calls": 2 * m.n_layers, "bytes": 2 * m.n_layers * kv}
-    return {"all_gather": per_kind, "reduce_scatter": dict(per_kind), "all_reduce": {"bytes": 8 + 4 * params}}
+    return {"all_gather": per_kind, "reduce_scatter": dict(per_kind), **reduce}
 
 
 def worker(overrides: list[str], steps: int) -> dict:
@@ -96,7 +103,8 @@ def worker(overrides: list[str], steps: int) -> dict:
     measured_comm = {k: {"calls": counter.calls[k], "bytes": counter.bytes.get(k, 0)} for k in sorted(counter.calls)}
     params = sum(p.numel() for p in pm.module.parameters())
     expected = theory(cfg, cp, params)
-    return {"seq_len": cfg.model.seq_len, "cp": cp, "rank": ctx.rank, "tokens_per_rank": cfg.model.seq_len // cp,
+    return {"seq_len": cfg.model.seq_len, "cp": cp, "cp_attention": cfg.parallel.cp_attention if cp > 1 else "",
+            "rank": ctx.rank, "tokens_per_rank": cfg.model.seq_len // cp,
             "measured_activation_bytes": measured, "predicted_activation_bytes": predicted,
             "activation_ratio": measured / predicted, "step_time_s": statistics.median(times),
             "comm_measured": measured_comm, "comm_theory": expected,
@@ -122,6 +130,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seq-lens", default="1024,2048,4096,8192")
     parser.add_argument("--cps", default="1,2")
+    parser.add_argument("--attentions", default="allgather,ring", help="parallel.cp_attention values (cp > 1)")
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
@@ -138,8 +147,12 @@ def main() -> None:
             dist.barrier()
             dist.destroy_process_group()
         return
-    results = [launch([f"model.seq_len={s}", *args.overrides], int(cp), args.steps)
-               for s in (int(x) for x in args.seq_lens.split(",")) for cp in args.cps.split(",")]
+    results = []
+    for seq in (int(x) for x in args.seq_lens.split(",")):
+        for cp in (int(x) for x in args.cps.split(",")):
+            for attention in args.attentions.split(",") if cp > 1 else ["allgather"]:
+                overrides = [f"model.seq_len={seq}", f"parallel.cp_attention={attention}", *args.overrides]
+                results.append(launch(overrides, cp, args.steps))
     print(json.dumps({"config": SHAPE + args.overrides, "results": results}, indent=1))
 
 

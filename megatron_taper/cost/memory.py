@@ -51,7 +51,11 @@ the K and V of the whole sequence it all-gathered ([b, K, S, E] each, in the com
 of its own slice, and its backward holds their gradients at that size before the reduce-scatter:
 the elements split with the kv heads (`kv`) of a block count cp times per local token (for the
 families that support cp, `kv` is exactly K and V). The causal mask of the gathered keys ([S / cp,
-S] booleans per micro-batch; ALiBi: [H, S / cp, S] in the compute dtype) is not modelled.
+S] booleans per micro-batch; ALiBi: [H, S / cp, S] in the compute dtype) is not modelled, nor what
+SDPA keeps under an explicit mask where it has no fused kernel for one (on the CPU: the attention
+weights [b, H, S / cp, S], docs/architectures.md). parallel.cp_attention=ring keeps only the rank's
+own K and V, and its pieces' transient scores ([b, H, 512, S / (2 cp)] fp32 at a time) are not
+modelled.
 
 Not modelled: the optimizer step's temporaries (after the activations are freed), collective
 buffers besides DeepSpeed's (DDP buckets are the gradients themselves), allocator caching and fragmentation, the
@@ -83,6 +87,7 @@ class MemorySetup:
     sequence_parallel: bool = False
     dp: int = 1
     cp: int = 1  # context parallelism: each sequence split over cp ranks (module doc)
+    cp_ring: bool = False  # parallel.cp_attention=ring: no K/V of the whole sequence kept
     zero: str = "none"  # none | fsdp2 | deepspeed (parallel.zero)
     pipelined: bool = False  # pp > 1
     bf16: bool = False  # autocast to bf16 (train.precision on the device)
@@ -106,7 +111,7 @@ class MemorySetup:
         (default train.micro_batch) is the pipeline micro-batch when pipelined."""
         ds = parallel.deepspeed
         return cls(tp=parallel.tp, sequence_parallel=parallel.sequence_parallel and parallel.tp > 1, dp=dp,
-                   cp=parallel.cp,
+                   cp=parallel.cp, cp_ring=parallel.cp_attention == "ring",
                    zero=parallel.zero, pipelined=parallel.pp > 1, bf16=bf16,
                    activation_checkpointing=train.activation_checkpointing, ac_every=train.ac_every,
                    loss_chunk=train.loss_chunk,
@@ -281,7 +286,8 @@ def model_memory(cfg: ModelConfig, setup: MemorySetup) -> ModelMemory:
     tokens = setup.micro_batch * cfg.seq_len // setup.cp
     recomputed = set(checkpointed_blocks([str(i) for i in range(cfg.n_layers)], setup.activation_checkpointing,
                                          setup.ac_every))
-    layers = [piece_memory(gathered_kv(cost, setup.cp), _shares(cfg, setup.tp, width), setup, tokens,
+    gathered = 1 if setup.cp_ring else setup.cp
+    layers = [piece_memory(gathered_kv(cost, gathered), _shares(cfg, setup.tp, width), setup, tokens,
                            str(i) in recomputed, cfg.d_model, block=True)
               for i, (cost, width) in enumerate(zip(costs.layers, costs.widths))]
     shares = _shares(cfg, setup.tp, cfg.taper.multiple)
