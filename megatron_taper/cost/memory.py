@@ -54,8 +54,10 @@ families that support cp, `kv` is exactly K and V). The causal mask of the gathe
 S] booleans per micro-batch; ALiBi: [H, S / cp, S] in the compute dtype) is not modelled, nor what
 SDPA keeps under an explicit mask where it has no fused kernel for one (on the CPU: the attention
 weights [b, H, S / cp, S], docs/architectures.md). parallel.cp_attention=ring keeps only the rank's
-own K and V, and its pieces' transient scores ([b, H, 512, S / (2 cp)] fp32 at a time) are not
-modelled.
+own K and V; its backward's largest moment adds, per attention layer, the fp32 tensors of one
+piece ([b, H, t, S / (2 cp)] x 4 with t = min(CP_RING_TILE, S / (2 cp)): scores, probabilities,
+their gradient and a temporary) and the block's K, V repeated to the query heads with their
+gradients ([b, H, S / cp, E] x 4), counted in the compute dtype like the other activations.
 
 Not modelled: the optimizer step's temporaries (after the activations are freed), collective
 buffers besides DeepSpeed's (DDP buckets are the gradients themselves), allocator caching and fragmentation, the
@@ -76,6 +78,7 @@ if TYPE_CHECKING:
     from megatron_taper.config import ModelConfig, ParallelConfig, TrainConfig
 
 ADAMW_BYTES = 8.0  # exp_avg + exp_avg_sq in fp32, per parameter
+CP_RING_TILE = 512  # query rows per piece of ring attention (parallel/context_parallel.py)
 GIB = 2**30
 
 
@@ -286,8 +289,7 @@ def model_memory(cfg: ModelConfig, setup: MemorySetup) -> ModelMemory:
     tokens = setup.micro_batch * cfg.seq_len // setup.cp
     recomputed = set(checkpointed_blocks([str(i) for i in range(cfg.n_layers)], setup.activation_checkpointing,
                                          setup.ac_every))
-    gathered = 1 if setup.cp_ring else setup.cp
-    layers = [piece_memory(gathered_kv(cost, gathered), _shares(cfg, setup.tp, width), setup, tokens,
+    layers = [piece_memory(context_parallel_cost(cost, cfg, setup), _shares(cfg, setup.tp, width), setup, tokens,
                            str(i) in recomputed, cfg.d_model, block=True)
               for i, (cost, width) in enumerate(zip(costs.layers, costs.widths))]
     shares = _shares(cfg, setup.tp, cfg.taper.multiple)
@@ -298,12 +300,18 @@ def model_memory(cfg: ModelConfig, setup: MemorySetup) -> ModelMemory:
     return ModelMemory(layers, embedding, head_piece, boundary_bytes(cfg.d_model, tokens, setup), setup)
 
 
-def gathered_kv(cost: Cost, cp: int) -> Cost:
-    """A block's cost per local token under context parallelism: its K and V (and their gradients
-    in backward) are those of the whole sequence, cp times the rank's tokens (module doc). Under
-    activation_checkpointing=op the kept K and V projections stay the rank's own (`op_act`)."""
+def context_parallel_cost(cost: Cost, cfg: ModelConfig, setup: MemorySetup) -> Cost:
+    """A block's cost per local token under context parallelism (module doc). All-gather: its K
+    and V (and their gradients in backward) are those of the whole sequence, cp times the rank's
+    tokens; under activation_checkpointing=op the kept K and V projections stay the rank's own
+    (`op_act`). Ring: the moment of a piece of its backward."""
+    cp = setup.cp
     if cp == 1:
         return cost
+    if setup.cp_ring:
+        rows = min(CP_RING_TILE, cfg.seq_len // (2 * cp))
+        piece = Split(heads=cfg.n_heads * (2 * rows + 4 * cfg.head_dim))  # 4 x [t, C] per 2C tokens; 4 x [s, E]
+        return dataclasses.replace(cost, backward=(*cost.backward, piece))
 
     def more(split: Split) -> Split:
         return split + Split(kv=split.kv * (cp - 1))

@@ -54,6 +54,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from megatron_taper.cost.memory import CP_RING_TILE
 from megatron_taper.models.layers import IGNORE_INDEX, Attention, causal_mask_at
 from megatron_taper.parallel.tensor import gather_from_seq_region
 
@@ -66,7 +67,7 @@ class SequenceSplit:
     rank: int  # this rank's index in the cp group
     group: dist.ProcessGroup
     ring: bool = False  # parallel.cp_attention=ring: K/V passed around the ring, else all-gathered
-    tile: int = 512  # ring: query rows per piece of a block's attention (bounds its [B, H, rows, C] scores)
+    tile: int = CP_RING_TILE  # ring: query rows per piece of a block's attention ([B, H, rows, C] scores)
 
     def chunk_starts(self, rank: int, chunk: int) -> tuple[int, int]:
         """First positions of the two chunks of `chunk` tokens that cp rank `rank` holds."""
