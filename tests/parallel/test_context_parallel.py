@@ -237,3 +237,20 @@ def test_resume_at_another_cp_size(tmp_path):
     assert max(abs(a - b) for a, b in zip(split, straight)) < LOSS_ATOL, (split, straight)
     evals = [[r["eval_loss"] for r in read_metrics(tmp_path / d) if "eval_loss" in r] for d in ("straight", "split")]
     assert len(evals[0]) == 1 and abs(evals[0][0] - evals[1][-1]) < LOSS_ATOL, evals
+
+
+def test_memory_model_divides_activations_by_cp():
+    """cost/memory.py at cp=2: each block's kept bytes are those of seq_len / 2 tokens plus the K
+    and V of the tokens it does not hold (all-gather: [b, K, S/2, E] x 2 more, fp32), and the ring
+    keeps no more than the half sequence does."""
+    from megatron_taper.cost.memory import MemorySetup, model_memory
+
+    def kept(overrides):
+        cfg = _config(overrides)
+        setup = MemorySetup.from_config(cfg.parallel, cfg.train, 1, False)
+        return [p.kept for p in model_memory(cfg.model, setup).layers]
+
+    half = kept(["model.seq_len=32"])
+    kv_rest = 2 * 2 * 2 * 16 * 32 * 4  # micro_batch 2 x (K and V) x 2 kv heads x head_dim 16 x 32 tokens x fp32
+    assert kept(["parallel.cp=2"]) == [h + kv_rest for h in half]
+    assert kept(["parallel.cp=2", "parallel.cp_attention=ring"]) == half
