@@ -19,8 +19,8 @@ benchmarks/activation_memory.py uses it) build the run through build_run and
            all-gather of K and V (2 calls of [b, S, K, E] out) forward and a reduce-scatter of
            their gradients (2 calls of the same size in) backward; the ring instead sends
            point-to-point (cp - 1) blocks [2, b, K, S / cp, E] forward and (cp - 1) blocks plus
-           cp gradient blocks of that size backward (its bytes per rank: the theory's
-           `p2p_bytes_per_rank`; the dispatch counter sees no send / recv); all-reduces: per micro-batch
+           cp gradient blocks of that size backward (`p2p_send`: the bytes this rank sends;
+           theory `p2p_send`); all-reduces: per micro-batch
            two scalars (the loss share's token count, the reported loss) and DDP's gradient
            all-reduce over dp x cp (the parameters in fp32, in its buckets: their number is not
            predicted). ring bytes per rank: (cp - 1) / cp of each gather / reduce-scatter buffer.
@@ -59,15 +59,31 @@ def theory(cfg, cp: int, params: int) -> dict:
     reduce = {"all_reduce": {"bytes": 8 + 4 * params}}
     if cfg.parallel.cp_attention == "ring":
         block = 2 * kv // cp  # K and V of one rank's slice
-        return {**reduce, "p2p_bytes_per_rank": m.n_layers * block * (2 * (cp - 1) + cp)}
+        return {**reduce, "p2p_send": {"calls": m.n_layers * (3 * cp - 2),
+                                       "bytes": m.n_layers * block * (3 * cp - 2)}}
     per_kind = {"calls": 2 * m.n_layers, "bytes": 2 * m.n_layers * kv}
     return {"all_gather": per_kind, "reduce_scatter": dict(per_kind), **reduce}
+
+
+def p2p_counter():
+    """tp_comm's CollectiveCounter, also counting the tensors this rank sends point-to-point."""
+    from tp_comm import CollectiveCounter, _nbytes
+
+    class Counter(CollectiveCounter):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.namespace == "c10d" and func._schema.name.split("::")[-1] in ("send", "recv_"):
+                if func._schema.name.endswith("send"):
+                    self.calls["p2p_send"] += 1
+                    self.bytes["p2p_send"] += _nbytes(args[0])
+                return func(*args, **(kwargs or {}))
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
+    return Counter()
 
 
 def worker(overrides: list[str], steps: int) -> dict:
     import torch
     from activation_memory import PeakMeter, _tokens
-    from tp_comm import CollectiveCounter
 
     from megatron_taper.build import build_run
     from megatron_taper.config import load_config
@@ -86,7 +102,7 @@ def worker(overrides: list[str], steps: int) -> dict:
     pm.forward_backward([batch], null)
     measured = meter.peak() - before
     optimizer.zero_grad(set_to_none=True)
-    counter = CollectiveCounter()
+    counter = p2p_counter()
     with counter:
         pm.forward_backward([batch], null)
     times = []

@@ -22,7 +22,9 @@ sequence (`attend`, all-gather of K/V):
 Communication per attention layer and micro-batch, per rank: forward an all-gather receiving
 2 x B x K x S x E x (cp - 1) / cp elements (K and V), backward a reduce-scatter of the same size.
 Memory: the gathered K and V ([B, K, S, E] each, the whole sequence) are kept for backward in every
-layer, beside the activations of the rank's S / cp tokens (cost/memory.py).
+layer, beside the activations of the rank's S / cp tokens (cost/memory.py); SDPA runs under an
+explicit mask, which on the CPU has no fused kernel: it keeps the attention weights [B, H, S / cp,
+S] (measured: docs/architectures.md).
 
 parallel.cp_attention=ring (`_RingAttention`): K and V blocks travel around the ring instead.
 
@@ -35,10 +37,13 @@ parallel.cp_attention=ring (`_RingAttention`): K and V blocks travel around the 
               log-sum-exp (as flash attention's backward); the block's dk, dv accumulate as they
               travel with it, and one last step hands them to the rank that owns it
 
-Same bytes on the wire as the all-gather (forward (cp - 1) blocks; backward (cp - 1) blocks of
-K, V and cp of their gradients), in point-to-point steps that overlap the blocks' attention, and
-only the rank's own K and V kept for backward. Each block's attention is computed here in fp32
-matmuls ([B, H, S / cp, S / cp] scores at a time, masked by causal_mask_at), not by a fused kernel.
+Bytes sent per rank and layer, in blocks of [2, B, K, S / cp, E]: forward cp - 1 (as the
+all-gather), backward cp - 1 blocks of K, V plus cp of their gradients (the all-gather's
+reduce-scatter: cp - 1), in point-to-point steps that overlap the blocks' attention; only the
+rank's own K and V are kept for backward. Each block's attention is computed here in fp32 matmuls,
+not by a fused kernel: per (query tile of at most `tile` rows of one chunk, key chunk) pair,
+[B, H, tile, S / (2 cp)] scores at a time, masked by causal_mask_at where the pair needs it and
+skipped where every key lies after every query.
 
 Loss (`split_loss`): each rank's share is the sum of its tokens' losses x cp / the kept targets of
 the whole sequence (a scalar all-reduce of the count), so that the mean of the shares over the cp
