@@ -104,11 +104,15 @@ def _compare(got, ref, label):
 CP2_CASES = {"rope": ["model.position=rope"], "alibi": ["model.position=alibi"],
              "gated_attention": ["model.arch=gated_attention"],
              "ring rope": ["parallel.cp_attention=ring", "model.position=rope"],
-             "ring alibi": ["parallel.cp_attention=ring", "model.position=alibi"]}
+             "ring alibi": ["parallel.cp_attention=ring", "model.position=alibi"],
+             # the recomputed forward repeats the collectives inside backward, in the same order on every rank
+             "full checkpointing": ["train.activation_checkpointing=full"],
+             "ring, full checkpointing": ["parallel.cp_attention=ring", "train.activation_checkpointing=full"]}
 
 
 def test_cp2_matches_one_process():
-    """The Transformer with RoPE and with ALiBi, and Gated Attention, at cp=2 (one 2-process launch)."""
+    """The Transformer with RoPE and with ALiBi, and Gated Attention, at cp=2 with either attention,
+    also under activation checkpointing (one 2-process launch)."""
     got = run_distributed(_worker, 2, [["parallel.cp=2", *o] for o in CP2_CASES.values()], timeout=120)[0]
     for (label, overrides), rec in zip(CP2_CASES.items(), got):
         _compare(rec, _reference(overrides), f"cp=2 {label}")
