@@ -1,14 +1,14 @@
 """build_run(cfg): the one chain from a validated config to a model ready to train.
 
     preflight(cfg, world size)          every cross-section rule, before any process group
-    -> init_parallel                    (pp, dp, tp) mesh, device      (unless a context is given)
+    -> init_parallel                    (pp, dp, cp, tp) mesh, device      (unless a context is given)
     -> seed_everything(train.seed)
     -> build_model on the meta device   the family's single-device model, without storage
     -> parallelize                      pipeline split -> tensor parallel -> block options
                                         (checkpointing, compile) -> ZeRO, on meta
     -> materialise                      this rank's parameters on its device, each set to its part
                                         of the family's init_value (parallel/meta_init.py)
-    -> attach_data_parallel             zero=none, dp > 1: torch DDP (parallel/data_parallel.py)
+    -> attach_data_parallel             zero=none, dp x cp > 1: torch DDP (parallel/data_parallel.py)
     -> build_optimizer                  AdamW (or the engine's, e.g. DeepSpeed's)
 
 Each rank allocates only its pipeline stage and its tp / fsdp2 shards, plus one full parameter at
@@ -72,7 +72,7 @@ def build_run(cfg: Config, ctx: ParallelContext | None = None) -> BuiltRun:
         shapes, init_value = logical_shapes(model), model.init_value
         pm = parallelize(model, ctx, cfg.model, cfg.parallel, cfg.train)
         materialise(pm, shapes, init_value, cfg.train.seed)
-    if cfg.parallel.zero == "none" and ctx.dp > 1:
+    if cfg.parallel.zero == "none" and ctx.dp * ctx.cp > 1:
         pm.attach_data_parallel(cfg.parallel.ddp_bucket_mb)
     optimizer = pm.build_optimizer(cfg.train)
     return BuiltRun(cfg, ctx, layout, pm, optimizer, uses_bf16(cfg.train.precision, ctx.device))

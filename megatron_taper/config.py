@@ -151,6 +151,10 @@ ZERO_BUBBLE_SCHEDULES = ("interleaved_zero_bubble", *V_SCHEDULES)
 class ParallelConfig:
     tp: int = 1
     pp: int = 1
+    # context parallelism: each sequence split over this many ranks (parallel/context_parallel.py)
+    cp: int = 1
+    # how attention sees the other cp ranks' keys: allgather (K and V of the whole sequence) | ring
+    cp_attention: str = "allgather"
     zero: str = "none"  # none | fsdp2 | deepspeed
     pp_balance: str = "flops"  # flops | uniform | params | profile
     pp_schedule: str = "1f1b"  # 1f1b | gpipe | interleaved_1f1b | interleaved_zero_bubble | zbv | dualpipev
@@ -170,6 +174,7 @@ class ParallelConfig:
     def validate(self, prefix: str) -> None:
         check_range(f"{prefix}.tp", self.tp, 1, None)
         check_range(f"{prefix}.pp", self.pp, 1, None)
+        check_range(f"{prefix}.cp", self.cp, 1, None)
         check_range(f"{prefix}.microbatches", self.microbatches, 0, None)
         check_range(f"{prefix}.pp_virtual", self.pp_virtual, 1, None)
         check_range(f"{prefix}.pp_memory_gb", self.pp_memory_gb, 0.0, None)
@@ -177,6 +182,7 @@ class ParallelConfig:
         check_range(f"{prefix}.dp_replicate", self.dp_replicate, 1, None)
         check_range(f"{prefix}.dp_shard", self.dp_shard, 0, None)
         check_choice(f"{prefix}.zero", self.zero, ("none", "fsdp2", "deepspeed"))
+        check_choice(f"{prefix}.cp_attention", self.cp_attention, ("allgather", "ring"))
         check_choice(f"{prefix}.pp_balance", self.pp_balance, PP_BALANCE_MODES)
         check_choice(f"{prefix}.pp_schedule", self.pp_schedule, PP_SCHEDULES)
         self.deepspeed.validate(f"{prefix}.deepspeed")

@@ -29,8 +29,8 @@ def plan_lines(cfg, layout, world: int, nodes: int) -> list[str]:
             f"data.path={cfg.data.path or '(built-in corpus)'}")
     lines = [
         f"processes: {nodes} node(s) x {world // nodes} per node = {world}: pp {layout.pp} x dp {layout.dp} x "
-        f"tp {layout.tp}, zero {p.zero}" + ("" if p.dp_replicate == 1 else
-                                            "; HSDP dp_replicate {} x dp_shard {}".format(*p.dp_split(layout.dp))),
+        + (f"cp {layout.cp} x " if layout.cp > 1 else "") + f"tp {layout.tp}, zero {p.zero}"
+        + ("" if p.dp_replicate == 1 else "; HSDP dp_replicate {} x dp_shard {}".format(*p.dp_split(layout.dp))),
         f"batch: global_batch {t.global_batch} = dp {layout.dp} x micro_batch {t.micro_batch} x "
         f"{layout.accumulation} accumulation" + (f"; {layout.pipeline_microbatches} pipeline micro-batches"
                                                  if layout.pp > 1 else ""),

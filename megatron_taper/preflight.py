@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from megatron_taper.config import INTERLEAVED_SCHEDULES, ZERO_BUBBLE_SCHEDULES
 from megatron_taper.data import is_remote
-from megatron_taper.models import family
+from megatron_taper.models import cards, family
 from megatron_taper.taper import layer_widths
 from megatron_taper.validation import ConfigError
 
@@ -28,26 +28,30 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Layout:
-    """What preflight derived: the (pp, dp, tp) degrees and the per-rank batch split."""
+    """What preflight derived: the (pp, dp, cp, tp) degrees and the per-rank batch split."""
 
     pp: int
     dp: int
     tp: int
     accumulation: int  # micro-batches of train.micro_batch per dp rank and step
     pipeline_microbatches: int  # micro-batches the pipeline schedule runs per step (pp > 1), else 0
+    cp: int = 1
 
 
 def preflight(cfg: Config, world_size: int) -> Layout:
     """Check `cfg` (already section-validated) against itself and `world_size`; the Layout."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
-    if world_size % (p.tp * p.pp):
-        raise ConfigError(f"parallel.tp={p.tp} x parallel.pp={p.pp} = {p.tp * p.pp} does not divide the world "
-                          f"size {world_size}")
-    dp = world_size // (p.tp * p.pp)
+    if world_size % (p.tp * p.pp * p.cp):
+        cp = f" x parallel.cp={p.cp}" if p.cp > 1 else ""
+        raise ConfigError(f"parallel.tp={p.tp} x parallel.pp={p.pp}{cp} = {p.tp * p.pp * p.cp} does not divide the "
+                          f"world size {world_size}")
+    dp = world_size // (p.tp * p.pp * p.cp)
     layer_widths(m)  # a taper that leaves a layer below one alignment unit names model.taper
     if p.tp > 1:
         _check_tensor_parallel(m, p)
     spec = family(m.arch)
+    if p.cp > 1:
+        _check_context_parallel(m, p, t)
     if spec.check_layout is not None:
         spec.check_layout(m, p)
     _check_zero(m, p, world_size, dp)
@@ -59,7 +63,30 @@ def preflight(cfg: Config, world_size: int) -> Layout:
                           "parameters itself); use parallel.zero=fsdp2 or none")
     accumulation = _check_batch(t, dp)
     n_micro = _check_pipeline(m, p, t, dp) if p.pp > 1 else 0
-    return Layout(p.pp, dp, p.tp, accumulation, n_micro)
+    return Layout(p.pp, dp, p.tp, accumulation, n_micro, p.cp)
+
+
+def _check_context_parallel(m: ModelConfig, p: ParallelConfig, t: TrainConfig) -> None:
+    """parallel.cp > 1 (parallel/context_parallel.py): what the sequence split supports today."""
+    cp = p.cp
+    if not family(m.arch).context_parallel:
+        supported = ", ".join(name for name in cards() if family(name).context_parallel)
+        raise ConfigError(f"parallel.cp={cp}: model.arch={m.arch!r} does not support context parallelism yet "
+                          f"(families that do: {supported}); use parallel.cp=1")
+    if m.seq_len % (2 * cp):
+        raise ConfigError(f"parallel.cp={cp} needs model.seq_len={m.seq_len} divisible by 2 x parallel.cp = {2 * cp} "
+                          f"(the load-balanced causal split gives each rank 2 equal chunks of the sequence)")
+    if p.pp > 1:
+        raise ConfigError(f"parallel.cp={cp} with parallel.pp={p.pp} is not supported yet; use parallel.pp=1")
+    if p.zero != "none":
+        raise ConfigError(f"parallel.cp={cp} with parallel.zero={p.zero} is not supported yet (ZeRO would shard over "
+                          f"dp x cp); use parallel.zero=none (gradients are averaged over dp x cp by DDP)")
+    if p.sequence_parallel and p.tp > 1:
+        raise ConfigError(f"parallel.cp={cp} with parallel.sequence_parallel=true is not supported yet (its RoPE "
+                          f"tables would start each tp chunk at position 0); use parallel.sequence_parallel=false")
+    if t.compile:
+        raise ConfigError(f"parallel.cp={cp} with train.compile=true is not supported yet (the K/V all-gather inside "
+                          f"each compiled block is untested); use train.compile=false")
 
 
 def _check_tensor_parallel(m: ModelConfig, p: ParallelConfig) -> None:

@@ -194,7 +194,7 @@ class Checkpointer:
             for res in results:
                 files.update(res["files"])
             meta = {"format": FORMAT, "step": p.step, "config": p.config,
-                    "layout": {"pp": ctx.pp, "dp": ctx.dp, "tp": ctx.tp},
+                    "layout": {"pp": ctx.pp, "dp": ctx.dp, "cp": ctx.cp, "tp": ctx.tp},
                     "tensors": merge_index([res["index"] for res in results]), "files": files}
             _write_text(os.path.join(p.tmp, "meta.json"), json.dumps(meta))
             fsync_file(p.tmp)

@@ -1,7 +1,7 @@
 """Predicted peak memory of one rank during a training step, per pipeline stage, in bytes.
 
 For a stage (its layers; the embedding on the first, final norm + head + loss on the last) on
-one rank of the (pp, dp, tp) layout, with n micro-batches in flight (1F1B: min(pp - s, m) on
+one rank of the (pp, dp, cp, tp) layout, with n micro-batches in flight (1F1B: min(pp - s, m) on
 stage s; GPipe: m; without pipelining 1):
 
     peak = static + (n - 1) * K + top + buffers
@@ -50,6 +50,20 @@ parallelism. Bytes: `seq` and `vocab` (the unchunked loss) in fp32, the rest (th
 `logits` too) in the compute dtype (bf16 under autocast, else fp32); a recomputed block's input
 in fp32.
 
+Context parallelism (parallel.cp, parallel/context_parallel.py): a rank holds micro_batch x
+seq_len / cp tokens, so every per-token activation divides by cp; but each attention layer keeps
+the K and V of the whole sequence it all-gathered ([b, K, S, E] each, in the compute dtype) instead
+of its own slice, and its backward holds their gradients at that size before the reduce-scatter:
+the elements split with the kv heads (`kv`) of a block count cp times per local token (for the
+families that support cp, `kv` is exactly K and V). The causal mask of the gathered keys ([S / cp,
+S] booleans per micro-batch; ALiBi: [H, S / cp, S] in the compute dtype) is not modelled, nor what
+SDPA keeps under an explicit mask where it has no fused kernel for one (on the CPU: the attention
+weights [b, H, S / cp, S], docs/architectures.md). parallel.cp_attention=ring keeps only the rank's
+own K and V; its backward's largest moment adds, per attention layer, the fp32 tensors of one
+piece ([b, H, t, S / (2 cp)] x 4 with t = min(CP_RING_TILE, S / (2 cp)): scores, probabilities,
+their gradient and a temporary) and the block's K, V repeated to the query heads with their
+gradients ([b, H, S / cp, E] x 4), counted in the compute dtype like the other activations.
+
 Not modelled: the optimizer step's temporaries (after the activations are freed), collective
 buffers besides DeepSpeed's (DDP buckets are the gradients themselves), allocator caching and fragmentation, the
 CUDA context and kernels' workspaces, token ids and other [b, S] tensors, the embedding's dense
@@ -69,6 +83,7 @@ if TYPE_CHECKING:
     from megatron_taper.config import ModelConfig, ParallelConfig, TrainConfig
 
 ADAMW_BYTES = 8.0  # exp_avg + exp_avg_sq in fp32, per parameter
+CP_RING_TILE = 512  # query rows per piece of ring attention (parallel/context_parallel.py)
 GIB = 2**30
 
 
@@ -79,6 +94,8 @@ class MemorySetup:
     tp: int = 1
     sequence_parallel: bool = False
     dp: int = 1
+    cp: int = 1  # context parallelism: each sequence split over cp ranks (module doc)
+    cp_ring: bool = False  # parallel.cp_attention=ring: no K/V of the whole sequence kept
     zero: str = "none"  # none | fsdp2 | deepspeed (parallel.zero)
     dp_shard: int = 0  # fsdp2: ranks the state is sharded over (HSDP: parallel.dp_shard); 0 = dp
     pipelined: bool = False  # pp > 1
@@ -103,6 +120,7 @@ class MemorySetup:
         (default train.micro_batch) is the pipeline micro-batch when pipelined."""
         ds = parallel.deepspeed
         return cls(tp=parallel.tp, sequence_parallel=parallel.sequence_parallel and parallel.tp > 1, dp=dp,
+                   cp=parallel.cp, cp_ring=parallel.cp_attention == "ring",
                    zero=parallel.zero, dp_shard=parallel.dp_split(dp)[1] if parallel.zero == "fsdp2" else 0,
                    pipelined=parallel.pp > 1, bf16=bf16,
                    activation_checkpointing=train.activation_checkpointing, ac_every=train.ac_every,
@@ -297,11 +315,11 @@ def boundary_bytes(d_model: int, tokens: int, setup: MemorySetup) -> float:
 def model_memory(cfg: ModelConfig, setup: MemorySetup) -> ModelMemory:
     """Bytes of every piece of the model `cfg` under `setup` (module doc)."""
     costs = model_costs(cfg)
-    tokens = setup.micro_batch * cfg.seq_len
+    tokens = setup.micro_batch * cfg.seq_len // setup.cp
     recomputed = set(checkpointed_blocks([str(i) for i in range(cfg.n_layers)], setup.activation_checkpointing,
                                          setup.ac_every))
-    layers = [piece_memory(cost, _shares(cfg, setup.tp, width), setup, tokens, str(i) in recomputed,
-                           cfg.d_model, block=True)
+    layers = [piece_memory(context_parallel_cost(cost, cfg, setup), _shares(cfg, setup.tp, width), setup, tokens,
+                           str(i) in recomputed, cfg.d_model, block=True)
               for i, (cost, width) in enumerate(zip(costs.layers, costs.widths))]
     if setup.fsdp and not setup.pipelined:
         layers = _gathered_units(layers, setup)
@@ -326,6 +344,25 @@ def _gathered_units(layers: list[PieceMemory], setup: MemorySetup) -> list[Piece
         for i in unit:
             out[i] = dataclasses.replace(layers[i], peak=layers[i].peak + gathered * per_param)
     return out
+
+
+def context_parallel_cost(cost: Cost, cfg: ModelConfig, setup: MemorySetup) -> Cost:
+    """A block's cost per local token under context parallelism (module doc). All-gather: its K
+    and V (and their gradients in backward) are those of the whole sequence, cp times the rank's
+    tokens; under activation_checkpointing=op the kept K and V projections stay the rank's own
+    (`op_act`). Ring: the moment of a piece of its backward."""
+    cp = setup.cp
+    if cp == 1:
+        return cost
+    if setup.cp_ring:
+        rows = min(CP_RING_TILE, cfg.seq_len // (2 * cp))
+        piece = Split(heads=cfg.n_heads * (2 * rows + 4 * cfg.head_dim))  # 4 x [t, C] per 2C tokens; 4 x [s, E]
+        return dataclasses.replace(cost, backward=(*cost.backward, piece))
+
+    def more(split: Split) -> Split:
+        return split + Split(kv=split.kv * (cp - 1))
+
+    return dataclasses.replace(cost, act=more(cost.act), backward=tuple(more(b) for b in cost.backward))
 
 
 def loss_chunk_bytes(cfg: ModelConfig, setup: MemorySetup, tokens: int) -> float:

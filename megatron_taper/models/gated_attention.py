@@ -68,5 +68,5 @@ def tp_plan_gated_attention_block(block: GatedAttentionBlock, prefix: str, cfg: 
 
 
 SPECS = (FamilySpec(card=GATED_ATTENTION, build=GatedTransformer, layer_cost=gated_attention_layer_cost,
-                    tp_block_plan=tp_plan_gated_attention_block,
+                    tp_block_plan=tp_plan_gated_attention_block, context_parallel=True,
                     decoder=functools.partial(kv_decoder, block_class=GatedAttentionBlock)),)

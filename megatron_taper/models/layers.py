@@ -23,9 +23,14 @@ class RMSNorm(nn.Module):
 
 
 def rope_tables(seq_len: int, head_dim: int, theta: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin: [S, E/2] in float32."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
-    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+    """cos, sin: [S, E/2] in float32, at positions 0..S-1."""
+    return rope_tables_at(torch.arange(seq_len, device=device), head_dim, theta)
+
+
+def rope_tables_at(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin: [S, E/2] in float32 at the given token positions [S]."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
+    angles = torch.outer(positions.to(torch.float32), inv_freq)
     return angles.cos(), angles.sin()
 
 
@@ -45,8 +50,17 @@ def alibi_slopes(n_heads: int, first: int, count: int, device: torch.device) -> 
 
 def alibi_bias(slopes: torch.Tensor, seq_len: int) -> torch.Tensor:
     """Additive causal bias [H, S, S] in float32: -slope_h * (i - j) for keys j <= query i, -inf for j > i."""
-    pos = torch.arange(seq_len, device=slopes.device, dtype=torch.float32)
-    distance = pos[:, None] - pos[None, :]  # [S, S]: i - j
+    pos = torch.arange(seq_len, device=slopes.device)
+    return causal_mask_at(pos, pos, slopes)
+
+
+def causal_mask_at(q_pos: torch.Tensor, k_pos: torch.Tensor, slopes: torch.Tensor | None = None) -> torch.Tensor:
+    """The causal mask of queries at positions q_pos [Sq] over keys at k_pos [Sk] (any order):
+    boolean [Sq, Sk] (True = may attend: k_pos <= q_pos), or with ALiBi `slopes` [H] the additive
+    bias [H, Sq, Sk] in float32 (-slope_h * distance, -inf where it may not attend)."""
+    distance = (q_pos[:, None] - k_pos[None, :]).to(torch.float32)  # [Sq, Sk]: i - j
+    if slopes is None:
+        return distance >= 0
     return (-slopes[:, None, None] * distance).masked_fill(distance < 0, float("-inf"))
 
 
@@ -56,6 +70,9 @@ class Attention(nn.Module):
     `position`: rope (q and k rotated by the cos/sin tables forward receives) or alibi (no
     rotation; an additive bias -slope_h * distance per head, slopes of the *global* head index:
     a tensor-parallel plan sets `first_head` to the first head this rank holds).
+    `context`: None, or the sequence split of context parallelism (parallel/context_parallel.py
+    sets it): this rank holds a slice of the sequence at the positions the split names, and the
+    split's `attend(q, k, v, slopes)` attends over the whole sequence.
     """
 
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, head_dim: int, position: str = "rope"):
@@ -65,6 +82,7 @@ class Attention(nn.Module):
         self.position = position
         self.total_heads = n_heads  # the model's query heads, whatever this rank holds
         self.first_head = 0
+        self.context = None
         self.wq = nn.Linear(d_model, n_heads * head_dim, bias=False)
         self.wk = nn.Linear(d_model, n_kv_heads * head_dim, bias=False)
         self.wv = nn.Linear(d_model, n_kv_heads * head_dim, bias=False)
@@ -81,6 +99,11 @@ class Attention(nn.Module):
         if self.position == "rope":
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H|K, S, E]
+        if self.context is not None:
+            assert mask is None, "context parallelism splits causal attention only"
+            slopes = (alibi_slopes(self.total_heads, self.first_head, q.shape[1], x.device)
+                      if self.position == "alibi" else None)
+            return self.context.attend(q, k, v, slopes).transpose(1, 2)
         if self.position == "alibi":
             bias = alibi_bias(alibi_slopes(self.total_heads, self.first_head, q.shape[1], x.device), seq)
             if mask is not None:

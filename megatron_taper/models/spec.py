@@ -112,6 +112,9 @@ class FamilySpec:
     decoder: Callable[[nn.Module, int, int], Decoder | None] | None = None
     hf: HFAdapter | None = None  # None = no Hugging Face export / import
     carried_state: CarriedState | None = None  # None = every window starts from the model's initial state
+    # whether the model splits a sequence over parallel.cp ranks: its Transformer-style attention
+    # takes a parallel/context_parallel.py SequenceSplit (`context` attributes); False = refused
+    context_parallel: bool = False
 
     @property
     def name(self) -> str:

@@ -9,7 +9,9 @@ length-extrapolation benchmark compares against (docs/tree_lm.md).
 Blocks live in a ModuleDict keyed by their global index, so a pipeline stage can drop the
 blocks, the embedding, or the head it does not own and keep the same parameter names; forward
 then takes hidden states [B, S, D] instead of tokens and returns hidden states when the head is
-gone. This file is single-device code: parallelism is applied from outside.
+gone. This file is single-device code: parallelism is applied from outside. Context parallelism
+sets `context` (here and on every Attention) to a sequence split: the S tokens this module then
+sees are a slice of a longer sequence, and RoPE angles come from their true positions.
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ from megatron_taper.models.cards import TRANSFORMER
 from megatron_taper.models.decoding import kv_decoder
 from megatron_taper.models.hf_llama import LLAMA
 from megatron_taper.models.init import init_parameters, init_tensor
-from megatron_taper.models.layers import Attention, RMSNorm, SwiGLU, rope_tables
+from megatron_taper.models.layers import Attention, RMSNorm, SwiGLU, rope_tables, rope_tables_at
 from megatron_taper.models.spec import FamilySpec
 from megatron_taper.taper import layer_widths
 
@@ -56,6 +58,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.mlp_widths = layer_widths(cfg)
+        self.context = None  # a context-parallel sequence split (parallel/context_parallel.py), or None
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.layers = nn.ModuleDict(
             {str(i): self.block_class(cfg, width) for i, width in enumerate(self.mlp_widths)}
@@ -74,7 +77,11 @@ class Transformer(nn.Module):
 
     def run_blocks(self, h: torch.Tensor) -> torch.Tensor:
         """This module's blocks in order on hidden states [B, S, D]."""
-        cos, sin = rope_tables(h.shape[1], self.cfg.head_dim, self.cfg.rope_theta, h.device)
+        if self.context is None:
+            cos, sin = rope_tables(h.shape[1], self.cfg.head_dim, self.cfg.rope_theta, h.device)
+        else:
+            cos, sin = rope_tables_at(self.context.positions(h.shape[1], h.device), self.cfg.head_dim,
+                                      self.cfg.rope_theta)
         for block in self.layers.values():
             h = block(h, cos, sin)
         return h
@@ -108,5 +115,5 @@ def tp_plan_transformer_block(block: TransformerBlock, prefix: str, cfg: ModelCo
 
 
 SPECS = (FamilySpec(card=TRANSFORMER, build=Transformer, layer_cost=transformer_layer_cost,
-                    tp_block_plan=tp_plan_transformer_block,
+                    tp_block_plan=tp_plan_transformer_block, context_parallel=True,
                     decoder=functools.partial(kv_decoder, block_class=TransformerBlock), hf=LLAMA),)

@@ -1,10 +1,13 @@
-"""ParallelContext: the (pp, dp, tp) DeviceMesh, its process groups and this rank's coordinates.
+"""ParallelContext: the (pp, dp, cp, tp) DeviceMesh, its process groups and this rank's coordinates.
 
 Built once at start and passed explicitly to whatever needs it; nothing here is global.
-Rank layout (tp fastest, pp slowest, as in Megatron): rank = (pp_rank * dp + dp_rank) * tp + tp_rank.
+Rank layout (tp fastest, then cp, then dp, pp slowest, as in Megatron):
+rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank.
+The ranks of a cp group hold slices of the same sequences (parallel/context_parallel.py); gradients
+are averaged over the flattened dp x cp group (`grad_group`).
 
-HSDP (parallel.zero=fsdp2 with parallel.dp_replicate > 1): the dp ranks of a (pp, tp) coordinate
-also form a 2-D mesh (dp_replicate, dp_shard), dp_shard the faster one:
+HSDP (parallel.zero=fsdp2 with parallel.dp_replicate > 1): the dp ranks of a (pp, cp, tp)
+coordinate also form a 2-D mesh (dp_replicate, dp_shard), dp_shard the faster one:
 dp_rank = dp_replicate_rank * dp_shard + dp_shard_rank, so with tp x dp_shard processes per node
 the shard groups (all-gathers, reduce-scatters) stay inside a node and only the replicas'
 gradient all-reduce crosses nodes. The flat dp rank and dp group are unchanged (data loading,
@@ -40,14 +43,20 @@ class ParallelContext:
     mesh: DeviceMesh | None = None  # None in a single process without a process group
     dp_replicate: int = 1  # HSDP: replicas of the sharded state (dp = dp_replicate x dp_shard)
     dp_mesh: DeviceMesh | None = None  # what ZeRO shards over (module doc); None without a mesh
+    cp: int = 1  # context-parallel ranks: each sequence is split over them
+    dp_cp_mesh: DeviceMesh | None = None  # cp > 1: the dp and cp dims flattened (gradient averaging)
 
     @property
     def pp_rank(self) -> int:
-        return self.rank // (self.dp * self.tp)
+        return self.rank // (self.dp * self.cp * self.tp)
 
     @property
     def dp_rank(self) -> int:
-        return (self.rank // self.tp) % self.dp
+        return (self.rank // (self.tp * self.cp)) % self.dp
+
+    @property
+    def cp_rank(self) -> int:
+        return (self.rank // self.tp) % self.cp
 
     @property
     def tp_rank(self) -> int:
@@ -71,7 +80,7 @@ class ParallelContext:
         return self.rank == 0
 
     def group(self, dim: str) -> dist.ProcessGroup | None:
-        """Process group of mesh dimension `dim` (pp | dp | tp), None when there is no mesh."""
+        """Process group of mesh dimension `dim` (pp | dp | cp | tp), None when there is no mesh."""
         return None if self.mesh is None else self.mesh.get_group(dim)
 
     @property
@@ -92,6 +101,18 @@ class ParallelContext:
         if self.dp_mesh is None or self.dp_mesh.ndim == 1:
             return self.dp_group
         return self.dp_mesh.get_group("dp_shard")
+
+    @property
+    def cp_group(self) -> dist.ProcessGroup | None:
+        return self.group("cp")
+
+    @property
+    def grad_group(self) -> dist.ProcessGroup | None:
+        """The ranks gradients are averaged over: dp, flattened with cp when cp > 1 (its ranks
+        computed partial gradients of the same sequences)."""
+        if self.dp_cp_mesh is None:
+            return self.dp_group
+        return self.dp_cp_mesh.get_group()
 
     def barrier(self) -> None:
         if self.mesh is not None:
@@ -117,13 +138,13 @@ def world_size() -> int:
 
 
 def init_parallel(pcfg: ParallelConfig, device: str = "auto", timeout_s: float = 600.0) -> ParallelContext:
-    """Join the process group started by torchrun (if any) and build the (pp, dp, tp) mesh.
+    """Join the process group started by torchrun (if any) and build the (pp, dp, cp, tp) mesh.
     Run preflight.py's checks first: here the layout is taken as valid."""
     world = world_size()
     rank = int(os.environ.get("RANK", 0))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    assert world % (pcfg.tp * pcfg.pp) == 0, "preflight() checks the layout against the world size"
-    dp = world // (pcfg.tp * pcfg.pp)
+    assert world % (pcfg.tp * pcfg.pp * pcfg.cp) == 0, "preflight() checks the layout against the world size"
+    dp = world // (pcfg.tp * pcfg.pp * pcfg.cp)
     dev = choose_device(device)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
@@ -143,13 +164,16 @@ def init_parallel(pcfg: ParallelConfig, device: str = "auto", timeout_s: float =
             joined = {"store": dist.PrefixStore(f"megatron_taper.attempt-{starts}", store), "rank": rank,
                       "world_size": world}
         dist.init_process_group(backend, timeout=timeout, device_id=dev if dev.type == "cuda" else None, **joined)
-    mesh = init_device_mesh(dev.type, (pcfg.pp, dp, pcfg.tp), mesh_dim_names=("pp", "dp", "tp"))
+    mesh = init_device_mesh(dev.type, (pcfg.pp, dp, pcfg.cp, pcfg.tp), mesh_dim_names=("pp", "dp", "cp", "tp"))
     replicate, shard = pcfg.dp_split(dp)
     if replicate == 1:
         dp_mesh = mesh["dp"]
     else:
         dp_mesh = mesh._unflatten("dp", (replicate, shard), ("dp_replicate", "dp_shard"))["dp_replicate", "dp_shard"]
-    return ParallelContext(world, rank, local_rank, pcfg.pp, dp, pcfg.tp, dev, mesh, replicate, dp_mesh)
+    # the flattened dp x cp group is created on every rank (a collective)
+    dp_cp = mesh["dp", "cp"]._flatten("dp_cp") if pcfg.cp > 1 else None
+    return ParallelContext(world, rank, local_rank, pcfg.pp, dp, pcfg.tp, dev, mesh, replicate, dp_mesh,
+                           cp=pcfg.cp, dp_cp_mesh=dp_cp)
 
 
 def shutdown(ctx: ParallelContext, barrier: bool = True) -> None:

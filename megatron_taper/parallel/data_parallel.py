@@ -41,15 +41,16 @@ def bucket_mb(configured: float, module: nn.Module, dp: int) -> float:
 
 
 def wrap_ddp(module: nn.Module, ctx: ParallelContext, configured_mb: float) -> DistributedDataParallel:
-    """`module` (this rank's materialised part) behind DDP over the dp group, buckets of
-    bucket_mb(configured_mb, module, dp)."""
+    """`module` (this rank's materialised part) behind DDP over the dp group (flattened with cp
+    when parallel.cp > 1: ParallelContext.grad_group), buckets of bucket_mb(configured_mb, module,
+    dp x cp)."""
     on_gpu = ctx.device.type == "cuda"
     return DistributedDataParallel(
         module,
         device_ids=[ctx.device.index] if on_gpu else None,
         output_device=ctx.device.index if on_gpu else None,
-        process_group=ctx.dp_group,
-        bucket_cap_mb=bucket_mb(configured_mb, module, ctx.dp),
+        process_group=ctx.grad_group,
+        bucket_cap_mb=bucket_mb(configured_mb, module, ctx.dp * ctx.cp),
         init_sync=False,
         gradient_as_bucket_view=True,
     )

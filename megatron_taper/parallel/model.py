@@ -22,6 +22,7 @@ from megatron_taper.checkpoint.files import CheckpointReader, Piece
 from megatron_taper.models.layers import cross_entropy
 from megatron_taper.optim import build_optimizer
 from megatron_taper.parallel.context import ParallelContext
+from megatron_taper.parallel.context_parallel import SequenceSplit, cp_mean, split_batch
 from megatron_taper.parallel.data_parallel import wrap_ddp
 from megatron_taper.parallel.tensor import ShardSpec
 
@@ -56,6 +57,9 @@ class ParallelModel:
     # CUDA: pinned host buffers an async save stages its device-to-host copies into, by key
     # (reused from save to save; the previous save's writer has finished before the next copy)
     pinned: dict[str, torch.Tensor] = field(default_factory=dict)
+    # parallel.cp > 1: each sequence split over the cp group (parallel/context_parallel.py); the
+    # batches stay whole sequences and are sliced here, and loss_fn gives this rank's share
+    split: SequenceSplit | None = None
 
     def full_tensor(self, name: str, local: torch.Tensor) -> torch.Tensor:
         """The logical tensor of parameter `name` (or of a state tensor shaped like it). For a
@@ -151,7 +155,7 @@ class ParallelModel:
         """(full shape, offsets) of this rank's `local` piece of parameter `name` (or of a state
         tensor shaped like it) in the logical tensor, and whether this rank owns it (writes it:
         one rank per box; tp and dp replicas and empty ZeRO shards do not)."""
-        owner = self.dp_sharded or self.ctx.dp_rank == 0
+        owner = self.dp_sharded or (self.ctx.dp_rank == 0 and self.ctx.cp_rank == 0)
         if isinstance(local, DTensor):  # FSDP2: Shard(0) over dp_shard of the tp-local tensor, torch.chunk sizes
             full, data = list(local.shape), local.to_local()
             offsets = [0] * len(full)
@@ -258,25 +262,28 @@ class ParallelModel:
             # DDP reduces in the last micro-batch's backward only (gradients accumulate before)
             last = i == len(micro_batches) - 1
             with contextlib.nullcontext() if last or self.dp_module is None else self.dp_module.no_sync():
+                inputs, targets = split_batch(self.split, tokens)
                 with autocast():
-                    loss = self.loss_fn(runner(tokens[:, :-1]), tokens[:, 1:])
+                    loss = self.loss_fn(runner(inputs), targets)
                 (loss / len(micro_batches)).backward()
             if carry is not None:
                 carry.after(i)
             total += loss.detach().float()
-        return total / len(micro_batches)
+        return cp_mean(total / len(micro_batches), self.split)
 
     @torch.no_grad()
     def evaluate(self, tokens: torch.Tensor, autocast: Callable) -> torch.Tensor:
         """Mean loss of one micro-batch without gradients (float32 scalar, same on every rank)."""
         tokens = tokens.to(self.ctx.device, non_blocking=True)
+        inputs, targets = split_batch(self.split, tokens)
         with autocast():
-            return self.loss_fn(self.module(tokens[:, :-1]), tokens[:, 1:]).float()
+            return cp_mean(self.loss_fn(self.module(inputs), targets).float(), self.split)
 
     def reduce_gradients(self) -> None:
         """Complete partial tp gradients. The dp average happened in backward: DDP's bucketed
         all-reduces, or ZeRO's reduce-scatters (both commute with the tp sums)."""
-        assert self.ctx.dp == 1 or self.dp_sharded or self.dp_module is not None, "attach_data_parallel first"
+        assert self.ctx.dp * self.ctx.cp == 1 or self.dp_sharded or self.dp_module is not None, \
+            "attach_data_parallel first"
         for sync in self.tp_grad_syncs:
             sync(self.module)
 

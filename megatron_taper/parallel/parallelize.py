@@ -4,7 +4,8 @@ The model is either on the meta device (build.py: every step below only reshapes
 records layouts, and parallel/meta_init.py materialises this rank's pieces afterwards) or
 initialised and identical on every rank.
 
-Order: pipeline split -> tensor parallel -> float8 linears (float8.py) -> per-block options
+Order: pipeline split -> tensor parallel -> context parallel (context_parallel.py: the sequence
+split handed to the attention, the loss share) -> float8 linears (float8.py) -> per-block options
 (activation checkpointing, compile: block_options.py) -> ZeRO (fsdp2 | deepspeed). Plain data
 parallelism (DDP, data_parallel.py) comes after materialisation, in build.py. With pp > 1 the
 model is first cut to this rank's pipeline stage (pipeline.py), which then calls back here with
@@ -23,6 +24,7 @@ from torch.distributed.tensor import DTensor
 
 from megatron_taper.parallel.block_options import apply_block_options
 from megatron_taper.parallel.context import ParallelContext
+from megatron_taper.parallel.context_parallel import SequenceSplit, apply_context_parallel, split_loss
 from megatron_taper.parallel.data_parallel import bucket_mb
 from megatron_taper.parallel.float8 import apply_float8
 from megatron_taper.parallel.loss import loss_function
@@ -52,6 +54,11 @@ def parallelize(model: nn.Module, ctx: ParallelContext, model_cfg: ModelConfig, 
         pm = ParallelModel(model, ctx, loss_fn=loss_function(train.loss_chunk))
     else:
         pm = _tensor_parallel(model, ctx, model_cfg, parallel, train.loss_chunk)
+    if ctx.cp > 1:
+        split = SequenceSplit(ctx.cp, ctx.cp_rank, ctx.cp_group, ring=parallel.cp_attention == "ring")
+        apply_context_parallel(pm.module, split)
+        pm.split = split
+        pm.loss_fn = functools.partial(split_loss, inner=pm.loss_fn, split=split)
     if train.float8:
         # float8 all-gathers only over NCCL: gloo has no float8 dtype ("Invalid scalar type")
         apply_float8(pm.module, ctx.device,

@@ -11,13 +11,17 @@ than one process does (tp: each rank's partial matmul output is rounded to bf16 
 all-reduce, as in Megatron; one process rounds the whole sum once), that element moves by up to
 u/2 relative. Logits here are below ~1 in magnitude, so a cross-entropy term moves by at most
 ~u/2 from one such rounding and the mean over 128 tokens a step averages the random signs down;
-over 4 steps we allow BF16_ATOL = u/8 = 2^-11 ~ 4.9e-4 per step's loss. Measured (this file, -s):
-tp=2 and tp2 x dp2 3.2e-4, DeepSpeed 7e-5, fsdp2 2e-5, DDP and pp=2 0. bf16 really ran: each
+over 4 steps we allow BF16_ATOL = u/8 = 2^-11 ~ 4.9e-4 per step's loss. Context parallelism
+(cp=2) computes attention by another kernel than one process's fused causal SDPA (SDPA under an
+explicit mask; the ring's own fp32 pieces), whose bf16 outputs round differently. Measured (this
+file, -s): tp=2 and tp2 x dp2 3.2e-4, cp=2 2.3e-4, cp=2 ring 1.7e-4, DeepSpeed 7e-5, fsdp2 2e-5,
+DDP and pp=2 0. bf16 really ran: each
 layout's distance to the one-process fp32 run is above FP32_GAP = 1e-4, five times the fp32
 parity tolerance (2e-5) that every layout meets in fp32 (measured: 2.7e-4 to 4.3e-4).
 
 Tiny model: 2 layers, d_model 64, seq 32, 4 steps; one process group per layout group (2 ranks:
-tp=2, pp=2, fsdp2 dp=2, DDP dp=2, DeepSpeed dp=2 run one after the other; 4 ranks: tp2 x dp2).
+tp=2, pp=2, fsdp2 dp=2, DDP dp=2, cp=2 (all-gather, ring), DeepSpeed dp=2 run one after the other;
+4 ranks: tp2 x dp2).
 """
 from __future__ import annotations
 
@@ -41,7 +45,8 @@ TRAIN = [f"train.steps={STEPS}", "train.global_batch=4", "train.micro_batch=1", 
          "train.warmup_steps=1", "train.grad_clip=1.0", "train.log_interval=1", "train.eval_interval=0",
          "run.tensorboard=false", "checkpoint.interval=0", "checkpoint.keep=1"]
 LAYOUTS_2 = {"tp=2": ["parallel.tp=2"], "pp=2": ["parallel.pp=2"], "fsdp2 dp=2": ["parallel.zero=fsdp2"],
-             "ddp dp=2": [], "deepspeed dp=2": ["parallel.zero=deepspeed"]}
+             "ddp dp=2": [], "cp=2": ["parallel.cp=2"], "cp=2 ring": ["parallel.cp=2", "parallel.cp_attention=ring"],
+             "deepspeed dp=2": ["parallel.zero=deepspeed"]}
 
 
 def _losses(overrides: list[str]) -> list[float]:

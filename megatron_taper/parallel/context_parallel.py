@@ -1,0 +1,259 @@
+"""Context parallelism (parallel.cp): each sequence is split over the ranks of a cp group.
+
+Every rank of a cp group receives the same samples (the data loader serves the group as one dp
+rank) and keeps its slice of each sequence, with the load-balanced causal split of Megatron-core
+and torchtitan: the S tokens are cut into 2 cp chunks of c = S / (2 cp) and cp rank r holds chunks
+r and 2 cp - 1 - r, so every rank does the same causal attention work (an early chunk attends to
+few keys, a late one to many).
+
+    tokens [B, S + 1] -> inputs, targets [B, S] -> this rank's [B, S / cp]     (split)
+    positions [S / cp]: the true positions of those tokens                    (positions)
+
+The model sees only its slice; its `context` attributes (models/transformer.py, models/layers.py
+Attention) hold this SequenceSplit, which gives the RoPE positions and attends over the whole
+sequence (`attend`, all-gather of K/V):
+
+    k, v [B, K, S / cp, E] (RoPE applied at the true positions)
+      -> all-gather over cp -> [B, K, S, E] in rank order (each rank's two chunks in turn)
+    q [B, H, S / cp, E] attends to them under the causal mask at the true positions
+      (key position <= query position; ALiBi: the bias -slope_h x distance of the true positions)
+    backward: the gathered k, v gradients are reduce-scattered back to the ranks holding them
+
+Communication per attention layer and micro-batch, per rank: forward an all-gather receiving
+2 x B x K x S x E x (cp - 1) / cp elements (K and V), backward a reduce-scatter of the same size.
+Memory: the gathered K and V ([B, K, S, E] each, the whole sequence) are kept for backward in every
+layer, beside the activations of the rank's S / cp tokens (cost/memory.py); SDPA runs under an
+explicit mask, which on the CPU has no fused kernel: it keeps the attention weights [B, H, S / cp,
+S] (measured: docs/architectures.md).
+
+parallel.cp_attention=ring (`_RingAttention`): K and V blocks travel around the ring instead.
+
+    forward   cp steps: attend to the block held (the rank's own first, then the one received
+              from cp rank r - 1 at the step before), merge the block's output by its
+              log-sum-exp (online softmax), pass the block on to r + 1 while computing (isend /
+              irecv of [B, K, S / cp, E] x 2)
+    saved     q, k, v of the rank's slice, the merged output and log-sum-exp [B, H, S / cp]
+    backward  cp steps again: each block's dq, dk, dv from the saved global output and
+              log-sum-exp (as flash attention's backward); the block's dk, dv accumulate as they
+              travel with it, and one last step hands them to the rank that owns it
+
+Bytes sent per rank and layer, in blocks of [2, B, K, S / cp, E]: forward cp - 1 (as the
+all-gather), backward cp - 1 blocks of K, V plus cp of their gradients (the all-gather's
+reduce-scatter: cp - 1), in point-to-point steps that overlap the blocks' attention; only the
+rank's own K and V are kept for backward. Each block's attention is computed here in fp32 matmuls,
+not by a fused kernel: per (query tile of at most `tile` rows of one chunk, key chunk) pair,
+[B, H, tile, S / (2 cp)] scores at a time, masked by causal_mask_at where the pair needs it and
+skipped where every key lies after every query.
+
+Loss (`split_loss`): each rank's share is the sum of its tokens' losses x cp / the kept targets of
+the whole sequence (a scalar all-reduce of the count), so that the mean of the shares over the cp
+group is the loss of the whole sequence; gradients are averaged over dp x cp (DDP over
+ParallelContext.grad_group), which makes them the one-process gradients.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from megatron_taper.cost.memory import CP_RING_TILE
+from megatron_taper.models.layers import IGNORE_INDEX, Attention, causal_mask_at
+from megatron_taper.parallel.tensor import gather_from_seq_region
+
+
+@dataclass(frozen=True)
+class SequenceSplit:
+    """The load-balanced causal split of sequences over the cp group (module doc)."""
+
+    cp: int
+    rank: int  # this rank's index in the cp group
+    group: dist.ProcessGroup
+    ring: bool = False  # parallel.cp_attention=ring: K/V passed around the ring, else all-gathered
+    tile: int = CP_RING_TILE  # ring: query rows per piece of a block's attention ([B, H, rows, C] scores)
+
+    def chunk_starts(self, rank: int, chunk: int) -> tuple[int, int]:
+        """First positions of the two chunks of `chunk` tokens that cp rank `rank` holds."""
+        return rank * chunk, (2 * self.cp - 1 - rank) * chunk
+
+    def positions_of(self, rank: int, local_len: int, device: torch.device) -> torch.Tensor:
+        """True positions [local_len] of the tokens cp rank `rank` holds (chunks rank, 2 cp - 1 - rank)."""
+        c = local_len // 2
+        return torch.cat([torch.arange(start, start + c, device=device) for start in self.chunk_starts(rank, c)])
+
+    def positions(self, local_len: int, device: torch.device) -> torch.Tensor:
+        """True positions of this rank's `local_len` tokens."""
+        return self.positions_of(self.rank, local_len, device)
+
+    def split(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, S, ...] the whole sequence -> [B, S / cp, ...] this rank's two chunks."""
+        chunks = x.chunk(2 * self.cp, dim=1)
+        return torch.cat((chunks[self.rank], chunks[2 * self.cp - 1 - self.rank]), dim=1)
+
+    def pass_on(self, x: torch.Tensor, tag: int = 0):
+        """Send x to cp rank r + 1 and receive the same shape from r - 1 (in the background); a
+        function that waits and returns what was received. `tag` tells apart transfers in flight
+        at once (a block and the gradients travelling with another)."""
+        world = dist.get_process_group_ranks(self.group)
+        received = torch.empty_like(x)
+        works = dist.batch_isend_irecv([
+            dist.P2POp(dist.isend, x.contiguous(), world[(self.rank + 1) % self.cp], self.group, tag),
+            dist.P2POp(dist.irecv, received, world[(self.rank - 1) % self.cp], self.group, tag)])
+
+        def wait() -> torch.Tensor:
+            for work in works:
+                work.wait()
+            return received
+        return wait
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               slopes: torch.Tensor | None = None) -> torch.Tensor:
+        """Causal attention of this rank's queries over the whole sequence's keys: q [B, H, s, E],
+        k, v [B, K, s, E] at this rank's positions (s = S / cp); `slopes` [H]: ALiBi. -> [B, H, s, E]."""
+        if self.ring:
+            return _RingAttention.apply(q, k, v, slopes, self)
+        s = q.shape[2]
+        # all-gather along the sequence (dim 1 of [B, s, K, E]); backward reduce-scatters
+        k_all, v_all = (gather_from_seq_region(t.transpose(1, 2), self.group).transpose(1, 2) for t in (k, v))
+        q_pos = self.positions(s, q.device)
+        k_pos = torch.cat([self.positions_of(r, s, q.device) for r in range(self.cp)])
+        mask = causal_mask_at(q_pos, k_pos, slopes)
+        if slopes is not None:
+            mask = mask.to(q.dtype)
+        return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def _block_scores(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Scaled scores [B, H, s, t] in fp32 of q [B, H, s, E] over k [B, H, t, E]; `mask`: None (all
+    visible), boolean (True = may attend) or an additive bias, [s, t] or [H, s, t]."""
+    scores = (q.float() @ k.float().transpose(-1, -2)) * q.shape[-1] ** -0.5
+    if mask is None:
+        return scores
+    if mask.dtype == torch.bool:
+        return scores.masked_fill(~mask, float("-inf"))
+    return scores + mask
+
+
+def _heads(t: torch.Tensor, n: int) -> torch.Tensor:
+    """[B, K, t, E] -> [B, n, t, E] in fp32, each kv head repeated for its query heads (GQA)."""
+    return (t if t.shape[1] == n else t.repeat_interleave(n // t.shape[1], dim=1)).float()
+
+
+def _fold(t: torch.Tensor, k: int) -> torch.Tensor:
+    """The gradient of _heads: [B, n, t, E] summed back to [B, k, t, E]."""
+    return t if t.shape[1] == k else t.unflatten(1, (k, -1)).sum(2)
+
+
+def _pieces(split: SequenceSplit, s: int, owner: int, slopes: torch.Tensor | None, device: torch.device):
+    """The pieces of this rank's attention over the block of cp rank `owner`: (query rows, key rows,
+    mask or None) per (query tile of at most split.tile rows of one chunk, key chunk), leaving out
+    the pairs where every key lies after every query (half of the diagonal blocks' work)."""
+    c = s // 2
+    out = []
+    for qi, q0 in enumerate(split.chunk_starts(split.rank, c)):
+        for lo in range(0, c, split.tile):
+            hi = min(lo + split.tile, c)
+            for ki, k0 in enumerate(split.chunk_starts(owner, c)):
+                if k0 >= q0 + hi:
+                    continue
+                mask = None
+                if slopes is not None or k0 + c - 1 > q0 + lo:
+                    mask = causal_mask_at(torch.arange(q0 + lo, q0 + hi, device=device),
+                                          torch.arange(k0, k0 + c, device=device), slopes)
+                out.append((slice(qi * c + lo, qi * c + hi), slice(ki * c, (ki + 1) * c), mask))
+    return out
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, slopes, split):
+        # q [B, H, s, E]; k, v [B, K, s, E] at this rank's positions
+        h, s = q.shape[1], q.shape[2]
+        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)  # [B, H, s]
+        block = torch.stack((k, v))  # [2, B, K, s, E]
+        for step in range(split.cp):
+            pending = split.pass_on(block) if step < split.cp - 1 else None
+            kh, vh = _heads(block[0], h), _heads(block[1], h)
+            for rows, keys, mask in _pieces(split, s, (split.rank - step) % split.cp, slopes, q.device):
+                scores = _block_scores(q[:, :, rows], kh[:, :, keys], mask)  # [B, H, tile, C]
+                old = lse[:, :, rows]
+                new = torch.logaddexp(old, scores.logsumexp(-1))
+                safe = torch.where(torch.isinf(new), 0.0, new).unsqueeze(-1)
+                out[:, :, rows] = (out[:, :, rows] * (old.unsqueeze(-1) - safe).exp()
+                                   + (scores - safe).exp() @ vh[:, :, keys])
+                lse[:, :, rows] = new
+            if pending is not None:
+                block = pending()
+        ctx.save_for_backward(q, k, v, out, lse, slopes)
+        ctx.split = split
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, out, lse, slopes = ctx.saved_tensors
+        split = ctx.split
+        h, s, kv_heads = q.shape[1], q.shape[2], k.shape[1]
+        grad = grad.float()
+        delta = (grad * out).sum(-1, keepdim=True)  # [B, H, s, 1]
+        safe = torch.where(torch.isinf(lse), 0.0, lse).unsqueeze(-1)
+        scale = q.shape[-1] ** -0.5
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        block = torch.stack((k, v))
+        dblock = None  # the gradients travelling with `block`
+        for step in range(split.cp):
+            pending = split.pass_on(block) if step < split.cp - 1 else None
+            kh, vh = _heads(block[0], h), _heads(block[1], h)
+            dkh, dvh = torch.zeros_like(kh), torch.zeros_like(vh)
+            for rows, keys, mask in _pieces(split, s, (split.rank - step) % split.cp, slopes, q.device):
+                p = (_block_scores(q[:, :, rows], kh[:, :, keys], mask) - safe[:, :, rows]).exp()  # [B, H, tile, C]
+                ds = p * (grad[:, :, rows] @ vh[:, :, keys].transpose(-1, -2) - delta[:, :, rows]) * scale
+                dq[:, :, rows] += ds @ kh[:, :, keys]
+                dkh[:, :, keys] += ds.transpose(-1, -2) @ q[:, :, rows].float()
+                dvh[:, :, keys] += p.transpose(-1, -2) @ grad[:, :, rows]
+            travelling = torch.stack((_fold(dkh, kv_heads), _fold(dvh, kv_heads)))
+            if dblock is not None:
+                travelling += dblock
+            dblock = split.pass_on(travelling, tag=1)()  # to the next rank, with the block it belongs to
+            if pending is not None:
+                block = pending()
+        # dblock now holds the gradients of this rank's own block (each ended one step past its owner)
+        return dq.to(q.dtype), dblock[0].to(k.dtype), dblock[1].to(v.dtype), None, None
+
+
+def apply_context_parallel(model: nn.Module, split: SequenceSplit) -> None:
+    """Hand `split` to the model and to each of its attention modules (their `context`)."""
+    model.context = split
+    for module in model.modules():
+        if isinstance(module, Attention):
+            module.context = split
+
+
+def split_batch(split: SequenceSplit | None, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, targets) of tokens [B, S + 1]: the whole [B, S] each, or this rank's slices."""
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    if split is None:
+        return inputs, targets
+    return split.split(inputs), split.split(targets)
+
+
+def split_loss(logits: torch.Tensor, targets: torch.Tensor, inner, split: SequenceSplit) -> torch.Tensor:
+    """This rank's share of the loss of the whole sequence (module doc): `inner` (the mean over
+    this rank's kept targets) x kept x cp / kept over the cp group. A rank whose targets are all
+    IGNORE_INDEX gives NaN, as `inner` does."""
+    mean = inner(logits, targets)
+    kept = (targets != IGNORE_INDEX).sum().to(torch.float32)
+    total = kept.clone()
+    dist.all_reduce(total, group=split.group)
+    return mean * (kept * split.cp / total)
+
+
+def cp_mean(value: torch.Tensor, split: SequenceSplit | None) -> torch.Tensor:
+    """The mean of a per-rank loss share over the cp group: the loss of the whole sequence."""
+    if split is None:
+        return value
+    value = value.clone()
+    dist.all_reduce(value, op=dist.ReduceOp.AVG, group=split.group)
+    return value
