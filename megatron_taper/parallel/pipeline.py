@@ -44,6 +44,7 @@ from megatron_taper.parallel.meta_init import is_meta
 from megatron_taper.parallel.model import ParallelModel
 from megatron_taper.parallel.partition import PipelinePlan, chunk_rank, plan_pipeline
 from megatron_taper.parallel.profile import TPShard, profile_layer_times, profile_meta_layer_times
+from megatron_taper.parallel.zero import apply_zero
 
 if TYPE_CHECKING:
     from megatron_taper.config import ModelConfig, ParallelConfig, TrainConfig
@@ -63,6 +64,16 @@ class PipelineParallelModel(ParallelModel):
         """Each chunk behind DDP; the pipelining stage drives its no-sync and final reduction."""
         assert not self.dp_sharded and not self._schedules, "before the first step"
         self.chunks = [wrap_ddp(chunk, self.ctx, bucket_mb) for chunk in self.chunks]
+
+    def _reshard(self) -> None:
+        """Each chunk is its own FSDP root (zero.py): shard all of them again, roots included."""
+        if self.dp_sharded:
+            from torch.distributed.fsdp import FSDPModule
+
+            for chunk in self.chunks:
+                for module in chunk.modules():
+                    if isinstance(module, FSDPModule):
+                        module.reshard()
 
     @property
     def n_stages(self) -> int:
@@ -255,9 +266,15 @@ def strip_model(model: nn.Module, layers: list[int], embedding: bool, head: bool
 
 
 def chunk_view(module: nn.Module, layers: list[int], embedding: bool, head: bool) -> nn.Module:
-    """A module sharing `module`'s submodules but running only `layers` (a virtual stage)."""
+    """A module sharing `module`'s submodules but running only `layers` (a virtual stage). Its
+    registries (submodules, hooks, composable-API state) are its own, so that hooks and an FSDP
+    root put on one chunk stay off the others; a parameter directly on `module` would be shared
+    by every chunk, and no family has one."""
+    assert next(module.parameters(recurse=False), None) is None, "parameters belong to submodules"
     view = copy.copy(module)
-    view._modules = dict(module._modules)  # own registry, shared submodules
+    for key, value in vars(module).items():
+        if isinstance(value, (dict, set)):
+            vars(view)[key] = copy.copy(value)  # own registry, shared entries
     view.layers = nn.ModuleDict({str(i): module.layers[str(i)] for i in layers})
     return strip_model(view, layers, embedding, head)
 
@@ -279,6 +296,7 @@ def build_pipeline(model: nn.Module, ctx: ParallelContext, model_cfg: ModelConfi
         chunks = [module]
     else:
         chunks = [chunk_view(module, plan.stages[c].layers, c == 0, c == n_stages - 1) for c in chunk_ids]
+    inner = apply_zero(inner, parallel, train, chunks=chunks)
     for chunk in chunks:
         dense_stage_io(chunk)
     base = {f.name: getattr(inner, f.name) for f in dataclasses.fields(ParallelModel)}

@@ -53,22 +53,23 @@ if TYPE_CHECKING:
 
 
 def apply_zero(pm: ParallelModel, parallel: ParallelConfig, train: TrainConfig,
-               pipelined: bool = False) -> ParallelModel:
+               chunks: list[nn.Module] | None = None) -> ParallelModel:
     """Shard `pm` over the dp group with the engine named by parallel.zero (preflight.py has
-    refused the layouts an engine cannot run)."""
+    refused the layouts an engine cannot run). `chunks`: a pipeline stage's chunks (views of
+    `pm.module` sharing its blocks; pipeline.py), each made its own FSDP root."""
     engine = parallel.zero
     if engine == "none":
         return pm
     assert all(k == 1 for k in pm.replicas.values()), "preflight refuses ZeRO with tp > kv heads"
     if engine == "fsdp2":
-        return _fsdp2(pm, uses_bf16(train.precision, pm.ctx.device), pipelined)
-    assert engine == "deepspeed" and not pipelined, engine
+        return _fsdp2(pm, uses_bf16(train.precision, pm.ctx.device), chunks)
+    assert engine == "deepspeed" and chunks is None, engine
     from megatron_taper.parallel.zero_deepspeed import DeepSpeedParallelModel  # imports deepspeed
 
     return DeepSpeedParallelModel.wrap(pm, parallel.deepspeed)
 
 
-def _fsdp2(pm: ParallelModel, bf16: bool, pipelined: bool) -> ParallelModel:
+def _fsdp2(pm: ParallelModel, bf16: bool, chunks: list[nn.Module] | None) -> ParallelModel:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     ctx = pm.ctx
@@ -79,8 +80,9 @@ def _fsdp2(pm: ParallelModel, bf16: bool, pipelined: bool) -> ParallelModel:
     matmul = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32)
     module = pm.module
     for block in _blocks(module):
-        _shard_unit(block, mesh, fp32, matmul, reshard=not pipelined)
-    _shard_unit(module, mesh, fp32, matmul, reshard=False)
+        _shard_unit(block, mesh, fp32, matmul, reshard=chunks is None)
+    for root in chunks or [module]:
+        _shard_unit(root, mesh, fp32, matmul, reshard=False)
     pm.dp_sharded = True
     pm.dp_shard = functools.partial(_dp_shard, mesh=mesh, device=ctx.device)
     return pm
