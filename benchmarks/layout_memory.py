@@ -34,6 +34,11 @@ LAYOUTS = {  # name -> (processes, overrides)
     "none_dp1": (1, ["parallel.zero=none"]),
     "fsdp2_dp2": (2, ["parallel.zero=fsdp2"]),
     "fsdp2_pp2_dp2": (4, ["parallel.zero=fsdp2", "parallel.pp=2", "parallel.microbatches=4"]),
+    # 2 chunks of 1 block per rank, each its own FSDP root
+    "fsdp2_pp2_dp2_interleaved": (4, ["parallel.zero=fsdp2", "parallel.pp=2", "parallel.microbatches=4",
+                                      "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual=2"]),
+    "fsdp2_pp2_dp2_zbv": (4, ["parallel.zero=fsdp2", "parallel.pp=2", "parallel.microbatches=4",
+                              "parallel.pp_schedule=zbv"]),
     "deepspeed_dp2": (2, ["parallel.zero=deepspeed"]),
 }
 
@@ -55,12 +60,16 @@ def main() -> None:
             for row in measure(overrides, "none", nproc, args.steps, full=True):
                 rows.append({"layout": name, "precision": precision, "rank": row["rank"],
                              "measured_peak_mib": round(row["measured_peak_bytes"] / 2**20, 1),
-                             "predicted_peak_mib": round(row["predicted_peak_bytes"] / 2**20, 1),
-                             "ratio": round(row["peak_ratio"], 3),
+                             "predicted_peak_mib": _mib(row["predicted_peak_bytes"]),
+                             "ratio": None if row["peak_ratio"] is None else round(row["peak_ratio"], 3),
                              "resident_before_step_mib": round(row["resident_before_step_bytes"] / 2**20, 1),
                              "predicted_static_mib": round(row["predicted_static_bytes"] / 2**20, 1)})
                 print(json.dumps(rows[-1]), file=sys.stderr)
     print(json.dumps({"benchmark": "layout_memory", "shape": SHAPE + args.overrides, "rows": rows}))
+
+
+def _mib(n: float | None) -> float | None:
+    return None if n is None else round(n / 2**20, 1)
 
 
 if __name__ == "__main__":

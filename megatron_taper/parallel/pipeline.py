@@ -17,6 +17,9 @@ evaluation (one micro-batch) runs interleaved 1F1B over the same stages (looped 
 in the V placement, ZB-V's action list without its backward actions (`_forward_only_v`: ZB-V's
 own evaluation runs them and fails; DualPipeV needs 2 pp micro-batches).
 
+Data parallelism: zero=fsdp2 shards each chunk with its own FSDP root (zero.py; every schedule),
+zero=none wraps each chunk in DDP (not the zero-bubble schedules: preflight.py says why).
+
 Micro-batches: the rank's micro-batches of one step are concatenated along the batch and cut
 into `parallel.microbatches` equal pieces (0 = as many as the Trainer passes). 1F1B and
 interleaved 1F1B need at least pp of them; preflight.py refuses fewer (GPipe runs with fewer but

@@ -7,7 +7,10 @@ state over the dp group of the (pp, dp, tp) mesh; each tp rank shards its own tp
 tp ranks are independent and every dp group only ever sees same-shaped tensors.
 
 fsdp2 (`torch.distributed.fsdp.fully_shard`)
-    One FSDP unit per block, plus the stage's root module (embedding, final norm, head).
+    One FSDP unit per block, plus the stage's root module (embedding, final norm, head); under
+    schedules with several chunks per pp rank (interleaved, zero-bubble) one root per chunk
+    (pipeline.py's chunk views: the chunk's blocks, and the embedding / norm and head when it holds
+    them), as torchtitan shards each model part.
     Parameters become DTensors sharded (dim 0) over the dp sub-mesh; gradients are
     reduce-scattered in backward in fp32 (`reduce_dtype`), so the ParallelModel only completes tp
     sums, takes the global norm over dp shards and clips. Precision (docs/precision.md, one policy
@@ -21,11 +24,16 @@ fsdp2 (`torch.distributed.fsdp.fully_shard`)
     exist only while it runs; all-gathered again for its backward) and False for the root (its
     backward follows at once). Under pipelining, False everywhere: 1F1B interleaves the forward
     and backward of many micro-batches, and resharding would all-gather every block twice per
-    micro-batch; instead a stage's weights stay gathered from its first forward until the
-    schedule's last backward, which reshards them and reduce-scatters the gradients once per step
-    (torch.distributed.pipelining drives FSDP's no-sync / post-backward on the stage's root
-    module). Memory of a stage is then ZeRO-1-like during the step and fully sharded between
-    steps. The interleaved schedule (several chunks per rank sharing one root) is refused.
+    micro-batch; instead a chunk's weights stay gathered from its first forward until its last
+    backward of the step. torch.distributed.pipelining drives each chunk root: every backward
+    runs without gradient sync (unsharded fp32 gradients accumulate over the micro-batches);
+    after the chunk's last backward (zero-bubble schedules: its last weight-gradient pass) the
+    schedule's REDUCE_GRAD action reshards the chunk and reduce-scatters its gradients, once per
+    FSDP unit per step, while the rank's other chunks still have backwards to run. (On CUDA
+    torch's stage then makes the compute stream wait for that reduce-scatter, so it does not
+    overlap the next chunk's backward kernels; on gloo collectives block anyway.) Multi-chunk
+    schedules keep at most 3 chunks of a rank gathered and reshard the others between uses.
+    Memory of a stage is then ZeRO-1-like during the step and fully sharded between steps.
     With dp = 1 there is nothing to shard and the model is left as is (same numerics).
 
 deepspeed (DeepSpeed ZeRO stage 3, see `DeepSpeedParallelModel` in zero_deepspeed.py)
