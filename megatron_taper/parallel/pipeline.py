@@ -62,6 +62,7 @@ class PipelineParallelModel(ParallelModel):
     schedule_name: str = "1f1b"
     microbatches: int = 0  # 0 = as many as forward_backward receives
     _schedules: dict[Any, Any] = field(default_factory=dict, repr=False)
+    _reducing: list[Any] = field(default_factory=list, repr=False)  # stages whose reduce-scatter is issued
 
     def attach_data_parallel(self, bucket_mb: float) -> None:
         """Each chunk behind DDP; the pipelining stage drives its no-sync and final reduction."""
@@ -92,6 +93,7 @@ class PipelineParallelModel(ParallelModel):
         losses: list[torch.Tensor] = []
         with autocast():
             self._step(schedule, tokens, losses, train=True)
+        self._finish_reductions(n_micro)
         return self._mean_loss(losses)
 
     @torch.no_grad()
@@ -153,8 +155,37 @@ class PipelineParallelModel(ParallelModel):
                 schedule = Schedule1F1B(stages[0], n_microbatches=n_micro, loss_fn=loss_fn)
             else:  # gpipe, and forward-only evaluation with one micro-batch for 1f1b
                 schedule = ScheduleGPipe(stages[0], n_microbatches=n_micro, loss_fn=loss_fn)
+            if train and self.dp_sharded and len(stages) > 1:  # torch's action-list runtime
+                from torch.distributed.pipelining.schedules import REDUCE_GRAD
+
+                schedule.register_custom_function(REDUCE_GRAD, self._reduce_scatter_chunk)
             self._schedules[key] = schedule
         return self._schedules[key]
+
+    def _reduce_scatter_chunk(self, action, ctx) -> None:
+        """REDUCE_GRAD of one chunk, scheduled right after its last backward (zero-bubble: its last
+        weight-gradient pass) of the step: issue every FSDP unit's reduce-scatter of the chunk's
+        accumulated gradients (and reshard it) as torch's stage does (perform_reduce_grad), but
+        leave the compute stream's wait for them and the 1 / n_micro scaling to the end of the
+        step (_finish_reductions), so that on CUDA they overlap the backward of the rank's other
+        chunks."""
+        stage = next(s for s in ctx.schedule_ref._stages if s.stage_index == action.stage_index)
+        root = stage.submod
+        root.set_is_last_backward(True)
+        root.set_reshard_after_backward(True)
+        root.set_requires_gradient_sync(True)
+        for state in root._get_fsdp_state()._state_ctx.all_states:
+            for group in state._fsdp_param_groups:
+                group.post_backward()
+        self._reducing.append(stage)
+
+    def _finish_reductions(self, n_micro: int) -> None:
+        """Wait for the chunks' reduce-scatters (FSDP's end-of-backward callback: the compute
+        stream waits for them), then scale the sharded gradients to those of the mean loss."""
+        for stage in self._reducing:
+            stage.submod._get_fsdp_state()._root_post_backward_final_callback()
+            stage.scale_grads(n_micro)
+        self._reducing.clear()
 
 
 def _forward_only_v(schedule):

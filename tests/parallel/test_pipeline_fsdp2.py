@@ -11,7 +11,9 @@ Model and data of test_pipeline.py (5 layers, cosine taper, d=64, byte tokens), 
 - zbv (ZB-V: split input / weight backward, V placement), through the ParallelModel for 3 steps:
   losses, grad norms, eval loss and the gathered weights, same tolerances; and a trace of one
   step: every FSDP unit of a chunk reduce-scatters exactly once, after the chunk's last weight
-  gradient of the step (no reduction per micro-batch, none before the gradients are complete).
+  gradient of the step (no reduction per micro-batch, none before the gradients are complete),
+  the first chunk's while the other chunk still has backwards to run, and the wait for them
+  (FSDP's end-of-backward callback) only after the step's last backward.
 """
 from __future__ import annotations
 
@@ -70,19 +72,27 @@ def _param_groups(chunk) -> int:
 
 @contextlib.contextmanager
 def _traced(pm, events: list):
-    """Record ("grad", stage) for every backward that produces weight gradients and ("rs", stage)
-    for every FSDP reduce-scatter (torch's stage and FSDP2 functions, wrapped for one step)."""
+    """Record ("grad", stage) for every backward that produces weight gradients, ("rs", stage)
+    for every FSDP reduce-scatter and ("wait", stage) for FSDP's end-of-backward callback of a
+    chunk root in its last-backward mode (the compute stream's wait for its reduce-scatters):
+    torch's stage and FSDP2 functions, wrapped for one step."""
     import torch.distributed.fsdp._fully_shard._fsdp_param_group as group_mod
+    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
     from torch.distributed.pipelining.stage import _PipelineStageBase
 
     owner = {id(m): c for c, chunk in zip(pm.chunk_ids, pm.chunks) for m in chunk.modules()}
     saved = (group_mod.foreach_reduce, _PipelineStageBase.backward_one_chunk,
-             _PipelineStageBase.backward_weight_one_chunk)
-    reduce, backward, weight = saved
+             _PipelineStageBase.backward_weight_one_chunk, FSDPState._root_post_backward_final_callback)
+    reduce, backward, weight, final = saved
 
     def traced_reduce(fsdp_params, *args, **kwargs):
         events.append(("rs", owner[id(fsdp_params[0]._module_info.module)]))
         return reduce(fsdp_params, *args, **kwargs)
+
+    def traced_final(state):
+        if state._state_ctx.is_last_backward:  # (after every backward it runs, without waiting)
+            events.append(("wait", owner[id(state._modules[0])]))
+        return final(state)
 
     def traced_backward(stage, *args, full_backward=True, **kwargs):
         if full_backward:
@@ -96,11 +106,12 @@ def _traced(pm, events: list):
     group_mod.foreach_reduce = traced_reduce
     _PipelineStageBase.backward_one_chunk = traced_backward
     _PipelineStageBase.backward_weight_one_chunk = traced_weight
+    FSDPState._root_post_backward_final_callback = traced_final
     try:
         yield
     finally:
         (group_mod.foreach_reduce, _PipelineStageBase.backward_one_chunk,
-         _PipelineStageBase.backward_weight_one_chunk) = saved
+         _PipelineStageBase.backward_weight_one_chunk, FSDPState._root_post_backward_final_callback) = saved
 
 
 def _chunked_runs(byte_tokens: str, run_dir: str) -> dict:
@@ -161,8 +172,13 @@ def test_chunks_sharded_with_fsdp2_match_one_process(byte_tokens, tmp_path):
         _weights_close(got["weights"], ref_loop["weights"])
         events, n_micro = got["events"], got["microbatches"]
         assert len(got["units"]) == 2
+        last_grad = max(i for i, e in enumerate(events) if e[0] == "grad")
         for chunk, units in got["units"].items():
             grads = [i for i, e in enumerate(events) if e == ("grad", chunk)]
             reductions = [i for i, e in enumerate(events) if e == ("rs", chunk)]
             assert len(grads) == n_micro and len(reductions) == units, (chunk, events)
             assert min(reductions) > max(grads), (chunk, events)
+            # the wait for a chunk's reduce-scatters comes after every backward of the step
+            assert [i for i, e in enumerate(events) if e == ("wait", chunk)] > [last_grad], (chunk, events)
+        # the chunk finished first reduce-scatters while the other still has backwards to run
+        assert min(i for i, e in enumerate(events) if e[0] == "rs") < last_grad, events
