@@ -14,6 +14,9 @@ sequences per rank are 4 micro-batches of 2: 1F1B then reaches its steady state,
 stage holds 2 micro-batches' activations next to the fp32 gradients accumulated so far) is large
 enough that the state terms under test (fp32 gradients accumulated between the pipeline's
 micro-batches, DeepSpeed's fp32 partitions and moments, bf16 cast copies) are tens of MiB.
+Layouts (LAYOUTS) also include fsdp2_pp2_dp2_interleaved and fsdp2_pp2_dp2_zbv: 2 chunks of one
+block per pp rank, each its own FSDP root; their prediction is the rank's (PipelinePlan
+.rank_peak_bytes; null for zbv, whose activations are not modelled).
 Prints one JSON object: per layout, precision and rank, measured and predicted peaks and their
 ratio.
 """
