@@ -29,10 +29,11 @@ fsdp2 (`torch.distributed.fsdp.fully_shard`)
     runs without gradient sync (unsharded fp32 gradients accumulate over the micro-batches);
     after the chunk's last backward (zero-bubble schedules: its last weight-gradient pass) the
     schedule's REDUCE_GRAD action reshards the chunk and reduce-scatters its gradients, once per
-    FSDP unit per step, while the rank's other chunks still have backwards to run. (On CUDA
-    torch's stage then makes the compute stream wait for that reduce-scatter, so it does not
-    overlap the next chunk's backward kernels; on gloo collectives block anyway.) Multi-chunk
-    schedules keep at most 3 chunks of a rank gathered and reshard the others between uses.
+    FSDP unit per step, while the rank's other chunks still have backwards to run; the pipeline
+    (pipeline.py `_reduce_scatter_chunk`) defers FSDP's wait for it to the step's end, so on
+    CUDA it can overlap their backward (gloo collectives block the host anyway). With one chunk
+    per rank (1f1b, gpipe) it runs after the last backward, with nothing left to overlap. Multi-
+    chunk schedules keep at most 3 chunks of a rank gathered and reshard the others between uses.
     Memory of a stage is then ZeRO-1-like during the step and fully sharded between steps.
     With dp = 1 there is nothing to shard and the model is left as is (same numerics).
 
