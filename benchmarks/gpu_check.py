@@ -4,18 +4,19 @@
    the CPU and on the GPU from the same weights and batches; the largest loss difference
    (tolerance PARITY_TOL: fp32 reduction orders of the two devices differ by ~1e-6 per step; a
    wrong kernel or a lost gradient moves the loss by 1e-3 or more).
-2. Throughput: a ~1.3B tapered Transformer (configs/transformer_1.3b_taper.yaml with pp=1) in
-   bf16 with parallel.zero=fsdp2 at dp=1 (one process: nothing to shard, so the model runs as is
-   under bf16 autocast), train.activation_checkpointing none / selective / full, each with and
-   without train.compile: step time, tokens/s, MFU (the taper-exact FLOPs of flops.model_costs,
-   6 x forward per token, against the device's dense bf16 peak), peak allocated and reserved GPU
-   memory. MFU is given in two labelled conventions: `mfu_causal` (attention FLOPs of the causal
-   half, this project's FLOPs model) and `mfu_full_attention` (torchtitan's: attention counted as
-   full, which reads higher). Steps are the Trainer's own (`train_step`) on random tokens.
-   Variants still to run when the time budget (--budget-s) is spent are reported as skipped, and a
-   variant that reaches the budget mid-way stops and reports the steps it timed (`truncated`).
-   torch._dynamo.reset() runs between variants, so one compiled variant's caches and recompile
-   limits never reach the next.
+2. Throughput: a ~1.3B tapered Transformer (configs/transformer_1.3b_taper.yaml with pp=1) in bf16
+   with parallel.zero=fsdp2 at dp=1 (one process: nothing to shard, so the model runs as is under
+   bf16 autocast), one variant per entry of VARIANTS, most wanted first (the baseline, float8
+   linears, op-level activation checkpointing, the chunked loss, whole-block checkpointing, then
+   with train.compile, float8 with compile last but one): step time, tokens/s, MFU (the taper-
+   exact FLOPs of flops.model_costs, 6 x forward per token, against the device's dense bf16 peak),
+   peak allocated and reserved GPU memory. MFU is given in two labelled conventions: `mfu_causal`
+   (attention FLOPs of the causal half, this project's FLOPs model) and `mfu_full_attention`
+   (torchtitan's: attention counted as full, which reads higher). Steps are the Trainer's own
+   (`train_step`) on random tokens. Variants still to run when the time budget (--budget-s) is
+   spent are reported as skipped, and a variant that reaches the budget mid-way stops and reports
+   the steps it timed (`truncated`). torch._dynamo.reset() runs between variants, so one compiled
+   variant's caches and recompile limits never reach the next.
 3. NCCL (gloo on a CPU) at world size 1: the process group is initialised in this process and
    every collective the trainer and checkpointer use (all_reduce sum/avg/max/min, all_gather,
    reduce_scatter, broadcast, gather_object, broadcast_object_list, barrier) runs once, then a
@@ -51,8 +52,17 @@ from megatron_taper.data.corpus import embedded_files
 from megatron_taper.trainer import Trainer
 
 PARITY_TOL = 1e-4
-VARIANTS = [("none", False), ("selective", False), ("full", False), ("none", True), ("selective", True),
-            ("full", True)]
+# each variant: train.* overrides; activation_checkpointing and compile always named
+VARIANTS = [
+    {"activation_checkpointing": "none", "compile": False},
+    {"activation_checkpointing": "none", "compile": False, "float8": True},
+    {"activation_checkpointing": "op", "compile": False},
+    {"activation_checkpointing": "none", "compile": False, "loss_chunk": 1024},
+    {"activation_checkpointing": "full", "compile": False},
+    {"activation_checkpointing": "none", "compile": True},
+    {"activation_checkpointing": "none", "compile": True, "float8": True},
+    {"activation_checkpointing": "selective", "compile": False},
+]
 
 
 def byte_tokens(folder: str) -> str:
@@ -92,12 +102,12 @@ def parity(folder: str, device: str, steps: int) -> dict:
             "ok": diff < PARITY_TOL}
 
 
-def throughput(shape: list[str], folder: str, ac: str, compiled: bool, steps: int, warmup: int,
-               deadline: float) -> dict:
+def throughput(shape: list[str], folder: str, variant: dict, steps: int, warmup: int, deadline: float) -> dict:
+    name = "_".join(f"{k}{v}" for k, v in variant.items())
     cfg = load_config("configs/transformer_1.3b_taper.yaml", [
-        *shape, f"run.dir={folder}/tp_{ac}_{int(compiled)}", "run.tensorboard=false", "parallel.pp=1",
-        "parallel.microbatches=0", "parallel.zero=fsdp2", f"train.activation_checkpointing={ac}",
-        f"train.compile={str(compiled).lower()}", "train.log_interval=1000", "train.eval_batches=1"])
+        *shape, f"run.dir={folder}/tp_{name}", "run.tensorboard=false", "parallel.pp=1",
+        "parallel.microbatches=0", "parallel.zero=fsdp2", "train.log_interval=1000", "train.eval_batches=1",
+        *(f"train.{k}={str(v).lower()}" for k, v in variant.items())])
     trainer = Trainer(cfg)
     try:
         device = trainer.ctx.device
@@ -119,7 +129,7 @@ def throughput(shape: list[str], folder: str, ac: str, compiled: bool, steps: in
         tokens = cfg.train.global_batch * cfg.model.seq_len
         peak = peak_flops(device, trainer.bf16)
         causal, full = model_costs(cfg.model), model_costs(cfg.model, causal=False)
-        result = {"activation_checkpointing": ac, "compile": compiled, "steps": done, "truncated": done < steps,
+        result = {"steps": done, "truncated": done < steps,
                   "step_s": step_s, "tokens_per_s": tokens / step_s, "warmup_s": warm_s,
                   "mfu_causal": mfu(tokens / step_s, causal.total_flops, peak),
                   "mfu_full_attention": mfu(tokens / step_s, full.total_flops, peak),
@@ -222,7 +232,9 @@ def main() -> int:
                  "model.vocab_size=512", "model.seq_len=32", "train.global_batch=2", "train.micro_batch=2"]
         steps, warmup, parity_steps = 2, 1, 2
         # compile is covered by tests/parallel/test_step_engines.py; "bogus" fails on purpose
-        variants = [("none", False), ("full", False), ("bogus", False)]
+        variants = [{"activation_checkpointing": "none", "compile": False},
+                    {"activation_checkpointing": "op", "compile": False, "float8": True, "loss_chunk": 16},
+                    {"activation_checkpointing": "bogus", "compile": False}]
     else:  # global batch 8 x 2048 tokens as 2 micro-batches of 4
         shape = ["train.global_batch=8", "train.micro_batch=4"]
         steps, warmup, parity_steps = args.steps, 3, 10
@@ -234,16 +246,16 @@ def main() -> int:
         vocab = load_config("configs/transformer_1.3b_taper.yaml", shape).model.vocab_size
         shape = [*shape, f"data.path={random_tokens(folder, vocab, 4_000_000)}", f"train.device={device}",
                  "train.precision=bf16" if cuda else "train.precision=fp32"]
-        for ac, compiled in variants:
-            label = {"activation_checkpointing": ac, "compile": compiled}
-            if ac == "bogus":
+        for variant in variants:
+            label = dict(variant)
+            if variant["activation_checkpointing"] == "bogus":
                 label["expected_failure"] = True
             if time.perf_counter() > deadline:
                 skipped = f"time budget of {args.budget_s:.0f} s spent"
                 report.setdefault("throughput", []).append({**label, "skipped": skipped})
                 write(report, args.out)
                 continue
-            attempt(report, args.out, "throughput", throughput, shape, folder, ac, compiled, steps, warmup, deadline,
+            attempt(report, args.out, "throughput", throughput, shape, folder, variant, steps, warmup, deadline,
                     append=True, **label)
     report["elapsed_s"] = time.perf_counter() - began
     write(report, args.out)

@@ -81,7 +81,7 @@ def _mds_dataset(data: DataConfig, path: str, key: str) -> tuple[Callable[..., B
     if is_remote(path):
         # A remote folder is always read through a local cache (data.cache_dir "" = the default).
         cache: str | None = os.path.join(default_cache_dir(data), "streaming")
-        has_val = "val" in remote_splits(path, cache, key)
+        has_val = "val" in remote_splits(path, cache, key, data.download_timeout_s)
     else:
         check_local_dataset(path, key)
         cache = os.path.join(default_cache_dir(data), "streaming") if data.cache_dir else None
@@ -89,9 +89,10 @@ def _mds_dataset(data: DataConfig, path: str, key: str) -> tuple[Callable[..., B
 
     def make(split: str, seq_len: int, mb: int, dp_rank: int, dp_size: int, seed: int,
              rows: int = 0) -> StreamingSource:
+        timeout = {"download_timeout_s": data.download_timeout_s}
         if rows:
-            return RowStreamSource(path, split, seq_len, mb, dp_rank, dp_size, seed, cache, rows=rows)
-        return StreamingSource(path, split, seq_len, mb, dp_rank, dp_size, seed, cache)
+            return RowStreamSource(path, split, seq_len, mb, dp_rank, dp_size, seed, cache, rows=rows, **timeout)
+        return StreamingSource(path, split, seq_len, mb, dp_rank, dp_size, seed, cache, **timeout)
 
     return make, has_val
 
@@ -133,9 +134,10 @@ def _build_mixture(data: DataConfig, seq_len: int, mb: int, seed: int, dp_rank: 
     return train, held_out
 
 
-def remote_splits(path: str, cache_dir: str, key: str = "data.path") -> list[str]:
+def remote_splits(path: str, cache_dir: str, key: str = "data.path", download_timeout_s: float = 0.0) -> list[str]:
     """The splits that the remote dataset's stats.json lists, the file copied once into the
-    dataset's cache folder (under a file lock shared by the ranks of a machine, as the shards).
+    dataset's cache folder (under a file lock shared by the ranks of a machine, as the shards);
+    one attempt of `download_timeout_s` (0 = the default, data.download_timeout_s's).
 
     Listing a remote folder, or telling a missing val/index.json from a failed download, is not
     uniform across mosaicml-streaming's backends (S3 raises botocore's ClientError, others
@@ -155,7 +157,7 @@ def remote_splits(path: str, cache_dir: str, key: str = "data.path") -> list[str
     with FileLock(os.path.join(folder, ".stats.lock")):
         if not os.path.isfile(local):
             try:
-                CloudDownloader.direct_download(remote, local, DOWNLOAD_TIMEOUT_S)
+                CloudDownloader.direct_download(remote, local, download_timeout_s or DOWNLOAD_TIMEOUT_S)
             except Exception as e:  # noqa: BLE001 - the backends raise unrelated types
                 raise ValueError(f"{key}={path}: cannot fetch {remote} (a remote dataset must be a complete "
                                  f"folder written by tools/preprocess_data.py): {type(e).__name__}: {e}") from e

@@ -37,9 +37,12 @@ mosaicml-streaming can download from): index and shards are copied on first use 
 `cache_dir/<name>-<hash>/<split>/`, guarded by file locks so that ranks sharing a cache copy each
 file once. Without `cache_dir`, `path` is read in place (compressed shards are decompressed beside
 themselves, as mosaicml-streaming does). A shard download gives up after DOWNLOAD_ATTEMPTS tries
-of DOWNLOAD_TIMEOUT_S each (at most 180 s, well under the 600 s collective timeout, so a stuck
-filesystem fails this rank with the shard named instead of every rank in a collective; the
-timeout is the library downloader's, which its hf:// and plain-path downloaders do not apply).
+of `download_timeout_s` each (data.download_timeout_s, default 60 s), and whatever the downloader
+does (mosaicml-streaming's hf:// and plain-path downloaders apply no timeout), the reading thread
+waits at most DOWNLOAD_ATTEMPTS x `download_timeout_s` for a shard (180 s by default, well under
+the 600 s collective timeout), then fails this rank with the shard named, so a stuck filesystem or
+object store (or a peer stuck while holding the shard's file lock) stops one rank with a reason
+instead of every rank in a collective.
 Shards are fetched ahead of need: each `next_batch` looks at this rank's next SAMPLES_AHEAD
 samples and hands the shards they read that are not yet open to SHARDS_IN_FLIGHT background
 download threads, so a shard is usually in the cache before the sample that needs it is drawn
@@ -59,6 +62,7 @@ import json
 import mmap
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 import numpy as np
@@ -76,7 +80,7 @@ STATS_FILE = "stats.json"
 TOKENIZER_FILE = "tokenizer.model"
 # 1: a full permutation of documents and samples per epoch; 2: the block-wise order of data.order.
 STATE_VERSION = 2
-DOWNLOAD_TIMEOUT_S = 60.0  # one attempt at one shard
+DOWNLOAD_TIMEOUT_S = 60.0  # one attempt at one shard (data.download_timeout_s's default)
 DOWNLOAD_ATTEMPTS = 3
 SAMPLES_AHEAD = 64  # remote data: this rank's next samples whose shards are fetched in the background
 SHARDS_IN_FLIGHT = 4  # remote data: parallel shard downloads per reader
@@ -102,7 +106,8 @@ def has_split(path: str, split: str) -> bool:
 class ShardReader:
     """Random access to the documents of one split: `len(reader)` documents, `reader[i]` tokens."""
 
-    def __init__(self, path: str, split: str, cache_dir: str | None = None) -> None:
+    def __init__(self, path: str, split: str, cache_dir: str | None = None,
+                 download_timeout_s: float = DOWNLOAD_TIMEOUT_S) -> None:
         import_streaming()
         from streaming.base.format import reader_from_json
         from streaming.base.stream import Stream
@@ -110,6 +115,7 @@ class ShardReader:
         if is_remote(path) and not cache_dir:
             raise ValueError(f"data.path={path} is remote and needs a local cache folder (data.cache_dir)")
         self.where = f"{path.rstrip('/')}/{split}"
+        self.download_timeout_s = download_timeout_s
         remote = path if cache_dir else None
         local = cache_folder(cache_dir, path) if cache_dir else path
         self._split_dir = os.path.join(local, split)
@@ -129,7 +135,7 @@ class ShardReader:
             if TOKENS_COLUMN not in getattr(shard, "column_names", ()):
                 raise ValueError(f"{self.where}: shards have no '{TOKENS_COLUMN}' column")
         self._stream = Stream(remote=remote, local=local, split=split, download_retry=DOWNLOAD_ATTEMPTS - 1,
-                              download_timeout=DOWNLOAD_TIMEOUT_S, keep_zip=False)
+                              download_timeout=download_timeout_s, keep_zip=False)
         counts = np.array([shard.samples for shard in self._shards], np.int64)
         self._shard_ends = np.cumsum(counts)
         self._maps: dict[int, tuple[mmap.mmap, np.ndarray]] = {}
@@ -173,7 +179,8 @@ class ShardReader:
                 if os.path.exists(local):
                     continue
                 try:
-                    CloudDownloader.direct_download(os.path.join(remote_split, name), local, DOWNLOAD_TIMEOUT_S)
+                    CloudDownloader.direct_download(os.path.join(remote_split, name), local,
+                                                    self.download_timeout_s)
                 except FileNotFoundError:
                     if required:
                         raise ValueError(f"{remote_split}: no {name} to copy into the cache") from None
@@ -181,12 +188,25 @@ class ShardReader:
     def _prepare(self, shard_id: int) -> None:
         shard = self._shards[shard_id]
         fetching = self._fetching.pop(shard_id, None)
-        raw = fetching.result() if fetching is not None else self._download(shard_id)
+        if fetching is None and self._pool is not None:
+            fetching = self._pool.submit(self._download, shard_id)
+        raw = self._download(shard_id) if fetching is None else self._wait(fetching, shard_id)
         check_shard(raw, shard.raw_data.bytes, shard.raw_data.hashes, self.where)
         with open(raw, "rb") as f:
             data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         offsets = np.frombuffer(data, np.uint32, count=shard.samples + 1, offset=4)
         self._maps[shard_id] = (data, offsets)
+
+    def _wait(self, fetching: Future, shard_id: int) -> str:
+        """The downloaded shard's path, waiting at most DOWNLOAD_ATTEMPTS x download_timeout_s."""
+        limit = DOWNLOAD_ATTEMPTS * self.download_timeout_s
+        try:
+            return fetching.result(timeout=limit)
+        except FutureTimeout:
+            raise RuntimeError(f"{self.where}: shard {self._shards[shard_id].raw_data.basename} is not in the cache "
+                               f"after {limit:.0f} s (DOWNLOAD_ATTEMPTS x data.download_timeout_s): a stuck "
+                               f"filesystem or object store, or another process holding its download lock; this "
+                               f"rank stops here instead of stalling every rank in a collective") from None
 
     def _download(self, shard_id: int) -> str:
         """The raw shard's local path, downloaded and/or decompressed into it first if needed."""
@@ -199,7 +219,8 @@ class ShardReader:
                     self._stream.prepare_shard(shard)
                 except Exception as e:  # noqa: BLE001 - the library's download and decompression errors
                     raise RuntimeError(f"{self.where}: shard {shard.raw_data.basename} could not be fetched into "
-                                       f"the cache ({DOWNLOAD_ATTEMPTS} attempts of {DOWNLOAD_TIMEOUT_S:.0f} s): {e}"
+                                       f"the cache ({DOWNLOAD_ATTEMPTS} attempts of {self.download_timeout_s:.0f} s): "
+                                       f"{e}"
                                        ) from e
         return raw
 
@@ -240,7 +261,8 @@ class StreamingSource:
     rows: int | None = None  # RowStreamSource: the global batch rows it serves
 
     def __init__(self, path: str, split: str, seq_len: int, micro_batch: int, dp_rank: int, dp_size: int,
-                 seed: int, cache_dir: str | None = None, shuffle: bool = True, block_docs: int = BLOCK_DOCS) -> None:
+                 seed: int, cache_dir: str | None = None, shuffle: bool = True, block_docs: int = BLOCK_DOCS,
+                 download_timeout_s: float = DOWNLOAD_TIMEOUT_S) -> None:
         for key, value, low in (("model.seq_len", seq_len, 1), ("train.micro_batch", micro_batch, 1),
                                 ("dp_size", dp_size, 1), ("dp_rank", dp_rank, 0), ("train.seed", seed, 0),
                                 ("block_docs", block_docs, 1)):
@@ -250,7 +272,7 @@ class StreamingSource:
             raise ValueError(f"dp_rank={dp_rank} must be < dp_size={dp_size}")
         self.split, self.seq_len, self.micro_batch = split, seq_len, micro_batch
         self.dp_rank, self.dp_size, self.seed, self.shuffle = dp_rank, dp_size, seed, shuffle
-        self.reader = ShardReader(path, split, cache_dir)
+        self.reader = ShardReader(path, split, cache_dir, download_timeout_s)
         self.order = SampleOrder(self.reader.lengths, seq_len, seed, shuffle, block_docs)
         self.num_documents = len(self.reader)
         self.num_tokens = self.order.num_tokens

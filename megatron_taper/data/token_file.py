@@ -13,19 +13,27 @@ import os
 import numpy as np
 import torch
 
+from megatron_taper.validation import ConfigError
+
+
+def open_token_array(path: str, key: str) -> np.ndarray:
+    """The 1-D integer token array of the .npy file at `path`, memory-mapped; one error naming
+    `key` and the file when it is missing, unreadable or of another shape or dtype."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"{key}: token file not found: {path}")
+    try:
+        tokens = np.load(path, mmap_mode="r")
+    except (ValueError, OSError) as e:
+        raise ConfigError(f"{key}: {path} is not a readable .npy token array: {e}") from None
+    if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
+        raise ConfigError(f"{key}: {path} must hold a 1-D integer token array, got {tokens.dtype} {tokens.shape}")
+    return tokens
+
 
 class TokenFileSource:
     def __init__(self, path: str, seq_len: int, micro_batch: int, dp_rank: int = 0, dp_size: int = 1,
                  seed: int = 0, split: str = "train", eval_fraction: float = 0.05):
-        if not os.path.isfile(path):
-            raise ValueError(f"data.path: token file not found: {path}")
-        try:
-            tokens = np.load(path, mmap_mode="r")
-        except (ValueError, OSError) as e:
-            raise ValueError(f"data.path: {path} is not a readable .npy token array: {e}") from None
-        if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
-            raise ValueError(f"data.path: {path} must hold a 1-D integer token array, "
-                             f"got {tokens.dtype} {tokens.shape}")
+        tokens = open_token_array(path, "data.path")
         self.sample_len = seq_len + 1
         n_all = len(tokens) // self.sample_len
         n_eval = int(round(n_all * eval_fraction))

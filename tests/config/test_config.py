@@ -40,6 +40,7 @@ def test_unknown_key_suggests_nearest(override, fragment):
     ("model.taper.start=0", r"model.taper.start=0.0 is outside the allowed range \(0.0, 2.0\)"),
     ("model.taper.schedule=exp", "model.taper.schedule='exp' is not one of"),
     ("train.steps=0", r"train.steps=0 is outside the allowed range \[1, inf\)"),
+    ("data.download_timeout_s=0", r"data.download_timeout_s=0.0 is outside the allowed range \[1.0, inf\)"),
     ("model.n_heads=5", "model.n_heads=5 must divide model.d_model=768"),
     ("train.micro_batch=3", "train.micro_batch=3 must divide train.global_batch=8"),
     ("model=3", "model is a section"),

@@ -215,6 +215,34 @@ def test_a_shard_that_cannot_be_fetched_is_one_error_naming_it(dataset, tmp_path
         source.next_batch()
 
 
+def test_a_shard_stuck_behind_its_download_lock_stops_the_rank_naming_it(dataset, tmp_path):
+    """Another process on the machine holds every shard's download lock and never lets go (a peer
+    stuck mid-copy on a hung filesystem): the reading thread waits 3 attempts x
+    data.download_timeout_s, then one error names the shard, whatever the download itself does
+    (the hf:// and plain-path downloaders apply no timeout of their own)."""
+    import time
+
+    remote = tmp_path / "remote"
+    shutil.copytree(dataset, remote)
+    cache = str(tmp_path / "cache")
+    source = StreamingSource(str(remote), "train", SEQ, 2, 0, 1, 7, cache, download_timeout_s=1.0)
+    split_dir = os.path.join(cache_folder(cache, str(remote)), "train")
+    locks = [os.path.join(split_dir, shard.raw_data.basename + ".lock") for shard in source.reader._shards]
+    hold = ("import sys, time\nfrom filelock import FileLock\nheld = [FileLock(p) for p in sys.argv[1:]]\n"
+            "for lock in held: lock.acquire()\n"
+            "print('held', flush=True)\ntime.sleep(120)")
+    holder = subprocess.Popen([sys.executable, "-c", hold, *locks], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"train: shard shard\.\d+\.mds is not in the cache after 3 s"):
+            source.next_batch()
+        assert time.monotonic() - start < 60
+    finally:
+        holder.kill()
+        holder.wait()
+
+
 def test_compressed_shards_and_missing_lengths_file(corpus, tokenizer_model, dataset, tmp_path):
     from megatron_taper.data.corpus import SkipLog, read_documents
     from megatron_taper.data.preprocess import preprocess
