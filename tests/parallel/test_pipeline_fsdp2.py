@@ -64,10 +64,12 @@ def _loop_dp(overrides: list[str], steps: int = 3, trace: bool = False) -> dict:
 
 
 def _param_groups(chunk) -> int:
-    """FSDP units with parameters in `chunk` (a root over blocks only has none of its own)."""
+    """FSDP units with parameters in `chunk` (a root over blocks only has none of its own; a
+    unit of several blocks is one state on each of them)."""
     from torch.distributed.fsdp import FSDPModule
 
-    return sum(len(m._get_fsdp_state()._fsdp_param_groups) for m in chunk.modules() if isinstance(m, FSDPModule))
+    states = {id(s): s for s in (m._get_fsdp_state() for m in chunk.modules() if isinstance(m, FSDPModule))}
+    return sum(len(s._fsdp_param_groups) for s in states.values())
 
 
 @contextlib.contextmanager
