@@ -7,7 +7,8 @@ Model and data of test_pipeline.py (5 layers, cosine taper, d=64, byte tokens), 
   1e-4 relative) of the one-process run, and the step-6 weights (the checkpoint files, logical
   tensors) within 1e-5 absolute (AdamW turns gradient differences of ~1e-7 from the changed
   reduction order into weight differences of that size; measured ~5e-7). Its step-3 checkpoint
-  resumes in one process and continues as the one-process run does.
+  resumes in one process, and the one process's step-3 checkpoint resumes into the chunks; both
+  continue as the one-process run does (losses within 2e-5).
 - zbv (ZB-V: split input / weight backward, V placement), through the ParallelModel for 3 steps:
   losses, grad norms, eval loss and the gathered weights, same tolerances; and a trace of one
   step: every FSDP unit of a chunk reduce-scatters exactly once, after the chunk's last weight
@@ -116,9 +117,10 @@ def _traced(pm, events: list):
          _PipelineStageBase.backward_weight_one_chunk, FSDPState._root_post_backward_final_callback) = saved
 
 
-def _chunked_runs(byte_tokens: str, run_dir: str) -> dict:
-    return {"interleaved": _fit(FSDP2 + SHORT + ["parallel.pp_schedule=interleaved_1f1b", f"data.path={byte_tokens}",
-                                                 f"run.dir={run_dir}"]),
+def _chunked_runs(byte_tokens: str, run_dir: str, resume_dir: str) -> dict:
+    interleaved = FSDP2 + SHORT + ["parallel.pp_schedule=interleaved_1f1b", f"data.path={byte_tokens}"]
+    return {"interleaved": _fit(interleaved + [f"run.dir={run_dir}"]),
+            "resumed": _fit(interleaved + [f"run.dir={resume_dir}"]),  # one process's step-3 checkpoint
             "zbv": _loop_dp(FSDP2 + ["parallel.pp_schedule=zbv"], trace=True)}
 
 
@@ -151,13 +153,21 @@ def test_chunks_sharded_with_fsdp2_match_one_process(byte_tokens, tmp_path):
     # train.eval_batches is per dp rank: the 2 x 2 held-out batches of dp=2 are one process's 4
     ref = _series(_fit(SHORT + ["train.eval_batches=4", f"data.path={byte_tokens}", f"run.dir={ref_dir}"]))
     ref_loop = _loop_dp([])
-    results = run_distributed(_chunked_runs, 4, byte_tokens, str(dist_dir), timeout=240)
+    into_chunks = tmp_path / "resume_pp2_dp2"
+    (into_chunks / "checkpoints").mkdir(parents=True)
+    os.symlink(ref_dir / "checkpoints" / "step-3", into_chunks / "checkpoints" / "step-3")
+    results = run_distributed(_chunked_runs, 4, byte_tokens, str(dist_dir), str(into_chunks), timeout=240)
 
     # interleaved 1F1B + fsdp2 under the Trainer: metrics, then the weights it saved
     _close(_series(results[0]["interleaved"]), ref, 6)
     saved, expected = _saved_weights(dist_dir), _saved_weights(ref_dir)
     assert set(saved) == set(expected)
     _weights_close(saved, expected)
+
+    # one process's step-3 checkpoint resumed into the chunks (each rank reads its chunks' shards)
+    into = _series(results[0]["resumed"])
+    assert len(into["loss"]) == 3
+    assert max(abs(a - b) for a, b in zip(into["loss"], ref["loss"][3:])) < LOSS_ATOL
 
     # the step-3 checkpoint written by the 4 ranks, resumed in one process
     resumed = tmp_path / "resume_pp1"
