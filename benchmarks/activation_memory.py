@@ -38,8 +38,9 @@ micro-batches, then optimizer_step), at any layout (`--nproc` processes: pp x dp
 DeepSpeed): `--steps` warm-up steps (the AdamW state allocated), then the peak of one more step
 (VmHWM as above; measured_peak_bytes counts from the RSS after importing torch and the modules a
 step imports on first use: torch._dynamo, FSDP2, pipelining, DeepSpeed when it is the engine)
-against this rank's predicted peak with the optimizer state (its stage of the plan under
-pipelining). benchmarks/layout_memory.py runs it over the layouts of docs/memory_model.md.
+against this rank's predicted peak with the optimizer state (its chunks of the plan under
+pipelining: PipelinePlan.rank_peak_bytes; null where not modelled). benchmarks/layout_memory.py
+runs it over the layouts of docs/memory_model.md.
 
 `--loss-chunks` repeats every mode for each train.loss_chunk (0 = the unchunked loss; the
 chunked one, parallel/loss.py, never holds fp32 logits of the whole micro-batch), e.g. the loss
@@ -226,9 +227,8 @@ def full_step(cfg, steps: int) -> dict:
     step(steps)
     peak = meter.peak()
     plan = getattr(pm, "plan", None)
-    if plan is not None:
-        stage = plan.stages[ctx.pp_rank]
-        predicted_static, predicted_peak = stage.static_bytes, stage.peak_bytes
+    if plan is not None:  # every chunk of this rank (interleaved schedules: several)
+        predicted_static, predicted_peak = plan.rank_static_bytes(ctx.pp_rank), plan.rank_peak_bytes(ctx.pp_rank)
     else:
         setup = MemorySetup.from_config(cfg.parallel, cfg.train, ctx.dp, run.bf16)
         whole = model_memory(cfg.model, setup).stage(range(cfg.model.n_layers))
@@ -236,7 +236,7 @@ def full_step(cfg, steps: int) -> dict:
     return {"layout": {"zero": cfg.parallel.zero, "pp": ctx.pp, "dp": ctx.dp, "tp": ctx.tp},
             "precision": "bf16" if run.bf16 else "fp32", "rank": ctx.rank,
             "measured_peak_bytes": peak - meter.start, "predicted_peak_bytes": predicted_peak,
-            "peak_ratio": (peak - meter.start) / predicted_peak,
+            "peak_ratio": (peak - meter.start) / predicted_peak if predicted_peak else None,
             "resident_before_step_bytes": before - meter.start, "predicted_static_bytes": predicted_static}
 
 

@@ -14,6 +14,9 @@ sequences per rank are 4 micro-batches of 2: 1F1B then reaches its steady state,
 stage holds 2 micro-batches' activations next to the fp32 gradients accumulated so far) is large
 enough that the state terms under test (fp32 gradients accumulated between the pipeline's
 micro-batches, DeepSpeed's fp32 partitions and moments, bf16 cast copies) are tens of MiB.
+Layouts (LAYOUTS) also include fsdp2_pp2_dp2_interleaved and fsdp2_pp2_dp2_zbv: 2 chunks of one
+block per pp rank, each its own FSDP root; their prediction is the rank's (PipelinePlan
+.rank_peak_bytes; null for zbv, whose activations are not modelled).
 Prints one JSON object: per layout, precision and rank, measured and predicted peaks and their
 ratio.
 """
@@ -34,6 +37,11 @@ LAYOUTS = {  # name -> (processes, overrides)
     "none_dp1": (1, ["parallel.zero=none"]),
     "fsdp2_dp2": (2, ["parallel.zero=fsdp2"]),
     "fsdp2_pp2_dp2": (4, ["parallel.zero=fsdp2", "parallel.pp=2", "parallel.microbatches=4"]),
+    # 2 chunks of 1 block per rank, each its own FSDP root
+    "fsdp2_pp2_dp2_interleaved": (4, ["parallel.zero=fsdp2", "parallel.pp=2", "parallel.microbatches=4",
+                                      "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual=2"]),
+    "fsdp2_pp2_dp2_zbv": (4, ["parallel.zero=fsdp2", "parallel.pp=2", "parallel.microbatches=4",
+                              "parallel.pp_schedule=zbv"]),
     "fsdp2_hsdp_2x2": (4, ["parallel.zero=fsdp2", "parallel.dp_replicate=2", "parallel.dp_shard=2"]),
     "deepspeed_dp2": (2, ["parallel.zero=deepspeed"]),
 }
@@ -56,12 +64,16 @@ def main() -> None:
             for row in measure(overrides, "none", nproc, args.steps, full=True):
                 rows.append({"layout": name, "precision": precision, "rank": row["rank"],
                              "measured_peak_mib": round(row["measured_peak_bytes"] / 2**20, 1),
-                             "predicted_peak_mib": round(row["predicted_peak_bytes"] / 2**20, 1),
-                             "ratio": round(row["peak_ratio"], 3),
+                             "predicted_peak_mib": _mib(row["predicted_peak_bytes"]),
+                             "ratio": None if row["peak_ratio"] is None else round(row["peak_ratio"], 3),
                              "resident_before_step_mib": round(row["resident_before_step_bytes"] / 2**20, 1),
                              "predicted_static_mib": round(row["predicted_static_bytes"] / 2**20, 1)})
                 print(json.dumps(rows[-1]), file=sys.stderr)
     print(json.dumps({"benchmark": "layout_memory", "shape": SHAPE + args.overrides, "rows": rows}))
+
+
+def _mib(n: float | None) -> float | None:
+    return None if n is None else round(n / 2**20, 1)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,9 @@ static   per tp-local parameter P of the stage: parameters, gradients, AdamW sta
          grad + 4 fp32 master + 8 AdamW) / dp, less what is offloaded), plus weights held
          unsharded: fsdp2 under
          pipelining keeps the stage's parameters gathered and their gradients unsharded through
-         the step (matmul weights in the compute dtype, embedding in fp32; gradients accumulated
+         the step (each chunk sharded on its own under the interleaved and zero-bubble schedules:
+         a rank's static bytes are the sum over its chunks, PipelinePlan.rank_static_bytes)
+         (matmul weights in the compute dtype, embedding in fp32; gradients accumulated
          in fp32 under pipelining; the sharded gradient, made at the step's end as the unsharded
          one is freed, is not counted besides it: 12 / s + 4 + param bytes); fsdp2 without
          pipelining does so for the root (embedding, final norm, head); bf16 autocast (every

@@ -64,7 +64,9 @@ def parallelize(model: nn.Module, ctx: ParallelContext, model_cfg: ModelConfig, 
         apply_float8(pm.module, ctx.device,
                      fsdp_all_gather=parallel.zero == "fsdp2" and ctx.dp > 1 and ctx.device.type == "cuda")
     apply_block_options(pm.module, train.activation_checkpointing, train.ac_every, train.compile)
-    return apply_zero(pm, parallel, train, pipelined=not whole_model)
+    if not whole_model:
+        return pm  # build_pipeline applies ZeRO once the stage's chunks exist (an FSDP root per chunk)
+    return apply_zero(pm, parallel, train)
 
 
 def _tensor_parallel(model: nn.Module, ctx: ParallelContext, model_cfg: ModelConfig,

@@ -26,7 +26,7 @@ interleaved zero-bubble schedules expect), or, for the V schedules (zbv, dualpip
 rank), on rank c for c < pp and 2 pp - 1 - c after (rank 0 holds the first and the last chunk);
 the embedding is on chunk 0 and the head on the last chunk. Memory limits are only
 modelled for v = 1 (an interleaved rank's in-flight count depends on the chunk) and are refused
-otherwise.
+otherwise; a multi-chunk rank's predicted peak is PipelinePlan.rank_peak_bytes (interleaved 1F1B).
 """
 from __future__ import annotations
 
@@ -188,6 +188,8 @@ class StagePlan:
     act_bytes: float  # one rank: activations at the peak (micro-batches in flight) + pipeline buffers
     cost: float  # the balanced metric (flops, params, 1 per layer, or seconds)
     peak_bytes: float = 0.0  # static_bytes + act_bytes: the predicted peak of one rank (v = 1)
+    kept_bytes: float = 0.0  # one micro-batch's activations kept for backward (K)
+    buffer_bytes: float = 0.0  # its p2p buffers (in act_bytes)
 
 
 @dataclass
@@ -201,6 +203,7 @@ class PipelinePlan:
     uniform_stages: list[list[int]] = field(default_factory=list)
     memory: MemorySetup | None = None  # what the memory columns assumed
     v_shape: bool = False  # V placement of 2 chunks per rank (zbv, dualpipev), else looped
+    schedule: str = "1f1b"
 
     @property
     def stage_layers(self) -> list[list[int]]:
@@ -209,6 +212,39 @@ class PipelinePlan:
     def rank_chunks(self, pp_rank: int) -> list[int]:
         """Indices of the (virtual) stages on this pp rank, in schedule order."""
         return [c for c in range(len(self.stages)) if chunk_rank(c, self.pp, self.v_shape) == pp_rank]
+
+    def rank_static_bytes(self, pp_rank: int) -> float:
+        """Parameters, gradients, optimizer state and gathered weights of all chunks of a pp rank.
+        fsdp2 shards each chunk on its own and keeps it gathered from its first forward to its
+        last backward of the step; torch's multi-chunk schedules keep at most 3 chunks of a rank
+        gathered (the others are resharded between uses, their unsharded gradients kept), so
+        beyond 3 chunks per rank this is an upper bound."""
+        return sum(self.stages[c].static_bytes for c in self.rank_chunks(pp_rank))
+
+    def rank_peak_bytes(self, pp_rank: int) -> float | None:
+        """Predicted peak of a pp rank with all its chunks; None where not modelled (the
+        zero-bubble schedules, whose deferred weight gradients keep activations longer).
+        Interleaved 1F1B: the chunks' static bytes and p2p buffers, plus n - 1 micro-batches
+        of the largest chunk's kept activations and the largest backward moment of a chunk,
+        n = interleaved_in_flight (the in-flight micro-batches mix chunks: an upper bound)."""
+        chunks = [self.stages[c] for c in self.rank_chunks(pp_rank)]
+        if len(chunks) == 1:
+            return chunks[0].peak_bytes
+        if self.schedule != "interleaved_1f1b" or self.memory is None:
+            return None
+        n = interleaved_in_flight(self.pp, len(chunks), self.memory.microbatches, pp_rank)
+        top = max(s.act_bytes - s.buffer_bytes for s in chunks)
+        return (self.rank_static_bytes(pp_rank) + sum(s.buffer_bytes for s in chunks)
+                + (n - 1) * max(s.kept_bytes for s in chunks) + top)
+
+
+def interleaved_in_flight(pp: int, virtual: int, microbatches: int, pp_rank: int) -> int:
+    """Chunk micro-batches whose activations a pp rank holds at most under torch's interleaved
+    1F1B: its warm-up forwards ((v - 1) x the micro-batches of a round + 2 per hop from the last
+    rank, at most v x m) and the steady state's one more."""
+    per_round = microbatches // max(1, microbatches // pp)
+    warmup = min((virtual - 1) * per_round + 2 * (pp - 1 - pp_rank), virtual * microbatches)
+    return min(warmup + 1, virtual * microbatches)
 
 
 def chunk_rank(chunk: int, pp: int, v_shape: bool = False) -> int:
@@ -275,7 +311,9 @@ def plan_pipeline(model_cfg: ModelConfig, pp: int, *, virtual: int = 1, balance:
         params = sum(costs.layers[i].params for i in layers)
         params += (costs.embedding.params if c == 0 else 0) + (costs.head.params if c == n_chunks - 1 else 0)
         static, act, fixed = memory.stage_parts(c, n_chunks, layers[0], layers[-1] + 1, static_pre, act_pre, table)
+        kept = (act_pre[layers[-1] + 1] - act_pre[layers[0]] + (memory.first_act if c == 0 else 0.0)
+                + (memory.last_act if c == n_chunks - 1 else 0.0))
         stages.append(StagePlan(layers, chunk_rank(c, pp, v_shape), by_flops.costs[c], params, static, act + fixed,
-                                part.costs[c], static + act + fixed))
+                                part.costs[c], static + act + fixed, kept, fixed))
     return PipelinePlan(pp, virtual, balance, stages, by_flops.bottleneck_over_ideal,
-                        uniform_flops.bottleneck_over_ideal, uniform.stages, setup, v_shape)
+                        uniform_flops.bottleneck_over_ideal, uniform.stages, setup, v_shape, schedule)

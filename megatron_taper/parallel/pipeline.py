@@ -17,6 +17,9 @@ evaluation (one micro-batch) runs interleaved 1F1B over the same stages (looped 
 in the V placement, ZB-V's action list without its backward actions (`_forward_only_v`: ZB-V's
 own evaluation runs them and fails; DualPipeV needs 2 pp micro-batches).
 
+Data parallelism: zero=fsdp2 shards each chunk with its own FSDP root (zero.py; every schedule),
+zero=none wraps each chunk in DDP (not the zero-bubble schedules: preflight.py says why).
+
 Micro-batches: the rank's micro-batches of one step are concatenated along the batch and cut
 into `parallel.microbatches` equal pieces (0 = as many as the Trainer passes). 1F1B and
 interleaved 1F1B need at least pp of them; preflight.py refuses fewer (GPipe runs with fewer but
@@ -44,6 +47,7 @@ from megatron_taper.parallel.meta_init import is_meta
 from megatron_taper.parallel.model import ParallelModel
 from megatron_taper.parallel.partition import PipelinePlan, chunk_rank, plan_pipeline
 from megatron_taper.parallel.profile import TPShard, profile_layer_times, profile_meta_layer_times
+from megatron_taper.parallel.zero import apply_zero
 
 if TYPE_CHECKING:
     from megatron_taper.config import ModelConfig, ParallelConfig, TrainConfig
@@ -58,11 +62,22 @@ class PipelineParallelModel(ParallelModel):
     schedule_name: str = "1f1b"
     microbatches: int = 0  # 0 = as many as forward_backward receives
     _schedules: dict[Any, Any] = field(default_factory=dict, repr=False)
+    _reducing: list[Any] = field(default_factory=list, repr=False)  # stages whose reduce-scatter is issued
 
     def attach_data_parallel(self, bucket_mb: float) -> None:
         """Each chunk behind DDP; the pipelining stage drives its no-sync and final reduction."""
         assert not self.dp_sharded and not self._schedules, "before the first step"
         self.chunks = [wrap_ddp(chunk, self.ctx, bucket_mb) for chunk in self.chunks]
+
+    def _reshard(self) -> None:
+        """Each chunk is its own FSDP root (zero.py): shard all of them again, roots included."""
+        if self.dp_sharded:
+            from torch.distributed.fsdp import FSDPModule
+
+            for chunk in self.chunks:
+                for module in chunk.modules():
+                    if isinstance(module, FSDPModule):
+                        module.reshard()
 
     @property
     def n_stages(self) -> int:
@@ -78,6 +93,7 @@ class PipelineParallelModel(ParallelModel):
         losses: list[torch.Tensor] = []
         with autocast():
             self._step(schedule, tokens, losses, train=True)
+        self._finish_reductions(n_micro)
         return self._mean_loss(losses)
 
     @torch.no_grad()
@@ -139,8 +155,37 @@ class PipelineParallelModel(ParallelModel):
                 schedule = Schedule1F1B(stages[0], n_microbatches=n_micro, loss_fn=loss_fn)
             else:  # gpipe, and forward-only evaluation with one micro-batch for 1f1b
                 schedule = ScheduleGPipe(stages[0], n_microbatches=n_micro, loss_fn=loss_fn)
+            if train and self.dp_sharded and len(stages) > 1:  # torch's action-list runtime
+                from torch.distributed.pipelining.schedules import REDUCE_GRAD
+
+                schedule.register_custom_function(REDUCE_GRAD, self._reduce_scatter_chunk)
             self._schedules[key] = schedule
         return self._schedules[key]
+
+    def _reduce_scatter_chunk(self, action, ctx) -> None:
+        """REDUCE_GRAD of one chunk, scheduled right after its last backward (zero-bubble: its last
+        weight-gradient pass) of the step: issue every FSDP unit's reduce-scatter of the chunk's
+        accumulated gradients (and reshard it) as torch's stage does (perform_reduce_grad), but
+        leave the compute stream's wait for them and the 1 / n_micro scaling to the end of the
+        step (_finish_reductions), so that on CUDA they overlap the backward of the rank's other
+        chunks."""
+        stage = next(s for s in ctx.schedule_ref._stages if s.stage_index == action.stage_index)
+        root = stage.submod
+        root.set_is_last_backward(True)
+        root.set_reshard_after_backward(True)
+        root.set_requires_gradient_sync(True)
+        for state in root._get_fsdp_state()._state_ctx.all_states:
+            for group in state._fsdp_param_groups:
+                group.post_backward()
+        self._reducing.append(stage)
+
+    def _finish_reductions(self, n_micro: int) -> None:
+        """Wait for the chunks' reduce-scatters (FSDP's end-of-backward callback: the compute
+        stream waits for them), then scale the sharded gradients to those of the mean loss."""
+        for stage in self._reducing:
+            stage.submod._get_fsdp_state()._root_post_backward_final_callback()
+            stage.scale_grads(n_micro)
+        self._reducing.clear()
 
 
 def _forward_only_v(schedule):
@@ -255,9 +300,15 @@ def strip_model(model: nn.Module, layers: list[int], embedding: bool, head: bool
 
 
 def chunk_view(module: nn.Module, layers: list[int], embedding: bool, head: bool) -> nn.Module:
-    """A module sharing `module`'s submodules but running only `layers` (a virtual stage)."""
+    """A module sharing `module`'s submodules but running only `layers` (a virtual stage). Its
+    registries (submodules, hooks, composable-API state) are its own, so that hooks and an FSDP
+    root put on one chunk stay off the others; a parameter directly on `module` would be shared
+    by every chunk, and no family has one."""
+    assert next(module.parameters(recurse=False), None) is None, "parameters belong to submodules"
     view = copy.copy(module)
-    view._modules = dict(module._modules)  # own registry, shared submodules
+    for key, value in vars(module).items():
+        if isinstance(value, (dict, set)):
+            vars(view)[key] = copy.copy(value)  # own registry, shared entries
     view.layers = nn.ModuleDict({str(i): module.layers[str(i)] for i in layers})
     return strip_model(view, layers, embedding, head)
 
@@ -279,6 +330,7 @@ def build_pipeline(model: nn.Module, ctx: ParallelContext, model_cfg: ModelConfi
         chunks = [module]
     else:
         chunks = [chunk_view(module, plan.stages[c].layers, c == 0, c == n_stages - 1) for c in chunk_ids]
+    inner = apply_zero(inner, parallel, train, chunks=chunks)
     for chunk in chunks:
         dense_stage_io(chunk)
     base = {f.name: getattr(inner, f.name) for f in dataclasses.fields(ParallelModel)}

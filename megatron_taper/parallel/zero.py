@@ -11,7 +11,10 @@ fsdp2 (`torch.distributed.fsdp.fully_shard`)
     stage's blocks grouped consecutively by cost/memory.py `fsdp_units` (until a unit holds
     min(1M x dp_shard, 40M) elements: every rank's share of a collective at least 1M elements,
     what is gathered at once bounded; a larger block is a unit alone), plus the stage's root
-    module (embedding, final norm, head). Forward prefetch depth 1: a piece's pre-forward issues
+    module (embedding, final norm, head); under schedules with several chunks per pp rank
+    (interleaved, zero-bubble) the same per chunk, with one root per chunk (pipeline.py's chunk
+    views: the chunk's blocks, and the embedding / norm and head when it holds them), as
+    torchtitan shards each model part: units never span chunks. Forward prefetch depth 1: a piece's pre-forward issues
     the next unit's all-gathers (the root's: the first unit's); backward keeps FSDP2's own
     depth-1 prefetch. Parameters become DTensors sharded (dim 0) over `ctx.dp_mesh`: the dp
     sub-mesh, or under HSDP (parallel.dp_replicate > 1) the 2-D (dp_replicate, dp_shard) mesh,
@@ -30,11 +33,17 @@ fsdp2 (`torch.distributed.fsdp.fully_shard`)
     False for the root and the last unit (their backward follows at once, as in torchtitan).
     Under pipelining, False everywhere: 1F1B interleaves the forward
     and backward of many micro-batches, and resharding would all-gather every block twice per
-    micro-batch; instead a stage's weights stay gathered from its first forward until the
-    schedule's last backward, which reshards them and reduce-scatters the gradients once per step
-    (torch.distributed.pipelining drives FSDP's no-sync / post-backward on the stage's root
-    module). Memory of a stage is then ZeRO-1-like during the step and fully sharded between
-    steps. The interleaved schedule (several chunks per rank sharing one root) is refused.
+    micro-batch; instead a chunk's weights stay gathered from its first forward until its last
+    backward of the step. torch.distributed.pipelining drives each chunk root: every backward
+    runs without gradient sync (unsharded fp32 gradients accumulate over the micro-batches);
+    after the chunk's last backward (zero-bubble schedules: its last weight-gradient pass) the
+    schedule's REDUCE_GRAD action reshards the chunk and reduce-scatters its gradients, once per
+    FSDP unit per step, while the rank's other chunks still have backwards to run; the pipeline
+    (pipeline.py `_reduce_scatter_chunk`) defers FSDP's wait for it to the step's end, so on
+    CUDA it can overlap their backward (gloo collectives block the host anyway). With one chunk
+    per rank (1f1b, gpipe) it runs after the last backward, with nothing left to overlap. Multi-
+    chunk schedules keep at most 3 chunks of a rank gathered and reshard the others between uses.
+    Memory of a stage is then ZeRO-1-like during the step and fully sharded between steps.
     With dp = 1 there is nothing to shard and the model is left as is (same numerics).
 
 deepspeed (DeepSpeed ZeRO stage 3, see `DeepSpeedParallelModel` in zero_deepspeed.py)
@@ -62,22 +71,23 @@ if TYPE_CHECKING:
 
 
 def apply_zero(pm: ParallelModel, parallel: ParallelConfig, train: TrainConfig,
-               pipelined: bool = False) -> ParallelModel:
+               chunks: list[nn.Module] | None = None) -> ParallelModel:
     """Shard `pm` over the dp group with the engine named by parallel.zero (preflight.py has
-    refused the layouts an engine cannot run)."""
+    refused the layouts an engine cannot run). `chunks`: a pipeline stage's chunks (views of
+    `pm.module` sharing its blocks; pipeline.py), each made its own FSDP root."""
     engine = parallel.zero
     if engine == "none":
         return pm
     assert all(k == 1 for k in pm.replicas.values()), "preflight refuses ZeRO with tp > kv heads"
     if engine == "fsdp2":
-        return _fsdp2(pm, uses_bf16(train.precision, pm.ctx.device), pipelined)
-    assert engine == "deepspeed" and not pipelined, engine
+        return _fsdp2(pm, uses_bf16(train.precision, pm.ctx.device), chunks)
+    assert engine == "deepspeed" and chunks is None, engine
     from megatron_taper.parallel.zero_deepspeed import DeepSpeedParallelModel  # imports deepspeed
 
     return DeepSpeedParallelModel.wrap(pm, parallel.deepspeed)
 
 
-def _fsdp2(pm: ParallelModel, bf16: bool, pipelined: bool) -> ParallelModel:
+def _fsdp2(pm: ParallelModel, bf16: bool, chunks: list[nn.Module] | None) -> ParallelModel:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     ctx = pm.ctx
@@ -87,12 +97,12 @@ def _fsdp2(pm: ParallelModel, bf16: bool, pipelined: bool) -> ParallelModel:
     fp32 = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=torch.float32)
     matmul = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32)
     module = pm.module
-    blocks = _blocks(module)
-    groups = fsdp_units([sum(p.numel() for p in block.parameters()) for block in blocks], ctx.dp_shard)
-    units = [_shard_unit([blocks[i] for i in group], mesh, fp32, matmul, reshard=not pipelined and k < len(groups) - 1)
-             for k, group in enumerate(groups)]
-    root = _shard_unit(module, mesh, fp32, matmul, reshard=False)
-    _prefetch_next([root, *units])
+    for root in chunks or [module]:
+        blocks = _blocks(root)  # a chunk view's own blocks
+        groups = fsdp_units([sum(p.numel() for p in block.parameters()) for block in blocks], ctx.dp_shard)
+        units = [_shard_unit([blocks[i] for i in group], mesh, fp32, matmul,
+                             reshard=chunks is None and k < len(groups) - 1) for k, group in enumerate(groups)]
+        _prefetch_next([_shard_unit(root, mesh, fp32, matmul, reshard=False), *units])
     pm.dp_sharded = True
     pm.dp_shard = functools.partial(_dp_shard, mesh=mesh, device=ctx.device)
     return pm

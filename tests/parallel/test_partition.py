@@ -166,3 +166,26 @@ def test_plan_profile_uses_measured_times():
     assert plan.stage_layers == [[0, 1, 2], [3]]
     with pytest.raises(ValueError, match="profile"):
         plan_pipeline(cfg, 2, balance="profile")
+
+
+def test_interleaved_in_flight_follows_torch_schedule():
+    """interleaved_in_flight against the action lists torch's ScheduleInterleaved1F1B builds
+    (its per-rank planner, given the schedule's shape attributes): the most forwards without
+    their backward yet, per rank."""
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, _ComputationType
+
+    from megatron_taper.parallel.partition import interleaved_in_flight
+
+    for pp, v, m in [(2, 2, 4), (2, 2, 2), (4, 2, 8), (4, 3, 4), (2, 4, 6)]:
+        rounds = max(1, m // pp)
+        shape = SimpleNamespace(n_local_stages=v, pp_group_size=pp, microbatches_per_round=m // rounds,
+                                _n_microbatches=m)
+        for rank in range(pp):
+            live = most = 0
+            for action in ScheduleInterleaved1F1B._calculate_single_rank_operations(shape, rank):
+                if action is not None:
+                    live += 1 if action.computation_type == _ComputationType.FORWARD else -1
+                    most = max(most, live)
+            assert interleaved_in_flight(pp, v, m, rank) == most, (pp, v, m, rank, most)

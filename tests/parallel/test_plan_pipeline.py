@@ -61,6 +61,14 @@ def test_errors(capsys):
     plan = json.loads(capsys.readouterr().out)
     assert max(plan["stage_peak_bytes"]) <= 40 * 2**30
     assert plan["stage_peak_bytes"] == [a + b for a, b in zip(plan["stage_static_bytes"], plan["stage_act_bytes"])]
+    assert plan["rank_peak_bytes"] == plan["stage_peak_bytes"]  # one chunk per rank
+    # interleaved: a rank's chunks together, their activations in flight on top of the largest
+    assert tool.main(["--config", RECIPE, "parallel.pp=4", "parallel.pp_schedule=interleaved_1f1b", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    for rank in range(4):
+        chunks = [c for c, r in enumerate(plan["stage_ranks"]) if r == rank]
+        assert plan["rank_static_bytes"][rank] == pytest.approx(sum(plan["stage_static_bytes"][c] for c in chunks))
+        assert plan["rank_peak_bytes"][rank] > max(plan["stage_peak_bytes"][c] for c in chunks)
     assert tool.main(["--config", RECIPE, "parallel.pp_balance=bogus"]) == 2
     assert "parallel.pp_balance" in capsys.readouterr().err
 

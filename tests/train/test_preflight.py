@@ -40,12 +40,9 @@ def _check(world: int, *overrides: str):
     (1, ["parallel.zero=deepspeed"], "parallel.zero=deepspeed needs more than one process"),
     (4, ["parallel.zero=deepspeed", "parallel.tp=2", "parallel.sequence_parallel=true"],
      "parallel.zero=deepspeed with parallel.sequence_parallel=true"),
-    (4, ["parallel.zero=fsdp2", "parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b", "model.n_layers=4"],
-     "parallel.zero=fsdp2 with parallel.pp_schedule=interleaved_1f1b"),
-    (4, ["parallel.zero=fsdp2", "parallel.pp=2", "parallel.pp_schedule=zbv", "model.n_layers=4"],
-     "parallel.zero=fsdp2 with parallel.pp_schedule=zbv"),
     (4, ["parallel.pp=2", "parallel.pp_schedule=interleaved_zero_bubble", "model.n_layers=4"],
-     r"parallel.pp_schedule=interleaved_zero_bubble with data parallelism \(DDP, data-parallel size 2\)"),
+     r"parallel.pp_schedule=interleaved_zero_bubble with data parallelism \(DDP, data-parallel size 2\) is not "
+     r"supported: its weight-gradient pass"),
     (2, ["parallel.pp=2", "parallel.pp_schedule=dualpipev", "model.n_layers=4", "parallel.microbatches=2"],
      r"parallel.microbatches=2: dualpipev needs at least 2 x parallel.pp = 4"),
     (2, ["parallel.pp=2", "parallel.pp_schedule=zbv"],
@@ -71,6 +68,10 @@ def test_layouts_that_run():
     assert _check(2, "parallel.zero=fsdp2", "parallel.tp=2", "model.n_kv_heads=1").dp == 1
     layout = _check(4, "parallel.pp=2")
     assert (layout.dp, layout.pipeline_microbatches) == (2, 2)
+    # several chunks per rank under fsdp2: each chunk is its own FSDP root
+    for schedule in ("interleaved_1f1b", "interleaved_zero_bubble", "zbv"):
+        assert _check(4, "parallel.zero=fsdp2", "parallel.pp=2", f"parallel.pp_schedule={schedule}",
+                      "model.n_layers=4").dp == 2
 
 
 def test_gpipe_with_few_microbatches_warns():
