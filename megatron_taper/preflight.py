@@ -16,7 +16,7 @@ import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from megatron_taper.config import INTERLEAVED_SCHEDULES, ZERO_BUBBLE_SCHEDULES
+from megatron_taper.config import INTERLEAVED_SCHEDULES
 from megatron_taper.data import is_remote
 from megatron_taper.models import cards, family
 from megatron_taper.taper import layer_widths
@@ -123,11 +123,6 @@ def _check_zero(m: ModelConfig, p: ParallelConfig, world_size: int, dp: int) -> 
             raise ConfigError("parallel.zero=deepspeed with parallel.sequence_parallel=true is not supported "
                               "(DeepSpeed reduces gradients inside backward, before the tp sums of sequence-"
                               "parallel norms); use parallel.zero=fsdp2")
-    if p.zero == "none" and dp > 1 and p.pp > 1 and p.pp_schedule in ZERO_BUBBLE_SCHEDULES:
-        raise ConfigError(f"parallel.pp_schedule={p.pp_schedule} with data parallelism (DDP, data-parallel size "
-                          f"{dp}) is not supported: its weight-gradient pass (torch.autograd.grad) bypasses the "
-                          f"gradient-accumulator hooks DDP reduces from; use parallel.zero=fsdp2 (each chunk "
-                          f"sharded) or parallel.pp_schedule=interleaved_1f1b")
     shards = p.zero == "deepspeed" or (p.zero == "fsdp2" and dp > 1)
     if shards and p.tp > m.kv_heads:
         raise ConfigError(f"parallel.zero={p.zero} with parallel.tp={p.tp} > model.n_kv_heads={m.kv_heads}: kv "

@@ -17,6 +17,8 @@ initial broadcast is skipped (`init_sync=False`): at 70B it would send the whole
 """
 from __future__ import annotations
 
+import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -38,6 +40,30 @@ def bucket_mb(configured: float, module: nn.Module, dp: int) -> float:
     trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)
     elements = min(elements, max(trainable // MIN_BUCKETS, MIN_BUCKET_ELEMENTS))
     return elements * 4 / 2**20
+
+
+def average_gradients(module: nn.Module, group: dist.ProcessGroup, bucket_bytes: float) -> None:
+    """Average the gradients of `module` over `group` in place: one all-reduce per flat bucket of
+    at most `bucket_bytes` (gradients of one dtype, in registration order, the same on every rank
+    of the group, which holds the same stage)."""
+    world = dist.get_world_size(group)
+    buckets: list[list[torch.Tensor]] = []
+    size, dtype = 0.0, None
+    for p in module.parameters():
+        if p.grad is None:
+            continue
+        nbytes = p.grad.numel() * p.grad.element_size()
+        if not buckets or p.grad.dtype != dtype or size + nbytes > bucket_bytes:
+            buckets.append([])
+            size, dtype = 0.0, p.grad.dtype
+        buckets[-1].append(p.grad)
+        size += nbytes
+    for grads in buckets:
+        flat = torch._utils._flatten_dense_tensors(grads)  # [sum of numels]: one collective per bucket
+        dist.all_reduce(flat, group=group)
+        flat.div_(world)
+        for grad, averaged in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+            grad.copy_(averaged)
 
 
 def wrap_ddp(module: nn.Module, ctx: ParallelContext, configured_mb: float) -> DistributedDataParallel:

@@ -54,6 +54,7 @@ class ParallelModel:
     # zero=none with dp > 1: `module` behind torch DDP (attach_data_parallel), used for training
     # forwards; `module` itself stays the unwrapped one (names, checkpoints, evaluation)
     dp_module: nn.Module | None = None
+    ddp_attached: bool = False  # attach_data_parallel ran (the module, or each pipeline chunk, behind DDP)
     # CUDA: pinned host buffers an async save stages its device-to-host copies into, by key
     # (reused from save to save; the previous save's writer has finished before the next copy)
     pinned: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -80,6 +81,7 @@ class ParallelModel:
         data_parallel.py); called once the parameters are materialised."""
         assert not self.dp_sharded and self.dp_module is None
         self.dp_module = wrap_ddp(self.module, self.ctx, bucket_mb)
+        self.ddp_attached = True
 
     # -- optimizer (engines that own their optimizer, e.g. DeepSpeed, override these) -------------
 
@@ -282,7 +284,7 @@ class ParallelModel:
     def reduce_gradients(self) -> None:
         """Complete partial tp gradients. The dp average happened in backward: DDP's bucketed
         all-reduces, or ZeRO's reduce-scatters (both commute with the tp sums)."""
-        assert self.ctx.dp * self.ctx.cp == 1 or self.dp_sharded or self.dp_module is not None, \
+        assert self.ctx.dp * self.ctx.cp == 1 or self.dp_sharded or self.ddp_attached, \
             "attach_data_parallel first"
         for sync in self.tp_grad_syncs:
             sync(self.module)

@@ -18,7 +18,8 @@ in the V placement, ZB-V's action list without its backward actions (`_forward_o
 own evaluation runs them and fails; DualPipeV needs 2 pp micro-batches).
 
 Data parallelism: zero=fsdp2 shards each chunk with its own FSDP root (zero.py; every schedule),
-zero=none wraps each chunk in DDP (not the zero-bubble schedules: preflight.py says why).
+zero=none at dp > 1 averages the step's accumulated gradients over dp after the last backward
+(data_parallel.average_gradients), for every schedule.
 
 Micro-batches: the rank's micro-batches of one step are concatenated along the batch and cut
 into `parallel.microbatches` equal pieces (0 = as many as the Trainer passes). 1F1B and
@@ -42,7 +43,8 @@ from torch import nn
 
 from megatron_taper.config import V_SCHEDULES
 from megatron_taper.parallel.context import ParallelContext, uses_bf16
-from megatron_taper.parallel.data_parallel import wrap_ddp
+from megatron_taper.parallel.data_parallel import average_gradients
+from megatron_taper.parallel.data_parallel import bucket_mb as dp_bucket_mb
 from megatron_taper.parallel.meta_init import is_meta
 from megatron_taper.parallel.model import ParallelModel
 from megatron_taper.parallel.partition import PipelinePlan, chunk_rank, plan_pipeline
@@ -63,11 +65,20 @@ class PipelineParallelModel(ParallelModel):
     microbatches: int = 0  # 0 = as many as forward_backward receives
     _schedules: dict[Any, Any] = field(default_factory=dict, repr=False)
     _reducing: list[Any] = field(default_factory=list, repr=False)  # stages whose reduce-scatter is issued
+    _dp_bucket_bytes: float = 0.0  # zero=none, dp > 1: average_gradients' bucket size
 
     def attach_data_parallel(self, bucket_mb: float) -> None:
-        """Each chunk behind DDP; the pipelining stage drives its no-sync and final reduction."""
+        """zero=none, dp > 1: the gradients a step accumulates in this rank's chunks are averaged
+        over dp in reduce_gradients (data_parallel.average_gradients: flat buckets, after the
+        schedule's last backward; the module doc of data_parallel.py says why not DDP)."""
         assert not self.dp_sharded and not self._schedules, "before the first step"
-        self.chunks = [wrap_ddp(chunk, self.ctx, bucket_mb) for chunk in self.chunks]
+        self.ddp_attached = True
+        self._dp_bucket_bytes = dp_bucket_mb(bucket_mb, self.module, self.ctx.dp) * 2**20
+
+    def reduce_gradients(self) -> None:
+        if self.ddp_attached:
+            average_gradients(self.module, self.ctx.grad_group, self._dp_bucket_bytes)
+        super().reduce_gradients()
 
     def _reshard(self) -> None:
         """Each chunk is its own FSDP root (zero.py): shard all of them again, roots included."""

@@ -40,9 +40,6 @@ def _check(world: int, *overrides: str):
     (1, ["parallel.zero=deepspeed"], "parallel.zero=deepspeed needs more than one process"),
     (4, ["parallel.zero=deepspeed", "parallel.tp=2", "parallel.sequence_parallel=true"],
      "parallel.zero=deepspeed with parallel.sequence_parallel=true"),
-    (4, ["parallel.pp=2", "parallel.pp_schedule=interleaved_zero_bubble", "model.n_layers=4"],
-     r"parallel.pp_schedule=interleaved_zero_bubble with data parallelism \(DDP, data-parallel size 2\) is not "
-     r"supported: its weight-gradient pass"),
     (2, ["parallel.pp=2", "parallel.pp_schedule=dualpipev", "model.n_layers=4", "parallel.microbatches=2"],
      r"parallel.microbatches=2: dualpipev needs at least 2 x parallel.pp = 4"),
     (2, ["parallel.pp=2", "parallel.pp_schedule=zbv"],
