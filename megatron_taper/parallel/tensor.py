@@ -12,6 +12,17 @@ Without sequence parallelism a block is  x -> f -> column-parallel ... row-paral
 with it (norm regions sharded along the sequence, dim 1 of [B, S, D]) f becomes an all-gather and
 g a reduce-scatter along the sequence.
 
+Copies and dtypes. g sums the row-parallel partial output in place (it is a new tensor: no
+clone). Sequence collectives keep the models' batch-major [B, S, D] layout: the all-gather lands
+rank r's [B, s, D] chunk at rows r*B.. of a [tp*B, s, D] buffer and the reduce-scatter sends
+rows of [tp, B, s, D]; both are views when B = 1 and cost one copy (the [tp, B] <-> [B, tp]
+permutation) otherwise. f for matmul inputs (`enter_tp_region`) casts its input to the matmul
+dtype first, so under bf16 autocast every activation collective moves bf16: forward, the
+row-parallel outputs (bf16 matmul outputs) and the SP all-gather of the norm output; backward,
+the input gradients of the column-parallel matmuls. The vocab-parallel embedding's sum stays
+fp32 (its output, like the residual stream, is fp32 by the policy; one rank contributes each
+row, so the sum is exact), as do the loss statistics.
+
 Sharding rule (one rule for every split dimension): a dimension of n = units * unit elements is
 split over tp ranks in whole units; rank r gets floor(units / tp) units, plus one for the first
 units % tp ranks. So shards differ by at most one alignment unit, and a dimension with fewer than
@@ -27,6 +38,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.graph import increment_version
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from megatron_taper.models.layers import IGNORE_INDEX
 
@@ -192,12 +205,15 @@ class _CopyToRegion(torch.autograd.Function):
 class _ReduceFromRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
-        if not x.is_contiguous():
-            x = x.contiguous()  # a new tensor: summed in place below
-        else:
-            # x (partial sums the caller hands over) is summed in place; autograd refuses this if
-            # another op saved x for its backward, or if x is a leaf that requires grad
+        # x (partial sums the caller hands over) is summed in place, unless it is strided or a
+        # dispatch mode runs: op-level checkpointing's caching mode holds the matmul output it
+        # saved and would hand the sum to its recompute
+        if x.is_contiguous() and not is_in_torch_dispatch_mode():
             ctx.mark_dirty(x)
+            dist.all_reduce(x, group=group)
+            increment_version(x)  # another op that saved x for backward then raises, not reads the sum
+            return x
+        x = x.clone(memory_format=torch.contiguous_format)
         dist.all_reduce(x, group=group)
         return x
 
