@@ -250,7 +250,8 @@ def _collective_dtypes_worker(sp):
             name = func._schema.name.split("::")[-1]
             if func.namespace == "c10d" and name in kinds:
                 kind, idx = kinds[name]
-                key = (kind, str(args[idx].dtype), args[idx].numel())
+                t = args[idx][0] if isinstance(args[idx], (list, tuple)) else args[idx]  # allreduce_: a list
+                key = (kind, str(t.dtype), t.numel())
                 seen[key] = seen.get(key, 0) + 1
             return func(*args, **(kwargs or {}))
 
