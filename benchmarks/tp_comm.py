@@ -29,6 +29,8 @@ update) timed and measured for peak memory. Prints one JSON object (rank 0):
       (benchmarks/activation_memory.py's PeakMeter: host RSS high-water mark on CPU, with
       MALLOC_MMAP_THRESHOLD_=65536 so that freed tensors return to the OS; max_memory_allocated
       on CUDA).
+  region_seconds: {"f", "g"}: median seconds of forward + backward of the tp region ops alone on
+      one micro-batch's activations (`region_seconds`), 20 x --steps repetitions each.
 """
 from __future__ import annotations
 
@@ -122,6 +124,44 @@ def ring(kind: str, nbytes: int, tp: int) -> float:
     return nbytes * (2 if kind == "all_reduce" else 1) * (tp - 1) / tp
 
 
+def region_seconds(ctx, cfg, autocast, dtype: torch.dtype, reps: int) -> dict:
+    """Median seconds of forward + backward of the region ops alone, on one micro-batch's
+    [b, S, d] activations: f (`enter_tp_region` of the fp32 norm output: identity / all-gather
+    forward, all-reduce / reduce-scatter of its gradient) and g (sum of a partial output in the
+    compute dtype: all-reduce / reduce-scatter forward, identity / all-gather backward)."""
+    from megatron_taper.parallel import tensor
+
+    sp, group = cfg.parallel.sequence_parallel, ctx.tp_group
+    b, s, d = cfg.train.micro_batch, cfg.model.seq_len, cfg.model.d_model
+    x = torch.randn(b, s // ctx.tp if sp else s, d, device=ctx.device, requires_grad=True)
+    exit_op = tensor.reduce_scatter_to_seq_region if sp else tensor.reduce_from_tp_region
+
+    def enter():
+        with autocast():
+            y = tensor.enter_tp_region(x, group, sp)
+        y.backward(torch.ones_like(y))
+
+    def leave():
+        with autocast():
+            partial = torch.ones((b, s, d), device=ctx.device, dtype=dtype).requires_grad_()
+            y = exit_op(partial * 1.0, group)
+        y.backward(torch.ones_like(y))
+
+    out = {}
+    for name, fn in (("f", enter), ("g", leave)):
+        fn()
+        times = []
+        for _ in range(reps):
+            dist.barrier()
+            start = time.perf_counter()
+            fn()
+            if ctx.device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        out[name] = statistics.median(times)
+    return out
+
+
 def run(config: str, overrides: list[str], steps: int) -> dict:
     from activation_memory import PeakMeter  # benchmarks/ is the script's folder
 
@@ -155,9 +195,10 @@ def run(config: str, overrides: list[str], steps: int) -> dict:
             step()
             times.append(time.perf_counter() - start)
         peak = meter.peak() - before
+        compute_dtype = torch.bfloat16 if built.bf16 else torch.float32
+        regions = region_seconds(ctx, cfg, autocast, compute_dtype, reps=20 * steps)
         measured = {k: {"calls": counter.calls[k], "bytes": counter.bytes.get(k, 0),
                         "bytes_by_dtype": dict(counter.by_dtype.get(k, {}))} for k in sorted(counter.calls)}
-        compute_dtype = torch.bfloat16 if built.bf16 else torch.float32
         expected = analytic(cfg, micro, torch.finfo(compute_dtype).bits // 8)
         tp = ctx.tp
         total_measured = sum(v["bytes"] for v in measured.values())
@@ -181,6 +222,7 @@ def run(config: str, overrides: list[str], steps: int) -> dict:
             "step_seconds_min": min(times) if times else None,
             "step_seconds_each": times,
             "peak_bytes": peak,
+            "region_seconds": regions,
         }
     finally:
         shutdown(ctx)
