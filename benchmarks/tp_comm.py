@@ -29,8 +29,9 @@ update) timed and measured for peak memory. Prints one JSON object (rank 0):
       (benchmarks/activation_memory.py's PeakMeter: host RSS high-water mark on CPU, with
       MALLOC_MMAP_THRESHOLD_=65536 so that freed tensors return to the OS; max_memory_allocated
       on CUDA).
-  region_seconds: {"f", "g"}: median seconds of forward + backward of the tp region ops alone on
-      one micro-batch's activations (`region_seconds`), 20 x --steps repetitions each.
+  region_seconds: {"f", "g"} (and "f_min", "g_min"): median (fastest) seconds of forward +
+      backward of the tp region ops alone on one micro-batch's activations (`region_seconds`),
+      20 x --steps repetitions each.
 """
 from __future__ import annotations
 
@@ -158,7 +159,7 @@ def region_seconds(ctx, cfg, autocast, dtype: torch.dtype, reps: int) -> dict:
             if ctx.device.type == "cuda":
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - start)
-        out[name] = statistics.median(times)
+        out[name], out[f"{name}_min"] = statistics.median(times), min(times)
     return out
 
 
