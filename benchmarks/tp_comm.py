@@ -24,7 +24,9 @@ update) timed and measured for peak memory. Prints one JSON object (rank 0):
   ring_bytes_per_rank: what a ring algorithm sends per rank (all-reduce 2 (tp-1)/tp x bytes,
       all-gather / reduce-scatter (tp-1)/tp x bytes).
   step_seconds (and _min): median (fastest) wall time of the timed steps (forward_backward + reduce_gradients +
-      clip_gradients; every rank waits at a barrier before each), and each step's time.
+      clip_gradients; every rank waits at a barrier before each), and each step's time;
+      step_cpu_seconds: the median CPU time rank 0's process spent in a step (all its threads,
+      gloo's included), steadier than wall time on a loaded machine.
   peak_bytes: rank 0's peak memory over the timed steps minus the memory in use before them
       (benchmarks/activation_memory.py's PeakMeter: host RSS high-water mark on CPU, with
       MALLOC_MMAP_THRESHOLD_=65536 so that freed tensors return to the OS; max_memory_allocated
@@ -189,12 +191,13 @@ def run(config: str, overrides: list[str], steps: int) -> dict:
         with counter:
             step()
         before = meter.reset()
-        times = []
+        times, cpu = [], []
         for _ in range(steps):
             dist.barrier()
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             step()
             times.append(time.perf_counter() - start)
+            cpu.append(time.process_time() - start_cpu)
         peak = meter.peak() - before
         compute_dtype = torch.bfloat16 if built.bf16 else torch.float32
         regions = region_seconds(ctx, cfg, autocast, compute_dtype, reps=20 * steps)
@@ -222,6 +225,7 @@ def run(config: str, overrides: list[str], steps: int) -> dict:
             "step_seconds": statistics.median(times) if times else None,
             "step_seconds_min": min(times) if times else None,
             "step_seconds_each": times,
+            "step_cpu_seconds": statistics.median(cpu) if cpu else None,
             "peak_bytes": peak,
             "region_seconds": regions,
         }
