@@ -12,16 +12,19 @@ Without sequence parallelism a block is  x -> f -> column-parallel ... row-paral
 with it (norm regions sharded along the sequence, dim 1 of [B, S, D]) f becomes an all-gather and
 g a reduce-scatter along the sequence.
 
-Copies and dtypes. g sums the row-parallel partial output in place (it is a new tensor: no
-clone). Sequence collectives keep the models' batch-major [B, S, D] layout: the all-gather lands
-rank r's [B, s, D] chunk at rows r*B.. of a [tp*B, s, D] buffer and the reduce-scatter sends
-rows of [tp, B, s, D]; both are views when B = 1 and cost one copy (the [tp, B] <-> [B, tp]
-permutation) otherwise. f for matmul inputs (`enter_tp_region`) casts its input to the matmul
-dtype first, so under bf16 autocast every activation collective moves bf16: forward, the
-row-parallel outputs (bf16 matmul outputs) and the SP all-gather of the norm output; backward,
-the input gradients of the column-parallel matmuls. The vocab-parallel embedding's sum stays
-fp32 (its output, like the residual stream, is fp32 by the policy; one rank contributes each
-row, so the sum is exact), as do the loss statistics.
+Copies and dtypes. g sums the row-parallel partial output in place (a new tensor: no clone;
+a copy only when it is strided or a dispatch mode runs, see _ReduceFromRegion), and f's backward
+sums the input gradient in place when every reader is a matmul (`enter_tp_region`). Sequence
+collectives keep the models' batch-major [B, S, D] layout: the all-gather lands rank r's
+[B, s, D] chunk at rows r*B.. of a [tp*B, s, D] buffer and the reduce-scatter sends rows of
+[tp, B, s, D]; both are views when B = 1 and cost one copy (the [tp, B] <-> [B, tp]
+permutation) otherwise, and both results are contiguous. f for matmul inputs casts its input to
+the matmul dtype first, so under bf16 autocast every activation collective moves bf16: forward,
+the row-parallel outputs (bf16 matmul outputs) and the SP all-gather of the norm output;
+backward, the input gradients of the column-parallel matmuls and, under SP, the row-parallel
+outputs' gradients. The vocab-parallel embedding's sum stays fp32 (its output, like the
+residual stream, is fp32 by the policy; one rank contributes each row, so the sum is exact), as
+do the loss statistics.
 
 Sharding rule (one rule for every split dimension): a dimension of n = units * unit elements is
 split over tp ranks in whole units; rank r gets floor(units / tp) units, plus one for the first
