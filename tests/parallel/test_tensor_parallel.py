@@ -276,3 +276,34 @@ def test_bf16_activation_collectives_move_bf16(sp):
         assert seen.get((kind, "torch.float32", act)) == 1, (kind, seen)
     assert not any(numel == act and kind not in (("reduce_scatter", "all_gather") if sp else ("all_reduce",))
                    for kind, _, numel in seen), seen
+
+
+def _in_place_sum_worker():
+    import torch.distributed as dist
+
+    from megatron_taper.parallel.tensor import reduce_from_tp_region
+
+    group, out = dist.group.WORLD, {}
+    w = torch.full((3, 3), 0.5, requires_grad=True)
+    partial = w @ w  # a new tensor that no op saved: summed in place
+    total = reduce_from_tp_region(partial, group)
+    total.sum().backward()
+    out["in_place"] = total is partial
+    out["sum"] = total[0, 0].item()
+    out["grad"] = w.grad[0, 0].item()
+    saved = torch.sigmoid(torch.zeros(3, requires_grad=True))  # sigmoid saved its output for backward
+    try:
+        reduce_from_tp_region(saved, group).sum().backward()
+        out["saved"] = "no error"
+    except RuntimeError as e:
+        out["saved"] = str(e)
+    return out
+
+
+def test_g_sums_in_place_and_refuses_a_saved_tensor():
+    """g takes over a fresh partial sum (no clone); a tensor another op saved for backward is
+    refused at backward instead of being read summed."""
+    for got in run_distributed(_in_place_sum_worker, 2, timeout=60):
+        assert got["in_place"] and got["sum"] == pytest.approx(2 * 0.75)  # two ranks of 3 x 0.25
+        assert got["grad"] == pytest.approx(3.0)  # d/dw00 sum(w @ w) = sum_j w0j + sum_i wi0 = 3 x 0.5 x 2
+        assert "modified by an inplace operation" in got["saved"], got["saved"]
