@@ -46,9 +46,9 @@ class Split:
     width: float = 0.0  # split with the MLP width, in units of model.taper.multiple
     vocab: float = 0.0  # split with the vocabulary
     # activations: copies of a projection input shared by several projections, beyond the one
-    # storage counted in `whole`: each projection keeps its own copy under bf16 autocast (each
-    # casts the fp32 norm output itself) and under sequence parallelism with more than one
-    # sequence per micro-batch (the all-gathered input is strided, so each makes it contiguous)
+    # storage counted in `whole`: each projection keeps its own copy under bf16 autocast at
+    # tp = 1 (each casts the fp32 norm output itself); at tp > 1 the input enters the tp region
+    # cast once (parallel/tensor.py enter_tp_region), so the projections share it
     input_copies: float = 0.0
     # activations: split with the vocabulary like `vocab`, but in the compute dtype (the logits
     # a chunked loss keeps, and their gradient)

@@ -274,7 +274,7 @@ def act_bytes_per_token(act: Split, shares: Split, setup: MemorySetup) -> float:
     """Bytes per token of activation elements on the largest tp rank (layouts and dtypes above)."""
     seq = act.seq / (setup.tp if setup.sequence_parallel else 1)
     compute = act.whole + act.heads * shares.heads + act.kv * shares.kv + act.width * shares.width
-    if setup.bf16 or (setup.sequence_parallel and setup.micro_batch > 1):
+    if setup.bf16 and setup.tp == 1:
         compute += act.input_copies
     return (4.0 * seq + setup.compute_bytes * compute + 4.0 * act.vocab * shares.vocab
             + setup.compute_bytes * act.logits * shares.vocab)

@@ -245,20 +245,22 @@ def tp_plan_hope_attention_block(block: HopeAttentionBlock, prefix: str, cfg: Mo
         tp.shard_parameter(level, "w1", name, rows)
         tp.shard_parameter(level, "w3", name, rows)
         tp.shard_parameter(level, "w2", name, columns)
-        level.comm = tensor_parallel_comm(tp.group, tp.sequence_parallel)
+        level.comm = tensor_parallel_comm(tp.group, tp.sequence_parallel, matmuls_only=level.period is None)
 
 
-def tensor_parallel_comm(group, sequence_parallel: bool) -> LevelComm:
+def tensor_parallel_comm(group, sequence_parallel: bool, matmuls_only: bool) -> LevelComm:
     """A level's collectives over the tp group: f at the input (all-gather of the sequence under
-    SP), an all-reduce of partial outputs, f for the sum's reuse in the update; the output back to
-    the block's layout (SP: this rank's sequence chunk)."""
+    SP; `matmuls_only`: only matmuls read it, not an online level's update), an all-reduce of
+    partial outputs, f for the sum's reuse in the update; the output back to the block's layout
+    (SP: this rank's sequence chunk)."""
     from megatron_taper.parallel import tensor as ops  # the model file stays single-device until a plan runs
 
     def on_group(op):
         return functools.partial(op, group=group)
 
     return LevelComm(
-        enter=functools.partial(ops.enter_tp_region, group=group, sequence_parallel=sequence_parallel),
+        enter=functools.partial(ops.enter_tp_region, group=group, sequence_parallel=sequence_parallel,
+                                matmuls_only=matmuls_only),
         sum_partial=on_group(ops.reduce_from_tp_region),
         reenter=on_group(ops.copy_to_tp_region),
         leave=on_group(ops.scatter_to_seq_region) if sequence_parallel else identity,

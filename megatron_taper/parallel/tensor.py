@@ -12,6 +12,20 @@ Without sequence parallelism a block is  x -> f -> column-parallel ... row-paral
 with it (norm regions sharded along the sequence, dim 1 of [B, S, D]) f becomes an all-gather and
 g a reduce-scatter along the sequence.
 
+Copies and dtypes. g sums the row-parallel partial output in place (a new tensor: no clone;
+a copy only when it is strided or a dispatch mode runs, see _ReduceFromRegion), and f's backward
+sums the input gradient in place when every reader is a matmul (`enter_tp_region`). Sequence
+collectives keep the models' batch-major [B, S, D] layout: the all-gather lands rank r's
+[B, s, D] chunk at rows r*B.. of a [tp*B, s, D] buffer and the reduce-scatter sends rows of
+[tp, B, s, D]; both are views when B = 1 and cost one copy (the [tp, B] <-> [B, tp]
+permutation) otherwise, and both results are contiguous. f for matmul inputs casts its input to
+the matmul dtype first, so under bf16 autocast every activation collective moves bf16: forward,
+the row-parallel outputs (bf16 matmul outputs) and the SP all-gather of the norm output;
+backward, the input gradients of the column-parallel matmuls and, under SP, the row-parallel
+outputs' gradients. The vocab-parallel embedding's sum stays fp32 (its output, like the
+residual stream, is fp32 by the policy; one rank contributes each row, so the sum is exact), as
+do the loss statistics.
+
 Sharding rule (one rule for every split dimension): a dimension of n = units * unit elements is
 split over tp ranks in whole units; rank r gets floor(units / tp) units, plus one for the first
 units % tp ranks. So shards differ by at most one alignment unit, and a dimension with fewer than
@@ -27,6 +41,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.graph import increment_version
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from megatron_taper.models.layers import IGNORE_INDEX
 
@@ -136,22 +152,26 @@ def _reduce_scatter_single(out: torch.Tensor, x: torch.Tensor, group: Group) -> 
 
 
 def _gather_seq(x: torch.Tensor, group: Group) -> torch.Tensor:
-    """[B, s, ...] -> [B, tp * s, ...], rank order along the sequence."""
+    """[B, s, ...] -> [B, tp * s, ...], rank order along the sequence (contiguous)."""
     world = dist.get_world_size(group)
-    moved = x.movedim(1, 0).contiguous()
-    out = moved.new_empty((world * moved.shape[0],) + tuple(moved.shape[1:]))
-    _all_gather_single(out, moved, group)
-    return out.movedim(0, 1)
+    x = x.contiguous()
+    b, s, rest = x.shape[0], x.shape[1], tuple(x.shape[2:])
+    out = x.new_empty((world * b, s) + rest)
+    _all_gather_single(out, x, group)  # [tp * B, s, ...]: rank r's chunk at rows r * B ...
+    # [tp, B, s] -> [B, tp, s]: a view when B = 1, else the one copy of the gather
+    return out.view((world, b, s) + rest).transpose(0, 1).reshape((b, world * s) + rest)
 
 
 def _reduce_scatter_seq(x: torch.Tensor, group: Group) -> torch.Tensor:
-    """[B, S, ...] summed over ranks -> this rank's [B, S / tp, ...] chunk."""
+    """[B, S, ...] summed over ranks -> this rank's [B, S / tp, ...] chunk (contiguous)."""
     world = dist.get_world_size(group)
-    assert x.shape[1] % world == 0, f"sequence {x.shape[1]} does not split over {world} ranks"
-    moved = x.movedim(1, 0).contiguous()
-    out = moved.new_empty((moved.shape[0] // world,) + tuple(moved.shape[1:]))
-    _reduce_scatter_single(out, moved, group)
-    return out.movedim(0, 1)
+    b, n, rest = x.shape[0], x.shape[1], tuple(x.shape[2:])
+    assert n % world == 0, f"sequence {n} does not split over {world} ranks"
+    # [B, tp, s] -> [tp, B, s]: rank r's chunk at rows r * B; a view when B = 1, else one copy
+    chunks = x.reshape((b, world, n // world) + rest).transpose(0, 1).contiguous()
+    out = x.new_empty((b, n // world) + rest)
+    _reduce_scatter_single(out, chunks.view((world * b, n // world) + rest), group)
+    return out
 
 
 def _split_seq(x: torch.Tensor, group: Group) -> torch.Tensor:
@@ -160,27 +180,45 @@ def _split_seq(x: torch.Tensor, group: Group) -> torch.Tensor:
     return x.chunk(world, dim=1)[rank].contiguous()
 
 
-def _all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
-    x = x.contiguous().clone()
-    dist.all_reduce(x, group=group)
-    return x
+def matmul_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype a matmul reads x in: autocast's on x's device when it is on and casts x (bf16
+    under train.precision=bf16, docs/precision.md), else x's own."""
+    kind = x.device.type
+    if torch.is_autocast_enabled(kind) and x.is_floating_point() and x.dtype != torch.float64:
+        return torch.get_autocast_dtype(kind)
+    return x.dtype
 
 
 class _CopyToRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
+    def forward(ctx, x, group, own_grad):
+        ctx.group, ctx.own_grad = group, own_grad
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_reduce(grad, ctx.group), None
+        # summed in place only when the gradient is this region's own (every reader is a matmul,
+        # whose input gradient is a new tensor); otherwise autograd may have handed the same
+        # tensor to another branch too (both inputs of an add get one tensor), so sum a copy
+        grad = grad.contiguous() if ctx.own_grad else grad.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None, None
 
 
 class _ReduceFromRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
-        return _all_reduce(x, group)
+        # x (partial sums the caller hands over) is summed in place, unless it is strided or a
+        # dispatch mode runs: op-level checkpointing's caching mode holds the matmul output it
+        # saved and would hand the sum to its recompute
+        if x.is_contiguous() and not is_in_torch_dispatch_mode():
+            ctx.mark_dirty(x)
+            dist.all_reduce(x, group=group)
+            increment_version(x)  # another op that saved x for backward then raises, not reads the sum
+            return x
+        x = x.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(x, group=group)
+        return x
 
     @staticmethod
     def backward(ctx, grad):
@@ -221,10 +259,11 @@ class _ScatterToSeq(torch.autograd.Function):
 
 
 def copy_to_tp_region(x: torch.Tensor, group: Group) -> torch.Tensor:
-    return _CopyToRegion.apply(x, group)
+    return _CopyToRegion.apply(x, group, False)
 
 
 def reduce_from_tp_region(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Sum of every rank's partial x; x itself is summed in place (when contiguous) and returned."""
     return _ReduceFromRegion.apply(x, group)
 
 
@@ -243,9 +282,20 @@ def scatter_to_seq_region(x: torch.Tensor, group: Group) -> torch.Tensor:
     return _ScatterToSeq.apply(x, group)
 
 
-def enter_tp_region(x: torch.Tensor, group: Group, sequence_parallel: bool) -> torch.Tensor:
-    """f: make the input of column-parallel layers replicated (all-gather under SP)."""
-    return gather_from_seq_region(x, group) if sequence_parallel else copy_to_tp_region(x, group)
+def enter_tp_region(x: torch.Tensor, group: Group, sequence_parallel: bool, matmuls_only: bool = True
+                    ) -> torch.Tensor:
+    """f: make the input of column-parallel layers replicated (all-gather under SP).
+
+    matmuls_only (every reader of the result is a matmul): x enters in the dtype the matmuls read
+    it in (`matmul_dtype`: bf16 under autocast), so the readers share one cast copy instead of
+    casting one each, and both directions move that dtype: the all-gather under SP, and the
+    backward all-reduce (or reduce-scatter) of the input gradient, which is summed in place.
+    Otherwise x keeps its dtype (e.g. a reader that also uses it elementwise in fp32)."""
+    if matmuls_only:
+        x = x.to(matmul_dtype(x))
+    if sequence_parallel:
+        return gather_from_seq_region(x, group)
+    return _CopyToRegion.apply(x, group, matmuls_only)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -280,10 +330,8 @@ class ColumnParallelLinear(nn.Module):
         return cls(weight, bias, group, input_mode)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.input_mode == "copy":
-            x = copy_to_tp_region(x, self.group)
-        elif self.input_mode == "gather_seq":
-            x = gather_from_seq_region(x, self.group)
+        if self.input_mode != "none":
+            x = enter_tp_region(x, self.group, self.input_mode == "gather_seq")
         return F.linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:

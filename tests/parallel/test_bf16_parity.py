@@ -10,12 +10,17 @@ keeps 8 significant bits: unit roundoff u = 2^-8. Where a layout rounds an activ
 than one process does (tp: each rank's partial matmul output is rounded to bf16 before the tp
 all-reduce, as in Megatron; one process rounds the whole sum once), that element moves by up to
 u/2 relative. Logits here are below ~1 in magnitude, so a cross-entropy term moves by at most
-~u/2 from one such rounding and the mean over 128 tokens a step averages the random signs down;
-over 4 steps we allow BF16_ATOL = u/8 = 2^-11 ~ 4.9e-4 per step's loss. Context parallelism
-(cp=2) computes attention by another kernel than one process's fused causal SDPA (SDPA under an
-explicit mask; the ring's own fp32 pieces), whose bf16 outputs round differently. Measured (this
-file, -s): tp=2 and tp2 x dp2 3.2e-4, cp=2 2.3e-4, cp=2 ring 1.7e-4, DeepSpeed 7e-5, fsdp2 2e-5,
-DDP and pp=2 0. bf16 really ran: each
+~u/2 from one such rounding and the mean over 128 tokens a step averages the random signs down.
+tp also rounds gradients more: a column-parallel region's input gradient is summed over its
+matmuls and then over the ranks in bf16 (the backward all-reduce moves bf16, docs/precision.md),
+where one process sums it in fp32; that moves a gradient element by up to ~u relative, which
+reaches the loss only through the updates of later steps, and AdamW's update m / sqrt(v) changes
+by about the same relative amount, a small fraction of lr per weight. Context parallelism (cp=2)
+computes attention by another kernel than one process's fused causal SDPA (SDPA under an explicit
+mask; the ring's own fp32 pieces), whose bf16 outputs round differently. Over 4 steps we allow
+BF16_ATOL = u/8 = 2^-11 ~ 4.9e-4 per step's loss. Measured (this file, -s): tp=2 and tp2 x dp2
+2.2e-4 (3.2e-4 when the backward all-reduce moved fp32: the roundings' signs partly cancel),
+cp=2 2.3e-4, cp=2 ring 1.7e-4, DeepSpeed 7e-5, fsdp2 2e-5, DDP and pp=2 0. bf16 really ran: each
 layout's distance to the one-process fp32 run is above FP32_GAP = 1e-4, five times the fp32
 parity tolerance (2e-5) that every layout meets in fp32 (measured: 2.7e-4 to 4.3e-4).
 

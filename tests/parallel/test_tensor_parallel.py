@@ -232,3 +232,78 @@ def test_vocab_parallel_cross_entropy_ignores_index():
             assert (grad - want_grad).abs().max().item() < 1e-6, name
         ignored = result["some_ignored"][2][0, :2]
         assert torch.equal(ignored, torch.zeros_like(ignored))  # ignored positions: exactly 0 gradient
+
+
+# ---------------------------------------------------------------------------------------------
+# The dtype each tp collective moves under bf16 autocast (docs/precision.md)
+
+
+def _collective_dtypes_worker(sp):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    kinds = {"allreduce_": ("all_reduce", 0), "_allgather_base_": ("all_gather", 0),
+             "_reduce_scatter_base_": ("reduce_scatter", 1)}  # c10d op -> (kind, full-size argument)
+    seen = {}
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func._schema.name.split("::")[-1]
+            if func.namespace == "c10d" and name in kinds:
+                kind, idx = kinds[name]
+                t = args[idx][0] if isinstance(args[idx], (list, tuple)) else args[idx]  # allreduce_: a list
+                key = (kind, str(t.dtype), t.numel())
+                seen[key] = seen.get(key, 0) + 1
+            return func(*args, **(kwargs or {}))
+
+    cfg = _config(2, ["train.precision=bf16", "train.device=cpu", f"parallel.sequence_parallel={sp}"])
+    run = build_run(cfg)
+    assert run.bf16
+    with Record():
+        run.model.forward_backward([_tokens(cfg, 0)], lambda: torch.autocast("cpu", dtype=torch.bfloat16))
+    return seen
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2_sp"])
+def test_bf16_activation_collectives_move_bf16(sp):
+    """Every [B, S, d] activation collective of a forward + backward moves bf16 (row-parallel
+    outputs, the matmul inputs entering the region, their gradients), except the vocab-parallel
+    embedding's, which stays fp32 (one per direction under SP: its reduce-scatter and its
+    gradient's all-gather)."""
+    n, act = 3, 2 * 16 * 64  # TINY: layers, B * S * d
+    seen = run_distributed(_collective_dtypes_worker, 2, sp, timeout=120)[0]
+    for kind in ("reduce_scatter", "all_gather") if sp else ("all_reduce",):
+        assert seen.get((kind, "torch.bfloat16", act)) == 4 * n + 1, (kind, seen)
+        assert seen.get((kind, "torch.float32", act)) == 1, (kind, seen)
+    assert not any(numel == act and kind not in (("reduce_scatter", "all_gather") if sp else ("all_reduce",))
+                   for kind, _, numel in seen), seen
+
+
+def _in_place_sum_worker():
+    import torch.distributed as dist
+
+    from megatron_taper.parallel.tensor import reduce_from_tp_region
+
+    group, out = dist.group.WORLD, {}
+    w = torch.full((3, 3), 0.5, requires_grad=True)
+    partial = w @ w  # a new tensor that no op saved: summed in place
+    total = reduce_from_tp_region(partial, group)
+    total.sum().backward()
+    out["in_place"] = total is partial
+    out["sum"] = total[0, 0].item()
+    out["grad"] = w.grad[0, 0].item()
+    saved = torch.sigmoid(torch.zeros(3, requires_grad=True))  # sigmoid saved its output for backward
+    try:
+        reduce_from_tp_region(saved, group).sum().backward()
+        out["saved"] = "no error"
+    except RuntimeError as e:
+        out["saved"] = str(e)
+    return out
+
+
+def test_g_sums_in_place_and_refuses_a_saved_tensor():
+    """g takes over a fresh partial sum (no clone); a tensor another op saved for backward is
+    refused at backward instead of being read summed."""
+    for got in run_distributed(_in_place_sum_worker, 2, timeout=60):
+        assert got["in_place"] and got["sum"] == pytest.approx(2 * 0.75)  # two ranks of 3 x 0.25
+        assert got["grad"] == pytest.approx(3.0)  # d/dw00 sum(w @ w) = sum_j w0j + sum_i wi0 = 3 x 0.5 x 2
+        assert "modified by an inplace operation" in got["saved"], got["saved"]
