@@ -16,6 +16,7 @@ setup(
     description="Pretraining of depth-tapered language models with Megatron-style parallelism",
     packages=[*find_packages(include=["megatron_taper", "megatron_taper.*"]), "megatron_taper_tools"],
     package_dir={"megatron_taper_tools": "tools"},
+    package_data={"megatron_taper.cost": ["devices.json"]},  # the device table (cost/devices.py)
     entry_points={"console_scripts": [
         "megatron-taper-train = megatron_taper.train:main",
         "megatron-taper-preprocess = megatron_taper_tools.preprocess_data:main",
