@@ -13,7 +13,7 @@ def test_planner_profiles_carry_every_number_with_its_source():
         assert all(isinstance(s, str) and s for s in p.sources.values()), name
         assert 0 < p.mfu <= 1 and p.fp32_tflops > 0 and p.intra_node_gb_per_s > 0 and p.inter_node_gb_per_s > 0
         if name != "cpu":
-            assert p.fp8_tflops == 2 * p.bf16_tflops and p.memory_gb > 0 and p.gpus_per_node == 8
+            assert p.fp8_tflops > p.bf16_tflops and p.memory_gb > 0 and p.gpus_per_node == 8
             assert "https://" in p.sources["flops"] and "https://" in p.sources["links"]
     assert found["cpu"].bf16_tflops == 0 and "measured" in found["cpu"].sources["flops"]
 
