@@ -26,6 +26,7 @@ setup(
         "megatron-taper-convert = megatron_taper_tools.convert_checkpoint:main",
         "megatron-taper-sweep = megatron_taper_tools.sweep:main",
         "megatron-taper-plan = megatron_taper_tools.plan_pipeline:main",
+        "megatron-taper-plan-layout = megatron_taper_tools.plan_layout:main",
         "megatron-taper-show = megatron_taper_tools.show_model:main",
         "megatron-taper-lm-eval = megatron_taper.inference.lm_eval_adapter:main",
     ]},

@@ -15,8 +15,10 @@ and allocator fragmentation).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 import math
+import os
 import re
 import warnings
 from collections import Counter
@@ -25,7 +27,7 @@ from itertools import accumulate
 from typing import TYPE_CHECKING, Any, Sequence
 
 from megatron_taper.config import V_SCHEDULES
-from megatron_taper.cost.devices import DeviceProfile
+from megatron_taper.cost.devices import DeviceProfile, profiles
 from megatron_taper.cost.flops import model_costs
 from megatron_taper.cost.memory import (
     GIB,
@@ -74,16 +76,22 @@ def _canonical(values: dict[str, Any], cfg: Config) -> dict[str, Any]:
     return out
 
 
-def with_values(cfg: Config, values: dict[str, Any]) -> Config:
+def with_values(cfg: Config, values: dict[str, Any], sections: dict | None = None) -> Config:
     """A copy of `cfg` with each `section.key` of `values` set (sections copied, the rest shared),
-    its sections validated."""
+    the sections it changed validated; `sections` keeps validated copies by their new values
+    across calls, for a search (they are shared then: read only)."""
     out = copy.copy(cfg)
-    for key, value in values.items():
-        section, name = key.split(".")
-        if getattr(out, section) is getattr(cfg, section):
-            setattr(out, section, copy.copy(getattr(cfg, section)))
-        setattr(getattr(out, section), name, value)
-    return out.validate()
+    for section in dict.fromkeys(key.split(".")[0] for key in values):
+        mine = tuple((k, v) for k, v in values.items() if k.split(".")[0] == section)
+        if sections is None or (section, mine) not in sections:
+            changed = copy.copy(getattr(cfg, section))
+            for key, value in mine:
+                setattr(changed, key.split(".", 1)[1], value)
+            changed.validate(section)
+            if sections is not None:
+                sections[(section, mine)] = changed
+        setattr(out, section, changed if sections is None else sections[(section, mine)])
+    return out
 
 
 def overrides(values: dict[str, Any]) -> list[str]:
@@ -169,8 +177,13 @@ class Predictor:
         return self._bounds[n_chunks]
 
     def memory(self, setup: MemorySetup) -> ModelMemory:
+        """model_memory; its pieces do not depend on the micro-batch count (only the pipeline
+        buffers, which read it from `setup`), so they are computed once for all counts."""
         if setup not in self._memory:
-            self._memory[setup] = model_memory(self.model, setup, self.costs)
+            key = dataclasses.replace(setup, microbatches=1)
+            if key not in self._memory:
+                self._memory[key] = model_memory(self.model, key, self.costs)
+            self._memory[setup] = dataclasses.replace(self._memory[key], setup=setup)
         return self._memory[setup]
 
     def rank_peaks(self, setup: MemorySetup, pp: int, virtual: int, schedule: str) -> list[float]:
@@ -270,6 +283,7 @@ def search(cfg: Config, gpus: int, memory_gib: float, device: DeviceProfile,
     predictor = Predictor(cfg, device)
     keys = [k for k, _ in space]
     seen: set[tuple] = set()
+    sections: dict = {}
     dropped: Counter[str] = Counter()
     legal: list[Prediction] = []
     for row in itertools.product(*(v for _, v in space)):
@@ -282,7 +296,7 @@ def search(cfg: Config, gpus: int, memory_gib: float, device: DeviceProfile,
             dropped[f"train.float8: the {device.profile} profile has no float8 peak"] += 1
             continue
         try:
-            candidate = with_values(cfg, values)
+            candidate = with_values(cfg, values, sections)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 dp = preflight(candidate, gpus).dp
@@ -308,5 +322,53 @@ def no_fit_message(result: PlanResult, memory_gib: float) -> str:
     near = result.nearest
     need = near.peak / (result.memory_limit / (memory_gib * GIB)) / GIB
     return (f"no legal layout fits {where}: the nearest, {near.describe()} ({' '.join(overrides(near.values))}), "
-            f"needs a predicted {near.peak / GIB:.2f} GiB per rank, i.e. devices of {math.ceil(need * 10) / 10:g} "
-            f"GiB; use more or larger devices, or a smaller model")
+            f"needs a predicted {near.peak / GIB:.3g} GiB per rank, i.e. devices of {need:.3g} GiB; use more or "
+            f"larger devices, or a smaller model")
+
+
+def local_device(train_device: str, world: int) -> tuple[DeviceProfile, float, str]:
+    """This machine's device profile, memory per rank in GiB and where they came from: a CUDA
+    device's total memory and its profile (by name; the h100 one's links and MFU with the
+    device's own peak FLOP/s for other GPUs), else the CPU profile and the RAM / local ranks."""
+    import torch
+
+    from megatron_taper.cost.flops import lookup_peak_tflops
+
+    known = profiles()
+    if train_device != "cpu" and torch.cuda.is_available():
+        index = int(os.environ.get("LOCAL_RANK", "0"))
+        name = torch.cuda.get_device_name(index)
+        memory = torch.cuda.get_device_properties(index).total_memory / GIB
+        match = sorted((p for p in known.values() if p.name in name), key=lambda p: -len(p.name))
+        if match:
+            return match[0], memory, f"{name}: {memory:.1f} GiB ({match[0].profile} profile)"
+        base = known["h100"]
+        bf16 = lookup_peak_tflops(name, True) or base.bf16_tflops
+        fp32 = lookup_peak_tflops(name, False) or base.fp32_tflops
+        device = dataclasses.replace(base, name=name, profile="cuda", bf16_tflops=bf16, fp32_tflops=fp32,
+                                     fp8_tflops=0.0, memory_gb=memory * GIB / 1e9)
+        return device, memory, f"{name}: {memory:.1f} GiB (not in cost/devices.json: the h100 profile's links)"
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
+    return known["cpu"], ram / ranks, f"CPU: {ram:.1f} GiB of RAM / {ranks} local process(es)"
+
+
+def choose_layout(cfg: Config, world: int) -> tuple[Config, str]:
+    """parallel.layout=auto: `cfg` with the fastest predicted layout that fits this machine's
+    device memory per rank (parallel.layout_memory_gb when > 0) at `world` processes, and a line
+    saying why; nothing fits: ConfigError naming the nearest layout."""
+    device, memory, found = local_device(cfg.train.device, world)
+    if cfg.parallel.layout_memory_gb > 0:
+        memory, found = cfg.parallel.layout_memory_gb, f"parallel.layout_memory_gb={cfg.parallel.layout_memory_gb:g}"
+    result = search(cfg, world, memory, device)
+    if not result.layouts:
+        raise ConfigError(f"parallel.layout=auto: {no_fit_message(result, memory)}")
+    best = result.layouts[0]
+    chosen = with_values(cfg, best.values)
+    why = (f"layout auto: {best.describe()} ({' '.join(overrides(best.values))}): the fastest predicted of "
+           f"{len(result.layouts)} layouts that fit {memory:.3g} GiB per rank ({found}; {result.legal} legal of "
+           f"{result.candidates}): step {best.step.total:.3g} s, peak {best.peak / GIB:.3g} GiB")
+    if len(result.layouts) > 1:
+        second = result.layouts[1]
+        why += f"; next {second.describe()} at {second.step.total:.3g} s"
+    return chosen, why
