@@ -1,6 +1,6 @@
 """Measured peak memory of a whole training step per layout, next to the memory model's prediction.
 
-    python benchmarks/layout_memory.py [--layouts fsdp2_dp2,fsdp2_pp2_dp2,deepspeed_dp2]
+    python benchmarks/layout_memory.py [--layouts fsdp2_dp2,fsdp2_pp2_dp2,fsdp2_hsdp_2x2,deepspeed_dp2]
                                        [--precisions fp32,bf16] [--steps 1] [key=value ...]
 
 Each layout and precision runs in fresh gloo processes through benchmarks/activation_memory.py
@@ -34,6 +34,7 @@ LAYOUTS = {  # name -> (processes, overrides)
     "none_dp1": (1, ["parallel.zero=none"]),
     "fsdp2_dp2": (2, ["parallel.zero=fsdp2"]),
     "fsdp2_pp2_dp2": (4, ["parallel.zero=fsdp2", "parallel.pp=2", "parallel.microbatches=4"]),
+    "fsdp2_hsdp_2x2": (4, ["parallel.zero=fsdp2", "parallel.dp_replicate=2", "parallel.dp_shard=2"]),
     "deepspeed_dp2": (2, ["parallel.zero=deepspeed"]),
 }
 

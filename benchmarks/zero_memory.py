@@ -1,6 +1,6 @@
 """Per-rank memory of parameters, gradients and optimizer state under ZeRO-3, measured.
 
-    python benchmarks/zero_memory.py [--engines fsdp2,deepspeed] [key=value ...]
+    python benchmarks/zero_memory.py [--engines fsdp2,deepspeed] [--hsdp] [key=value ...]
 
 Runs one training step of the model (default: 4 layers, d=128, tapered; override with key=value)
 at dp=1 (parallel.zero=none: the unsharded total) and at dp=2 for each engine, each in its own
@@ -15,6 +15,8 @@ holds, measured from the live tensors (not computed from shapes):
   master_bytes   deepspeed only: its fp32 master partitions (a second copy even in fp32)
 next to `ideal_*` = the dp=1 total / dp. Shards are uneven when a tensor's first dimension does
 not divide by dp (FSDP2 pads nothing in its local view; DeepSpeed pads partitions).
+`--hsdp` instead runs fsdp2 at 4 processes, flat (dp=4) and HSDP (parallel.dp_replicate=2 x
+parallel.dp_shard=2), with `ideal_*` = the dp=1 total / the ranks the state is sharded over.
 """
 from __future__ import annotations
 
@@ -106,6 +108,7 @@ def launch(engine: str, dp: int, overrides: list[str]) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--engines", default="fsdp2,deepspeed")
+    parser.add_argument("--hsdp", action="store_true", help="fsdp2 at dp=4: flat and HSDP 2 x 2")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*")
@@ -113,13 +116,17 @@ def main() -> None:
     if args.worker:
         worker(args.worker, args.overrides, args.out)
         return
+    if args.hsdp:  # global_batch 4 over dp = 4
+        args.overrides = ["train.micro_batch=1", *args.overrides]
     total = launch("none", 1, args.overrides)[0]
-    report = {"total_dp1": {k: total[k] for k in ("params_bytes", "grads_bytes", "optim_bytes")}, "dp2": []}
-    for engine in args.engines.split(","):
-        for row in launch(engine, 2, args.overrides):
+    report = {"total_dp1": {k: total[k] for k in ("params_bytes", "grads_bytes", "optim_bytes")}}
+    runs = ([("dp4", "fsdp2", 4, [], 4), ("hsdp_2x2", "fsdp2", 4, ["parallel.dp_replicate=2"], 2)] if args.hsdp else
+            [("dp2", engine, 2, [], 2) for engine in args.engines.split(",")])
+    for key, engine, nproc, extra, shards in runs:
+        for row in launch(engine, nproc, args.overrides + extra):
             for k in ("params_bytes", "grads_bytes", "optim_bytes"):
-                row["ideal_" + k] = total[k] / 2
-            report["dp2"].append(row)
+                row["ideal_" + k] = total[k] / shards
+            report.setdefault(key, []).append(row)
     print(json.dumps(report))
 
 

@@ -158,6 +158,10 @@ class ParallelConfig:
     pp_virtual: int = 2  # chunks per pp rank with the interleaved schedules (zbv, dualpipev: always 2)
     pp_memory_gb: float = 0.0  # per-stage limit on the predicted peak (cost/memory.py); 0 = none
     sequence_parallel: bool = False
+    # zero=fsdp2, HSDP (parallel/context.py): the dp ranks form a dp_replicate x dp_shard mesh; the
+    # state is sharded over dp_shard and replicated over dp_replicate; dp_shard=0 = dp / dp_replicate
+    dp_replicate: int = 1
+    dp_shard: int = 0
     # zero=none, dp > 1: gradient all-reduce bucket size (torch DDP); 0 = scaled with the model and
     # dp (parallel/data_parallel.py bucket_mb)
     ddp_bucket_mb: float = 0.0
@@ -177,10 +181,17 @@ class ParallelConfig:
         check_range(f"{prefix}.pp_virtual", self.pp_virtual, 1, None)
         check_range(f"{prefix}.pp_memory_gb", self.pp_memory_gb, 0.0, None)
         check_range(f"{prefix}.ddp_bucket_mb", self.ddp_bucket_mb, 0.0, None)
+        check_range(f"{prefix}.dp_replicate", self.dp_replicate, 1, None)
+        check_range(f"{prefix}.dp_shard", self.dp_shard, 0, None)
         check_choice(f"{prefix}.zero", self.zero, ("none", "fsdp2", "deepspeed"))
         check_choice(f"{prefix}.pp_balance", self.pp_balance, PP_BALANCE_MODES)
         check_choice(f"{prefix}.pp_schedule", self.pp_schedule, PP_SCHEDULES)
         self.deepspeed.validate(f"{prefix}.deepspeed")
+
+    def dp_split(self, dp: int) -> tuple[int, int]:
+        """(dp_replicate, dp_shard) of a data-parallel size `dp` (preflight.py checks that their
+        product is dp)."""
+        return self.dp_replicate, self.dp_shard or max(1, dp // self.dp_replicate)
 
     @property
     def virtual_stages(self) -> int:

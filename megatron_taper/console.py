@@ -40,7 +40,9 @@ def summary_lines(cfg: Config, ctx: ParallelContext, pm: ParallelModel, train_so
         f"{_count(costs.total_flops)} forward FLOPs per token",
         f"mlp widths ({taper.schedule}, start {taper.start:g}, uniform {m.mlp_width}): "
         + " ".join(str(w) for w in layer_widths(m)),
-        f"layout: {ctx.world_size} process(es) = pp {ctx.pp} x dp {ctx.dp} x tp {ctx.tp}, zero {p.zero}; "
+        f"layout: {ctx.world_size} process(es) = pp {ctx.pp} x dp {ctx.dp} x tp {ctx.tp}, zero {p.zero}"
+        + (f" (HSDP: dp_replicate {ctx.dp_replicate} x dp_shard {ctx.dp_shard})" if ctx.dp_replicate > 1 else "")
+        + "; "
         f"global_batch {t.global_batch} = dp {ctx.dp} x micro_batch {t.micro_batch} x "
         f"{t.global_batch // (ctx.dp * t.micro_batch)} accumulation"
         + ("; pipeline: {1} micro-batches of {0} sequences".format(*step_split(p, t, ctx.dp)) if ctx.pp > 1 else ""),

@@ -29,7 +29,8 @@ def plan_lines(cfg, layout, world: int, nodes: int) -> list[str]:
             f"data.path={cfg.data.path or '(built-in corpus)'}")
     lines = [
         f"processes: {nodes} node(s) x {world // nodes} per node = {world}: pp {layout.pp} x dp {layout.dp} x "
-        f"tp {layout.tp}, zero {p.zero}",
+        f"tp {layout.tp}, zero {p.zero}" + ("" if p.dp_replicate == 1 else
+                                            "; HSDP dp_replicate {} x dp_shard {}".format(*p.dp_split(layout.dp))),
         f"batch: global_batch {t.global_batch} = dp {layout.dp} x micro_batch {t.micro_batch} x "
         f"{layout.accumulation} accumulation" + (f"; {layout.pipeline_microbatches} pipeline micro-batches"
                                                  if layout.pp > 1 else ""),
@@ -39,6 +40,10 @@ def plan_lines(cfg, layout, world: int, nodes: int) -> list[str]:
         + f", lr {t.lr:g}, device {t.device}; {data}",
         f"run dir: {os.path.abspath(cfg.run.dir)} (resume {cfg.run.resume})",
     ]
+    group = p.tp * p.dp_split(layout.dp)[1]  # consecutive ranks of one HSDP shard group
+    if p.dp_replicate > 1 and (world // nodes) % group:
+        lines.append(f"note: an HSDP shard group is parallel.tp x parallel.dp_shard = {group} consecutive ranks, which "
+                     f"do not fit the {world // nodes} per node: its all-gathers cross nodes")
     return lines
 
 

@@ -51,6 +51,7 @@ def preflight(cfg: Config, world_size: int) -> Layout:
     if spec.check_layout is not None:
         spec.check_layout(m, p)
     _check_zero(m, p, world_size, dp)
+    _check_hsdp(p, dp)
     if t.float8:
         _check_float8(m, p)
     if cfg.run.init_from and p.zero == "deepspeed":
@@ -107,6 +108,22 @@ def _check_zero(m: ModelConfig, p: ParallelConfig, world_size: int, dp: int) -> 
         raise ConfigError(f"parallel.zero={p.zero} with parallel.tp={p.tp} > model.n_kv_heads={m.kv_heads}: kv "
                           f"heads replicated over tp ranks need a gradient sum over whole tensors, which ZeRO has "
                           f"already sharded; use parallel.tp <= model.n_kv_heads or parallel.zero=none")
+
+
+def _check_hsdp(p: ParallelConfig, dp: int) -> None:
+    """parallel.dp_replicate x parallel.dp_shard: the 2-D data-parallel mesh of HSDP (fsdp2 only)."""
+    replicate, shard = p.dp_split(dp)
+    if replicate == 1 and shard == dp:
+        return
+    if p.zero != "fsdp2":
+        raise ConfigError(f"parallel.dp_replicate={p.dp_replicate} / parallel.dp_shard={p.dp_shard} (HSDP) need "
+                          f"parallel.zero=fsdp2, not {p.zero!r}; with parallel.zero={p.zero} leave "
+                          f"parallel.dp_replicate=1 and parallel.dp_shard=0")
+    if replicate * shard != dp:
+        given = p.dp_shard or f"0 (= {dp} // {replicate} = {shard})"
+        raise ConfigError(f"parallel.dp_replicate={p.dp_replicate} x parallel.dp_shard={given} = {replicate * shard}"
+                          f" must equal the data-parallel size {dp} (world size / (parallel.tp={p.tp} x "
+                          f"parallel.pp={p.pp})); parallel.dp_shard=0 takes dp / parallel.dp_replicate")
 
 
 def _check_float8(m: ModelConfig, p: ParallelConfig) -> None:

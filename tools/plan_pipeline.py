@@ -108,7 +108,9 @@ def memory_line(setup: MemorySetup | None, precision: str = "", device: str = ""
     split = (f"micro_batch {m.micro_batch} x {m.microbatches} pipeline micro-batches" if m.pipelined else
              f"micro_batch {m.micro_batch} x {m.microbatches} accumulation")
     target = f" (train.precision={precision} on {device})" if precision else ""
-    return (f"memory per rank: tp={m.tp}{' +sp' if m.sequence_parallel else ''} dp={m.dp} zero={m.zero} ({state}), "
+    hsdp = f" (dp_shard={m.dp_shard})" if m.dp_shard and m.dp_shard != m.dp else ""
+    return (f"memory per rank: tp={m.tp}{' +sp' if m.sequence_parallel else ''} dp={m.dp}{hsdp} zero={m.zero} "
+            f"({state}), "
             f"{'bf16' if m.bf16 else 'fp32'}{target}, checkpointing={m.activation_checkpointing}, {split}")
 
 

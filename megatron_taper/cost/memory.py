@@ -8,12 +8,14 @@ stage s; GPipe: m; without pipelining 1):
 
 static   per tp-local parameter P of the stage: parameters, gradients, AdamW state
          (one precision policy, docs/precision.md: all fp32. zero=none, also DDP: 4 + 4 + 8
-         bytes; fsdp2 with dp > 1: 16 / dp; deepspeed: (4 param + 4 grad + 4 fp32 master + 8
-         AdamW) / dp, less what is offloaded), plus weights held unsharded: fsdp2 under
+         bytes; fsdp2 with dp > 1: 16 / s, s = dp_shard under HSDP (parallel.dp_replicate x
+         parallel.dp_shard: the replicas hold the same shard), else dp; deepspeed: (4 param + 4
+         grad + 4 fp32 master + 8 AdamW) / dp, less what is offloaded), plus weights held
+         unsharded: fsdp2 under
          pipelining keeps the stage's parameters gathered and their gradients unsharded through
          the step (matmul weights in the compute dtype, embedding in fp32; gradients accumulated
          in fp32 under pipelining; the sharded gradient, made at the step's end as the unsharded
-         one is freed, is not counted besides it: 12 / dp + 4 + param bytes); fsdp2 without
+         one is freed, is not counted besides it: 12 / s + 4 + param bytes); fsdp2 without
          pipelining does so for the root (embedding, final norm, head); bf16 autocast (every
          layout but fsdp2 at dp > 1, which gathers matmul weights in bf16) keeps a bf16 copy of
          every weight it casts (2 bytes per P).
@@ -26,11 +28,14 @@ K        bytes one micro-batch keeps for backward: sum over the stage's blocks o
          them is booked as keeping everything).
 top      the largest moment of the backward of the micro-batch being processed: at the head,
          K + its loss buffers (train.loss_chunk: the logits' gradient in the compute dtype and
-         one chunk's fp32 softmax, two under bf16, instead of [tokens, V] fp32 buffers); at
+         one chunk's fp32 softmax, two under bf16, instead of [tokens, V] fp32 buffers; fsdp2
+         without pipelining: + the last FSDP unit's gathered weights, which stay gathered from its
+         forward to its backward, parallel/zero.py); at
          block l, the kept bytes of the stage's blocks before l plus
          all of l's activations (recomputed or kept) and its largest backward moment (gradient
          buffers); fsdp2 without pipelining adds the gathered parameters and unsharded gradients
-         of the block and of the one prefetched.
+         of the block's FSDP unit (`fsdp_units`: consecutive blocks grouped) and of the unit
+         before it (prefetched).
 buffers  torch.distributed.pipelining's p2p buffers, [b, S, d] each: a non-first stage keeps
          a receive buffer per micro-batch of the step (those of the n in flight are the inputs
          counted in K), a non-last stage a gradient receive buffer per micro-batch and the
@@ -75,6 +80,7 @@ class MemorySetup:
     sequence_parallel: bool = False
     dp: int = 1
     zero: str = "none"  # none | fsdp2 | deepspeed (parallel.zero)
+    dp_shard: int = 0  # fsdp2: ranks the state is sharded over (HSDP: parallel.dp_shard); 0 = dp
     pipelined: bool = False  # pp > 1
     bf16: bool = False  # autocast to bf16 (train.precision on the device)
     activation_checkpointing: str = "none"  # none | full | selective | op
@@ -97,7 +103,8 @@ class MemorySetup:
         (default train.micro_batch) is the pipeline micro-batch when pipelined."""
         ds = parallel.deepspeed
         return cls(tp=parallel.tp, sequence_parallel=parallel.sequence_parallel and parallel.tp > 1, dp=dp,
-                   zero=parallel.zero, pipelined=parallel.pp > 1, bf16=bf16,
+                   zero=parallel.zero, dp_shard=parallel.dp_split(dp)[1] if parallel.zero == "fsdp2" else 0,
+                   pipelined=parallel.pp > 1, bf16=bf16,
                    activation_checkpointing=train.activation_checkpointing, ac_every=train.ac_every,
                    loss_chunk=train.loss_chunk,
                    micro_batch=micro_batch or train.micro_batch, microbatches=microbatches,
@@ -125,9 +132,10 @@ class MemorySetup:
             on_device = (0 if self.offload_param else 4.0) + 4.0
             on_device += 0 if self.offload_optimizer else 4.0 + adamw
             return on_device / self.dp
+        shards = (self.dp_shard or self.dp) if self.fsdp else 1
         if self.fsdp and self.pipelined:  # the sharded gradient appears only as the unsharded one is freed
-            return (4.0 + adamw) / self.dp
-        return (8.0 + adamw) / (self.dp if self.fsdp else 1)
+            return (4.0 + adamw) / shards
+        return (8.0 + adamw) / shards
 
     def unsharded_bytes_per_param(self, matmul: bool = True) -> float:
         """fsdp2: a gathered parameter and its unsharded gradient. Matmul-only layers (`matmul`)
@@ -191,6 +199,29 @@ class StageMemory:
         return self.static + self.activations + self.buffers
 
 
+FSDP_UNIT_PER_RANK = 1_000_000  # elements of a unit's all-gather per dp_shard rank (Megatron's 1M x dp)
+FSDP_UNIT_CAP = 40_000_000  # elements: the gathered unit's memory bound (Megatron's 40M bucket)
+
+
+def fsdp_units(block_params: Sequence[float], dp_shard: int) -> list[list[int]]:
+    """fsdp2's FSDP units over a stage's blocks (indices into `block_params`, the tp-local
+    parameters of each block, in forward order): consecutive blocks grouped until a unit holds
+    min(FSDP_UNIT_PER_RANK x dp_shard, FSDP_UNIT_CAP) elements (each rank's share of the unit's
+    all-gather and reduce-scatter at least 1M elements, so they run at bandwidth rather than
+    latency, while what is gathered at once stays bounded); a block at least that large is a unit
+    alone; the last unit takes the blocks left over. parallel/zero.py applies it."""
+    target = min(FSDP_UNIT_PER_RANK * dp_shard, FSDP_UNIT_CAP)
+    units: list[list[int]] = [[]]
+    size = 0.0
+    for i, params in enumerate(block_params):
+        if size >= target:
+            units.append([])
+            size = 0.0
+        units[-1].append(i)
+        size += params
+    return units if block_params else []
+
+
 def checkpointed_blocks(names: list[str], mode: str, every: int) -> list[str]:
     """The rule of train.activation_checkpointing (applied by parallel/block_options.py): those of the
     block `names` (global indices) whose activations are recomputed under `mode`."""
@@ -247,8 +278,6 @@ def piece_memory(cost: Cost, shares: Split, setup: MemorySetup, tokens: int, rec
     full += act_bytes_per_token(cost.per_batch, shares, setup)
     moments = [act_bytes_per_token(m, shares, setup) * tokens for m in cost.backward]
     peak = full + max(moments, default=0.0)
-    if block and not setup.pipelined:  # fsdp2: this block and the prefetched one, gathered
-        peak += 2 * params * setup.unsharded_bytes_per_param()
     if not recompute:
         kept = full
     elif setup.activation_checkpointing != "op":
@@ -275,12 +304,29 @@ def model_memory(cfg: ModelConfig, setup: MemorySetup, costs: ModelCosts | None 
     layers = [piece_memory(cost, _shares(cfg, setup.tp, width), setup, tokens, str(i) in recomputed,
                            cfg.d_model, block=True)
               for i, (cost, width) in enumerate(zip(costs.layers, costs.widths))]
+    if setup.fsdp and not setup.pipelined:
+        layers = _gathered_units(layers, setup)
     shares = _shares(cfg, setup.tp, cfg.taper.multiple)
     head_piece = piece_memory(head_cost(cfg, vocab_parallel=setup.tp > 1, chunked=setup.loss_chunk > 0), shares,
                               setup, tokens, False, cfg.d_model, block=False, matmul=not cfg.tie_embeddings)
-    head_piece = dataclasses.replace(head_piece, peak=head_piece.peak + loss_chunk_bytes(cfg, setup, tokens))
+    last = fsdp_units([p.params for p in layers], setup.dp_shard or setup.dp)[-1] if layers else []
+    gathered = sum(layers[i].params for i in last) * setup.compute_bytes if setup.fsdp and not setup.pipelined else 0.0
+    head_piece = dataclasses.replace(head_piece, peak=head_piece.peak + loss_chunk_bytes(cfg, setup, tokens) + gathered)
     embedding = piece_memory(costs.embedding, shares, setup, tokens, False, cfg.d_model, block=False, matmul=False)
     return ModelMemory(layers, embedding, head_piece, boundary_bytes(cfg.d_model, tokens, setup), setup)
+
+
+def _gathered_units(layers: list[PieceMemory], setup: MemorySetup) -> list[PieceMemory]:
+    """fsdp2 without pipelining: while block l runs backward its whole FSDP unit (fsdp_units) and
+    the unit before it (prefetched) are gathered, parameters and unsharded gradients."""
+    per_param = setup.unsharded_bytes_per_param()
+    units = fsdp_units([p.params for p in layers], setup.dp_shard or setup.dp)
+    out = list(layers)
+    for k, unit in enumerate(units):
+        gathered = sum(layers[i].params for i in unit) + sum(layers[i].params for i in units[k - 1] if k)
+        for i in unit:
+            out[i] = dataclasses.replace(layers[i], peak=layers[i].peak + gathered * per_param)
+    return out
 
 
 def loss_chunk_bytes(cfg: ModelConfig, setup: MemorySetup, tokens: int) -> float:

@@ -2,6 +2,14 @@
 
 Built once at start and passed explicitly to whatever needs it; nothing here is global.
 Rank layout (tp fastest, pp slowest, as in Megatron): rank = (pp_rank * dp + dp_rank) * tp + tp_rank.
+
+HSDP (parallel.zero=fsdp2 with parallel.dp_replicate > 1): the dp ranks of a (pp, tp) coordinate
+also form a 2-D mesh (dp_replicate, dp_shard), dp_shard the faster one:
+dp_rank = dp_replicate_rank * dp_shard + dp_shard_rank, so with tp x dp_shard processes per node
+the shard groups (all-gathers, reduce-scatters) stay inside a node and only the replicas'
+gradient all-reduce crosses nodes. The flat dp rank and dp group are unchanged (data loading,
+loss averages); `dp_mesh` is what FSDP2 shards over: the 1-D dp mesh, or under HSDP the 2-D
+(dp_replicate, dp_shard) one (`mesh._unflatten` of the dp dimension: same ranks, new groups).
 """
 from __future__ import annotations
 
@@ -30,6 +38,8 @@ class ParallelContext:
     tp: int
     device: torch.device
     mesh: DeviceMesh | None = None  # None in a single process without a process group
+    dp_replicate: int = 1  # HSDP: replicas of the sharded state (dp = dp_replicate x dp_shard)
+    dp_mesh: DeviceMesh | None = None  # what ZeRO shards over (module doc); None without a mesh
 
     @property
     def pp_rank(self) -> int:
@@ -42,6 +52,19 @@ class ParallelContext:
     @property
     def tp_rank(self) -> int:
         return self.rank % self.tp
+
+    @property
+    def dp_shard(self) -> int:
+        """Ranks the ZeRO state is sharded over (dp, or dp / dp_replicate under HSDP)."""
+        return self.dp // self.dp_replicate
+
+    @property
+    def dp_shard_rank(self) -> int:
+        return self.dp_rank % self.dp_shard
+
+    @property
+    def dp_replicate_rank(self) -> int:
+        return self.dp_rank // self.dp_shard
 
     @property
     def is_main(self) -> bool:
@@ -62,6 +85,13 @@ class ParallelContext:
     @property
     def pp_group(self) -> dist.ProcessGroup | None:
         return self.group("pp")
+
+    @property
+    def dp_shard_group(self) -> dist.ProcessGroup | None:
+        """The dp ranks holding the other shards of this rank's ZeRO state (the dp group without HSDP)."""
+        if self.dp_mesh is None or self.dp_mesh.ndim == 1:
+            return self.dp_group
+        return self.dp_mesh.get_group("dp_shard")
 
     def barrier(self) -> None:
         if self.mesh is not None:
@@ -114,7 +144,12 @@ def init_parallel(pcfg: ParallelConfig, device: str = "auto", timeout_s: float =
                       "world_size": world}
         dist.init_process_group(backend, timeout=timeout, device_id=dev if dev.type == "cuda" else None, **joined)
     mesh = init_device_mesh(dev.type, (pcfg.pp, dp, pcfg.tp), mesh_dim_names=("pp", "dp", "tp"))
-    return ParallelContext(world, rank, local_rank, pcfg.pp, dp, pcfg.tp, dev, mesh)
+    replicate, shard = pcfg.dp_split(dp)
+    if replicate == 1:
+        dp_mesh = mesh["dp"]
+    else:
+        dp_mesh = mesh._unflatten("dp", (replicate, shard), ("dp_replicate", "dp_shard"))["dp_replicate", "dp_shard"]
+    return ParallelContext(world, rank, local_rank, pcfg.pp, dp, pcfg.tp, dev, mesh, replicate, dp_mesh)
 
 
 def shutdown(ctx: ParallelContext, barrier: bool = True) -> None:

@@ -152,11 +152,12 @@ class ParallelModel:
         tensor shaped like it) in the logical tensor, and whether this rank owns it (writes it:
         one rank per box; tp and dp replicas and empty ZeRO shards do not)."""
         owner = self.dp_sharded or self.ctx.dp_rank == 0
-        if isinstance(local, DTensor):  # FSDP2: Shard(0) over dp of the tp-local tensor, torch.chunk sizes
+        if isinstance(local, DTensor):  # FSDP2: Shard(0) over dp_shard of the tp-local tensor, torch.chunk sizes
             full, data = list(local.shape), local.to_local()
             offsets = [0] * len(full)
+            owner = owner and self.ctx.dp_replicate_rank == 0  # HSDP: the first replica writes
             if full:
-                offsets[0] = self.ctx.dp_rank * -(-full[0] // self.ctx.dp)
+                offsets[0] = self.ctx.dp_shard_rank * -(-full[0] // self.ctx.dp_shard)
                 owner = owner and data.numel() > 0
         else:
             full, offsets = list(local.shape), [0] * local.dim()
@@ -299,8 +300,8 @@ class ParallelModel:
             dist.all_reduce(sq, group=self.ctx.tp_group)
         if self.ctx.pp > 1:
             dist.all_reduce(sq, group=self.ctx.pp_group)
-        if self.dp_sharded and self.ctx.dp > 1:
-            dist.all_reduce(sq, group=self.ctx.dp_group)
+        if self.dp_sharded and self.ctx.dp_shard > 1:  # HSDP: replicas hold the same shard, counted once
+            dist.all_reduce(sq, group=self.ctx.dp_shard_group)
         norm = sq.sqrt()
         if grads and max_norm > 0 and math.isfinite(max_norm):
             # (torch.nn.utils.clip_grads_with_norm_ takes parameters, not gradients: scale here)

@@ -7,19 +7,28 @@ state over the dp group of the (pp, dp, tp) mesh; each tp rank shards its own tp
 tp ranks are independent and every dp group only ever sees same-shaped tensors.
 
 fsdp2 (`torch.distributed.fsdp.fully_shard`)
-    One FSDP unit per block, plus the stage's root module (embedding, final norm, head).
-    Parameters become DTensors sharded (dim 0) over the dp sub-mesh; gradients are
-    reduce-scattered in backward in fp32 (`reduce_dtype`), so the ParallelModel only completes tp
-    sums, takes the global norm over dp shards and clips. Precision (docs/precision.md, one policy
+    FSDP units (each one all-gather per pass and one reduce-scatter: the fsdp2 "bucket"): the
+    stage's blocks grouped consecutively by cost/memory.py `fsdp_units` (until a unit holds
+    min(1M x dp_shard, 40M) elements: every rank's share of a collective at least 1M elements,
+    what is gathered at once bounded; a larger block is a unit alone), plus the stage's root
+    module (embedding, final norm, head). Forward prefetch depth 1: a piece's pre-forward issues
+    the next unit's all-gathers (the root's: the first unit's); backward keeps FSDP2's own
+    depth-1 prefetch. Parameters become DTensors sharded (dim 0) over `ctx.dp_mesh`: the dp
+    sub-mesh, or under HSDP (parallel.dp_replicate > 1) the 2-D (dp_replicate, dp_shard) mesh,
+    Replicate() x Shard(0), where FSDP2 reduce-scatters inside dp_shard and all-reduces the shard
+    over dp_replicate. Gradients are reduced in backward in fp32 (`reduce_dtype`), so the
+    ParallelModel only completes tp sums, takes the global norm over the dp_shard shards (each
+    replica holds the same shard: counted once) and clips. Precision (docs/precision.md, one policy
     at every layout): parameters, gradients and AdamW state stay fp32 shards; the forward runs
-    under bf16 autocast as everywhere else. Each block (and the root) is two FSDP units: its
+    under bf16 autocast as everywhere else. Each unit (and the root) is two FSDP groups: its
     matmul-only layers (`matmul_only_layers`) are gathered in bf16 (MixedPrecisionPolicy
     param_dtype=bf16: the same rounding autocast applies to them at dp = 1, at half the
     all-gather bytes), the rest (norms, embeddings, gates) in fp32, so norms, embeddings and the
     residual stream compute in fp32 at any dp. Gradients are reduce-scattered in fp32.
-    reshard_after_forward: without pipelining, True for blocks (ZeRO-3: a block's full weights
-    exist only while it runs; all-gathered again for its backward) and False for the root (its
-    backward follows at once). Under pipelining, False everywhere: 1F1B interleaves the forward
+    reshard_after_forward: without pipelining, True for the units of blocks (ZeRO-3: a unit's full
+    weights exist only while it runs; all-gathered again for its backward) but the last one, and
+    False for the root and the last unit (their backward follows at once, as in torchtitan).
+    Under pipelining, False everywhere: 1F1B interleaves the forward
     and backward of many micro-batches, and resharding would all-gather every block twice per
     micro-batch; instead a stage's weights stay gathered from its first forward until the
     schedule's last backward, which reshards them and reduce-scatters the gradients once per step
@@ -30,12 +39,11 @@ fsdp2 (`torch.distributed.fsdp.fully_shard`)
 
 deepspeed (DeepSpeed ZeRO stage 3, see `DeepSpeedParallelModel` in zero_deepspeed.py)
 
-Checkpoints (checkpoint.py) stay in the logical, layout-free format: full tensors keyed by
-parameter name, gathered shard by shard (`ParallelModel.full_tensor`: DTensor.full_tensor over dp,
-then the tp gather). DCP cannot describe our tp layout (uneven Megatron shards held as plain
-tensors, not DTensors), and the logical format already resumes on any (pp, dp, tp) and engine.
-The cost is that dp/tp rank 0 of each stage holds that stage's full state in CPU memory while
-writing; for models beyond a few billion parameters per stage a DCP writer would be needed.
+Checkpoints (checkpoint/checkpointer.py, format 2) hold boxes of the logical tensors: each rank
+writes the pieces it owns (`ParallelModel.piece_box`: its tp slice and its dp_shard rows; under
+HSDP only the first replica writes) without gathering, and a resume reads the boxes overlapping
+its own pieces, so a checkpoint loads on any (pp, dp, tp), HSDP split and engine. DCP is not used:
+it cannot describe our tp layout (uneven Megatron shards held as plain tensors, not DTensors).
 """
 from __future__ import annotations
 
@@ -45,6 +53,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from megatron_taper.cost.memory import fsdp_units
 from megatron_taper.parallel.context import uses_bf16
 from megatron_taper.parallel.model import ParallelModel
 
@@ -74,27 +83,47 @@ def _fsdp2(pm: ParallelModel, bf16: bool, pipelined: bool) -> ParallelModel:
     ctx = pm.ctx
     if ctx.dp == 1:
         return pm  # nothing to shard; the numerics are those of dp > 1 (docs/precision.md)
-    mesh = ctx.mesh["dp"]
+    mesh = ctx.dp_mesh  # HSDP: (dp_replicate, dp_shard), parameters Replicate() x Shard(0)
     fp32 = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=torch.float32)
     matmul = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32)
     module = pm.module
-    for block in _blocks(module):
-        _shard_unit(block, mesh, fp32, matmul, reshard=not pipelined)
-    _shard_unit(module, mesh, fp32, matmul, reshard=False)
+    blocks = _blocks(module)
+    groups = fsdp_units([sum(p.numel() for p in block.parameters()) for block in blocks], ctx.dp_shard)
+    units = [_shard_unit([blocks[i] for i in group], mesh, fp32, matmul, reshard=not pipelined and k < len(groups) - 1)
+             for k, group in enumerate(groups)]
+    root = _shard_unit(module, mesh, fp32, matmul, reshard=False)
+    _prefetch_next([root, *units])
     pm.dp_sharded = True
     pm.dp_shard = functools.partial(_dp_shard, mesh=mesh, device=ctx.device)
     return pm
 
 
-def _shard_unit(unit: nn.Module, mesh, fp32, matmul, reshard: bool) -> None:
-    """Two FSDP units: the unit's matmul-only layers (gathered in the matmul policy's dtype) inside
-    the unit itself (everything else: norms, embeddings, gates, in fp32)."""
+def _shard_unit(unit: nn.Module | list[nn.Module], mesh, fp32, matmul, reshard: bool) -> list[nn.Module]:
+    """Two FSDP units: the matmul-only layers of `unit` (a module, or consecutive blocks sharded
+    as one) gathered in the matmul policy's dtype, inside the unit itself (everything else: norms,
+    embeddings, gates, in fp32). Returns one module of each FSDP unit made (the prefetch targets
+    of `unit`)."""
     from torch.distributed.fsdp import fully_shard
 
-    linears = matmul_only_layers(unit)
+    modules = unit if isinstance(unit, list) else [unit]
+    made = []
+    linears = [layer for m in modules for layer in matmul_only_layers(m)]
     if linears and matmul.param_dtype is not None:
         fully_shard(linears, mesh=mesh, mp_policy=matmul, reshard_after_forward=reshard)
+        made.append(linears[0])
     fully_shard(unit, mesh=mesh, mp_policy=fp32, reshard_after_forward=reshard)
+    return [modules[0], *made]
+
+
+def _prefetch_next(units: list[list[nn.Module]]) -> None:
+    """Forward prefetch of depth 1: when a piece (the root, then each block in order) starts its
+    forward, the all-gathers of the next piece's units are issued, so they run while this piece
+    computes (without it FSDP2 issues them when the next piece starts, which overlaps only as
+    far as the host runs ahead of the device). Backward keeps FSDP2's own depth-1 prefetch (the
+    piece before, in reverse forward order); recomputation under activation checkpointing
+    prefetches nothing."""
+    for piece, following in zip(units, units[1:]):
+        piece[0].set_modules_to_forward_prefetch(following)
 
 
 def matmul_only_layers(unit: nn.Module) -> list[nn.Module]:
@@ -131,7 +160,8 @@ def _blocks(module: nn.Module) -> list[nn.Module]:
 
 
 def _dp_shard(local: torch.Tensor, mesh, device: torch.device) -> torch.Tensor:
-    """This rank's FSDP2 shard (dim 0, torch.chunk sizes) of a tp-local tensor, without comms."""
-    from torch.distributed.tensor import Shard, distribute_tensor
+    """This rank's FSDP2 shard (dim 0, torch.chunk sizes over the last mesh dimension; replicated
+    over an HSDP mesh's first) of a tp-local tensor, without comms."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    return distribute_tensor(local.to(device), mesh, [Shard(0)], src_data_rank=None)
+    return distribute_tensor(local.to(device), mesh, [Replicate()] * (mesh.ndim - 1) + [Shard(0)], src_data_rank=None)
