@@ -54,6 +54,7 @@ SEARCH_SPACE: tuple[tuple[str, tuple[Any, ...]], ...] = (
     ("parallel.pp_schedule", ("1f1b", "gpipe", "interleaved_1f1b", "interleaved_zero_bubble", "zbv", "dualpipev")),
     ("parallel.pp_virtual", (2,)),
     ("parallel.zero", ("none", "fsdp2", "deepspeed")),
+    ("parallel.dp_replicate", (1, 2, 4, 8)),  # HSDP replicas (fsdp2); dp_shard = dp / dp_replicate
     ("parallel.sequence_parallel", (False, True)),
     ("train.micro_batch", (1, 2, 4, 8)),
     ("train.activation_checkpointing", ("none", "selective", "op", "full")),
@@ -65,7 +66,7 @@ USABLE_FRACTION = 0.9  # of the device memory a predicted peak may take
 def _canonical(values: dict[str, Any], cfg: Config) -> dict[str, Any]:
     """Settings that make no difference to the run take one value, so a layout is tried once:
     without pipelining the schedule, without an interleaved schedule pp_virtual, without tp
-    sequence parallelism."""
+    sequence parallelism, without fsdp2 dp_replicate (no replicas)."""
     out = dict(values)
     if out.get("parallel.pp", cfg.parallel.pp) == 1:
         out["parallel.pp_schedule"] = "1f1b"
@@ -73,6 +74,8 @@ def _canonical(values: dict[str, Any], cfg: Config) -> dict[str, Any]:
         out["parallel.pp_virtual"] = cfg.parallel.pp_virtual
     if out.get("parallel.tp", cfg.parallel.tp) == 1:
         out["parallel.sequence_parallel"] = False
+    if out.get("parallel.zero", cfg.parallel.zero) != "fsdp2":  # replicas exist only under fsdp2
+        out["parallel.dp_replicate"] = 1
     return out
 
 
@@ -136,7 +139,9 @@ class Prediction:
         parts = [f"tp={self.tp}" + ("+sp" if v.get("parallel.sequence_parallel") else ""),
                  f"pp={self.pp}" + (f"x{self.virtual} {self.schedule}" if self.virtual > 1 else
                                     f" {self.schedule}" if self.pp > 1 else ""),
-                 f"dp={self.dp}", f"zero={self.zero}", f"micro_batch={self.micro_batch}x{self.microbatches}",
+                 f"dp={self.dp}" + (f"({v['parallel.dp_replicate']}x{self.dp // v['parallel.dp_replicate']})"
+                                    if v.get("parallel.dp_replicate", 1) > 1 else ""),
+                 f"zero={self.zero}", f"micro_batch={self.micro_batch}x{self.microbatches}",
                  f"checkpointing={v.get('train.activation_checkpointing')}"]
         if v.get("train.float8"):
             parts.append("float8")
@@ -155,6 +160,23 @@ class PlanResult:
     dropped: dict[str, int] = field(default_factory=dict)  # reason -> layouts
 
 
+class _PeakRows(dict):
+    """MemoryModel.peak_table's rows, each made when first read: row lo is, for hi > lo, the max
+    over l in [lo, hi) of kept_prefix[l] + peak[l] (a search reads a few rows of each table)."""
+
+    def __init__(self, peak: Sequence[float], kept_prefix: Sequence[float]):
+        super().__init__()
+        self.peak, self.kept_prefix = peak, kept_prefix
+
+    def __bool__(self) -> bool:  # stage_parts takes a falsy table for none
+        return True
+
+    def __missing__(self, lo: int) -> list[float]:
+        row = list(accumulate((self.kept_prefix[i] + self.peak[i] for i in range(lo, len(self.peak))), max))
+        self[lo] = row
+        return row
+
+
 class Predictor:
     """Peak memory and step time of layouts of one model on one device; partitions and memory
     models are computed once per distinct input."""
@@ -167,7 +189,8 @@ class Predictor:
         self._bounds: dict[int, tuple[int, ...]] = {}
         self._peaks: dict[tuple, list[float]] = {}
         self._models: dict[tuple, tuple] = {}
-        self._tables: dict[MemorySetup, list[list[float]]] = {}
+        self._tables: dict[MemorySetup, _PeakRows] = {}
+        self._work: dict[tuple, list[RankWork]] = {}
 
     def bounds(self, n_chunks: int) -> tuple[int, ...]:
         if n_chunks not in self._bounds:
@@ -221,7 +244,7 @@ class Predictor:
             model = to_memory_model(mm, in_flight, [math.inf] * len(in_flight))
             static_pre, kept_pre = [0.0, *accumulate(model.static)], [0.0, *accumulate(model.act)]
             if setup not in self._tables:
-                self._tables[setup] = model.peak_table(kept_pre)
+                self._tables[setup] = _PeakRows(model.peak, kept_pre)
             self._models[key] = (model, static_pre, kept_pre)
         model, static_pre, kept_pre = self._models[key]
         lo, hi, n = bounds[index], bounds[index + 1], len(in_flight)
@@ -231,6 +254,13 @@ class Predictor:
 
     def rank_work(self, mm: ModelMemory, pp: int, virtual: int, schedule: str, mode: str, every: int
                   ) -> list[RankWork]:
+        key = (mm.setup.tp, pp, virtual, schedule, mode, every)
+        if key not in self._work:
+            self._work[key] = self._rank_work(mm, pp, virtual, schedule, mode, every)
+        return self._work[key]
+
+    def _rank_work(self, mm: ModelMemory, pp: int, virtual: int, schedule: str, mode: str, every: int
+                   ) -> list[RankWork]:
         c, n_chunks = self.costs, pp * virtual
         b = self.bounds(n_chunks)
         recomputed = {int(x) for x in checkpointed_blocks([str(i) for i in range(len(c.layers))], mode, every)}
@@ -257,7 +287,8 @@ class Predictor:
         work = self.rank_work(self.memory(setup), p.pp, virtual, p.pp_schedule, t.activation_checkpointing, t.ac_every)
         layout = StepLayout(tp=p.tp, pp=p.pp, dp=dp, virtual=virtual, schedule=p.pp_schedule, zero=p.zero,
                             sequence_parallel=setup.sequence_parallel, micro_batch=micro_batch, microbatches=m,
-                            bf16=bf16, float8=t.float8, overlap_deepspeed=self.device.profile != "cpu")
+                            bf16=bf16, float8=t.float8, overlap_deepspeed=self.device.profile != "cpu",
+                            dp_shard=setup.dp_shard)
         step = step_time(work, layout, self.model.d_model, self.model.seq_len, self.device)
         tokens = t.global_batch * self.model.seq_len / step.total
         gpus = p.tp * p.pp * dp

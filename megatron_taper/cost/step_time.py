@@ -25,7 +25,9 @@ Per pipeline rank r, for one micro-batch of b x S tokens on one tp rank:
                 per micro-batch an all-gather of the weights (compute dtype) in forward and again
                 in backward and a reduce-scatter of fp32 gradients, overlapped with that micro-
                 batch's compute (prefetch); fsdp2 under pipelining: one all-gather and one
-                reduce-scatter per step, not overlapped; deepspeed ZeRO-3: per micro-batch fp32
+                reduce-scatter per step, not overlapped; HSDP (dp_replicate x dp_shard): those
+                over the dp_shard group, plus an all-reduce of the fp32 gradient shard over the
+                replicas each time; deepspeed ZeRO-3: per micro-batch fp32
                 gathers in forward and backward and the fp32 reduce-scatter, overlapped with
                 compute only where DeepSpeed's overlap_comm is on (CUDA)
     optimizer   AdamW over the rank's shard of fp32 state at the device's memory bandwidth
@@ -72,6 +74,7 @@ class StepLayout:
     bf16: bool
     float8: bool
     overlap_deepspeed: bool  # DeepSpeed's overlap_comm (on with CUDA)
+    dp_shard: int = 0  # fsdp2: ranks the state is sharded over (HSDP: dp = dp_replicate x dp_shard); 0 = dp
 
 
 @dataclass(frozen=True)
@@ -120,7 +123,6 @@ def step_time(ranks: Sequence[RankWork], layout: StepLayout, d_model: int, seq_l
     fp8_rate = device.matmul_flops(lo.bf16, float8=True) if lo.float8 else rate
     tp_bw = bandwidth(lo.tp, device)
     pp_bw = bandwidth(lo.tp * lo.dp * lo.pp, device)
-    dp_bw = bandwidth(lo.tp * lo.dp, device)
     hidden = tokens * d_model * compute_bytes
     per_collective = ring_seconds(hidden, lo.tp, tp_bw, all_reduce=True)
     boundary = 4.0 * tokens * d_model / (lo.tp if lo.sequence_parallel else 1)
@@ -135,28 +137,35 @@ def step_time(ranks: Sequence[RankWork], layout: StepLayout, d_model: int, seq_l
     i = max(range(len(ranks)), key=lambda k: compute[k] + tp_s[k])
     slowest = compute[i] + tp_s[i] + pp_s
     params = ranks[i].params
-    dp_s = _dp_seconds(params, compute[i], lo, compute_bytes, dp_bw)
+    dp_s = _dp_seconds(params, compute[i], lo, compute_bytes, device)
     m = lo.microbatches
     bubble = bubble_fraction(lo.pp, lo.virtual, lo.schedule) * slowest
-    shard = lo.dp if lo.zero in ("fsdp2", "deepspeed") else 1
+    shard = (lo.dp_shard or lo.dp) if lo.zero == "fsdp2" else lo.dp if lo.zero == "deepspeed" else 1
     optimizer = ADAMW_TRAFFIC_BYTES * params / shard / (device.memory_tb_per_s * 1e12)
     total = m * slowest + bubble + dp_s + optimizer
     return StepTime(total=total, compute=m * compute[i], bubble=bubble, tp=m * tp_s[i], pp=m * pp_s, dp=dp_s,
                     optimizer=optimizer, parts={"micro_batch_s": slowest})
 
 
-def _dp_seconds(params: float, compute: float, lo: StepLayout, compute_bytes: int, bw: float) -> float:
+def _dp_seconds(params: float, compute: float, lo: StepLayout, compute_bytes: int, device: DeviceProfile) -> float:
     """Exposed data-parallel communication of one step for a rank with `params` tp-local
     parameters and `compute` seconds of compute per micro-batch (module doc)."""
     n, m = lo.dp, lo.microbatches
     if n <= 1:
         return 0.0
+    bw = bandwidth(lo.tp * n, device)
     backward = compute * 2.0 / 3.0
     if lo.zero == "none":
         return max(0.0, ring_seconds(4.0 * params, n, bw, True) - backward)
+    shard = lo.dp_shard or n if lo.zero == "fsdp2" else n
+    shard_bw = bandwidth(lo.tp * shard, device)
+    # HSDP: the replicas all-reduce their reduce-scattered fp32 gradient shard
+    replicas = ring_seconds(4.0 * params / shard, n // shard, bw, True)
     if lo.zero == "fsdp2" and lo.pp > 1:
-        return ring_seconds(compute_bytes * params, n, bw, False) + ring_seconds(4.0 * params, n, bw, False)
+        return (ring_seconds(compute_bytes * params, shard, shard_bw, False)
+                + ring_seconds(4.0 * params, shard, shard_bw, False) + replicas)
     gather = compute_bytes if lo.zero == "fsdp2" else 4.0
-    per_micro = 2 * ring_seconds(gather * params, n, bw, False) + ring_seconds(4.0 * params, n, bw, False)
+    per_micro = (2 * ring_seconds(gather * params, shard, shard_bw, False)
+                 + ring_seconds(4.0 * params, shard, shard_bw, False) + replicas)
     overlapped = lo.zero == "fsdp2" or lo.overlap_deepspeed
     return m * (max(0.0, per_micro - compute) if overlapped else per_micro)
