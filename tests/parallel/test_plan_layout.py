@@ -87,3 +87,17 @@ def test_step_time_by_hand():
     compute = 3 * 1e9 * 256 / (0.4 * 989e12)
     assert t.compute == pytest.approx(3 * compute) and t.bubble == t.tp == t.pp == t.dp == 0
     assert t.total == pytest.approx(3 * compute + 32 * 1e6 / 3.35e12)
+
+
+def test_memory_aware_partition_counts_tp_and_zero_sharding():
+    """parallel.pp_memory_gb: a limit no split meets at tp = 1 without ZeRO is met at tp = 2 and
+    with fsdp2 over dp = 4 (the memory model's setup carries tp and the engine's sharding)."""
+    def plan(*extra: str, dp: int = 1):
+        cfg = load_config(str(REPO / "configs" / "transformer_1.3b_taper.yaml"),
+                          ["parallel.pp=4", "parallel.microbatches=16", "parallel.pp_memory_gb=110", *extra])
+        return plan_stages(cfg.model, cfg.parallel, cfg.train, dp, bf16=True)
+
+    with pytest.raises(ValueError, match="parallel.pp_memory_gb"):
+        plan()
+    for stages in (plan("parallel.tp=2").stages, plan("parallel.zero=fsdp2", dp=4).stages):
+        assert max(s.peak_bytes for s in stages) <= 110 * GIB
