@@ -287,7 +287,7 @@ class Predictor:
         work = self.rank_work(self.memory(setup), p.pp, virtual, p.pp_schedule, t.activation_checkpointing, t.ac_every)
         layout = StepLayout(tp=p.tp, pp=p.pp, dp=dp, virtual=virtual, schedule=p.pp_schedule, zero=p.zero,
                             sequence_parallel=setup.sequence_parallel, micro_batch=micro_batch, microbatches=m,
-                            bf16=bf16, float8=t.float8, overlap_deepspeed=self.device.profile != "cpu",
+                            bf16=bf16, float8=t.float8, overlap=self.device.profile != "cpu",
                             dp_shard=setup.dp_shard)
         step = step_time(work, layout, self.model.d_model, self.model.seq_len, self.device)
         tokens = t.global_batch * self.model.seq_len / step.total

@@ -27,9 +27,11 @@ Per pipeline rank r, for one micro-batch of b x S tokens on one tp rank:
                 batch's compute (prefetch); fsdp2 under pipelining: one all-gather and one
                 reduce-scatter per step, not overlapped; HSDP (dp_replicate x dp_shard): those
                 over the dp_shard group, plus an all-reduce of the fp32 gradient shard over the
-                replicas each time; deepspeed ZeRO-3: per micro-batch fp32
-                gathers in forward and backward and the fp32 reduce-scatter, overlapped with
-                compute only where DeepSpeed's overlap_comm is on (CUDA)
+                replicas each time; deepspeed ZeRO-3: per micro-batch fp32 gathers in forward
+                and backward and the fp32 reduce-scatter, overlapped with that micro-batch's
+                compute. Overlap only where the device overlaps (`overlap`: GPUs, where NCCL
+                and DeepSpeed's overlap_comm run beside the kernels; not the CPU, where gloo's
+                collectives take the same cores as compute: there all of it is exposed)
     optimizer   AdamW over the rank's shard of fp32 state at the device's memory bandwidth
                 (32 bytes read or written per parameter)
 
@@ -73,7 +75,7 @@ class StepLayout:
     microbatches: int  # per step on one dp rank (pipeline micro-batches, or accumulation at pp = 1)
     bf16: bool
     float8: bool
-    overlap_deepspeed: bool  # DeepSpeed's overlap_comm (on with CUDA)
+    overlap: bool  # the device runs collectives beside compute (GPUs: copy engines / NCCL; not gloo on the CPU)
     dp_shard: int = 0  # fsdp2: ranks the state is sharded over (HSDP: dp = dp_replicate x dp_shard); 0 = dp
 
 
@@ -156,7 +158,7 @@ def _dp_seconds(params: float, compute: float, lo: StepLayout, compute_bytes: in
     bw = bandwidth(lo.tp * n, device)
     backward = compute * 2.0 / 3.0
     if lo.zero == "none":
-        return max(0.0, ring_seconds(4.0 * params, n, bw, True) - backward)
+        return max(0.0, ring_seconds(4.0 * params, n, bw, True) - (backward if lo.overlap else 0.0))
     shard = lo.dp_shard or n if lo.zero == "fsdp2" else n
     shard_bw = bandwidth(lo.tp * shard, device)
     # HSDP: the replicas all-reduce their reduce-scattered fp32 gradient shard
@@ -167,5 +169,4 @@ def _dp_seconds(params: float, compute: float, lo: StepLayout, compute_bytes: in
     gather = compute_bytes if lo.zero == "fsdp2" else 4.0
     per_micro = (2 * ring_seconds(gather * params, shard, shard_bw, False)
                  + ring_seconds(4.0 * params, shard, shard_bw, False) + replicas)
-    overlapped = lo.zero == "fsdp2" or lo.overlap_deepspeed
-    return m * (max(0.0, per_micro - compute) if overlapped else per_micro)
+    return m * (max(0.0, per_micro - compute) if lo.overlap else per_micro)

@@ -82,7 +82,7 @@ def test_step_time_by_hand():
     # one rank, no parallelism: 3 x forward FLOPs at mfu x peak, plus AdamW over the parameters
     work = [RankWork(flops=1e9, linear_flops=8e8, recompute_flops=0.0, blocks=2, recomputed_blocks=0, params=1e6)]
     layout = StepLayout(tp=1, pp=1, dp=1, virtual=1, schedule="1f1b", zero="none", sequence_parallel=False,
-                        micro_batch=2, microbatches=3, bf16=True, float8=False, overlap_deepspeed=True)
+                        micro_batch=2, microbatches=3, bf16=True, float8=False, overlap=True)
     t = step_time(work, layout, d_model=64, seq_len=128, device=h100)
     compute = 3 * 1e9 * 256 / (0.4 * 989e12)
     assert t.compute == pytest.approx(3 * compute) and t.bubble == t.tp == t.pp == t.dp == 0
