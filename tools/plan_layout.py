@@ -6,7 +6,7 @@ were dropped.
     megatron-taper-plan --config C --gpus N ...     (the same: --gpus selects the layout search)
 
 Every layout of megatron_taper/plan.py's SEARCH_SPACE (tp, pp, schedule and virtual stages,
-ZeRO engine, sequence parallelism, micro-batch and so gradient accumulation, activation
+ZeRO engine, HSDP replicas, sequence parallelism, micro-batch and so gradient accumulation, activation
 checkpointing, float8) that the trainer's own checks accept at N processes is predicted: peak
 memory per rank (cost/memory.py, max over pipeline ranks) and step time (cost/step_time.py, with
 the device's numbers from cost/devices.json; `--gpus-per-node` replaces the device's). Printed:
