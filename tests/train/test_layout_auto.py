@@ -1,4 +1,4 @@
-"""parallel.layout=auto: the trainer picks the fastest predicted layout that fits the memory per
+"""parallel.layout=auto (2 processes; 4 marked slow): the trainer picks the fastest predicted layout that fits the memory per
 rank it finds (megatron_taper/plan.py choose_layout), says why, and trains; a model that cannot
 fit is refused before any process group with one error naming the nearest layout."""
 from __future__ import annotations
@@ -12,10 +12,11 @@ from tests.helpers.runner import TINY, read_metrics, run_train, train_in_process
 
 
 @pytest.mark.multiprocess
-def test_layout_auto_picks_a_layout_and_trains_on_two_processes(tmp_path, byte_tokens):
+@pytest.mark.parametrize("nproc", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_layout_auto_picks_a_layout_and_trains(tmp_path, byte_tokens, nproc):
     run = tmp_path / "run"
     proc = run_train([*TINY, f"data.path={byte_tokens}", "parallel.layout=auto", "train.steps=2",
-                      f"run.dir={run}", "checkpoint.interval=0"], nproc=2)
+                      f"run.dir={run}", "checkpoint.interval=0"], nproc=nproc)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("layout auto: ")]
     assert len(lines) == 1, proc.stdout[-2000:]
     chosen = dict(kv.split("=", 1) for kv in re.search(r"\(([^()]*)\): the fastest", lines[0]).group(1).split())
