@@ -380,8 +380,13 @@ def local_device(train_device: str, world: int) -> tuple[DeviceProfile, float, s
                                      fp8_tflops=0.0, memory_gb=memory * GIB / 1e9)
         return device, memory, f"{name}: {memory:.1f} GiB (not in cost/devices.json: the h100 profile's links)"
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
+    ram = host_memory_gib()
     return known["cpu"], ram / ranks, f"CPU: {ram:.1f} GiB of RAM / {ranks} local process(es)"
+
+
+def host_memory_gib() -> float:
+    """This machine's RAM in GiB."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
 
 
 def choose_layout(cfg: Config, world: int) -> tuple[Config, str]:

@@ -29,7 +29,15 @@ from megatron_taper.cli import OVERRIDES_HELP, add_config_arguments, handle_info
 from megatron_taper.config import load_config
 from megatron_taper.cost.devices import profiles
 from megatron_taper.cost.memory import GIB
-from megatron_taper.plan import USABLE_FRACTION, PlanResult, Prediction, no_fit_message, overrides, search
+from megatron_taper.plan import (
+    USABLE_FRACTION,
+    PlanResult,
+    Prediction,
+    host_memory_gib,
+    no_fit_message,
+    overrides,
+    search,
+)
 
 
 def layout_json(x: Prediction) -> dict:
@@ -72,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     known = profiles()
     parser.add_argument("--gpus", type=int, required=True, help="devices (processes) of the run")
     parser.add_argument("--gpu-memory", type=float, default=0.0,
-                        help="GiB per device (default: the device's, cost/devices.json)")
+                        help="GiB per device (default: the device's, cost/devices.json; cpu: RAM / --gpus)")
     parser.add_argument("--gpus-per-node", type=int, default=0, help="devices per node (default: the device's)")
     parser.add_argument("--device", choices=sorted(known), default="h100", help="device profile (default h100)")
     parser.add_argument("--top", type=int, default=5, help="layouts to print (default 5)")
@@ -86,9 +94,9 @@ def main(argv: list[str] | None = None) -> int:
         device = known[args.device]
         if args.gpus_per_node:
             device = dataclasses.replace(device, gpus_per_node=args.gpus_per_node)
-        memory = args.gpu_memory or device.memory_gb * 1e9 / GIB
-        if memory <= 0:
-            parser.error(f"--gpu-memory: the {args.device} profile has no memory size; give one")
+        # the cpu profile: this machine's RAM shared by the processes
+        own = device.memory_gb * 1e9 / GIB if device.memory_gb else host_memory_gib() / args.gpus
+        memory = args.gpu_memory or own
         cfg = load_config(args.config, extra)
         start = time.perf_counter()
         result = search(cfg, args.gpus, memory, device)
