@@ -16,6 +16,7 @@ setup(
     description="Pretraining of depth-tapered language models with Megatron-style parallelism",
     packages=[*find_packages(include=["megatron_taper", "megatron_taper.*"]), "megatron_taper_tools"],
     package_dir={"megatron_taper_tools": "tools"},
+    package_data={"megatron_taper.cost": ["devices.json"]},  # the device table (cost/devices.py)
     entry_points={"console_scripts": [
         "megatron-taper-train = megatron_taper.train:main",
         "megatron-taper-preprocess = megatron_taper_tools.preprocess_data:main",
@@ -25,6 +26,7 @@ setup(
         "megatron-taper-convert = megatron_taper_tools.convert_checkpoint:main",
         "megatron-taper-sweep = megatron_taper_tools.sweep:main",
         "megatron-taper-plan = megatron_taper_tools.plan_pipeline:main",
+        "megatron-taper-plan-layout = megatron_taper_tools.plan_layout:main",
         "megatron-taper-show = megatron_taper_tools.show_model:main",
         "megatron-taper-lm-eval = megatron_taper.inference.lm_eval_adapter:main",
     ]},

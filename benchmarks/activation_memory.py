@@ -60,6 +60,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -221,10 +222,15 @@ def full_step(cfg, steps: int) -> dict:
         pm.forward_backward(batches, autocast)
         pm.optimizer_step(optimizer, cfg.train.grad_clip)
 
+    times = []
     for i in range(steps):
+        start = time.perf_counter()
         step(i)
+        times.append(time.perf_counter() - start)
     before = meter.reset()
+    start = time.perf_counter()
     step(steps)
+    times.append(time.perf_counter() - start)
     peak = meter.peak()
     plan = getattr(pm, "plan", None)
     if plan is not None:  # every chunk of this rank (interleaved schedules: several)
@@ -237,7 +243,8 @@ def full_step(cfg, steps: int) -> dict:
             "precision": "bf16" if run.bf16 else "fp32", "rank": ctx.rank,
             "measured_peak_bytes": peak - meter.start, "predicted_peak_bytes": predicted_peak,
             "peak_ratio": (peak - meter.start) / predicted_peak if predicted_peak else None,
-            "resident_before_step_bytes": before - meter.start, "predicted_static_bytes": predicted_static}
+            "resident_before_step_bytes": before - meter.start, "predicted_static_bytes": predicted_static,
+            "step_s": min(times[1:] or times)}  # the fastest step after the first
 
 
 def _nbytes(t) -> int:

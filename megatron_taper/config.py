@@ -170,8 +170,15 @@ class ParallelConfig:
     # dp (parallel/data_parallel.py bucket_mb)
     ddp_bucket_mb: float = 0.0
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
+    # manual | auto: at start the layout planner (megatron_taper/plan.py) sets tp, pp, schedule, zero,
+    # sequence_parallel, train.micro_batch, activation checkpointing and float8 to the fastest
+    # predicted layout that fits the device memory per rank (layout_memory_gb GiB when > 0)
+    layout: str = "manual"
+    layout_memory_gb: float = 0.0
 
     def validate(self, prefix: str) -> None:
+        check_choice(f"{prefix}.layout", self.layout, ("manual", "auto"))
+        check_range(f"{prefix}.layout_memory_gb", self.layout_memory_gb, 0.0, None)
         check_range(f"{prefix}.tp", self.tp, 1, None)
         check_range(f"{prefix}.pp", self.pp, 1, None)
         check_range(f"{prefix}.cp", self.cp, 1, None)

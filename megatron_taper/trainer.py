@@ -439,6 +439,12 @@ def run(recipe: str | None, overrides: list[str]) -> int:
         cfg = load_config(recipe, overrides)
         if not os.path.exists(cfg.run.dir):
             created_run_dir = cfg.run.dir
+        if cfg.parallel.layout == "auto":  # the same choice on every rank: same inputs, no randomness
+            from megatron_taper.plan import choose_layout
+
+            cfg, why = choose_layout(cfg, world_size())
+            if int(os.environ.get("RANK", "0")) == 0:
+                print(why, flush=True)
         preflight(cfg, world_size())  # before joining: a bad layout fails alike on every rank, at once
         check_data(cfg, warn=int(os.environ.get("RANK", "0")) == 0)
         guard = FaultGuard.start(cfg.fault, cfg.run.dir, int(os.environ.get("RANK", "0")), world_size())

@@ -18,12 +18,17 @@ pp>1 the pipeline's parallel.microbatches.
 `--json` prints one object with `stages` (layer-index lists), `stage_flops`,
 `bottleneck_over_ideal`, `uniform_bottleneck_over_ideal`, the other columns and `memory` (what
 the memory columns assumed).
+
+With `--gpus N` it is the layout search instead (tools/plan_layout.py: the best layouts of the
+recipe on N devices): `megatron-taper-plan --config C --gpus N --gpu-memory GIB ...`.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
+import os
 import sys
 
 import torch
@@ -132,7 +137,19 @@ def to_text(plan: PipelinePlan, name: str, precision: str = "", device: str = ""
     return "\n".join(lines)
 
 
+def sibling_tool(name: str):
+    """tools/<name>.py, next to this file, as a module (installed or run as a file alike)."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"megatron_taper_tools.{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if any(a == "--gpus" or a.startswith("--gpus=") for a in argv):
+        return sibling_tool("plan_layout").main(argv)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False, epilog=OVERRIDES_HELP)
     add_config_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object")

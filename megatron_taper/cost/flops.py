@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from megatron_taper.cost.block import Cost, Split, norm_act
+from megatron_taper.cost.devices import read_devices
 from megatron_taper.models import family
 from megatron_taper.taper import layer_widths
 
@@ -87,42 +88,9 @@ def mfu(tokens_per_s: float, flops_per_token: float, peak_flops_per_s: float | N
     return 3.0 * flops_per_token * tokens_per_s / peak_flops_per_s
 
 
-# Dense (no sparsity) peak TFLOP/s of one device: (bf16 on tensor / matrix cores, fp32 without
-# tensor cores: torch leaves TF32 off for matmuls by default). A device is matched by the longest
-# fragment of its name (torch.cuda.get_device_name; ROCm builds name AMD devices through it too).
-# From the vendors' data sheets; where a sheet gives only sparse figures they are halved:
-#   NVIDIA HGX B200: 36 PFLOPS FP16/BF16 sparse and 600 TFLOPS FP32 for 8 GPUs -> 2,250 / 75
-#   NVIDIA GB200 NVL72: 360 PFLOPS FP16/BF16 sparse and 5,760 TFLOPS FP32 for 72 GPUs -> 2,500 / 80
-#   NVIDIA H100 / H200 SXM: 1,979 BF16 sparse -> 989, FP32 67; H100 PCIe: 1,513 -> 756, FP32 51;
-#   H100 NVL / H200 NVL: 1,671 -> 835, FP32 60; GH200 as H100 SXM
-#   NVIDIA A100 (SXM and PCIe): 312 BF16 dense, FP32 19.5
-#   NVIDIA L40S: 733 sparse -> 362, FP32 91.6; L40: 362 sparse -> 181, FP32 90.5;
-#   L4: 242 sparse -> 121, FP32 30.3; A10: 125 BF16, FP32 31.2 (no sheet for the cloud A10G: A10's)
-#   NVIDIA V100: 125 FP16 tensor cores (no bf16: bf16 autocast is not used there), FP32 15.7
-#   AMD Instinct MI300X and MI325X: 1,307.4 BF16 dense, FP32 163.4; MI300A: 980.6, FP32 122.6;
-#   MI250X: 383, FP32 47.9; MI250: 362.1, FP32 45.3; MI355X: 2,500 BF16 dense, FP32 157.3
-PEAK_TFLOPS = {
-    "B200": (2250.0, 75.0),
-    "GB200": (2500.0, 80.0),
-    "H200 NVL": (835.0, 60.0),
-    "H200": (989.0, 67.0),
-    "GH200": (989.0, 67.0),
-    "H100 NVL": (835.0, 60.0),
-    "H100 PCIe": (756.0, 51.0),
-    "H100": (989.0, 67.0),
-    "A100": (312.0, 19.5),
-    "L40S": (362.0, 91.6),
-    "L40": (181.0, 90.5),
-    "L4": (121.0, 30.3),
-    "A10": (125.0, 31.2),
-    "V100": (125.0, 15.7),
-    "MI355X": (2500.0, 157.3),
-    "MI325X": (1307.4, 163.4),
-    "MI300X": (1307.4, 163.4),
-    "MI300A": (980.6, 122.6),
-    "MI250X": (383.0, 47.9),
-    "MI250": (362.1, 45.3),
-}
+# Dense peak TFLOP/s of one device, (bf16, fp32), by the fragment of its name it is matched by
+# (the longest first); the numbers and their sources are in cost/devices.json.
+PEAK_TFLOPS = {name: (e["bf16_tflops"], e["fp32_tflops"]) for name, e in read_devices().items() if e["bf16_tflops"]}
 
 
 def device_name(device: torch.device) -> str:

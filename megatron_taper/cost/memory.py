@@ -79,7 +79,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence
 
 from megatron_taper.cost.block import Cost, Split
-from megatron_taper.cost.flops import head_cost, model_costs
+from megatron_taper.cost.flops import ModelCosts, head_cost, model_costs
 
 if TYPE_CHECKING:
     from megatron_taper.config import ModelConfig, ParallelConfig, TrainConfig
@@ -314,9 +314,10 @@ def boundary_bytes(d_model: int, tokens: int, setup: MemorySetup) -> float:
     return 4.0 * d_model * tokens / (setup.tp if setup.sequence_parallel else 1)
 
 
-def model_memory(cfg: ModelConfig, setup: MemorySetup) -> ModelMemory:
-    """Bytes of every piece of the model `cfg` under `setup` (module doc)."""
-    costs = model_costs(cfg)
+def model_memory(cfg: ModelConfig, setup: MemorySetup, costs: ModelCosts | None = None) -> ModelMemory:
+    """Bytes of every piece of the model `cfg` under `setup` (module doc); `costs`: its
+    model_costs, when the caller has them already."""
+    costs = costs or model_costs(cfg)
     tokens = setup.micro_batch * cfg.seq_len // setup.cp
     recomputed = set(checkpointed_blocks([str(i) for i in range(cfg.n_layers)], setup.activation_checkpointing,
                                          setup.ac_every))

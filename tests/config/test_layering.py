@@ -81,7 +81,7 @@ FLOORS = {
     "megatron_taper.checkpoint": 5, "megatron_taper.preflight": 5, "megatron_taper.console": 5,
     "megatron_taper.fault": 5,
     "megatron_taper.launch_check": 6,
-    "megatron_taper.build": 6, "megatron_taper.held_out": 6, "megatron_taper.carried": 6,
+    "megatron_taper.build": 6, "megatron_taper.held_out": 6, "megatron_taper.carried": 6, "megatron_taper.plan": 6,
     "megatron_taper.trainer": 7, "megatron_taper.train": 8,
     "megatron_taper.inference": 9, "megatron_taper.sweep": 9,
 }

@@ -1,0 +1,46 @@
+"""The device table (devices.json next to this file, one entry per device, each number with its
+source): dense peak FLOP/s for MFU (cost/flops.py) and, for the devices the layout planner knows
+(`profile`: cpu, h100, h200, b200), fp8 peak, memory, link bandwidths and the assumed MFU."""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+DEVICES_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "devices.json")
+
+
+def read_devices(path: str = DEVICES_FILE) -> dict[str, dict]:
+    """Every entry of the table, keyed by the name fragment it is matched by."""
+    with open(path) as f:
+        return json.load(f)["devices"]
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    """What the planner assumes of one device (units: TFLOP/s, GB = 1e9 bytes, GB/s per direction)."""
+
+    name: str  # the entry's key in devices.json
+    profile: str
+    bf16_tflops: float
+    fp32_tflops: float
+    fp8_tflops: float
+    memory_gb: float  # 0: the host's RAM (cpu)
+    memory_tb_per_s: float
+    intra_node_gb_per_s: float
+    inter_node_gb_per_s: float
+    gpus_per_node: int  # 0: every rank on one node
+    mfu: float
+    sources: dict
+
+    def matmul_flops(self, bf16: bool, float8: bool = False) -> float:
+        """FLOP/s the planner assumes a step's matmuls reach: mfu x the peak of their dtype."""
+        peak = self.fp8_tflops if float8 else self.bf16_tflops if bf16 else self.fp32_tflops
+        return self.mfu * peak * 1e12
+
+
+def profiles(path: str = DEVICES_FILE) -> dict[str, DeviceProfile]:
+    """The planner's devices by profile name (cpu, h100, ...)."""
+    fields = DeviceProfile.__dataclass_fields__
+    return {e["profile"]: DeviceProfile(name=k, **{f: e[f] for f in fields if f != "name"})
+            for k, e in read_devices(path).items() if "profile" in e}

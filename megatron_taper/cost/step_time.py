@@ -1,0 +1,172 @@
+"""Predicted time of one training step of one layout (pure arithmetic; docs/planning.md).
+
+Per pipeline rank r, for one micro-batch of b x S tokens on one tp rank:
+
+    compute_r   (3 x forward FLOPs + forward FLOPs of the recomputed blocks) / tp / rate; the
+                blocks' linear layers at the fp8 rate under train.float8 (torchao converts only
+                those), everything else (attention scores, embedding, head) at the bf16 rate
+                (fp32 without bf16); rate = the device's peak x its assumed MFU (cost/devices.json)
+    tp_r        Megatron's 4 collectives per block ([b, S, d] in the compute dtype: 2 in forward,
+                2 in backward; all-reduces, or all-gather + reduce-scatter under sequence
+                parallelism, which move the same bytes), 2 more per recomputed block, ring
+                algorithm, not overlapped with compute
+    pp_r        the boundary activation forward and its gradient backward ([b, S, d] fp32, / tp
+                under sequence parallelism), not overlapped
+    T           max over ranks of compute_r + tp_r + pp_r (the balanced partition's slowest rank)
+
+    step        m x T + bubble + dp (exposed) + optimizer
+    bubble      (pp - 1) x T for gpipe and 1f1b, / v interleaved, / 3 for the zero-bubble ones
+                (ZB-H1 with equal forward, input-backward and weight-backward times, Qi et al.
+                2023, arXiv 2401.10241), / (3 v) interleaved zero-bubble; the V schedules (zbv,
+                dualpipev) as interleaved zero-bubble with v = 2
+    dp          ring collectives over the dp group of the rank's tp-local parameters P:
+                zero=none (DDP): all-reduce of fp32 gradients once per step, overlapped with the
+                last micro-batch's backward (exposed: what exceeds it); fsdp2 without pipelining:
+                per micro-batch an all-gather of the weights (compute dtype) in forward and again
+                in backward and a reduce-scatter of fp32 gradients, overlapped with that micro-
+                batch's compute (prefetch); fsdp2 under pipelining: one all-gather and one
+                reduce-scatter per step, not overlapped; HSDP (dp_replicate x dp_shard): those
+                over the dp_shard group, plus an all-reduce of the fp32 gradient shard over the
+                replicas each time; deepspeed ZeRO-3: per micro-batch fp32 gathers in forward
+                and backward and the fp32 reduce-scatter, overlapped with that micro-batch's
+                compute. Overlap only where the device overlaps (`overlap`: GPUs, where NCCL
+                and DeepSpeed's overlap_comm run beside the kernels; not the CPU, where gloo's
+                collectives take the same cores as compute: there all of it is exposed)
+    optimizer   AdamW over the rank's shard of fp32 state at the device's memory bandwidth
+                (32 bytes read or written per parameter)
+
+Links: a group whose ranks lie within one node (its span in the (pp, dp, tp) rank order, tp
+fastest, at most gpus_per_node) uses the intra-node bandwidth, else the inter-node one (the
+GPU's own NIC). Bandwidths are per direction; ring all-reduce moves 2 (n - 1) / n of the
+bytes per rank, all-gather and reduce-scatter (n - 1) / n.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from megatron_taper.cost.devices import DeviceProfile
+
+ADAMW_TRAFFIC_BYTES = 32.0  # param, grad, exp_avg, exp_avg_sq read + param, moments written (fp32)
+
+
+@dataclass(frozen=True)
+class RankWork:
+    """What one pipeline rank does per token of a micro-batch (whole-layer counts, before tp)."""
+
+    flops: float  # forward FLOPs per token of its layers, embedding and head
+    linear_flops: float  # of which in the blocks' linear layers (float8 candidates)
+    recompute_flops: float  # forward FLOPs per token recomputed in backward
+    blocks: int  # blocks on the rank
+    recomputed_blocks: int  # of which recompute their forward (full / selective)
+    params: float  # tp-local parameters on the rank (its dp collectives' payload)
+
+
+@dataclass(frozen=True)
+class StepLayout:
+    tp: int
+    pp: int
+    dp: int
+    virtual: int
+    schedule: str
+    zero: str
+    sequence_parallel: bool
+    micro_batch: int
+    microbatches: int  # per step on one dp rank (pipeline micro-batches, or accumulation at pp = 1)
+    bf16: bool
+    float8: bool
+    overlap: bool  # the device runs collectives beside compute (GPUs: copy engines / NCCL; not gloo on the CPU)
+    dp_shard: int = 0  # fsdp2: ranks the state is sharded over (HSDP: dp = dp_replicate x dp_shard); 0 = dp
+
+
+@dataclass(frozen=True)
+class StepTime:
+    total: float
+    compute: float  # m x the slowest rank's compute
+    bubble: float
+    tp: float
+    pp: float
+    dp: float  # exposed
+    optimizer: float
+    parts: dict = field(default_factory=dict)
+
+
+def bandwidth(span: int, device: DeviceProfile) -> float:
+    """Bytes/s per direction of a group spanning `span` consecutive ranks."""
+    inside = device.gpus_per_node == 0 or span <= device.gpus_per_node
+    return 1e9 * (device.intra_node_gb_per_s if inside else device.inter_node_gb_per_s)
+
+
+def ring_seconds(nbytes: float, n: int, bytes_per_s: float, all_reduce: bool) -> float:
+    """One ring collective over n ranks of a tensor of `nbytes`: all-reduce or all-gather / reduce-scatter."""
+    if n <= 1:
+        return 0.0
+    return (2.0 if all_reduce else 1.0) * (n - 1) / n * nbytes / bytes_per_s
+
+
+def bubble_fraction(pp: int, virtual: int, schedule: str) -> float:
+    """The pipeline bubble in units of one micro-batch's time on the slowest rank (module doc)."""
+    if pp == 1:
+        return 0.0
+    if schedule in ("gpipe", "1f1b"):
+        return pp - 1.0
+    if schedule == "interleaved_1f1b":
+        return (pp - 1.0) / virtual
+    return (pp - 1.0) / (3.0 * (2 if schedule in ("zbv", "dualpipev") else virtual))
+
+
+def step_time(ranks: Sequence[RankWork], layout: StepLayout, d_model: int, seq_len: int,
+              device: DeviceProfile) -> StepTime:
+    """Seconds of one optimizer step of `layout` whose pipeline ranks do `ranks` (module doc)."""
+    lo = layout
+    tokens = lo.micro_batch * seq_len
+    compute_bytes = 2 if lo.bf16 else 4
+    rate = device.matmul_flops(lo.bf16)
+    fp8_rate = device.matmul_flops(lo.bf16, float8=True) if lo.float8 else rate
+    tp_bw = bandwidth(lo.tp, device)
+    pp_bw = bandwidth(lo.tp * lo.dp * lo.pp, device)
+    hidden = tokens * d_model * compute_bytes
+    per_collective = ring_seconds(hidden, lo.tp, tp_bw, all_reduce=True)
+    boundary = 4.0 * tokens * d_model / (lo.tp if lo.sequence_parallel else 1)
+    pp_s = 2.0 * boundary / pp_bw if lo.pp > 1 else 0.0
+
+    compute, tp_s = [], []
+    for r in ranks:
+        linear = r.linear_flops * (3 * tokens) + r.recompute_flops * tokens * r.linear_flops / max(r.flops, 1e-30)
+        other = (3 * r.flops + r.recompute_flops) * tokens - linear
+        compute.append((linear / fp8_rate + other / rate) / lo.tp)
+        tp_s.append(per_collective * (4 * r.blocks + 2 * r.recomputed_blocks))
+    i = max(range(len(ranks)), key=lambda k: compute[k] + tp_s[k])
+    slowest = compute[i] + tp_s[i] + pp_s
+    params = ranks[i].params
+    dp_s = _dp_seconds(params, compute[i], lo, compute_bytes, device)
+    m = lo.microbatches
+    bubble = bubble_fraction(lo.pp, lo.virtual, lo.schedule) * slowest
+    shard = (lo.dp_shard or lo.dp) if lo.zero == "fsdp2" else lo.dp if lo.zero == "deepspeed" else 1
+    optimizer = ADAMW_TRAFFIC_BYTES * params / shard / (device.memory_tb_per_s * 1e12)
+    total = m * slowest + bubble + dp_s + optimizer
+    return StepTime(total=total, compute=m * compute[i], bubble=bubble, tp=m * tp_s[i], pp=m * pp_s, dp=dp_s,
+                    optimizer=optimizer, parts={"micro_batch_s": slowest})
+
+
+def _dp_seconds(params: float, compute: float, lo: StepLayout, compute_bytes: int, device: DeviceProfile) -> float:
+    """Exposed data-parallel communication of one step for a rank with `params` tp-local
+    parameters and `compute` seconds of compute per micro-batch (module doc)."""
+    n, m = lo.dp, lo.microbatches
+    if n <= 1:
+        return 0.0
+    bw = bandwidth(lo.tp * n, device)
+    backward = compute * 2.0 / 3.0
+    if lo.zero == "none":
+        return max(0.0, ring_seconds(4.0 * params, n, bw, True) - (backward if lo.overlap else 0.0))
+    shard = lo.dp_shard or n if lo.zero == "fsdp2" else n
+    shard_bw = bandwidth(lo.tp * shard, device)
+    # HSDP: the replicas all-reduce their reduce-scattered fp32 gradient shard
+    replicas = ring_seconds(4.0 * params / shard, n // shard, bw, True)
+    if lo.zero == "fsdp2" and lo.pp > 1:
+        return (ring_seconds(compute_bytes * params, shard, shard_bw, False)
+                + ring_seconds(4.0 * params, shard, shard_bw, False) + replicas)
+    gather = compute_bytes if lo.zero == "fsdp2" else 4.0
+    per_micro = (2 * ring_seconds(gather * params, shard, shard_bw, False)
+                 + ring_seconds(4.0 * params, shard, shard_bw, False) + replicas)
+    return m * (max(0.0, per_micro - compute) if lo.overlap else per_micro)

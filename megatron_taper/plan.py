@@ -1,0 +1,410 @@
+"""The layout planner: every layout of SEARCH_SPACE for a recipe on N devices, its predicted peak
+memory per rank and step time, best first (docs/planning.md).
+
+A layout is the recipe with the values of one row of the product of SEARCH_SPACE set; it is
+legal when the trainer's own start checks accept it: each section's `validate` and
+`preflight(cfg, N)` (config level, no process, no weights). So a switch another issue adds or a
+refusal it lifts reaches the planner through those checks, and a new key joins the search with
+one line in SEARCH_SPACE. Per legal layout: the memory model (cost/memory.py, with the trainer's
+own MemorySetup.from_config and batch split) over the FLOPs-balanced partition
+(parallel/partition.py), max over pipeline ranks, and the step time of cost/step_time.py with
+the device's numbers (cost/devices.json). A layout fits when its peak is at most
+`usable` x the device memory (the rest: what the memory model leaves out, e.g. the CUDA context
+and allocator fragmentation).
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import itertools
+import math
+import os
+import re
+import warnings
+from collections import Counter
+from dataclasses import dataclass, field
+from itertools import accumulate
+from typing import TYPE_CHECKING, Any, Sequence
+
+from megatron_taper.config import V_SCHEDULES
+from megatron_taper.cost.devices import DeviceProfile, profiles
+from megatron_taper.cost.flops import model_costs
+from megatron_taper.cost.memory import (
+    GIB,
+    MemorySetup,
+    ModelMemory,
+    StageMemory,
+    checkpointed_blocks,
+    model_memory,
+    to_memory_model,
+)
+from megatron_taper.cost.step_time import RankWork, StepLayout, StepTime, step_time
+from megatron_taper.parallel.partition import chunk_rank, in_flight_microbatches, partition
+from megatron_taper.preflight import preflight, step_split
+from megatron_taper.validation import ConfigError
+
+if TYPE_CHECKING:
+    from megatron_taper.config import Config
+
+# The search space: config key -> the values tried. The product of the rows is enumerated and
+# each row's values are set on the recipe; the trainer's checks decide what is legal.
+SEARCH_SPACE: tuple[tuple[str, tuple[Any, ...]], ...] = (
+    ("parallel.tp", (1, 2, 4, 8)),
+    ("parallel.pp", (1, 2, 4, 8, 16, 32)),
+    ("parallel.pp_schedule", ("1f1b", "gpipe", "interleaved_1f1b", "interleaved_zero_bubble", "zbv", "dualpipev")),
+    ("parallel.pp_virtual", (2,)),
+    ("parallel.zero", ("none", "fsdp2", "deepspeed")),
+    ("parallel.dp_replicate", (1, 2, 4, 8)),  # HSDP replicas (fsdp2); dp_shard = dp / dp_replicate
+    ("parallel.sequence_parallel", (False, True)),
+    ("train.micro_batch", (1, 2, 4, 8)),
+    ("train.activation_checkpointing", ("none", "selective", "op", "full")),
+    ("train.float8", (False, True)),
+)
+USABLE_FRACTION = 0.9  # of the device memory a predicted peak may take
+
+
+def _canonical(values: dict[str, Any], cfg: Config) -> dict[str, Any]:
+    """Settings that make no difference to the run take one value, so a layout is tried once:
+    without pipelining the schedule, without an interleaved schedule pp_virtual, without tp
+    sequence parallelism, without fsdp2 dp_replicate (no replicas)."""
+    out = dict(values)
+    if out.get("parallel.pp", cfg.parallel.pp) == 1:
+        out["parallel.pp_schedule"] = "1f1b"
+    if out.get("parallel.pp_schedule", cfg.parallel.pp_schedule) not in ("interleaved_1f1b", "interleaved_zero_bubble"):
+        out["parallel.pp_virtual"] = cfg.parallel.pp_virtual
+    if out.get("parallel.tp", cfg.parallel.tp) == 1:
+        out["parallel.sequence_parallel"] = False
+    if out.get("parallel.zero", cfg.parallel.zero) != "fsdp2":  # replicas exist only under fsdp2
+        out["parallel.dp_replicate"] = 1
+    return out
+
+
+def with_values(cfg: Config, values: dict[str, Any], sections: dict | None = None) -> Config:
+    """A copy of `cfg` with each `section.key` of `values` set (sections copied, the rest shared),
+    the sections it changed validated; `sections` keeps validated copies by their new values
+    across calls, for a search (they are shared then: read only)."""
+    out = copy.copy(cfg)
+    for section in dict.fromkeys(key.split(".")[0] for key in values):
+        mine = tuple((k, v) for k, v in values.items() if k.split(".")[0] == section)
+        if sections is None or (section, mine) not in sections:
+            changed = copy.copy(getattr(cfg, section))
+            for key, value in mine:
+                setattr(changed, key.split(".", 1)[1], value)
+            changed.validate(section)
+            if sections is not None:
+                sections[(section, mine)] = changed
+        setattr(out, section, changed if sections is None else sections[(section, mine)])
+    return out
+
+
+def overrides(values: dict[str, Any]) -> list[str]:
+    """`values` as the trainer's key=value overrides."""
+    return [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in values.items()]
+
+
+def reason(error: Exception) -> str:
+    """A refusal with its numbers replaced, so refusals of one kind count together."""
+    text = re.split(r"; |: use | \(", str(error))[0]
+    return re.sub(r"(?<![\w.])\d+(\.\d+)?(?!\w)", "N", text)[:110]
+
+
+def uses_bf16(precision: str, device: DeviceProfile) -> bool:
+    """train.precision on the planned device (auto: bf16 where it has bf16 matrix units)."""
+    return precision == "bf16" or (precision == "auto" and device.bf16_tflops > 0)
+
+
+@dataclass
+class Prediction:
+    values: dict[str, Any]  # the search space's keys and their values
+    tp: int
+    pp: int
+    dp: int
+    virtual: int
+    schedule: str
+    zero: str
+    micro_batch: int  # sequences per (pipeline) micro-batch
+    microbatches: int  # per step on one dp rank
+    rank_peaks: list[float]  # predicted peak bytes per pipeline rank
+    step: StepTime
+    tokens_per_s: float  # whole run
+    mfu: float  # of the device's bf16 (fp32) peak
+    fits: bool
+
+    @property
+    def peak(self) -> float:
+        return max(self.rank_peaks)
+
+    def describe(self) -> str:
+        v = self.values
+        parts = [f"tp={self.tp}" + ("+sp" if v.get("parallel.sequence_parallel") else ""),
+                 f"pp={self.pp}" + (f"x{self.virtual} {self.schedule}" if self.virtual > 1 else
+                                    f" {self.schedule}" if self.pp > 1 else ""),
+                 f"dp={self.dp}" + (f"({v['parallel.dp_replicate']}x{self.dp // v['parallel.dp_replicate']})"
+                                    if v.get("parallel.dp_replicate", 1) > 1 else ""),
+                 f"zero={self.zero}", f"micro_batch={self.micro_batch}x{self.microbatches}",
+                 f"checkpointing={v.get('train.activation_checkpointing')}"]
+        if v.get("train.float8"):
+            parts.append("float8")
+        return " ".join(parts)
+
+
+@dataclass
+class PlanResult:
+    gpus: int
+    device: DeviceProfile
+    memory_limit: float  # bytes a rank's predicted peak may take
+    candidates: int  # distinct layouts tried
+    legal: int  # accepted by the trainer's checks
+    layouts: list[Prediction]  # legal and fitting, fastest first
+    nearest: Prediction | None  # the legal layout with the smallest peak
+    dropped: dict[str, int] = field(default_factory=dict)  # reason -> layouts
+
+
+class _PeakRows(dict):
+    """MemoryModel.peak_table's rows, each made when first read: row lo is, for hi > lo, the max
+    over l in [lo, hi) of kept_prefix[l] + peak[l] (a search reads a few rows of each table)."""
+
+    def __init__(self, peak: Sequence[float], kept_prefix: Sequence[float]):
+        super().__init__()
+        self.peak, self.kept_prefix = peak, kept_prefix
+
+    def __bool__(self) -> bool:  # stage_parts takes a falsy table for none
+        return True
+
+    def __missing__(self, lo: int) -> list[float]:
+        row = list(accumulate((self.kept_prefix[i] + self.peak[i] for i in range(lo, len(self.peak))), max))
+        self[lo] = row
+        return row
+
+
+class Predictor:
+    """Peak memory and step time of layouts of one model on one device; partitions and memory
+    models are computed once per distinct input."""
+
+    def __init__(self, cfg: Config, device: DeviceProfile):
+        self.model = cfg.model
+        self.device = device
+        self.costs = model_costs(cfg.model)
+        self._memory: dict[MemorySetup, ModelMemory] = {}
+        self._bounds: dict[int, tuple[int, ...]] = {}
+        self._peaks: dict[tuple, list[float]] = {}
+        self._models: dict[tuple, tuple] = {}
+        self._tables: dict[MemorySetup, _PeakRows] = {}
+        self._work: dict[tuple, list[RankWork]] = {}
+
+    def bounds(self, n_chunks: int) -> tuple[int, ...]:
+        if n_chunks not in self._bounds:
+            c = self.costs
+            self._bounds[n_chunks] = partition([x.flops for x in c.layers], n_chunks, c.embedding.flops,
+                                               c.head.flops).bounds
+        return self._bounds[n_chunks]
+
+    def memory(self, setup: MemorySetup) -> ModelMemory:
+        """model_memory; its pieces do not depend on the micro-batch count (only the pipeline
+        buffers, which read it from `setup`), so they are computed once for all counts."""
+        if setup not in self._memory:
+            key = dataclasses.replace(setup, microbatches=1)
+            if key not in self._memory:
+                self._memory[key] = model_memory(self.model, key, self.costs)
+            self._memory[setup] = dataclasses.replace(self._memory[key], setup=setup)
+        return self._memory[setup]
+
+    def rank_peaks(self, setup: MemorySetup, pp: int, virtual: int, schedule: str) -> list[float]:
+        """Predicted peak bytes of each pipeline rank: the memory model per stage at v = 1; with
+        several chunks per rank, its chunks' static bytes and buffers, the largest backward moment
+        of a chunk and (in flight - 1) x the chunks' mean kept bytes, in flight = Megatron's
+        warm-up count (pp - r - 1) x 2 + (v - 1) x pp + 1 (at most m x v; not yet measured)."""
+        key = (setup, pp, virtual, schedule)
+        if key in self._peaks:
+            return self._peaks[key]
+        n_chunks = pp * virtual
+        b = self.bounds(n_chunks)
+        m = setup.microbatches
+        if virtual == 1:
+            flight = [1] if pp == 1 else in_flight_microbatches(pp, m, schedule)
+            peaks = [self.stage(setup, b, r, flight).total for r in range(pp)]
+        else:
+            chunks = [self.stage(setup, b, c, [1] * n_chunks) for c in range(n_chunks)]
+            peaks = []
+            for r in range(pp):
+                mine = [chunks[c] for c in range(n_chunks) if chunk_rank(c, pp, schedule in V_SCHEDULES) == r]
+                flight = min(m * virtual, (pp - r - 1) * 2 + (virtual - 1) * pp + 1)
+                kept = sum(s.kept for s in mine) / len(mine)
+                peaks.append(sum(s.static + s.buffers for s in mine) + (flight - 1) * kept
+                             + max(s.activations for s in mine))
+        self._peaks[key] = peaks
+        return peaks
+
+    def stage(self, setup: MemorySetup, bounds: Sequence[int], index: int, in_flight: list[int]) -> StageMemory:
+        """ModelMemory.stage of chunk `index` of the split `bounds`, with the memory model's
+        per-setup tables computed once."""
+        mm = self.memory(setup)
+        key = (setup, tuple(in_flight))
+        if key not in self._models:
+            model = to_memory_model(mm, in_flight, [math.inf] * len(in_flight))
+            static_pre, kept_pre = [0.0, *accumulate(model.static)], [0.0, *accumulate(model.act)]
+            if setup not in self._tables:
+                self._tables[setup] = _PeakRows(model.peak, kept_pre)
+            self._models[key] = (model, static_pre, kept_pre)
+        model, static_pre, kept_pre = self._models[key]
+        lo, hi, n = bounds[index], bounds[index + 1], len(in_flight)
+        static, act, fixed = model.stage_parts(index, n, lo, hi, static_pre, kept_pre, self._tables[setup])
+        kept = kept_pre[hi] - kept_pre[lo] + (mm.head.kept if index == n - 1 else 0.0)
+        return StageMemory(static=static, activations=act, buffers=fixed, kept=kept, in_flight=in_flight[index])
+
+    def rank_work(self, mm: ModelMemory, pp: int, virtual: int, schedule: str, mode: str, every: int
+                  ) -> list[RankWork]:
+        key = (mm.setup.tp, pp, virtual, schedule, mode, every)
+        if key not in self._work:
+            self._work[key] = self._rank_work(mm, pp, virtual, schedule, mode, every)
+        return self._work[key]
+
+    def _rank_work(self, mm: ModelMemory, pp: int, virtual: int, schedule: str, mode: str, every: int
+                   ) -> list[RankWork]:
+        c, n_chunks = self.costs, pp * virtual
+        b = self.bounds(n_chunks)
+        recomputed = {int(x) for x in checkpointed_blocks([str(i) for i in range(len(c.layers))], mode, every)}
+        out = []
+        for r in range(pp):
+            layers = [i for ch in range(n_chunks) if chunk_rank(ch, pp, schedule in V_SCHEDULES) == r
+                      for i in range(b[ch], b[ch + 1])]
+            first, last = 0 in layers, len(c.layers) - 1 in layers
+            flops = sum(c.layers[i].flops for i in layers) + c.embedding.flops * first + c.head.flops * last
+            linear = sum(min(2.0 * c.layers[i].params, c.layers[i].flops) for i in layers)
+            redo = [i for i in layers if i in recomputed and mode != "op"]
+            params = sum(mm.layers[i].params for i in layers) + mm.embedding.params * first + mm.head.params * last
+            out.append(RankWork(flops, linear, sum(c.layers[i].flops for i in redo), len(layers), len(redo), params))
+        return out
+
+    def predict(self, cfg: Config, dp: int, memory_limit: float) -> Prediction:
+        """The prediction for `cfg` (legal: preflight accepted it) at data-parallel size `dp`."""
+        p, t = cfg.parallel, cfg.train
+        bf16 = uses_bf16(t.precision, self.device)
+        micro_batch, m = step_split(p, t, dp)
+        setup = MemorySetup.from_config(p, t, dp, bf16, micro_batch=micro_batch, microbatches=m)
+        virtual = p.virtual_stages if p.pp > 1 else 1
+        peaks = self.rank_peaks(setup, p.pp, virtual, p.pp_schedule)
+        work = self.rank_work(self.memory(setup), p.pp, virtual, p.pp_schedule, t.activation_checkpointing, t.ac_every)
+        layout = StepLayout(tp=p.tp, pp=p.pp, dp=dp, virtual=virtual, schedule=p.pp_schedule, zero=p.zero,
+                            sequence_parallel=setup.sequence_parallel, micro_batch=micro_batch, microbatches=m,
+                            bf16=bf16, float8=t.float8, overlap=self.device.profile != "cpu",
+                            dp_shard=setup.dp_shard)
+        step = step_time(work, layout, self.model.d_model, self.model.seq_len, self.device)
+        tokens = t.global_batch * self.model.seq_len / step.total
+        gpus = p.tp * p.pp * dp
+        peak = self.device.bf16_tflops if bf16 else self.device.fp32_tflops
+        mfu = 3.0 * self.costs.total_flops * tokens / (gpus * peak * 1e12)
+        values = {key: _get(cfg, key) for key, _ in SEARCH_SPACE}
+        return Prediction(values, p.tp, p.pp, dp, virtual, p.pp_schedule, p.zero, micro_batch, m, peaks, step,
+                          tokens, mfu, max(peaks) <= memory_limit)
+
+
+def _get(cfg: Config, key: str) -> Any:
+    target = cfg
+    for part in key.split("."):
+        target = getattr(target, part)
+    return target
+
+
+def search(cfg: Config, gpus: int, memory_gib: float, device: DeviceProfile,
+           space: Sequence[tuple[str, tuple[Any, ...]]] = SEARCH_SPACE, usable: float = USABLE_FRACTION
+           ) -> PlanResult:
+    """Every layout of `space` for `cfg` on `gpus` devices of `memory_gib` GiB each (module doc)."""
+    limit = usable * memory_gib * GIB
+    predictor = Predictor(cfg, device)
+    keys = [k for k, _ in space]
+    seen: set[tuple] = set()
+    sections: dict = {}
+    dropped: Counter[str] = Counter()
+    legal: list[Prediction] = []
+    for row in itertools.product(*(v for _, v in space)):
+        values = _canonical(dict(zip(keys, row)), cfg)
+        marker = tuple(values.items())
+        if marker in seen:
+            continue
+        seen.add(marker)
+        if values.get("train.float8") and device.fp8_tflops <= 0:
+            dropped[f"train.float8: the {device.profile} profile has no float8 peak"] += 1
+            continue
+        try:
+            candidate = with_values(cfg, values, sections)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                dp = preflight(candidate, gpus).dp
+        except ConfigError as e:
+            dropped[reason(e)] += 1
+            continue
+        legal.append(predictor.predict(candidate, dp, limit))
+    over = [x for x in legal if not x.fits]
+    if over:
+        dropped[f"predicted peak over {usable:.0%} of {memory_gib:g} GiB"] = len(over)
+    fitting = sorted((x for x in legal if x.fits), key=lambda x: (x.step.total, x.peak))
+    nearest = min(legal, key=lambda x: (x.peak, x.step.total)) if legal else None
+    return PlanResult(gpus, device, limit, len(seen), len(legal), fitting, nearest,
+                      dict(sorted(dropped.items(), key=lambda kv: -kv[1])))
+
+
+def no_fit_message(result: PlanResult, memory_gib: float) -> str:
+    """One error for a search where nothing fits, naming the nearest layout."""
+    where = f"{result.gpus} x {memory_gib:g} GiB ({result.device.profile})"
+    if result.nearest is None:
+        reasons = "; ".join(f"{n} x {r}" for r, n in list(result.dropped.items())[:3])
+        return f"no layout of the search space is legal on {where}: {reasons}"
+    near = result.nearest
+    need = near.peak / (result.memory_limit / (memory_gib * GIB)) / GIB
+    return (f"no legal layout fits {where}: the nearest, {near.describe()} ({' '.join(overrides(near.values))}), "
+            f"needs a predicted {near.peak / GIB:.3g} GiB per rank, i.e. devices of {need:.3g} GiB; use more or "
+            f"larger devices, or a smaller model")
+
+
+def local_device(train_device: str, world: int) -> tuple[DeviceProfile, float, str]:
+    """This machine's device profile, memory per rank in GiB and where they came from: a CUDA
+    device's total memory and its profile (by name; the h100 one's links and MFU with the
+    device's own peak FLOP/s for other GPUs), else the CPU profile and the RAM / local ranks."""
+    import torch
+
+    from megatron_taper.cost.flops import lookup_peak_tflops
+
+    known = profiles()
+    if train_device != "cpu" and torch.cuda.is_available():
+        index = int(os.environ.get("LOCAL_RANK", "0"))
+        name = torch.cuda.get_device_name(index)
+        memory = torch.cuda.get_device_properties(index).total_memory / GIB
+        match = sorted((p for p in known.values() if p.name in name), key=lambda p: -len(p.name))
+        if match:
+            return match[0], memory, f"{name}: {memory:.1f} GiB ({match[0].profile} profile)"
+        base = known["h100"]
+        bf16 = lookup_peak_tflops(name, True) or base.bf16_tflops
+        fp32 = lookup_peak_tflops(name, False) or base.fp32_tflops
+        device = dataclasses.replace(base, name=name, profile="cuda", bf16_tflops=bf16, fp32_tflops=fp32,
+                                     fp8_tflops=0.0, memory_gb=memory * GIB / 1e9)
+        return device, memory, f"{name}: {memory:.1f} GiB (not in cost/devices.json: the h100 profile's links)"
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    ram = host_memory_gib()
+    return known["cpu"], ram / ranks, f"CPU: {ram:.1f} GiB of RAM / {ranks} local process(es)"
+
+
+def host_memory_gib() -> float:
+    """This machine's RAM in GiB."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
+
+
+def choose_layout(cfg: Config, world: int) -> tuple[Config, str]:
+    """parallel.layout=auto: `cfg` with the fastest predicted layout that fits this machine's
+    device memory per rank (parallel.layout_memory_gb when > 0) at `world` processes, and a line
+    saying why; nothing fits: ConfigError naming the nearest layout."""
+    device, memory, found = local_device(cfg.train.device, world)
+    if cfg.parallel.layout_memory_gb > 0:
+        memory, found = cfg.parallel.layout_memory_gb, f"parallel.layout_memory_gb={cfg.parallel.layout_memory_gb:g}"
+    result = search(cfg, world, memory, device)
+    if not result.layouts:
+        raise ConfigError(f"parallel.layout=auto: {no_fit_message(result, memory)}")
+    best = result.layouts[0]
+    chosen = with_values(cfg, best.values)
+    why = (f"layout auto: {best.describe()} ({' '.join(overrides(best.values))}): the fastest predicted of "
+           f"{len(result.layouts)} layouts that fit {memory:.3g} GiB per rank ({found}; {result.legal} legal of "
+           f"{result.candidates}): step {best.step.total:.3g} s, peak {best.peak / GIB:.3g} GiB")
+    if len(result.layouts) > 1:
+        second = result.layouts[1]
+        why += f"; next {second.describe()} at {second.step.total:.3g} s"
+    return chosen, why

@@ -1,0 +1,103 @@
+"""The layout planner (megatron_taper/plan.py, cost/step_time.py, tools/plan_layout.py): the
+70B recipe at 512 x 80 GiB and a 1.3B recipe at 8 GPUs plan, their best layout is one the
+trainer accepts and fits its own predicted memory, which is the trainer's pipeline planner's;
+a model that cannot fit is one error naming the nearest layout."""
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+
+from megatron_taper.config import load_config
+from megatron_taper.cost.devices import profiles
+from megatron_taper.cost.memory import GIB
+from megatron_taper.cost.step_time import RankWork, StepLayout, bandwidth, bubble_fraction, ring_seconds, step_time
+from megatron_taper.parallel.pipeline import plan_stages
+from megatron_taper.plan import SEARCH_SPACE, USABLE_FRACTION, reason
+from megatron_taper.preflight import preflight
+from megatron_taper.validation import ConfigError
+from tests.helpers.runner import REPO
+
+
+def _tool(name: str):
+    spec = importlib.util.spec_from_file_location(name, REPO / "tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _plan(capsys, recipe: str, *argv: str) -> tuple[int, dict]:
+    code = _tool("plan_pipeline").main(["--config", str(REPO / "configs" / recipe), *argv, "--json"])
+    return code, json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("recipe, gpus, device", [
+    # ~18 s of CPU: 41,664 layouts, each through preflight
+    pytest.param("transformer_70b_taper.yaml", 512, "h100", marks=pytest.mark.slow),
+    ("transformer_1.3b_taper.yaml", 8, "h200"),
+])
+def test_best_layout_is_legal_and_fits_its_predicted_memory(capsys, recipe, gpus, device):
+    code, out = _plan(capsys, recipe, "--gpus", str(gpus), "--gpu-memory", "80", "--device", device, "--top", "3")
+    assert code == 0
+    best = out["layouts"][0]
+    assert best["fits"] and best["peak_gib"] <= USABLE_FRACTION * 80 and len(out["layouts"]) == 3
+    assert [x["step_s"] for x in out["layouts"]] == sorted(x["step_s"] for x in out["layouts"])
+    assert sum(out["dropped"].values()) + len(out["layouts"]) <= out["candidates"] and out["legal"] > 0
+    assert any(k.startswith("predicted peak over") for k in out["dropped"])
+    # the trainer accepts it as printed, and its pipeline planner predicts the same peak for v = 1
+    cfg = load_config(str(REPO / "configs" / recipe), best["overrides"])
+    assert preflight(cfg, gpus).dp == best["dp"]
+    if best["virtual"] == 1:
+        plan = plan_stages(cfg.model, cfg.parallel, cfg.train, best["dp"], bf16=True)
+        trainer_peaks = [s.peak_bytes / GIB for s in plan.stages]
+        assert best["rank_peaks_gib"] == pytest.approx(trainer_peaks, rel=1e-12)
+
+
+def test_a_model_that_cannot_fit_names_the_nearest_layout(capsys):
+    code = _tool("plan_layout").main(["--config", str(REPO / "configs" / "transformer_1.3b_taper.yaml"),
+                                      "--gpus", "2", "--gpu-memory", "4"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1
+    assert err[0].startswith("error: no legal layout fits 2 x 4 GiB (h100): the nearest, ")
+    assert "parallel.zero=" in err[0] and "GiB per rank, i.e. devices of" in err[0]
+
+
+def test_refusals_count_by_kind():
+    cfg = load_config(None, ["parallel.pp=3"])
+    with pytest.raises(ConfigError) as a:
+        preflight(cfg, 4)
+    with pytest.raises(ConfigError) as b:
+        preflight(load_config(None, ["parallel.pp=3"]), 5)
+    assert reason(a.value) == reason(b.value) == "parallel.tp=N x parallel.pp=N = N does not divide the world size N"
+    assert len({k for k, _ in SEARCH_SPACE}) == len(SEARCH_SPACE)
+
+
+def test_step_time_by_hand():
+    h100 = profiles()["h100"]
+    assert bandwidth(8, h100) == 450e9 and bandwidth(16, h100) == 50e9
+    assert ring_seconds(100.0, 4, 10.0, all_reduce=True) == 15.0 and ring_seconds(100.0, 4, 10.0, False) == 7.5
+    assert [bubble_fraction(4, 2, s) for s in ("1f1b", "gpipe", "interleaved_1f1b", "interleaved_zero_bubble", "zbv")
+            ] == [3.0, 3.0, 1.5, 0.5, 0.5]
+    # one rank, no parallelism: 3 x forward FLOPs at mfu x peak, plus AdamW over the parameters
+    work = [RankWork(flops=1e9, linear_flops=8e8, recompute_flops=0.0, blocks=2, recomputed_blocks=0, params=1e6)]
+    layout = StepLayout(tp=1, pp=1, dp=1, virtual=1, schedule="1f1b", zero="none", sequence_parallel=False,
+                        micro_batch=2, microbatches=3, bf16=True, float8=False, overlap=True)
+    t = step_time(work, layout, d_model=64, seq_len=128, device=h100)
+    compute = 3 * 1e9 * 256 / (0.4 * 989e12)
+    assert t.compute == pytest.approx(3 * compute) and t.bubble == t.tp == t.pp == t.dp == 0
+    assert t.total == pytest.approx(3 * compute + 32 * 1e6 / 3.35e12)
+
+
+def test_memory_aware_partition_counts_tp_and_zero_sharding():
+    """parallel.pp_memory_gb: a limit no split meets at tp = 1 without ZeRO is met at tp = 2 and
+    with fsdp2 over dp = 4 (the memory model's setup carries tp and the engine's sharding)."""
+    def plan(*extra: str, dp: int = 1):
+        cfg = load_config(str(REPO / "configs" / "transformer_1.3b_taper.yaml"),
+                          ["parallel.pp=4", "parallel.microbatches=16", "parallel.pp_memory_gb=110", *extra])
+        return plan_stages(cfg.model, cfg.parallel, cfg.train, dp, bf16=True)
+
+    with pytest.raises(ValueError, match="parallel.pp_memory_gb"):
+        plan()
+    for stages in (plan("parallel.tp=2").stages, plan("parallel.zero=fsdp2", dp=4).stages):
+        assert max(s.peak_bytes for s in stages) <= 110 * GIB

@@ -1,0 +1,123 @@
+"""Plan a run before launching it: the best layouts of a recipe on N devices, and why the others
+were dropped.
+
+    megatron-taper-plan-layout --config C --gpus N --gpu-memory GIB [--gpus-per-node K]
+        [--device h100|h200|b200|cpu] [--top K] [--json] [key=value ...]
+    megatron-taper-plan --config C --gpus N ...     (the same: --gpus selects the layout search)
+
+Every layout of megatron_taper/plan.py's SEARCH_SPACE (tp, pp, schedule and virtual stages,
+ZeRO engine, HSDP replicas, sequence parallelism, micro-batch and so gradient accumulation, activation
+checkpointing, float8) that the trainer's own checks accept at N processes is predicted: peak
+memory per rank (cost/memory.py, max over pipeline ranks) and step time (cost/step_time.py, with
+the device's numbers from cost/devices.json; `--gpus-per-node` replaces the device's). Printed:
+the fastest `--top` that fit 90% of `--gpu-memory` (default: the device's memory), with the
+overrides that select each, then the count of layouts dropped per reason. Nothing fits: exit 2
+with one error naming the nearest layout and the memory it needs. Meta only: no weights are built.
+`--json` prints one object: `device`, `assumptions`, `layouts` (each with `overrides`,
+`peak_gib`, `rank_peaks_gib`, `step_s` and its parts, `tokens_per_s`, `mfu`), `dropped`,
+`candidates`, `legal`.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+
+from megatron_taper.cli import OVERRIDES_HELP, add_config_arguments, handle_info_flags, parse_with_overrides
+from megatron_taper.config import load_config
+from megatron_taper.cost.devices import profiles
+from megatron_taper.cost.memory import GIB
+from megatron_taper.plan import (
+    USABLE_FRACTION,
+    PlanResult,
+    Prediction,
+    host_memory_gib,
+    no_fit_message,
+    overrides,
+    search,
+)
+
+
+def layout_json(x: Prediction) -> dict:
+    return {"layout": x.describe(), "overrides": overrides(x.values), "values": x.values, "tp": x.tp, "pp": x.pp,
+            "dp": x.dp, "virtual": x.virtual, "schedule": x.schedule, "zero": x.zero,
+            "micro_batch": x.micro_batch, "microbatches": x.microbatches, "peak_gib": x.peak / GIB,
+            "rank_peaks_gib": [p / GIB for p in x.rank_peaks], "step_s": x.step.total,
+            "step_parts_s": {k: getattr(x.step, k) for k in ("compute", "bubble", "tp", "pp", "dp", "optimizer")},
+            "tokens_per_s": x.tokens_per_s, "mfu": x.mfu, "fits": x.fits}
+
+
+def assumptions(result: PlanResult) -> str:
+    d = result.device
+    return (f"{d.profile} ({d.name}): matmuls at {d.mfu:.0%} of peak (bf16 {d.bf16_tflops:g}, fp8 {d.fp8_tflops:g}, "
+            f"fp32 {d.fp32_tflops:g} TFLOP/s), links {d.intra_node_gb_per_s:g} GB/s in a node of "
+            f"{d.gpus_per_node or 'all'}, {d.inter_node_gb_per_s:g} GB/s between nodes; a layout fits under "
+            f"{result.memory_limit / GIB:.1f} GiB per rank")
+
+
+def to_text(result: PlanResult, top: int, seconds: float) -> str:
+    lines = [f"{result.gpus} devices, {assumptions(result)}",
+             f"{result.candidates} layouts tried, {result.legal} legal, {len(result.layouts)} fit "
+             f"({seconds:.1f} s)",
+             f"{'#':>2} {'step s':>8} {'tok/s':>10} {'MFU':>5} {'peak GiB':>8}  layout"]
+    for i, x in enumerate(result.layouts[:top]):
+        s = x.step
+        lines.append(f"{i + 1:>2} {s.total:>8.3g} {x.tokens_per_s:>10.4g} {x.mfu:>5.0%} {x.peak / GIB:>8.2f}  "
+                     f"{x.describe()}")
+        lines.append(f"{'':>38}compute {s.compute:.3g} bubble {s.bubble:.3g} tp {s.tp:.3g} pp {s.pp:.3g} "
+                     f"dp {s.dp:.3g} optimizer {s.optimizer:.3g} s; {' '.join(overrides(x.values))}")
+    lines.append("dropped:")
+    lines += [f"{n:>7}  {why}" for why, n in result.dropped.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="megatron-taper-plan-layout", description=__doc__.split("\n\n")[0],
+                                     allow_abbrev=False, epilog=OVERRIDES_HELP)
+    add_config_arguments(parser)
+    known = profiles()
+    parser.add_argument("--gpus", type=int, required=True, help="devices (processes) of the run")
+    parser.add_argument("--gpu-memory", type=float, default=0.0,
+                        help="GiB per device (default: the device's, cost/devices.json; cpu: RAM / --gpus)")
+    parser.add_argument("--gpus-per-node", type=int, default=0, help="devices per node (default: the device's)")
+    parser.add_argument("--device", choices=sorted(known), default="h100", help="device profile (default h100)")
+    parser.add_argument("--top", type=int, default=5, help="layouts to print (default 5)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    args, extra = parse_with_overrides(parser, argv)
+    try:
+        if handle_info_flags(args, extra):
+            return 0
+        if args.gpus < 1 or args.top < 1 or args.gpu_memory < 0 or args.gpus_per_node < 0:
+            parser.error("--gpus and --top must be at least 1, --gpu-memory and --gpus-per-node not negative")
+        device = known[args.device]
+        if args.gpus_per_node:
+            device = dataclasses.replace(device, gpus_per_node=args.gpus_per_node)
+        # the cpu profile: this machine's RAM shared by the processes
+        own = device.memory_gb * 1e9 / GIB if device.memory_gb else host_memory_gib() / args.gpus
+        memory = args.gpu_memory or own
+        cfg = load_config(args.config, extra)
+        start = time.perf_counter()
+        result = search(cfg, args.gpus, memory, device)
+        seconds = time.perf_counter() - start
+    except ValueError as e:  # ConfigError included
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({"device": dataclasses.asdict(result.device), "gpus": args.gpus, "gpu_memory_gib": memory,
+                          "usable_fraction": USABLE_FRACTION, "assumptions": assumptions(result),
+                          "candidates": result.candidates, "legal": result.legal, "search_s": seconds,
+                          "layouts": [layout_json(x) for x in result.layouts[:args.top]],
+                          "nearest": layout_json(result.nearest) if result.nearest else None,
+                          "dropped": result.dropped}))
+    else:
+        print(to_text(result, args.top, seconds))
+    if not result.layouts:
+        print(f"error: {no_fit_message(result, memory)}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
