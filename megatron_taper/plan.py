@@ -116,14 +116,7 @@ def uses_bf16(precision: str, device: DeviceProfile) -> bool:
 @dataclass
 class Prediction:
     values: dict[str, Any]  # the search space's keys and their values
-    tp: int
-    pp: int
-    dp: int
-    virtual: int
-    schedule: str
-    zero: str
-    micro_batch: int  # sequences per (pipeline) micro-batch
-    microbatches: int  # per step on one dp rank
+    layout: StepLayout  # what the step-time model saw (tp, pp, dp, schedule, micro-batches, ...)
     rank_peaks: list[float]  # predicted peak bytes per pipeline rank
     step: StepTime
     tokens_per_s: float  # whole run
@@ -135,13 +128,13 @@ class Prediction:
         return max(self.rank_peaks)
 
     def describe(self) -> str:
-        v = self.values
-        parts = [f"tp={self.tp}" + ("+sp" if v.get("parallel.sequence_parallel") else ""),
-                 f"pp={self.pp}" + (f"x{self.virtual} {self.schedule}" if self.virtual > 1 else
-                                    f" {self.schedule}" if self.pp > 1 else ""),
-                 f"dp={self.dp}" + (f"({v['parallel.dp_replicate']}x{self.dp // v['parallel.dp_replicate']})"
-                                    if v.get("parallel.dp_replicate", 1) > 1 else ""),
-                 f"zero={self.zero}", f"micro_batch={self.micro_batch}x{self.microbatches}",
+        v, x = self.values, self.layout
+        parts = [f"tp={x.tp}" + ("+sp" if v.get("parallel.sequence_parallel") else ""),
+                 f"pp={x.pp}" + (f"x{x.virtual} {x.schedule}" if x.virtual > 1 else
+                                 f" {x.schedule}" if x.pp > 1 else ""),
+                 f"dp={x.dp}" + (f"({v['parallel.dp_replicate']}x{x.dp // v['parallel.dp_replicate']})"
+                                 if v.get("parallel.dp_replicate", 1) > 1 else ""),
+                 f"zero={x.zero}", f"micro_batch={x.micro_batch}x{x.microbatches}",
                  f"checkpointing={v.get('train.activation_checkpointing')}"]
         if v.get("train.float8"):
             parts.append("float8")
@@ -295,8 +288,7 @@ class Predictor:
         peak = self.device.bf16_tflops if bf16 else self.device.fp32_tflops
         mfu = 3.0 * self.costs.total_flops * tokens / (gpus * peak * 1e12)
         values = {key: _get(cfg, key) for key, _ in SEARCH_SPACE}
-        return Prediction(values, p.tp, p.pp, dp, virtual, p.pp_schedule, p.zero, micro_batch, m, peaks, step,
-                          tokens, mfu, max(peaks) <= memory_limit)
+        return Prediction(values, layout, peaks, step, tokens, mfu, max(peaks) <= memory_limit)
 
 
 def _get(cfg: Config, key: str) -> Any:

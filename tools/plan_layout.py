@@ -41,10 +41,10 @@ from megatron_taper.plan import (
 
 
 def layout_json(x: Prediction) -> dict:
-    return {"layout": x.describe(), "overrides": overrides(x.values), "values": x.values, "tp": x.tp, "pp": x.pp,
-            "dp": x.dp, "virtual": x.virtual, "schedule": x.schedule, "zero": x.zero,
-            "micro_batch": x.micro_batch, "microbatches": x.microbatches, "peak_gib": x.peak / GIB,
-            "rank_peaks_gib": [p / GIB for p in x.rank_peaks], "step_s": x.step.total,
+    shape = {k: getattr(x.layout, k) for k in ("tp", "pp", "dp", "virtual", "schedule", "zero", "micro_batch",
+                                                 "microbatches")}
+    return {"layout": x.describe(), "overrides": overrides(x.values), "values": x.values, **shape,
+            "peak_gib": x.peak / GIB, "rank_peaks_gib": [p / GIB for p in x.rank_peaks], "step_s": x.step.total,
             "step_parts_s": {k: getattr(x.step, k) for k in ("compute", "bubble", "tp", "pp", "dp", "optimizer")},
             "tokens_per_s": x.tokens_per_s, "mfu": x.mfu, "fits": x.fits}
 
