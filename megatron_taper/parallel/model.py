@@ -105,7 +105,9 @@ class ParallelModel:
                 del optimizer.found_inf
         elif bool(finite):  # (a host sync: only optimizers without a fused kernel)
             optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        # behind DDP the gradients stay views into its buckets, zeroed in place: set to None, the
+        # next backward would allocate fresh ones beside the buckets (a second fp32 copy per rank)
+        optimizer.zero_grad(set_to_none=self.dp_module is None)
         return norm, finite
 
     # -- checkpoints (checkpoint.py) ---------------------------------------------------------------

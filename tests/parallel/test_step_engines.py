@@ -48,6 +48,9 @@ def _fit(overrides: list[str]) -> dict:
                "recomputed": sorted(int(k) for k, b in module.layers.items() if "recompute" in b.options),
                "compiled": sorted(int(k) for k, b in module.layers.items() if "compile" in b.options)}
     trainer.fit()
+    # behind DDP the gradients stay views into its buckets between steps (zeroed in place), so no
+    # backward allocates a second fp32 copy of them beside the buckets
+    wrapped["grads_in_buckets"] = all(p.grad is not None and p.grad._base is not None for p in module.parameters())
     if int(os.environ.get("RANK", 0)) != 0:
         return wrapped
     with open(os.path.join(cfg.run.dir, "metrics.jsonl")) as f:
@@ -90,6 +93,7 @@ def test_ddp_matches_one_process(reference, byte_tokens, tmp_path, layout):
     got = _run(2 * (2 if "parallel.tp=2" in layout or "parallel.pp=2" in layout else 1), tmp_path, byte_tokens,
                *layout)
     assert got["ddp"] == (None if "parallel.pp=2" in layout else "DistributedDataParallel")
+    assert got["grads_in_buckets"] == ("parallel.pp=2" not in layout)
     print(f"DDP {layout}: max |loss - one process| = {_assert_close(got, reference, dp=2):.1e}")
 
 
