@@ -439,7 +439,9 @@ def run(recipe: str | None, overrides: list[str]) -> int:
         cfg = load_config(recipe, overrides)
         if not os.path.exists(cfg.run.dir):
             created_run_dir = cfg.run.dir
-        if cfg.parallel.layout == "auto":  # the same choice on every rank: same inputs, no randomness
+        # layout=auto: every rank chooses from its own device memory, deterministically, so ranks of
+        # alike nodes choose alike; nodes with other memory could choose otherwise (not checked)
+        if cfg.parallel.layout == "auto":
             from megatron_taper.plan import choose_layout
 
             cfg, why = choose_layout(cfg, world_size())
