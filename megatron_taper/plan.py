@@ -102,6 +102,11 @@ def overrides(values: dict[str, Any]) -> list[str]:
     return [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in values.items()]
 
 
+def layout_of(cfg: Config) -> str:
+    """The values of every search-space key in `cfg`, as overrides (what layout=auto chose)."""
+    return " ".join(overrides({key: _get(cfg, key) for key, _ in SEARCH_SPACE}))
+
+
 def reason(error: Exception) -> str:
     """A refusal with its numbers replaced, so refusals of one kind count together."""
     text = re.split(r"; |: use | \(", str(error))[0]

@@ -440,17 +440,19 @@ def run(recipe: str | None, overrides: list[str]) -> int:
         if not os.path.exists(cfg.run.dir):
             created_run_dir = cfg.run.dir
         # layout=auto: every rank chooses from its own device memory, deterministically, so ranks of
-        # alike nodes choose alike; nodes with other memory could choose otherwise (not checked)
+        # alike nodes choose alike; init_parallel stops every rank if some chose otherwise
+        chosen = ""
         if cfg.parallel.layout == "auto":
-            from megatron_taper.plan import choose_layout
+            from megatron_taper.plan import choose_layout, layout_of
 
             cfg, why = choose_layout(cfg, world_size())
+            chosen = layout_of(cfg)
             if int(os.environ.get("RANK", "0")) == 0:
                 print(why, flush=True)
         preflight(cfg, world_size())  # before joining: a bad layout fails alike on every rank, at once
         check_data(cfg, warn=int(os.environ.get("RANK", "0")) == 0)
         guard = FaultGuard.start(cfg.fault, cfg.run.dir, int(os.environ.get("RANK", "0")), world_size())
-        ctx = init_parallel(cfg.parallel, cfg.train.device)
+        ctx = init_parallel(cfg.parallel, cfg.train.device, chosen_layout=chosen)
         trainer = Trainer(cfg, ctx, stop, guard)
         created_run_dir = None
         code = trainer.fit()

@@ -137,9 +137,12 @@ def world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", 1))
 
 
-def init_parallel(pcfg: ParallelConfig, device: str = "auto", timeout_s: float = 600.0) -> ParallelContext:
+def init_parallel(pcfg: ParallelConfig, device: str = "auto", timeout_s: float = 600.0,
+                  chosen_layout: str = "") -> ParallelContext:
     """Join the process group started by torchrun (if any) and build the (pp, dp, cp, tp) mesh.
-    Run preflight.py's checks first: here the layout is taken as valid."""
+    Run preflight.py's checks first: here the layout is taken as valid. `chosen_layout`
+    (parallel.layout=auto: what this rank chose) must be the same on every rank, checked before the
+    mesh is built (ranks building different meshes would wait in mismatched collectives)."""
     world = world_size()
     rank = int(os.environ.get("RANK", 0))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -164,6 +167,8 @@ def init_parallel(pcfg: ParallelConfig, device: str = "auto", timeout_s: float =
             joined = {"store": dist.PrefixStore(f"megatron_taper.attempt-{starts}", store), "rank": rank,
                       "world_size": world}
         dist.init_process_group(backend, timeout=timeout, device_id=dev if dev.type == "cuda" else None, **joined)
+    if chosen_layout:
+        _check_same_layout(chosen_layout, world)
     mesh = init_device_mesh(dev.type, (pcfg.pp, dp, pcfg.cp, pcfg.tp), mesh_dim_names=("pp", "dp", "cp", "tp"))
     replicate, shard = pcfg.dp_split(dp)
     if replicate == 1:
@@ -174,6 +179,21 @@ def init_parallel(pcfg: ParallelConfig, device: str = "auto", timeout_s: float =
     dp_cp = mesh["dp", "cp"]._flatten("dp_cp") if pcfg.cp > 1 else None
     return ParallelContext(world, rank, local_rank, pcfg.pp, dp, pcfg.tp, dev, mesh, replicate, dp_mesh,
                            cp=pcfg.cp, dp_cp_mesh=dp_cp)
+
+
+def _check_same_layout(chosen: str, world: int) -> None:
+    """One ConfigError on every rank when the ranks chose different layouts (one all-gather of a
+    short string per rank, once at start)."""
+    seen: list = [None] * world
+    dist.all_gather_object(seen, chosen)
+    if len(set(seen)) > 1:
+        ranks: dict[str, list[int]] = {}
+        for r, layout in enumerate(seen):
+            ranks.setdefault(layout, []).append(r)
+        listing = "; ".join(f"{len(rs)} rank(s) from rank {rs[0]}: {layout}" for layout, rs in ranks.items())
+        raise ConfigError(f"parallel.layout=auto chose different layouts on different ranks ({listing}): their "
+                          f"nodes differ in device memory; set the layout by hand (the overrides above) or one "
+                          f"parallel.layout_memory_gb for all")
 
 
 def shutdown(ctx: ParallelContext, barrier: bool = True) -> None:

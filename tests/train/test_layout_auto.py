@@ -1,7 +1,8 @@
 """parallel.layout=auto (2 processes; 4 marked slow): the trainer picks the fastest predicted
 layout that fits the memory per rank it finds (megatron_taper/plan.py choose_layout), says why,
 and trains; a model that cannot fit is refused before any process group with one error naming
-the nearest layout."""
+the nearest layout; ranks that chose differently (nodes with other memory) stop alike before the
+mesh is built."""
 from __future__ import annotations
 
 import re
@@ -9,6 +10,7 @@ import re
 import pytest
 import yaml
 
+from tests.helpers.harness import run_distributed
 from tests.helpers.runner import TINY, read_metrics, run_train, train_in_process
 
 
@@ -35,3 +37,26 @@ def test_layout_auto_refuses_a_model_that_cannot_fit(tmp_path):
     assert proc.returncode == 2
     assert "parallel.layout=auto: no legal layout fits 1 x 0.0001 GiB (cpu): the nearest, " in proc.stderr
     assert "i.e. devices of" in proc.stderr and not (tmp_path / "run").exists()
+
+
+def _join_with(chosen_by_rank: list[str]) -> str:
+    import torch.distributed as dist
+
+    from megatron_taper.config import ParallelConfig
+    from megatron_taper.parallel.context import init_parallel
+    from megatron_taper.validation import ConfigError
+
+    try:
+        init_parallel(ParallelConfig(), "cpu", chosen_layout=chosen_by_rank[dist.get_rank()])
+    except ConfigError as e:
+        return str(e)
+    return "joined"
+
+
+@pytest.mark.multiprocess
+def test_ranks_that_chose_different_layouts_stop_before_the_mesh():
+    assert run_distributed(_join_with, 2, ["parallel.tp=1", "parallel.tp=1"]) == ["joined", "joined"]
+    errors = run_distributed(_join_with, 2, ["parallel.tp=1", "parallel.tp=2"])
+    assert errors[0] == errors[1] and errors[0].startswith(
+        "parallel.layout=auto chose different layouts on different ranks (1 rank(s) from rank 0: parallel.tp=1; "
+        "1 rank(s) from rank 1: parallel.tp=2)")
