@@ -119,7 +119,7 @@ class Trainer:
         self.last_saved = -1
         self.health = StepHealth(self.ctx.device)
         self.bad = self._bad_steps()
-        self.skips = DataSkips(cfg.run.dir)  # data windows never trained on (rollbacks)
+        self.skips = DataSkips(cfg.run.dir, cfg.train.global_batch)  # data windows never trained on (rollbacks)
         self.batches = 0  # steps' worth of batches drawn, skipped windows included
         self.stragglers = StragglerWatch(cfg.fault.straggler_factor, self.ctx)
         self.prefetch: Prefetcher | None = None

@@ -25,18 +25,27 @@ SPIKE_WARMUP = 5
 
 
 class DataSkips:
-    """The windows of batches (first, last; inclusive) that the run never trains on."""
+    """The windows of batches (first, last; inclusive) that the run never trains on. A batch is
+    train.global_batch sequences, which the file records when the trainer writes it: read with
+    another global batch, its windows would skip other samples, so that is refused."""
 
-    def __init__(self, run_dir: str):
+    def __init__(self, run_dir: str, global_batch: int):
         self.path = os.path.join(run_dir, SKIPS_FILE)
+        self.global_batch = global_batch
         self.windows: list[tuple[int, int]] = []
         if os.path.exists(self.path):
             try:
                 with open(self.path) as f:
-                    self.windows = [(int(a), int(b)) for a, b in json.load(f)["windows"]]
-            except (OSError, ValueError, KeyError, TypeError) as e:
+                    saved = json.load(f)
+                self.windows = [(int(a), int(b)) for a, b in saved["windows"]]
+                written_for = int(saved.get("global_batch", global_batch))
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
                 raise ValueError(f"{self.path}: not a list of data windows {{\"windows\": [[first, last], ...]}} "
                                  f"({e})") from None
+            if written_for != global_batch:
+                raise ValueError(f"{self.path}: its windows count batches of train.global_batch={written_for}, "
+                                 f"this run has train.global_batch={global_batch}, so they would skip other "
+                                 f"samples; resume with train.global_batch={written_for}")
 
     def covers(self, batch: int) -> bool:
         return any(a <= batch <= b for a, b in self.windows)
@@ -46,7 +55,7 @@ class DataSkips:
         if write:
             tmp = self.path + ".tmp"
             with open(tmp, "w") as f:
-                json.dump({"windows": self.windows}, f)
+                json.dump({"windows": self.windows, "global_batch": self.global_batch}, f)
             os.replace(tmp, self.path)
 
 

@@ -26,6 +26,7 @@ import sys
 import pytest
 
 from megatron_taper.fault.inject import parse_faults
+from megatron_taper.fault.rollback import DataSkips
 from megatron_taper.validation import ConfigError
 from tests.helpers.runner import REPO, read_metrics, train_in_process
 
@@ -133,7 +134,7 @@ def test_nan_and_spike_roll_back_and_skip_their_data_bitwise(byte_tokens, tmp_pa
                 f"are skipped") in proc.stdout, proc.stdout[-3000:]
         if options:
             assert "loss spike at step 7: " in proc.stdout
-        assert json.loads((run / "data_skips.json").read_text()) == {"windows": [[7, 7]]}
+        assert json.loads((run / "data_skips.json").read_text()) == {"windows": [[7, 7]], "global_batch": 8}
         assert _records(run) == want, fault
 
 
@@ -148,3 +149,21 @@ def test_pruning_keeps_the_rollback_target_and_every_kth(byte_tokens, tmp_path, 
     assert sorted(os.listdir(run / "checkpoints"), key=lambda n: int(n.split("-")[1])) == [
         "step-4", "step-8", "step-10"]
     assert [m[0] for m in _records(run)["metrics"]] == list(range(1, STEPS + 1))
+
+
+def test_skipped_windows_are_refused_at_another_global_batch(tmp_path):
+    """RUN/data_skips.json counts batches of the global batch it was written with: read at another
+    one its windows would skip other samples, so that is one error naming the file and both sizes;
+    a file written by hand (no global_batch) is taken as it is."""
+    skips = DataSkips(str(tmp_path), 8)
+    skips.add(3, 4, write=True)
+    assert json.loads((tmp_path / "data_skips.json").read_text()) == {"windows": [[3, 4]], "global_batch": 8}
+    assert DataSkips(str(tmp_path), 8).covers(4) and not DataSkips(str(tmp_path), 8).covers(5)
+    with pytest.raises(ValueError, match=r"data_skips.json: its windows count batches of train.global_batch=8, "
+                                         r"this run has train.global_batch=16"):
+        DataSkips(str(tmp_path), 16)
+    (tmp_path / "data_skips.json").write_text('{"windows": [[7, 7]]}')
+    assert DataSkips(str(tmp_path), 16).windows == [(7, 7)]
+    (tmp_path / "data_skips.json").write_text('[[7, 7]]')
+    with pytest.raises(ValueError, match="not a list of data windows"):
+        DataSkips(str(tmp_path), 8)
