@@ -2,7 +2,8 @@ import copy
 
 import pytest
 
-from megatron_taper.config import ConfigError, _merge_recipe, all_keys, load_config
+from megatron_taper.config import ConfigError, all_keys, load_config
+from megatron_taper.recipe import merge_recipe
 from tests.helpers.runner import REPO
 
 
@@ -108,7 +109,7 @@ def test_base_chain_and_lists_replace(tmp_path):
     base = {"s": {"x": [1, 2], "y": {"p": 1, "q": 2}}, "t": 1}
     over = {"s": {"x": [3], "y": {"q": 5}}}
     original = copy.deepcopy(base)
-    assert _merge_recipe(base, over) == {"s": {"x": [3], "y": {"p": 1, "q": 5}}, "t": 1}
+    assert merge_recipe(base, over) == {"s": {"x": [3], "y": {"p": 1, "q": 5}}, "t": 1}
     assert base == original
 
 

@@ -21,7 +21,8 @@ from tests.config.test_imports import imports_of, package_modules
 from tests.helpers.runner import REPO
 
 MODULES = package_modules()
-TORCH_FREE = ["megatron_taper.config", "megatron_taper.taper", "megatron_taper.validation", "megatron_taper.cli",
+TORCH_FREE = ["megatron_taper.config", "megatron_taper.recipe", "megatron_taper.taper", "megatron_taper.validation",
+              "megatron_taper.cli",
               "megatron_taper.models", "megatron_taper.models.cards", "megatron_taper.models.spec",
               "megatron_taper.train", "megatron_taper.console", "megatron_taper.preflight",
               "megatron_taper.launch_check",
@@ -72,7 +73,7 @@ def _closure(start: str) -> set[str]:
 
 # floor of each part of the package, longest prefix wins; a module-level import never goes up
 FLOORS = {
-    "megatron_taper": 0, "megatron_taper.validation": 0, "megatron_taper.taper": 0,
+    "megatron_taper": 0, "megatron_taper.validation": 0, "megatron_taper.taper": 0, "megatron_taper.recipe": 0,
     "megatron_taper.models.spec": 0, "megatron_taper.models.cards": 0,  # the torch-free half of the families
     "megatron_taper.config": 1, "megatron_taper.cli": 1, "megatron_taper.models": 1,  # the registry
     "megatron_taper.cost": 2, "megatron_taper.metrics": 2,
