@@ -59,11 +59,16 @@ def average_gradients(module: nn.Module, group: dist.ProcessGroup, bucket_bytes:
         buckets[-1].append(p.grad)
         size += nbytes
     for grads in buckets:
-        flat = torch._utils._flatten_dense_tensors(grads)  # [sum of numels]: one collective per bucket
-        dist.all_reduce(flat, group=group)
-        flat.div_(world)
-        for grad, averaged in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
-            grad.copy_(averaged)
+        all_reduce_flat_(grads, group)
+        torch._foreach_div_(grads, world)
+
+
+def all_reduce_flat_(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> None:
+    """Sum `tensors` over `group` in place: one all-reduce of their flat concatenation."""
+    flat = torch.cat([t.reshape(-1) for t in tensors])  # [sum of numels]
+    dist.all_reduce(flat, group=group)
+    for t, summed in zip(tensors, flat.split([t.numel() for t in tensors])):
+        t.copy_(summed.view_as(t))
 
 
 def wrap_ddp(module: nn.Module, ctx: ParallelContext, configured_mb: float) -> DistributedDataParallel:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING
 
-import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -25,7 +24,7 @@ from torch.distributed.tensor import DTensor
 from megatron_taper.parallel.block_options import apply_block_options
 from megatron_taper.parallel.context import ParallelContext
 from megatron_taper.parallel.context_parallel import SequenceSplit, apply_context_parallel, split_loss
-from megatron_taper.parallel.data_parallel import bucket_mb
+from megatron_taper.parallel.data_parallel import all_reduce_flat_, bucket_mb
 from megatron_taper.parallel.float8 import apply_float8
 from megatron_taper.parallel.loss import loss_function
 from megatron_taper.parallel.meta_init import is_meta
@@ -125,7 +124,4 @@ def _sum_grads(names: list[str], group: dist.ProcessGroup, module: nn.Module) ->
     # elementwise over identical replicas, so a ZeRO shard (same rows on every tp rank) works too
     grads = [local_part(g) for g in (module.get_parameter(n).grad for n in names) if g is not None]
     if grads:
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=group)
-        for g, summed in zip(grads, flat.split([g.numel() for g in grads])):
-            g.copy_(summed.view_as(g))
+        all_reduce_flat_(grads, group)
