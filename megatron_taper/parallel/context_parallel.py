@@ -4,7 +4,10 @@ Every rank of a cp group receives the same samples (the data loader serves the g
 rank) and keeps its slice of each sequence, with the load-balanced causal split of Megatron-core
 and torchtitan: the S tokens are cut into 2 cp chunks of c = S / (2 cp) and cp rank r holds chunks
 r and 2 cp - 1 - r, so every rank does the same causal attention work (an early chunk attends to
-few keys, a late one to many).
+few keys, a late one to many). Families whose state passes along the sequence (the recurrent
+memories: parallel/cp_state.py) take the contiguous split instead (`balanced=False`: rank r holds
+chunks 2 r and 2 r + 1, tokens [r S / cp, (r + 1) S / cp)); attention over it is computed by the
+same code, with rank r doing r + 1/2 of rank 0's causal work.
 
     tokens [B, S + 1] -> inputs, targets [B, S] -> this rank's [B, S / cp]     (split)
     positions [S / cp]: the true positions of those tokens                    (positions)
@@ -52,7 +55,7 @@ ParallelContext.grad_group), which makes them the one-process gradients.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -73,13 +76,25 @@ class SequenceSplit:
     group: dist.ProcessGroup
     ring: bool = False  # parallel.cp_attention=ring: K/V passed around the ring, else all-gathered
     tile: int = CP_RING_TILE  # ring: query rows per piece of a block's attention ([B, H, rows, C] scores)
+    # True: the load-balanced causal split (chunks r and 2 cp - 1 - r); False: contiguous (chunks 2 r
+    # and 2 r + 1, i.e. rank r holds tokens [r S / cp, (r + 1) S / cp)), for the families whose state
+    # passes from one slice to the next in sequence order (parallel/cp_state.py)
+    balanced: bool = True
+    # parallel/cp_state.py: what each (kind, tag) received in forwards whose backward has not run
+    # yet, oldest first, for the forward that activation checkpointing recomputes inside backward
+    received: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def chunk_ids(self, rank: int) -> tuple[int, int]:
+        """Indices of the two of the 2 cp equal chunks of the sequence that cp rank `rank` holds."""
+        return (rank, 2 * self.cp - 1 - rank) if self.balanced else (2 * rank, 2 * rank + 1)
 
     def chunk_starts(self, rank: int, chunk: int) -> tuple[int, int]:
         """First positions of the two chunks of `chunk` tokens that cp rank `rank` holds."""
-        return rank * chunk, (2 * self.cp - 1 - rank) * chunk
+        first, second = self.chunk_ids(rank)
+        return first * chunk, second * chunk
 
     def positions_of(self, rank: int, local_len: int, device: torch.device) -> torch.Tensor:
-        """True positions [local_len] of the tokens cp rank `rank` holds (chunks rank, 2 cp - 1 - rank)."""
+        """True positions [local_len] of the tokens cp rank `rank` holds (its two chunks, chunk_ids)."""
         c = local_len // 2
         return torch.cat([torch.arange(start, start + c, device=device) for start in self.chunk_starts(rank, c)])
 
@@ -90,7 +105,8 @@ class SequenceSplit:
     def split(self, x: torch.Tensor) -> torch.Tensor:
         """[B, S, ...] the whole sequence -> [B, S / cp, ...] this rank's two chunks."""
         chunks = x.chunk(2 * self.cp, dim=1)
-        return torch.cat((chunks[self.rank], chunks[2 * self.cp - 1 - self.rank]), dim=1)
+        first, second = self.chunk_ids(self.rank)
+        return torch.cat((chunks[first], chunks[second]), dim=1)
 
     def pass_on(self, x: torch.Tensor, tag: int = 0):
         """Send x to cp rank r + 1 and receive the same shape from r - 1 (in the background); a
