@@ -112,9 +112,12 @@ class FamilySpec:
     decoder: Callable[[nn.Module, int, int], Decoder | None] | None = None
     hf: HFAdapter | None = None  # None = no Hugging Face export / import
     carried_state: CarriedState | None = None  # None = every window starts from the model's initial state
-    # whether the model splits a sequence over parallel.cp ranks: its Transformer-style attention
-    # takes a parallel/context_parallel.py SequenceSplit (`context` attributes); False = refused
+    # whether the model splits a sequence over parallel.cp ranks: its modules with a `context`
+    # attribute take a parallel/context_parallel.py SequenceSplit; False = refused
     context_parallel: bool = False
+    # the split: True = load-balanced causal (attention only), False = contiguous, for families whose
+    # state passes from one slice to the next in sequence order (parallel/cp_state.py)
+    cp_balanced: bool = True
 
     @property
     def name(self) -> str:

@@ -240,11 +240,15 @@ class _RingAttention(torch.autograd.Function):
 
 
 def apply_context_parallel(model: nn.Module, split: SequenceSplit) -> None:
-    """Hand `split` to the model and to each of its attention modules (their `context`)."""
+    """Hand `split` to the model and to each of its modules that has a `context` attribute (the
+    attention modules, and the family modules that pass state between slices, parallel/cp_state.py),
+    and give each of those a `context_tag`: its index among them, which tells its messages apart
+    from other layers' messages in flight at the same time."""
     model.context = split
-    for module in model.modules():
-        if isinstance(module, Attention):
-            module.context = split
+    holders = [m for m in model.modules() if m is not model and (isinstance(m, Attention) or hasattr(m, "context"))]
+    for tag, module in enumerate(holders):
+        module.context = split
+        module.context_tag = tag
 
 
 def split_batch(split: SequenceSplit | None, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

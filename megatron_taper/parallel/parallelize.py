@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from megatron_taper.models import family
 from megatron_taper.parallel.block_options import apply_block_options
 from megatron_taper.parallel.context import ParallelContext
 from megatron_taper.parallel.context_parallel import SequenceSplit, apply_context_parallel, split_loss
@@ -54,7 +55,8 @@ def parallelize(model: nn.Module, ctx: ParallelContext, model_cfg: ModelConfig, 
     else:
         pm = _tensor_parallel(model, ctx, model_cfg, parallel, train.loss_chunk)
     if ctx.cp > 1:
-        split = SequenceSplit(ctx.cp, ctx.cp_rank, ctx.cp_group, ring=parallel.cp_attention == "ring")
+        split = SequenceSplit(ctx.cp, ctx.cp_rank, ctx.cp_group, ring=parallel.cp_attention == "ring",
+                              balanced=family(model_cfg.arch).cp_balanced)
         apply_context_parallel(pm.module, split)
         pm.split = split
         pm.loss_fn = functools.partial(split_loss, inner=pm.loss_fn, split=split)

@@ -16,20 +16,18 @@ default 1e-8 its first update lr x g / (|g| + eps) is a full +-lr step for every
 gradient is as small as the rounding noise, which turns a 1e-7 difference into 7e-4 (measured).
 """
 import re
-from contextlib import nullcontext
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megatron_taper.build import build_run
 from megatron_taper.config import load_config
 from megatron_taper.models.layers import alibi_slopes, causal_mask_at
-from megatron_taper.parallel.context import ParallelContext
 from megatron_taper.parallel.context_parallel import SequenceSplit
 from megatron_taper.preflight import preflight
 from megatron_taper.validation import ConfigError
+from tests.helpers.cp_harness import Tolerances, compare, reference, worker
 from tests.helpers.harness import run_distributed
 
 pytestmark = pytest.mark.multiprocess
@@ -38,34 +36,8 @@ MODEL = ["model.n_layers=2", "model.d_model=64", "model.n_heads=4", "model.n_kv_
          "model.taper.multiple=16", "model.vocab_size=101", "model.seq_len=64", "train.seed=11",
          "train.global_batch=4", "train.micro_batch=2", "train.lr=3e-3", "train.warmup_steps=0",
          "train.grad_clip=0.5", "train.eps=1e-5"]
-LOSS_ATOL, GRAD_RTOL, NORM_RTOL, FINAL_RTOL = 2e-5, 1e-5, 1e-4, 2e-5
-STEPS = 3
 
-
-def _batch(dp_rank=0, dp=1, rows=4):
-    """[rows, S + 1] tokens, the same at every step (so the loss must fall); dp rank d trains rows d::dp."""
-    g = torch.Generator().manual_seed(500)
-    return torch.randint(0, 101, (rows, 65), generator=g)[dp_rank::dp]
-
-
-def _train(pm, optimizer, ctx, rank0):
-    """STEPS optimizer steps of 2 micro-batches; losses, grad norms, every parameter's logical
-    gradient at each step and its final value (gathered over tp: every rank calls full_tensor)."""
-    rec = {"loss": [], "norm": [], "grads": []}
-    for _ in range(STEPS):
-        rows = _batch(ctx.dp_rank, ctx.dp)
-        half = rows.shape[0] // 2
-        loss = pm.forward_backward([rows[:half], rows[half:]], nullcontext)
-        pm.reduce_gradients()
-        grads = {n: pm.full_tensor(n, p.grad).clone() for n, p in pm.module.named_parameters()}
-        norm, _ = pm.optimizer_step(optimizer, 0.5)
-        if ctx.dp > 1:  # the step's loss: the mean over dp ranks (as the Trainer's)
-            dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=ctx.dp_group)
-        rec["loss"].append(float(loss))
-        rec["norm"].append(float(norm))
-        rec["grads"].append(grads)
-    rec["final"] = {n: pm.full_tensor(n, p.detach()).clone() for n, p in pm.module.named_parameters()}
-    return rec if rank0 else None
+LOSS_ATOL = Tolerances().loss
 
 
 def _config(overrides):
@@ -74,31 +46,14 @@ def _config(overrides):
 
 def _worker(layouts):
     """Each (overrides) layout in turn on these processes; rank 0's records."""
-    out = []
-    for overrides in layouts:
-        run = build_run(_config(overrides))
-        out.append(_train(run.model, run.optimizer, run.ctx, run.ctx.rank == 0))
-    return out
+    return worker([MODEL + list(o) for o in layouts])
 
 
 def _reference(overrides):
-    run = build_run(_config(overrides), ParallelContext(1, 0, 0, 1, 1, 1, torch.device("cpu")))
-    return _train(run.model, run.optimizer, run.ctx, True)
+    return reference(MODEL + list(overrides))
 
 
-def _compare(got, ref, label):
-    rel = lambda a, b: ((a - b).abs().max() / b.abs().max().clamp(min=1e-30)).item()  # noqa: E731
-    errors = {
-        "loss": max(abs(a - b) for a, b in zip(got["loss"], ref["loss"])),
-        "grad_rel": max(rel(g[n], r[n]) for g, r in zip(got["grads"], ref["grads"]) for n in r),
-        "norm_rel": max(abs(a - b) / b for a, b in zip(got["norm"], ref["norm"])),
-        "final_rel": max(rel(got["final"][n], w) for n, w in ref["final"].items()),
-    }
-    print(f"{label}: " + ", ".join(f"{k}={v:.1e}" for k, v in errors.items()))
-    assert got["grads"][0].keys() == ref["grads"][0].keys()
-    assert errors["loss"] < LOSS_ATOL and errors["grad_rel"] < GRAD_RTOL, errors
-    assert errors["norm_rel"] < NORM_RTOL and errors["final_rel"] < FINAL_RTOL, errors
-    assert ref["loss"][-1] < ref["loss"][0]  # it trains
+_compare = compare
 
 
 CP2_CASES = {"rope": ["model.position=rope"], "alibi": ["model.position=alibi"],

@@ -1,0 +1,88 @@
+"""One-process comparison of context-parallel training (tests/parallel/test_context_parallel.py
+and the families' cp tests).
+
+Every layout builds its model from the same seed (the weights are layout-free) and runs STEPS AdamW
+steps of 2 micro-batches on the same token rows at every step (so the loss must fall); `compare`
+checks the losses, every parameter's logical gradient at every step, the gradient norms and the
+final parameters against the one-process run. Each test module states why its tolerances hold.
+"""
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megatron_taper.build import build_run
+from megatron_taper.config import load_config
+from megatron_taper.parallel.context import ParallelContext
+
+STEPS = 3
+
+
+@dataclass(frozen=True)
+class Tolerances:
+    loss: float = 2e-5  # absolute, on each step's loss
+    grad: float = 1e-5  # relative to each parameter's largest gradient entry, every step
+    norm: float = 1e-4  # relative, on the gradient norms
+    final: float = 2e-5  # relative to each parameter's largest entry, after the last step
+
+
+def batch(cfg, dp_rank=0, dp=1, rows=4):
+    """[rows, S + 1] tokens, the same at every step; dp rank d trains rows d::dp."""
+    g = torch.Generator().manual_seed(500)
+    return torch.randint(0, cfg.model.vocab_size, (rows, cfg.model.seq_len + 1), generator=g)[dp_rank::dp]
+
+
+def train(run, rank0):
+    """STEPS optimizer steps of 2 micro-batches; losses, grad norms, every parameter's logical
+    gradient at each step and its final value (gathered over tp: every rank calls full_tensor)."""
+    pm, optimizer, ctx = run.model, run.optimizer, run.ctx
+    rec = {"loss": [], "norm": [], "grads": []}
+    for _ in range(STEPS):
+        rows = batch(run.cfg, ctx.dp_rank, ctx.dp)
+        half = rows.shape[0] // 2
+        loss = pm.forward_backward([rows[:half], rows[half:]], nullcontext)
+        pm.reduce_gradients()
+        grads = {n: pm.full_tensor(n, p.grad).clone() for n, p in pm.module.named_parameters()}
+        norm, _ = pm.optimizer_step(optimizer, run.cfg.train.grad_clip)
+        if ctx.dp > 1:  # the step's loss: the mean over dp ranks (as the Trainer's)
+            dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=ctx.dp_group)
+        rec["loss"].append(float(loss))
+        rec["norm"].append(float(norm))
+        rec["grads"].append(grads)
+    rec["final"] = {n: pm.full_tensor(n, p.detach()).clone() for n, p in pm.module.named_parameters()}
+    return rec if rank0 else None
+
+
+def worker(layouts):
+    """Each layout (a list of config overrides) in turn on these processes; rank 0's records."""
+    out = []
+    for overrides in layouts:
+        run = build_run(load_config(None, list(overrides)))
+        out.append(train(run, run.ctx.rank == 0))
+    return out
+
+
+def reference(overrides):
+    """The one-process records of the layout's model (its parallel.* overrides are left out)."""
+    model_only = [o for o in overrides if not o.startswith("parallel.")]
+    run = build_run(load_config(None, model_only), ParallelContext(1, 0, 0, 1, 1, 1, torch.device("cpu")))
+    return train(run, True)
+
+
+def compare(got, ref, label, tol: Tolerances | None = None):
+    """Assert `got` (a layout's records) equals `ref` (one process) within `tol` (default: the
+    Transformer's, Tolerances()); prints the errors."""
+    tol = tol or Tolerances()
+    rel = lambda a, b: ((a - b).abs().max() / b.abs().max().clamp(min=1e-30)).item()  # noqa: E731
+    errors = {
+        "loss": max(abs(a - b) for a, b in zip(got["loss"], ref["loss"])),
+        "grad_rel": max(rel(g[n], r[n]) for g, r in zip(got["grads"], ref["grads"]) for n in r),
+        "norm_rel": max(abs(a - b) / b for a, b in zip(got["norm"], ref["norm"])),
+        "final_rel": max(rel(got["final"][n], w) for n, w in ref["final"].items()),
+    }
+    print(f"{label}: " + ", ".join(f"{k}={v:.1e}" for k, v in errors.items()))
+    assert got["grads"][0].keys() == ref["grads"][0].keys()
+    assert errors["loss"] < tol.loss and errors["grad_rel"] < tol.grad, errors
+    assert errors["norm_rel"] < tol.norm and errors["final_rel"] < tol.final, errors
+    assert ref["loss"][-1] < ref["loss"][0]  # it trains
