@@ -76,11 +76,12 @@ def _check_context_parallel(m: ModelConfig, p: ParallelConfig, t: TrainConfig) -
     if m.seq_len % (2 * cp):
         raise ConfigError(f"parallel.cp={cp} needs model.seq_len={m.seq_len} divisible by 2 x parallel.cp = {2 * cp} "
                           f"(the load-balanced causal split gives each rank 2 equal chunks of the sequence)")
-    if p.pp > 1:
-        raise ConfigError(f"parallel.cp={cp} with parallel.pp={p.pp} is not supported yet; use parallel.pp=1")
-    if p.zero != "none":
-        raise ConfigError(f"parallel.cp={cp} with parallel.zero={p.zero} is not supported yet (ZeRO would shard over "
-                          f"dp x cp); use parallel.zero=none (gradients are averaged over dp x cp by DDP)")
+    if p.zero == "deepspeed":
+        raise ConfigError(f"parallel.cp={cp} with parallel.zero=deepspeed is not supported (DeepSpeed's engine runs "
+                          f"the whole sequence through the model); use parallel.zero=fsdp2 (it shards over dp x cp)")
+    if p.zero == "fsdp2" and p.dp_replicate > 1:
+        raise ConfigError(f"parallel.cp={cp} with parallel.dp_replicate={p.dp_replicate} (HSDP) is not supported; "
+                          f"use parallel.dp_replicate=1 (fsdp2 then shards over dp x cp)")
     if p.sequence_parallel and p.tp > 1:
         raise ConfigError(f"parallel.cp={cp} with parallel.sequence_parallel=true is not supported yet (its RoPE "
                           f"tables would start each tp chunk at position 0); use parallel.sequence_parallel=false")

@@ -8,8 +8,8 @@ stage s; GPipe: m; without pipelining 1):
 
 static   per tp-local parameter P of the stage: parameters, gradients, AdamW state
          (one precision policy, docs/precision.md: all fp32. zero=none, also DDP: 4 + 4 + 8
-         bytes; fsdp2 with dp > 1: 16 / s, s = dp_shard under HSDP (parallel.dp_replicate x
-         parallel.dp_shard: the replicas hold the same shard), else dp; deepspeed: (4 param + 4
+         bytes; fsdp2 with dp x cp > 1: 16 / s, s = dp_shard under HSDP (parallel.dp_replicate x
+         parallel.dp_shard: the replicas hold the same shard), else dp x cp; deepspeed: (4 param + 4
          grad + 4 fp32 master + 8 AdamW) / dp, less what is offloaded), plus weights held
          unsharded: fsdp2 under
          pipelining keeps the stage's parameters gathered and their gradients unsharded through
@@ -19,7 +19,7 @@ static   per tp-local parameter P of the stage: parameters, gradients, AdamW sta
          in fp32 under pipelining; the sharded gradient, made at the step's end as the unsharded
          one is freed, is not counted besides it: 12 / s + 4 + param bytes); fsdp2 without
          pipelining does so for the root (embedding, final norm, head); bf16 autocast (every
-         layout but fsdp2 at dp > 1, which gathers matmul weights in bf16) keeps a bf16 copy of
+         layout but fsdp2 at dp x cp > 1, which gathers matmul weights in bf16) keeps a bf16 copy of
          every weight it casts (2 bytes per P).
 K        bytes one micro-batch keeps for backward: sum over the stage's blocks of their saved
          activations (cost/block.py: per token x tokens per micro-batch, plus any kept once
@@ -99,7 +99,7 @@ class MemorySetup:
     cp: int = 1  # context parallelism: each sequence split over cp ranks (module doc)
     cp_ring: bool = False  # parallel.cp_attention=ring: no K/V of the whole sequence kept
     zero: str = "none"  # none | fsdp2 | deepspeed (parallel.zero)
-    dp_shard: int = 0  # fsdp2: ranks the state is sharded over (HSDP: parallel.dp_shard); 0 = dp
+    dp_shard: int = 0  # fsdp2: ranks the state is sharded over (dp x cp; HSDP: parallel.dp_shard); 0 = dp
     pipelined: bool = False  # pp > 1
     bf16: bool = False  # autocast to bf16 (train.precision on the device)
     activation_checkpointing: str = "none"  # none | full | selective | op
@@ -123,7 +123,8 @@ class MemorySetup:
         ds = parallel.deepspeed
         return cls(tp=parallel.tp, sequence_parallel=parallel.sequence_parallel and parallel.tp > 1, dp=dp,
                    cp=parallel.cp, cp_ring=parallel.cp_attention == "ring",
-                   zero=parallel.zero, dp_shard=parallel.dp_split(dp)[1] if parallel.zero == "fsdp2" else 0,
+                   zero=parallel.zero,
+                   dp_shard=parallel.dp_split(dp)[1] * parallel.cp if parallel.zero == "fsdp2" else 0,
                    pipelined=parallel.pp > 1, bf16=bf16,
                    activation_checkpointing=train.activation_checkpointing, ac_every=train.ac_every,
                    loss_chunk=train.loss_chunk,
@@ -139,8 +140,8 @@ class MemorySetup:
 
     @property
     def fsdp(self) -> bool:
-        """fsdp2 shards (with dp = 1 the model is left as is)."""
-        return self.zero == "fsdp2" and self.dp > 1
+        """fsdp2 shards (over dp x cp; with dp x cp = 1 the model is left as is)."""
+        return self.zero == "fsdp2" and self.dp * self.cp > 1
 
     def state_bytes_per_param(self) -> float:
         """Parameters + gradients + optimizer state per tp-local parameter on one rank (fp32 at

@@ -13,6 +13,10 @@ the shard groups (all-gathers, reduce-scatters) stay inside a node and only the 
 gradient all-reduce crosses nodes. The flat dp rank and dp group are unchanged (data loading,
 loss averages); `dp_mesh` is what FSDP2 shards over: the 1-D dp mesh, or under HSDP the 2-D
 (dp_replicate, dp_shard) one (`mesh._unflatten` of the dp dimension: same ranks, new groups).
+With cp > 1, ZeRO shards over the flattened dp x cp dimension (`dp_cp_mesh`, as Megatron-core and
+torchtitan do: the ranks of a cp group hold the same parameters), so `dp_mesh` is that mesh,
+`dp_shard` = dp x cp and `dp_shard_rank` = dp_rank x cp + cp_rank (preflight.py refuses HSDP
+with cp).
 """
 from __future__ import annotations
 
@@ -42,7 +46,7 @@ class ParallelContext:
     device: torch.device
     mesh: DeviceMesh | None = None  # None in a single process without a process group
     dp_replicate: int = 1  # HSDP: replicas of the sharded state (dp = dp_replicate x dp_shard)
-    dp_mesh: DeviceMesh | None = None  # what ZeRO shards over (module doc); None without a mesh
+    dp_mesh: DeviceMesh | None = None  # what ZeRO shards over (module doc; dp x cp when cp > 1); None without a mesh
     cp: int = 1  # context-parallel ranks: each sequence is split over them
     dp_cp_mesh: DeviceMesh | None = None  # cp > 1: the dp and cp dims flattened (gradient averaging)
 
@@ -64,16 +68,16 @@ class ParallelContext:
 
     @property
     def dp_shard(self) -> int:
-        """Ranks the ZeRO state is sharded over (dp, or dp / dp_replicate under HSDP)."""
-        return self.dp // self.dp_replicate
+        """Ranks the ZeRO state is sharded over (dp x cp, or dp / dp_replicate under HSDP)."""
+        return self.dp // self.dp_replicate * self.cp
 
     @property
     def dp_shard_rank(self) -> int:
-        return self.dp_rank % self.dp_shard
+        return self.dp_rank % (self.dp // self.dp_replicate) * self.cp + self.cp_rank
 
     @property
     def dp_replicate_rank(self) -> int:
-        return self.dp_rank // self.dp_shard
+        return self.dp_rank // (self.dp // self.dp_replicate)
 
     @property
     def is_main(self) -> bool:
@@ -97,10 +101,11 @@ class ParallelContext:
 
     @property
     def dp_shard_group(self) -> dist.ProcessGroup | None:
-        """The dp ranks holding the other shards of this rank's ZeRO state (the dp group without HSDP)."""
-        if self.dp_mesh is None or self.dp_mesh.ndim == 1:
+        """The ranks holding the other shards of this rank's ZeRO state (the dp group, or dp x cp,
+        without HSDP)."""
+        if self.dp_mesh is None:
             return self.dp_group
-        return self.dp_mesh.get_group("dp_shard")
+        return self.dp_mesh.get_group() if self.dp_mesh.ndim == 1 else self.dp_mesh.get_group("dp_shard")
 
     @property
     def cp_group(self) -> dist.ProcessGroup | None:
@@ -171,12 +176,14 @@ def init_parallel(pcfg: ParallelConfig, device: str = "auto", timeout_s: float =
         _check_same_layout(chosen_layout, world)
     mesh = init_device_mesh(dev.type, (pcfg.pp, dp, pcfg.cp, pcfg.tp), mesh_dim_names=("pp", "dp", "cp", "tp"))
     replicate, shard = pcfg.dp_split(dp)
-    if replicate == 1:
+    # the flattened dp x cp group is created on every rank (a collective)
+    dp_cp = mesh["dp", "cp"]._flatten("dp_cp") if pcfg.cp > 1 else None
+    if dp_cp is not None:
+        dp_mesh = dp_cp  # preflight.py refuses HSDP with cp
+    elif replicate == 1:
         dp_mesh = mesh["dp"]
     else:
         dp_mesh = mesh._unflatten("dp", (replicate, shard), ("dp_replicate", "dp_shard"))["dp_replicate", "dp_shard"]
-    # the flattened dp x cp group is created on every rank (a collective)
-    dp_cp = mesh["dp", "cp"]._flatten("dp_cp") if pcfg.cp > 1 else None
     return ParallelContext(world, rank, local_rank, pcfg.pp, dp, pcfg.tp, dev, mesh, replicate, dp_mesh,
                            cp=pcfg.cp, dp_cp_mesh=dp_cp)
 

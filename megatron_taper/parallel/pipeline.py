@@ -28,6 +28,10 @@ warns, since then most of every step is pipeline bubble).
 
 Loss: the last stage computes it per micro-batch (the ParallelModel's loss_fn, vocab-parallel
 under tp); the mean is broadcast over the pp group, so every rank returns the same value.
+Context parallelism (cp > 1): every stage's micro-batches are [b, S / cp] slices (hidden states
+[b, S / cp, D] between stages): the first stage feeds its slice of the inputs, the last stage its
+slice of the targets to the loss share (context_parallel.split_loss), and the returned loss is
+the mean of the shares over the cp group; gradients are averaged over dp x cp.
 Gradients are scaled by 1 / n_microbatches, i.e. they are those of the mean loss.
 """
 from __future__ import annotations
@@ -43,6 +47,7 @@ from torch import nn
 
 from megatron_taper.config import V_SCHEDULES
 from megatron_taper.parallel.context import ParallelContext, uses_bf16
+from megatron_taper.parallel.context_parallel import cp_mean, split_batch
 from megatron_taper.parallel.data_parallel import average_gradients
 from megatron_taper.parallel.data_parallel import bucket_mb as dp_bucket_mb
 from megatron_taper.parallel.meta_init import is_meta
@@ -121,8 +126,9 @@ class PipelineParallelModel(ParallelModel):
     def _step(self, schedule, tokens: torch.Tensor, losses: list, train: bool) -> None:
         run = schedule.step if train else schedule.eval
         first, last = 0 in self.chunk_ids, self.n_stages - 1 in self.chunk_ids
-        args = (tokens[:, :-1],) if first else ()
-        kwargs = {"target": tokens[:, 1:], "losses": losses} if last else {}
+        inputs, targets = split_batch(self.split, tokens)  # cp > 1: this rank's [B, S / cp] slices
+        args = (inputs,) if first else ()
+        kwargs = {"target": targets, "losses": losses} if last else {}
         # return_outputs=False: the last stage would keep every micro-batch's logits [b, S, V / tp]
         # to the end of the step and then concatenate them (the losses are all that is used)
         run(*args, return_outputs=False, **kwargs)
@@ -135,7 +141,7 @@ class PipelineParallelModel(ParallelModel):
         # the rank of the last chunk holds the loss: pp - 1 (looped placement), 0 (V)
         holder = chunk_rank(self.n_stages - 1, self.ctx.pp, self.schedule_name in V_SCHEDULES)
         dist.broadcast(loss, group=self.ctx.pp_group, group_src=holder)
-        return loss
+        return cp_mean(loss, self.split)
 
     def _schedule(self, n_micro: int, shape: tuple[int, ...], train: bool):
         """One schedule (and stage objects, whose shapes are inferred on first use) per batch shape."""

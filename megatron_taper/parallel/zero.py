@@ -45,6 +45,11 @@ fsdp2 (`torch.distributed.fsdp.fully_shard`)
     chunk schedules keep at most 3 chunks of a rank gathered and reshard the others between uses.
     Memory of a stage is then ZeRO-1-like during the step and fully sharded between steps.
     With dp = 1 there is nothing to shard and the model is left as is (same numerics).
+    Context parallelism (cp > 1): the shards are over the flattened dp x cp mesh (`ctx.dp_mesh`,
+    parallel/context.py; as Megatron-core and torchtitan shard over dp_cp): a cp group's ranks
+    hold the same parameters and compute partial gradients of the same sequences, which the
+    reduce-scatter over dp x cp averages (the loss shares make that average the whole-sequence
+    gradient), so fsdp2 runs at dp = 1 too.
 
 deepspeed (DeepSpeed ZeRO stage 3, see `DeepSpeedParallelModel` in zero_deepspeed.py)
 
@@ -91,7 +96,7 @@ def _fsdp2(pm: ParallelModel, bf16: bool, chunks: list[nn.Module] | None) -> Par
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     ctx = pm.ctx
-    if ctx.dp == 1:
+    if ctx.dp * ctx.cp == 1:
         return pm  # nothing to shard; the numerics are those of dp > 1 (docs/precision.md)
     mesh = ctx.dp_mesh  # HSDP: (dp_replicate, dp_shard), parameters Replicate() x Shard(0)
     fp32 = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=torch.float32)

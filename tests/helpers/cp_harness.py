@@ -63,6 +63,29 @@ def worker(layouts):
     return out
 
 
+def stage_worker(layouts):
+    """As `worker`, for layouts with pp > 1: the records of each pipeline stage's first rank (dp,
+    cp and tp rank 0; None on the others), to be joined by `merge_stages`."""
+    out = []
+    for overrides in layouts:
+        run = build_run(load_config(None, list(overrides)))
+        ctx = run.ctx
+        out.append(train(run, ctx.dp_rank == 0 and ctx.cp_rank == 0 and ctx.tp_rank == 0))
+    return out
+
+
+def merge_stages(per_rank):
+    """run_distributed's per-rank results of `stage_worker` -> one record per layout: losses and
+    norms (the same on every rank) from the first stage, gradients and final values of every stage."""
+    merged = []
+    for layout in range(len(per_rank[0])):
+        recs = [r[layout] for r in per_rank if r[layout] is not None]
+        grads = [{n: g for rec in recs for n, g in rec["grads"][step].items()} for step in range(STEPS)]
+        merged.append({"loss": recs[0]["loss"], "norm": recs[0]["norm"], "grads": grads,
+                       "final": {n: w for rec in recs for n, w in rec["final"].items()}})
+    return merged
+
+
 def reference(overrides):
     """The one-process records of the layout's model (its parallel.* overrides are left out)."""
     model_only = [o for o in overrides if not o.startswith("parallel.")]

@@ -151,8 +151,8 @@ def test_split_covers_the_sequence_once():
     (["model.arch=titans"], 2, "parallel.cp=2: model.arch='titans' does not support context parallelism yet "
                                "(families that do: transformer, gated_attention); use parallel.cp=1"),
     (["model.seq_len=62"], 2, "needs model.seq_len=62 divisible by 2 x parallel.cp = 4"),
-    (["parallel.pp=2"], 4, "parallel.cp=2 with parallel.pp=2 is not supported yet"),
-    (["parallel.zero=fsdp2"], 2, "parallel.cp=2 with parallel.zero=fsdp2 is not supported yet"),
+    (["parallel.zero=deepspeed"], 2, "parallel.cp=2 with parallel.zero=deepspeed is not supported"),
+    (["parallel.zero=fsdp2", "parallel.dp_replicate=2"], 4, "parallel.cp=2 with parallel.dp_replicate=2 (HSDP)"),
     (["parallel.tp=2", "parallel.sequence_parallel=true"], 4, "with parallel.sequence_parallel=true is not supported"),
     ([], 3, "parallel.tp=1 x parallel.pp=1 x parallel.cp=2 = 2 does not divide the world size 3"),
 ])

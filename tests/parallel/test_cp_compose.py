@@ -1,0 +1,37 @@
+"""Context parallelism composed with pipeline parallelism and FSDP2 (one process as reference).
+
+The model, batches and steps are test_context_parallel.py's (tests/helpers/cp_harness.py: 2
+layers, d=64, GQA, seq_len 64, 3 AdamW steps of 2 micro-batches), and so are the tolerances and
+why they hold: the cp run computes the same fp32 sums in another order. Pipelining moves the
+[b, S / cp, D] hidden states between stages unchanged; FSDP2 shards over dp x cp and reduce-
+scatters the gradients in fp32 (the sum over dp x cp in another order than DDP's all-reduce).
+"""
+import pytest
+
+from tests.helpers.cp_harness import compare, merge_stages, reference, stage_worker
+from tests.helpers.harness import run_distributed
+from tests.parallel.test_context_parallel import MODEL
+
+pytestmark = pytest.mark.multiprocess
+
+
+def _reference(overrides):
+    return reference(MODEL + [o for o in overrides if o.startswith("model.")])
+
+
+def test_cp2_with_pp2_and_with_fsdp2_over_dp_x_cp():
+    """4 processes: cp=2 x pp=2 under 1F1B (each stage's micro-batches are [b, S / 2] slices, the
+    last stage computes the loss shares); cp=2 x dp=2 with fsdp2 (each parameter sharded over the 4
+    ranks of dp x cp)."""
+    layouts = {"cp=2 x pp=2 1f1b": ["parallel.cp=2", "parallel.pp=2"],
+               "cp=2 x dp=2 fsdp2": ["parallel.cp=2", "parallel.zero=fsdp2"]}
+    got = merge_stages(run_distributed(stage_worker, 4, [MODEL + o for o in layouts.values()], timeout=240))
+    for (label, overrides), rec in zip(layouts.items(), got):
+        compare(rec, _reference(overrides), label)
+
+
+def test_cp2_with_fsdp2_at_dp1():
+    """2 processes: cp=2 x dp=1 with fsdp2, which shards over the cp group (dp x cp = 2)."""
+    overrides = ["parallel.cp=2", "parallel.zero=fsdp2"]
+    got = merge_stages(run_distributed(stage_worker, 2, [MODEL + overrides], timeout=120))[0]
+    compare(got, _reference(overrides), "cp=2 fsdp2")
