@@ -82,9 +82,10 @@ def _check_context_parallel(m: ModelConfig, p: ParallelConfig, t: TrainConfig) -
     if p.zero == "fsdp2" and p.dp_replicate > 1:
         raise ConfigError(f"parallel.cp={cp} with parallel.dp_replicate={p.dp_replicate} (HSDP) is not supported; "
                           f"use parallel.dp_replicate=1 (fsdp2 then shards over dp x cp)")
-    if p.sequence_parallel and p.tp > 1:
-        raise ConfigError(f"parallel.cp={cp} with parallel.sequence_parallel=true is not supported yet (its RoPE "
-                          f"tables would start each tp chunk at position 0); use parallel.sequence_parallel=false")
+    if p.sequence_parallel and p.tp > 1 and (m.seq_len // cp) % p.tp:
+        raise ConfigError(f"parallel.cp={cp} with parallel.sequence_parallel=true needs the slice of "
+                          f"model.seq_len={m.seq_len} / parallel.cp = {m.seq_len // cp} tokens divisible by "
+                          f"parallel.tp={p.tp} (sequence parallelism splits each rank's slice over tp)")
     if t.compile:
         raise ConfigError(f"parallel.cp={cp} with train.compile=true is not supported yet (the K/V all-gather inside "
                           f"each compiled block is untested); use train.compile=false")

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from megatron_taper.models import family
-from megatron_taper.models.layers import rope_tables
+from megatron_taper.models.layers import rope_tables, rope_tables_at
 from megatron_taper.parallel.tensor import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -140,10 +140,14 @@ class TPBuilder:
             return
         group, head_dim = self.group, attn.head_dim
 
-        def hook(_mod, args):
+        def hook(mod, args):
             # the caller built RoPE tables for its sequence chunk; attention sees the whole sequence
+            # (under context parallelism the rank's slice, at its true positions)
             x = enter_tp_region(args[0], group, True)
-            cos, sin = rope_tables(x.shape[1], head_dim, rope_theta, x.device)
+            if mod.context is None:
+                cos, sin = rope_tables(x.shape[1], head_dim, rope_theta, x.device)
+            else:
+                cos, sin = rope_tables_at(mod.context.positions(x.shape[1], x.device), head_dim, rope_theta)
             return (x, cos, sin) + tuple(args[3:])
 
         attn.register_forward_pre_hook(hook)

@@ -44,7 +44,11 @@ def train(run, rank0):
         loss = pm.forward_backward([rows[:half], rows[half:]], nullcontext)
         pm.reduce_gradients()
         grads = {n: pm.full_tensor(n, p.grad).clone() for n, p in pm.module.named_parameters()}
-        norm, _ = pm.optimizer_step(optimizer, run.cfg.train.grad_clip)
+        # the rest of pm.optimizer_step, which would reduce a second time (sequence parallelism's
+        # tp sums of the norms' gradients are not idempotent)
+        norm = pm.clip_gradients(run.cfg.train.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=pm.dp_module is None)
         if ctx.dp > 1:  # the step's loss: the mean over dp ranks (as the Trainer's)
             dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=ctx.dp_group)
         rec["loss"].append(float(loss))

@@ -153,7 +153,8 @@ def test_split_covers_the_sequence_once():
     (["model.seq_len=62"], 2, "needs model.seq_len=62 divisible by 2 x parallel.cp = 4"),
     (["parallel.zero=deepspeed"], 2, "parallel.cp=2 with parallel.zero=deepspeed is not supported"),
     (["parallel.zero=fsdp2", "parallel.dp_replicate=2"], 4, "parallel.cp=2 with parallel.dp_replicate=2 (HSDP)"),
-    (["parallel.tp=2", "parallel.sequence_parallel=true"], 4, "with parallel.sequence_parallel=true is not supported"),
+    (["parallel.tp=4", "parallel.sequence_parallel=true", "model.seq_len=68", "model.taper.multiple=8"], 8,
+     "needs the slice of model.seq_len=68 / parallel.cp = 34 tokens divisible by parallel.tp=4"),
     ([], 3, "parallel.tp=1 x parallel.pp=1 x parallel.cp=2 = 2 does not divide the world size 3"),
 ])
 def test_preflight_refuses_what_cp_does_not_support(overrides, world, message):
