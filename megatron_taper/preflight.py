@@ -86,9 +86,6 @@ def _check_context_parallel(m: ModelConfig, p: ParallelConfig, t: TrainConfig) -
         raise ConfigError(f"parallel.cp={cp} with parallel.sequence_parallel=true needs the slice of "
                           f"model.seq_len={m.seq_len} / parallel.cp = {m.seq_len // cp} tokens divisible by "
                           f"parallel.tp={p.tp} (sequence parallelism splits each rank's slice over tp)")
-    if t.compile:
-        raise ConfigError(f"parallel.cp={cp} with train.compile=true is not supported yet (the K/V all-gather inside "
-                          f"each compiled block is untested); use train.compile=false")
 
 
 def _check_tensor_parallel(m: ModelConfig, p: ParallelConfig) -> None:

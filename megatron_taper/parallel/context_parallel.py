@@ -48,6 +48,11 @@ not by a fused kernel: per (query tile of at most `tile` rows of one chunk, key 
 [B, H, tile, S / (2 cp)] scores at a time, masked by causal_mask_at where the pair needs it and
 skipped where every key lies after every query.
 
+train.compile=true (each block compiled, parallel/block_options.py): the all-gather traces into the
+block's graph (measured, torch 2.13: no graph break, one graph per block); the ring's
+batch_isend_irecv is a graph break (dynamo: "P2P compilation is disabled"), so the ring's steps run
+eagerly between the compiled pieces (measured: 7 breaks, 12 graphs for 2 blocks).
+
 Loss (`split_loss`): each rank's share is the sum of its tokens' losses x cp / the kept targets of
 the whole sequence (a scalar all-reduce of the count), so that the mean of the shares over the cp
 group is the loss of the whole sequence; gradients are averaged over dp x cp (DDP over

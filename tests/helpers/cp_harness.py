@@ -33,12 +33,12 @@ def batch(cfg, dp_rank=0, dp=1, rows=4):
     return torch.randint(0, cfg.model.vocab_size, (rows, cfg.model.seq_len + 1), generator=g)[dp_rank::dp]
 
 
-def train(run, rank0):
-    """STEPS optimizer steps of 2 micro-batches; losses, grad norms, every parameter's logical
+def train(run, rank0, steps=STEPS):
+    """`steps` optimizer steps of 2 micro-batches; losses, grad norms, every parameter's logical
     gradient at each step and its final value (gathered over tp: every rank calls full_tensor)."""
     pm, optimizer, ctx = run.model, run.optimizer, run.ctx
     rec = {"loss": [], "norm": [], "grads": []}
-    for _ in range(STEPS):
+    for _ in range(steps):
         rows = batch(run.cfg, ctx.dp_rank, ctx.dp)
         half = rows.shape[0] // 2
         loss = pm.forward_backward([rows[:half], rows[half:]], nullcontext)
@@ -67,14 +67,14 @@ def worker(layouts):
     return out
 
 
-def stage_worker(layouts):
-    """As `worker`, for layouts with pp > 1: the records of each pipeline stage's first rank (dp,
-    cp and tp rank 0; None on the others), to be joined by `merge_stages`."""
+def stage_worker(layouts, steps=STEPS):
+    """As `worker`, also for layouts with pp > 1: the records of each pipeline stage's first rank
+    (dp, cp and tp rank 0; None on the others), to be joined by `merge_stages`."""
     out = []
     for overrides in layouts:
         run = build_run(load_config(None, list(overrides)))
         ctx = run.ctx
-        out.append(train(run, ctx.dp_rank == 0 and ctx.cp_rank == 0 and ctx.tp_rank == 0))
+        out.append(train(run, ctx.dp_rank == 0 and ctx.cp_rank == 0 and ctx.tp_rank == 0, steps))
     return out
 
 
@@ -84,17 +84,17 @@ def merge_stages(per_rank):
     merged = []
     for layout in range(len(per_rank[0])):
         recs = [r[layout] for r in per_rank if r[layout] is not None]
-        grads = [{n: g for rec in recs for n, g in rec["grads"][step].items()} for step in range(STEPS)]
+        grads = [{n: g for part in step for n, g in part.items()} for step in zip(*(rec["grads"] for rec in recs))]
         merged.append({"loss": recs[0]["loss"], "norm": recs[0]["norm"], "grads": grads,
                        "final": {n: w for rec in recs for n, w in rec["final"].items()}})
     return merged
 
 
-def reference(overrides):
+def reference(overrides, steps=STEPS):
     """The one-process records of the layout's model (its parallel.* overrides are left out)."""
     model_only = [o for o in overrides if not o.startswith("parallel.")]
     run = build_run(load_config(None, model_only), ParallelContext(1, 0, 0, 1, 1, 1, torch.device("cpu")))
-    return train(run, True)
+    return train(run, True, steps)
 
 
 def compare(got, ref, label, tol: Tolerances | None = None):

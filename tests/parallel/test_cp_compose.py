@@ -42,3 +42,12 @@ def test_cp2_with_fsdp2_at_dp1():
     overrides = ["parallel.cp=2", "parallel.zero=fsdp2"]
     got = merge_stages(run_distributed(stage_worker, 2, [MODEL + overrides], timeout=120))[0]
     compare(got, _reference(overrides), "cp=2 fsdp2")
+
+
+def test_cp2_with_compile():
+    """2 processes, 2 steps: cp=2 with train.compile=true (each block compiled; the K/V all-gather
+    traces into the block's graph without a graph break). Compiled kernels sum in another order,
+    within the same tolerances."""
+    overrides = ["parallel.cp=2", "train.compile=true"]
+    got = merge_stages(run_distributed(stage_worker, 2, [MODEL + overrides], 2, timeout=180))[0]
+    compare(got, reference(MODEL, steps=2), "cp=2 compile")
