@@ -175,11 +175,11 @@ def _train_main(args):
 
 
 def test_resume_at_another_cp_size(tmp_path):
-    """Trained at cp=2 (2 processes) up to a checkpoint at step 2, resumed in one process; and trained
-    in one process up to step 2, resumed at cp=2: both loss sequences (and the held-out loss at the
-    end) equal the uninterrupted one-process run within the tolerance above. The checkpoint is
-    cp-free (only cp rank 0 writes the replicated parameters) and the data loader serves a cp group
-    as one dp rank, so the same samples follow the resume at either size."""
+    """Trained at cp=2 (2 processes) up to a checkpoint at step 2, resumed in one process; and
+    trained in one process, resumed at cp=2: each loss sequence (and the held-out loss at the end)
+    equals the uninterrupted one-process run within the tolerance above. The checkpoint is cp-free
+    (only cp rank 0 writes the replicated parameters), and a cp group reads the samples of one dp
+    rank."""
     import numpy as np
 
     from tests.helpers.runner import losses, read_metrics, stdlib_bytes, train_in_process
@@ -189,23 +189,21 @@ def test_resume_at_another_cp_size(tmp_path):
     args = [*MODEL, f"data.path={tokens}", "train.steps=4", "train.log_interval=1", "train.eval_batches=2",
             "run.tensorboard=false", "train.device=cpu"]
     train_in_process([*args, f"run.dir={tmp_path / 'straight'}"])
-    run_distributed(_train_main, 2, [*args, "parallel.cp=2", "train.exit_after=2", f"run.dir={tmp_path / 'cp2_1'}"],
+    run_distributed(_train_main, 2, [*args, "parallel.cp=2", "train.exit_after=2", f"run.dir={tmp_path / 'down'}"],
                     timeout=120)
-    assert len(losses(tmp_path / "cp2_1")) == 2
-    out = train_in_process([*args, f"run.dir={tmp_path / 'cp2_1'}"])
+    assert len(losses(tmp_path / "down")) == 2
+    out = train_in_process([*args, f"run.dir={tmp_path / 'down'}"])
     assert "resumed from" in out.stdout and "at step 2" in out.stdout
-    train_in_process([*args, "train.exit_after=2", f"run.dir={tmp_path / 'cp1_2'}"])
-    assert len(losses(tmp_path / "cp1_2")) == 2
-    run_distributed(_train_main, 2, [*args, "parallel.cp=2", f"run.dir={tmp_path / 'cp1_2'}"], timeout=120)
+    train_in_process([*args, "train.exit_after=2", f"run.dir={tmp_path / 'up'}"])
+    assert len(losses(tmp_path / "up")) == 2
+    run_distributed(_train_main, 2, [*args, "parallel.cp=2", f"run.dir={tmp_path / 'up'}"], timeout=120)
     straight = losses(tmp_path / "straight")
-    evals = {d: [r["eval_loss"] for r in read_metrics(tmp_path / d) if "eval_loss" in r]
-             for d in ("straight", "cp2_1", "cp1_2")}
-    assert len(straight) == 4 and len(evals["straight"]) == 1
-    for d in ("cp2_1", "cp1_2"):
-        resumed = losses(tmp_path / d)
-        assert len(resumed) == 4, (d, resumed)
-        assert max(abs(a - b) for a, b in zip(resumed, straight)) < LOSS_ATOL, (d, resumed, straight)
-        assert abs(evals["straight"][0] - evals[d][-1]) < LOSS_ATOL, (d, evals)
+    for resumed in ("down", "up"):
+        split = losses(tmp_path / resumed)
+        assert len(split) == len(straight) == 4
+        assert max(abs(a - b) for a, b in zip(split, straight)) < LOSS_ATOL, (resumed, split, straight)
+        evals = [[r["eval_loss"] for r in read_metrics(tmp_path / d) if "eval_loss" in r] for d in ("straight", resumed)]
+        assert len(evals[0]) == 1 and abs(evals[0][0] - evals[1][-1]) < LOSS_ATOL, (resumed, evals)
 
 
 def test_memory_model_divides_activations_by_cp():
