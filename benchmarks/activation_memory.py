@@ -239,7 +239,7 @@ def full_step(cfg, steps: int) -> dict:
         setup = MemorySetup.from_config(cfg.parallel, cfg.train, ctx.dp, run.bf16)
         whole = model_memory(cfg.model, setup).stage(range(cfg.model.n_layers))
         predicted_static, predicted_peak = whole.static, whole.total
-    return {"layout": {"zero": cfg.parallel.zero, "pp": ctx.pp, "dp": ctx.dp, "tp": ctx.tp},
+    return {"layout": {"zero": cfg.parallel.zero, "pp": ctx.pp, "dp": ctx.dp, "cp": ctx.cp, "tp": ctx.tp},
             "precision": "bf16" if run.bf16 else "fp32", "rank": ctx.rank,
             "measured_peak_bytes": peak - meter.start, "predicted_peak_bytes": predicted_peak,
             "peak_ratio": (peak - meter.start) / predicted_peak if predicted_peak else None,

@@ -1,7 +1,7 @@
 """Context parallelism: per-rank memory, step time and communication vs sequence length, beside
 the memory model (cost/memory.py) and the communication theory (parallel/context_parallel.py).
 
-    python benchmarks/context_parallel.py [--seq-lens 1024,2048,4096,8192] [--cps 1,2]
+    python benchmarks/context_parallel.py [--seq-lens 1024,2048,4096,8192] [--cps 1,2,4]
                                           [--attentions allgather,ring] [--steps 2] [key=value ...]
 
 Default shape: a narrow Transformer (2 layers, d_model 64, 4 heads over 2 kv heads, vocabulary
@@ -145,7 +145,7 @@ def launch(overrides: list[str], cp: int, steps: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seq-lens", default="1024,2048,4096,8192")
-    parser.add_argument("--cps", default="1,2")
+    parser.add_argument("--cps", default="1,2,4")
     parser.add_argument("--attentions", default="allgather,ring", help="parallel.cp_attention values (cp > 1)")
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

@@ -16,7 +16,8 @@ enough that the state terms under test (fp32 gradients accumulated between the p
 micro-batches, DeepSpeed's fp32 partitions and moments, bf16 cast copies) are tens of MiB.
 Layouts (LAYOUTS) also include fsdp2_pp2_dp2_interleaved and fsdp2_pp2_dp2_zbv: 2 chunks of one
 block per pp rank, each its own FSDP root; their prediction is the rank's (PipelinePlan
-.rank_peak_bytes; null for zbv, whose activations are not modelled).
+.rank_peak_bytes; null for zbv, whose activations are not modelled); fsdp2_cp2, fsdp2_cp2_dp2 and
+fsdp2_cp2_pp2: context parallelism at cp = 2, the state sharded over dp x cp.
 Prints one JSON object: per layout, precision and rank, measured and predicted peaks and their
 ratio.
 """
@@ -44,6 +45,10 @@ LAYOUTS = {  # name -> (processes, overrides)
                               "parallel.pp_schedule=zbv"]),
     "fsdp2_hsdp_2x2": (4, ["parallel.zero=fsdp2", "parallel.dp_replicate=2", "parallel.dp_shard=2"]),
     "deepspeed_dp2": (2, ["parallel.zero=deepspeed"]),
+    # context parallelism: fsdp2 shards over dp x cp (each sequence split over the cp ranks)
+    "fsdp2_cp2": (2, ["parallel.zero=fsdp2", "parallel.cp=2"]),
+    "fsdp2_cp2_dp2": (4, ["parallel.zero=fsdp2", "parallel.cp=2"]),
+    "fsdp2_cp2_pp2": (4, ["parallel.zero=fsdp2", "parallel.cp=2", "parallel.pp=2", "parallel.microbatches=4"]),
 }
 
 

@@ -77,8 +77,9 @@ def _check_context_parallel(m: ModelConfig, p: ParallelConfig, t: TrainConfig) -
         raise ConfigError(f"parallel.cp={cp} needs model.seq_len={m.seq_len} divisible by 2 x parallel.cp = {2 * cp} "
                           f"(the load-balanced causal split gives each rank 2 equal chunks of the sequence)")
     if p.zero == "deepspeed":
-        raise ConfigError(f"parallel.cp={cp} with parallel.zero=deepspeed is not supported (DeepSpeed's engine runs "
-                          f"the whole sequence through the model); use parallel.zero=fsdp2 (it shards over dp x cp)")
+        raise ConfigError(f"parallel.cp={cp} with parallel.zero=deepspeed is not supported (not built: DeepSpeed's "
+                          f"data-parallel group, batch arithmetic and partition owners would have to span dp x cp); "
+                          f"use parallel.zero=fsdp2, which shards over dp x cp")
     if p.zero == "fsdp2" and p.dp_replicate > 1:
         raise ConfigError(f"parallel.cp={cp} with parallel.dp_replicate={p.dp_replicate} (HSDP) is not supported; "
                           f"use parallel.dp_replicate=1 (fsdp2 then shards over dp x cp)")

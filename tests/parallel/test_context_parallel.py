@@ -202,7 +202,8 @@ def test_resume_at_another_cp_size(tmp_path):
         split = losses(tmp_path / resumed)
         assert len(split) == len(straight) == 4
         assert max(abs(a - b) for a, b in zip(split, straight)) < LOSS_ATOL, (resumed, split, straight)
-        evals = [[r["eval_loss"] for r in read_metrics(tmp_path / d) if "eval_loss" in r] for d in ("straight", resumed)]
+        evals = [[r["eval_loss"] for r in read_metrics(tmp_path / d) if "eval_loss" in r]
+                 for d in ("straight", resumed)]
         assert len(evals[0]) == 1 and abs(evals[0][0] - evals[1][-1]) < LOSS_ATOL, (resumed, evals)
 
 

@@ -51,3 +51,28 @@ def test_cp2_with_compile():
     overrides = ["parallel.cp=2", "train.compile=true"]
     got = merge_stages(run_distributed(stage_worker, 2, [MODEL + overrides], 2, timeout=180))[0]
     compare(got, reference(MODEL, steps=2), "cp=2 compile")
+
+
+def test_memory_model_and_partition_shard_the_state_over_dp_x_cp():
+    """fsdp2 at cp=2 x dp=1 shards the state over 2 ranks, as at dp=2 (cost/memory.py); the pipeline
+    plan at cp=2 x pp=2 books per rank the static bytes of dp=2 x pp=2 (the same 2 micro-batches of
+    2 sequences per rank) and a lower peak: each rank keeps the activations of half the tokens
+    (ring: no K/V of the whole sequence)."""
+    from megatron_taper.config import load_config
+    from megatron_taper.cost.memory import MemorySetup, model_memory
+    from megatron_taper.parallel.pipeline import plan_stages
+
+    def cfg(overrides):
+        return load_config(None, MODEL + ["parallel.zero=fsdp2", "train.device=cpu", *overrides])
+
+    def static(overrides, dp):
+        c = cfg(overrides)
+        return model_memory(c.model, MemorySetup.from_config(c.parallel, c.train, dp, False)).stage(range(2)).static
+
+    assert static(["parallel.cp=2"], 1) == static([], 2) < static(["parallel.cp=2", "parallel.zero=none"], 1)
+    ring = ["parallel.pp=2", "parallel.cp_attention=ring"]
+    plans = {cp: plan_stages(c.model, c.parallel, c.train, 2 // cp)
+             for cp, c in ((1, cfg([*ring, "train.global_batch=8"])), (2, cfg([*ring, "parallel.cp=2"])))}
+    for rank in range(2):
+        assert plans[2].rank_static_bytes(rank) == plans[1].rank_static_bytes(rank)
+        assert plans[2].rank_peak_bytes(rank) < plans[1].rank_peak_bytes(rank)
