@@ -20,12 +20,17 @@ def _reference(overrides):
 
 
 def test_cp2_with_pp2_and_with_fsdp2_over_dp_x_cp():
-    """4 processes: cp=2 x pp=2 under 1F1B (each stage's micro-batches are [b, S / 2] slices, the
-    last stage computes the loss shares); cp=2 x dp=2 with fsdp2 (each parameter sharded over the 4
+    """4 processes: cp=2 x pp=2 under 1F1B, interleaved 1F1B and ZB-V (4 layers: 2 chunks per
+    rank; each stage's micro-batches are [b, S / 2] slices, the last stage computes the loss
+    shares; ZB-V's split backward runs the reduce-scatter of K/V gradients in its input-gradient
+    pass); cp=2 x dp=2 with fsdp2 (each parameter sharded over the 4
     ranks of dp x cp); cp=2 x tp=2 with sequence parallelism (each tp rank holds 16 of its cp
     slice's 32 tokens, which straddle the slice's two chunks; attention's RoPE tables are those of
     the slice's true positions), RoPE with the all-gather and Gated Attention with the ring."""
     layouts = {"cp=2 x pp=2 1f1b": ["parallel.cp=2", "parallel.pp=2"],
+               "cp=2 x pp=2 interleaved_1f1b": ["parallel.cp=2", "parallel.pp=2", "model.n_layers=4",
+                                                "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual=2"],
+               "cp=2 x pp=2 zbv": ["parallel.cp=2", "parallel.pp=2", "model.n_layers=4", "parallel.pp_schedule=zbv"],
                "cp=2 x dp=2 fsdp2": ["parallel.cp=2", "parallel.zero=fsdp2"],
                "cp=2 x tp=2 sequence parallel rope": ["parallel.cp=2", "parallel.tp=2",
                                                       "parallel.sequence_parallel=true"],
