@@ -76,10 +76,6 @@ def _check_context_parallel(m: ModelConfig, p: ParallelConfig, t: TrainConfig) -
     if m.seq_len % (2 * cp):
         raise ConfigError(f"parallel.cp={cp} needs model.seq_len={m.seq_len} divisible by 2 x parallel.cp = {2 * cp} "
                           f"(the load-balanced causal split gives each rank 2 equal chunks of the sequence)")
-    if p.zero == "deepspeed":
-        raise ConfigError(f"parallel.cp={cp} with parallel.zero=deepspeed is not supported (not built: DeepSpeed's "
-                          f"data-parallel group, batch arithmetic and partition owners would have to span dp x cp); "
-                          f"use parallel.zero=fsdp2, which shards over dp x cp")
     if p.zero == "fsdp2" and p.dp_replicate > 1:
         raise ConfigError(f"parallel.cp={cp} with parallel.dp_replicate={p.dp_replicate} (HSDP) is not supported; "
                           f"use parallel.dp_replicate=1 (fsdp2 then shards over dp x cp)")
@@ -123,7 +119,7 @@ def _check_zero(m: ModelConfig, p: ParallelConfig, world_size: int, dp: int) -> 
             raise ConfigError("parallel.zero=deepspeed with parallel.sequence_parallel=true is not supported "
                               "(DeepSpeed reduces gradients inside backward, before the tp sums of sequence-"
                               "parallel norms); use parallel.zero=fsdp2")
-    shards = p.zero == "deepspeed" or (p.zero == "fsdp2" and dp > 1)
+    shards = p.zero == "deepspeed" or (p.zero == "fsdp2" and dp * p.cp > 1)
     if shards and p.tp > m.kv_heads:
         raise ConfigError(f"parallel.zero={p.zero} with parallel.tp={p.tp} > model.n_kv_heads={m.kv_heads}: kv "
                           f"heads replicated over tp ranks need a gradient sum over whole tensors, which ZeRO has "

@@ -42,6 +42,7 @@ import torch
 from megatron_taper.checkpoint.files import CheckpointError, CheckpointReader, Piece, shard_file
 from megatron_taper.optim import build_optimizer
 from megatron_taper.parallel.context import ParallelContext
+from megatron_taper.parallel.context_parallel import cp_mean, split_batch
 from megatron_taper.parallel.model import ParallelModel
 from megatron_taper.validation import ConfigError
 
@@ -76,13 +77,13 @@ class TPGroups:
         return self.ctx.rank - self.ctx.tp_rank
 
     def get_data_parallel_group(self):
-        return self.ctx.dp_group
+        return self.ctx.grad_group  # dp, or dp x cp (ZeRO shards over both)
 
     def get_data_parallel_rank(self) -> int:
-        return self.ctx.dp_rank
+        return self.ctx.dp_shard_rank
 
     def get_data_parallel_world_size(self) -> int:
-        return self.ctx.dp
+        return self.ctx.dp_shard
 
 
 def deepspeed_config(t: TrainConfig, d: DeepSpeedConfig, ctx: ParallelContext) -> dict:
@@ -103,7 +104,8 @@ def deepspeed_config(t: TrainConfig, d: DeepSpeedConfig, ctx: ParallelContext) -
             zero[f"offload_{kind}"] = {"device": device, "pin_memory": ctx.device.type == "cuda",
                                        **({"nvme_path": d.nvme_path} if device == "nvme" else {})}
     config: dict[str, Any] = {
-        "train_batch_size": t.global_batch,
+        # DeepSpeed counts dp x cp data-parallel ranks, the ranks of a cp group the same sequences
+        "train_batch_size": t.global_batch * ctx.cp,
         "train_micro_batch_size_per_gpu": t.micro_batch,
         "gradient_accumulation_steps": accum,
         "gradient_clipping": float(t.grad_clip),  # explicit: DeepSpeed's default is 1.0
@@ -205,7 +207,7 @@ class DeepSpeedParallelModel(ParallelModel):
             if name in pm.to_full:  # a tp shard: DeepSpeed counts its norm on every tp rank
                 param.tensor_model_parallel = True
         out = cls(pm.module, pm.ctx, pm.loss_fn, pm.to_full, pm.to_local, pm.replicas, pm.tp_grad_syncs,
-                  tp_specs=pm.tp_specs, options=options)
+                  tp_specs=pm.tp_specs, split=pm.split, options=options)
         out.dp_sharded = True  # logical_state is a collective over dp
         return out
 
@@ -232,9 +234,9 @@ class DeepSpeedParallelModel(ParallelModel):
                               f"for {engine.gradient_accumulation_steps()}")
         total = torch.zeros((), device=self.ctx.device)
         for i, tokens in enumerate(micro_batches):
-            tokens = tokens.to(self.ctx.device, non_blocking=True)
+            inputs, targets = split_batch(self.split, tokens.to(self.ctx.device, non_blocking=True))
             with autocast():
-                loss = self.loss_fn(engine(tokens[:, :-1]), tokens[:, 1:])
+                loss = self.loss_fn(engine(inputs), targets)
             scaled = loss
             if i == len(micro_batches) - 1 and not self._finite_over_dp(total + loss.detach().float()):
                 # the non-finite policy: DeepSpeed skips a step only for a non-finite gradient
@@ -244,13 +246,13 @@ class DeepSpeedParallelModel(ParallelModel):
             if i < len(micro_batches) - 1:
                 engine.step()  # not a boundary: counts the micro-step, no update
             total += loss.detach().float()
-        return total / len(micro_batches)
+        return cp_mean(total / len(micro_batches), self.split)
 
     def _finite_over_dp(self, value: torch.Tensor) -> bool:
         """Whether `value` is finite on every dp rank (a host read; DeepSpeed's step reads its
         gradient norm on the host anyway)."""
         value = value.clone()
-        torch.distributed.all_reduce(value, group=self.ctx.dp_group)
+        torch.distributed.all_reduce(value, group=self.ctx.grad_group)
         return bool(torch.isfinite(value))
 
     def reduce_gradients(self) -> None:  # DeepSpeed reduce-scatters inside backward
@@ -324,8 +326,9 @@ class DeepSpeedParallelModel(ParallelModel):
         step = self._adam_step()
         pieces = []
         for i, (name, param) in enumerate(self.module.named_parameters()):
-            turn = (i % self.ctx.dp, i // self.ctx.dp % self.ctx.tp)  # the (dp, tp) rank writing this step
-            if step is not None and (self.ctx.dp_rank, self.ctx.tp_rank) == turn:
+            shards = self.ctx.dp_shard
+            turn = (i % shards, i // shards % self.ctx.tp)  # the (dp x cp, tp) rank writing this step
+            if step is not None and (self.ctx.dp_shard_rank, self.ctx.tp_rank) == turn:
                 pieces.append(Piece(f"optim/{name}/step", (), (), step.detach().cpu().clone()))
             part = self._partition(name, param)
             if not part.owner:
@@ -371,7 +374,7 @@ class DeepSpeedParallelModel(ParallelModel):
         shape = tuple(param.ds_shape)
         full, tp_offsets, owner = self.piece_box(name, torch.empty(shape, device="meta"))
         size = param.ds_tensor.ds_numel if hasattr(param.ds_tensor, "ds_numel") else param.ds_tensor.numel()
-        lo = min(self.ctx.dp_rank * size, param.ds_numel)
+        lo = min(self.ctx.dp_shard_rank * size, param.ds_numel)
         return Partition(shape, full, tp_offsets, owner, param.ds_tensor.numel(), lo, min(lo + size, param.ds_numel))
 
     def save_native(self, folder: str) -> bool:
@@ -385,7 +388,8 @@ class DeepSpeedParallelModel(ParallelModel):
         rank is raised on every rank (one gather), before DeepSpeed reads anything."""
         layout = meta["layout"]
         same = (meta["config"]["parallel"].get("zero") == "deepspeed" and layout["dp"] == self.ctx.dp
-                and layout["tp"] == self.ctx.tp and os.path.isdir(os.path.join(folder, NATIVE_DIR, NATIVE_TAG)))
+                and layout.get("cp", 1) == self.ctx.cp and layout["tp"] == self.ctx.tp
+                and os.path.isdir(os.path.join(folder, NATIVE_DIR, NATIVE_TAG)))
         if not same:
             return False
         error = ""

@@ -15,7 +15,9 @@ float32 roundings (eps = 1.2e-7) of quantities of order 1 to 10: 2e-5 absolute o
 default 1e-8 its first update lr x g / (|g| + eps) is a full +-lr step for every entry whose
 gradient is as small as the rounding noise, which turns a 1e-7 difference into 7e-4 (measured).
 """
+import os
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -151,7 +153,6 @@ def test_split_covers_the_sequence_once():
     (["model.arch=titans"], 2, "parallel.cp=2: model.arch='titans' does not support context parallelism yet "
                                "(families that do: transformer, gated_attention); use parallel.cp=1"),
     (["model.seq_len=62"], 2, "needs model.seq_len=62 divisible by 2 x parallel.cp = 4"),
-    (["parallel.zero=deepspeed"], 2, "parallel.cp=2 with parallel.zero=deepspeed is not supported"),
     (["parallel.zero=fsdp2", "parallel.dp_replicate=2"], 4, "parallel.cp=2 with parallel.dp_replicate=2 (HSDP)"),
     (["parallel.tp=4", "parallel.sequence_parallel=true", "model.seq_len=68", "model.taper.multiple=8"], 8,
      "needs the slice of model.seq_len=68 / parallel.cp = 34 tokens divisible by parallel.tp=4"),
@@ -167,6 +168,11 @@ def test_unknown_cp_key_suggests_parallel_cp():
         load_config(None, ["parallel.cp_size=2"])
 
 
+# DeepSpeed JIT-builds a C++ op on first use, cached here (as tests/parallel/test_zero.py does)
+DEEPSPEED_ENV = {"TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR")
+                 or str(Path(__file__).resolve().parents[2] / ".cache" / "torch_extensions")}
+
+
 def _train_main(args):
     """The Trainer's command line on this process (the harness joined the process group)."""
     from megatron_taper.train import main
@@ -176,10 +182,11 @@ def _train_main(args):
 
 def test_resume_at_another_cp_size(tmp_path):
     """Trained at cp=2 (2 processes) up to a checkpoint at step 2, resumed in one process; and
-    trained in one process, resumed at cp=2: each loss sequence (and the held-out loss at the end)
-    equals the uninterrupted one-process run within the tolerance above. The checkpoint is cp-free
-    (only cp rank 0 writes the replicated parameters), and a cp group reads the samples of one dp
-    rank."""
+    trained in one process, resumed at cp=2 under parallel.zero=deepspeed (its ZeRO partitions
+    over dp x cp = 2 ranks read from the logical checkpoint; DeepSpeed's data-parallel group is the
+    dp x cp group): each loss sequence (and the held-out loss at the end) equals the uninterrupted
+    one-process run within the tolerance above. The checkpoint is cp-free (only cp rank 0 writes
+    the replicated parameters), and a cp group reads the samples of one dp rank."""
     import numpy as np
 
     from tests.helpers.runner import losses, read_metrics, stdlib_bytes, train_in_process
@@ -196,7 +203,8 @@ def test_resume_at_another_cp_size(tmp_path):
     assert "resumed from" in out.stdout and "at step 2" in out.stdout
     train_in_process([*args, "train.exit_after=2", f"run.dir={tmp_path / 'up'}"])
     assert len(losses(tmp_path / "up")) == 2
-    run_distributed(_train_main, 2, [*args, "parallel.cp=2", f"run.dir={tmp_path / 'up'}"], timeout=120)
+    run_distributed(_train_main, 2, [*args, "parallel.cp=2", "parallel.zero=deepspeed", f"run.dir={tmp_path / 'up'}"],
+                    timeout=240, env=DEEPSPEED_ENV)
     straight = losses(tmp_path / "straight")
     for resumed in ("down", "up"):
         split = losses(tmp_path / resumed)
