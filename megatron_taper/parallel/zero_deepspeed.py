@@ -6,8 +6,9 @@
                                                          (non-boundary micro-steps)
                  -> pm.optimizer_step(...)               the boundary engine.step(): clip, AdamW, zero grads
 
-Our tp groups go to DeepSpeed as `mpu` (dp group = the mesh's dp dim, model-parallel group = tp),
-so ZeRO partitions each tp rank's local tensors over its dp group, and the gradient norm counts a
+Our tp groups go to DeepSpeed as `mpu` (data-parallel group = the mesh's dp dim, or with
+context parallelism the flattened dp x cp group; model-parallel group = tp), so ZeRO partitions
+each tp rank's local tensors over its dp (x cp) group, and the gradient norm counts a
 tp-sharded parameter (marked `tensor_model_parallel`) on every tp rank and a replicated one on tp
 rank 0 only, as ParallelModel.clip_gradients does. AdamW is our own torch optimizer (DeepSpeed
 flattens its parameter groups into fp32 partitions); with optimizer offload it runs on the CPU.
@@ -20,6 +21,10 @@ context.shutdown (barrier, then destroy), as DeepSpeed may abort at exit otherwi
 DeepSpeed skips a step whose gradient norm is non-finite (in every precision); that is reported
 to the Trainer as a skipped step. A step whose loss is non-finite on any dp rank (the Trainer's
 non-finite policy) is given NaN gradients in its last backward, so DeepSpeed skips it as well.
+Context parallelism: DeepSpeed counts dp x cp data-parallel ranks (its train_batch_size is
+train.global_batch x cp: a cp group's ranks see the same sequences), averages gradients over
+them (the loss shares make that the whole-sequence gradient), and each rank feeds its slices
+(context_parallel.split_batch) and reports the mean of the shares over the cp group.
 Precision: DeepSpeed's `bf16` mode is off; its fp32 partitions run under the Trainer's bf16
 autocast (docs/precision.md).
 
