@@ -204,7 +204,7 @@ def test_resume_at_another_cp_size(tmp_path):
     train_in_process([*args, "train.exit_after=2", f"run.dir={tmp_path / 'up'}"])
     assert len(losses(tmp_path / "up")) == 2
     run_distributed(_train_main, 2, [*args, "parallel.cp=2", "parallel.zero=deepspeed", f"run.dir={tmp_path / 'up'}"],
-                    timeout=240, env=DEEPSPEED_ENV)
+                    timeout=300, env=DEEPSPEED_ENV)
     straight = losses(tmp_path / "straight")
     for resumed in ("down", "up"):
         split = losses(tmp_path / resumed)
