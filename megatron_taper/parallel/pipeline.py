@@ -73,12 +73,12 @@ class PipelineParallelModel(ParallelModel):
     _dp_bucket_bytes: float = 0.0  # zero=none, dp > 1: average_gradients' bucket size
 
     def attach_data_parallel(self, bucket_mb: float) -> None:
-        """zero=none, dp > 1: the gradients a step accumulates in this rank's chunks are averaged
-        over dp in reduce_gradients (data_parallel.average_gradients: flat buckets, after the
+        """zero=none, dp x cp > 1: the gradients a step accumulates in this rank's chunks are
+        averaged over dp x cp in reduce_gradients (data_parallel.average_gradients: flat buckets, after the
         schedule's last backward; the module doc of data_parallel.py says why not DDP)."""
         assert not self.dp_sharded and not self._schedules, "before the first step"
         self.ddp_attached = True
-        self._dp_bucket_bytes = dp_bucket_mb(bucket_mb, self.module, self.ctx.dp) * 2**20
+        self._dp_bucket_bytes = dp_bucket_mb(bucket_mb, self.module, self.ctx.dp * self.ctx.cp) * 2**20
 
     def reduce_gradients(self) -> None:
         if self.ddp_attached:
