@@ -190,3 +190,9 @@ def mac_mix(block: MACBlock, xn: torch.Tensor) -> torch.Tensor:
                                                   tuple(pasts[1:]) if rows else None)
     ends = [*state[0], *state[1], *((query_past, *past) if rows else ())]
     return _send(block, out, ends, initial)
+
+
+def wavefront_ratio(n_layers: int, cp: int) -> float:
+    """Step time at cp over the one-process step time, from the wavefront alone (module doc):
+    (L + cp - 1) block-slices of S / cp tokens against L blocks of S tokens."""
+    return (n_layers + cp - 1) / (n_layers * cp)

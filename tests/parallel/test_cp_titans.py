@@ -1,15 +1,17 @@
 """Titans under context parallelism (models/titans_cp.py) against one process.
 
 Model: 2 layers, d=32, 2 query heads over 1 kv head, vocab 101, seq_len 64 (32 tokens per cp rank),
-sliding window / MAC segment 8, memory chunks of 8 rows behind P=4 persistent tokens: rank 1's
-slice starts 4 rows into a chunk (36 = 4 x 8 + 4), so it scans that chunk again from its starting
-state with the 4 rows rank 0 sent. Cases: MAG (deep memory, convolution of 4 taps), MAL (linear
-memory), MAC (deep memory, segments carried over the boundary), MAG without convolution and
-persistent tokens (nothing but the memory state passes), MAG with a chunk of 48 rows and a window
-of 40 tokens, longer than a slice (the chunk spans both ranks and reaches into the persistent
-tokens; the window's halo is all 32 tokens of rank 0), and MAL under full activation
-checkpointing (the recomputed forward replays what the chain received). Each runs 3 AdamW steps
-of 2 micro-batches of 2 sequences (tests/helpers/cp_harness.py).
+sliding window / MAC segment 8, memory chunks of 16 rows behind P=4 persistent tokens: rank 1's
+slice starts 4 rows into a chunk (36 = 2 x 16 + 4), so it scans that chunk again from its starting
+state with the 4 rows rank 0 sent. Cases (one 2-process launch): MAG (deep memory, convolution of
+4 taps, momentum and forgetting at their defaults); MAC (deep memory; segment pasts and the
+retrieval queries' convolution carried over the boundary); MAG with a chunk of 48 rows and a
+window of 40 tokens, both longer than a slice (the chunk spans both ranks and reaches into the
+persistent tokens; the window's halo is all 32 tokens of rank 0); MAL with a linear memory, no
+convolution and 16 persistent tokens (chunks aligned with the slice: only the memory state and
+the window's halo pass, the empty tails are not sent) under full activation checkpointing (the
+recomputed forward replays what the chain received). Each runs 3 AdamW steps of 2 micro-batches
+of 2 sequences (tests/helpers/cp_harness.py).
 
 Tolerances (fp32): the cp run computes the same sums in another order (a chunk's terms with the
 rows of the previous rank computed again, attention blocks laid out from the halo's start, the
@@ -38,20 +40,19 @@ pytestmark = pytest.mark.multiprocess
 
 MODEL = ["model.arch=titans", "model.n_layers=2", "model.d_model=32", "model.n_heads=2", "model.n_kv_heads=1",
          "model.mlp_width=64", "model.taper.multiple=16", "model.vocab_size=101", "model.seq_len=64",
-         "model.titans.window=8", "model.titans.chunk_size=8", "model.titans.persistent_tokens=4",
+         "model.titans.window=8", "model.titans.chunk_size=16", "model.titans.persistent_tokens=4",
          "train.seed=11", "train.global_batch=4", "train.micro_batch=2", "train.lr=3e-3",
          "train.warmup_steps=0", "train.grad_clip=0.5", "train.eps=1e-5"]
 
 TOLERANCES = Tolerances(loss=2e-5, grad=3e-5, norm=1e-4, final=5e-5)
 
 CASES = {"mag": ["model.titans.variant=mag"],
-         "mal linear": ["model.titans.variant=mal", "model.titans.memory_depth=1"],
          "mac": ["model.titans.variant=mac"],
-         "mag no conv, aligned chunks": ["model.titans.variant=mag", "model.titans.conv_kernel=0",
-                                         "model.titans.persistent_tokens=8"],
          "mag chunk and window over the slice": ["model.titans.variant=mag", "model.titans.chunk_size=48",
                                                  "model.titans.window=40"],
-         "mal full checkpointing": ["model.titans.variant=mal", "train.activation_checkpointing=full"]}
+         "mal linear, no conv, aligned chunks, full checkpointing": [
+             "model.titans.variant=mal", "model.titans.memory_depth=1", "model.titans.conv_kernel=0",
+             "model.titans.persistent_tokens=16", "train.activation_checkpointing=full"]}
 
 
 def _worker(layouts):
