@@ -61,6 +61,8 @@ segment. That is what runs on CPU and what torch's FLOP counter sees; FlexAttent
 computes the 128-wide kv blocks that meet the window or hold persistent tokens, about W + 128 to
 W + 256 keys per query plus the persistent tokens' block: fewer than the band when W is large
 (W = 512: ~0.8x), more when it is small (W = 64: ~3x).
+
+Context parallelism (`context` set on each block): models/titans_cp.py.
 """
 from __future__ import annotations
 

@@ -26,9 +26,9 @@ Rank 0 sends the persistent tokens' effect through the state only: the tokens si
 of the memory's stream, and every rank puts them in front of its attention keys (RoPE positions
 0..P - 1, the tokens at P + their position, as in one process).
 
-Bytes per block and direction (fp32 state, activations in their dtype of `a` bytes):
-    MAG / MAL  8 B H sum_l i_l o_l + a B D (p + K - 1 + min(W - 1, r s))   (MAL: + a B D (K - 1)
-               p <= C - 1 rows more where its memory and attention inputs differ; see cp_state_bytes)
+Bytes per block and direction (cp_state_bytes; W_l, S_l in fp32, the tails in the activations'
+dtype of `a` bytes, H the heads of this tp rank):
+    MAG / MAL  8 B H sum_l i_l o_l + a B D (p + K - 1 + min(W - 1, r s))
     MAC        8 B H sum_l i_l o_l + 4 a B (K - 1) H E
 The window halo travels in the chain's message rather than by a separate previous_rows: a
 separate exchange at the start of the next layer would make rank r - 1 wait for rank r to reach
