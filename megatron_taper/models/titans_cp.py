@@ -53,11 +53,16 @@ if TYPE_CHECKING:
     from megatron_taper.config import ModelConfig, ParallelConfig
     from megatron_taper.models.titans import MACBlock, MAGBlock, MALBlock, TitansBlock
 
-MESSAGE_TENSORS = 64  # cp_state: at most this many tensors in one block's message
+MESSAGE_TENSORS = 64  # parallel/cp_state.py: at most this many tensors in one message
 
 
-def conv_rows(cfg_kernel: int) -> int:
-    return max(cfg_kernel - 1, 0)
+def conv_rows(kernel: int) -> int:
+    """Rows of a causal convolution's past: K - 1 (0 without a convolution)."""
+    return max(kernel - 1, 0)
+
+
+def conv_kernel(block: TitansBlock) -> int:
+    return 0 if block.memory.conv_k is None else block.memory.conv_k.shape[1]
 
 
 def tail_rows(persistent: int, chunk: int, kernel: int, window: int, rank: int, local: int) -> tuple[int, int]:
@@ -122,14 +127,11 @@ def _last(x: torch.Tensor, rows: int) -> torch.Tensor:
 
 def _stream_initial(block: TitansBlock, x: torch.Tensor, rank: int) -> list[torch.Tensor]:
     """MAG / MAL: [W_l..., S_l..., memory-input tail, attention tail] of cp rank `rank`'s start."""
-    memory, local, cfg_kernel = block.memory, x.shape[1], conv_kernel(block)
+    memory = block.memory
     weights, surprise = memory.init_state(x.shape[0])
-    mem, attn = tail_rows(block.persistent.shape[0], memory.chunk_size, cfg_kernel, block.window, rank, local)
+    mem, attn = tail_rows(block.persistent.shape[0], memory.chunk_size, conv_kernel(block), block.window, rank,
+                          x.shape[1])
     return [*weights, *surprise, x.new_zeros(x.shape[0], mem, x.shape[2]), x.new_zeros(x.shape[0], attn, x.shape[2])]
-
-
-def conv_kernel(block: TitansBlock) -> int:
-    return 0 if block.memory.conv_k is None else block.memory.conv_k.shape[1]
 
 
 def _memory_slice(block: TitansBlock, x: torch.Tensor, received: list[torch.Tensor]):
