@@ -200,22 +200,41 @@ def check_cp_layout(mcfg: ModelConfig, pcfg: ParallelConfig) -> None:
                           f"{local} tokens before (model.seq_len={seq} / parallel.cp); use fewer taps or a smaller cp")
 
 
-def cp_bytes_per_layer(mcfg: ModelConfig, cp: int, micro_batch: int) -> dict[str, float]:
-    """Bytes (fp32) one layer moves per micro-batch and direction under context parallelism
-    (module doc): `halo` (rank to rank), and `gathered` (linear: the all-gather's whole buffer) or
-    `chain_last` (deep: what rank cp - 2 sends to rank cp - 1, the largest message)."""
-    h, e, mc = mcfg.n_heads, mcfg.head_dim, mcfg.memory_caching
-    deep, gated = mcfg.arch == "deep_memory", mc.variant in ("grm", "soup", "ssc")
-    taps = mcfg.titans.conv_kernel if deep else mc.linear_conv_kernel
-    n = 1 if mc.variant == "none" else mcfg.seq_len // (cp * mc.segment)
-    out = {"halo": 4.0 * micro_batch * max(taps - 1, 0) * mcfg.d_model}
-    if not deep:
-        out["gathered"] = 4.0 * cp * n * micro_batch * h * (e * e + 1 + (e if gated else 0))
-        return out
-    dims = memory_dims(e, mcfg.titans.memory_depth, mcfg.titans.memory_expansion)
+def _sizes(mcfg: ModelConfig) -> tuple[bool, bool, bool, int, int]:
+    """(deep, continues, gated, convolution taps, P = sum of the memory layers' i x o)."""
+    mc, deep = mcfg.memory_caching, mcfg.arch == "deep_memory"
+    dims = memory_dims(mcfg.head_dim, mcfg.titans.memory_depth, mcfg.titans.memory_expansion) if deep else [
+        mcfg.head_dim] * 2
     p = sum(i * o for i, o in zip(dims[:-1], dims[1:]))
-    before = (cp - 1) * n
+    taps = mcfg.titans.conv_kernel if deep else mc.linear_conv_kernel
     continues = mc.variant == "none" or mc.write_mode == "checkpoint"
-    out["chain_last"] = 4.0 * micro_batch * h * (2 * p * continues + (before * p if mc.variant != "none" else 0)
-                                                 + (before * e if gated else 0))
-    return out
+    return deep, continues, mc.variant in ("grm", "soup", "ssc"), taps, p
+
+
+def segments_per_slice(mcfg: ModelConfig, cp: int) -> int:
+    mc = mcfg.memory_caching
+    return 1 if mc.variant == "none" else mcfg.seq_len // (cp * mc.segment)
+
+
+def halo_bytes(mcfg: ModelConfig, micro_batch: int, elem: int = 4) -> int:
+    """One layer's halo, sent rank r -> r + 1 forward and its gradient back (module doc)."""
+    return elem * micro_batch * max(_sizes(mcfg)[3] - 1, 0) * mcfg.d_model
+
+
+def handover_sizes(mcfg: ModelConfig, micro_batch: int, before: int, elem: int = 4) -> tuple[int, int]:
+    """(tensors, bytes) of one layer's deep-memory handover after `before` segments (the chain's
+    message, module doc; the same again for its gradient); fp32."""
+    deep, continues, gated, _, p = _sizes(mcfg)
+    caches = mcfg.memory_caching.variant != "none"
+    depth = mcfg.titans.memory_depth
+    tensors = 2 * depth * continues + depth * caches + gated
+    per_head = 2 * p * continues + before * p * caches + before * mcfg.head_dim * gated
+    return tensors, elem * micro_batch * mcfg.n_heads * per_head
+
+
+def summary_sizes(mcfg: ModelConfig, cp: int, micro_batch: int, elem: int = 4) -> tuple[int, int]:
+    """(all-gathers, bytes of their gathered buffers) of one layer's linear-memory prefix (module
+    doc; backward reduce-scatters the same)."""
+    gated, e = _sizes(mcfg)[2], mcfg.head_dim
+    n = segments_per_slice(mcfg, cp)
+    return 2 + gated, elem * cp * n * micro_batch * mcfg.n_heads * (1 + e * e + e * gated)
