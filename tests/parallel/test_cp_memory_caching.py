@@ -14,9 +14,9 @@ convolutions' 4 taps reach 3 tokens into rank 0's slice.
   relative to the largest entry (measured at most 6.1e-16 on the logits, 1.6e-14 on the gradients).
 - fp32 training (tests/helpers/cp_harness.py: 3 AdamW steps of 2 micro-batches of 2 sequences with
   clipping that bites, each rank building its layout from the same seed): linear grm, deep soup,
-  and under full activation checkpointing linear ssc and deep residual with independent writes
-  (2 processes); linear ssc and deep soup at cp=2 x tp=2 (4 processes) (its recompute replays what the chain
-  received and the prefix gathered). The first step's gradients agree to 5e-7 relative (linear)
+  and under full activation checkpointing (its recompute replays what the chain received and the
+  prefix gathered) linear ssc and deep residual with independent writes (2 processes); linear ssc
+  and deep soup at cp=2 x tp=2 (4 processes). The first step's gradients agree to 5e-7 relative (linear)
   and 5e-6 (the deep memory's soup: W_u's gradient, a sum of cancelling terms); AdamW (eps 1e-5)
   turns those roundings into update differences of up to lr x 1e-3 for small-gradient entries,
   so later gradients and the final parameters differ by up to 1.4e-5 and 2.3e-5 relative
