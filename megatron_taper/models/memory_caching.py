@@ -29,7 +29,9 @@ Cached reads cost O(L^2 / S) per sequence (each token reads the s states before 
 model (`memory_caching_layer_cost`) counts exactly the matmuls below.
 
 Tensor parallelism splits everything by head (scores, gammas and reads are per head), through
-Titans' `tp_plan_memory`; W_u is column-parallel like wq.
+Titans' `tp_plan_memory`; W_u is column-parallel like wq. Context parallelism (the mixer's
+`context`): each rank's slice is whole segments and starts from the state the slices before it
+hand over (models/memory_caching_cp.py: a prefix for the linear memory, a chain for the deep one).
 """
 from __future__ import annotations
 
