@@ -16,12 +16,12 @@ cached reads and weights over all N + i cached states).
 Linear memory (associative: a segment maps a state S to a S + U, a its decay product, U the state
 it reaches from zero): prefix. Each rank's summary is (log a, U, kbar) of each of its segments,
 [B, H, n], [B, H, n, E, E], [B, H, n, E], computed from its features without the scan
-(U = sum_j exp(l_T - l_j) b_j k_j v_j^T: 2 T E^2 FLOPs per head, a quarter of the scan's state
-work at E = C); prefix_state all-gathers them and `fold`s those of the earlier ranks, segment by
-segment, into the handover (the fold's state is the handover itself, so the cache grows as it
-folds). Nobody waits in a chain. Bytes per layer, fp32, all-gathered forward and reduce-scattered
-backward: cp x n x B x H x (E^2 + 1 [+ E gated]) x 4 in the gathered buffer (each rank receives
-(cp - 1) / cp of it); variant none: n = 1 and no kbar.
+(U = sum_j exp(l_T - l_j) b_j k_j v_j^T: 2 T E^2 FLOPs per head, a quarter of the chunked scan's
+FLOPs when E equals the chunk; not in the FLOP model); prefix_state all-gathers them and `fold`s
+those of the earlier ranks, segment by segment, into the handover (the fold's state is the
+handover itself, so the cache grows as it folds). Nobody waits in a chain. Bytes per layer, fp32,
+all-gathered forward and reduce-scattered backward: cp x n x B x H x (E^2 + 1 [+ E gated]) x 4 in
+the gathered buffer (each rank receives (cp - 1) / cp of it); variant none: n = 1 and no kbar.
 
 Deep memory (not associative): chain. Rank r receives the handover from rank r - 1 before its
 scan (receive_state) and sends the one at its end (its last state, the cache with its own
@@ -31,7 +31,12 @@ r + 1 per layer and direction, fp32: B x H x (2 x P [continuing writes] + (r + 1
 layer; the cache holds weights only). Nothing else in the layer joins the cp ranks, so the ranks
 run as a wavefront: L layers take L + cp - 1 layer-slices forward and again backward. Independent
 writes do not need the previous segment's state, but soup's scan mixes the cached states, so the
-chain carries the cache for every variant (one code path).
+chain carries the cache for every variant (one code path). The handover travels in the dtypes of
+the base's initial state (and of the keys): under bf16 autocast, where one process would continue
+from bf16 end states, rank r > 0 continues from their (exact) fp32 copies.
+
+halo_bytes, handover_sizes and summary_sizes count these messages (benchmarks/cp_memory_caching.py
+compares them with the c10d calls it records).
 
 Convolutions on q, k, v (K taps) read the last K - 1 projected inputs of the slice before:
 previous_rows of the mixer's input x [B, K - 1, D] (halo, bytes B x (K - 1) x D x 4 per layer
