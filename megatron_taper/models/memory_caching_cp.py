@@ -32,8 +32,8 @@ layer; the cache holds weights only). Nothing else in the layer joins the cp ran
 run as a wavefront: L layers take L + cp - 1 layer-slices forward and again backward. Independent
 writes do not need the previous segment's state, but soup's scan mixes the cached states, so the
 chain carries the cache for every variant (one code path). The handover travels in the dtypes of
-the base's initial state (and of the keys): under bf16 autocast, where one process would continue
-from bf16 end states, rank r > 0 continues from their (exact) fp32 copies.
+the base's initial state (fp32 parameters) and of the keys, which are those of one process's end
+states and mean keys also under bf16 autocast (the states stay fp32, the keys are bf16).
 
 halo_bytes, handover_sizes and summary_sizes count these messages (benchmarks/cp_memory_caching.py
 compares them with the c10d calls it records).
