@@ -6,7 +6,8 @@ holds segments 0-1 and rank 1 segments 2-3, which read the 2 and 3 end states ca
 (ssc's top-2 then chooses among 3); chunks of 8 (linear_chunk, titans.chunk_size); the causal
 convolutions' 4 taps reach 3 tokens into rank 0's slice.
 
-- float64, the model alone: every variant x write mode x memory, logits and every parameter's
+- float64, the model alone: every variant x write mode x memory at cp=2 (and four cases at cp=4,
+  one segment per slice), logits and every parameter's
   gradient of a fixed weighting of the logits (2 sequences), against the whole sequence in one
   process. The cp run computes the same values in another order (the linear memory's state at a
   slice start as a fold of per-segment updates instead of the chunked scan; the deep memory's
@@ -83,41 +84,62 @@ def _exact_run(overrides, split=None):
     return logits.detach(), {n: p.grad for n, p in model.named_parameters()}
 
 
-def _worker():
-    """Rank 0: the float64 runs (logits gathered over the cp ranks, gradients summed), then the
-    training records."""
-    split = SequenceSplit(2, dist.get_rank(), dist.group.WORLD, balanced=False)
-    exact = []
-    for overrides in EXACT_CASES:
+def _exact_worker(cases):
+    """The float64 runs of `cases` split over all processes: the logits gathered in rank order and
+    the gradients summed."""
+    cp = dist.get_world_size()
+    split = SequenceSplit(cp, dist.get_rank(), dist.group.WORLD, balanced=False)
+    out = []
+    for overrides in cases:
         logits, grads = _exact_run(overrides, split)
-        parts = [torch.empty_like(logits) for _ in range(2)]
+        parts = [torch.empty_like(logits) for _ in range(cp)]
         dist.all_gather(parts, logits)
         for g in grads.values():
             dist.all_reduce(g)
-        exact.append((torch.cat(parts, dim=1), grads))
-    return exact, worker([MODEL + ["parallel.cp=2", *o] for o in TRAIN_CASES.values()])
+        out.append((torch.cat(parts, dim=1), grads))
+    return out
 
 
-def test_cp2_matches_one_process():
-    """Every variant x write mode x memory in float64, and the training cases, at cp=2 (one launch)."""
-    exact, trained = run_distributed(_worker, 2, timeout=180)[0]
-    for overrides, (logits, grads) in zip(EXACT_CASES, exact):
+def _check_exact(cases, got):
+    for overrides, (logits, grads) in zip(cases, got):
         want_logits, want = _exact_run(overrides)
         errors = ((logits - want_logits).abs().max() / want_logits.abs().max(),
                   max((grads[n] - g).abs().max() / g.abs().max() for n, g in want.items()))
         print(f"float64 {overrides}: logits {errors[0]:.1e}, gradients {errors[1]:.1e}")
         assert max(errors) < EXACT, (overrides, errors)
+
+
+def _worker():
+    """Rank 0: the float64 runs, then the training records."""
+    return _exact_worker(EXACT_CASES), worker([MODEL + ["parallel.cp=2", *o] for o in TRAIN_CASES.values()])
+
+
+def test_cp2_matches_one_process():
+    """Every variant x write mode x memory in float64, and the training cases, at cp=2 (one launch)."""
+    exact, trained = run_distributed(_worker, 2, timeout=180)[0]
+    _check_exact(EXACT_CASES, exact)
     for (label, overrides), rec in zip(TRAIN_CASES.items(), trained):
         compare(rec, reference(MODEL + overrides), f"cp=2 {label}", TOL)
 
 
-def test_cp2_with_tp2_matches_one_process():
-    """4 processes, cp=2 x tp=2: the handover, its summaries and the chain hold each rank's heads
-    (the memory, W_u and the halo's projections split by head); fp32 training as above."""
-    cases = {"linear_memory ssc": _case("linear_memory", "ssc"), "deep_memory soup": _case("deep_memory", "soup")}
-    got = run_distributed(worker, 4, [MODEL + ["parallel.cp=2", "parallel.tp=2", *o] for o in cases.values()],
-                          timeout=180)[0]
-    for (label, overrides), rec in zip(cases.items(), got):
+CP4_CASES = [_case("linear_memory", "grm"),
+             _case("linear_memory", "ssc", "model.memory_caching.write_mode=independent"),
+             _case("deep_memory", "soup"), _case("deep_memory", "none")]
+TP_CASES = {"linear_memory ssc": _case("linear_memory", "ssc"), "deep_memory soup": _case("deep_memory", "soup")}
+
+
+def _four_worker():
+    """cp=4 in float64 (the prefix folds 3 ranks' summaries, the chain runs 3 hops), then cp=2 x tp=2 training."""
+    return _exact_worker(CP4_CASES), worker([MODEL + ["parallel.cp=2", "parallel.tp=2", *o] for o in TP_CASES.values()])
+
+
+def test_cp4_and_cp2_with_tp2_match_one_process():
+    """4 processes: cp=4 (one segment per slice; the last reads the 3 cached before it) in float64,
+    and cp=2 x tp=2 training, where the handover, its summaries and the chain hold each tp rank's
+    heads (the memory, W_u and the halo's projections split by head); tolerances as above."""
+    exact, trained = run_distributed(_four_worker, 4, timeout=180)[0]
+    _check_exact(CP4_CASES, exact)
+    for (label, overrides), rec in zip(TP_CASES.items(), trained):
         compare(rec, reference(MODEL + overrides), f"cp=2 x tp=2 {label}", TOL)
 
 
