@@ -150,19 +150,26 @@ def tree_slice_prefixes(compose: Callable[[torch.Tensor], torch.Tensor], leaves:
                         count: SweepCount) -> torch.Tensor:
     """This cp rank's prefix states [B, s, D] of the whole sequence's tree, for its contiguous slice
     leaves [B, s, D] (s = S / cp a power of two, so the slice is one aligned block of the tree:
-    module doc). The slices' roots are all-gathered; every rank folds those of the ranks before it
-    with the tree over roots (P(r s), the prefix before its slice) and starts its down-sweep there."""
+    module doc). The slices' roots are all-gathered ([cp, B, D], backward: reduce-scatter)."""
     from megatron_taper.parallel.cp_state import gather_states, tie  # the model file stays single-device
 
     nodes = up_sweep(compose, leaves, count)
     roots = gather_states(split, nodes[-1][:, 0])  # [cp, B, D]: the root of every slice
-    rank = split.rank
+    return tie(prefixes_after(compose, nodes, roots[:split.rank + 1].transpose(0, 1), count), roots)
+
+
+def prefixes_after(compose: Callable[[torch.Tensor], torch.Tensor], nodes: list[torch.Tensor],
+                   roots: torch.Tensor, count: SweepCount) -> torch.Tensor:
+    """The prefix states [B, s, D] of slice r from its up_sweep nodes and roots [B, r + 1, D], the
+    roots of slices 0 .. r: the tree over the roots gives P(r s), the prefix before the slice, where
+    its down-sweep starts, and P((r + 1) s), its last prefix (a node of the tree over roots, not
+    P(r s) folded with the slice's root)."""
+    rank = roots.shape[1] - 1
     if rank == 0:
-        return tie(down_sweep(compose, nodes, count), roots)
-    before = tree_prefixes(compose, roots[:rank + 1].transpose(0, 1), count)  # [B, r + 1, D]: P(s), ..
+        return down_sweep(compose, nodes, count)
+    before = tree_prefixes(compose, roots, count)  # [B, r + 1, D]: P(s), P(2 s), .., P((r + 1) s)
     prefixes = down_sweep(compose, nodes, count, start=before[:, rank - 1])
-    # the slice's last prefix P((r + 1) s) is a node of the tree over roots, not start folded with the root
-    return tie(torch.cat([prefixes[:, :-1], before[:, rank:]], dim=1), roots)
+    return torch.cat([prefixes[:, :-1], before[:, rank:]], dim=1)
 
 
 class TreeLayer(nn.Module):

@@ -1,10 +1,16 @@
 """Context parallelism (contiguous split, parallel/cp_state.py) for Hope-attention, the tree LM and
 the memory bridge, against one process."""
+import re
+
 import pytest
 import torch
 
 from megatron_taper.build import build_run
 from megatron_taper.config import load_config
+from megatron_taper.models import build_model
+from megatron_taper.models.tree_lm import SweepCount, prefixes_after, tree_prefixes, up_sweep
+from megatron_taper.preflight import preflight
+from megatron_taper.validation import ConfigError
 from tests.helpers.cp_harness import Tolerances, compare, reference, train
 from tests.helpers.harness import run_distributed
 
@@ -29,12 +35,19 @@ BRIDGE_TOL = Tolerances(final=2e-4, grad_floor=1e-5)
 
 CASES = {
     "hope": [*HOPE],
+    # level 0 (C_0 = 16) chained, level 1 (C_1 = 64 = S) never updated within the sequence: not chained
+    "hope, one level unchained": [*HOPE[:2], "model.hope.chunk_size=16", "model.hope.chunk_growth=4"],
+    "hope offline": [*HOPE, "model.hope.online=false", "model.hope.levels=3"],
+    # the recomputed forward replays what each receive got; recomputed sends send nothing
+    "hope, full checkpointing": [*HOPE, "train.activation_checkpointing=full"],
     "tree": ["model.arch=tree", "model.n_layers=1", "model.tree.cell_width=48"],
     "bridge": [*BRIDGE],
     "bridge aux next_hidden": [*BRIDGE, "model.bridge.aux_weight=0.5"],
     "bridge aux random, one segment per slice": [*BRIDGE[:-1], "model.bridge.segment=32", "model.bridge.aux_weight=0.5",
                                                  "model.bridge.aux_target=random"],
     "bridge carry_state": [*BRIDGE, "model.bridge.carry_state=true"],
+    "bridge carry_state, full checkpointing": [*BRIDGE, "model.bridge.carry_state=true", "model.bridge.aux_weight=0.5",
+                                               "train.activation_checkpointing=full"],
 }
 
 
@@ -56,3 +69,37 @@ def test_cp2_matches_one_process():
             for mine, want in zip(got[rank][case]["carried"], ref["carried"], strict=True):
                 for a, b in zip(mine["states"], want["states"], strict=True):
                     torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("cp", [2, 3, 4])
+def test_tree_slices_fold_into_the_whole_sequence_tree(cp):
+    """The tree's cp arithmetic in one process, every rank of cp = 2, 3, 4 (the chain-free fold
+    over the gathered roots; rank r >= 2 folds a start state through the down-sweep): each slice's
+    prefixes equal the whole sequence's within 1e-5 (fp32 cell compositions in another grouping
+    of the same tree, values of order 1: measured 5e-7)."""
+    cfg = load_config(None, [*BASE, "model.arch=tree", "model.n_layers=1", f"model.seq_len={16 * cp}"]).model
+    model = build_model(cfg)
+    model.init_weights(0)
+    cell = model.layers["0"].cell
+    leaves = torch.randn(2, 16 * cp, cfg.d_model, generator=torch.Generator().manual_seed(cp))
+    with torch.no_grad():
+        whole = tree_prefixes(cell, leaves)
+        nodes = [up_sweep(cell, piece, SweepCount()) for piece in leaves.split(16, dim=1)]
+        roots = torch.stack([n[-1][:, 0] for n in nodes], dim=1)  # [B, cp, D]
+        for rank in range(cp):
+            got = prefixes_after(cell, nodes[rank], roots[:, :rank + 1], SweepCount())
+            torch.testing.assert_close(got, whole[:, 16 * rank:16 * (rank + 1)], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    ([*HOPE, "model.seq_len=48"], "parallel.cp=2: each rank's slice of model.seq_len=48 (24 tokens) must hold whole "
+                                  "chunks of CMS level 1 (C_1 = model.hope.chunk_size x model.hope.chunk_growth^1"),
+    (["model.arch=tree", "model.n_layers=1", "model.seq_len=48"],
+     "parallel.cp=2: model.arch='tree' needs each rank's slice model.seq_len / parallel.cp = 48/2 = 24 tokens to be a "
+     "power of two"),
+    ([*BRIDGE, "model.bridge.segment=12"], "parallel.cp=2: each rank's slice of model.seq_len=64 (32 tokens) must hold "
+                                           "whole segments of model.bridge.segment=12"),
+])
+def test_layouts_that_cut_the_state_are_refused(overrides, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        preflight(load_config(None, [*BASE, "parallel.cp=2", *overrides]), 2)
