@@ -149,7 +149,8 @@ def test_split_covers_the_sequence_once():
 
 @pytest.mark.parametrize("overrides,world,message", [
     (["model.arch=titans"], 2, "parallel.cp=2: model.arch='titans' does not support context parallelism yet "
-                               "(families that do: transformer, gated_attention); use parallel.cp=1"),
+                               "(families that do: transformer, gated_attention, hope_attention, tree, bridge); "
+                               "use parallel.cp=1"),
     (["model.seq_len=62"], 2, "needs model.seq_len=62 divisible by 2 x parallel.cp = 4"),
     (["parallel.pp=2"], 4, "parallel.cp=2 with parallel.pp=2 is not supported yet"),
     (["parallel.zero=fsdp2"], 2, "parallel.cp=2 with parallel.zero=fsdp2 is not supported yet"),
