@@ -35,6 +35,15 @@ Tensor parallelism splits every level's width like a SwiGLU's (w1, w3 by rows, w
 A shard's update needs the whole output error: each chunk's partial outputs (with the partial
 ||h_t||^2) are all-reduced once, and the sum re-enters the shard's update through f (identity
 forward, all-reduce backward), as does eta; everything else in the update stays on its shard.
+
+Context parallelism (contiguous split, parallel/cp_state.py): attention is the Transformer's
+(all-gather or ring over the whole sequence); each online level whose period C_l is shorter
+than the sequence (`chained_levels`) starts cp rank r's slice from the fast weights rank r - 1's
+slice ended with (receive_state; [B, 2W, D] and [B, D, W]), makes the update at its slice's last
+chunk unless it is the sequence's last, and hands the weights on (send_state), gradients flowing
+back the same way: cp_state_bytes per layer and direction. The slice must hold whole chunks of
+every chained level (check_hope_layout). Because attention makes every cp rank meet in each
+layer, the chain is serial per layer: the CMS part of a layer takes cp times its one-slice time.
 """
 from __future__ import annotations
 

@@ -57,6 +57,14 @@ block's input), and the partition weighs that block with the bridge's FLOPs. Act
 checkpointing applies as to the Transformer; ZeRO and torch.compile take its code paths but are
 not tested with the bridge; data and tensor parallelism are tested with `carry_state` (dp=2, tp=2
 against one process), which is refused with pp > 1 and DeepSpeed (check_bridge_layout).
+
+Context parallelism (contiguous split; slices of whole segments, check_bridge_layout): cp rank r's
+slice starts from the state rank r - 1's slice ended with and hands its own end state on
+(parallel/cp_state.py's chain: [B, m, D] once per window and direction); the auxiliary loss is each
+rank's share of the whole sequence's mean. Attention makes every cp rank meet in each block, so the
+bridge's writes run in turn: cp times one slice's. With `carry_state` S_n is the last cp rank's;
+`take_state` broadcasts it over the cp group (B m D once per micro-batch), so cp rank 0 starts the
+row's next window from it and every rank saves the same state in its checkpoint.
 """
 from __future__ import annotations
 
@@ -319,6 +327,12 @@ def bridge_block_cost(cfg: ModelConfig, index: int, causal: bool = True) -> Cost
     if not cfg.bridge.slots or index != bridge_layer(cfg):
         return Cost(0, 0.0)
     return Cost(bridge_params(cfg), bridge_flops(cfg) / cfg.seq_len)
+
+
+def cp_state_bytes(cfg: ModelConfig, micro_batch: int, dtype_bytes: int = 4) -> int:
+    """Bytes a cp rank sends to the next per micro-batch forward (and the same back, their
+    gradient): the bridge state [B, m, D], once (one bridge per model)."""
+    return micro_batch * cfg.bridge.slots * cfg.d_model * dtype_bytes
 
 
 def tp_plan_bridge_block(block: BridgeBlock, prefix: str, cfg: ModelConfig, tp: TPBuilder) -> None:

@@ -32,6 +32,14 @@ Parallelism: tensor parallelism splits the cell's hidden width C like an MLP (W_
 parallel, W_out row-parallel: one all-reduce of [pairs, 4D] per cell level) and the SwiGLU as in
 the Transformer; pipeline parallelism (one layer: nothing to split) and sequence parallelism (the
 tree spans the whole sequence) are refused.
+
+Context parallelism (contiguous split): with a slice of s = S / cp tokens, s a power of two
+(check_tree_layout), cp rank r's slice [r s, (r+1) s) is one aligned block of the tree, whose
+nodes it computes alone (up_sweep); every node above the slices is a node of the same tree over
+the slices' roots. The roots ([B, D] each) are all-gathered (gather_states; backward
+reduce-scatter), rank r runs the tree over roots 0 .. r (P(s), .., P((r+1) s)) and its down-sweep
+from start = P(r s) (prefixes_after): no chain, every rank works at once. Extra cell
+applications per rank: those of the tree over r + 1 roots and one level of log2(s) + 1 pairs.
 """
 from __future__ import annotations
 
@@ -231,6 +239,13 @@ def tree_layer_cost(cfg: ModelConfig, width: int, causal: bool = True) -> Cost:
     backward = Split(seq=d, whole=1.5 * d, width=c)
     cell = Cost(cell_params + d, cell_flops, tp_params=tp_params, act=act, backward=(backward,))
     return cell + swiglu_cost(cfg, width)
+
+
+def cp_gather_bytes(cfg: ModelConfig, cp: int, micro_batch: int, dtype_bytes: int = 4) -> int:
+    """The all-gathered roots of one micro-batch under context parallelism: [cp, B, D] (the
+    full buffer; a rank receives (cp - 1) / cp of it forward, and the reduce-scatter backward
+    moves as much); no point-to-point traffic and no chain."""
+    return cp * micro_batch * cfg.d_model * dtype_bytes if cp > 1 else 0
 
 
 def tp_plan_tree_layer(block: TreeLayer, prefix: str, cfg: ModelConfig, tp: TPBuilder) -> None:
