@@ -10,8 +10,9 @@ with carry_state carrying each row's state from step to step.
 
 Tolerances (fp32): the harness's defaults (tests/parallel/test_context_parallel.py's reasoning:
 the same sums in another order, a few float32 roundings of values of order 1 to 10): losses 2e-5
-absolute (measured <= 4.8e-7), gradients 1e-5 relative to each parameter's largest entry (measured
-<= 6.4e-6, Hope: its fast weights are sums over chunks of products of activations), gradient
+absolute (measured <= 4.8e-7), gradients 1e-5 relative to each parameter's largest entry (tree,
+bridge: measured <= 3.6e-6; Hope 3e-5, HOPE_TOL: its outer gradients pass back through every
+update of the fast weights, sums over a chunk of products of activations, measured <= 7.9e-6), gradient
 norms 1e-4 (measured <= 2.5e-7), final parameters 2e-5 (measured <= 4.7e-6); the bridge's below
 (BRIDGE_TOL). The carried state each cp rank would checkpoint equals the one-process state within
 1e-5 absolute (values of order 1).
@@ -46,12 +47,15 @@ BRIDGE = ["model.arch=bridge", "model.bridge.slots=4", "model.bridge.segment=8"]
 # gradients are zero up to rounding (largest entries 1e-11 against 1e-3 to 1e-1 elsewhere): gradients
 # are compared relative to at least 1e-5 (measured 2e-11 absolute there)
 BRIDGE_TOL = Tolerances(final=2e-4, grad_floor=1e-5)
+HOPE_TOL = Tolerances(grad=3e-5)
 
 CASES = {
     "hope": [*HOPE],
     # level 0 (C_0 = 16) chained, level 1 (C_1 = 64 = S) never updated within the sequence: not chained
     "hope, one level unchained": [*HOPE[:2], "model.hope.chunk_size=16", "model.hope.chunk_growth=4"],
-    "hope, ring attention": [*HOPE, "parallel.cp_attention=ring"],  # the ring over the contiguous split
+    # the ring over the contiguous split; level 1 (C_1 = 32) has one chunk per slice: rank 0 updates
+    # it once (its last chunk, for rank 1), rank 1 not at all
+    "hope, ring attention": [*HOPE, "model.hope.chunk_size=16", "parallel.cp_attention=ring"],
     # the recomputed forward replays what each receive got; recomputed sends send nothing
     "hope, full checkpointing": [*HOPE, "train.activation_checkpointing=full"],
     "tree": ["model.arch=tree", "model.n_layers=1", "model.tree.cell_width=48"],
@@ -79,7 +83,8 @@ def test_cp2_matches_one_process():
     got = run_distributed(_worker, 2, [[*BASE, "parallel.cp=2", *o] for o in CASES.values()], timeout=120)
     for case, (label, overrides) in enumerate(CASES.items()):
         ref = reference([*BASE, *overrides])
-        compare(got[0][case], ref, f"cp=2 {label}", BRIDGE_TOL if "bridge" in label else None)
+        tol = BRIDGE_TOL if label.startswith("bridge") else HOPE_TOL if label.startswith("hope") else None
+        compare(got[0][case], ref, f"cp=2 {label}", tol)
         for rank in range(2):  # what each rank's checkpoint saves: the one-process state
             for mine, want in zip(got[rank][case]["carried"], ref["carried"], strict=True):
                 for a, b in zip(mine["states"], want["states"], strict=True):
