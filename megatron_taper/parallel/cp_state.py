@@ -144,10 +144,15 @@ class _SendState(torch.autograd.Function):
         ctx.split, ctx.tag, ctx.like = split, tag, _like(state)
         if not _recomputing():
             _p2p(split, _STATE_TAGS, tag, to_next=state)
+        ctx.save_for_backward(y)  # only for its unpacking in backward (below)
         return y.view_as(y)
 
     @staticmethod
     def backward(ctx, grad):
+        # under activation checkpointing, unpacking a saved tensor recomputes the region first, as
+        # rank r + 1 does before it sends this gradient: a collective in the region (attention's
+        # all-gather) then runs on both ranks before this rank waits (without it they deadlock)
+        _ = ctx.saved_tensors
         grads = _empty(ctx.like)
         _p2p(ctx.split, _GRAD_TAGS, ctx.tag, from_next=grads)
         return (None, None, grad, *grads)

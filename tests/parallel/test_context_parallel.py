@@ -148,7 +148,6 @@ def test_split_covers_the_sequence_once():
 
 
 @pytest.mark.parametrize("overrides,world,message", [
-    (["model.arch=bridge"], 2, "parallel.cp=2: model.arch='bridge' does not support context parallelism yet "),
     (["model.seq_len=62"], 2, "needs model.seq_len=62 divisible by 2 x parallel.cp = 4"),
     (["parallel.pp=2"], 4, "parallel.cp=2 with parallel.pp=2 is not supported yet"),
     (["parallel.zero=fsdp2"], 2, "parallel.cp=2 with parallel.zero=fsdp2 is not supported yet"),
