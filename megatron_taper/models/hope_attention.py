@@ -35,6 +35,15 @@ Tensor parallelism splits every level's width like a SwiGLU's (w1, w3 by rows, w
 A shard's update needs the whole output error: each chunk's partial outputs (with the partial
 ||h_t||^2) are all-reduced once, and the sum re-enters the shard's update through f (identity
 forward, all-reduce backward), as does eta; everything else in the update stays on its shard.
+
+Context parallelism (contiguous split, parallel/cp_state.py): attention is the Transformer's
+(all-gather or ring over the whole sequence); each online level whose period C_l is shorter
+than the sequence (`chained_levels`) starts cp rank r's slice from the fast weights rank r - 1's
+slice ended with (receive_state; [B, 2W, D] and [B, D, W]), makes the update at its slice's last
+chunk unless it is the sequence's last, and hands the weights on (send_state), gradients flowing
+back the same way: cp_state_bytes per layer and direction. The slice must hold whole chunks of
+every chained level (check_hope_layout). Because attention makes every cp rank meet in each
+layer, the chain is serial per layer: the CMS part of a layer takes cp times its one-slice time.
 """
 from __future__ import annotations
 
@@ -54,9 +63,10 @@ from megatron_taper.models.init import RESIDUAL_OUT, init_tensor
 from megatron_taper.models.layers import RMSNorm
 from megatron_taper.models.spec import FamilySpec
 from megatron_taper.models.transformer import Transformer, TransformerBlock
+from megatron_taper.validation import ConfigError
 
 if TYPE_CHECKING:
-    from megatron_taper.config import ModelConfig
+    from megatron_taper.config import ModelConfig, ParallelConfig
     from megatron_taper.models.cards import HopeConfig
     from megatron_taper.parallel.tp_plan import TPBuilder
 
@@ -135,6 +145,7 @@ class ContinuumLevel(nn.Module):
         # eta = softplus(raw_step): the learnable step size of the online updates
         self.raw_step = nn.Parameter(torch.empty(1)) if period else None
         self.comm = LevelComm()
+        self.context = None  # a contiguous context-parallel split (module doc), or None
 
     def forward(self, n: torch.Tensor) -> torch.Tensor:
         """n: the level's normalised input [B, S, D] -> its output [B, S, D]."""
@@ -144,14 +155,23 @@ class ContinuumLevel(nn.Module):
         return self.comm.leave(self.online(n, (torch.cat((self.w1, self.w3)), self.w2)))
 
     def online(self, n: torch.Tensor, weights: Weights) -> torch.Tensor:
-        """Chunk by chunk: read with the weights at the chunk's start, then update them."""
+        """Chunk by chunk: read with the weights at the chunk's start, then update them. Under
+        context parallelism the slice starts from the weights the slice before it ended with."""
         step = self.comm.reenter(F.softplus(self.raw_step))
+        split = self.context
+        chained = split is not None and split.cp > 1 and n.shape[1] * split.cp > self.period
+        if chained:  # the model file stays single-device until context parallelism is applied
+            from megatron_taper.parallel.cp_state import receive_state, send_state
+        if chained and split.rank > 0:  # the fast weights of rank r - 1's end: [B, 2W, D], [B, D, W]
+            weights = receive_state(split, self.context_tag, tuple(w.expand(n.shape[0], *w.shape) for w in weights))
+        # the sequence's last chunk makes no update (nothing reads it); a slice before the last ends with one
+        last_updates = chained and split.rank < split.cp - 1
         chunks = n.split(self.period, dim=1)
-        outs = []
+        outs, updates = [], 0
         for index, chunk in enumerate(chunks):
             acts = SwiGLUActivations.of(chunk, weights[0])
             y = acts.h @ weights[1].transpose(-1, -2)  # [B, C, D], partial sums over width shards
-            if index == len(chunks) - 1:  # nothing reads the last chunk's update
+            if index == len(chunks) - 1 and not last_updates:
                 outs.append(self.comm.sum_partial(y))
                 break
             h_sq = acts.h.square().sum(-1, keepdim=True)  # [B, C, 1], partial sums over width shards
@@ -159,9 +179,12 @@ class ContinuumLevel(nn.Module):
             outs.append(whole[..., :-1])
             inner = self.comm.reenter(whole)
             weights = inner_step(weights, chunk, acts, inner[..., :-1], inner[..., -1], step)
+            updates += 1
         out = torch.cat(outs, dim=1)
-        # one chunk runs no update; eta still joins the graph for a (zero) gradient, as DDP needs
-        return out if len(chunks) > 1 else out + 0.0 * step
+        if last_updates:  # rank r + 1 starts from these weights (cp_state.py's chain)
+            return send_state(split, self.context_tag, out, weights)
+        # no update ran; eta still joins the graph for a (zero) gradient, as DDP needs
+        return out if updates else out + 0.0 * step
 
 
 class HopeAttentionBlock(TransformerBlock):
@@ -314,7 +337,35 @@ def cms_feedforward(block: HopeAttentionBlock, h: torch.Tensor, states: list[Onl
     return h
 
 
+def chained_levels(cfg: ModelConfig, cp: int) -> list[int]:
+    """The online levels whose fast weights pass from cp slice to slice: those updated within the
+    sequence (C_l < seq_len); the others read their outer weights on every rank."""
+    if not cfg.hope.online or cp == 1:
+        return []
+    return [level for level in range(cfg.hope.levels) if level_period(cfg.hope, level) < cfg.seq_len]
+
+
+def cp_state_bytes(cfg: ModelConfig, width: int, micro_batch: int, dtype_bytes: int = 4) -> int:
+    """Bytes one rank sends to the next per layer and micro-batch, forward (and the same back,
+    their gradient): the fast weights [B, 2W, D] and [B, D, W] of every chained level."""
+    return len(chained_levels(cfg, 2)) * micro_batch * 3 * width * cfg.d_model * dtype_bytes
+
+
+def check_hope_layout(m: ModelConfig, p: ParallelConfig) -> None:
+    if p.cp == 1:
+        return
+    local = m.seq_len // p.cp
+    for level in chained_levels(m, p.cp):
+        period = level_period(m.hope, level)
+        if local % period:
+            raise ConfigError(f"parallel.cp={p.cp}: each rank's slice of model.seq_len={m.seq_len} ({local} tokens) "
+                              f"must hold whole chunks of CMS level {level} (C_{level} = model.hope.chunk_size x "
+                              f"model.hope.chunk_growth^{level} = {period} tokens), whose fast weights pass from "
+                              f"slice to slice; choose model.seq_len / parallel.cp divisible by {period}")
+
+
 SPECS = (FamilySpec(card=HOPE_ATTENTION, build=HopeAttention, layer_cost=hope_attention_layer_cost,
-                    tp_block_plan=tp_plan_hope_attention_block,
+                    tp_block_plan=tp_plan_hope_attention_block, check_layout=check_hope_layout,
+                    context_parallel=True, cp_balanced=False,
                     decoder=functools.partial(kv_decoder, block_class=HopeAttentionBlock, feedforward=cms_feedforward,
                                               block_state=online_level_states)),)

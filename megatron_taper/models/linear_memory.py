@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron_taper.models.titans import NeuralMemory, ReadMix, State, mlp_read
+from megatron_taper.models.titans import ConvPast, NeuralMemory, ReadMix, State, mlp_read
 
 if TYPE_CHECKING:
     from megatron_taper.config import ModelConfig
@@ -66,11 +66,13 @@ class LinearMemory(nn.Module):
         self.out_norm_weight = nn.Parameter(torch.ones(h * e))
         self.wo = nn.Linear(h * e, d, bias=False)
 
-    def project(self, x_kv: torch.Tensor, x_q: torch.Tensor, past: None = None) -> tuple[LinearFeatures, None]:
-        """k, v, q, log a, b of x_kv / x_q [B, T, D] (sequences that start here)."""
-        k = self.heads(self.wk, self.conv_k, x_kv)[0]
-        v = self.heads(self.wv, self.conv_v, x_kv)[0]
-        q = self.heads(self.wq, self.conv_q, x_q)[0]
+    def project(self, x_kv: torch.Tensor, x_q: torch.Tensor, past: ConvPast = None) -> tuple[LinearFeatures, None]:
+        """k, v, q, log a, b of x_kv / x_q [B, T, D], which continue the sequences whose convolution
+        inputs `past` holds (None = they start here)."""
+        pk, pv, pq = past or (None, None, None)
+        k = self.heads(self.wk, self.conv_k, x_kv, pk)[0]
+        v = self.heads(self.wv, self.conv_v, x_kv, pv)[0]
+        q = self.heads(self.wq, self.conv_q, x_q, pq)[0]
         g = self.gates(x_kv).unflatten(-1, (-1, 2)).permute(3, 0, 2, 1)  # [2, B, H, T]
         return (k, v, q, F.logsigmoid(g[0] + self.decay_offset), torch.sigmoid(g[1])), None
 

@@ -57,12 +57,21 @@ block's input), and the partition weighs that block with the bridge's FLOPs. Act
 checkpointing applies as to the Transformer; ZeRO and torch.compile take its code paths but are
 not tested with the bridge; data and tensor parallelism are tested with `carry_state` (dp=2, tp=2
 against one process), which is refused with pp > 1 and DeepSpeed (check_bridge_layout).
+
+Context parallelism (contiguous split; slices of whole segments, check_bridge_layout): cp rank r's
+slice starts from the state rank r - 1's slice ended with and hands its own end state on
+(parallel/cp_state.py's chain: [B, m, D] once per window and direction); the auxiliary loss is each
+rank's share of the whole sequence's mean. Attention makes every cp rank meet in each block, so the
+bridge's writes run in turn: cp times one slice's. With `carry_state` S_n is the last cp rank's;
+`take_state` broadcasts it over the cp group (B m D once per micro-batch), so cp rank 0 starts the
+row's next window from it and every rank saves the same state in its checkpoint.
 """
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -145,6 +154,7 @@ class MemoryBridge(nn.Module):
         self.carry_state = b.carry_state
         self.carry_in: tuple[torch.Tensor | None, torch.Tensor] | None = None  # (previous S_n, continues)
         self.carry_out: torch.Tensor | None = None  # S_n of the last forward [B, m, D], detached
+        self.context = None  # a contiguous context-parallel split (module doc), or None
 
     def initial_state(self, x: torch.Tensor) -> torch.Tensor:
         """S_0 [B, m, D] in x's dtype: the carried state where a row continues, else init_state (a copy:
@@ -163,6 +173,10 @@ class MemoryBridge(nn.Module):
         normed = self.write_input_norm(x)
         k, v = self.write.heads(self.write.wk(normed)), self.write.heads(self.write.wv(normed))  # [B, H, S, E]
         state = self.initial_state(x)  # [B, m, D]
+        split = self.split()
+        if split is not None and split.rank > 0:  # the state rank r - 1's slice ended with [B, m, D]
+            from megatron_taper.parallel.cp_state import receive_state  # the model file stays single-device
+            (state,) = receive_state(split, self.context_tag, (state,))
         out = [state]
         for start, end in bounds[: len(bounds) if last else len(bounds) - 1]:
             q = self.write.heads(self.write.wq(self.write_state_norm(state)))  # [B, H, m, E]
@@ -172,13 +186,24 @@ class MemoryBridge(nn.Module):
             out.append(state)
         return torch.stack(out, dim=1)
 
+    def split(self):
+        """The context-parallel split this bridge's input is a slice of (contiguous, whole
+        segments: check_bridge_layout), or None."""
+        return self.context if self.context is not None and self.context.cp > 1 else None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [B, S, D] -> x plus the gated read of each segment's state."""
+        """x [B, S, D] -> x plus the gated read of each segment's state. Under context
+        parallelism x is this rank's slice: it starts from the state rank r - 1's slice ended
+        with, and hands its own end state to rank r + 1 (cp_state.py's chain)."""
         bsz, seq, dim = x.shape
-        states = self.states(x, last=self.carry_state)  # [B, n (+1 with carry_state), m, D]
-        if self.carry_state:
-            self.carry_out = states[:, -1].detach()
+        split = self.split()
+        sends = split is not None and split.rank < split.cp - 1
+        states = self.states(x, last=self.carry_state or sends)  # [B, n (+1: the end state), m, D]
+        end = states[:, -1] if self.carry_state or sends else None
+        if end is not None:
             states = states[:, :-1]
+        if self.carry_state:  # under cp: the last rank's is S_n (take_state hands it to every cp rank)
+            self.carry_out = end.detach()
         n, t = states.shape[1], self.segment
         normed = self.read_norm(x)
         q = F.pad(self.read.wq(normed), (0, 0, 0, n * t - seq))  # [B, n*T, H*E], zero rows pad the last segment
@@ -187,22 +212,40 @@ class MemoryBridge(nn.Module):
         k, v = self.read.heads(self.read.wk(s)), self.read.heads(self.read.wv(s))  # [B, n, H, m, E]
         r = self.read.attend(q, k, v).view(bsz, n * t, dim)[:, :seq]  # [B, S, D]
         out = x + torch.sigmoid(self.gate(normed)) * r
-        if self.aux_head is not None and self.training and torch.is_grad_enabled() and n > 1:
+        cp = 1 if split is None else split.cp
+        if self.aux_head is not None and self.training and torch.is_grad_enabled() and n * cp > 1:
             out = AuxLossCarrier.apply(out, self.aux_loss(x, states), self.aux_weight)
+        if split is not None:
+            from megatron_taper.parallel.cp_state import send_state, tie  # the model file stays single-device
+            if end is None and n == 1:  # a last slice of one segment writes nothing: zero gradients (DDP)
+                out = tie(out, *(p for m in (self.write_input_norm, self.write_state_norm, self.write, self.gru)
+                                 for p in m.parameters()))
+            if sends:  # rank r + 1 starts from this slice's end state
+                out = send_state(split, self.context_tag, out, (end,))
         return out
 
     def aux_loss(self, x: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
         """x: the bridge's input [B, S, D]; states: S_0 .. S_{n-1}. The mean squared error of the
-        next-segment predictions from S_1 .. S_{n-1} (module docstring)."""
-        pred = self.aux_head(states[:, 1:].mean(2))  # [B, n-1, D]
+        next-segment predictions from S_1 .. S_{n-1} (module docstring). Under context parallelism
+        x and states are this rank's slice's (global segments k0 .. k0 + n - 1): its share of that
+        mean is the sum of its own errors x cp / the count of the whole sequence, so that the mean
+        of the shares over the cp group (DDP's gradient average) is the mean."""
+        split = self.split()
+        n = states.shape[1]
+        first = 0 if split is None else split.rank * n  # the global index of states[:, 0]
+        skip = 1 if first == 0 else 0  # S_0 predicts nothing
+        pred = self.aux_head(states[:, skip:].mean(2))  # [B, n - skip, D]
         if self.aux_target == "random":
             generator = torch.Generator().manual_seed(RANDOM_TARGET_SEED)
-            target = torch.randn(states.shape[1], x.shape[-1], generator=generator)[1:].to(x.device, x.dtype)
+            target = torch.randn(first + n, x.shape[-1], generator=generator)[first + skip:].to(x.device, x.dtype)
             target = target.expand_as(pred)
         else:
-            means = torch.stack([x[:, a:b].mean(1) for a, b in segment_bounds(x.shape[1], self.segment)[1:]], 1)
-            target = F.rms_norm(means.detach(), (x.shape[-1],))
-        return (pred.float() - target.float()).square().mean()
+            means = torch.stack([x[:, a:b].mean(1) for a, b in segment_bounds(x.shape[1], self.segment)], 1)
+            target = F.rms_norm(means[:, skip:].detach(), (x.shape[-1],))
+        errors = (pred.float() - target.float()).square()
+        if split is None:
+            return errors.mean()
+        return errors.sum() * split.cp / (errors.shape[0] * (n * split.cp - 1) * errors.shape[-1])
 
 
 class BridgeBlock(TransformerBlock):
@@ -286,6 +329,12 @@ def bridge_block_cost(cfg: ModelConfig, index: int, causal: bool = True) -> Cost
     return Cost(bridge_params(cfg), bridge_flops(cfg) / cfg.seq_len)
 
 
+def cp_state_bytes(cfg: ModelConfig, micro_batch: int, dtype_bytes: int = 4) -> int:
+    """Bytes a cp rank sends to the next per micro-batch forward (and the same back, their
+    gradient): the bridge state [B, m, D], once (one bridge per model)."""
+    return micro_batch * cfg.bridge.slots * cfg.d_model * dtype_bytes
+
+
 def tp_plan_bridge_block(block: BridgeBlock, prefix: str, cfg: ModelConfig, tp: TPBuilder) -> None:
     """The Transformer's plan; the bridge replicated (its input, the residual stream, is whole on
     every tp rank without sequence parallelism, which check_bridge_layout refuses)."""
@@ -305,6 +354,11 @@ def check_bridge_layout(mcfg: ModelConfig, pcfg: ParallelConfig) -> None:
         raise ConfigError("parallel.sequence_parallel is not supported for model.arch='bridge' (the bridge reads "
                           "and writes whole segments, which sequence parallelism splits over the tp ranks); set "
                           "it to false")
+    if pcfg.cp > 1 and mcfg.bridge.slots and (mcfg.seq_len // pcfg.cp) % mcfg.bridge.segment:
+        raise ConfigError(f"parallel.cp={pcfg.cp}: each rank's slice of model.seq_len={mcfg.seq_len} "
+                          f"({mcfg.seq_len // pcfg.cp} tokens) must hold whole segments of model.bridge.segment="
+                          f"{mcfg.bridge.segment} (the bridge state passes from slice to slice at segment ends); "
+                          f"choose model.seq_len / parallel.cp divisible by the segment")
     if mcfg.bridge.carry_state and (pcfg.pp > 1 or pcfg.zero == "deepspeed"):
         raise ConfigError(f"model.bridge.carry_state=true is supported with parallel.pp=1 and parallel.zero none "
                           f"or fsdp2 (the trainer hands the carried state to one whole model per micro-batch, "
@@ -319,11 +373,15 @@ def put_state(model: MemoryBridgeLM, state: torch.Tensor | None, continues: torc
 def take_state(model: MemoryBridgeLM) -> torch.Tensor:
     bridge = model.bridge
     state, bridge.carry_in, bridge.carry_out = bridge.carry_out, None, None
+    split = bridge.split()
+    if split is not None:  # S_n is the last cp rank's: every cp rank holds it (cp rank 0 starts the next window)
+        state = state.contiguous()
+        dist.broadcast(state, src=dist.get_process_group_ranks(split.group)[-1], group=split.group)
     return state
 
 
 SPECS = (FamilySpec(card=BRIDGE, build=MemoryBridgeLM, layer_cost=transformer_layer_cost,
                     block_extra_cost=bridge_block_cost, tp_block_plan=tp_plan_bridge_block,
-                    check_layout=check_bridge_layout,
+                    check_layout=check_bridge_layout, context_parallel=True, cp_balanced=False,
                     carried_state=CarriedState(enabled=lambda cfg: cfg.bridge.slots > 0 and cfg.bridge.carry_state,
                                                put=put_state, take=take_state)),)

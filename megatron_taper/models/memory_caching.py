@@ -29,7 +29,9 @@ Cached reads cost O(L^2 / S) per sequence (each token reads the s states before 
 model (`memory_caching_layer_cost`) counts exactly the matmuls below.
 
 Tensor parallelism splits everything by head (scores, gammas and reads are per head), through
-Titans' `tp_plan_memory`; W_u is column-parallel like wq.
+Titans' `tp_plan_memory`; W_u is column-parallel like wq. Context parallelism (the mixer's
+`context`): each rank's slice is whole segments and starts from the state the slices before it
+hand over (models/memory_caching_cp.py: a prefix for the linear memory, a chain for the deep one).
 """
 from __future__ import annotations
 
@@ -39,6 +41,7 @@ import torch
 from torch import nn
 
 from megatron_taper.cost.block import Cost, Split, attention_cost, norm_act, swiglu_cost
+from megatron_taper.models import memory_caching_cp as cp
 from megatron_taper.models.cards import DEEP_MEMORY, LINEAR_MEMORY
 from megatron_taper.models.layers import RMSNorm, SwiGLU
 from megatron_taper.models.linear_memory import (
@@ -83,46 +86,59 @@ class MemoryCachingMixer(nn.Module):
         self.independent = mc.write_mode == "independent"
         self.head_dim = cfg.head_dim
         self.wu = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=False) if mc.variant in GATED else None
+        # context parallelism (models/memory_caching_cp.py): the sequence split, or None
+        self.context = None
+        self.linear = isinstance(memory, LinearMemory)
+        self.continues = mc.variant == "none" or not self.independent  # a slice starts from the last one's state
+        self.caches = mc.variant != "none"
 
     def forward(self, x: torch.Tensor, *_rope: torch.Tensor) -> torch.Tensor:
         """x [B, S, D] (normalised) -> [B, S, D] (RoPE tables, if passed, are not used)."""
         return self.memory.output(self.reads(x))
 
     def reads(self, x: torch.Tensor) -> torch.Tensor:
-        """Per-head reads before the read-out: [B, H, S, E]."""
+        """Per-head reads before the read-out: [B, H, S, E]. Under context parallelism x is a slice
+        of whole segments, which starts from the state the slices before it hand over (`cp.receive`):
+        its segments' global indices start at N, the number of segments before it."""
         memory, batch = self.memory, x.shape[0]
-        features = memory.project(x, x)[0]  # time is dim 2 of every feature
+        features = memory.project(x, x, cp.conv_past(self, x))[0]  # time is dim 2 of every feature
         k, q = features[0], features[2]
         segments = segment_slices(x.shape[1], self.segment, self.variant)
         u = None if self.wu is None else self.wu(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
-        pooled = torch.stack([k[:, :, seg].mean(2) for seg in segments[:-1]], dim=2) if len(segments) > 1 else None
-        gammas = [None if u is None else self.gammas(u[:, :, seg], k[:, :, seg], pooled, i)
+        pooled = None if u is None else torch.stack([k[:, :, seg].mean(2) for seg in segments], dim=2)
+        handover = cp.receive(self, features, segments, pooled, batch)
+        before = len(handover.cache)
+        if handover.pooled is not None:
+            pooled = torch.cat((handover.pooled, pooled), dim=2)  # [B, H, N + n, E]
+        gammas = [None if u is None else self.gammas(u[:, :, seg], k[:, :, seg], pooled, before + i)
                   for i, seg in enumerate(segments)]
-        state, onlines, finals = memory.init_state(batch), [], []
+        state, onlines, finals = handover.start, [], list(handover.cache)
         for i, seg in enumerate(segments):
             mix = self.soup_mix(gammas[i], finals) if self.variant == "soup" else None
             read, final = memory.scan_features(tuple(f[:, :, seg] for f in features), state, mix=mix)
             onlines.append(read)
             finals.append(final[0])
-            state = memory.init_state(batch) if self.independent else final
+            state = final if self.continues else memory.init_state(batch)
         if self.variant in ("none", "soup"):
-            return torch.cat(onlines, dim=2)
+            return cp.send(self, torch.cat(onlines, dim=2), state, finals, pooled, handover)
         q = q.contiguous()  # so that every slice along time below is a view for the matmuls
-        # the reads of cached state i by every token after segment i: [B, H, T - end_i, E]
-        later = [memory.read(q[:, :, seg.stop:], (final, [])) for seg, final in zip(segments[:-1], finals)]
+        # the reads of cached state j by every token of the slice after segment j: [B, H, T - start_j, E]
+        starts = [0] * before + [seg.stop for seg in segments[:-1]]
+        later = [memory.read(q[:, :, start:], (final, [])) for start, final in zip(starts, finals)]
         outs = []
         for i, seg in enumerate(segments):
-            if not i:
+            n = before + i  # cached states this segment reads
+            if not n:
                 outs.append(onlines[0] if gammas[0] is None else gammas[0] * onlines[0])
                 continue
-            rows = [reads[:, :, seg.start - prev.stop:seg.stop - prev.stop] for reads, prev in zip(later, segments)]
-            cached = torch.stack(rows[:i], dim=3)  # [B, H, T, i, E]
+            rows = [reads[:, :, seg.start - start:seg.stop - start] for reads, start in zip(later[:n], starts)]
+            cached = torch.stack(rows, dim=3)  # [B, H, T, n, E]
             if self.variant == "residual":
                 outs.append(onlines[i] + cached.sum(3))
                 continue
-            gamma = gammas[i]  # [B, H, T, 1 + i]
+            gamma = gammas[i]  # [B, H, T, 1 + n]
             outs.append(gamma[..., :1] * onlines[i] + (gamma[..., None, 1:] @ cached).squeeze(-2))
-        return torch.cat(outs, dim=2)
+        return cp.send(self, torch.cat(outs, dim=2), state, finals, pooled, handover)
 
     def gammas(self, u: torch.Tensor, k: torch.Tensor, pooled: torch.Tensor | None, cached: int) -> torch.Tensor:
         """Weights [B, H, T, 1 + cached] of the online state and the first `cached` cached states
@@ -278,9 +294,12 @@ def check_memory_caching_layout(mcfg: ModelConfig, pcfg: ParallelConfig) -> None
     if pcfg.tp > 1 and pcfg.sequence_parallel:
         raise ConfigError(f"parallel.sequence_parallel is not supported for model.arch={mcfg.arch!r} (the "
                           "memory reads the whole sequence); set it to false")
+    cp.check_cp_layout(mcfg, pcfg)
 
 
 SPECS = (FamilySpec(card=LINEAR_MEMORY, build=LinearMemoryLM, layer_cost=linear_memory_layer_cost,
-                    tp_block_plan=tp_plan_memory_caching_block, check_layout=check_memory_caching_layout),
+                    tp_block_plan=tp_plan_memory_caching_block, check_layout=check_memory_caching_layout,
+                    context_parallel=True, cp_balanced=False),
          FamilySpec(card=DEEP_MEMORY, build=DeepMemoryLM, layer_cost=deep_memory_layer_cost,
-                    tp_block_plan=tp_plan_memory_caching_block, check_layout=check_memory_caching_layout))
+                    tp_block_plan=tp_plan_memory_caching_block, check_layout=check_memory_caching_layout,
+                    context_parallel=True, cp_balanced=False))

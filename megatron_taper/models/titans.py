@@ -61,6 +61,8 @@ segment. That is what runs on CPU and what torch's FLOP counter sees; FlexAttent
 computes the 128-wide kv blocks that meet the window or hold persistent tokens, about W + 128 to
 W + 256 keys per query plus the persistent tokens' block: fewer than the band when W is large
 (W = 512: ~0.8x), more when it is small (W = 64: ~3x).
+
+Context parallelism (`context` set on each block): models/titans_cp.py.
 """
 from __future__ import annotations
 
@@ -73,9 +75,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_taper.cost.block import Cost, Split, attention_cost, norm_act, swiglu_cost
+from megatron_taper.models import titans_cp
 from megatron_taper.models.cards import TITANS
 from megatron_taper.models.init import init_tensor
-from megatron_taper.models.layers import Attention, RMSNorm, apply_rope, rope_tables
+from megatron_taper.models.layers import Attention, RMSNorm, apply_rope, rope_tables, rope_tables_at
 from megatron_taper.models.local_attention import blockwise_pairs, sliding_window_attention
 from megatron_taper.models.spec import FamilySpec
 from megatron_taper.models.transformer import Transformer, TransformerBlock, tp_plan_transformer_block
@@ -155,10 +158,6 @@ class NeuralMemory(nn.Module):
         z, past = causal_conv(proj(x), conv, past)
         return F.normalize(F.silu(z).unflatten(-1, (-1, self.head_dim)).transpose(1, 2), dim=-1), past
 
-    def queries(self, x_q: torch.Tensor) -> torch.Tensor:
-        """q [B, H, T, E] of a whole sequence x_q [B, T, D]."""
-        return self.heads(self.wq, self.conv_q, x_q)[0]
-
     def project(self, x_kv: torch.Tensor, x_q: torch.Tensor, past: ConvPast = None) -> tuple[Features, ConvPast]:
         """k, v, q, theta, log eta, log (1 - alpha) of x_kv / x_q [B, T, D], which continue the
         sequences whose convolution inputs `past` holds (None = they start here); and the new past."""
@@ -192,16 +191,18 @@ class NeuralMemory(nn.Module):
         return self.scan_features(self.project(x_kv, x_q)[0], state, chunk_size)
 
     def scan_features(self, features: Features, state: State, chunk_size: int | None = None,
-                      mix: ReadMix | None = None) -> tuple[torch.Tensor, State]:
+                      mix: ReadMix | None = None, whole_chunks: bool = False) -> tuple[torch.Tensor, State]:
         """`scan` from projected features (`project`): ([B, H, T, E], state). `mix`, when given,
-        replaces each memory layer's pre-activation read (see ReadMix)."""
+        replaces each memory layer's pre-activation read (see ReadMix). `whole_chunks`: the state
+        returned is the one after the last whole chunk (a trailing partial chunk is read, not written)."""
         k, v, q, theta, log_eta, log_keep = features
-        size = chunk_size or self.chunk_size
+        size, total = chunk_size or self.chunk_size, k.shape[2]
         reads = []
-        for s in range(0, k.shape[2], size):
+        for s in range(0, total, size):
             c = slice(s, s + size)
-            read, state = self.chunk(state, k[:, :, c], v[:, :, c], q[:, :, c], theta[..., c], log_eta[..., c],
-                                     log_keep[..., c], None if mix is None else functools.partial(mix, positions=c))
+            read, written = self.chunk(state, k[:, :, c], v[:, :, c], q[:, :, c], theta[..., c], log_eta[..., c],
+                                       log_keep[..., c], None if mix is None else functools.partial(mix, positions=c))
+            state = state if whole_chunks and s + size > total else written
             reads.append(read)
         return torch.cat(reads, dim=2), state
 
@@ -296,6 +297,7 @@ class TitansBlock(TransformerBlock):
         self.persistent = nn.Parameter(torch.empty(cfg.titans.persistent_tokens, cfg.d_model))
         self.window = cfg.titans.window
         self.head_dim, self.rope_theta = cfg.head_dim, cfg.rope_theta
+        self.context = None  # a contiguous context-parallel split (models/titans_cp.py), or None
 
     def build_attention(self, cfg: ModelConfig) -> nn.Module:
         return RowAttention(cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_dim)
@@ -303,12 +305,16 @@ class TitansBlock(TransformerBlock):
     def with_prefix(self, x: torch.Tensor) -> torch.Tensor:
         return torch.cat((self.persistent.to(x.dtype).expand(x.shape[0], -1, -1), x), dim=1)
 
-    def window_attention(self, xp: torch.Tensor) -> torch.Tensor:
-        """Sliding-window attention over [P, x] ([B, P + S, D]); outputs of x only: [B, S, D]."""
+    def window_attention(self, xp: torch.Tensor, halo: int = 0, first: int = 0) -> torch.Tensor:
+        """Sliding-window attention over [P, x] ([B, P + S, D]); outputs of x only: [B, S, D].
+        Under context parallelism x is [the `halo` tokens before the slice, the slice], whose
+        first token is token `first` of the sequence; outputs of the slice only: [B, S - halo, D]."""
         prefix = self.persistent.shape[0]
-        cos, sin = rope_tables(xp.shape[1], self.head_dim, self.rope_theta, xp.device)
+        tokens = torch.arange(first - halo, first - halo + xp.shape[1] - prefix, device=xp.device)
+        positions = torch.cat((torch.arange(prefix, device=xp.device), prefix + tokens))
+        cos, sin = rope_tables_at(positions, self.head_dim, self.rope_theta)
         kernel = functools.partial(self.window_kernel, prefix=prefix, window=self.window)
-        return self.attn(xp, cos, sin, prefix, kernel)
+        return self.attn(xp, cos, sin, prefix, kernel)[:, halo:]
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.mix(self.attn_norm(x))
@@ -317,6 +323,8 @@ class TitansBlock(TransformerBlock):
 
 class MAGBlock(TitansBlock):
     def mix(self, xn: torch.Tensor) -> torch.Tensor:
+        if self.context is not None:
+            return titans_cp.mag_mix(self, xn)
         xp, prefix = self.with_prefix(xn), self.persistent.shape[0]
         reads, _ = self.memory.scan(xp, xp, self.memory.init_state(xn.shape[0]))
         return self.window_attention(xp) * torch.sigmoid(self.memory.output(reads[:, :, prefix:]))
@@ -328,6 +336,8 @@ class MALBlock(TitansBlock):
         self.mem_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if self.context is not None:
+            return titans_cp.mal_forward(self, x)
         prefix = self.persistent.shape[0]
         xp = self.with_prefix(self.mem_norm(x))
         reads, _ = self.memory.scan(xp, xp, self.memory.init_state(x.shape[0]))
@@ -338,9 +348,18 @@ class MALBlock(TitansBlock):
 
 class MACBlock(TitansBlock):
     def mix(self, xn: torch.Tensor) -> torch.Tensor:
+        if self.context is not None:
+            return titans_cp.mac_mix(self, xn)
+        return self.segments(xn, self.memory.init_state(xn.shape[0]))[0]
+
+    def segments(self, xn: torch.Tensor, state: State, query_past: torch.Tensor | None = None,
+                 past: ConvPast = None) -> tuple[torch.Tensor, State, torch.Tensor | None, ConvPast]:
+        """The segments of xn [B, S, D] (which start at a segment boundary), from the memory's
+        `state` and the convolutions' pasts (None = the sequence starts here): the retrieval
+        queries' (`query_past`, last K-1 rows of wq(xn)) and the writes' (`past`, of the y rows).
+        Returns the output [B, S, D] and the state and pasts after the last segment."""
         prefix, memory, outs = self.persistent.shape[0], self.memory, []
-        state, past = memory.init_state(xn.shape[0]), None
-        queries = memory.queries(xn)  # [B, H, S, E], convolved over the whole sequence
+        queries, query_past = memory.heads(memory.wq, memory.conv_q, xn, query_past)  # [B, H, S, E], convolved
         for s in range(0, xn.shape[1], self.window):
             seg = xn[:, s:s + self.window]  # [B, L, D]
             size = seg.shape[1]
@@ -352,7 +371,7 @@ class MACBlock(TitansBlock):
             features, past = memory.project(y, y, past)  # y continues the previous segments' y
             reads, state = memory.scan_features(features, state)
             outs.append(y * torch.sigmoid(memory.output(reads)))
-        return torch.cat(outs, dim=1)
+        return torch.cat(outs, dim=1), state, query_past, past
 
 
 TITANS_BLOCKS = {"mac": MACBlock, "mag": MAGBlock, "mal": MALBlock}
@@ -503,7 +522,8 @@ def check_titans_layout(mcfg: ModelConfig, pcfg: ParallelConfig) -> None:
     if pcfg.tp > 1 and pcfg.sequence_parallel:
         raise ConfigError("parallel.sequence_parallel is not supported for model.arch='titans' (the memory "
                           "and the persistent tokens need the whole sequence); set it to false")
+    titans_cp.check_cp_layout(mcfg, pcfg)
 
 
 SPECS = (FamilySpec(card=TITANS, build=Titans, layer_cost=titans_layer_cost, tp_block_plan=tp_plan_titans_block,
-                    check_layout=check_titans_layout),)
+                    check_layout=check_titans_layout, context_parallel=True, cp_balanced=False),)

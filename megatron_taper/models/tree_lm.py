@@ -32,6 +32,14 @@ Parallelism: tensor parallelism splits the cell's hidden width C like an MLP (W_
 parallel, W_out row-parallel: one all-reduce of [pairs, 4D] per cell level) and the SwiGLU as in
 the Transformer; pipeline parallelism (one layer: nothing to split) and sequence parallelism (the
 tree spans the whole sequence) are refused.
+
+Context parallelism (contiguous split): with a slice of s = S / cp tokens, s a power of two
+(check_tree_layout), cp rank r's slice [r s, (r+1) s) is one aligned block of the tree, whose
+nodes it computes alone (up_sweep); every node above the slices is a node of the same tree over
+the slices' roots. The roots ([B, D] each) are all-gathered (gather_states; backward
+reduce-scatter), rank r runs the tree over roots 0 .. r (P(s), .., P((r+1) s)) and its down-sweep
+from start = P(r s) (prefixes_after): no chain, every rank works at once. Extra cell
+applications per rank: those of the tree over r + 1 roots and one level of log2(s) + 1 pairs.
 """
 from __future__ import annotations
 
@@ -102,18 +110,38 @@ def tree_prefixes(compose: Callable[[torch.Tensor], torch.Tensor], leaves: torch
     """leaves [B, S, D] -> prefix states [B, S, D]: position t holds the fold of leaves 0..t.
     `compose` maps [..., 2D] (children [l; r]) to [..., D]; `count`, if given, is filled."""
     count = count if count is not None else SweepCount()
-    seq, device = leaves.shape[1], leaves.device
-    nodes = [leaves]  # nodes[k]: [B, S >> k, D], block j covers [j 2^k, (j+1) 2^k)
+    return down_sweep(compose, up_sweep(compose, leaves, count), count)
+
+
+def up_sweep(compose: Callable[[torch.Tensor], torch.Tensor], leaves: torch.Tensor,
+             count: SweepCount) -> list[torch.Tensor]:
+    """nodes[k] [B, S >> k, D]: the node of every complete aligned block [j 2^k, (j+1) 2^k)."""
+    nodes = [leaves]
     while nodes[-1].shape[1] >= 2:
         below = nodes[-1]
         pairs = below.shape[1] // 2
         nodes.append(compose(below[:, :2 * pairs].unflatten(1, (pairs, 2)).flatten(2)))
         count.up_levels += 1
         count.cell_pairs += pairs
+    return nodes
+
+
+def down_sweep(compose: Callable[[torch.Tensor], torch.Tensor], nodes: list[torch.Tensor], count: SweepCount,
+               start: torch.Tensor | None = None) -> torch.Tensor:
+    """The prefix states [B, S, D] from up_sweep's nodes. `start` [B, D]: the state of a prefix
+    before the leaves; position t then holds the left fold of `start` and the dyadic blocks of
+    t + 1 (a later slice's prefixes under context parallelism, tree_slice_prefixes)."""
+    leaves = nodes[0]
+    seq, device = leaves.shape[1], leaves.device
     # prefixes whose length is a power of two are the first node of their level
     top = len(nodes) - 1
     powers = torch.tensor([(1 << k) - 1 for k in range(top + 1)], device=device)
-    prefixes = torch.zeros_like(leaves).index_copy(1, powers, torch.cat([n[:, :1] for n in nodes], dim=1))
+    firsts = torch.cat([n[:, :1] for n in nodes], dim=1)  # [B, top + 1, D]
+    if start is not None:  # one more cell level: start folded with each power-of-two block
+        firsts = compose(torch.cat([start[:, None].expand_as(firsts), firsts], dim=-1))
+        count.down_levels += 1
+        count.cell_pairs += top + 1
+    prefixes = torch.zeros_like(leaves).index_copy(1, powers, firsts)
     for k in range(top, -1, -1):  # down-sweep: lengths m = 2^k (2j + 1), j >= 1
         block = 1 << k
         if 3 * block > seq:
@@ -126,6 +154,32 @@ def tree_prefixes(compose: Callable[[torch.Tensor], torch.Tensor], leaves: torch
     return prefixes
 
 
+def tree_slice_prefixes(compose: Callable[[torch.Tensor], torch.Tensor], leaves: torch.Tensor, split,
+                        count: SweepCount) -> torch.Tensor:
+    """This cp rank's prefix states [B, s, D] of the whole sequence's tree, for its contiguous slice
+    leaves [B, s, D] (s = S / cp a power of two, so the slice is one aligned block of the tree:
+    module doc). The slices' roots are all-gathered ([cp, B, D], backward: reduce-scatter)."""
+    from megatron_taper.parallel.cp_state import gather_states, tie  # the model file stays single-device
+
+    nodes = up_sweep(compose, leaves, count)
+    roots = gather_states(split, nodes[-1][:, 0])  # [cp, B, D]: the root of every slice
+    return tie(prefixes_after(compose, nodes, roots[:split.rank + 1].transpose(0, 1), count), roots)
+
+
+def prefixes_after(compose: Callable[[torch.Tensor], torch.Tensor], nodes: list[torch.Tensor],
+                   roots: torch.Tensor, count: SweepCount) -> torch.Tensor:
+    """The prefix states [B, s, D] of slice r from its up_sweep nodes and roots [B, r + 1, D], the
+    roots of slices 0 .. r: the tree over the roots gives P(r s), the prefix before the slice, where
+    its down-sweep starts, and P((r + 1) s), its last prefix (a node of the tree over roots, not
+    P(r s) folded with the slice's root)."""
+    rank = roots.shape[1] - 1
+    if rank == 0:
+        return down_sweep(compose, nodes, count)
+    before = tree_prefixes(compose, roots, count)  # [B, r + 1, D]: P(s), P(2 s), .., P((r + 1) s)
+    prefixes = down_sweep(compose, nodes, count, start=before[:, rank - 1])
+    return torch.cat([prefixes[:, :-1], before[:, rank:]], dim=1)
+
+
 class TreeLayer(nn.Module):
     """leaves = norm(embeddings) -> prefix states s -> s + SwiGLU(norm(s)) (the model's only layer)."""
 
@@ -135,9 +189,13 @@ class TreeLayer(nn.Module):
         self.cell = TreeCell(cfg.d_model, cell_width(cfg), cfg.norm_eps)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = SwiGLU(cfg.d_model, mlp_width)
+        self.context = None  # a contiguous context-parallel split (module doc), or None
 
     def forward(self, x: torch.Tensor, count: SweepCount | None = None) -> torch.Tensor:
-        states = tree_prefixes(self.cell, self.leaf_norm(x), count)  # [B, S, D]
+        if self.context is not None and self.context.cp > 1:
+            states = tree_slice_prefixes(self.cell, self.leaf_norm(x), self.context, count or SweepCount())
+        else:
+            states = tree_prefixes(self.cell, self.leaf_norm(x), count)  # [B, S, D]
         return states + self.mlp(self.mlp_norm(states))
 
 
@@ -183,6 +241,13 @@ def tree_layer_cost(cfg: ModelConfig, width: int, causal: bool = True) -> Cost:
     return cell + swiglu_cost(cfg, width)
 
 
+def cp_gather_bytes(cfg: ModelConfig, cp: int, micro_batch: int, dtype_bytes: int = 4) -> int:
+    """The all-gathered roots of one micro-batch under context parallelism: [cp, B, D] (the
+    full buffer; a rank receives (cp - 1) / cp of it forward, and the reduce-scatter backward
+    moves as much); no point-to-point traffic and no chain."""
+    return cp * micro_batch * cfg.d_model * dtype_bytes if cp > 1 else 0
+
+
 def tp_plan_tree_layer(block: TreeLayer, prefix: str, cfg: ModelConfig, tp: TPBuilder) -> None:
     """Norms replicated; the cell's hidden width C split in units of model.taper.multiple (W_in
     column-, W_out row-parallel: one all-reduce per cell level); the SwiGLU as the Transformer's."""
@@ -204,6 +269,12 @@ def check_tree_layout(m: ModelConfig, p: ParallelConfig) -> None:
     if p.tp > 1 and p.sequence_parallel:
         raise ConfigError("parallel.sequence_parallel is not supported for model.arch='tree' (the tree spans the "
                           "whole sequence); set it to false")
+    local = m.seq_len // p.cp
+    if p.cp > 1 and local & (local - 1):
+        raise ConfigError(f"parallel.cp={p.cp}: model.arch='tree' needs each rank's slice model.seq_len / "
+                          f"parallel.cp = {m.seq_len}/{p.cp} = {local} tokens to be a power of two (a whole block of "
+                          f"the balanced tree, whose root the later slices read); choose model.seq_len = "
+                          f"parallel.cp x a power of two")
     units = cell_width(m) // m.taper.multiple
     if p.tp > units:
         raise ConfigError(f"parallel.tp={p.tp}: the tree cell's width {cell_width(m)} (model.tree.cell_width) is "
@@ -211,4 +282,4 @@ def check_tree_layout(m: ModelConfig, p: ParallelConfig) -> None:
 
 
 SPECS = (FamilySpec(card=TREE, build=TreeLM, layer_cost=tree_layer_cost, tp_block_plan=tp_plan_tree_layer,
-                    check_layout=check_tree_layout),)
+                    check_layout=check_tree_layout, context_parallel=True, cp_balanced=False),)

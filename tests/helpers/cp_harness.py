@@ -13,7 +13,9 @@ import torch
 import torch.distributed as dist
 
 from megatron_taper.build import build_run
+from megatron_taper.carried import CarriedRows
 from megatron_taper.config import load_config
+from megatron_taper.models import family
 from megatron_taper.parallel.context import ParallelContext
 
 STEPS = 3
@@ -25,6 +27,9 @@ class Tolerances:
     grad: float = 1e-5  # relative to each parameter's largest gradient entry, every step
     norm: float = 1e-4  # relative, on the gradient norms
     final: float = 2e-5  # relative to each parameter's largest entry, after the last step
+    # the smallest largest-gradient-entry `grad` is relative to (a gradient that is zero up to rounding
+    # in exact arithmetic, e.g. attention over equal keys, is compared absolutely at grad x grad_floor)
+    grad_floor: float = 1e-30
 
 
 def batch(cfg, dp_rank=0, dp=1, rows=4):
@@ -35,13 +40,23 @@ def batch(cfg, dp_rank=0, dp=1, rows=4):
 
 def train(run, rank0, steps=STEPS):
     """`steps` optimizer steps of 2 micro-batches; losses, grad norms, every parameter's logical
-    gradient at each step and its final value (gathered over tp: every rank calls full_tensor)."""
+    gradient at each step and its final value (gathered over tp: every rank calls full_tensor).
+    A model that carries a state (models/spec.py CarriedState) carries it from each step's rows to
+    the same rows at the next step, as the trainer does (carry.state_dict() after every step)."""
     pm, optimizer, ctx = run.model, run.optimizer, run.ctx
-    rec = {"loss": [], "norm": [], "grads": []}
-    for _ in range(steps):
+    rec = {"loss": [], "norm": [], "grads": [], "carried": []}
+    carried = family(run.cfg.model.arch).carried_state
+    carry = (CarriedRows(carried, pm.module, 2, ctx.dp, ctx.dp_rank, ctx.device)
+             if carried is not None and carried.enabled(run.cfg.model) else None)
+    for step in range(steps):
         rows = batch(run.cfg, ctx.dp_rank, ctx.dp)
         half = rows.shape[0] // 2
-        loss = pm.forward_backward([rows[:half], rows[half:]], nullcontext)
+        micro = [rows[:half], rows[half:]]
+        if carry is not None:  # a carried state: each step's rows continue the previous step's
+            micro = carry.split([(m, torch.full((m.shape[0],), step > 0)) for m in micro])
+        loss = pm.forward_backward(micro, nullcontext, carry)
+        if carry is not None:
+            rec["carried"].append(carry.state_dict())
         pm.reduce_gradients()
         grads = {n: pm.full_tensor(n, p.grad).clone() for n, p in pm.module.named_parameters()}
         # the rest of pm.optimizer_step, which would reduce a second time (sequence parallelism's
@@ -101,10 +116,10 @@ def compare(got, ref, label, tol: Tolerances | None = None):
     """Assert `got` (a layout's records) equals `ref` (one process) within `tol` (default: the
     Transformer's, Tolerances()); prints the errors."""
     tol = tol or Tolerances()
-    rel = lambda a, b: ((a - b).abs().max() / b.abs().max().clamp(min=1e-30)).item()  # noqa: E731
+    rel = lambda a, b, floor=1e-30: ((a - b).abs().max() / b.abs().max().clamp(min=floor)).item()  # noqa: E731
     errors = {
         "loss": max(abs(a - b) for a, b in zip(got["loss"], ref["loss"])),
-        "grad_rel": max(rel(g[n], r[n]) for g, r in zip(got["grads"], ref["grads"]) for n in r),
+        "grad_rel": max(rel(g[n], r[n], tol.grad_floor) for g, r in zip(got["grads"], ref["grads"]) for n in r),
         "norm_rel": max(abs(a - b) / b for a, b in zip(got["norm"], ref["norm"])),
         "final_rel": max(rel(got["final"][n], w) for n, w in ref["final"].items()),
     }

@@ -150,8 +150,6 @@ def test_split_covers_the_sequence_once():
 
 
 @pytest.mark.parametrize("overrides,world,message", [
-    (["model.arch=titans"], 2, "parallel.cp=2: model.arch='titans' does not support context parallelism yet "
-                               "(families that do: transformer, gated_attention); use parallel.cp=1"),
     (["model.seq_len=62"], 2, "needs model.seq_len=62 divisible by 2 x parallel.cp = 4"),
     (["parallel.zero=fsdp2", "parallel.dp_replicate=2"], 4, "parallel.cp=2 with parallel.dp_replicate=2 (HSDP)"),
     (["parallel.tp=4", "parallel.sequence_parallel=true", "model.seq_len=68", "model.taper.multiple=8"], 8,

@@ -1,0 +1,245 @@
+"""Memory Caching (models/memory_caching.py) under context parallelism (parallel.cp): what a slice
+of a sequence receives from the slices before it (parallel/cp_state.py).
+
+Split: contiguous (rank r holds tokens [r S / cp, (r + 1) S / cp)), and every slice is whole
+segments (`check_cp_layout`): rank r's n = S / (cp x segment) segments are the sequence's segments
+r n .. r n + n - 1 (variant none: one segment, the slice). A slice starts from the Memory Caching
+state the slices before it leave, its "handover":
+    start    the online memory's state (write_mode checkpoint, and variant none); independent
+             writes restart every segment from the base's initial state instead
+    cache    the end states M^(i) of the N = r n segments before the slice (variants that cache),
+             per memory layer [B, H, N, i, o]
+    pooled   their mean keys kbar_i [B, H, N, E] (grm, soup, ssc)
+With it, the slice runs exactly the one-process code of its segments (global indices N.., the
+cached reads and weights over all N + i cached states).
+
+Linear memory (associative: a segment maps a state S to a S + U, a its decay product, U the state
+it reaches from zero): prefix. Each rank's summary is (log a, U, kbar) of each of its segments,
+[B, H, n], [B, H, n, E, E], [B, H, n, E], computed from its features without the scan
+(U = sum_j exp(l_T - l_j) b_j k_j v_j^T: 2 T E^2 FLOPs per head, a quarter of the chunked scan's
+FLOPs when E equals the chunk; not in the FLOP model); prefix_state all-gathers them and `fold`s
+those of the earlier ranks, segment by segment, into the handover (the fold's state is the
+handover itself, so the cache grows as it folds). Nobody waits in a chain. Bytes per layer, fp32,
+all-gathered forward and reduce-scattered backward: cp x n x B x H x (E^2 + 1 [+ E gated]) x 4 in
+the gathered buffer (each rank receives (cp - 1) / cp of it); variant none: n = 1 and no kbar.
+
+Deep memory (not associative): chain. Rank r receives the handover from rank r - 1 before its
+scan (receive_state) and sends the one at its end (its last state, the cache with its own
+segments' end states, their kbar) to rank r + 1 after its reads (send_state). Bytes from rank r to
+r + 1 per layer and direction, fp32: B x H x (2 x P [continuing writes] + (r + 1) n x P [caching]
++ (r + 1) n x E [gated]) x 4, P = sum of the memory's i x o (the weights and the surprise of each
+layer; the cache holds weights only). Nothing else in the layer joins the cp ranks, so the ranks
+run as a wavefront: L layers take L + cp - 1 layer-slices forward and again backward. Independent
+writes do not need the previous segment's state, but soup's scan mixes the cached states, so the
+chain carries the cache for every variant (one code path). The handover travels in the dtypes of
+the base's initial state (fp32 parameters) and of the keys, which are those of one process's end
+states and mean keys also under bf16 autocast (the states stay fp32, the keys are bf16).
+
+halo_bytes, handover_sizes and summary_sizes count these messages (benchmarks/cp_memory_caching.py
+compares them with the c10d calls it records).
+
+Convolutions on q, k, v (K taps) read the last K - 1 projected inputs of the slice before:
+previous_rows of the mixer's input x [B, K - 1, D] (halo, bytes B x (K - 1) x D x 4 per layer
+and direction), projected here by the bias-free wk, wv, wq (rank 0's zero rows project to the
+one-process zero padding).
+"""
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+
+from megatron_taper.models.titans import ConvPast, State, memory_dims
+from megatron_taper.validation import ConfigError
+
+if TYPE_CHECKING:
+    from megatron_taper.config import ModelConfig, ParallelConfig
+    from megatron_taper.models.memory_caching import MemoryCachingMixer
+
+
+class Handover(NamedTuple):
+    start: State  # the online memory's state at the slice's start
+    cache: list[list[torch.Tensor]]  # per earlier segment, per memory layer: its end state [B, H, i, o]
+    pooled: torch.Tensor | None  # their mean keys [B, H, N, E] (gated variants)
+    received: tuple[torch.Tensor, ...]  # what the slice was handed (their backward must run on every rank)
+
+
+def conv_past(mixer: MemoryCachingMixer, x: torch.Tensor) -> ConvPast:
+    """The convolutions' inputs before this slice (module doc), or None (no split or no taps)."""
+    memory, split = mixer.memory, mixer.context
+    if split is None or memory.conv_q is None or memory.conv_q.shape[1] < 2:
+        return None
+    from megatron_taper.parallel.cp_state import previous_rows
+
+    before = previous_rows(split, mixer.context_tag, x, memory.conv_q.shape[1] - 1)  # [B, K - 1, D]
+    return tuple(proj(before) for proj in (memory.wk, memory.wv, memory.wq))
+
+
+def receive(mixer: MemoryCachingMixer, features: tuple, segments: list[slice], pooled: torch.Tensor | None,
+            batch: int) -> Handover:
+    """The handover this slice starts from (module doc); pooled: the mean keys of its own segments."""
+    memory, split = mixer.memory, mixer.context
+    if split is None:
+        return Handover(memory.init_state(batch), [], None, ())
+    if mixer.linear:
+        return _prefix(mixer, features, segments, pooled, batch)
+    return _chain_in(mixer, len(segments) * split.rank, features[0], batch)
+
+
+def send(mixer: MemoryCachingMixer, y: torch.Tensor, state: State, finals: list[list[torch.Tensor]],
+         pooled: torch.Tensor | None, handover: Handover) -> torch.Tensor:
+    """y (the mixer's reads), after handing this slice's end handover to the next rank (deep
+    memory) or tying what it was handed (linear memory); module doc."""
+    split = mixer.context
+    if split is None:
+        return y
+    from megatron_taper.parallel.cp_state import send_state, tie
+
+    if mixer.linear:
+        return tie(y, *handover.received)
+    if split.rank == split.cp - 1:
+        return y
+    like = handover.received  # the same dtypes as what this rank was handed, in the same order
+    out = (state[0] + state[1] if mixer.continues else [])
+    out += [torch.stack(layer, dim=2) for layer in zip(*finals)] if mixer.caches else []
+    out += [pooled] if pooled is not None else []
+    return send_state(split, mixer.context_tag, y, [t.to(w.dtype) for t, w in zip(out, like)])
+
+
+def _chain_initial(mixer: MemoryCachingMixer, before: int, keys: torch.Tensor | None,
+                   batch: int) -> list[torch.Tensor]:
+    """Tensors shaped as the chain's handover after `before` segments (flat: state, cache, pooled);
+    keys: the slice's keys [B, H, T, E] for the gated variants, else None."""
+    weights, surprise = mixer.memory.init_state(batch)
+    flat = list(weights) + list(surprise) if mixer.continues else []
+    if mixer.caches:
+        flat += [w.new_zeros(()).expand(*w.shape[:2], before, *w.shape[2:]) for w in weights]
+    if keys is not None:
+        flat.append(keys.new_zeros(()).expand(*keys.shape[:2], before, keys.shape[-1]))
+    return flat
+
+
+def _chain_in(mixer: MemoryCachingMixer, before: int, k: torch.Tensor, batch: int) -> Handover:
+    from megatron_taper.parallel.cp_state import receive_state
+
+    keys = k if mixer.wu is not None else None
+    flat = list(receive_state(mixer.context, mixer.context_tag, _chain_initial(mixer, before, keys, batch)))
+    depth = len(mixer.memory.init_state(batch)[0])
+    start = (flat[:depth], flat[depth:2 * depth]) if mixer.continues else mixer.memory.init_state(batch)
+    rest = flat[2 * depth:] if mixer.continues else flat
+    cache = [list(layers) for layers in zip(*(t.unbind(2) for t in rest[:depth]))] if mixer.caches else []
+    return Handover(start, cache, rest[-1] if keys is not None else None, tuple(flat))
+
+
+def linear_summary(features: tuple, segments: list[slice], pooled: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    """What each segment does to a linear memory's state (module doc): log a [B, H, n], U
+    [B, H, n, E, E], and the segments' mean keys [B, H, n, E] when given."""
+    k, v, _, log_a, b = features
+    logs, updates = [], []
+    for seg in segments:
+        lb = log_a[..., seg].cumsum(-1)  # [B, H, T]
+        weight = (b[..., seg] * (lb[..., -1:] - lb).exp())[..., None]
+        updates.append((k[:, :, seg] * weight).transpose(-1, -2) @ v[:, :, seg])
+        logs.append(lb[..., -1])
+    return (torch.stack(logs, dim=2), torch.stack(updates, dim=2), *(() if pooled is None else (pooled,)))
+
+
+def fold(continues: bool, caches: bool, state: tuple[torch.Tensor, ...],
+         summary: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """The linear handover (S, [cache [B, H, N, E, E]], [pooled [B, H, N, E]]) after the segments
+    of `summary` (linear_summary): S <- a S + U each (U alone for independent writes), each end
+    state cached and each mean key appended."""
+    s, rest = state[0], list(state[1:])
+    logs, updates, *keys = summary
+    finals = []
+    for j in range(updates.shape[2]):
+        s = logs[..., j, None, None].exp() * s + updates[:, :, j] if continues else updates[:, :, j]
+        finals.append(s)
+    out = [s]
+    if caches:
+        out.append(torch.cat((rest.pop(0), torch.stack(finals, dim=2)), dim=2))
+    if keys:
+        out.append(torch.cat((rest.pop(0), keys[0]), dim=2))
+    return tuple(out)
+
+
+def _prefix(mixer: MemoryCachingMixer, features: tuple, segments: list[slice], pooled: torch.Tensor | None,
+            batch: int) -> Handover:
+    from megatron_taper.parallel.cp_state import prefix_state
+
+    memory = mixer.memory
+    zero = memory.init_state(batch)[0][0]  # [B, H, E, E]
+    initial = [zero]
+    if mixer.caches:
+        initial.append(zero.new_zeros(*zero.shape[:2], 0, *zero.shape[2:]))
+    if pooled is not None:
+        initial.append(pooled[:, :, :0])
+    state = prefix_state(mixer.context, initial, linear_summary(features, segments, pooled),
+                         functools.partial(fold, mixer.continues, mixer.caches))
+    start = ([state[0]], []) if mixer.continues else memory.init_state(batch)
+    cache = [[t] for t in state[1].unbind(2)] if mixer.caches else []
+    return Handover(start, cache, state[-1] if pooled is not None else None, tuple(state))
+
+
+def check_cp_layout(mcfg: ModelConfig, pcfg: ParallelConfig) -> None:
+    """parallel.cp > 1: slices of whole segments (whole chunks for the deep memory without
+    caching), and convolution taps that reach no further back than the slice before."""
+    cp, seq, mc = pcfg.cp, mcfg.seq_len, mcfg.memory_caching
+    if cp == 1:
+        return
+    local = seq // cp
+    if mc.variant != "none" and local % mc.segment:
+        raise ConfigError(f"parallel.cp={cp} splits model.seq_len={seq} into slices of {local} tokens, which "
+                          f"model.memory_caching.segment={mc.segment} does not divide (a cached segment must not "
+                          f"straddle two slices); choose a segment that divides {local}, or another parallel.cp")
+    deep = mcfg.arch == "deep_memory"
+    if deep and mc.variant == "none" and local % mcfg.titans.chunk_size:
+        raise ConfigError(f"parallel.cp={cp} splits model.seq_len={seq} into slices of {local} tokens, which "
+                          f"model.titans.chunk_size={mcfg.titans.chunk_size} does not divide (the deep memory's "
+                          f"chunks take their gradients at the chunk's start, so chunks must not straddle slices)")
+    key = "titans.conv_kernel" if deep else "memory_caching.linear_conv_kernel"
+    taps = mcfg.titans.conv_kernel if deep else mc.linear_conv_kernel
+    if taps - 1 > local:
+        raise ConfigError(f"parallel.cp={cp}: model.{key}={taps} reaches {taps - 1} tokens back, past the slice of "
+                          f"{local} tokens before (model.seq_len={seq} / parallel.cp); use fewer taps or a smaller cp")
+
+
+def _sizes(mcfg: ModelConfig) -> tuple[bool, bool, bool, int, int]:
+    """(deep, continues, gated, convolution taps, P = sum of the memory layers' i x o)."""
+    mc, deep = mcfg.memory_caching, mcfg.arch == "deep_memory"
+    dims = memory_dims(mcfg.head_dim, mcfg.titans.memory_depth, mcfg.titans.memory_expansion) if deep else [
+        mcfg.head_dim] * 2
+    p = sum(i * o for i, o in zip(dims[:-1], dims[1:]))
+    taps = mcfg.titans.conv_kernel if deep else mc.linear_conv_kernel
+    continues = mc.variant == "none" or mc.write_mode == "checkpoint"
+    return deep, continues, mc.variant in ("grm", "soup", "ssc"), taps, p
+
+
+def segments_per_slice(mcfg: ModelConfig, cp: int) -> int:
+    mc = mcfg.memory_caching
+    return 1 if mc.variant == "none" else mcfg.seq_len // (cp * mc.segment)
+
+
+def halo_bytes(mcfg: ModelConfig, micro_batch: int, elem: int = 4) -> int:
+    """One layer's halo, sent rank r -> r + 1 forward and its gradient back (module doc)."""
+    return elem * micro_batch * max(_sizes(mcfg)[3] - 1, 0) * mcfg.d_model
+
+
+def handover_sizes(mcfg: ModelConfig, micro_batch: int, before: int, elem: int = 4) -> tuple[int, int]:
+    """(tensors, bytes) of one layer's deep-memory handover after `before` segments (the chain's
+    message, module doc; the same again for its gradient); fp32."""
+    deep, continues, gated, _, p = _sizes(mcfg)
+    caches = mcfg.memory_caching.variant != "none"
+    depth = mcfg.titans.memory_depth
+    tensors = 2 * depth * continues + depth * caches + gated
+    per_head = 2 * p * continues + before * p * caches + before * mcfg.head_dim * gated
+    return tensors, elem * micro_batch * mcfg.n_heads * per_head
+
+
+def summary_sizes(mcfg: ModelConfig, cp: int, micro_batch: int, elem: int = 4) -> tuple[int, int]:
+    """(all-gathers, bytes of their gathered buffers) of one layer's linear-memory prefix (module
+    doc; backward reduce-scatters the same)."""
+    gated, e = _sizes(mcfg)[2], mcfg.head_dim
+    n = segments_per_slice(mcfg, cp)
+    return 2 + gated, elem * cp * n * micro_batch * mcfg.n_heads * (1 + e * e + e * gated)

@@ -1,0 +1,200 @@
+"""Titans under context parallelism: each cp rank holds a contiguous slice of the sequence.
+
+The split is the contiguous one (SequenceSplit balanced=False): cp rank r holds tokens
+[r s, (r + 1) s), s = S / cp. The neural memory's update is not associative (a deep memory's
+gradient step depends on the weights it starts from), so every block hands its state along the
+cp chain (parallel/cp_state.py receive_state / send_state): rank r starts each block from what
+rank r - 1 reached at the end of its slice, and sends back the gradient of it. One message per
+block and direction carries everything a slice needs from the slices before it:
+
+    MAG / MAL (the memory reads [P, x], P the persistent tokens, in chunks of C rows from row 0):
+      memory weights W_l and surprise S_l     [B, H, i_l, o_l] each, per memory layer l
+        (fp32, the state at the last chunk boundary before the slice's start)
+      memory-input tail   [B, p + K - 1, D]   the memory's input rows since that boundary
+        (p = (P + r s) mod C rows; the receiver computes their keys, values and gates again and
+        scans the chunk whole, so every chunk's gradients are taken at its starting state exactly
+        as in one process) and the K - 1 rows before them (the causal convolution's past; zeros
+        on rank 0, which is what the convolution's zero padding is)
+      attention tail      [B, min(W - 1, r s), D]   the attention input's last W - 1 rows (keys
+        and values of the sliding window, projected again by the receiver, RoPE at their true
+        positions); MAG's attention input is the memory's, MAL's is attn_norm(x + M(...))
+    MAC (segments of W tokens, each slice whole segments: refused otherwise):
+      W_l, S_l as above, the writes' convolution past (the last K - 1 rows of wk y, wv y, wq y,
+      [B, K - 1, H E] each) and the retrieval queries' (the last K - 1 rows of wq norm(x))
+
+Rank 0 sends the persistent tokens' effect through the state only: the tokens sit at the start
+of the memory's stream, and every rank puts them in front of its attention keys (RoPE positions
+0..P - 1, the tokens at P + their position, as in one process).
+
+Bytes per block and direction (cp_state_bytes; W_l, S_l in fp32, the tails in the activations'
+dtype of `a` bytes, H the heads of this tp rank):
+    MAG / MAL  8 B H sum_l i_l o_l + a B D (p + K - 1 + min(W - 1, r s))
+    MAC        8 B H sum_l i_l o_l + 4 a B (K - 1) H E
+The window halo travels in the chain's message rather than by a separate previous_rows: a
+separate exchange at the start of the next layer would make rank r - 1 wait for rank r to reach
+that layer (a point-to-point send meets its receive), turning the wavefront into a lockstep.
+
+Cost of the chain: nothing in a Titans block makes all cp ranks meet (its attention is a window
+or a segment), so the ranks run as a wavefront: L blocks take L + cp - 1 block-slices of S / cp
+tokens forward and again backward, against L blocks of S tokens in one process: a step takes
+about (L + cp - 1) / (L cp) of the one-process time plus the messages, and each rank keeps the
+activations of S / cp tokens. The receiver also recomputes the projections of the tail rows
+(at most C - 1 + K - 1 memory rows and W - 1 attention rows per block): under 1% for s >> C, W.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from megatron_taper.validation import ConfigError
+
+if TYPE_CHECKING:
+    from megatron_taper.config import ModelConfig, ParallelConfig
+    from megatron_taper.models.titans import MACBlock, MAGBlock, MALBlock, TitansBlock
+
+MESSAGE_TENSORS = 64  # parallel/cp_state.py: at most this many tensors in one message
+
+
+def conv_rows(kernel: int) -> int:
+    """Rows of a causal convolution's past: K - 1 (0 without a convolution)."""
+    return max(kernel - 1, 0)
+
+
+def conv_kernel(block: TitansBlock) -> int:
+    return 0 if block.memory.conv_k is None else block.memory.conv_k.shape[1]
+
+
+def tail_rows(persistent: int, chunk: int, kernel: int, window: int, rank: int, local: int) -> tuple[int, int]:
+    """(memory-input rows, attention rows) cp rank `rank` receives in MAG / MAL (module doc)."""
+    pending = (persistent + rank * local) % chunk if rank else 0
+    return pending + conv_rows(kernel), min(window - 1, rank * local)
+
+
+def check_cp_layout(mcfg: ModelConfig, pcfg: ParallelConfig) -> None:
+    """Refuse the cp layouts Titans cannot split (one ConfigError naming the fields)."""
+    cp, t = pcfg.cp, mcfg.titans
+    if cp == 1:
+        return
+    local = mcfg.seq_len // cp
+    if t.variant == "mac" and local % t.window:
+        raise ConfigError(f"model.titans.variant='mac' at parallel.cp={cp}: each cp rank's slice, model.seq_len / "
+                          f"parallel.cp = {mcfg.seq_len} / {cp} = {local} tokens, must hold whole segments of "
+                          f"model.titans.window={t.window} tokens (a segment's attention and memory read cannot "
+                          f"span two ranks); choose model.seq_len a multiple of {cp * t.window}")
+    if 2 * t.memory_depth + 4 > MESSAGE_TENSORS:
+        raise ConfigError(f"model.titans.memory_depth={t.memory_depth} at parallel.cp={cp}: a block's state message "
+                          f"would hold more than {MESSAGE_TENSORS} tensors; use memory_depth <= "
+                          f"{(MESSAGE_TENSORS - 4) // 2}")
+
+
+def cp_state_bytes(cfg: ModelConfig, rank: int, cp: int, batch: int, act_bytes: int = 4) -> int:
+    """Bytes cp rank `rank` receives per block in forward (its gradient goes back in backward)
+    for micro-batches of `batch` sequences (module doc); 0 on rank 0."""
+    t, h, e, d = cfg.titans, cfg.n_heads, cfg.head_dim, cfg.d_model
+    if rank == 0:
+        return 0
+    dims = [e] + [t.memory_expansion * e] * (t.memory_depth - 1) + [e]
+    state = 2 * batch * h * sum(i * o for i, o in zip(dims[:-1], dims[1:])) * 4
+    local = cfg.seq_len // cp
+    if t.variant == "mac":
+        return state + 4 * act_bytes * batch * conv_rows(t.conv_kernel) * h * e
+    mem, attn = tail_rows(t.persistent_tokens, t.chunk_size, t.conv_kernel, t.window, rank, local)
+    return state + act_bytes * batch * d * (mem + attn)
+
+
+def _receive(block: TitansBlock, initial: list[torch.Tensor]) -> list[torch.Tensor]:
+    """`initial` on cp rank 0, else what rank r - 1 sent (empty tensors are not sent)."""
+    from megatron_taper.parallel.cp_state import receive_state
+
+    sent = [t for t in initial if t.numel()]
+    got = iter(receive_state(block.context, block.context_tag, sent) if sent else ())
+    return [next(got) if t.numel() else t for t in initial]
+
+
+def _send(block: TitansBlock, y: torch.Tensor, ends: list[torch.Tensor], like: list[torch.Tensor]) -> torch.Tensor:
+    """Hand `ends` (shaped as cp rank r + 1's initial state `like`) to rank r + 1; returns y."""
+    from megatron_taper.parallel.cp_state import send_state
+
+    assert [t.shape for t in ends] == [t.shape for t in like], ([t.shape for t in ends], [t.shape for t in like])
+    sent = [t.to(m.dtype) for t, m in zip(ends, like) if m.numel()]
+    return send_state(block.context, block.context_tag, y, sent) if sent else y
+
+
+def _last(x: torch.Tensor, rows: int) -> torch.Tensor:
+    return x[:, x.shape[1] - rows:]
+
+
+def _stream_initial(block: TitansBlock, x: torch.Tensor, rank: int) -> list[torch.Tensor]:
+    """MAG / MAL: [W_l..., S_l..., memory-input tail, attention tail] of cp rank `rank`'s start."""
+    memory = block.memory
+    weights, surprise = memory.init_state(x.shape[0])
+    mem, attn = tail_rows(block.persistent.shape[0], memory.chunk_size, conv_kernel(block), block.window, rank,
+                          x.shape[1])
+    return [*weights, *surprise, x.new_zeros(x.shape[0], mem, x.shape[2]), x.new_zeros(x.shape[0], attn, x.shape[2])]
+
+
+def _memory_slice(block: TitansBlock, x: torch.Tensor, received: list[torch.Tensor]):
+    """The memory over this rank's slice x [B, s, D] (its input rows) from the received state:
+    (reads of the slice's tokens [B, H, s, E], the state at the last chunk boundary, the memory's
+    input rows with the received tail in front)."""
+    memory, n, rank = block.memory, len(block.memory.mem_w), block.context.rank
+    weights, surprise, tail = received[:n], received[n:2 * n], received[2 * n]
+    prefix = block.persistent.shape[0] if rank == 0 else 0
+    rows = torch.cat((tail, block.with_prefix(x) if prefix else x), dim=1)  # [B, p + K - 1 + (P) + s, D]
+    features, _ = memory.project(rows, rows)  # zero convolution past: the tail's first K - 1 rows are its past
+    skip = conv_rows(conv_kernel(block))
+    features = tuple(f[:, :, skip:] for f in features)
+    reads, state = memory.scan_features(features, (weights, surprise), whole_chunks=True)
+    return reads[:, :, tail.shape[1] - skip + prefix:], state, rows
+
+
+def _ends(block: TitansBlock, x: torch.Tensor, state, rows: torch.Tensor, attn_rows: torch.Tensor):
+    """(what rank r + 1 receives, the shapes it expects) in MAG / MAL."""
+    like = _stream_initial(block, x, block.context.rank + 1)
+    mem, attn = like[-2].shape[1], like[-1].shape[1]
+    return [*state[0], *state[1], _last(rows, mem), _last(attn_rows, attn)], like
+
+
+def mag_mix(block: MAGBlock, xn: torch.Tensor) -> torch.Tensor:
+    """MAGBlock.mix of this rank's slice xn [B, s, D]."""
+    rank, local = block.context.rank, xn.shape[1]
+    received = _receive(block, _stream_initial(block, xn, rank))
+    reads, state, rows = _memory_slice(block, xn, received)
+    gate = torch.sigmoid(block.memory.output(reads))
+    halo = received[-1]
+    keys = torch.cat((halo, xn), dim=1)  # [B, halo + s, D]
+    gate = _send(block, gate, *_ends(block, xn, state, rows, keys))
+    return block.window_attention(block.with_prefix(keys), halo.shape[1], rank * local) * gate
+
+
+def mal_forward(block: MALBlock, x: torch.Tensor) -> torch.Tensor:
+    """MALBlock.forward of this rank's slice x [B, s, D]."""
+    rank, local = block.context.rank, x.shape[1]
+    received = _receive(block, _stream_initial(block, x, rank))
+    reads, state, rows = _memory_slice(block, block.mem_norm(x), received)
+    x = x + block.memory.output(reads)
+    halo, xa = received[-1], block.attn_norm(x)
+    xa = _send(block, xa, *_ends(block, x, state, rows, torch.cat((halo, xa), dim=1)))
+    x = x + block.window_attention(block.with_prefix(torch.cat((halo, xa), dim=1)), halo.shape[1], rank * local)
+    return x + block.mlp(block.mlp_norm(x))
+
+
+def mac_mix(block: MACBlock, xn: torch.Tensor) -> torch.Tensor:
+    """MACBlock.mix of this rank's slice xn [B, s, D] (whole segments: check_cp_layout)."""
+    memory, n, rows = block.memory, len(block.memory.mem_w), conv_rows(conv_kernel(block))
+    weights, surprise = memory.init_state(xn.shape[0])
+    past = [xn.new_zeros(xn.shape[0], rows, memory.out_norm_weight.shape[0]) for _ in range(4 if rows else 0)]
+    initial = [*weights, *surprise, *past]  # pasts: retrieval queries', then the writes' k, v, q
+    received = _receive(block, initial)
+    state, pasts = (received[:n], received[n:2 * n]), received[2 * n:]
+    out, state, query_past, past = block.segments(xn, state, pasts[0] if rows else None,
+                                                  tuple(pasts[1:]) if rows else None)
+    ends = [*state[0], *state[1], *((query_past, *past) if rows else ())]
+    return _send(block, out, ends, initial)
+
+
+def wavefront_ratio(n_layers: int, cp: int) -> float:
+    """Step time at cp over the one-process step time, from the wavefront alone (module doc):
+    (L + cp - 1) block-slices of S / cp tokens against L blocks of S tokens."""
+    return (n_layers + cp - 1) / (n_layers * cp)
