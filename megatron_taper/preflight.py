@@ -76,6 +76,11 @@ def _check_context_parallel(m: ModelConfig, p: ParallelConfig, t: TrainConfig) -
     if m.seq_len % (2 * cp):
         raise ConfigError(f"parallel.cp={cp} needs model.seq_len={m.seq_len} divisible by 2 x parallel.cp = {2 * cp} "
                           f"(the load-balanced causal split gives each rank 2 equal chunks of the sequence)")
+    if not family(m.arch).cp_balanced and (p.pp > 1 or t.compile):
+        key = f"parallel.pp={p.pp}" if p.pp > 1 else "train.compile=true"
+        raise ConfigError(f"parallel.cp={cp} with {key} is not supported for model.arch={m.arch!r} yet (its state "
+                          f"passes from slice to slice, parallel/cp_state.py, which is untested under pipelining and "
+                          f"compile); use {'parallel.pp=1' if p.pp > 1 else 'train.compile=false'}")
     if p.zero == "fsdp2" and p.dp_replicate > 1:
         raise ConfigError(f"parallel.cp={cp} with parallel.dp_replicate={p.dp_replicate} (HSDP) is not supported; "
                           f"use parallel.dp_replicate=1 (fsdp2 then shards over dp x cp)")

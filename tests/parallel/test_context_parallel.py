@@ -152,6 +152,10 @@ def test_split_covers_the_sequence_once():
 @pytest.mark.parametrize("overrides,world,message", [
     (["model.seq_len=62"], 2, "needs model.seq_len=62 divisible by 2 x parallel.cp = 4"),
     (["parallel.zero=fsdp2", "parallel.dp_replicate=2"], 4, "parallel.cp=2 with parallel.dp_replicate=2 (HSDP)"),
+    (["model.arch=titans", "parallel.pp=2"], 4, "parallel.cp=2 with parallel.pp=2 is not supported for "
+                                                "model.arch='titans' yet"),
+    (["model.arch=tree", "train.compile=true"], 2, "parallel.cp=2 with train.compile=true is not supported for "
+                                                   "model.arch='tree' yet"),
     (["parallel.tp=4", "parallel.sequence_parallel=true", "model.seq_len=68", "model.taper.multiple=8"], 8,
      "needs the slice of model.seq_len=68 / parallel.cp = 34 tokens divisible by parallel.tp=4"),
     ([], 3, "parallel.tp=1 x parallel.pp=1 x parallel.cp=2 = 2 does not divide the world size 3"),
