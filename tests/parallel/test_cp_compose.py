@@ -43,10 +43,16 @@ def test_cp2_with_pp2_and_with_fsdp2_over_dp_x_cp():
 
 
 def test_cp2_with_fsdp2_at_dp1():
-    """2 processes: cp=2 x dp=1 with fsdp2, which shards over the cp group (dp x cp = 2)."""
+    """2 processes: cp=2 x dp=1 with fsdp2, which shards over the cp group (dp x cp = 2): the
+    Transformer, and Titans (its memory state passed between the slices, parallel/cp_state.py;
+    test_cp_titans.py's model and tolerances)."""
+    from tests.parallel.test_cp_titans import MODEL as TITANS
+    from tests.parallel.test_cp_titans import TOLERANCES as TITANS_TOLERANCES
+
     overrides = ["parallel.cp=2", "parallel.zero=fsdp2"]
-    got = merge_stages(run_distributed(stage_worker, 2, [MODEL + overrides], timeout=120))[0]
-    compare(got, _reference(overrides), "cp=2 fsdp2")
+    got = merge_stages(run_distributed(stage_worker, 2, [MODEL + overrides, TITANS + overrides], timeout=120))
+    compare(got[0], _reference(overrides), "cp=2 fsdp2")
+    compare(got[1], reference(TITANS), "titans cp=2 fsdp2", TITANS_TOLERANCES)
 
 
 def test_cp2_with_compile():
