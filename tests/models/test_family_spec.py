@@ -85,3 +85,18 @@ def test_bad_family_module_is_one_clear_error(value, message):
                           env={**os.environ, "MEGATRON_TAPER_FAMILIES": value}, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode != 0 and message in proc.stderr
+
+
+def test_family_without_context_parallelism_is_refused_at_cp2():
+    """A family whose spec does not say context_parallel (every built-in one does) gets one error."""
+    out = _python(
+        "from megatron_taper.config import load_config\n"
+        "from megatron_taper.preflight import preflight\n"
+        "from megatron_taper.validation import ConfigError\n"
+        "cfg = load_config('configs/tiny_taper.yaml', ['model.arch=toy', 'parallel.cp=2'])\n"
+        "try:\n"
+        "    preflight(cfg, 2)\n"
+        "except ConfigError as e:\n"
+        "    print(e)\n")
+    assert "parallel.cp=2: model.arch='toy' does not support context parallelism yet" in out, out
+    assert "transformer" in out and "use parallel.cp=1" in out, out
