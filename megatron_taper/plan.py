@@ -41,6 +41,7 @@ from megatron_taper.cost.memory import (
 from megatron_taper.cost.step_time import RankWork, StepLayout, StepTime, step_time
 from megatron_taper.parallel.partition import chunk_rank, in_flight_microbatches, partition
 from megatron_taper.preflight import preflight, step_split
+from megatron_taper.taper import layer_widths
 from megatron_taper.validation import ConfigError
 
 if TYPE_CHECKING:
@@ -314,6 +315,7 @@ def search(cfg: Config, gpus: int, memory_gib: float, device: DeviceProfile,
     sections: dict = {}
     dropped: Counter[str] = Counter()
     legal: list[Prediction] = []
+    widths: dict[int, list[int]] = {}  # id of a model section (kept alive by cfg / `sections`) -> its widths
     for row in itertools.product(*(v for _, v in space)):
         values = _canonical(dict(zip(keys, row)), cfg)
         marker = tuple(values.items())
@@ -325,9 +327,11 @@ def search(cfg: Config, gpus: int, memory_gib: float, device: DeviceProfile,
             continue
         try:
             candidate = with_values(cfg, values, sections)
+            if id(candidate.model) not in widths:
+                widths[id(candidate.model)] = layer_widths(candidate.model)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                dp = preflight(candidate, gpus).dp
+                dp = preflight(candidate, gpus, widths[id(candidate.model)]).dp
         except ConfigError as e:
             dropped[reason(e)] += 1
             continue

@@ -101,3 +101,23 @@ def test_memory_aware_partition_counts_tp_and_zero_sharding():
         plan()
     for stages in (plan("parallel.tp=2").stages, plan("parallel.zero=fsdp2", dp=4).stages):
         assert max(s.peak_bytes for s in stages) <= 110 * GIB
+
+
+def test_search_computes_the_layer_widths_once(monkeypatch):
+    """The widths are per model, not per layout: a search computes them once and hands them to
+    preflight, which then does not recompute them (it did twice per candidate at tp > 1)."""
+    from megatron_taper import plan, taper
+    from megatron_taper import preflight as preflight_module
+
+    calls = []
+
+    def counted(model_cfg):
+        calls.append(model_cfg)
+        return taper.layer_widths(model_cfg)
+
+    monkeypatch.setattr(plan, "layer_widths", counted)
+    monkeypatch.setattr(preflight_module, "layer_widths", counted)
+    cfg = load_config(None, ["model.n_layers=2", "model.d_model=64", "model.n_heads=4", "train.global_batch=8"])
+    space = (("parallel.tp", (1, 2)), ("parallel.pp", (1, 2)), ("train.micro_batch", (1, 2)))
+    result = plan.search(cfg, 4, 1.0, profiles()["cpu"], space=space)
+    assert result.legal > 0 and len(calls) == 1
