@@ -331,7 +331,10 @@ def model_memory(cfg: ModelConfig, setup: MemorySetup, costs: ModelCosts | None 
                               setup, tokens, False, cfg.d_model, block=False, matmul=not cfg.tie_embeddings)
     last = fsdp_units([p.params for p in layers], setup.dp_shard or setup.dp)[-1] if layers else []
     gathered = sum(layers[i].params for i in last) * setup.compute_bytes if setup.fsdp and not setup.pipelined else 0.0
-    head_piece = dataclasses.replace(head_piece, peak=head_piece.peak + loss_chunk_bytes(cfg, setup, tokens) + gathered)
+    head_peak = max(head_piece.peak + loss_chunk_bytes(cfg, setup, tokens), head_weight_grad_moment(cfg, shares, setup,
+                                                                                                  head_piece, tokens))
+    head_piece = dataclasses.replace(head_piece, peak=head_peak + gathered)
+    head_piece = _with_stage_output(head_piece, cfg, shares, setup, tokens)
     embedding = piece_memory(costs.embedding, shares, setup, tokens, False, cfg.d_model, block=False, matmul=False)
     return ModelMemory(layers, embedding, head_piece, boundary_bytes(cfg.d_model, tokens, setup), setup)
 
@@ -366,6 +369,33 @@ def context_parallel_cost(cost: Cost, cfg: ModelConfig, setup: MemorySetup) -> C
         return split + Split(kv=split.kv * (cp - 1))
 
     return dataclasses.replace(cost, act=more(cost.act), backward=tuple(more(b) for b in cost.backward))
+
+
+def head_weight_grad_moment(cfg: ModelConfig, shares: Split, setup: MemorySetup, head: PieceMemory, tokens: int
+                            ) -> float:
+    """The head's backward at its output projection, where gradients accumulate over micro-batches
+    (pipelining or gradient accumulation; else 0): what the head keeps, the logits' gradient
+    [b, S, V / tp] in the compute dtype and the projection's new weight gradient [V / tp, d]
+    before it is added to the existing one (fp32, also under bf16 autocast: its bf16 form is not
+    seen beside it in the measured peaks, docs/memory_model.md). With the chunked loss this
+    outgrows the loss's chunk buffers where d_model is large against loss_chunk."""
+    if not setup.pipelined and setup.microbatches <= 1:
+        return 0.0
+    weight = 4.0 * cfg.vocab_size * largest_share(cfg.vocab_size, setup.tp) * cfg.d_model
+    return head.kept + act_bytes_per_token(Split(logits=cfg.vocab_size), shares, setup) * tokens + weight
+
+
+def _with_stage_output(head: PieceMemory, cfg: ModelConfig, shares: Split, setup: MemorySetup, tokens: int
+                       ) -> PieceMemory:
+    """The head under pipelining: torch.distributed.pipelining keeps the last stage's output, the
+    logits [b, S, V / tp] in the compute dtype, from its forward to the end of its backward (the
+    stage's fwd_cache), once per micro-batch in flight. The unchunked loss does not keep them
+    itself (F.cross_entropy saves the log-softmax), so they are one more [V] per token; the
+    chunked one saves those very logits, already counted."""
+    if not setup.pipelined or setup.loss_chunk > 0:
+        return head
+    logits = act_bytes_per_token(Split(logits=cfg.vocab_size), shares, setup) * tokens
+    return dataclasses.replace(head, kept=head.kept + logits, peak=head.peak + logits)
 
 
 def loss_chunk_bytes(cfg: ModelConfig, setup: MemorySetup, tokens: int) -> float:
