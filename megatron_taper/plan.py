@@ -39,7 +39,13 @@ from megatron_taper.cost.memory import (
     to_memory_model,
 )
 from megatron_taper.cost.step_time import RankWork, StepLayout, StepTime, step_time
-from megatron_taper.parallel.partition import chunk_rank, in_flight_microbatches, partition
+from megatron_taper.parallel.partition import (
+    chunk_rank,
+    in_flight_microbatches,
+    interleaved_activations,
+    interleaved_in_flight,
+    partition,
+)
 from megatron_taper.preflight import preflight, step_split
 from megatron_taper.taper import layer_widths
 from megatron_taper.validation import ConfigError
@@ -211,8 +217,11 @@ class Predictor:
     def rank_peaks(self, setup: MemorySetup, pp: int, virtual: int, schedule: str) -> list[float]:
         """Predicted peak bytes of each pipeline rank: the memory model per stage at v = 1; with
         several chunks per rank, its chunks' static bytes and buffers, the largest backward moment
-        of a chunk and (in flight - 1) x the chunks' mean kept bytes, in flight = Megatron's
-        warm-up count (pp - r - 1) x 2 + (v - 1) x pp + 1 (at most m x v; not yet measured)."""
+        of a chunk and (in flight - 1) x kept bytes: interleaved 1F1B as PipelinePlan.rank_peak_bytes
+        (partition.interleaved_activations; measured, docs/memory_model.md); the zero-bubble and
+        V schedules with Megatron's warm-up count (pp - r - 1) x 2 + (v - 1) x pp + 1 (at most
+        m x v) and the chunks' mean kept bytes (an estimate: their deferred weight gradients keep
+        activations longer, not modelled)."""
         key = (setup, pp, virtual, schedule)
         if key in self._peaks:
             return self._peaks[key]
@@ -226,11 +235,17 @@ class Predictor:
             chunks = [self.stage(setup, b, c, [1] * n_chunks) for c in range(n_chunks)]
             peaks = []
             for r in range(pp):
-                mine = [chunks[c] for c in range(n_chunks) if chunk_rank(c, pp, schedule in V_SCHEDULES) == r]
+                ids = [c for c in range(n_chunks) if chunk_rank(c, pp, schedule in V_SCHEDULES) == r]
+                mine = [chunks[c] for c in ids]
+                fixed = sum(s.static + s.buffers for s in mine)
+                if schedule == "interleaved_1f1b":  # PipelinePlan.rank_peak_bytes's rule (measured)
+                    last = ids.index(n_chunks - 1) if n_chunks - 1 in ids else None
+                    peaks.append(fixed + interleaved_activations([s.kept for s in mine], [s.activations for s in mine],
+                                                                 interleaved_in_flight(pp, virtual, m, r), last))
+                    continue
                 flight = min(m * virtual, (pp - r - 1) * 2 + (virtual - 1) * pp + 1)
                 kept = sum(s.kept for s in mine) / len(mine)
-                peaks.append(sum(s.static + s.buffers for s in mine) + (flight - 1) * kept
-                             + max(s.activations for s in mine))
+                peaks.append(fixed + (flight - 1) * kept + max(s.activations for s in mine))
         self._peaks[key] = peaks
         return peaks
 
@@ -287,7 +302,7 @@ class Predictor:
         layout = StepLayout(tp=p.tp, pp=p.pp, dp=dp, virtual=virtual, schedule=p.pp_schedule, zero=p.zero,
                             sequence_parallel=setup.sequence_parallel, micro_batch=micro_batch, microbatches=m,
                             bf16=bf16, float8=t.float8, overlap=self.device.profile != "cpu",
-                            dp_shard=setup.dp_shard)
+                            dp_shard=setup.dp_shard, compute_share=self.device.rank_share(p.tp * p.pp * dp))
         step = step_time(work, layout, self.model.d_model, self.model.seq_len, self.device)
         tokens = t.global_batch * self.model.seq_len / step.total
         gpus = p.tp * p.pp * dp
@@ -382,7 +397,8 @@ def local_device(train_device: str, world: int) -> tuple[DeviceProfile, float, s
         return device, memory, f"{name}: {memory:.1f} GiB (not in cost/devices.json: the h100 profile's links)"
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     ram = host_memory_gib()
-    return known["cpu"], ram / ranks, f"CPU: {ram:.1f} GiB of RAM / {ranks} local process(es)"
+    cpu = dataclasses.replace(known["cpu"], cores=os.cpu_count() or 1)
+    return cpu, ram / ranks, f"CPU: {ram:.1f} GiB of RAM / {ranks} local process(es), {cpu.cores} cores"
 
 
 def host_memory_gib() -> float:

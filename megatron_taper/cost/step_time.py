@@ -5,7 +5,8 @@ Per pipeline rank r, for one micro-batch of b x S tokens on one tp rank:
     compute_r   (3 x forward FLOPs + forward FLOPs of the recomputed blocks) / tp / rate; the
                 blocks' linear layers at the fp8 rate under train.float8 (torchao converts only
                 those), everything else (attention scores, embedding, head) at the bf16 rate
-                (fp32 without bf16); rate = the device's peak x its assumed MFU (cost/devices.json)
+                (fp32 without bf16); rate = the device's peak x its assumed MFU (cost/devices.json),
+                x min(1, cores / ranks) on a CPU host whose ranks share its cores
     tp_r        Megatron's 4 collectives per block ([b, S, d] in the compute dtype: 2 in forward,
                 2 in backward; all-reduces, or all-gather + reduce-scatter under sequence
                 parallelism, which move the same bytes), 2 more per recomputed block, ring
@@ -77,6 +78,7 @@ class StepLayout:
     float8: bool
     overlap: bool  # the device runs collectives beside compute (GPUs: copy engines / NCCL; not gloo on the CPU)
     dp_shard: int = 0  # fsdp2: ranks the state is sharded over (HSDP: dp = dp_replicate x dp_shard); 0 = dp
+    compute_share: float = 1.0  # of one device's rate a rank gets (CPU: the host's cores / its ranks)
 
 
 @dataclass(frozen=True)
@@ -121,8 +123,8 @@ def step_time(ranks: Sequence[RankWork], layout: StepLayout, d_model: int, seq_l
     lo = layout
     tokens = lo.micro_batch * seq_len
     compute_bytes = 2 if lo.bf16 else 4
-    rate = device.matmul_flops(lo.bf16)
-    fp8_rate = device.matmul_flops(lo.bf16, float8=True) if lo.float8 else rate
+    rate = device.matmul_flops(lo.bf16) * lo.compute_share
+    fp8_rate = device.matmul_flops(lo.bf16, float8=True) * lo.compute_share if lo.float8 else rate
     tp_bw = bandwidth(lo.tp, device)
     pp_bw = bandwidth(lo.tp * lo.dp * lo.pp, device)
     hidden = tokens * d_model * compute_bytes
