@@ -13,9 +13,14 @@ inference). The layouts run `--repeats` times, interleaved (every layout once, t
 change of the machine's load falls on all of them alike; a layout's step time is the median of
 its runs and its spread (max - min) / median is reported beside it. Spearman's rank correlation
 is computed on the medians (`spearman_step_time`) and on every repeat alone
-(`spearman_per_repeat`, the noise of the statistic itself). The peaks are those of the first
-repeat (runs agree within 0.5 MiB, docs/memory_model.md); `peak_ratio_after_runtime` takes out
-the runtime's own ~31 MiB per process that the memory model does not count (RUNTIME_BYTES).
+(`spearman_per_repeat`, the noise of the statistic itself). Beside the wall time, each run
+records the step's CPU time per process (all its threads; `measured_step_cpu_s`: the largest
+rank's, median over repeats): other engineers' jobs on a shared machine lengthen the wall time
+but much less the CPU time; it leaves out waiting (the pipeline bubble, a collective's wait for
+a slower rank), so `spearman_step_cpu_time` is a second, load-robust view, not a replacement.
+The peaks are those of the first repeat (runs agree within 0.5 MiB, docs/memory_model.md);
+`peak_ratio_after_runtime` takes out the runtime's own ~31 MiB per process that the memory model
+does not count (RUNTIME_BYTES).
 
 Predictions come from megatron_taper/plan.py's Predictor with the `cpu` device profile
 (cost/devices.json) and this machine's cores (os.cpu_count(): the processes share them).
@@ -110,8 +115,11 @@ def main() -> None:
         for name in names:
             nproc, overrides, cfg, *_ = setups[name]  # the worker takes checkpointing as its mode
             runs[name].append(measure(overrides, cfg.train.activation_checkpointing, nproc, args.steps, full=True))
-            step = runs[name][-1][0]["step_s"]
-            print(json.dumps({"repeat": repeat, "layout": name, "step_s": step}), file=sys.stderr)
+            first = runs[name][-1]
+            print(json.dumps({"repeat": repeat, "layout": name, "step_s": first[0]["step_s"],
+                              "step_cpu_s": first[0]["step_cpu_s"],
+                              "peaks_mib": [round(r["measured_peak_bytes"] / 2**20, 1) for r in first]}),
+                  file=sys.stderr)
     rows, layouts = [], []
     for name in names:
         nproc, _, cfg, dp, predicted = setups[name]
@@ -126,6 +134,7 @@ def main() -> None:
                          "peak_ratio_after_runtime": round((row["measured_peak_bytes"] - RUNTIME_BYTES) / want, 3)})
         steps = [run[0]["step_s"] for run in runs[name]]
         step = median(steps)
+        cpu_steps = [max(r["step_cpu_s"] for r in run) for run in runs[name]]
         top = max(rows[-len(first):], key=lambda r: abs(r["peak_ratio_after_runtime"] - 1.0))
         layouts.append({"layout": name, "processes": nproc, "predicted_step_s": predicted.step.total,
                         "predicted_parts_s": {"compute": predicted.step.compute, "bubble": predicted.step.bubble,
@@ -133,6 +142,7 @@ def main() -> None:
                                               "dp": predicted.step.dp, "optimizer": predicted.step.optimizer},
                         "measured_step_s": step, "measured_step_runs_s": steps,
                         "step_spread": (max(steps) - min(steps)) / step, "step_ratio": step / predicted.step.total,
+                        "measured_step_cpu_s": median(cpu_steps), "measured_step_cpu_runs_s": cpu_steps,
                         "predicted_peak_gib": predicted.peak / GIB,
                         "measured_peak_gib": max(r["measured_peak_bytes"] for r in first) / GIB,
                         "worst_rank_peak_ratio_after_runtime": top["peak_ratio_after_runtime"]})
@@ -148,6 +158,7 @@ def main() -> None:
                       "steps": args.steps, "shape": SHAPE + args.overrides, "rows": rows, "layouts": layouts,
                       "spearman_step_time": spearman(predicted_steps, [x["measured_step_s"] for x in layouts]),
                       "spearman_per_repeat": per_repeat, "cpu_mfu_fitted": fitted,
+                      "spearman_step_cpu_time": spearman(predicted_steps, [x["measured_step_cpu_s"] for x in layouts]),
                       "load_average": os.getloadavg()}))
 
 
