@@ -373,10 +373,11 @@ def no_fit_message(result: PlanResult, memory_gib: float) -> str:
             f"larger devices, or a smaller model")
 
 
-def local_device(train_device: str, world: int) -> tuple[DeviceProfile, float, str]:
+def local_device(train_device: str, world: int, local_ranks: int | None = None) -> tuple[DeviceProfile, float, str]:
     """This machine's device profile, memory per rank in GiB and where they came from: a CUDA
     device's total memory and its profile (by name; the h100 one's links and MFU with the
-    device's own peak FLOP/s for other GPUs), else the CPU profile and the RAM / local ranks."""
+    device's own peak FLOP/s for other GPUs), else the CPU profile and the RAM / local ranks
+    (`local_ranks`, default LOCAL_WORLD_SIZE, else `world`)."""
     import torch
 
     from megatron_taper.cost.flops import lookup_peak_tflops
@@ -395,7 +396,7 @@ def local_device(train_device: str, world: int) -> tuple[DeviceProfile, float, s
         device = dataclasses.replace(base, name=name, profile="cuda", bf16_tflops=bf16, fp32_tflops=fp32,
                                      fp8_tflops=0.0, memory_gb=memory * GIB / 1e9)
         return device, memory, f"{name}: {memory:.1f} GiB (not in cost/devices.json: the h100 profile's links)"
-    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    ranks = local_ranks or int(os.environ.get("LOCAL_WORLD_SIZE", world))
     ram = host_memory_gib()
     cpu = dataclasses.replace(known["cpu"], cores=os.cpu_count() or 1)
     return cpu, ram / ranks, f"CPU: {ram:.1f} GiB of RAM / {ranks} local process(es), {cpu.cores} cores"
@@ -406,11 +407,12 @@ def host_memory_gib() -> float:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
 
 
-def choose_layout(cfg: Config, world: int) -> tuple[Config, str]:
+def choose_layout(cfg: Config, world: int, local_ranks: int | None = None) -> tuple[Config, str]:
     """parallel.layout=auto: `cfg` with the fastest predicted layout that fits this machine's
-    device memory per rank (parallel.layout_memory_gb when > 0) at `world` processes, and a line
-    saying why; nothing fits: ConfigError naming the nearest layout."""
-    device, memory, found = local_device(cfg.train.device, world)
+    device memory per rank (parallel.layout_memory_gb when > 0) at `world` processes
+    (`local_ranks` of them here: local_device), and a line saying why; nothing fits: ConfigError
+    naming the nearest layout."""
+    device, memory, found = local_device(cfg.train.device, world, local_ranks)
     if cfg.parallel.layout_memory_gb > 0:
         memory, found = cfg.parallel.layout_memory_gb, f"parallel.layout_memory_gb={cfg.parallel.layout_memory_gb:g}"
     result = search(cfg, world, memory, device)
