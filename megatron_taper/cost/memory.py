@@ -27,12 +27,18 @@ K        bytes one micro-batch keeps for backward: sum over the stage's blocks o
          (train.activation_checkpointing: full = all, selective = global index a multiple of
          train.ac_every), plus the head's; op: every block's input and the outputs of its
          matmuls and attention kernels (cost/block.py `op_act`; a family that does not count
-         them is booked as keeping everything).
+         them is booked as keeping everything). Under pipelining the last stage also keeps its
+         output, the logits [b, S, V / tp] in the compute dtype, per micro-batch in flight
+         (torch.distributed.pipelining's fwd_cache, to the end of the micro-batch's backward;
+         with the chunked loss they are the loss's own saved logits, counted once).
 top      the largest moment of the backward of the micro-batch being processed: at the head,
          K + its loss buffers (train.loss_chunk: the logits' gradient in the compute dtype and
          one chunk's fp32 softmax, two under bf16, instead of [tokens, V] fp32 buffers; fsdp2
          without pipelining: + the last FSDP unit's gathered weights, which stay gathered from its
-         forward to its backward, parallel/zero.py); at
+         forward to its backward, parallel/zero.py); where gradients accumulate (pipelining,
+         gradient accumulation) at least K + the logits' gradient + the head's new fp32 weight
+         gradient [V / tp, d] before it is added to the accumulated one (the larger moment with
+         the chunked loss unless loss_chunk is large against d_model); at
          block l, the kept bytes of the stage's blocks before l plus
          all of l's activations (recomputed or kept) and its largest backward moment (gradient
          buffers); fsdp2 without pipelining adds the gathered parameters and unsharded gradients
