@@ -63,6 +63,8 @@ SEARCH_SPACE: tuple[tuple[str, tuple[Any, ...]], ...] = (
     ("parallel.zero", ("none", "fsdp2", "deepspeed")),
     ("parallel.dp_replicate", (1, 2, 4, 8)),  # HSDP replicas (fsdp2); dp_shard = dp / dp_replicate
     ("parallel.sequence_parallel", (False, True)),
+    ("parallel.cp", (1, 2, 4, 8)),  # context parallelism: each sequence split over cp ranks
+    ("parallel.cp_attention", ("allgather", "ring")),
     ("train.micro_batch", (1, 2, 4, 8)),
     ("train.activation_checkpointing", ("none", "selective", "op", "full")),
     ("train.float8", (False, True)),
@@ -73,7 +75,9 @@ USABLE_FRACTION = 0.9  # of the device memory a predicted peak may take
 def _canonical(values: dict[str, Any], cfg: Config) -> dict[str, Any]:
     """Settings that make no difference to the run take one value, so a layout is tried once:
     without pipelining the schedule, without an interleaved schedule pp_virtual, without tp
-    sequence parallelism, without fsdp2 dp_replicate (no replicas)."""
+    sequence parallelism, without fsdp2 dp_replicate (no replicas), without context parallelism
+    cp_attention. Only keys of other sections than train are made canonical (search varies the
+    train keys innermost, each value of each)."""
     out = dict(values)
     if out.get("parallel.pp", cfg.parallel.pp) == 1:
         out["parallel.pp_schedule"] = "1f1b"
@@ -83,6 +87,8 @@ def _canonical(values: dict[str, Any], cfg: Config) -> dict[str, Any]:
         out["parallel.sequence_parallel"] = False
     if out.get("parallel.zero", cfg.parallel.zero) != "fsdp2":  # replicas exist only under fsdp2
         out["parallel.dp_replicate"] = 1
+    if out.get("parallel.cp", cfg.parallel.cp) == 1:
+        out["parallel.cp_attention"] = cfg.parallel.cp_attention
     return out
 
 
@@ -146,6 +152,7 @@ class Prediction:
                                  f" {x.schedule}" if x.pp > 1 else ""),
                  f"dp={x.dp}" + (f"({v['parallel.dp_replicate']}x{x.dp // v['parallel.dp_replicate']})"
                                  if v.get("parallel.dp_replicate", 1) > 1 else ""),
+                 *([f"cp={x.cp}" + (" ring" if x.cp_ring else "")] if x.cp > 1 else []),
                  f"zero={x.zero}", f"micro_batch={x.micro_batch}x{x.microbatches}",
                  f"checkpointing={v.get('train.activation_checkpointing')}"]
         if v.get("train.float8"):
@@ -302,10 +309,12 @@ class Predictor:
         layout = StepLayout(tp=p.tp, pp=p.pp, dp=dp, virtual=virtual, schedule=p.pp_schedule, zero=p.zero,
                             sequence_parallel=setup.sequence_parallel, micro_batch=micro_batch, microbatches=m,
                             bf16=bf16, float8=t.float8, overlap=self.device.profile != "cpu",
-                            dp_shard=setup.dp_shard, compute_share=self.device.rank_share(p.tp * p.pp * dp))
-        step = step_time(work, layout, self.model.d_model, self.model.seq_len, self.device)
+                            dp_shard=setup.dp_shard, compute_share=self.device.rank_share(p.tp * p.pp * p.cp * dp),
+                            cp=setup.cp, cp_ring=setup.cp_ring)
+        step = step_time(work, layout, self.model.d_model, self.model.seq_len, self.device,
+                         kv_dim=self.model.kv_heads * self.model.head_dim)
         tokens = t.global_batch * self.model.seq_len / step.total
-        gpus = p.tp * p.pp * dp
+        gpus = p.tp * p.pp * p.cp * dp
         peak = self.device.bf16_tflops if bf16 else self.device.fp32_tflops
         mfu = 3.0 * self.costs.total_flops * tokens / (gpus * peak * 1e12)
         values = {key: _get(cfg, key) for key, _ in SEARCH_SPACE}
@@ -325,38 +334,48 @@ def search(cfg: Config, gpus: int, memory_gib: float, device: DeviceProfile,
     """Every layout of `space` for `cfg` on `gpus` devices of `memory_gib` GiB each (module doc)."""
     limit = usable * memory_gib * GIB
     predictor = Predictor(cfg, device)
-    keys = [k for k, _ in space]
+    # the train keys vary innermost: a refusal of the other sections' values holds at all of them
+    outer_keys = [k for k, _ in space if not k.startswith("train.")]
+    inner_keys = [k for k, _ in space if k.startswith("train.")]
+    inner_rows = list(itertools.product(*(v for k, v in space if k.startswith("train."))))
     seen: set[tuple] = set()
     sections: dict = {}
     dropped: Counter[str] = Counter()
     legal: list[Prediction] = []
     widths: dict[int, list[int]] = {}  # id of a model section (kept alive by cfg / `sections`) -> its widths
-    for row in itertools.product(*(v for _, v in space)):
-        values = _canonical(dict(zip(keys, row)), cfg)
-        marker = tuple(values.items())
+    for row in itertools.product(*(v for k, v in space if not k.startswith("train."))):
+        outer = _canonical(dict(zip(outer_keys, row)), cfg)
+        marker = tuple(outer.items())
         if marker in seen:
             continue
         seen.add(marker)
-        if values.get("train.float8") and device.fp8_tflops <= 0:
-            dropped[f"train.float8: the {device.profile} profile has no float8 peak"] += 1
-            continue
-        try:
-            candidate = with_values(cfg, values, sections)
-            if id(candidate.model) not in widths:
-                widths[id(candidate.model)] = layer_widths(candidate.model)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                dp = preflight(candidate, gpus, widths[id(candidate.model)]).dp
-        except ConfigError as e:
-            dropped[reason(e)] += 1
-            continue
-        legal.append(predictor.predict(candidate, dp, limit))
+        refused = ""  # a refusal naming no train. key (an error names its keys): it holds at every train value
+        for inner in inner_rows:
+            values = {**outer, **dict(zip(inner_keys, inner))}
+            if values.get("train.float8") and device.fp8_tflops <= 0:
+                dropped[f"train.float8: the {device.profile} profile has no float8 peak"] += 1
+                continue
+            if refused:
+                dropped[refused] += 1
+                continue
+            try:
+                candidate = with_values(cfg, values, sections)
+                if id(candidate.model) not in widths:
+                    widths[id(candidate.model)] = layer_widths(candidate.model)
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    dp = preflight(candidate, gpus, widths[id(candidate.model)]).dp
+            except ConfigError as e:
+                dropped[reason(e)] += 1
+                refused = "" if "train." in str(e) else reason(e)
+                continue
+            legal.append(predictor.predict(candidate, dp, limit))
     over = [x for x in legal if not x.fits]
     if over:
         dropped[f"predicted peak over {usable:.0%} of {memory_gib:g} GiB"] = len(over)
     fitting = sorted((x for x in legal if x.fits), key=lambda x: (x.step.total, x.peak))
     nearest = min(legal, key=lambda x: (x.peak, x.step.total)) if legal else None
-    return PlanResult(gpus, device, limit, len(seen), len(legal), fitting, nearest,
+    return PlanResult(gpus, device, limit, len(seen) * len(inner_rows), len(legal), fitting, nearest,
                       dict(sorted(dropped.items(), key=lambda kv: -kv[1])))
 
 

@@ -207,14 +207,16 @@ def _check_pipeline(m: ModelConfig, p: ParallelConfig, t: TrainConfig, dp: int) 
                 f"parallel.microbatches or train.global_batch / train.micro_batch) or parallel.pp_schedule=gpipe")
         warnings.warn(f"parallel.microbatches={n_micro} is fewer than parallel.pp={p.pp} stages: every step is "
                       f"mostly pipeline bubble (use at least {p.pp}, ideally 4x)", stacklevel=3)
+    # errors name every key they depend on (the layout search relies on it): n_micro may come from train
+    derived = "" if p.microbatches else " (train.global_batch / data-parallel size / train.micro_batch)"
     if p.pp_schedule in INTERLEAVED_SCHEDULES:
         rounds = max(1, n_micro // p.pp)
         if n_micro % rounds:
-            raise ConfigError(f"parallel.microbatches={n_micro}: {p.pp_schedule} needs a multiple of "
+            raise ConfigError(f"parallel.microbatches={n_micro}{derived}: {p.pp_schedule} needs a multiple of "
                               f"parallel.pp={p.pp} (or fewer than 2 * pp)")
     if p.pp_schedule == "dualpipev" and n_micro < 2 * p.pp:
-        raise ConfigError(f"parallel.microbatches={n_micro}: dualpipev needs at least 2 x parallel.pp = {2 * p.pp} "
-                          f"(one per stage)")
+        raise ConfigError(f"parallel.microbatches={n_micro}{derived}: dualpipev needs at least 2 x parallel.pp = "
+                          f"{2 * p.pp} (one per stage)")
     return n_micro
 
 
