@@ -223,12 +223,12 @@ class Predictor:
 
     def rank_peaks(self, setup: MemorySetup, pp: int, virtual: int, schedule: str) -> list[float]:
         """Predicted peak bytes of each pipeline rank: the memory model per stage at v = 1; with
-        several chunks per rank, its chunks' static bytes and buffers, the largest backward moment
-        of a chunk and (in flight - 1) x kept bytes: interleaved 1F1B as PipelinePlan.rank_peak_bytes
-        (partition.interleaved_activations; measured, docs/memory_model.md); the zero-bubble and
-        V schedules with Megatron's warm-up count (pp - r - 1) x 2 + (v - 1) x pp + 1 (at most
-        m x v) and the chunks' mean kept bytes (an estimate: their deferred weight gradients keep
-        activations longer, not modelled)."""
+        several chunks per rank, its chunks' static bytes and buffers and
+        partition.interleaved_activations of its chunks (the rule of PipelinePlan.rank_peak_bytes)
+        with in flight = torch's count for interleaved 1F1B (interleaved_in_flight), Megatron's
+        warm-up count (pp - r - 1) x 2 + (v - 1) x pp + 1 (at most m x v) for the zero-bubble and V
+        schedules (an estimate: their deferred weight gradients are not modelled; ZB-V measured
+        6% high / 7% low, docs/planning.md)."""
         key = (setup, pp, virtual, schedule)
         if key in self._peaks:
             return self._peaks[key]
@@ -245,14 +245,13 @@ class Predictor:
                 ids = [c for c in range(n_chunks) if chunk_rank(c, pp, schedule in V_SCHEDULES) == r]
                 mine = [chunks[c] for c in ids]
                 fixed = sum(s.static + s.buffers for s in mine)
-                if schedule == "interleaved_1f1b":  # PipelinePlan.rank_peak_bytes's rule (measured)
-                    last = ids.index(n_chunks - 1) if n_chunks - 1 in ids else None
-                    peaks.append(fixed + interleaved_activations([s.kept for s in mine], [s.activations for s in mine],
-                                                                 interleaved_in_flight(pp, virtual, m, r), last))
-                    continue
-                flight = min(m * virtual, (pp - r - 1) * 2 + (virtual - 1) * pp + 1)
-                kept = sum(s.kept for s in mine) / len(mine)
-                peaks.append(fixed + (flight - 1) * kept + max(s.activations for s in mine))
+                if schedule == "interleaved_1f1b":  # PipelinePlan.rank_peak_bytes's count (measured)
+                    flight = interleaved_in_flight(pp, virtual, m, r)
+                else:
+                    flight = min(m * virtual, (pp - r - 1) * 2 + (virtual - 1) * pp + 1)
+                last = ids.index(n_chunks - 1) if n_chunks - 1 in ids else None
+                peaks.append(fixed + interleaved_activations([s.kept for s in mine], [s.activations for s in mine],
+                                                             flight, last))
         self._peaks[key] = peaks
         return peaks
 
