@@ -18,7 +18,9 @@ static   per tp-local parameter P of the stage: parameters, gradients, AdamW sta
          (matmul weights in the compute dtype, embedding in fp32; gradients accumulated
          in fp32 under pipelining; the sharded gradient, made at the step's end as the unsharded
          one is freed, is not counted besides it: 12 / s + 4 + param bytes); fsdp2 without
-         pipelining does so for the root (embedding, final norm, head); bf16 autocast (every
+         pipelining keeps the root's (embedding, final norm, head) weights gathered, and the
+         head's unsharded gradient from its backward to the end of the backward (in the blocks'
+         moments; it is reduce-scattered then, measured: docs/memory_model.md); bf16 autocast (every
          layout but fsdp2 at dp > 1, which gathers matmul weights in bf16) keeps a bf16 copy of
          every weight it casts (2 bytes per P).
 K        bytes one micro-batch keeps for backward: sum over the stage's blocks of their saved
@@ -298,8 +300,10 @@ def piece_memory(cost: Cost, shares: Split, setup: MemorySetup, tokens: int, rec
     under activation_checkpointing=op also its `op_act` (all of `act` where that is unknown)."""
     params = local_params(cost, shares)
     static = params * (setup.state_bytes_per_param() + setup.cast_bytes_per_param())
-    if setup.pipelined or not block:
+    if setup.pipelined:
         static += params * setup.unsharded_bytes_per_param(matmul)
+    elif not block and setup.fsdp:  # the root's weights stay gathered; its gradient: _root_gradient
+        static += params * (setup.compute_bytes if matmul else 4.0)
     full = act_bytes_per_token(_activations(cost), shares, setup) * tokens
     full += act_bytes_per_token(cost.per_batch, shares, setup)
     moments = [act_bytes_per_token(m, shares, setup) * tokens for m in cost.backward]
@@ -341,8 +345,20 @@ def model_memory(cfg: ModelConfig, setup: MemorySetup, costs: ModelCosts | None 
                                                                                                   head_piece, tokens))
     head_piece = dataclasses.replace(head_piece, peak=head_peak + gathered)
     head_piece = _with_stage_output(head_piece, cfg, shares, setup, tokens)
+    layers = _root_gradient(layers, head_piece, setup, matmul=not cfg.tie_embeddings)
     embedding = piece_memory(costs.embedding, shares, setup, tokens, False, cfg.d_model, block=False, matmul=False)
     return ModelMemory(layers, embedding, head_piece, boundary_bytes(cfg.d_model, tokens, setup), setup)
+
+
+def _root_gradient(layers: list[PieceMemory], head: PieceMemory, setup: MemorySetup, matmul: bool
+                   ) -> list[PieceMemory]:
+    """fsdp2 without pipelining: the root's unsharded gradients are reduce-scattered only at the
+    end of the backward, so the head's, made in its backward, is there through every block's
+    backward (the embedding's is made last, when the activations are gone: not counted)."""
+    if not setup.fsdp or setup.pipelined:
+        return layers
+    grad = head.params * (setup.unsharded_bytes_per_param(matmul) - (setup.compute_bytes if matmul else 4.0))
+    return [dataclasses.replace(p, peak=p.peak + grad) for p in layers]
 
 
 def _gathered_units(layers: list[PieceMemory], setup: MemorySetup) -> list[PieceMemory]:
