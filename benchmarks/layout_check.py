@@ -51,6 +51,8 @@ LAYOUTS = {  # name -> (processes, overrides)
     "deepspeed_dp2": (2, ["parallel.zero=deepspeed"]),
     "tp2_dp2": (4, ["parallel.tp=2"]),
     "fsdp2_pp2_dp2": (4, ["parallel.zero=fsdp2", "parallel.pp=2", "parallel.microbatches=4"]),
+    "cp2": (2, ["parallel.cp=2"]),  # context parallelism, K/V all-gathered
+    "cp2_ring": (2, ["parallel.cp=2", "parallel.cp_attention=ring"]),
 }
 RUNTIME_BYTES = 31 * 2**20  # resident between steps beyond the modelled state, 28-33 MiB (docs/memory_model.md)
 
@@ -125,7 +127,7 @@ def main() -> None:
         nproc, _, cfg, dp, predicted = setups[name]
         first = runs[name][0]
         for row in first:
-            pp_rank = row["rank"] // (dp * cfg.parallel.tp)
+            pp_rank = row["rank"] // (dp * cfg.parallel.cp * cfg.parallel.tp)
             want = predicted.rank_peaks[pp_rank]
             rows.append({"layout": name, "processes": nproc, "rank": row["rank"],
                          "measured_peak_mib": round(row["measured_peak_bytes"] / 2**20, 1),
@@ -138,7 +140,8 @@ def main() -> None:
         top = max(rows[-len(first):], key=lambda r: abs(r["peak_ratio_after_runtime"] - 1.0))
         layouts.append({"layout": name, "processes": nproc, "predicted_step_s": predicted.step.total,
                         "predicted_parts_s": {"compute": predicted.step.compute, "bubble": predicted.step.bubble,
-                                              "tp": predicted.step.tp, "pp": predicted.step.pp,
+                                              "tp": predicted.step.tp, "cp": predicted.step.cp,
+                                              "pp": predicted.step.pp,
                                               "dp": predicted.step.dp, "optimizer": predicted.step.optimizer},
                         "measured_step_s": step, "measured_step_runs_s": steps,
                         "step_spread": (max(steps) - min(steps)) / step, "step_ratio": step / predicted.step.total,
