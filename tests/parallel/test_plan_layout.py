@@ -94,6 +94,10 @@ def test_step_time_by_hand():
     kv = 2 * 32 * (2 * 128) * 2  # K and V (32 elements a token each) of 2 sequences of 128 tokens, bf16
     assert cp.compute == pytest.approx(t.compute / 4) and cp.cp == pytest.approx(3 * 2 * 2 * 0.75 * kv / 450e9)
     assert cp.dp == pytest.approx(max(0.0, 1.5 * 4e6 / 450e9 - cp.compute / 3 * 2 / 3))
+    # ring, not overlapped: per block (cp - 1) K/V blocks of S / cp tokens forward, 2 cp - 1 backward
+    ring = step_time(work, dataclasses.replace(layout, cp=4, cp_ring=True, overlap=False), d_model=64, seq_len=128,
+                     device=h100, kv_dim=32)
+    assert ring.cp == pytest.approx(3 * 2 * (3 + 7) * kv / 4 / 450e9)
 
 
 def test_memory_aware_partition_counts_tp_and_zero_sharding():
