@@ -5,12 +5,13 @@ A layout is the recipe with the values of one row of the product of SEARCH_SPACE
 legal when the trainer's own start checks accept it: each section's `validate` and
 `preflight(cfg, N)` (config level, no process, no weights). So a switch another issue adds or a
 refusal it lifts reaches the planner through those checks, and a new key joins the search with
-one line in SEARCH_SPACE. Per legal layout: the memory model (cost/memory.py, with the trainer's
-own MemorySetup.from_config and batch split) over the FLOPs-balanced partition
-(parallel/partition.py), max over pipeline ranks, and the step time of cost/step_time.py with
-the device's numbers (cost/devices.json). A layout fits when its peak is at most
-`usable` x the device memory (the rest: what the memory model leaves out, e.g. the CUDA context
-and allocator fragmentation).
+one line in SEARCH_SPACE. The train keys vary innermost: a refusal whose error names no train
+key (errors name the keys they depend on) is counted for the other train values unchecked. Per
+legal layout: the memory model (cost/memory.py, with the trainer's own MemorySetup.from_config
+and batch split) over the FLOPs-balanced partition (parallel/partition.py), max over pipeline
+ranks, and the step time of cost/step_time.py with the device's numbers (cost/devices.json). A
+layout fits when its peak is at most `usable` x the device memory (the rest: what the memory
+model leaves out, e.g. the CUDA context and allocator fragmentation).
 """
 from __future__ import annotations
 
