@@ -29,8 +29,9 @@ model books them as static).
 `--stage first|last` runs one pipeline stage in one process instead: the model cut by
 pipeline.strip_model to its first (embedding + layers 0..K-1) or last (layers L-K..L-1 + head)
 `--stage-layers` K blocks, `--in-flight` N micro-batches forwarded before the first backward (as
-1F1B holds them on that stage); a non-last stage keeps each output and is sent a gradient
-[b, S, d] per backward. Predicted: the stage's activations plus those outputs and one gradient
+1F1B holds them on that stage); each stage keeps each output to the end of its backward (as
+torch.distributed.pipelining's fwd_cache: on the last stage the logits) and a non-last stage is
+sent a gradient [b, S, d] per backward. Predicted: the stage's activations plus those outputs and one gradient
 (the p2p receive buffers of torch.distributed.pipelining are not part of this one-process run).
 
 `--full-step` measures whole training steps instead (forward_backward over the step's
@@ -173,15 +174,18 @@ def pipeline_stage(cfg, which: str, n_layers: int, in_flight: int) -> dict:
 
     def forward(x, target):
         out = model(x)
-        return loss_fn(out, target) if last else out
+        return (out, loss_fn(out, target)) if last else (out, out)
 
     x, target = inputs(1, 2)  # warm-up: gradients allocated
-    forward(x, target).sum().backward()
+    forward(x, target)[1].sum().backward()
     batches = [inputs(b, s) for _ in range(in_flight)]
     before = meter.reset()
+    # each output (the last stage's logits too) kept to the end of its backward, as pipelining's fwd_cache
     outputs = [forward(x, target) for x, target in batches]
-    for out in outputs:
+    while outputs:
+        _, out = outputs[0]
         out.backward(None if last else torch.randn(out.shape, generator=gen))
+        del outputs[0], out
     peak = meter.peak()
     mm = model_memory(m, MemorySetup(micro_batch=b, pipelined=True, optimizer=False,
                                      activation_checkpointing=cfg.train.activation_checkpointing,
@@ -222,15 +226,14 @@ def full_step(cfg, steps: int) -> dict:
         pm.forward_backward(batches, autocast)
         pm.optimizer_step(optimizer, cfg.train.grad_clip)
 
-    times = []
-    for i in range(steps):
-        start = time.perf_counter()
+    times, cpu_times = [], []
+    for i in range(steps + 1):
+        if i == steps:
+            before = meter.reset()
+        start, cpu_start = time.perf_counter(), time.process_time()
         step(i)
         times.append(time.perf_counter() - start)
-    before = meter.reset()
-    start = time.perf_counter()
-    step(steps)
-    times.append(time.perf_counter() - start)
+        cpu_times.append(time.process_time() - cpu_start)
     peak = meter.peak()
     plan = getattr(pm, "plan", None)
     if plan is not None:  # every chunk of this rank (interleaved schedules: several)
@@ -244,7 +247,8 @@ def full_step(cfg, steps: int) -> dict:
             "measured_peak_bytes": peak - meter.start, "predicted_peak_bytes": predicted_peak,
             "peak_ratio": (peak - meter.start) / predicted_peak if predicted_peak else None,
             "resident_before_step_bytes": before - meter.start, "predicted_static_bytes": predicted_static,
-            "step_s": min(times[1:] or times)}  # the fastest step after the first
+            "step_s": min(times[1:] or times),  # the fastest step after the first
+            "step_cpu_s": min(cpu_times[1:] or cpu_times)}  # its CPU time: every thread of this process
 
 
 def _nbytes(t) -> int:

@@ -1,15 +1,34 @@
 """The layout planner's predictions against measurements on this CPU: per layout, predicted and
 measured peak memory per rank and step time, their ratios, and the rank correlation of the step
-times.
+times with the spread of its repeats.
 
-    python benchmarks/layout_check.py [--layouts none_dp1,ddp_dp2,...] [--steps 2] [key=value ...]
+    nice -n 10 python benchmarks/layout_check.py [--layouts none_dp1,ddp_dp2,...] [--repeats 3] [--steps 3]
+                                                 [key=value ...]
 
-Each layout runs in fresh gloo processes (1, 2 or 4) through benchmarks/activation_memory.py
-`--full-step` (host RSS peaks of one whole training step after `--steps` warm-up steps, and the
-fastest step after the first) on layout_memory.py's model shape, in fp32. Predictions come from
-megatron_taper/plan.py's Predictor with the `cpu` device profile (cost/devices.json) at the
-machine's RAM / processes. Prints one JSON object: `rows` (per layout and rank), `layouts` (per
-layout: the largest rank's peaks, the step time of rank 0, ratios) and `spearman_step_time`.
+Each layout runs in fresh gloo processes (1, 2 or 4, 1 thread each) through
+benchmarks/activation_memory.py `--full-step` on layout_memory.py's model shape in fp32: `--steps`
+training steps, then one more whose host-RSS peak is measured per rank; a run's step time is rank
+0's fastest step after the first (the first warms up: allocations, the pipeline's shape
+inference). The layouts run `--repeats` times, interleaved (every layout once, then again), so a
+change of the machine's load falls on all of them alike; a layout's step time is the median of
+its runs and its spread (max - min) / median is reported beside it. Spearman's rank correlation
+is computed on the medians (`spearman_step_time`) and on every repeat alone
+(`spearman_per_repeat`, the noise of the statistic itself). Beside the wall time, each run
+records the step's CPU time per process (all its threads; `measured_step_cpu_s`: the largest
+rank's, median over repeats): other engineers' jobs on a shared machine lengthen the wall time
+but much less the CPU time; it leaves out waiting (the pipeline bubble, a collective's wait for
+a slower rank), so `spearman_step_cpu_time` is a second, load-robust view, not a replacement.
+The peaks are those of the first repeat (runs agree within 0.5 MiB, docs/memory_model.md);
+`peak_ratio_after_runtime` takes out the runtime's own ~31 MiB per process that the memory model
+does not count (RUNTIME_BYTES).
+
+Predictions come from megatron_taper/plan.py's Predictor with the `cpu` device profile
+(cost/devices.json) and this machine's cores (os.cpu_count(): the processes share them).
+`cpu_mfu_fitted` is the fraction of the profile's fp32 matmul peak the one-process layout's median
+step implies (its predicted compute over the measured step less the rest of its prediction):
+fitted here, reported, not written into the profile.
+Prints one JSON object: `rows` (per layout and rank), `layouts` (per layout: the largest rank's
+peaks, the step times of every repeat and their median, ratios) and the correlations.
 """
 from __future__ import annotations
 
@@ -23,14 +42,19 @@ sys.path.insert(0, HERE)
 
 LAYOUTS = {  # name -> (processes, overrides)
     "none_dp1": (1, ["parallel.zero=none"]),
+    "none_dp1_full": (1, ["parallel.zero=none", "train.activation_checkpointing=full"]),
     "ddp_dp2": (2, ["parallel.zero=none"]),
+    "ddp_dp2_full": (2, ["parallel.zero=none", "train.activation_checkpointing=full"]),
     "tp2": (2, ["parallel.tp=2"]),
     "pp2": (2, ["parallel.pp=2", "parallel.microbatches=4"]),
     "fsdp2_dp2": (2, ["parallel.zero=fsdp2"]),
     "deepspeed_dp2": (2, ["parallel.zero=deepspeed"]),
     "tp2_dp2": (4, ["parallel.tp=2"]),
     "fsdp2_pp2_dp2": (4, ["parallel.zero=fsdp2", "parallel.pp=2", "parallel.microbatches=4"]),
+    "cp2": (2, ["parallel.cp=2"]),  # context parallelism, K/V all-gathered
+    "cp2_ring": (2, ["parallel.cp=2", "parallel.cp_attention=ring"]),
 }
+RUNTIME_BYTES = 31 * 2**20  # resident between steps beyond the modelled state, 28-33 MiB (docs/memory_model.md)
 
 
 def ranks(values: list[float]) -> list[float]:
@@ -55,12 +79,21 @@ def spearman(a: list[float], b: list[float]) -> float:
     return cov / var if var else float("nan")
 
 
+def median(values: list[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2.0
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layouts", default=",".join(LAYOUTS))
-    parser.add_argument("--steps", type=int, default=2, help="warm-up training steps before the measured one")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of every layout, interleaved")
+    parser.add_argument("--steps", type=int, default=3, help="training steps before the measured one")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
+    import dataclasses
+
     from activation_memory import DEFAULT, measure
     from layout_memory import SHAPE
 
@@ -70,33 +103,66 @@ def main() -> None:
     from megatron_taper.plan import Predictor
     from megatron_taper.preflight import preflight
 
-    cpu = profiles()["cpu"]
-    rows, layouts = [], []
-    for name in args.layouts.split(","):
+    cpu = dataclasses.replace(profiles()["cpu"], cores=os.cpu_count() or 1)
+    names = args.layouts.split(",")
+    setups = {}
+    for name in names:
         nproc, layout = LAYOUTS[name]
         overrides = SHAPE + layout + ["train.precision=fp32", *args.overrides]
         cfg = load_config(None, DEFAULT + overrides)
         dp = preflight(cfg, nproc).dp
-        predicted = Predictor(cfg, cpu).predict(cfg, dp, float("inf"))
-        measured = measure(overrides, "none", nproc, args.steps, full=True)
-        for row in measured:
-            pp_rank = row["rank"] // (dp * cfg.parallel.tp)
+        setups[name] = (nproc, overrides, cfg, dp, Predictor(cfg, cpu).predict(cfg, dp, float("inf")))
+    runs: dict[str, list[list[dict]]] = {name: [] for name in names}
+    for repeat in range(args.repeats):
+        for name in names:
+            nproc, overrides, cfg, *_ = setups[name]  # the worker takes checkpointing as its mode
+            runs[name].append(measure(overrides, cfg.train.activation_checkpointing, nproc, args.steps, full=True))
+            first = runs[name][-1]
+            print(json.dumps({"repeat": repeat, "layout": name, "step_s": first[0]["step_s"],
+                              "step_cpu_s": first[0]["step_cpu_s"],
+                              "peaks_mib": [round(r["measured_peak_bytes"] / 2**20, 1) for r in first]}),
+                  file=sys.stderr)
+    rows, layouts = [], []
+    for name in names:
+        nproc, _, cfg, dp, predicted = setups[name]
+        first = runs[name][0]
+        for row in first:
+            pp_rank = row["rank"] // (dp * cfg.parallel.cp * cfg.parallel.tp)
+            want = predicted.rank_peaks[pp_rank]
             rows.append({"layout": name, "processes": nproc, "rank": row["rank"],
                          "measured_peak_mib": round(row["measured_peak_bytes"] / 2**20, 1),
-                         "predicted_peak_mib": round(predicted.rank_peaks[pp_rank] / 2**20, 1),
-                         "peak_ratio": round(row["measured_peak_bytes"] / predicted.rank_peaks[pp_rank], 3),
-                         "measured_step_s": round(row["step_s"], 4)})
-            print(json.dumps(rows[-1]), file=sys.stderr)
-        step = measured[0]["step_s"]
-        peak = max(r["measured_peak_bytes"] for r in measured)
+                         "predicted_peak_mib": round(want / 2**20, 1),
+                         "peak_ratio": round(row["measured_peak_bytes"] / want, 3),
+                         "peak_ratio_after_runtime": round((row["measured_peak_bytes"] - RUNTIME_BYTES) / want, 3)})
+        steps = [run[0]["step_s"] for run in runs[name]]
+        step = median(steps)
+        cpu_steps = [max(r["step_cpu_s"] for r in run) for run in runs[name]]
+        top = max(rows[-len(first):], key=lambda r: abs(r["peak_ratio_after_runtime"] - 1.0))
         layouts.append({"layout": name, "processes": nproc, "predicted_step_s": predicted.step.total,
-                        "measured_step_s": step, "step_ratio": step / predicted.step.total,
-                        "predicted_peak_gib": predicted.peak / GIB, "measured_peak_gib": peak / GIB,
-                        "peak_ratio": peak / predicted.peak})
-        print(json.dumps(layouts[-1]), file=sys.stderr)
-    rho = spearman([x["predicted_step_s"] for x in layouts], [x["measured_step_s"] for x in layouts])
-    print(json.dumps({"benchmark": "layout_check", "device": "cpu", "shape": SHAPE + args.overrides, "rows": rows,
-                      "layouts": layouts, "spearman_step_time": rho}))
+                        "predicted_parts_s": {"compute": predicted.step.compute, "bubble": predicted.step.bubble,
+                                              "tp": predicted.step.tp, "cp": predicted.step.cp,
+                                              "pp": predicted.step.pp,
+                                              "dp": predicted.step.dp, "optimizer": predicted.step.optimizer},
+                        "measured_step_s": step, "measured_step_runs_s": steps,
+                        "step_spread": (max(steps) - min(steps)) / step, "step_ratio": step / predicted.step.total,
+                        "measured_step_cpu_s": median(cpu_steps), "measured_step_cpu_runs_s": cpu_steps,
+                        "predicted_peak_gib": predicted.peak / GIB,
+                        "measured_peak_gib": max(r["measured_peak_bytes"] for r in first) / GIB,
+                        "worst_rank_peak_ratio_after_runtime": top["peak_ratio_after_runtime"]})
+    predicted_steps = [x["predicted_step_s"] for x in layouts]
+    per_repeat = [spearman(predicted_steps, [x["measured_step_runs_s"][k] for x in layouts])
+                  for k in range(args.repeats)]
+    fitted = None
+    if "none_dp1" in names:
+        one = layouts[names.index("none_dp1")]
+        rest = one["predicted_step_s"] - one["predicted_parts_s"]["compute"]
+        fitted = cpu.mfu * one["predicted_parts_s"]["compute"] / max(one["measured_step_s"] - rest, 1e-9)
+    print(json.dumps({"benchmark": "layout_check", "device": "cpu", "cores": cpu.cores, "repeats": args.repeats,
+                      "steps": args.steps, "shape": SHAPE + args.overrides, "rows": rows, "layouts": layouts,
+                      "spearman_step_time": spearman(predicted_steps, [x["measured_step_s"] for x in layouts]),
+                      "spearman_per_repeat": per_repeat, "cpu_mfu_fitted": fitted,
+                      "spearman_step_cpu_time": spearman(predicted_steps, [x["measured_step_cpu_s"] for x in layouts]),
+                      "load_average": os.getloadavg()}))
 
 
 if __name__ == "__main__":

@@ -7,8 +7,11 @@ Loads the config with the trainer's own command-line forms (megatron_taper.cli),
 preflight (the layout at N processes) and check_data (data.path, the tokenizer against
 model.vocab_size): exit 0 when the run can start, 2 with one `error: ...` line when it cannot.
 `--print-run-dir` prints the absolute run folder (train.sbatch hands it to every node); `--plan`
-prints the resolved plan (layout, batch split, model size, data, run folder). `--print-config` and
-`--list-keys` are left to the trainer: nothing is checked then.
+prints the resolved plan (layout, batch split, model size, data, run folder). With
+parallel.layout=auto the layout is chosen first, as each worker will (plan.choose_layout, from this
+machine's device memory at world-size / nodes processes per node, or parallel.layout_memory_gb),
+and checked; `--plan` prints the choice and why. `--print-config` and `--list-keys` are left to
+the trainer: nothing is checked then.
 """
 from __future__ import annotations
 
@@ -64,6 +67,11 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         cfg = load_config(args.config, overrides)
+        chosen = ""
+        if cfg.parallel.layout == "auto":
+            from megatron_taper.plan import choose_layout
+
+            cfg, chosen = choose_layout(cfg, args.world_size, local_ranks=args.world_size // max(1, args.nodes))
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             layout = preflight(cfg, args.world_size)
@@ -74,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     for w in caught:
         print(f"warning: {w.message}", file=sys.stderr)
     if args.plan:
-        print("\n".join(plan_lines(cfg, layout, args.world_size, args.nodes)))
+        print("\n".join(([chosen] if chosen else []) + plan_lines(cfg, layout, args.world_size, args.nodes)))
     if args.print_run_dir:
         print(os.path.abspath(cfg.run.dir))
     return 0

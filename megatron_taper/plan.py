@@ -5,12 +5,13 @@ A layout is the recipe with the values of one row of the product of SEARCH_SPACE
 legal when the trainer's own start checks accept it: each section's `validate` and
 `preflight(cfg, N)` (config level, no process, no weights). So a switch another issue adds or a
 refusal it lifts reaches the planner through those checks, and a new key joins the search with
-one line in SEARCH_SPACE. Per legal layout: the memory model (cost/memory.py, with the trainer's
-own MemorySetup.from_config and batch split) over the FLOPs-balanced partition
-(parallel/partition.py), max over pipeline ranks, and the step time of cost/step_time.py with
-the device's numbers (cost/devices.json). A layout fits when its peak is at most
-`usable` x the device memory (the rest: what the memory model leaves out, e.g. the CUDA context
-and allocator fragmentation).
+one line in SEARCH_SPACE. The train keys vary innermost: a refusal whose error names no train
+key (errors name the keys they depend on) is counted for the other train values unchecked. Per
+legal layout: the memory model (cost/memory.py, with the trainer's own MemorySetup.from_config
+and batch split) over the FLOPs-balanced partition (parallel/partition.py), max over pipeline
+ranks, and the step time of cost/step_time.py with the device's numbers (cost/devices.json). A
+layout fits when its peak is at most `usable` x the device memory (the rest: what the memory
+model leaves out, e.g. the CUDA context and allocator fragmentation).
 """
 from __future__ import annotations
 
@@ -39,8 +40,15 @@ from megatron_taper.cost.memory import (
     to_memory_model,
 )
 from megatron_taper.cost.step_time import RankWork, StepLayout, StepTime, step_time
-from megatron_taper.parallel.partition import chunk_rank, in_flight_microbatches, partition
+from megatron_taper.parallel.partition import (
+    chunk_rank,
+    in_flight_microbatches,
+    interleaved_activations,
+    interleaved_in_flight,
+    partition,
+)
 from megatron_taper.preflight import preflight, step_split
+from megatron_taper.taper import layer_widths
 from megatron_taper.validation import ConfigError
 
 if TYPE_CHECKING:
@@ -56,6 +64,8 @@ SEARCH_SPACE: tuple[tuple[str, tuple[Any, ...]], ...] = (
     ("parallel.zero", ("none", "fsdp2", "deepspeed")),
     ("parallel.dp_replicate", (1, 2, 4, 8)),  # HSDP replicas (fsdp2); dp_shard = dp / dp_replicate
     ("parallel.sequence_parallel", (False, True)),
+    ("parallel.cp", (1, 2, 4, 8)),  # context parallelism: each sequence split over cp ranks
+    ("parallel.cp_attention", ("allgather", "ring")),
     ("train.micro_batch", (1, 2, 4, 8)),
     ("train.activation_checkpointing", ("none", "selective", "op", "full")),
     ("train.float8", (False, True)),
@@ -66,7 +76,9 @@ USABLE_FRACTION = 0.9  # of the device memory a predicted peak may take
 def _canonical(values: dict[str, Any], cfg: Config) -> dict[str, Any]:
     """Settings that make no difference to the run take one value, so a layout is tried once:
     without pipelining the schedule, without an interleaved schedule pp_virtual, without tp
-    sequence parallelism, without fsdp2 dp_replicate (no replicas)."""
+    sequence parallelism, without fsdp2 dp_replicate (no replicas), without context parallelism
+    cp_attention. Only keys of other sections than train are made canonical (search varies the
+    train keys innermost, each value of each)."""
     out = dict(values)
     if out.get("parallel.pp", cfg.parallel.pp) == 1:
         out["parallel.pp_schedule"] = "1f1b"
@@ -76,6 +88,8 @@ def _canonical(values: dict[str, Any], cfg: Config) -> dict[str, Any]:
         out["parallel.sequence_parallel"] = False
     if out.get("parallel.zero", cfg.parallel.zero) != "fsdp2":  # replicas exist only under fsdp2
         out["parallel.dp_replicate"] = 1
+    if out.get("parallel.cp", cfg.parallel.cp) == 1:
+        out["parallel.cp_attention"] = cfg.parallel.cp_attention
     return out
 
 
@@ -139,6 +153,7 @@ class Prediction:
                                  f" {x.schedule}" if x.pp > 1 else ""),
                  f"dp={x.dp}" + (f"({v['parallel.dp_replicate']}x{x.dp // v['parallel.dp_replicate']})"
                                  if v.get("parallel.dp_replicate", 1) > 1 else ""),
+                 *([f"cp={x.cp}" + (" ring" if x.cp_ring else "")] if x.cp > 1 else []),
                  f"zero={x.zero}", f"micro_batch={x.micro_batch}x{x.microbatches}",
                  f"checkpointing={v.get('train.activation_checkpointing')}"]
         if v.get("train.float8"):
@@ -209,9 +224,12 @@ class Predictor:
 
     def rank_peaks(self, setup: MemorySetup, pp: int, virtual: int, schedule: str) -> list[float]:
         """Predicted peak bytes of each pipeline rank: the memory model per stage at v = 1; with
-        several chunks per rank, its chunks' static bytes and buffers, the largest backward moment
-        of a chunk and (in flight - 1) x the chunks' mean kept bytes, in flight = Megatron's
-        warm-up count (pp - r - 1) x 2 + (v - 1) x pp + 1 (at most m x v; not yet measured)."""
+        several chunks per rank, its chunks' static bytes and buffers and
+        partition.interleaved_activations of its chunks (the rule of PipelinePlan.rank_peak_bytes)
+        with in flight = torch's count for interleaved 1F1B (interleaved_in_flight), Megatron's
+        warm-up count (pp - r - 1) x 2 + (v - 1) x pp + 1 (at most m x v) for the zero-bubble and V
+        schedules (an estimate: their deferred weight gradients are not modelled; ZB-V measured
+        6% high / 7% low, docs/planning.md)."""
         key = (setup, pp, virtual, schedule)
         if key in self._peaks:
             return self._peaks[key]
@@ -225,11 +243,16 @@ class Predictor:
             chunks = [self.stage(setup, b, c, [1] * n_chunks) for c in range(n_chunks)]
             peaks = []
             for r in range(pp):
-                mine = [chunks[c] for c in range(n_chunks) if chunk_rank(c, pp, schedule in V_SCHEDULES) == r]
-                flight = min(m * virtual, (pp - r - 1) * 2 + (virtual - 1) * pp + 1)
-                kept = sum(s.kept for s in mine) / len(mine)
-                peaks.append(sum(s.static + s.buffers for s in mine) + (flight - 1) * kept
-                             + max(s.activations for s in mine))
+                ids = [c for c in range(n_chunks) if chunk_rank(c, pp, schedule in V_SCHEDULES) == r]
+                mine = [chunks[c] for c in ids]
+                fixed = sum(s.static + s.buffers for s in mine)
+                if schedule == "interleaved_1f1b":  # PipelinePlan.rank_peak_bytes's count (measured)
+                    flight = interleaved_in_flight(pp, virtual, m, r)
+                else:
+                    flight = min(m * virtual, (pp - r - 1) * 2 + (virtual - 1) * pp + 1)
+                last = ids.index(n_chunks - 1) if n_chunks - 1 in ids else None
+                peaks.append(fixed + interleaved_activations([s.kept for s in mine], [s.activations for s in mine],
+                                                             flight, last))
         self._peaks[key] = peaks
         return peaks
 
@@ -286,10 +309,12 @@ class Predictor:
         layout = StepLayout(tp=p.tp, pp=p.pp, dp=dp, virtual=virtual, schedule=p.pp_schedule, zero=p.zero,
                             sequence_parallel=setup.sequence_parallel, micro_batch=micro_batch, microbatches=m,
                             bf16=bf16, float8=t.float8, overlap=self.device.profile != "cpu",
-                            dp_shard=setup.dp_shard)
-        step = step_time(work, layout, self.model.d_model, self.model.seq_len, self.device)
+                            dp_shard=setup.dp_shard, compute_share=self.device.rank_share(p.tp * p.pp * p.cp * dp),
+                            cp=setup.cp, cp_ring=setup.cp_ring)
+        step = step_time(work, layout, self.model.d_model, self.model.seq_len, self.device,
+                         kv_dim=self.model.kv_heads * self.model.head_dim)
         tokens = t.global_batch * self.model.seq_len / step.total
-        gpus = p.tp * p.pp * dp
+        gpus = p.tp * p.pp * p.cp * dp
         peak = self.device.bf16_tflops if bf16 else self.device.fp32_tflops
         mfu = 3.0 * self.costs.total_flops * tokens / (gpus * peak * 1e12)
         values = {key: _get(cfg, key) for key, _ in SEARCH_SPACE}
@@ -309,35 +334,48 @@ def search(cfg: Config, gpus: int, memory_gib: float, device: DeviceProfile,
     """Every layout of `space` for `cfg` on `gpus` devices of `memory_gib` GiB each (module doc)."""
     limit = usable * memory_gib * GIB
     predictor = Predictor(cfg, device)
-    keys = [k for k, _ in space]
+    # the train keys vary innermost: a refusal of the other sections' values holds at all of them
+    outer_keys = [k for k, _ in space if not k.startswith("train.")]
+    inner_keys = [k for k, _ in space if k.startswith("train.")]
+    inner_rows = list(itertools.product(*(v for k, v in space if k.startswith("train."))))
     seen: set[tuple] = set()
     sections: dict = {}
     dropped: Counter[str] = Counter()
     legal: list[Prediction] = []
-    for row in itertools.product(*(v for _, v in space)):
-        values = _canonical(dict(zip(keys, row)), cfg)
-        marker = tuple(values.items())
+    widths: dict[int, list[int]] = {}  # id of a model section (kept alive by cfg / `sections`) -> its widths
+    for row in itertools.product(*(v for k, v in space if not k.startswith("train."))):
+        outer = _canonical(dict(zip(outer_keys, row)), cfg)
+        marker = tuple(outer.items())
         if marker in seen:
             continue
         seen.add(marker)
-        if values.get("train.float8") and device.fp8_tflops <= 0:
-            dropped[f"train.float8: the {device.profile} profile has no float8 peak"] += 1
-            continue
-        try:
-            candidate = with_values(cfg, values, sections)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                dp = preflight(candidate, gpus).dp
-        except ConfigError as e:
-            dropped[reason(e)] += 1
-            continue
-        legal.append(predictor.predict(candidate, dp, limit))
+        refused = ""  # a refusal naming no train. key (an error names its keys): it holds at every train value
+        for inner in inner_rows:
+            values = {**outer, **dict(zip(inner_keys, inner))}
+            if values.get("train.float8") and device.fp8_tflops <= 0:
+                dropped[f"train.float8: the {device.profile} profile has no float8 peak"] += 1
+                continue
+            if refused:
+                dropped[refused] += 1
+                continue
+            try:
+                candidate = with_values(cfg, values, sections)
+                if id(candidate.model) not in widths:
+                    widths[id(candidate.model)] = layer_widths(candidate.model)
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    dp = preflight(candidate, gpus, widths[id(candidate.model)]).dp
+            except ConfigError as e:
+                dropped[reason(e)] += 1
+                refused = "" if "train." in str(e) else reason(e)
+                continue
+            legal.append(predictor.predict(candidate, dp, limit))
     over = [x for x in legal if not x.fits]
     if over:
         dropped[f"predicted peak over {usable:.0%} of {memory_gib:g} GiB"] = len(over)
     fitting = sorted((x for x in legal if x.fits), key=lambda x: (x.step.total, x.peak))
     nearest = min(legal, key=lambda x: (x.peak, x.step.total)) if legal else None
-    return PlanResult(gpus, device, limit, len(seen), len(legal), fitting, nearest,
+    return PlanResult(gpus, device, limit, len(seen) * len(inner_rows), len(legal), fitting, nearest,
                       dict(sorted(dropped.items(), key=lambda kv: -kv[1])))
 
 
@@ -354,10 +392,11 @@ def no_fit_message(result: PlanResult, memory_gib: float) -> str:
             f"larger devices, or a smaller model")
 
 
-def local_device(train_device: str, world: int) -> tuple[DeviceProfile, float, str]:
+def local_device(train_device: str, world: int, local_ranks: int | None = None) -> tuple[DeviceProfile, float, str]:
     """This machine's device profile, memory per rank in GiB and where they came from: a CUDA
     device's total memory and its profile (by name; the h100 one's links and MFU with the
-    device's own peak FLOP/s for other GPUs), else the CPU profile and the RAM / local ranks."""
+    device's own peak FLOP/s for other GPUs), else the CPU profile and the RAM / local ranks
+    (`local_ranks`, default LOCAL_WORLD_SIZE, else `world`)."""
     import torch
 
     from megatron_taper.cost.flops import lookup_peak_tflops
@@ -376,9 +415,10 @@ def local_device(train_device: str, world: int) -> tuple[DeviceProfile, float, s
         device = dataclasses.replace(base, name=name, profile="cuda", bf16_tflops=bf16, fp32_tflops=fp32,
                                      fp8_tflops=0.0, memory_gb=memory * GIB / 1e9)
         return device, memory, f"{name}: {memory:.1f} GiB (not in cost/devices.json: the h100 profile's links)"
-    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    ranks = local_ranks or int(os.environ.get("LOCAL_WORLD_SIZE", world))
     ram = host_memory_gib()
-    return known["cpu"], ram / ranks, f"CPU: {ram:.1f} GiB of RAM / {ranks} local process(es)"
+    cpu = dataclasses.replace(known["cpu"], cores=os.cpu_count() or 1)
+    return cpu, ram / ranks, f"CPU: {ram:.1f} GiB of RAM / {ranks} local process(es), {cpu.cores} cores"
 
 
 def host_memory_gib() -> float:
@@ -386,11 +426,12 @@ def host_memory_gib() -> float:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
 
 
-def choose_layout(cfg: Config, world: int) -> tuple[Config, str]:
+def choose_layout(cfg: Config, world: int, local_ranks: int | None = None) -> tuple[Config, str]:
     """parallel.layout=auto: `cfg` with the fastest predicted layout that fits this machine's
-    device memory per rank (parallel.layout_memory_gb when > 0) at `world` processes, and a line
-    saying why; nothing fits: ConfigError naming the nearest layout."""
-    device, memory, found = local_device(cfg.train.device, world)
+    device memory per rank (parallel.layout_memory_gb when > 0) at `world` processes
+    (`local_ranks` of them here: local_device), and a line saying why; nothing fits: ConfigError
+    naming the nearest layout."""
+    device, memory, found = local_device(cfg.train.device, world, local_ranks)
     if cfg.parallel.layout_memory_gb > 0:
         memory, found = cfg.parallel.layout_memory_gb, f"parallel.layout_memory_gb={cfg.parallel.layout_memory_gb:g}"
     result = search(cfg, world, memory, device)

@@ -14,7 +14,7 @@ import json
 import os
 import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 from megatron_taper.config import INTERLEAVED_SCHEDULES
 from megatron_taper.data import is_remote
@@ -38,17 +38,20 @@ class Layout:
     cp: int = 1
 
 
-def preflight(cfg: Config, world_size: int) -> Layout:
-    """Check `cfg` (already section-validated) against itself and `world_size`; the Layout."""
+def preflight(cfg: Config, world_size: int, widths: Sequence[int] | None = None) -> Layout:
+    """Check `cfg` (already section-validated) against itself and `world_size`; the Layout.
+    `widths`: layer_widths(cfg.model) when the caller has them (a layout search checks one model
+    at many layouts)."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
     if world_size % (p.tp * p.pp * p.cp):
         cp = f" x parallel.cp={p.cp}" if p.cp > 1 else ""
         raise ConfigError(f"parallel.tp={p.tp} x parallel.pp={p.pp}{cp} = {p.tp * p.pp * p.cp} does not divide the "
                           f"world size {world_size}")
     dp = world_size // (p.tp * p.pp * p.cp)
-    layer_widths(m)  # a taper that leaves a layer below one alignment unit names model.taper
+    if widths is None:
+        widths = layer_widths(m)  # a taper that leaves a layer below one alignment unit names model.taper
     if p.tp > 1:
-        _check_tensor_parallel(m, p)
+        _check_tensor_parallel(m, p, widths)
     spec = family(m.arch)
     if p.cp > 1:
         _check_context_parallel(m, p, t)
@@ -90,7 +93,7 @@ def _check_context_parallel(m: ModelConfig, p: ParallelConfig, t: TrainConfig) -
                           f"parallel.tp={p.tp} (sequence parallelism splits each rank's slice over tp)")
 
 
-def _check_tensor_parallel(m: ModelConfig, p: ParallelConfig) -> None:
+def _check_tensor_parallel(m: ModelConfig, p: ParallelConfig, widths: Sequence[int]) -> None:
     tp = p.tp
     if family(m.arch).tp_block_plan is None:
         raise ConfigError(f"parallel.tp={tp}: model.arch={m.arch!r} has no tensor-parallel plan; use parallel.tp=1")
@@ -103,7 +106,7 @@ def _check_tensor_parallel(m: ModelConfig, p: ParallelConfig) -> None:
     if m.vocab_size < tp:
         raise ConfigError(f"model.vocab_size={m.vocab_size} is smaller than parallel.tp={tp}")
     unit = m.taper.multiple
-    for layer, width in enumerate(layer_widths(m)):
+    for layer, width in enumerate(widths):
         if width // unit < tp:
             raise ConfigError(f"layer {layer} has MLP width {width} = {width // unit} unit(s) of "
                               f"model.taper.multiple={unit}, fewer than parallel.tp={tp}: lower parallel.tp or "
@@ -205,14 +208,16 @@ def _check_pipeline(m: ModelConfig, p: ParallelConfig, t: TrainConfig, dp: int) 
                 f"parallel.microbatches or train.global_batch / train.micro_batch) or parallel.pp_schedule=gpipe")
         warnings.warn(f"parallel.microbatches={n_micro} is fewer than parallel.pp={p.pp} stages: every step is "
                       f"mostly pipeline bubble (use at least {p.pp}, ideally 4x)", stacklevel=3)
+    # errors name every key they depend on (the layout search relies on it): n_micro may come from train
+    derived = "" if p.microbatches else " (train.global_batch / data-parallel size / train.micro_batch)"
     if p.pp_schedule in INTERLEAVED_SCHEDULES:
         rounds = max(1, n_micro // p.pp)
         if n_micro % rounds:
-            raise ConfigError(f"parallel.microbatches={n_micro}: {p.pp_schedule} needs a multiple of "
+            raise ConfigError(f"parallel.microbatches={n_micro}{derived}: {p.pp_schedule} needs a multiple of "
                               f"parallel.pp={p.pp} (or fewer than 2 * pp)")
     if p.pp_schedule == "dualpipev" and n_micro < 2 * p.pp:
-        raise ConfigError(f"parallel.microbatches={n_micro}: dualpipev needs at least 2 x parallel.pp = {2 * p.pp} "
-                          f"(one per stage)")
+        raise ConfigError(f"parallel.microbatches={n_micro}{derived}: dualpipev needs at least 2 x parallel.pp = "
+                          f"{2 * p.pp} (one per stage)")
     return n_micro
 
 

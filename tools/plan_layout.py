@@ -5,14 +5,15 @@ were dropped.
         [--device h100|h200|b200|cpu] [--top K] [--json] [key=value ...]
     megatron-taper-plan --config C --gpus N ...     (the same: --gpus selects the layout search)
 
-Every layout of megatron_taper/plan.py's SEARCH_SPACE (tp, pp, schedule and virtual stages,
-ZeRO engine, HSDP replicas, sequence parallelism, micro-batch and so gradient accumulation, activation
-checkpointing, float8) that the trainer's own checks accept at N processes is predicted: peak
-memory per rank (cost/memory.py, max over pipeline ranks) and step time (cost/step_time.py, with
-the device's numbers from cost/devices.json; `--gpus-per-node` replaces the device's). Printed:
-the fastest `--top` that fit 90% of `--gpu-memory` (default: the device's memory), with the
-overrides that select each, then the count of layouts dropped per reason. Nothing fits: exit 2
-with one error naming the nearest layout and the memory it needs. Meta only: no weights are built.
+Every layout of megatron_taper/plan.py's SEARCH_SPACE (tp, pp, schedule and virtual stages, ZeRO
+engine, HSDP replicas, sequence parallelism, context parallelism and its attention, micro-batch
+and so gradient accumulation, activation checkpointing, float8) that the trainer's own checks
+accept at N processes is predicted: peak memory per rank (cost/memory.py, max over pipeline
+ranks) and step time (cost/step_time.py, with the device's numbers from cost/devices.json;
+`--gpus-per-node` replaces the device's). Printed: the fastest `--top` that fit 90% of
+`--gpu-memory` (default: the device's memory), with the overrides that select each, then the
+count of layouts dropped per reason. Nothing fits: exit 2 with one error naming the nearest
+layout and the memory it needs. Meta only: no weights are built.
 `--json` prints one object: `device`, `assumptions`, `layouts` (each with `overrides`,
 `peak_gib`, `rank_peaks_gib`, `step_s` and its parts, `tokens_per_s`, `mfu`), `dropped`,
 `candidates`, `legal`.
@@ -41,11 +42,11 @@ from megatron_taper.plan import (
 
 
 def layout_json(x: Prediction) -> dict:
-    shape = {k: getattr(x.layout, k) for k in ("tp", "pp", "dp", "virtual", "schedule", "zero", "micro_batch",
-                                                 "microbatches")}
+    shape = {k: getattr(x.layout, k) for k in ("tp", "pp", "dp", "cp", "virtual", "schedule", "zero",
+                                                 "micro_batch", "microbatches")}
     return {"layout": x.describe(), "overrides": overrides(x.values), "values": x.values, **shape,
             "peak_gib": x.peak / GIB, "rank_peaks_gib": [p / GIB for p in x.rank_peaks], "step_s": x.step.total,
-            "step_parts_s": {k: getattr(x.step, k) for k in ("compute", "bubble", "tp", "pp", "dp", "optimizer")},
+            "step_parts_s": {k: getattr(x.step, k) for k in ("compute", "bubble", "tp", "cp", "pp", "dp", "optimizer")},
             "tokens_per_s": x.tokens_per_s, "mfu": x.mfu, "fits": x.fits}
 
 
@@ -66,7 +67,7 @@ def to_text(result: PlanResult, top: int, seconds: float) -> str:
         s = x.step
         lines.append(f"{i + 1:>2} {s.total:>8.3g} {x.tokens_per_s:>10.4g} {x.mfu:>5.0%} {x.peak / GIB:>8.2f}  "
                      f"{x.describe()}")
-        lines.append(f"{'':>38}compute {s.compute:.3g} bubble {s.bubble:.3g} tp {s.tp:.3g} pp {s.pp:.3g} "
+        lines.append(f"{'':>38}compute {s.compute:.3g} bubble {s.bubble:.3g} tp {s.tp:.3g} cp {s.cp:.3g} pp {s.pp:.3g} "
                      f"dp {s.dp:.3g} optimizer {s.optimizer:.3g} s; {' '.join(overrides(x.values))}")
     lines.append("dropped:")
     lines += [f"{n:>7}  {why}" for why, n in result.dropped.items()]

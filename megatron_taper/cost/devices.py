@@ -32,6 +32,12 @@ class DeviceProfile:
     gpus_per_node: int  # 0: every rank on one node
     mfu: float
     sources: dict
+    cores: int = 0  # a host's CPU cores its ranks share (the cpu profile, set from the machine); 0: a device per rank
+
+    def rank_share(self, ranks: int) -> float:
+        """The fraction of one device a rank computes with when `ranks` run: 1 on accelerators
+        (a device each); on a CPU host the ranks share its `cores` (1 thread per rank)."""
+        return min(1.0, self.cores / ranks) if self.cores > 0 else 1.0
 
     def matmul_flops(self, bf16: bool, float8: bool = False) -> float:
         """FLOP/s the planner assumes a step's matmuls reach: mfu x the peak of their dtype."""
@@ -42,5 +48,5 @@ class DeviceProfile:
 def profiles(path: str = DEVICES_FILE) -> dict[str, DeviceProfile]:
     """The planner's devices by profile name (cpu, h100, ...)."""
     fields = DeviceProfile.__dataclass_fields__
-    return {e["profile"]: DeviceProfile(name=k, **{f: e[f] for f in fields if f != "name"})
+    return {e["profile"]: DeviceProfile(name=k, **{f: e[f] for f in fields if f != "name" and f in e})
             for k, e in read_devices(path).items() if "profile" in e}

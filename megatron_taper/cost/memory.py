@@ -18,7 +18,9 @@ static   per tp-local parameter P of the stage: parameters, gradients, AdamW sta
          (matmul weights in the compute dtype, embedding in fp32; gradients accumulated
          in fp32 under pipelining; the sharded gradient, made at the step's end as the unsharded
          one is freed, is not counted besides it: 12 / s + 4 + param bytes); fsdp2 without
-         pipelining does so for the root (embedding, final norm, head); bf16 autocast (every
+         pipelining keeps the root's (embedding, final norm, head) weights gathered, and the
+         head's unsharded gradient from its backward to the end of the backward (in the blocks'
+         moments; it is reduce-scattered then, measured: docs/memory_model.md); bf16 autocast (every
          layout but fsdp2 at dp x cp > 1, which gathers matmul weights in bf16) keeps a bf16 copy of
          every weight it casts (2 bytes per P).
 K        bytes one micro-batch keeps for backward: sum over the stage's blocks of their saved
@@ -27,12 +29,18 @@ K        bytes one micro-batch keeps for backward: sum over the stage's blocks o
          (train.activation_checkpointing: full = all, selective = global index a multiple of
          train.ac_every), plus the head's; op: every block's input and the outputs of its
          matmuls and attention kernels (cost/block.py `op_act`; a family that does not count
-         them is booked as keeping everything).
+         them is booked as keeping everything). Under pipelining the last stage also keeps its
+         output, the logits [b, S, V / tp] in the compute dtype, per micro-batch in flight
+         (torch.distributed.pipelining's fwd_cache, to the end of the micro-batch's backward;
+         with the chunked loss they are the loss's own saved logits, counted once).
 top      the largest moment of the backward of the micro-batch being processed: at the head,
          K + its loss buffers (train.loss_chunk: the logits' gradient in the compute dtype and
          one chunk's fp32 softmax, two under bf16, instead of [tokens, V] fp32 buffers; fsdp2
          without pipelining: + the last FSDP unit's gathered weights, which stay gathered from its
-         forward to its backward, parallel/zero.py); at
+         forward to its backward, parallel/zero.py); where gradients accumulate (pipelining,
+         gradient accumulation) at least K + the logits' gradient + the head's new fp32 weight
+         gradient [V / tp, d] before it is added to the accumulated one (the larger moment with
+         the chunked loss unless loss_chunk is large against d_model); at
          block l, the kept bytes of the stage's blocks before l plus
          all of l's activations (recomputed or kept) and its largest backward moment (gradient
          buffers); fsdp2 without pipelining adds the gathered parameters and unsharded gradients
@@ -293,8 +301,10 @@ def piece_memory(cost: Cost, shares: Split, setup: MemorySetup, tokens: int, rec
     under activation_checkpointing=op also its `op_act` (all of `act` where that is unknown)."""
     params = local_params(cost, shares)
     static = params * (setup.state_bytes_per_param() + setup.cast_bytes_per_param())
-    if setup.pipelined or not block:
+    if setup.pipelined:
         static += params * setup.unsharded_bytes_per_param(matmul)
+    elif not block and setup.fsdp:  # the root's weights stay gathered; its gradient: _root_gradient
+        static += params * (setup.compute_bytes if matmul else 4.0)
     full = act_bytes_per_token(_activations(cost), shares, setup) * tokens
     full += act_bytes_per_token(cost.per_batch, shares, setup)
     moments = [act_bytes_per_token(m, shares, setup) * tokens for m in cost.backward]
@@ -332,9 +342,24 @@ def model_memory(cfg: ModelConfig, setup: MemorySetup, costs: ModelCosts | None 
                               setup, tokens, False, cfg.d_model, block=False, matmul=not cfg.tie_embeddings)
     last = fsdp_units([p.params for p in layers], setup.dp_shard or setup.dp)[-1] if layers else []
     gathered = sum(layers[i].params for i in last) * setup.compute_bytes if setup.fsdp and not setup.pipelined else 0.0
-    head_piece = dataclasses.replace(head_piece, peak=head_piece.peak + loss_chunk_bytes(cfg, setup, tokens) + gathered)
+    head_peak = max(head_piece.peak + loss_chunk_bytes(cfg, setup, tokens), head_weight_grad_moment(cfg, shares, setup,
+                                                                                                  head_piece, tokens))
+    head_piece = dataclasses.replace(head_piece, peak=head_peak + gathered)
+    head_piece = _with_stage_output(head_piece, cfg, shares, setup, tokens)
+    layers = _root_gradient(layers, head_piece, setup, matmul=not cfg.tie_embeddings)
     embedding = piece_memory(costs.embedding, shares, setup, tokens, False, cfg.d_model, block=False, matmul=False)
     return ModelMemory(layers, embedding, head_piece, boundary_bytes(cfg.d_model, tokens, setup), setup)
+
+
+def _root_gradient(layers: list[PieceMemory], head: PieceMemory, setup: MemorySetup, matmul: bool
+                   ) -> list[PieceMemory]:
+    """fsdp2 without pipelining: the root's unsharded gradients are reduce-scattered only at the
+    end of the backward, so the head's, made in its backward, is there through every block's
+    backward (the embedding's is made last, when the activations are gone: not counted)."""
+    if not setup.fsdp or setup.pipelined:
+        return layers
+    grad = head.params * (setup.unsharded_bytes_per_param(matmul) - (setup.compute_bytes if matmul else 4.0))
+    return [dataclasses.replace(p, peak=p.peak + grad) for p in layers]
 
 
 def _gathered_units(layers: list[PieceMemory], setup: MemorySetup) -> list[PieceMemory]:
@@ -367,6 +392,33 @@ def context_parallel_cost(cost: Cost, cfg: ModelConfig, setup: MemorySetup) -> C
         return split + Split(kv=split.kv * (cp - 1))
 
     return dataclasses.replace(cost, act=more(cost.act), backward=tuple(more(b) for b in cost.backward))
+
+
+def head_weight_grad_moment(cfg: ModelConfig, shares: Split, setup: MemorySetup, head: PieceMemory, tokens: int
+                            ) -> float:
+    """The head's backward at its output projection, where gradients accumulate over micro-batches
+    (pipelining or gradient accumulation; else 0): what the head keeps, the logits' gradient
+    [b, S, V / tp] in the compute dtype and the projection's new weight gradient [V / tp, d]
+    before it is added to the existing one (fp32, also under bf16 autocast: its bf16 form is not
+    seen beside it in the measured peaks, docs/memory_model.md). With the chunked loss this
+    outgrows the loss's chunk buffers where d_model is large against loss_chunk."""
+    if not setup.pipelined and setup.microbatches <= 1:
+        return 0.0
+    weight = 4.0 * cfg.vocab_size * largest_share(cfg.vocab_size, setup.tp) * cfg.d_model
+    return head.kept + act_bytes_per_token(Split(logits=cfg.vocab_size), shares, setup) * tokens + weight
+
+
+def _with_stage_output(head: PieceMemory, cfg: ModelConfig, shares: Split, setup: MemorySetup, tokens: int
+                       ) -> PieceMemory:
+    """The head under pipelining: torch.distributed.pipelining keeps the last stage's output, the
+    logits [b, S, V / tp] in the compute dtype, from its forward to the end of its backward (the
+    stage's fwd_cache), once per micro-batch in flight. The unchunked loss does not keep them
+    itself (F.cross_entropy saves the log-softmax), so they are one more [V] per token; the
+    chunked one saves those very logits, already counted."""
+    if not setup.pipelined or setup.loss_chunk > 0:
+        return head
+    logits = act_bytes_per_token(Split(logits=cfg.vocab_size), shares, setup) * tokens
+    return dataclasses.replace(head, kept=head.kept + logits, peak=head.peak + logits)
 
 
 def loss_chunk_bytes(cfg: ModelConfig, setup: MemorySetup, tokens: int) -> float:

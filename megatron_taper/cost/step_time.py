@@ -5,7 +5,8 @@ Per pipeline rank r, for one micro-batch of b x S tokens on one tp rank:
     compute_r   (3 x forward FLOPs + forward FLOPs of the recomputed blocks) / tp / rate; the
                 blocks' linear layers at the fp8 rate under train.float8 (torchao converts only
                 those), everything else (attention scores, embedding, head) at the bf16 rate
-                (fp32 without bf16); rate = the device's peak x its assumed MFU (cost/devices.json)
+                (fp32 without bf16); rate = the device's peak x its assumed MFU (cost/devices.json),
+                x min(1, cores / ranks) on a CPU host whose ranks share its cores
     tp_r        Megatron's 4 collectives per block ([b, S, d] in the compute dtype: 2 in forward,
                 2 in backward; all-reduces, or all-gather + reduce-scatter under sequence
                 parallelism, which move the same bytes), 2 more per recomputed block, ring
@@ -35,8 +36,17 @@ Per pipeline rank r, for one micro-batch of b x S tokens on one tp rank:
     optimizer   AdamW over the rank's shard of fp32 state at the device's memory bandwidth
                 (32 bytes read or written per parameter)
 
+Context parallelism (parallel.cp, parallel/context_parallel.py): every rank holds b x S / cp
+tokens of each micro-batch and does 1 / cp of its work (the load-balanced causal split), so the
+compute, tp and pp terms above are those of S / cp tokens; besides, per attention layer (one per
+block) and micro-batch, its K and V ([b, K, S, E] each, compute dtype): allgather = an
+all-gather in forward and a reduce-scatter of their gradients in backward (one more all-gather
+per recomputed block), not overlapped; ring = (cp - 1) blocks of [2, b, K, S / cp, E] sent in
+forward and (2 cp - 1) in backward, point to point, overlapped with the attention where the
+device overlaps. DDP's gradient all-reduce spans dp x cp (the gradients are averaged over both).
+
 Links: a group whose ranks lie within one node (its span in the (pp, dp, tp) rank order, tp
-fastest, at most gpus_per_node) uses the intra-node bandwidth, else the inter-node one (the
+fastest, then cp, at most gpus_per_node) uses the intra-node bandwidth, else the inter-node one (the
 GPU's own NIC). Bandwidths are per direction; ring all-reduce moves 2 (n - 1) / n of the
 bytes per rank, all-gather and reduce-scatter (n - 1) / n.
 """
@@ -77,6 +87,9 @@ class StepLayout:
     float8: bool
     overlap: bool  # the device runs collectives beside compute (GPUs: copy engines / NCCL; not gloo on the CPU)
     dp_shard: int = 0  # fsdp2: ranks the state is sharded over (HSDP: dp = dp_replicate x dp_shard); 0 = dp
+    compute_share: float = 1.0  # of one device's rate a rank gets (CPU: the host's cores / its ranks)
+    cp: int = 1  # context parallelism: each sequence split over cp ranks
+    cp_ring: bool = False  # parallel.cp_attention=ring
 
 
 @dataclass(frozen=True)
@@ -88,6 +101,7 @@ class StepTime:
     pp: float
     dp: float  # exposed
     optimizer: float
+    cp: float = 0.0  # exposed
     parts: dict = field(default_factory=dict)
 
 
@@ -116,15 +130,16 @@ def bubble_fraction(pp: int, virtual: int, schedule: str) -> float:
 
 
 def step_time(ranks: Sequence[RankWork], layout: StepLayout, d_model: int, seq_len: int,
-              device: DeviceProfile) -> StepTime:
-    """Seconds of one optimizer step of `layout` whose pipeline ranks do `ranks` (module doc)."""
+              device: DeviceProfile, kv_dim: int = 0) -> StepTime:
+    """Seconds of one optimizer step of `layout` whose pipeline ranks do `ranks` (module doc);
+    `kv_dim`: K x E, the width of one token's keys (context parallelism's messages)."""
     lo = layout
-    tokens = lo.micro_batch * seq_len
+    tokens = lo.micro_batch * seq_len // lo.cp
     compute_bytes = 2 if lo.bf16 else 4
-    rate = device.matmul_flops(lo.bf16)
-    fp8_rate = device.matmul_flops(lo.bf16, float8=True) if lo.float8 else rate
+    rate = device.matmul_flops(lo.bf16) * lo.compute_share
+    fp8_rate = device.matmul_flops(lo.bf16, float8=True) * lo.compute_share if lo.float8 else rate
     tp_bw = bandwidth(lo.tp, device)
-    pp_bw = bandwidth(lo.tp * lo.dp * lo.pp, device)
+    pp_bw = bandwidth(lo.tp * lo.cp * lo.dp * lo.pp, device)
     hidden = tokens * d_model * compute_bytes
     per_collective = ring_seconds(hidden, lo.tp, tp_bw, all_reduce=True)
     boundary = 4.0 * tokens * d_model / (lo.tp if lo.sequence_parallel else 1)
@@ -136,8 +151,10 @@ def step_time(ranks: Sequence[RankWork], layout: StepLayout, d_model: int, seq_l
         other = (3 * r.flops + r.recompute_flops) * tokens - linear
         compute.append((linear / fp8_rate + other / rate) / lo.tp)
         tp_s.append(per_collective * (4 * r.blocks + 2 * r.recomputed_blocks))
-    i = max(range(len(ranks)), key=lambda k: compute[k] + tp_s[k])
-    slowest = compute[i] + tp_s[i] + pp_s
+    cp_s = [_cp_seconds(r, lo, kv_dim * compute_bytes * lo.micro_batch * seq_len, compute[k], device)
+            for k, r in enumerate(ranks)]
+    i = max(range(len(ranks)), key=lambda k: compute[k] + tp_s[k] + cp_s[k])
+    slowest = compute[i] + tp_s[i] + cp_s[i] + pp_s
     params = ranks[i].params
     dp_s = _dp_seconds(params, compute[i], lo, compute_bytes, device)
     m = lo.microbatches
@@ -146,21 +163,35 @@ def step_time(ranks: Sequence[RankWork], layout: StepLayout, d_model: int, seq_l
     optimizer = ADAMW_TRAFFIC_BYTES * params / shard / (device.memory_tb_per_s * 1e12)
     total = m * slowest + bubble + dp_s + optimizer
     return StepTime(total=total, compute=m * compute[i], bubble=bubble, tp=m * tp_s[i], pp=m * pp_s, dp=dp_s,
-                    optimizer=optimizer, parts={"micro_batch_s": slowest})
+                    optimizer=optimizer, cp=m * cp_s[i], parts={"micro_batch_s": slowest})
+
+
+def _cp_seconds(r: RankWork, lo: StepLayout, kv_bytes: float, compute: float, device: DeviceProfile) -> float:
+    """Exposed context-parallel communication of one micro-batch on a rank doing `r`, whose K and
+    V of the whole sequence are `kv_bytes` each and whose compute takes `compute` s (module doc)."""
+    if lo.cp <= 1:
+        return 0.0
+    bw = bandwidth(lo.tp * lo.cp, device)
+    if not lo.cp_ring:
+        per_layer = 2 * ring_seconds(2.0 * kv_bytes, lo.cp, bw, all_reduce=False)
+        return per_layer * r.blocks + per_layer / 2 * r.recomputed_blocks
+    block = 2.0 * kv_bytes / lo.cp
+    sent = ((3 * lo.cp - 2) * r.blocks + (lo.cp - 1) * r.recomputed_blocks) * block / bw
+    return max(0.0, sent - compute) if lo.overlap else sent
 
 
 def _dp_seconds(params: float, compute: float, lo: StepLayout, compute_bytes: int, device: DeviceProfile) -> float:
     """Exposed data-parallel communication of one step for a rank with `params` tp-local
     parameters and `compute` seconds of compute per micro-batch (module doc)."""
     n, m = lo.dp, lo.microbatches
-    if n <= 1:
+    if n * lo.cp <= 1:
         return 0.0
-    bw = bandwidth(lo.tp * n, device)
+    bw = bandwidth(lo.tp * lo.cp * n, device)  # the dp ranks are tp x cp apart
     backward = compute * 2.0 / 3.0
-    if lo.zero == "none":
-        return max(0.0, ring_seconds(4.0 * params, n, bw, True) - (backward if lo.overlap else 0.0))
+    if lo.zero == "none":  # DDP over dp x cp
+        return max(0.0, ring_seconds(4.0 * params, n * lo.cp, bw, True) - (backward if lo.overlap else 0.0))
     shard = lo.dp_shard or n if lo.zero == "fsdp2" else n
-    shard_bw = bandwidth(lo.tp * shard, device)
+    shard_bw = bandwidth(lo.tp * lo.cp * shard, device)
     # HSDP: the replicas all-reduce their reduce-scattered fp32 gradient shard
     replicas = ring_seconds(4.0 * params / shard, n // shard, bw, True)
     if lo.zero == "fsdp2" and lo.pp > 1:

@@ -224,18 +224,38 @@ class PipelinePlan:
     def rank_peak_bytes(self, pp_rank: int) -> float | None:
         """Predicted peak of a pp rank with all its chunks; None where not modelled (the
         zero-bubble schedules, whose deferred weight gradients keep activations longer).
-        Interleaved 1F1B: the chunks' static bytes and p2p buffers, plus n - 1 micro-batches
-        of the largest chunk's kept activations and the largest backward moment of a chunk,
-        n = interleaved_in_flight (the in-flight micro-batches mix chunks: an upper bound)."""
-        chunks = [self.stages[c] for c in self.rank_chunks(pp_rank)]
+        Interleaved 1F1B: the chunks' static bytes and p2p buffers plus interleaved_activations
+        with n = interleaved_in_flight."""
+        ids = self.rank_chunks(pp_rank)
+        chunks = [self.stages[c] for c in ids]
         if len(chunks) == 1:
             return chunks[0].peak_bytes
         if self.schedule != "interleaved_1f1b" or self.memory is None:
             return None
         n = interleaved_in_flight(self.pp, len(chunks), self.memory.microbatches, pp_rank)
-        top = max(s.act_bytes - s.buffer_bytes for s in chunks)
+        last = len(self.stages) - 1
+        tops = [s.act_bytes - s.buffer_bytes for s in chunks]
         return (self.rank_static_bytes(pp_rank) + sum(s.buffer_bytes for s in chunks)
-                + (n - 1) * max(s.kept_bytes for s in chunks) + top)
+                + interleaved_activations([s.kept_bytes for s in chunks], tops, n,
+                                          ids.index(last) if last in ids else None))
+
+
+def interleaved_activations(kept: Sequence[float], tops: Sequence[float], n: int, last: int | None) -> float:
+    """Activation bytes at the peak of a pp rank whose chunks keep `kept` bytes per micro-batch and
+    reach `tops` in their backward, with n micro-batches in flight under interleaved 1F1B. The
+    last virtual stage (`last`, index into the chunks, or None when not on this rank) runs each
+    forward straight into its backward, so it holds one micro-batch at most; the other chunks
+    hold the rest, each booked at the largest of them (an upper bound: they mix). The peak is
+    the larger of the last stage's backward beside n - 1 of the others and another chunk's
+    backward beside n - 2 of the others and one of the last stage's."""
+    others = [k for i, k in enumerate(kept) if i != last]
+    if last is None:
+        return (n - 1) * max(kept) + max(tops)
+    other_kept = max(others, default=0.0)
+    at_last = (n - 1) * other_kept + tops[last]
+    other_tops = [t for i, t in enumerate(tops) if i != last]
+    at_other = max(0, n - 2) * other_kept + kept[last] + max(other_tops) if other_tops else 0.0
+    return max(at_last, at_other)
 
 
 def interleaved_in_flight(pp: int, virtual: int, microbatches: int, pp_rank: int) -> int:

@@ -321,3 +321,27 @@ def test_partition_with_backward_peaks_matches_brute_force():
                 partition(costs, s, memory=memory)
             continue
         assert partition(costs, s, memory=memory).bounds == ref[2]
+
+
+def test_last_pipeline_stage_keeps_its_logits_per_micro_batch_in_flight():
+    """torch.distributed.pipelining holds the last stage's output to the end of its backward: under
+    pipelining the head keeps the logits [tokens, V] in the compute dtype besides what the
+    unchunked loss saves; the chunked loss saves those very logits, so nothing more."""
+    cfg = load_config(None, SHAPE).model
+    tokens = 16 * cfg.seq_len
+    for bf16 in (False, True):
+        alone, piped = (model_memory(cfg, MemorySetup(micro_batch=16, bf16=bf16, pipelined=p)) for p in (False, True))
+        logits = tokens * cfg.vocab_size * (2 if bf16 else 4)
+        assert piped.head.kept - alone.head.kept == pytest.approx(logits)
+        chunked = [model_memory(cfg, MemorySetup(micro_batch=16, bf16=bf16, pipelined=p, loss_chunk=64))
+                   for p in (False, True)]
+        assert chunked[1].head.kept == chunked[0].head.kept
+
+
+def test_interleaved_ranks_book_the_head_chunk_at_one_micro_batch():
+    """partition.interleaved_activations by hand: chunks keeping 10 and 50 (the head's) per
+    micro-batch, backward moments 15 and 80, 3 micro-batches in flight."""
+    from megatron_taper.parallel.partition import interleaved_activations
+
+    assert interleaved_activations([10, 50], [15, 80], 3, last=1) == max(2 * 10 + 80, 1 * 10 + 50 + 15)
+    assert interleaved_activations([10, 50], [15, 80], 3, last=None) == 2 * 50 + 80

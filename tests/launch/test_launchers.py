@@ -40,3 +40,22 @@ def test_sbatch_dry_run_takes_every_override_form(tmp_path):
     bad = _bash("launch/train.sbatch", "--dry-run", "--config", "configs/tiny_taper.yaml", "--train.stepz=100",
                 NNODES="1", NPROC_PER_NODE="1")
     assert bad.returncode == 2 and bad.stderr == "error: unknown key 'train.stepz'; did you mean 'train.steps'?\n"
+
+
+def test_sbatch_dry_run_with_layout_auto_prints_the_chosen_layout(tmp_path):
+    """parallel.layout=auto: the dry run chooses as the workers will (plan.choose_layout at the job's
+    world size) and prints the choice before the plan of that layout; nothing fits: one error."""
+    args = ("launch/train.sbatch", "--dry-run", "--config", "configs/tiny_taper.yaml", "parallel.layout=auto",
+            f"run.dir={tmp_path / 'run'}")
+    proc = _bash(*args, "parallel.layout_memory_gb=0.05", NNODES="1", NPROC_PER_NODE="2")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[1].startswith("layout auto: ") and "parallel.layout_memory_gb=0.05" in lines[1]
+    chosen = dict(kv.split("=") for kv in lines[1].split("(", 1)[1].split(")", 1)[0].split())
+    tp, pp = int(chosen["parallel.tp"]), int(chosen["parallel.pp"])
+    assert lines[2].startswith(f"processes: 1 node(s) x 2 per node = 2: pp {pp} x dp {2 // (tp * pp)} x ")
+    assert f"micro_batch {chosen['train.micro_batch']} x" in lines[3]
+    assert not (tmp_path / "run").exists()
+    tiny = _bash(*args, "parallel.layout_memory_gb=0.001", NNODES="1", NPROC_PER_NODE="2")
+    assert tiny.returncode == 2 and tiny.stdout.splitlines() == ["[train.sbatch] dry run: 1 node(s) x 2 process(es)"]
+    assert tiny.stderr.startswith("error: parallel.layout=auto: no legal layout fits 2 x 0.001 GiB (cpu): the nearest")

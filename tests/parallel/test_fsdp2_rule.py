@@ -30,7 +30,8 @@ def test_units_grow_with_dp_shard_up_to_the_cap():
 
 def test_memory_model_counts_the_gathered_units():
     """At block l's backward: l's unit and the unit before it, gathered (fp32: 4 + 4 bytes per
-    parameter, weight and unsharded gradient); at the head's: the last unit's weights."""
+    parameter, weight and unsharded gradient), and the head's unsharded gradient (the root's are
+    reduce-scattered at the end of the backward); at the head's: the last unit's weights."""
     from megatron_taper.config import load_config
     from megatron_taper.cost.memory import MemorySetup, model_memory
 
@@ -38,7 +39,8 @@ def test_memory_model_counts_the_gathered_units():
     fsdp, none = model_memory(cfg, MemorySetup(zero="fsdp2", dp=2)), model_memory(cfg, MemorySetup())
     p = [layer.params for layer in fsdp.layers]
     extra = [f.peak - n.peak for f, n in zip(fsdp.layers, none.layers)]
-    assert extra == pytest.approx([8 * p[0], 8 * sum(p), 8 * sum(p)])
+    head_grad = 4 * fsdp.head.params
+    assert extra == pytest.approx([8 * p[0] + head_grad, 8 * sum(p) + head_grad, 8 * sum(p) + head_grad])
     assert fsdp.head.peak - none.head.peak == pytest.approx(4 * (p[1] + p[2]))
 
 

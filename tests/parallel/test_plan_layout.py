@@ -4,6 +4,7 @@ trainer accepts and fits its own predicted memory, which is the trainer's pipeli
 a model that cannot fit is one error naming the nearest layout."""
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 
@@ -14,7 +15,7 @@ from megatron_taper.cost.devices import profiles
 from megatron_taper.cost.memory import GIB
 from megatron_taper.cost.step_time import RankWork, StepLayout, bandwidth, bubble_fraction, ring_seconds, step_time
 from megatron_taper.parallel.pipeline import plan_stages
-from megatron_taper.plan import SEARCH_SPACE, USABLE_FRACTION, reason
+from megatron_taper.plan import SEARCH_SPACE, USABLE_FRACTION, reason, with_values
 from megatron_taper.preflight import preflight
 from megatron_taper.validation import ConfigError
 from tests.helpers.runner import REPO
@@ -33,7 +34,7 @@ def _plan(capsys, recipe: str, *argv: str) -> tuple[int, dict]:
 
 
 @pytest.mark.parametrize("recipe, gpus, device", [
-    # ~18 s of CPU: 41,664 layouts, each through preflight
+    # ~18 s of CPU: 291,648 layouts (the train values of a refused combination counted, not checked)
     pytest.param("transformer_70b_taper.yaml", 512, "h100", marks=pytest.mark.slow),
     ("transformer_1.3b_taper.yaml", 8, "h200"),
 ])
@@ -87,6 +88,16 @@ def test_step_time_by_hand():
     compute = 3 * 1e9 * 256 / (0.4 * 989e12)
     assert t.compute == pytest.approx(3 * compute) and t.bubble == t.tp == t.pp == t.dp == 0
     assert t.total == pytest.approx(3 * compute + 32 * 1e6 / 3.35e12)
+    # cp = 4, all-gather: per block a gather of K and V of the whole sequence and a reduce-scatter
+    # of their gradients; the compute is that of S / 4 tokens; DDP spans dp x cp = 4 ranks
+    cp = step_time(work, dataclasses.replace(layout, cp=4), d_model=64, seq_len=128, device=h100, kv_dim=32)
+    kv = 2 * 32 * (2 * 128) * 2  # K and V (32 elements a token each) of 2 sequences of 128 tokens, bf16
+    assert cp.compute == pytest.approx(t.compute / 4) and cp.cp == pytest.approx(3 * 2 * 2 * 0.75 * kv / 450e9)
+    assert cp.dp == pytest.approx(max(0.0, 1.5 * 4e6 / 450e9 - cp.compute / 3 * 2 / 3))
+    # ring, not overlapped: per block (cp - 1) K/V blocks of S / cp tokens forward, 2 cp - 1 backward
+    ring = step_time(work, dataclasses.replace(layout, cp=4, cp_ring=True, overlap=False), d_model=64, seq_len=128,
+                     device=h100, kv_dim=32)
+    assert ring.cp == pytest.approx(3 * 2 * (3 + 7) * kv / 4 / 450e9)
 
 
 def test_memory_aware_partition_counts_tp_and_zero_sharding():
@@ -101,3 +112,76 @@ def test_memory_aware_partition_counts_tp_and_zero_sharding():
         plan()
     for stages in (plan("parallel.tp=2").stages, plan("parallel.zero=fsdp2", dp=4).stages):
         assert max(s.peak_bytes for s in stages) <= 110 * GIB
+
+
+def test_search_computes_the_layer_widths_once(monkeypatch):
+    """The widths are per model, not per layout: a search computes them once and hands them to
+    preflight, which then does not recompute them (it did twice per candidate at tp > 1)."""
+    from megatron_taper import plan, taper
+    from megatron_taper import preflight as preflight_module
+
+    calls = []
+
+    def counted(model_cfg):
+        calls.append(model_cfg)
+        return taper.layer_widths(model_cfg)
+
+    monkeypatch.setattr(plan, "layer_widths", counted)
+    monkeypatch.setattr(preflight_module, "layer_widths", counted)
+    cfg = load_config(None, ["model.n_layers=2", "model.d_model=64", "model.n_heads=4", "train.global_batch=8"])
+    space = (("parallel.tp", (1, 2)), ("parallel.pp", (1, 2)), ("train.micro_batch", (1, 2)))
+    result = plan.search(cfg, 4, 1.0, profiles()["cpu"], space=space)
+    assert result.legal > 0 and len(calls) == 1
+
+
+def test_a_long_sequence_fits_only_with_context_parallelism():
+    """An 8B-shaped transformer at 128K tokens per sequence on 64 x 40 GiB: no layout without
+    context parallelism fits (one sequence's activations at tp = 8 with sequence parallelism,
+    full checkpointing and fsdp2 alone exceed the device), so the best is one with cp > 1; its cp
+    is legal by preflight and its step time counts cp's messages."""
+    from megatron_taper import plan
+
+    cfg = load_config(str(REPO / "configs" / "transformer_70b_taper.yaml"), [
+        "model.n_layers=32", "model.d_model=4096", "model.n_heads=32", "model.n_kv_heads=8",
+        "model.mlp_width=14336", "model.vocab_size=128256", "model.seq_len=131072", "train.global_batch=16"])
+    space = (("parallel.tp", (4, 8)), ("parallel.pp", (1, 2, 4)), ("parallel.zero", ("none", "fsdp2")),
+             ("parallel.sequence_parallel", (False, True)), ("parallel.cp", (1, 2, 4, 8)),
+             ("parallel.cp_attention", ("allgather", "ring")), ("train.activation_checkpointing", ("none", "full")))
+    result = plan.search(cfg, 64, 40, profiles()["h100"], space=space)
+    best = result.layouts[0]
+    assert best.layout.cp > 1 and best.step.cp > 0 and f"cp={best.layout.cp}" in best.describe()
+    assert all(x.layout.cp > 1 for x in result.layouts)
+    no_cp = plan.search(cfg, 64, 40, profiles()["h100"], space=[row for row in space if row[0] != "parallel.cp"])
+    assert no_cp.legal > 0 and not no_cp.layouts
+    assert preflight(with_values(cfg, best.values), 64).cp == best.layout.cp
+
+
+def test_refusals_skipped_at_other_train_values_are_the_ones_preflight_gives():
+    """search checks a combination of the other sections once per refusal that names no train key
+    and counts the train values left under it: the same counts as preflight on every candidate."""
+    import itertools
+    import warnings
+
+    from megatron_taper import plan
+
+    cfg = load_config(None, ["model.n_layers=4", "model.d_model=64", "model.n_heads=4", "train.global_batch=16"])
+    space = (("parallel.tp", (1, 2)), ("parallel.pp", (1, 2, 4)), ("parallel.pp_schedule", ("1f1b", "dualpipev")),
+             ("parallel.zero", ("none", "deepspeed")), ("parallel.cp", (1, 2)),
+             # descending: a count of micro-batches too small for dualpipev comes before one that is not
+             ("train.micro_batch", (8, 4, 2, 1)), ("train.activation_checkpointing", ("none", "full")))
+    result = plan.search(cfg, 8, 1.0, profiles()["h100"], space=space)
+    keys, seen, dropped = [k for k, _ in space], set(), {}
+    for row in itertools.product(*(v for _, v in space)):
+        values = plan._canonical(dict(zip(keys, row)), cfg)
+        if tuple(values.items()) in seen:
+            continue
+        seen.add(tuple(values.items()))
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                preflight(with_values(cfg, values), 8)
+        except ConfigError as e:
+            dropped[reason(e)] = dropped.get(reason(e), 0) + 1
+    assert result.candidates == len(seen) and result.legal == len(seen) - sum(dropped.values())
+    assert {k: v for k, v in result.dropped.items() if not k.startswith("predicted peak")} == dropped
+    assert any("dualpipev" in k for k in dropped)

@@ -42,6 +42,9 @@ def _check(world: int, *overrides: str):
      "parallel.zero=deepspeed with parallel.sequence_parallel=true"),
     (2, ["parallel.pp=2", "parallel.pp_schedule=dualpipev", "model.n_layers=4", "parallel.microbatches=2"],
      r"parallel.microbatches=2: dualpipev needs at least 2 x parallel.pp = 4"),
+    (2, ["parallel.pp=2", "parallel.pp_schedule=dualpipev", "model.n_layers=4", "train.global_batch=4",
+         "train.micro_batch=2"],  # the count derived from train: the error names those keys
+     r"parallel.microbatches=2 \(train.global_batch / data-parallel size / train.micro_batch\): dualpipev"),
     (2, ["parallel.pp=2", "parallel.pp_schedule=zbv"],
      r"parallel.pp=2 x 2 chunks per rank \(zbv\) = 4 stages is more than model.n_layers=3"),
     (4, ["parallel.zero=fsdp2", "parallel.tp=2", "model.n_kv_heads=1"],
