@@ -128,18 +128,28 @@ def worker(overrides: list[str], steps: int) -> dict:
                                             if k in ("all_gather", "reduce_scatter")) * (cp - 1) / cp}
 
 
-def launch(overrides: list[str], cp: int, steps: int) -> dict:
-    """One measurement on `cp` fresh processes; rank 0's row."""
+def launch_ranks(script: str, overrides: list[str], cp: int, steps: int) -> list[dict]:
+    """One measurement of `script` (run as `script --worker --out DIR ...`) on `cp` fresh
+    processes; the rows its ranks wrote as DIR/rank{r}.json, in rank order."""
     with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "rank0.json")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(cp),
-               __file__, "--worker", "--out", out, "--steps", str(steps), f"parallel.cp={cp}", *overrides]
+               script, "--worker", "--out", tmp, "--steps", str(steps), f"parallel.cp={cp}", *overrides]
         env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"cp={cp} {overrides} failed:\n{proc.stderr[-4000:]}")
-        with open(out) as f:
-            return json.load(f)
+        rows = []
+        for rank in range(cp):
+            path = os.path.join(tmp, f"rank{rank}.json")
+            if os.path.exists(path):
+                with open(path) as f:
+                    rows.append(json.load(f))
+        return rows
+
+
+def launch(overrides: list[str], cp: int, steps: int) -> dict:
+    """One measurement on `cp` fresh processes; rank 0's row."""
+    return launch_ranks(__file__, overrides, cp, steps)[0]
 
 
 def main() -> None:
@@ -157,7 +167,7 @@ def main() -> None:
         import torch.distributed as dist
 
         if int(os.environ.get("RANK", 0)) == 0:
-            with open(args.out, "w") as f:
+            with open(os.path.join(args.out, "rank0.json"), "w") as f:
                 json.dump(row, f)
         if dist.is_initialized():
             dist.barrier()

@@ -27,9 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
-import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -82,18 +80,9 @@ def worker(overrides: list[str], steps: int, out_dir: str) -> None:
 
 def launch(overrides: list[str], cp: int, steps: int) -> list[dict]:
     """One measurement on `cp` fresh processes; every rank's row."""
-    with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(cp),
-               __file__, "--worker", "--out", tmp, "--steps", str(steps), f"parallel.cp={cp}", *overrides]
-        env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
-        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise RuntimeError(f"cp={cp} {overrides} failed:\n{proc.stderr[-4000:]}")
-        rows = []
-        for rank in range(cp):
-            with open(os.path.join(tmp, f"rank{rank}.json")) as f:
-                rows.append(json.load(f))
-        return rows
+    from context_parallel import launch_ranks
+
+    return launch_ranks(__file__, overrides, cp, steps)
 
 
 def main() -> None:
