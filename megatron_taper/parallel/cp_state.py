@@ -26,11 +26,11 @@ chain, for updates that do not compose (deep memories, GRU states, online MLP le
 
 prefix, for updates that compose associatively (a linear memory with decay, decayed sums):
 
-    state = prefix_state(split, initial, summary, combine, tag)
+    state = prefix_state(split, initial, summary, combine)
         every rank's summary of its own slice (e.g. a decay product and the state its slice reaches
         from zero) is all-gathered (backward: reduce-scatter), and each rank folds those of the ranks
         before it into `initial` with the family's `combine`; nobody waits in a chain. Bytes: the
-        summary's size x (cp - 1) per layer and direction. gather_states(split, t, tag) is the all-gather
+        summary's size x (cp - 1) per layer and direction. gather_states(split, t) is the all-gather
         alone (e.g. cached states that later slices read).
 
 halo, for windows over the last tokens (sliding-window attention, causal convolutions):
@@ -45,23 +45,24 @@ Tags: messages in flight at once between the same two ranks are told apart by `t
 caller's, e.g. the layer's index, < 1024) and by the tensor's index in the state (< 64).
 
 Activation checkpointing recomputes a block's forward inside backward, where the other ranks do not
-send again: a recomputed receive or tagged all-gather (one called while a backward runs) returns what the
-forward received (kept in split.received, oldest first per tag, until its own backward), and a
-recomputed send sends nothing. (An all-gather that ran again in the recompute would deadlock with
-the chain: rank r waits in send_state's backward for rank r + 1, which waits in the all-gather for
-rank r.) This holds while each tag's recomputations come in the order of
-their forwards (gradient accumulation, 1F1B).
+send again: a recomputed receive (one called while a backward runs) returns what the forward
+received (kept in split.received, oldest first per tag, until its own backward), and a recomputed
+send sends nothing. This holds while each tag's recomputations come in the order of their
+forwards (gradient accumulation, 1F1B). Collectives in the block (attention's or gather_states'
+all-gather) do run again in the recompute, on every rank: send_state's backward triggers the
+block's recompute before it waits for rank r + 1 (which recomputes before it sends), so no rank
+waits in the chain while another waits for it in the all-gather.
 """
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
 from megatron_taper.parallel.context_parallel import SequenceSplit
-from megatron_taper.parallel.tensor import gather_from_seq_region, reduce_scatter_to_seq_region
+from megatron_taper.parallel.tensor import gather_from_seq_region
 
 _STATE_TAGS, _GRAD_TAGS, _HALO_TAGS, _HALO_GRAD_TAGS = 1 << 16, 2 << 16, 3 << 16, 4 << 16
 
@@ -175,30 +176,11 @@ def send_state(split: SequenceSplit, tag: int, y: torch.Tensor, end_state: Seque
     return _SendState.apply(split, tag, y, *end_state)
 
 
-class _GatherStates(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, split, tag, keep, summary):
-        ctx.split, ctx.tag = split, tag
-        def gather():
-            return [gather_from_seq_region(summary[None, None], split.group)[0]]  # [cp, ...]
-        return _receive_once(split, ("gather", tag), gather, keep)[0].clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        _release(ctx.split, ("gather", ctx.tag))
-        return None, None, None, reduce_scatter_to_seq_region(grad[None], ctx.split.group)[0, 0]
-
-
-def gather_states(split: SequenceSplit, summary: torch.Tensor, tag: Hashable = None) -> torch.Tensor:
+def gather_states(split: SequenceSplit, summary: torch.Tensor) -> torch.Tensor:
     """[cp, ...]: every cp rank's `summary` [...] in rank order (all-gather; backward
-    reduce-scatters). With a `tag` (any key telling this gather apart from the others of the
-    forward, e.g. (context_tag, name)) a recompute replays the forward's result, as a receive does;
-    without one it all-gathers again (only safe where no chain waits in the same block). The backward is
-    a collective, so every rank's loss must depend on the result: pass what a rank does not read
-    through `tie`."""
-    if tag is None:
-        return gather_from_seq_region(summary[None, None], split.group)[0]
-    return _GatherStates.apply(split, tag, torch.is_grad_enabled() and summary.requires_grad, summary)
+    reduce-scatters). The backward is a collective, so every rank's loss must depend on the
+    result: pass what a rank does not read through `tie`."""
+    return gather_from_seq_region(summary[None, None], split.group)[0]
 
 
 class _Tie(torch.autograd.Function):
@@ -219,14 +201,13 @@ def tie(x: torch.Tensor, *others: torch.Tensor) -> torch.Tensor:
 
 
 def prefix_state(split: SequenceSplit, initial: Sequence[torch.Tensor], summary: Sequence[torch.Tensor],
-                 combine: Callable[[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]], tuple[torch.Tensor, ...]],
-                 tag: Hashable = None) -> tuple[torch.Tensor, ...]:
+                 combine: Callable[[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]], tuple[torch.Tensor, ...]]
+                 ) -> tuple[torch.Tensor, ...]:
     """The state this rank's slice starts from, for an associative update: `initial` (the
     sequence's start) folded with the `summary` of each cp rank before this one, in order, by
     `combine(state, summary) -> state`. `summary`: what this rank's slice does to a state (e.g. a
-    decay product and the state it reaches from zero); `tag`: as gather_states'."""
-    gathered = [gather_states(split, t, None if tag is None else (tag, "prefix", i))  # each [cp, ...]
-                for i, t in enumerate(summary)]
+    decay product and the state it reaches from zero)."""
+    gathered = [gather_states(split, t) for t in summary]  # each [cp, ...]
     state = tuple(initial)
     for r in range(split.rank):
         state = combine(state, tuple(g[r] for g in gathered))

@@ -66,7 +66,7 @@ def _decayed(split, p, z):
     start = z.new_zeros(z.shape[0], D)
     if split is not None:
         _, local_end = scan(start)
-        (start,) = prefix_state(split, [start], [local_end], lambda s, end: (a ** z.shape[1] * s[0] + end[0],), tag=0)
+        (start,) = prefix_state(split, [start], [local_end], lambda s, end: (a ** z.shape[1] * s[0] + end[0],))
     return scan(start)[0]
 
 
