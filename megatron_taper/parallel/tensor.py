@@ -413,14 +413,13 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def forward(ctx, logits, targets, group, vocab_start):
         # logits: [N, V_r] this rank's vocabulary slice; targets: [N] global ids or IGNORE_INDEX
         x = logits.float()
-        vmax = x.max(dim=-1).values
+        vmax = x.amax(dim=-1)
         dist.all_reduce(vmax, op=dist.ReduceOp.MAX, group=group)
-        shifted = x - vmax.unsqueeze(-1)
-        exp = shifted.exp()
+        exp = (x - vmax.unsqueeze(-1)).exp_()
         ids = targets - vocab_start
         inside = (ids >= 0) & (ids < x.shape[-1])  # False on every rank for IGNORE_INDEX
         ids = ids.clamp(0, x.shape[-1] - 1)
-        target_logit = shifted.gather(-1, ids.unsqueeze(-1)).squeeze(-1) * inside
+        target_logit = (x.gather(-1, ids.unsqueeze(-1)).squeeze(-1) - vmax) * inside
         stats = torch.stack((exp.sum(-1), target_logit))  # [2, N]: one all-reduce for both
         dist.all_reduce(stats, group=group)
         sum_exp, target_logit = stats
@@ -435,11 +434,11 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         softmax, ids, inside, kept, count = ctx.saved_tensors
-        g = softmax.clone()
+        # ignored rows get exactly 0 (also when all are ignored, as F.cross_entropy): their scale is 0
+        scale = torch.where(kept, grad / count.clamp(min=1), 0.0)  # [N]
+        g = softmax * scale.unsqueeze(-1)  # one pass over [N, V_r]
         rows = torch.arange(g.shape[0], device=g.device)
-        g[rows, ids] -= inside.to(g.dtype)
-        # ignored rows get exactly 0 (also when all are ignored, as F.cross_entropy)
-        g = torch.where(kept.unsqueeze(-1), g * (grad / count.clamp(min=1)), 0.0)
+        g[rows, ids] -= inside.to(g.dtype) * scale
         return g.to(ctx.logits_dtype), None, None, None
 
 
