@@ -298,8 +298,12 @@ def _free_port() -> int:
 
 def measure(overrides: list[str], mode: str, nproc: int = 1, steps: int = 1, stage: str = "",
             stage_layers: int = 1, in_flight: int = 1, timeout: float = 3600.0, full: bool = False,
-            loss_chunk: int = 0) -> list[dict]:
-    """Run one measurement in `nproc` fresh processes; one result per rank."""
+            loss_chunk: int = 0, threads: int = 0, timing: bool = False) -> list[dict]:
+    """Run one measurement in `nproc` fresh processes; one result per rank. `threads` > 0: torch's
+    threads per process (OMP_NUM_THREADS); else 1 per process when several run, torch's default alone.
+    `timing`: glibc's default allocator instead of MALLOC_MMAP_THRESHOLD_ (the peaks are then not
+    exact, the step times are those of a training run: the low threshold makes every large
+    allocation a fresh mapping whose pages fault on first touch)."""
     port = _free_port()
     with tempfile.TemporaryDirectory() as tmp:
         procs = []
@@ -309,11 +313,13 @@ def measure(overrides: list[str], mode: str, nproc: int = 1, steps: int = 1, sta
                    "--steps", str(steps), "--stage", stage, "--stage-layers", str(stage_layers),
                    "--in-flight", str(in_flight), "--loss-chunk", str(loss_chunk),
                    *(["--full-step"] if full else []), *overrides]
-            env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": MMAP_THRESHOLD, "PYTHONPATH": REPO}
+            env = {**os.environ, "PYTHONPATH": REPO, **({} if timing else {"MALLOC_MMAP_THRESHOLD_": MMAP_THRESHOLD})}
             env.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(REPO, ".cache", "torch_extensions"))
             if nproc > 1:
                 env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
                            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+            if threads > 0:
+                env["OMP_NUM_THREADS"] = str(threads)
             procs.append((subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
                                            stderr=subprocess.PIPE, text=True), out))
         rows = []

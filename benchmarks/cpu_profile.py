@@ -1,10 +1,21 @@
 """Measure this CPU's entries of megatron_taper/cost/devices.json: dense fp32 matmul FLOP/s on the
-threads torch uses, memory copy bandwidth, and the gloo all-reduce bus bandwidth between 2 local
-processes (what tp / dp / pp traffic runs over on one CPU machine).
+threads torch uses, memory copy bandwidth, and gloo's collectives between 2 local processes of 1
+thread each (what tp / dp / pp / cp traffic runs over on one CPU machine):
 
-    OMP_NUM_THREADS=2 python benchmarks/cpu_profile.py [--size 2048] [--mib 64]
+- the bus bandwidth of all-reduce, all-gather (`all_gather_into_tensor`, what FSDP2 and DeepSpeed
+  gather with) and reduce-scatter (`reduce_scatter_tensor`) of a `--mib` tensor (the gathered
+  output / the scattered input), median of 5; devices.json keeps the all-reduce figure as the link
+  and the other two as its `all_gather_efficiency` / `reduce_scatter_efficiency`;
+- `collective_latency_us`: what one small (4 KiB) all-reduce adds to a loop whose ranks compute
+  between collectives (a matmul of about 5 ms), as tp's and FSDP's collectives do in a training
+  step: the loop's time per iteration with the collective less without it (median of 3 rounds of
+  50). On an idle pair of processes a 4 KiB all-reduce is also reported alone
+  (`idle_allreduce_4kib_us`); the loop's figure is larger: a collective makes the ranks wait for
+  each other, and gloo's threads need the cores the ranks compute on.
 
-Prints one JSON object.
+    OMP_NUM_THREADS=1 python benchmarks/cpu_profile.py [--size 2048] [--mib 64]
+
+Prints one JSON object. The collectives' numbers depend on the machine's load: measure it quiet.
 """
 from __future__ import annotations
 
@@ -35,11 +46,45 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _allreduce(rank: int, world: int, port: int, numel: int, out) -> None:
+def median_of(fn, repeats: int = 5) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return sorted(times)[len(times) // 2]
+
+
+def _collectives(rank: int, world: int, port: int, numel: int, out) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    x = torch.ones(numel)
-    seconds = best_of(lambda: dist.all_reduce(x), 5)
+    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+    dist.barrier()
+    seconds = {"matmul_2048": best_of(lambda: a @ b)}  # every process at once: the cores' shared rate
+    whole, shard = torch.ones(numel), torch.ones(numel // world)
+    seconds |= {"all_reduce": median_of(lambda: dist.all_reduce(whole)),
+               "all_gather": median_of(lambda: dist.all_gather_into_tensor(whole, shard)),
+               "reduce_scatter": median_of(lambda: dist.reduce_scatter_tensor(shard, whole))}
+    small = torch.ones(1024)
+    seconds["idle_small"] = median_of(lambda: dist.all_reduce(small), 21)
+    a, b = torch.randn(256, 1024), torch.randn(1024, 1024)  # ~0.5 GFLOP: a few ms on one core
+
+    def loop(collective: bool, iterations: int = 50) -> float:
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(iterations):
+            a @ b
+            if collective:
+                dist.all_reduce(small)
+        return (time.perf_counter() - start) / iterations
+
+    loop(True, 5)
+    rounds = [(loop(False), loop(True)) for _ in range(3)]
+    seconds["compute_step"] = sorted(r[0] for r in rounds)[1]
+    seconds["in_loop_small"] = sorted(r[1] - r[0] for r in rounds)[1]
     if rank == 0:
         out.put(seconds)
     dist.barrier()
@@ -61,19 +106,31 @@ def main() -> None:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_allreduce, args=(r, 2, port, numel, queue)) for r in range(2)]
+    procs = [ctx.Process(target=_collectives, args=(r, 2, port, numel, queue)) for r in range(2)]
     for p in procs:
         p.start()
-    ar_s = queue.get(timeout=300)
+    coll = queue.get(timeout=600)
     for p in procs:
         p.join()
     nbytes = 4 * numel
+    # bus bandwidth of 2 ranks: ring all-reduce moves 2 (n - 1) / n x bytes, all-gather and
+    # reduce-scatter (n - 1) / n x the whole tensor's bytes
+    moved = {"all_reduce": 1.0, "all_gather": 0.5, "reduce_scatter": 0.5}
+    bus = {k: f * nbytes / coll[k] / 1e9 for k, f in moved.items()}
     print(json.dumps({
         "threads": torch.get_num_threads(),
         "fp32_matmul_tflops": 2 * n**3 / matmul_s / 1e12,
+        "fp32_matmul_tflops_concurrent": 2 * 2048**3 / coll["matmul_2048"] / 1e12,
         "copy_gb_per_s": 2 * nbytes / copy_s / 1e9,  # read + write
-        # ring all-reduce bus bandwidth: 2 (n - 1) / n x bytes / time
-        "gloo_allreduce_bus_gb_per_s": 2 * (2 - 1) / 2 * nbytes / ar_s / 1e9,
+        "gloo_allreduce_bus_gb_per_s": bus["all_reduce"],
+        "gloo_allgather_bus_gb_per_s": bus["all_gather"],
+        "gloo_reducescatter_bus_gb_per_s": bus["reduce_scatter"],
+        "all_gather_efficiency": bus["all_gather"] / bus["all_reduce"],
+        "reduce_scatter_efficiency": bus["reduce_scatter"] / bus["all_reduce"],
+        "idle_allreduce_4kib_us": 1e6 * coll["idle_small"],
+        "loop_compute_ms": 1e3 * coll["compute_step"],
+        "collective_latency_us": 1e6 * coll["in_loop_small"],
+        "concurrent_efficiency": (2 * 2048**3 / coll["matmul_2048"]) / (2 * n**3 / matmul_s) if n == 2048 else None,
         "cpu": (open("/proc/cpuinfo").read().split("model name")[1].split("\n")[0].strip(" \t:")
                 if os.path.exists("/proc/cpuinfo") else ""),
     }))

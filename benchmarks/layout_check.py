@@ -5,20 +5,23 @@ times with the spread of its repeats.
     nice -n 10 python benchmarks/layout_check.py [--layouts none_dp1,ddp_dp2,...] [--repeats 3] [--steps 3]
                                                  [key=value ...]
 
-Each layout runs in fresh gloo processes (1, 2 or 4, 1 thread each) through
+Each layout runs in fresh gloo processes (1, 2 or 4, 1 thread each: OMP_NUM_THREADS=1 also for the
+one-process layout, as the cpu profile rates a rank by one core) through
 benchmarks/activation_memory.py `--full-step` on layout_memory.py's model shape in fp32: `--steps`
-training steps, then one more whose host-RSS peak is measured per rank; a run's step time is rank
-0's fastest step after the first (the first warms up: allocations, the pipeline's shape
-inference). The layouts run `--repeats` times, interleaved (every layout once, then again), so a
-change of the machine's load falls on all of them alike; a layout's step time is the median of
-its runs and its spread (max - min) / median is reported beside it. Spearman's rank correlation
-is computed on the medians (`spearman_step_time`) and on every repeat alone
+training steps, then one more. The peaks come from one run per layout with MALLOC_MMAP_THRESHOLD_
+(activation_memory.py: every large tensor its own mapping, so the host-RSS peak is exact); the step
+times from `--repeats` further runs with glibc's default allocator, as a training run has it (the
+low threshold makes each large allocation fault its pages in again: it slowed tp = 2 by 40% and
+DDP by 17% here). A run's step time is rank 0's fastest step after the first (the first warms up:
+allocations, the pipeline's shape inference). The timing runs are interleaved (every layout once,
+then again), so a change of the machine's load falls on all of them alike; a layout's step time is
+the median of its runs and its spread (max - min) / median is reported beside it. Spearman's rank
+correlation is computed on the medians (`spearman_step_time`) and on every repeat alone
 (`spearman_per_repeat`, the noise of the statistic itself). Beside the wall time, each run
 records the step's CPU time per process (all its threads; `measured_step_cpu_s`: the largest
 rank's, median over repeats): other engineers' jobs on a shared machine lengthen the wall time
 but much less the CPU time; it leaves out waiting (the pipeline bubble, a collective's wait for
 a slower rank), so `spearman_step_cpu_time` is a second, load-robust view, not a replacement.
-The peaks are those of the first repeat (runs agree within 0.5 MiB, docs/memory_model.md);
 `peak_ratio_after_runtime` takes out the runtime's own ~31 MiB per process that the memory model
 does not count (RUNTIME_BYTES).
 
@@ -112,20 +115,23 @@ def main() -> None:
         cfg = load_config(None, DEFAULT + overrides)
         dp = preflight(cfg, nproc).dp
         setups[name] = (nproc, overrides, cfg, dp, Predictor(cfg, cpu).predict(cfg, dp, float("inf")))
+    peaks = {name: measure(setups[name][1], setups[name][2].train.activation_checkpointing, setups[name][0],
+                           args.steps, full=True, threads=1) for name in names}
     runs: dict[str, list[list[dict]]] = {name: [] for name in names}
     for repeat in range(args.repeats):
         for name in names:
             nproc, overrides, cfg, *_ = setups[name]  # the worker takes checkpointing as its mode
-            runs[name].append(measure(overrides, cfg.train.activation_checkpointing, nproc, args.steps, full=True))
-            first = runs[name][-1]
-            print(json.dumps({"repeat": repeat, "layout": name, "step_s": first[0]["step_s"],
-                              "step_cpu_s": first[0]["step_cpu_s"],
-                              "peaks_mib": [round(r["measured_peak_bytes"] / 2**20, 1) for r in first]}),
+            runs[name].append(measure(overrides, cfg.train.activation_checkpointing, nproc, args.steps, full=True,
+                                      threads=1, timing=True))
+            last = runs[name][-1]
+            print(json.dumps({"repeat": repeat, "layout": name, "step_s": last[0]["step_s"],
+                              "step_cpu_s": max(r["step_cpu_s"] for r in last),
+                              "peaks_mib": [round(r["measured_peak_bytes"] / 2**20, 1) for r in peaks[name]]}),
                   file=sys.stderr)
     rows, layouts = [], []
     for name in names:
         nproc, _, cfg, dp, predicted = setups[name]
-        first = runs[name][0]
+        first = peaks[name]
         for row in first:
             pp_rank = row["rank"] // (dp * cfg.parallel.cp * cfg.parallel.tp)
             want = predicted.rank_peaks[pp_rank]

@@ -299,7 +299,8 @@ class Predictor:
             linear = sum(min(2.0 * c.layers[i].params, c.layers[i].flops) for i in layers)
             redo = [i for i in layers if i in recomputed and mode != "op"]
             params = sum(mm.layers[i].params for i in layers) + mm.embedding.params * first + mm.head.params * last
-            out.append(RankWork(flops, linear, sum(c.layers[i].flops for i in redo), len(layers), len(redo), params))
+            out.append(RankWork(flops, linear, sum(c.layers[i].flops for i in redo), len(layers), len(redo), params,
+                                vocab_collectives=1 * first + 3 * last))
         return out
 
     def predict(self, cfg: Config, dp: int, memory_limit: float) -> Prediction:

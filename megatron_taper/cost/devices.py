@@ -33,11 +33,18 @@ class DeviceProfile:
     mfu: float
     sources: dict
     cores: int = 0  # a host's CPU cores its ranks share (the cpu profile, set from the machine); 0: a device per rank
+    all_gather_efficiency: float = 1.0  # all-gather's bus bandwidth / all-reduce's on the same link
+    reduce_scatter_efficiency: float = 1.0  # reduce-scatter's bus bandwidth / all-reduce's on the same link
+    collective_latency_us: float = 0.0  # what one collective call adds to a step beyond its bytes
+    concurrent_efficiency: float = 1.0  # a CPU core's matmul rate while every core computes / alone
 
     def rank_share(self, ranks: int) -> float:
         """The fraction of one device a rank computes with when `ranks` run: 1 on accelerators
-        (a device each); on a CPU host the ranks share its `cores` (1 thread per rank)."""
-        return min(1.0, self.cores / ranks) if self.cores > 0 else 1.0
+        (a device each); on a CPU host the ranks share its `cores` (1 thread per rank), each core
+        at `concurrent_efficiency` of its rate alone once more than one rank computes."""
+        if self.cores <= 0:
+            return 1.0
+        return min(1.0, self.cores / ranks) * (self.concurrent_efficiency if ranks > 1 else 1.0)
 
     def matmul_flops(self, bf16: bool, float8: bool = False) -> float:
         """FLOP/s the planner assumes a step's matmuls reach: mfu x the peak of their dtype."""

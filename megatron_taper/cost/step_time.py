@@ -9,14 +9,19 @@ Per pipeline rank r, for one micro-batch of b x S tokens on one tp rank:
                 x min(1, cores / ranks) on a CPU host whose ranks share its cores
     tp_r        Megatron's 4 collectives per block ([b, S, d] in the compute dtype: 2 in forward,
                 2 in backward; all-reduces, or all-gather + reduce-scatter under sequence
-                parallelism, which move the same bytes), 2 more per recomputed block, ring
-                algorithm, not overlapped with compute
+                parallelism, which move the same bytes), 2 more per recomputed block, and those of
+                the vocab-parallel ends (the embedding's all-reduce, the head's in backward, the
+                loss's two of [b, S] statistics, all counted as [b, S, d]), ring algorithm, not
+                overlapped with compute
     pp_r        the boundary activation forward and its gradient backward ([b, S, d] fp32, / tp
                 under sequence parallelism), not overlapped
-    T           max over ranks of compute_r + tp_r + pp_r (the balanced partition's slowest rank)
+    T_r         compute_r + tp_r + pp_r; T = max over ranks (the balanced partition's slowest rank)
 
     step        m x T + bubble + dp (exposed) + optimizer
-    bubble      (pp - 1) x T for gpipe and 1f1b, / v interleaved, / 3 for the zero-bubble ones
+    bubble      (pp - 1) x T' for gpipe and 1f1b, where T' is the other ranks' mean T_r (the
+                warm-up and drain pass through them while the slowest rank waits; T' = T when
+                the partition balances the ranks exactly), / v interleaved, / 3 for the
+                zero-bubble ones
                 (ZB-H1 with equal forward, input-backward and weight-backward times, Qi et al.
                 2023, arXiv 2401.10241), / (3 v) interleaved zero-bubble; the V schedules (zbv,
                 dualpipev) as interleaved zero-bubble with v = 2
@@ -48,7 +53,16 @@ device overlaps. DDP's gradient all-reduce spans dp x cp (the gradients are aver
 Links: a group whose ranks lie within one node (its span in the (pp, dp, tp) rank order, tp
 fastest, then cp, at most gpus_per_node) uses the intra-node bandwidth, else the inter-node one (the
 GPU's own NIC). Bandwidths are per direction; ring all-reduce moves 2 (n - 1) / n of the
-bytes per rank, all-gather and reduce-scatter (n - 1) / n.
+bytes per rank, all-gather and reduce-scatter (n - 1) / n, at the link's bandwidth x the device's
+`all_gather_efficiency` / `reduce_scatter_efficiency` (1 on GPUs, where NCCL runs all three at one
+bus bandwidth; measured for gloo on the CPU, whose all-gather and reduce-scatter are slower than its
+all-reduce). Every collective call (and point-to-point message) also costs the device's
+`collective_latency_us` (the CPU's is measured between ranks that compute between collectives, the
+way a step's collectives run; 0 on the GPU profiles: not measured, not modelled). Calls counted: tp
+one per collective above; pp 2 per micro-batch; cp per layer (allgather) or ring step; DDP one per
+gradient bucket (`ddp_bucket_elements`, the rule parallel/data_parallel.py buckets with); fsdp2 and
+DeepSpeed one per ZeRO unit (each block and the root) and collective (gathers, reduce-scatter and
+the replicas' all-reduce).
 """
 from __future__ import annotations
 
@@ -58,6 +72,19 @@ from typing import Sequence
 from megatron_taper.cost.devices import DeviceProfile
 
 ADAMW_TRAFFIC_BYTES = 32.0  # param, grad, exp_avg, exp_avg_sq read + param, moments written (fp32)
+DDP_MIN_BUCKETS = 4  # a module's gradients in at least this many buckets, so reduction overlaps backward
+DDP_MIN_BUCKET_ELEMENTS = 2**18  # 1 MiB of fp32: below it a collective's latency dominates
+
+
+def ddp_bucket_elements(configured_mb: float, trainable: float, dp: int) -> float:
+    """Elements per DDP gradient bucket (fp32): `configured_mb` MiB when > 0 (parallel.ddp_bucket_mb),
+    else Megatron-LM's rule, max(40M, 1M x dp) elements (larger buckets as dp grows, so that each
+    all-reduce's per-rank share stays large enough to run at bandwidth), capped at 1 / DDP_MIN_BUCKETS
+    of the `trainable` elements (at least DDP_MIN_BUCKET_ELEMENTS) so that a small model or pipeline
+    chunk still overlaps reduction with backward."""
+    if configured_mb > 0:
+        return configured_mb * 2**20 / 4
+    return min(max(40_000_000, 1_000_000 * dp), max(trainable // DDP_MIN_BUCKETS, DDP_MIN_BUCKET_ELEMENTS))
 
 
 @dataclass(frozen=True)
@@ -70,6 +97,7 @@ class RankWork:
     blocks: int  # blocks on the rank
     recomputed_blocks: int  # of which recompute their forward (full / selective)
     params: float  # tp-local parameters on the rank (its dp collectives' payload)
+    vocab_collectives: int = 0  # tp collectives of its vocab-parallel ends per micro-batch (embedding 1, head + loss 3)
 
 
 @dataclass(frozen=True)
@@ -90,6 +118,7 @@ class StepLayout:
     compute_share: float = 1.0  # of one device's rate a rank gets (CPU: the host's cores / its ranks)
     cp: int = 1  # context parallelism: each sequence split over cp ranks
     cp_ring: bool = False  # parallel.cp_attention=ring
+    ddp_bucket_mb: float = 0.0  # parallel.ddp_bucket_mb (0: ddp_bucket_elements' rule)
 
 
 @dataclass(frozen=True)
@@ -118,6 +147,18 @@ def ring_seconds(nbytes: float, n: int, bytes_per_s: float, all_reduce: bool) ->
     return (2.0 if all_reduce else 1.0) * (n - 1) / n * nbytes / bytes_per_s
 
 
+def collective_seconds(kind: str, nbytes: float, n: int, span: int, device: DeviceProfile) -> float:
+    """One `kind` collective (all_reduce, all_gather, reduce_scatter) over n ranks spanning `span`
+    consecutive ranks, of a tensor of `nbytes` (the whole, gathered or scattered): the device's
+    latency per call plus the ring's bytes at the link's bandwidth x the kind's efficiency."""
+    if n <= 1:
+        return 0.0
+    efficiency = {"all_reduce": 1.0, "all_gather": device.all_gather_efficiency,
+                  "reduce_scatter": device.reduce_scatter_efficiency}[kind]
+    bw = bandwidth(span, device) * efficiency
+    return device.collective_latency_us * 1e-6 + ring_seconds(nbytes, n, bw, kind == "all_reduce")
+
+
 def bubble_fraction(pp: int, virtual: int, schedule: str) -> float:
     """The pipeline bubble in units of one micro-batch's time on the slowest rank (module doc)."""
     if pp == 1:
@@ -138,27 +179,29 @@ def step_time(ranks: Sequence[RankWork], layout: StepLayout, d_model: int, seq_l
     compute_bytes = 2 if lo.bf16 else 4
     rate = device.matmul_flops(lo.bf16) * lo.compute_share
     fp8_rate = device.matmul_flops(lo.bf16, float8=True) * lo.compute_share if lo.float8 else rate
-    tp_bw = bandwidth(lo.tp, device)
     pp_bw = bandwidth(lo.tp * lo.cp * lo.dp * lo.pp, device)
     hidden = tokens * d_model * compute_bytes
-    per_collective = ring_seconds(hidden, lo.tp, tp_bw, all_reduce=True)
+    per_collective = collective_seconds("all_reduce", hidden, lo.tp, lo.tp, device)
     boundary = 4.0 * tokens * d_model / (lo.tp if lo.sequence_parallel else 1)
-    pp_s = 2.0 * boundary / pp_bw if lo.pp > 1 else 0.0
+    pp_s = 2.0 * (boundary / pp_bw + device.collective_latency_us * 1e-6) if lo.pp > 1 else 0.0
 
     compute, tp_s = [], []
     for r in ranks:
         linear = r.linear_flops * (3 * tokens) + r.recompute_flops * tokens * r.linear_flops / max(r.flops, 1e-30)
         other = (3 * r.flops + r.recompute_flops) * tokens - linear
         compute.append((linear / fp8_rate + other / rate) / lo.tp)
-        tp_s.append(per_collective * (4 * r.blocks + 2 * r.recomputed_blocks))
+        tp_s.append(per_collective * (4 * r.blocks + 2 * r.recomputed_blocks + r.vocab_collectives))
     cp_s = [_cp_seconds(r, lo, kv_dim * compute_bytes * lo.micro_batch * seq_len, compute[k], device)
             for k, r in enumerate(ranks)]
-    i = max(range(len(ranks)), key=lambda k: compute[k] + tp_s[k] + cp_s[k])
-    slowest = compute[i] + tp_s[i] + cp_s[i] + pp_s
+    per_rank = [compute[k] + tp_s[k] + cp_s[k] + pp_s for k in range(len(ranks))]
+    i = max(range(len(ranks)), key=per_rank.__getitem__)
+    slowest = per_rank[i]
+    # the fill and drain pass through the other stages: their mean micro-batch time
+    others = (sum(per_rank) - slowest) / (len(ranks) - 1) if len(ranks) > 1 else slowest
     params = ranks[i].params
-    dp_s = _dp_seconds(params, compute[i], lo, compute_bytes, device)
+    dp_s = _dp_seconds(params, ranks[i].blocks + 1, compute[i], lo, compute_bytes, device)
     m = lo.microbatches
-    bubble = bubble_fraction(lo.pp, lo.virtual, lo.schedule) * slowest
+    bubble = bubble_fraction(lo.pp, lo.virtual, lo.schedule) * others
     shard = (lo.dp_shard or lo.dp) if lo.zero == "fsdp2" else lo.dp if lo.zero == "deepspeed" else 1
     optimizer = ADAMW_TRAFFIC_BYTES * params / shard / (device.memory_tb_per_s * 1e12)
     total = m * slowest + bubble + dp_s + optimizer
@@ -171,33 +214,41 @@ def _cp_seconds(r: RankWork, lo: StepLayout, kv_bytes: float, compute: float, de
     V of the whole sequence are `kv_bytes` each and whose compute takes `compute` s (module doc)."""
     if lo.cp <= 1:
         return 0.0
-    bw = bandwidth(lo.tp * lo.cp, device)
+    span = lo.tp * lo.cp
     if not lo.cp_ring:
-        per_layer = 2 * ring_seconds(2.0 * kv_bytes, lo.cp, bw, all_reduce=False)
-        return per_layer * r.blocks + per_layer / 2 * r.recomputed_blocks
+        gather = collective_seconds("all_gather", 2.0 * kv_bytes, lo.cp, span, device)
+        scatter = collective_seconds("reduce_scatter", 2.0 * kv_bytes, lo.cp, span, device)
+        return (gather + scatter) * r.blocks + gather * r.recomputed_blocks
     block = 2.0 * kv_bytes / lo.cp
-    sent = ((3 * lo.cp - 2) * r.blocks + (lo.cp - 1) * r.recomputed_blocks) * block / bw
+    steps = (3 * lo.cp - 2) * r.blocks + (lo.cp - 1) * r.recomputed_blocks
+    sent = steps * (block / bandwidth(span, device) + device.collective_latency_us * 1e-6)
     return max(0.0, sent - compute) if lo.overlap else sent
 
 
-def _dp_seconds(params: float, compute: float, lo: StepLayout, compute_bytes: int, device: DeviceProfile) -> float:
+def _dp_seconds(params: float, units: int, compute: float, lo: StepLayout, compute_bytes: int,
+                device: DeviceProfile) -> float:
     """Exposed data-parallel communication of one step for a rank with `params` tp-local
-    parameters and `compute` seconds of compute per micro-batch (module doc)."""
+    parameters in `units` ZeRO units and `compute` seconds of compute per micro-batch (module doc)."""
     n, m = lo.dp, lo.microbatches
     if n * lo.cp <= 1:
         return 0.0
-    bw = bandwidth(lo.tp * lo.cp * n, device)  # the dp ranks are tp x cp apart
+    span = lo.tp * lo.cp * n  # the dp ranks are tp x cp apart
     backward = compute * 2.0 / 3.0
-    if lo.zero == "none":  # DDP over dp x cp
-        return max(0.0, ring_seconds(4.0 * params, n * lo.cp, bw, True) - (backward if lo.overlap else 0.0))
+    if lo.zero == "none":  # DDP over dp x cp, one all-reduce per bucket
+        buckets = max(1.0, -(-params // ddp_bucket_elements(lo.ddp_bucket_mb, params, n * lo.cp)))
+        reduce = buckets * collective_seconds("all_reduce", 4.0 * params / buckets, n * lo.cp, span, device)
+        return max(0.0, reduce - (backward if lo.overlap else 0.0))
     shard = lo.dp_shard or n if lo.zero == "fsdp2" else n
-    shard_bw = bandwidth(lo.tp * lo.cp * shard, device)
+    shard_span = lo.tp * lo.cp * shard
+
+    def per_unit(kind: str, nbytes: float, ranks: int, group_span: int) -> float:
+        return units * collective_seconds(kind, nbytes / units, ranks, group_span, device)
+
     # HSDP: the replicas all-reduce their reduce-scattered fp32 gradient shard
-    replicas = ring_seconds(4.0 * params / shard, n // shard, bw, True)
+    replicas = per_unit("all_reduce", 4.0 * params / shard, n // shard, span)
+    scatter = per_unit("reduce_scatter", 4.0 * params, shard, shard_span)
     if lo.zero == "fsdp2" and lo.pp > 1:
-        return (ring_seconds(compute_bytes * params, shard, shard_bw, False)
-                + ring_seconds(4.0 * params, shard, shard_bw, False) + replicas)
-    gather = compute_bytes if lo.zero == "fsdp2" else 4.0
-    per_micro = (2 * ring_seconds(gather * params, shard, shard_bw, False)
-                 + ring_seconds(4.0 * params, shard, shard_bw, False) + replicas)
+        return per_unit("all_gather", compute_bytes * params, shard, shard_span) + scatter + replicas
+    gather = per_unit("all_gather", (compute_bytes if lo.zero == "fsdp2" else 4.0) * params, shard, shard_span)
+    per_micro = 2 * gather + scatter + replicas
     return m * (max(0.0, per_micro - compute) if lo.overlap else per_micro)

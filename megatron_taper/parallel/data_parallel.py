@@ -22,24 +22,15 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from megatron_taper.cost.step_time import ddp_bucket_elements
 from megatron_taper.parallel.context import ParallelContext
-
-MIN_BUCKETS = 4  # a module's gradients in at least this many buckets, so reduction overlaps backward
-MIN_BUCKET_ELEMENTS = 2**18  # 1 MiB of fp32: below it a collective's latency dominates
 
 
 def bucket_mb(configured: float, module: nn.Module, dp: int) -> float:
-    """The gradient bucket size in MiB: `configured` when > 0 (parallel.ddp_bucket_mb), else
-    Megatron-LM's rule, max(40M, 1M x dp) elements (larger buckets as dp grows, so that each
-    all-reduce's per-rank share stays large enough to run at bandwidth), capped at 1 / MIN_BUCKETS
-    of the module's trainable elements (at least MIN_BUCKET_ELEMENTS) so that a small model or
-    pipeline chunk still overlaps reduction with backward; gradients are fp32 (docs/precision.md)."""
-    if configured > 0:
-        return configured
-    elements = max(40_000_000, 1_000_000 * dp)
+    """The gradient bucket size in MiB for `module` (cost/step_time.ddp_bucket_elements: the rule
+    the step-time model counts DDP's all-reduces with); gradients are fp32 (docs/precision.md)."""
     trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)
-    elements = min(elements, max(trainable // MIN_BUCKETS, MIN_BUCKET_ELEMENTS))
-    return elements * 4 / 2**20
+    return ddp_bucket_elements(configured, trainable, dp) * 4 / 2**20
 
 
 def average_gradients(module: nn.Module, group: dist.ProcessGroup, bucket_bytes: float) -> None:

@@ -4,7 +4,8 @@ runs that use it are tests/parallel/test_step_engines.py::test_ddp_matches_one_p
 import torch
 from torch import nn
 
-from megatron_taper.parallel.data_parallel import MIN_BUCKET_ELEMENTS, bucket_mb
+from megatron_taper.cost.step_time import DDP_MIN_BUCKET_ELEMENTS as MIN_BUCKET_ELEMENTS
+from megatron_taper.parallel.data_parallel import bucket_mb
 
 MIB = 2**20
 

@@ -1,0 +1,70 @@
+"""The step-time model's per-call terms (cost/step_time.py): collective latency, the collective
+kinds' efficiencies, the vocab-parallel ends' tp collectives, DDP's buckets, ZeRO's units, the
+bubble of unequal stages and a CPU host's shared cores, each against arithmetic by hand."""
+import dataclasses
+
+import pytest
+
+from megatron_taper.cost.devices import profiles
+from megatron_taper.cost.step_time import (
+    RankWork,
+    StepLayout,
+    collective_seconds,
+    ddp_bucket_elements,
+    ring_seconds,
+    step_time,
+)
+
+CPU = dataclasses.replace(profiles()["cpu"], cores=2, intra_node_gb_per_s=2.0, inter_node_gb_per_s=2.0, mfu=0.5,
+                          all_gather_efficiency=0.25, reduce_scatter_efficiency=0.2, collective_latency_us=1000.0,
+                          concurrent_efficiency=0.8, memory_tb_per_s=0.02)
+WORK = RankWork(flops=1e9, linear_flops=8e8, recompute_flops=0.0, blocks=4, recomputed_blocks=0, params=1e6)
+LAYOUT = StepLayout(tp=1, pp=1, dp=1, virtual=1, schedule="1f1b", zero="none", sequence_parallel=False,
+                    micro_batch=2, microbatches=3, bf16=False, float8=False, overlap=False)
+
+
+def test_collective_kinds_and_latency():
+    assert collective_seconds("all_reduce", 8e6, 1, 1, CPU) == 0.0  # no group, no call
+    assert collective_seconds("all_reduce", 8e6, 2, 2, CPU) == pytest.approx(1e-3 + ring_seconds(8e6, 2, 2e9, True))
+    assert collective_seconds("all_gather", 8e6, 2, 2, CPU) == pytest.approx(1e-3 + 0.5 * 8e6 / (0.25 * 2e9))
+    assert collective_seconds("reduce_scatter", 8e6, 2, 2, CPU) == pytest.approx(1e-3 + 0.5 * 8e6 / (0.2 * 2e9))
+    h100 = profiles()["h100"]  # NCCL: one bus bandwidth for all three kinds, latency not modelled
+    assert collective_seconds("all_gather", 8e6, 8, 8, h100) == ring_seconds(8e6, 8, 450e9, False)
+
+
+def test_shared_cores_rate():
+    assert CPU.rank_share(1) == 1.0 and CPU.rank_share(2) == 0.8 and CPU.rank_share(4) == pytest.approx(0.4)
+    assert profiles()["h100"].rank_share(512) == 1.0
+
+
+def test_tp_counts_the_vocab_parallel_ends():
+    tp = dataclasses.replace(LAYOUT, tp=2)
+    hidden = 2 * 128 * 64 * 4  # [b, S, d] fp32
+    plain = step_time([WORK], tp, d_model=64, seq_len=128, device=CPU)
+    ends = step_time([dataclasses.replace(WORK, vocab_collectives=4)], tp, d_model=64, seq_len=128, device=CPU)
+    one = collective_seconds("all_reduce", hidden, 2, 2, CPU)
+    assert plain.tp == pytest.approx(3 * 16 * one) and ends.tp == pytest.approx(3 * 20 * one)
+
+
+def test_ddp_buckets_and_zero_units_each_pay_the_latency():
+    dp = dataclasses.replace(LAYOUT, dp=2)
+    ddp = step_time([WORK], dp, d_model=64, seq_len=128, device=CPU)
+    buckets = 4  # 1e6 trainable elements: 4 buckets of 250k (the rule's floor is 2^18 = 262,144: 4 buckets)
+    assert -(-1e6 // ddp_bucket_elements(0.0, 1e6, 2)) == buckets
+    assert ddp.dp == pytest.approx(buckets * collective_seconds("all_reduce", 4e6 / buckets, 2, 2, CPU))
+    fsdp = step_time([WORK], dataclasses.replace(dp, zero="fsdp2"), d_model=64, seq_len=128, device=CPU)
+    units = WORK.blocks + 1  # each block and the root
+    gather = units * collective_seconds("all_gather", 4e6 / units, 2, 2, CPU)
+    scatter = units * collective_seconds("reduce_scatter", 4e6 / units, 2, 2, CPU)
+    assert fsdp.dp == pytest.approx(3 * (2 * gather + scatter))  # per micro-batch, nothing overlapped on the CPU
+
+
+def test_bubble_is_the_other_stages_time():
+    """1F1B: the warm-up and drain pass through the stages other than the slowest."""
+    pp = dataclasses.replace(LAYOUT, pp=2, microbatches=4, compute_share=CPU.rank_share(2))
+    light = dataclasses.replace(WORK, flops=5e8, linear_flops=4e8)
+    t = step_time([light, WORK], pp, d_model=64, seq_len=128, device=CPU)
+    boundary = 2 * (4.0 * 2 * 128 * 64 / 2e9 + 1e-3)  # the activation forward, its gradient backward
+    rate = 0.5 * 0.094e12 * 0.8  # two ranks share the two cores
+    heavy_s, light_s = 3 * 1e9 * 256 / rate + boundary, 3 * 5e8 * 256 / rate + boundary
+    assert t.parts["micro_batch_s"] == pytest.approx(heavy_s) and t.bubble == pytest.approx(light_s)
