@@ -316,6 +316,7 @@ class Predictor:
                             sequence_parallel=setup.sequence_parallel, micro_batch=micro_batch, microbatches=m,
                             bf16=bf16, float8=t.float8, overlap=self.device.profile != "cpu",
                             dp_shard=setup.dp_shard, compute_share=self.device.rank_share(p.tp * p.pp * p.cp * dp),
+                            host_cores=self.device.cores,
                             cp=setup.cp, cp_ring=setup.cp_ring)
         step = step_time(work, layout, self.model.d_model, self.model.seq_len, self.device,
                          kv_dim=self.model.kv_heads * self.model.head_dim)

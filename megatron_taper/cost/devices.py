@@ -39,12 +39,13 @@ class DeviceProfile:
     concurrent_efficiency: float = 1.0  # a CPU core's matmul rate while every core computes / alone
 
     def rank_share(self, ranks: int) -> float:
-        """The fraction of one device a rank computes with when `ranks` run: 1 on accelerators
-        (a device each); on a CPU host the ranks share its `cores` (1 thread per rank), each core
-        at `concurrent_efficiency` of its rate alone once more than one rank computes."""
+        """The fraction of one device a computing rank gets when `ranks` run: 1 on accelerators (a
+        device each); on a CPU host (1 thread per rank) a core at `concurrent_efficiency` of its
+        rate alone once more than one rank runs. Ranks beyond the host's `cores` take turns: the
+        step-time model bounds the step by the host's total work (`host_cores`), not by this share."""
         if self.cores <= 0:
             return 1.0
-        return min(1.0, self.cores / ranks) * (self.concurrent_efficiency if ranks > 1 else 1.0)
+        return self.concurrent_efficiency if ranks > 1 else 1.0
 
     def matmul_flops(self, bf16: bool, float8: bool = False) -> float:
         """FLOP/s the planner assumes a step's matmuls reach: mfu x the peak of their dtype."""

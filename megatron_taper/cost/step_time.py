@@ -6,7 +6,7 @@ Per pipeline rank r, for one micro-batch of b x S tokens on one tp rank:
                 blocks' linear layers at the fp8 rate under train.float8 (torchao converts only
                 those), everything else (attention scores, embedding, head) at the bf16 rate
                 (fp32 without bf16); rate = the device's peak x its assumed MFU (cost/devices.json),
-                x min(1, cores / ranks) on a CPU host whose ranks share its cores
+                x its concurrent_efficiency on a CPU host where more than one rank computes
     tp_r        Megatron's 4 collectives per block ([b, S, d] in the compute dtype: 2 in forward,
                 2 in backward; all-reduces, or all-gather + reduce-scatter under sequence
                 parallelism, which move the same bytes), 2 more per recomputed block, and those of
@@ -17,7 +17,9 @@ Per pipeline rank r, for one micro-batch of b x S tokens on one tp rank:
                 under sequence parallelism), not overlapped
     T_r         compute_r + tp_r + pp_r; T = max over ranks (the balanced partition's slowest rank)
 
-    step        m x T + bubble + dp (exposed) + optimizer
+    step        m x T + bubble + dp (exposed) + optimizer; on a CPU host with fewer cores than
+                ranks at least every rank's busy time (m x T_r + dp + optimizer) summed over the
+                cores (the ranks take turns; a rank idle in the bubble gives its core up)
     bubble      (pp - 1) x T' for gpipe and 1f1b, where T' is the other ranks' mean T_r (the
                 warm-up and drain pass through them while the slowest rank waits; T' = T when
                 the partition balances the ranks exactly), / v interleaved, / 3 for the
@@ -115,7 +117,8 @@ class StepLayout:
     float8: bool
     overlap: bool  # the device runs collectives beside compute (GPUs: copy engines / NCCL; not gloo on the CPU)
     dp_shard: int = 0  # fsdp2: ranks the state is sharded over (HSDP: dp = dp_replicate x dp_shard); 0 = dp
-    compute_share: float = 1.0  # of one device's rate a rank gets (CPU: the host's cores / its ranks)
+    compute_share: float = 1.0  # of one device's rate a computing rank gets (DeviceProfile.rank_share)
+    host_cores: int = 0  # a CPU host's cores its tp x pp x dp x cp ranks share; 0: a device per rank
     cp: int = 1  # context parallelism: each sequence split over cp ranks
     cp_ring: bool = False  # parallel.cp_attention=ring
     ddp_bucket_mb: float = 0.0  # parallel.ddp_bucket_mb (0: ddp_bucket_elements' rule)
@@ -205,6 +208,10 @@ def step_time(ranks: Sequence[RankWork], layout: StepLayout, d_model: int, seq_l
     shard = (lo.dp_shard or lo.dp) if lo.zero == "fsdp2" else lo.dp if lo.zero == "deepspeed" else 1
     optimizer = ADAMW_TRAFFIC_BYTES * params / shard / (device.memory_tb_per_s * 1e12)
     total = m * slowest + bubble + dp_s + optimizer
+    ranks = lo.tp * lo.pp * lo.dp * lo.cp
+    if 0 < lo.host_cores < ranks:  # the ranks take turns on the cores; idle ones (the bubble) give theirs up
+        busy = sum(m * t + dp_s + optimizer for t in per_rank) * (ranks // lo.pp)
+        total = max(total, busy / lo.host_cores)
     return StepTime(total=total, compute=m * compute[i], bubble=bubble, tp=m * tp_s[i], pp=m * pp_s, dp=dp_s,
                     optimizer=optimizer, cp=m * cp_s[i], parts={"micro_batch_s": slowest})
 

@@ -32,9 +32,16 @@ def test_collective_kinds_and_latency():
     assert collective_seconds("all_gather", 8e6, 8, 8, h100) == ring_seconds(8e6, 8, 450e9, False)
 
 
-def test_shared_cores_rate():
-    assert CPU.rank_share(1) == 1.0 and CPU.rank_share(2) == 0.8 and CPU.rank_share(4) == pytest.approx(0.4)
+def test_shared_cores_rate_and_the_hosts_bound():
+    assert CPU.rank_share(1) == 1.0 and CPU.rank_share(2) == CPU.rank_share(4) == 0.8
     assert profiles()["h100"].rank_share(512) == 1.0
+    # 4 ranks (dp = 4) on 2 cores: each computes at a core's shared rate, two at a time
+    dp4 = dataclasses.replace(LAYOUT, dp=4, compute_share=0.8)
+    alone = step_time([WORK], dp4, d_model=64, seq_len=128, device=CPU)
+    shared = step_time([WORK], dataclasses.replace(dp4, host_cores=2), d_model=64, seq_len=128, device=CPU)
+    assert shared.total == pytest.approx(4 * (alone.compute + alone.dp + alone.optimizer) / 2)
+    assert step_time([WORK], dataclasses.replace(dp4, host_cores=4), d_model=64, seq_len=128,
+                     device=CPU).total == pytest.approx(alone.total)  # a core each: no bound
 
 
 def test_tp_counts_the_vocab_parallel_ends():
