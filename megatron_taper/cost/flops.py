@@ -56,9 +56,9 @@ def head_cost(cfg: ModelConfig, vocab_parallel: bool = False, chunked: bool = Fa
     unchunked (F.cross_entropy: the log-softmax; vocab-parallel: the softmax of this rank's
     slice; the logits themselves, compute dtype, are not kept), or the logits in the compute
     dtype under train.loss_chunk (`chunked`, parallel/loss.py). Its backward's moment: besides
-    those, the gradient of the log-softmax and of the logits (F.cross_entropy), or the softmax's
-    copy, its scaled copy and the masked result (vocab_parallel_cross_entropy): 2 or 3 more [V]
-    in fp32; chunked, the logits' gradient [V] in the compute dtype (the fp32 chunks, a fixed
+    those, the gradient of the log-softmax and of the logits (F.cross_entropy), or the scaled
+    softmax (vocab_parallel_cross_entropy, one pass): 2 or 1 more [V] in fp32 (under bf16 the
+    latter's cast to the logits' dtype beside it is not counted); chunked, the logits' gradient [V] in the compute dtype (the fp32 chunks, a fixed
     number of tokens, are added by cost/memory.py).
     """
     d, v = cfg.d_model, cfg.vocab_size
@@ -69,7 +69,7 @@ def head_cost(cfg: ModelConfig, vocab_parallel: bool = False, chunked: bool = Fa
         backward = Split(seq=d, logits=v)
     else:
         act = norm_act(d) + Split(whole=d, vocab=v)
-        backward = Split(seq=d, vocab=(3 if vocab_parallel else 2) * v)
+        backward = Split(seq=d, vocab=(1 if vocab_parallel else 2) * v)
     return Cost(params, 2.0 * d * v, tp_params=tp_params, act=act, backward=(backward,))
 
 
