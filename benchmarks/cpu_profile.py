@@ -46,6 +46,24 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+BLOCK_TOKENS, BLOCK_D, BLOCK_F = 512, 512, 1536
+BLOCK_FLOPS = 3 * 2 * 2 * BLOCK_TOKENS * BLOCK_D * BLOCK_F  # two matmuls, forward + backward (3x)
+
+
+def mlp_block():
+    """A transformer MLP's forward and backward on one thread: [512, 512] -> 1536 -> 512, SiLU,
+    residual and layer norm (BLOCK_FLOPS in its matmuls, the rest elementwise, as in a step)."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(BLOCK_TOKENS, BLOCK_D, generator=gen, requires_grad=True)
+    w1 = torch.randn(BLOCK_D, BLOCK_F, generator=gen, requires_grad=True)
+    w2 = torch.randn(BLOCK_F, BLOCK_D, generator=gen, requires_grad=True)
+
+    def run() -> None:
+        out = torch.nn.functional.layer_norm(torch.nn.functional.silu(x @ w1) @ w2 + x, (BLOCK_D,))
+        out.square().mean().backward()
+    return run
+
+
 def median_of(fn, repeats: int = 5) -> float:
     fn()
     times = []
@@ -61,9 +79,9 @@ def _collectives(rank: int, world: int, port: int, numel: int, out) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+    block = mlp_block()
     dist.barrier()
-    seconds = {"matmul_2048": best_of(lambda: a @ b)}  # every process at once: the cores' shared rate
+    seconds = {"block": best_of(block)}  # every process at once: the cores' shared rate
     whole, shard = torch.ones(numel), torch.ones(numel // world)
     seconds |= {"all_reduce": median_of(lambda: dist.all_reduce(whole)),
                "all_gather": median_of(lambda: dist.all_gather_into_tensor(whole, shard)),
@@ -99,6 +117,7 @@ def main() -> None:
     n = args.size
     a, b = torch.randn(n, n), torch.randn(n, n)
     matmul_s = best_of(lambda: a @ b)
+    block_s = best_of(mlp_block())
     numel = args.mib * 2**20 // 4
     src = torch.ones(numel)
     dst = torch.empty_like(src)
@@ -120,7 +139,8 @@ def main() -> None:
     print(json.dumps({
         "threads": torch.get_num_threads(),
         "fp32_matmul_tflops": 2 * n**3 / matmul_s / 1e12,
-        "fp32_matmul_tflops_concurrent": 2 * 2048**3 / coll["matmul_2048"] / 1e12,
+        "block_tflops": BLOCK_FLOPS / block_s / 1e12,
+        "block_tflops_concurrent": BLOCK_FLOPS / coll["block"] / 1e12,
         "copy_gb_per_s": 2 * nbytes / copy_s / 1e9,  # read + write
         "gloo_allreduce_bus_gb_per_s": bus["all_reduce"],
         "gloo_allgather_bus_gb_per_s": bus["all_gather"],
@@ -130,7 +150,7 @@ def main() -> None:
         "idle_allreduce_4kib_us": 1e6 * coll["idle_small"],
         "loop_compute_ms": 1e3 * coll["compute_step"],
         "collective_latency_us": 1e6 * coll["in_loop_small"],
-        "concurrent_efficiency": (2 * 2048**3 / coll["matmul_2048"]) / (2 * n**3 / matmul_s) if n == 2048 else None,
+        "concurrent_efficiency": block_s / coll["block"],
         "cpu": (open("/proc/cpuinfo").read().split("model name")[1].split("\n")[0].strip(" \t:")
                 if os.path.exists("/proc/cpuinfo") else ""),
     }))

@@ -58,8 +58,9 @@ def head_cost(cfg: ModelConfig, vocab_parallel: bool = False, chunked: bool = Fa
     dtype under train.loss_chunk (`chunked`, parallel/loss.py). Its backward's moment: besides
     those, the gradient of the log-softmax and of the logits (F.cross_entropy), or the scaled
     softmax (vocab_parallel_cross_entropy, one pass): 2 or 1 more [V] in fp32 (under bf16 the
-    latter's cast to the logits' dtype beside it is not counted); chunked, the logits' gradient [V] in the compute dtype (the fp32 chunks, a fixed
-    number of tokens, are added by cost/memory.py).
+    latter's cast to the logits' dtype beside it is not counted); chunked, the logits' gradient
+    [V] in the compute dtype (the fp32 chunks, a fixed number of tokens, are added by
+    cost/memory.py).
     """
     d, v = cfg.d_model, cfg.vocab_size
     params = d + (0 if cfg.tie_embeddings else v * d)

@@ -136,10 +136,10 @@ def test_search_computes_the_layer_widths_once(monkeypatch):
 
 
 def test_a_long_sequence_fits_only_with_context_parallelism():
-    """An 8B-shaped transformer at 128K tokens per sequence on 64 x 40 GiB: no layout without
+    """An 8B-shaped transformer at 128K tokens per sequence on 64 x 24 GiB: no layout without
     context parallelism fits (one sequence's activations at tp = 8 with sequence parallelism,
-    full checkpointing and fsdp2 alone exceed the device), so the best is one with cp > 1; its cp
-    is legal by preflight and its step time counts cp's messages."""
+    full checkpointing and fsdp2 alone exceed the device: 27.8 GiB), so the best is one with
+    cp > 1; its cp is legal by preflight and its step time counts cp's messages."""
     from megatron_taper import plan
 
     cfg = load_config(str(REPO / "configs" / "transformer_70b_taper.yaml"), [
@@ -148,11 +148,13 @@ def test_a_long_sequence_fits_only_with_context_parallelism():
     space = (("parallel.tp", (4, 8)), ("parallel.pp", (1, 2, 4)), ("parallel.zero", ("none", "fsdp2")),
              ("parallel.sequence_parallel", (False, True)), ("parallel.cp", (1, 2, 4, 8)),
              ("parallel.cp_attention", ("allgather", "ring")), ("train.activation_checkpointing", ("none", "full")))
-    result = plan.search(cfg, 64, 40, profiles()["h100"], space=space)
+    result = plan.search(cfg, 64, 24, profiles()["h100"], space=space)
     best = result.layouts[0]
-    assert best.layout.cp > 1 and best.step.cp > 0 and f"cp={best.layout.cp}" in best.describe()
+    assert best.layout.cp > 1 and f"cp={best.layout.cp}" in best.describe()
+    # the all-gathered K and V are exposed; the ring's sends hide behind the attention on a GPU
+    assert all(x.step.cp > 0 for x in result.layouts if not x.layout.cp_ring)
     assert all(x.layout.cp > 1 for x in result.layouts)
-    no_cp = plan.search(cfg, 64, 40, profiles()["h100"], space=[row for row in space if row[0] != "parallel.cp"])
+    no_cp = plan.search(cfg, 64, 24, profiles()["h100"], space=[row for row in space if row[0] != "parallel.cp"])
     assert no_cp.legal > 0 and not no_cp.layouts
     assert preflight(with_values(cfg, best.values), 64).cp == best.layout.cp
 
