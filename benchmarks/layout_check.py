@@ -28,8 +28,10 @@ does not count (RUNTIME_BYTES).
 Predictions come from megatron_taper/plan.py's Predictor with the `cpu` device profile
 (cost/devices.json) and this machine's cores (os.cpu_count(): the processes share them).
 `cpu_mfu_fitted` is the fraction of the profile's fp32 matmul peak the one-process layout's median
-step implies (its predicted compute over the measured step less the rest of its prediction):
-fitted here, reported, not written into the profile.
+step implies (its predicted compute over the measured step less the rest of its prediction), and
+`cpu_concurrent_efficiency_fitted` what DDP dp=2's ranks keep of a core (half the one-process
+step over a rank's CPU time): the cpu profile's `mfu` and `concurrent_efficiency` were fitted
+this way (FITTED), so `spearman_step_time_unfitted` ranks the other layouts alone.
 Prints one JSON object: `rows` (per layout and rank), `layouts` (per layout: the largest rank's
 peaks, the step times of every repeat and their median, ratios) and the correlations.
 """
@@ -57,6 +59,7 @@ LAYOUTS = {  # name -> (processes, overrides)
     "cp2": (2, ["parallel.cp=2"]),  # context parallelism, K/V all-gathered
     "cp2_ring": (2, ["parallel.cp=2", "parallel.cp_attention=ring"]),
 }
+FITTED = ("none_dp1", "ddp_dp2")  # the cpu profile's mfu and concurrent_efficiency were fitted from these
 RUNTIME_BYTES = 31 * 2**20  # resident between steps beyond the modelled state, 28-33 MiB (docs/memory_model.md)
 
 
@@ -158,15 +161,21 @@ def main() -> None:
     predicted_steps = [x["predicted_step_s"] for x in layouts]
     per_repeat = [spearman(predicted_steps, [x["measured_step_runs_s"][k] for x in layouts])
                   for k in range(args.repeats)]
-    fitted = None
+    fitted, concurrent = None, None
     if "none_dp1" in names:
         one = layouts[names.index("none_dp1")]
         rest = one["predicted_step_s"] - one["predicted_parts_s"]["compute"]
         fitted = cpu.mfu * one["predicted_parts_s"]["compute"] / max(one["measured_step_s"] - rest, 1e-9)
+        if "ddp_dp2" in names:  # half the one-process work per rank, both ranks computing at once
+            concurrent = one["measured_step_s"] / 2 / layouts[names.index("ddp_dp2")]["measured_step_cpu_s"]
+    unfitted = [k for k, name in enumerate(names) if name not in FITTED]
     print(json.dumps({"benchmark": "layout_check", "device": "cpu", "cores": cpu.cores, "repeats": args.repeats,
                       "steps": args.steps, "shape": SHAPE + args.overrides, "rows": rows, "layouts": layouts,
                       "spearman_step_time": spearman(predicted_steps, [x["measured_step_s"] for x in layouts]),
+                      "spearman_step_time_unfitted": spearman([predicted_steps[k] for k in unfitted],
+                                                              [layouts[k]["measured_step_s"] for k in unfitted]),
                       "spearman_per_repeat": per_repeat, "cpu_mfu_fitted": fitted,
+                      "cpu_concurrent_efficiency_fitted": concurrent,
                       "spearman_step_cpu_time": spearman(predicted_steps, [x["measured_step_cpu_s"] for x in layouts]),
                       "load_average": os.getloadavg()}))
 
