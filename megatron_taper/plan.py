@@ -409,7 +409,8 @@ def local_device(train_device: str, world: int, local_ranks: int | None = None) 
     """This machine's device profile, memory per rank in GiB and where they came from: a CUDA
     device's total memory and its profile (by name; the h100 one's links and MFU with the
     device's own peak FLOP/s for other GPUs), else the CPU profile and the RAM / local ranks
-    (`local_ranks`, default LOCAL_WORLD_SIZE, else `world`)."""
+    (`local_ranks`, default LOCAL_WORLD_SIZE, else `world`); the CPU profile's cores are every
+    node's (world / local ranks nodes, alike), which the step-time model's host bound divides by."""
     import torch
 
     from megatron_taper.cost.flops import lookup_peak_tflops
@@ -430,8 +431,10 @@ def local_device(train_device: str, world: int, local_ranks: int | None = None) 
         return device, memory, f"{name}: {memory:.1f} GiB (not in cost/devices.json: the h100 profile's links)"
     ranks = local_ranks or int(os.environ.get("LOCAL_WORLD_SIZE", world))
     ram = host_memory_gib()
-    cpu = dataclasses.replace(known["cpu"], cores=os.cpu_count() or 1)
-    return cpu, ram / ranks, f"CPU: {ram:.1f} GiB of RAM / {ranks} local process(es), {cpu.cores} cores"
+    nodes = max(1, world // ranks)  # every node alike: its cores shared by its local ranks
+    cpu = dataclasses.replace(known["cpu"], cores=(os.cpu_count() or 1) * nodes)
+    return cpu, ram / ranks, (f"CPU: {ram:.1f} GiB of RAM / {ranks} local process(es), "
+                              f"{cpu.cores // nodes} cores x {nodes} node(s)")
 
 
 def host_memory_gib() -> float:

@@ -32,7 +32,7 @@ class DeviceProfile:
     gpus_per_node: int  # 0: every rank on one node
     mfu: float
     sources: dict
-    cores: int = 0  # a host's CPU cores its ranks share (the cpu profile, set from the machine); 0: a device per rank
+    cores: int = 0  # CPU cores the run's ranks share, all hosts (cpu profile, from the machine); 0: a device per rank
     all_gather_efficiency: float = 1.0  # all-gather's bus bandwidth / all-reduce's on the same link
     reduce_scatter_efficiency: float = 1.0  # reduce-scatter's bus bandwidth / all-reduce's on the same link
     collective_latency_us: float = 0.0  # what one collective call adds to a step beyond its bytes
