@@ -44,13 +44,18 @@ Per pipeline rank r, for one micro-batch of b x S tokens on one tp rank:
                 (32 bytes read or written per parameter)
 
 Context parallelism (parallel.cp, parallel/context_parallel.py): every rank holds b x S / cp
-tokens of each micro-batch and does 1 / cp of its work (the load-balanced causal split), so the
-compute, tp and pp terms above are those of S / cp tokens; besides, per attention layer (one per
-block) and micro-batch, its K and V ([b, K, S, E] each, compute dtype): allgather = an
-all-gather in forward and a reduce-scatter of their gradients in backward (one more all-gather
-per recomputed block), not overlapped; ring = (cp - 1) blocks of [2, b, K, S / cp, E] sent in
-forward and (2 cp - 1) in backward, point to point, overlapped with the attention where the
-device overlaps. DDP's gradient all-reduce spans dp x cp (the gradients are averaged over both).
+tokens of each micro-batch and does 1 / cp of its work (the load-balanced causal split; the
+contiguous split of the state-passing families too), so the compute, tp and pp terms above are
+those of S / cp tokens. Besides, per block and micro-batch, its messages (RankWork.cp_messages,
+cost/cp.py cp_messages; by default attention's K and V, [b, K, S, E] each in the compute dtype):
+allgather = an all-gather in forward and a reduce-scatter of the gradients in backward (one more
+all-gather in a recomputed block), not overlapped; ring = (cp - 1) blocks sent forward and (2 cp -
+1) backward, point to point, overlapped with the compute where the device overlaps; halo = one hop
+forward and its gradient back, all ranks at once; chain = (cp - 1) hops one after another each way,
+and the wait it imposes: rank r starts a block when rank r - 1 has finished its slice of it, so the
+ranks form a wavefront ((cp - 1) blocks' time per micro-batch), or wait block by block when every
+block also meets all cp ranks (an all-gather or ring beside the chain: (cp - 1) x the whole block's
+time, an upper bound: only the chained part waits). DDP's gradient all-reduce spans dp x cp.
 
 Links: a group whose ranks lie within one node (its span in the (pp, dp, tp) rank order, tp
 fastest, then cp, at most gpus_per_node) uses the intra-node bandwidth, else the inter-node one (the
@@ -100,6 +105,9 @@ class RankWork:
     recomputed_blocks: int  # of which recompute their forward (full / selective)
     params: float  # tp-local parameters on the rank (its dp collectives' payload)
     vocab_collectives: int = 0  # tp collectives of its vocab-parallel ends per micro-batch (embedding 1, head + loss 3)
+    # context parallelism: per block, its messages per micro-batch as (kind, bytes) pairs (cost/cp.py
+    # cp_messages: chain, halo, allgather, ring); () = attention's K / V from step_time's kv_dim
+    cp_messages: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -217,19 +225,37 @@ def step_time(ranks: Sequence[RankWork], layout: StepLayout, d_model: int, seq_l
 
 
 def _cp_seconds(r: RankWork, lo: StepLayout, kv_bytes: float, compute: float, device: DeviceProfile) -> float:
-    """Exposed context-parallel communication of one micro-batch on a rank doing `r`, whose K and
-    V of the whole sequence are `kv_bytes` each and whose compute takes `compute` s (module doc)."""
+    """Exposed context-parallel communication and waiting of one micro-batch on a rank doing `r`,
+    whose compute takes `compute` s; its blocks' messages are `r.cp_messages`, else each block's
+    attention K and V of the whole sequence, `kv_bytes` each (module doc)."""
     if lo.cp <= 1:
         return 0.0
-    span = lo.tp * lo.cp
-    if not lo.cp_ring:
-        gather = collective_seconds("all_gather", 2.0 * kv_bytes, lo.cp, span, device)
-        scatter = collective_seconds("reduce_scatter", 2.0 * kv_bytes, lo.cp, span, device)
-        return (gather + scatter) * r.blocks + gather * r.recomputed_blocks
-    block = 2.0 * kv_bytes / lo.cp
-    steps = (3 * lo.cp - 2) * r.blocks + (lo.cp - 1) * r.recomputed_blocks
-    sent = steps * (block / bandwidth(span, device) + device.collective_latency_us * 1e-6)
-    return max(0.0, sent - compute) if lo.overlap else sent
+    blocks = r.cp_messages or [(("ring", 2.0 * kv_bytes / lo.cp) if lo.cp_ring else ("allgather", 2.0 * kv_bytes),)
+                               for _ in range(r.blocks)]
+    span, latency = lo.tp * lo.cp, device.collective_latency_us * 1e-6
+    hop = bandwidth(span, device)
+    redo = r.recomputed_blocks / max(r.blocks, 1)  # recomputed blocks gather again
+    exposed, ring, chained, serial = 0.0, 0.0, 0, False
+    for messages in blocks:
+        kinds = {kind for kind, _ in messages}
+        for kind, nbytes in messages:
+            if kind == "allgather":
+                gather = collective_seconds("all_gather", nbytes, lo.cp, span, device)
+                exposed += (1.0 + redo) * gather + collective_seconds("reduce_scatter", nbytes, lo.cp, span, device)
+            elif kind == "ring":
+                ring += (3 * lo.cp - 2 + redo * (lo.cp - 1)) * (nbytes / hop + latency)
+            elif kind == "halo":  # every rank sends at once; the gradient comes back
+                exposed += 2.0 * (nbytes / hop + latency)
+            elif kind == "chain":  # the hops run one after another, forward and back
+                exposed += 2.0 * (lo.cp - 1) * (nbytes / hop + latency)
+        if "chain" in kinds:
+            chained += 1
+            serial = serial or bool(kinds & {"allgather", "ring"})
+    # a chain makes rank r wait for rank r - 1's slice: a wavefront over the blocks ((cp - 1) blocks'
+    # time once), or, where every block also meets all cp ranks, once per block
+    per_block = compute / max(r.blocks, 1)
+    wait = (lo.cp - 1) * per_block * (chained if serial else min(chained, 1))
+    return exposed + wait + (max(0.0, ring - compute) if lo.overlap else ring)
 
 
 def _dp_seconds(params: float, units: int, compute: float, lo: StepLayout, compute_bytes: int,

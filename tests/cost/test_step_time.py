@@ -75,3 +75,23 @@ def test_bubble_is_the_other_stages_time():
     rate = 0.5 * 0.094e12 * 0.8  # two ranks share the two cores
     heavy_s, light_s = 3 * 1e9 * 256 / rate + boundary, 3 * 5e8 * 256 / rate + boundary
     assert t.parts["micro_batch_s"] == pytest.approx(heavy_s) and t.bubble == pytest.approx(light_s)
+
+
+def test_cp_messages_by_kind():
+    """Context parallelism's messages per block (cost/cp.py kinds): a halo is one hop each way, a
+    chain's hops run one after another and make the ranks a wavefront ((cp - 1) blocks' time), or
+    wait block by block where every block also meets all cp ranks (an all-gather beside it)."""
+    cp = dataclasses.replace(LAYOUT, cp=4)
+    hop = 8e3 / 2e9 + 1e-3  # 8 kB at the link, plus the latency
+    plain = step_time([WORK], cp, d_model=64, seq_len=128, device=CPU)
+    per_block = plain.compute / 3 / WORK.blocks  # one micro-batch's compute of one block
+
+    def cp_seconds(*block: tuple) -> float:
+        work = dataclasses.replace(WORK, cp_messages=tuple(block for _ in range(WORK.blocks)))
+        return step_time([work], cp, d_model=64, seq_len=128, device=CPU).cp / 3
+
+    assert cp_seconds(("halo", 8e3)) == pytest.approx(WORK.blocks * 2 * hop)
+    assert cp_seconds(("chain", 8e3)) == pytest.approx(WORK.blocks * 2 * 3 * hop + 3 * per_block)
+    gather = collective_seconds("all_gather", 8e3, 4, 4, CPU) + collective_seconds("reduce_scatter", 8e3, 4, 4, CPU)
+    assert cp_seconds(("chain", 8e3), ("allgather", 8e3)) == pytest.approx(
+        WORK.blocks * (2 * 3 * hop + gather + 3 * per_block))
