@@ -58,14 +58,19 @@ def cp_messages(model_cfg: ModelConfig, micro_batch: int, seq_len: int, cp: int,
     """Per block of `model_cfg` at `seq_len` tokens split over `cp` ranks, micro-batches of
     `micro_batch` sequences: its messages (module doc); nothing at cp = 1. `ring`:
     parallel.cp_attention=ring."""
-    if cp == 1:
-        return [() for _ in range(model_cfg.n_layers)]
     cfg = model_cfg if seq_len == model_cfg.seq_len else dataclasses.replace(model_cfg, seq_len=seq_len)
+    return block_messages(cfg, layer_widths(cfg), micro_batch, cp, act_bytes, ring)
+
+
+def block_messages(cfg: ModelConfig, widths: list[int], micro_batch: int, cp: int, act_bytes: int = 4,
+                   ring: bool = False) -> list[tuple[CPMessage, ...]]:
+    """cp_messages of `cfg` at its seq_len, for blocks of MLP widths `widths` (the caller's)."""
+    if cp == 1:
+        return [() for _ in widths]
     spec = family(cfg.arch)
     if spec.cp_messages is None:
-        return [attention_messages(cfg, micro_batch, cp, act_bytes, ring) for _ in range(cfg.n_layers)]
-    return [spec.cp_messages(cfg, layer, width, micro_batch, cp, act_bytes, ring)
-            for layer, width in enumerate(layer_widths(cfg))]
+        return [attention_messages(cfg, micro_batch, cp, act_bytes, ring) for _ in widths]
+    return [spec.cp_messages(cfg, layer, width, micro_batch, cp, act_bytes, ring) for layer, width in enumerate(widths)]
 
 
 def received_bytes(messages: tuple[CPMessage, ...]) -> float:

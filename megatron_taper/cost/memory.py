@@ -92,7 +92,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence
 
 from megatron_taper.cost.block import Cost, Split
-from megatron_taper.cost.cp import CPMessage, cp_messages, received_bytes
+from megatron_taper.cost.cp import CPMessage, block_messages, received_bytes
 from megatron_taper.cost.flops import ModelCosts, head_cost, model_costs
 
 if TYPE_CHECKING:
@@ -343,7 +343,7 @@ def model_memory(cfg: ModelConfig, setup: MemorySetup, costs: ModelCosts | None 
     tokens = setup.micro_batch * cfg.seq_len // setup.cp
     recomputed = set(checkpointed_blocks([str(i) for i in range(cfg.n_layers)], setup.activation_checkpointing,
                                          setup.ac_every))
-    messages = cp_messages(cfg, setup.micro_batch, cfg.seq_len, setup.cp, setup.compute_bytes, setup.cp_ring)
+    messages = block_messages(cfg, costs.widths, setup.micro_batch, setup.cp, setup.compute_bytes, setup.cp_ring)
     layers = [piece_memory(context_parallel_cost(cost, cfg, setup, sent), _shares(cfg, setup.tp, width), setup, tokens,
                            str(i) in recomputed, cfg.d_model, block=True, received=received_bytes(sent))
               for i, (cost, width, sent) in enumerate(zip(costs.layers, costs.widths, messages))]
