@@ -21,6 +21,10 @@ Measured (per rank):
         measured_peak_bytes = VmHWM - VmRSS before the model was built (after importing torch).
   CUDA  torch.cuda.max_memory_allocated (reset before the steps) minus memory_allocated before
         them; the peak is max_memory_allocated itself.
+  `--meter tensors` (any device): the peak of the live bytes of the tensors the steps make
+        (TensorMeter), measured_activation_bytes = measured_peak_bytes = that peak. The recurrent
+        families (Titans, Memory Caching, Hope) make thousands of tensors under 64 KiB, which
+        host RSS sees only as the heap's growth: after a full-size warm-up not at all.
 Predicted: memory.model_memory(...).stage(all layers): activations and static (params + grads)
 bytes, and their ratios measured / predicted. Under bf16 autocast the weights' bf16 copies are
 made during the measured forward, so they count with the activations on both sides here (the
@@ -109,6 +113,60 @@ class PeakMeter:
         return _status_bytes("VmHWM")
 
 
+class TensorMeter:
+    """`--meter tensors`: the peak of the bytes of the tensors made in a region and still alive
+    (every aten op's output storage counted once from the op that made it until it is freed,
+    through a TorchDispatchMode and a weakref finalizer on the storage; sampled after every op).
+    Unlike host RSS it does not depend on where malloc puts a tensor: the recurrent families make
+    thousands of tensors under 64 KiB, which come from the heap (MALLOC_MMAP_THRESHOLD_) and reuse
+    memory a full-size warm-up step left there (RSS then misses them) or fragment it (RSS then
+    over-reads them). Not seen: the buffers a kernel allocates and frees inside one op."""
+
+    def __init__(self, device) -> None:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        meter = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                meter.track(out)
+                return out
+
+        self.mode, self.live, self.bytes, self.high, self.start = Mode(), {}, 0, 0, 0
+
+    def track(self, out) -> None:
+        import weakref
+
+        import torch
+        from torch.utils._pytree import tree_leaves
+
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and not t.is_meta:
+                storage = t.untyped_storage()
+                key = storage.data_ptr()
+                if key and key not in self.live:
+                    self.live[key] = storage.nbytes()
+                    self.bytes += storage.nbytes()
+                    weakref.finalize(storage, self.free, key)
+        self.high = max(self.high, self.bytes)
+
+    def free(self, key: int) -> None:
+        self.bytes -= self.live.pop(key)
+
+    def reset(self) -> int:
+        self.mode.__enter__()
+        return 0
+
+    def peak(self) -> int:
+        self.mode.__exit__(None, None, None)
+        return self.high
+
+
+def make_meter(kind: str, device):
+    return TensorMeter(device) if kind == "tensors" else PeakMeter(device)
+
+
 def _tokens(cfg, rows: int, seq: int, seed: int):
     import torch
 
@@ -116,7 +174,7 @@ def _tokens(cfg, rows: int, seq: int, seed: int):
     return torch.randint(0, cfg.model.vocab_size, (rows, seq + 1), generator=gen)
 
 
-def whole_model(cfg, steps: int) -> dict:
+def whole_model(cfg, steps: int, meter_kind: str = "rss") -> dict:
     """build_run, one small warm-up step, then `steps` measured forward+backward passes."""
     import torch
 
@@ -125,7 +183,7 @@ def whole_model(cfg, steps: int) -> dict:
 
     device_type = "cuda" if cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available()) \
         else "cpu"
-    meter = PeakMeter(torch.device(device_type))
+    meter = make_meter(meter_kind, torch.device(device_type))
     run = build_run(cfg)
     pm, ctx = run.model, run.ctx
     autocast = (lambda: torch.autocast(ctx.device.type, dtype=torch.bfloat16)) if run.bf16 else contextlib.nullcontext
@@ -145,7 +203,7 @@ def whole_model(cfg, steps: int) -> dict:
                 state)
 
 
-def pipeline_stage(cfg, which: str, n_layers: int, in_flight: int) -> dict:
+def pipeline_stage(cfg, which: str, n_layers: int, in_flight: int, meter_kind: str = "rss") -> dict:
     """One pipeline stage in one process (module doc): `in_flight` forwards, then the backwards."""
     import torch
 
@@ -155,7 +213,7 @@ def pipeline_stage(cfg, which: str, n_layers: int, in_flight: int) -> dict:
     from megatron_taper.parallel.loss import loss_function
     from megatron_taper.parallel.pipeline import strip_model
 
-    meter = PeakMeter(torch.device("cpu"))
+    meter = make_meter(meter_kind, torch.device("cpu"))
     m, last = cfg.model, which == "last"
     layers = list(range(m.n_layers - n_layers, m.n_layers)) if last else list(range(n_layers))
     model = build_model(m)
@@ -278,9 +336,10 @@ def worker(args: argparse.Namespace) -> None:
     if args.full_step:
         row = full_step(cfg, args.steps)
     elif args.stage:
-        row = pipeline_stage(cfg, args.stage, args.stage_layers, args.in_flight)
+        row = pipeline_stage(cfg, args.stage, args.stage_layers, args.in_flight, args.meter)
     else:
-        row = whole_model(cfg, args.steps)
+        row = whole_model(cfg, args.steps, args.meter)
+    row["meter"] = args.meter
     with open(args.out, "w") as f:
         json.dump(row, f)
     import torch.distributed as dist
@@ -298,12 +357,12 @@ def _free_port() -> int:
 
 def measure(overrides: list[str], mode: str, nproc: int = 1, steps: int = 1, stage: str = "",
             stage_layers: int = 1, in_flight: int = 1, timeout: float = 3600.0, full: bool = False,
-            loss_chunk: int = 0, threads: int = 0, timing: bool = False) -> list[dict]:
+            loss_chunk: int = 0, threads: int = 0, timing: bool = False, meter: str = "rss") -> list[dict]:
     """Run one measurement in `nproc` fresh processes; one result per rank. `threads` > 0: torch's
     threads per process (OMP_NUM_THREADS); else 1 per process when several run, torch's default alone.
     `timing`: glibc's default allocator instead of MALLOC_MMAP_THRESHOLD_ (the peaks are then not
     exact, the step times are those of a training run: the low threshold makes every large
-    allocation a fresh mapping whose pages fault on first touch)."""
+    allocation a fresh mapping whose pages fault on first touch). `meter`: --meter (rss | tensors)."""
     port = _free_port()
     with tempfile.TemporaryDirectory() as tmp:
         procs = []
@@ -311,7 +370,7 @@ def measure(overrides: list[str], mode: str, nproc: int = 1, steps: int = 1, sta
             out = os.path.join(tmp, f"rank{rank}.json")
             cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--out", out, "--mode", mode,
                    "--steps", str(steps), "--stage", stage, "--stage-layers", str(stage_layers),
-                   "--in-flight", str(in_flight), "--loss-chunk", str(loss_chunk),
+                   "--in-flight", str(in_flight), "--loss-chunk", str(loss_chunk), "--meter", meter,
                    *(["--full-step"] if full else []), *overrides]
             env = {**os.environ, "PYTHONPATH": REPO, **({} if timing else {"MALLOC_MMAP_THRESHOLD_": MMAP_THRESHOLD})}
             env.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(REPO, ".cache", "torch_extensions"))
@@ -343,6 +402,8 @@ def main() -> None:
     parser.add_argument("--in-flight", type=int, default=1)
     parser.add_argument("--full-step", action="store_true",
                         help="whole training steps (optimizer included) against the predicted peak with AdamW state")
+    parser.add_argument("--meter", default="rss", choices=("rss", "tensors"),
+                        help="CPU: host RSS (default) or the live tensors' bytes (TensorMeter); not with --full-step")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--mode", default="none", help=argparse.SUPPRESS)
     parser.add_argument("--loss-chunk", type=int, default=0, help=argparse.SUPPRESS)
@@ -356,7 +417,7 @@ def main() -> None:
     for chunk in (int(c) for c in args.loss_chunks.split(",")):
         for mode in args.modes.split(","):
             results += measure(args.overrides, mode, args.nproc, args.steps, args.stage, args.stage_layers,
-                               args.in_flight, full=args.full_step, loss_chunk=chunk)
+                               args.in_flight, full=args.full_step, loss_chunk=chunk, meter=args.meter)
     print(json.dumps({"config": DEFAULT + args.overrides, "steps": args.steps, "results": results}, indent=1))
 
 

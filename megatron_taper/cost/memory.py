@@ -65,7 +65,12 @@ seq_len / cp tokens, so every per-token activation divides by cp; but each atten
 the K and V of the whole sequence it all-gathered ([b, K, S, E] each, in the compute dtype) instead
 of its own slice, and its backward holds their gradients at that size before the reduce-scatter:
 the elements split with the kv heads (`kv`) of a block count cp times per local token (for the
-families that support cp, `kv` is exactly K and V). The causal mask of the gathered keys ([S / cp,
+families whose attention spans the sequence, `kv` is exactly K and V). Each family says what a
+block exchanges (cost/cp.py cp_messages, from the family's own byte counts): blocks without an
+all-gathered K and V (Titans' windows, the memories, the tree) keep their own tokens' kv; what a
+block is handed instead (a chain's state, a halo's rows, a prefix's or the tree's gathered
+summaries: the largest rank's) is kept per micro-batch, also by a block that recomputes, and its
+backward holds the gradient of it besides (`received`; at tp = 1 sizes). The causal mask of the gathered keys ([S / cp,
 S] booleans per micro-batch; ALiBi: [H, S / cp, S] in the compute dtype) is not modelled, nor what
 SDPA keeps under an explicit mask where it has no fused kernel for one (on the CPU: the attention
 weights [b, H, S / cp, S], docs/architectures.md). parallel.cp_attention=ring keeps only the rank's
@@ -87,6 +92,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence
 
 from megatron_taper.cost.block import Cost, Split
+from megatron_taper.cost.cp import CPMessage, block_messages, received_bytes
 from megatron_taper.cost.flops import ModelCosts, head_cost, model_costs
 
 if TYPE_CHECKING:
@@ -295,10 +301,13 @@ def _activations(cost: Cost) -> Split:
 
 
 def piece_memory(cost: Cost, shares: Split, setup: MemorySetup, tokens: int, recompute: bool, d_model: int,
-                 block: bool, matmul: bool = True) -> PieceMemory:
+                 block: bool, matmul: bool = True, received: float = 0.0) -> PieceMemory:
     """Bytes of one piece (see PieceMemory); `tokens` per micro-batch on this rank; `matmul`: its
     parameters are matmul weights (not an embedding). A recomputed piece keeps its input, and
-    under activation_checkpointing=op also its `op_act` (all of `act` where that is unknown)."""
+    under activation_checkpointing=op also its `op_act` (all of `act` where that is unknown).
+    `received`: bytes per micro-batch the block was handed under context parallelism besides K and
+    V (cost/cp.py received_bytes), kept also when it recomputes (parallel/cp_state.py keeps what a
+    forward received for the recompute), and their gradient in its backward."""
     params = local_params(cost, shares)
     static = params * (setup.state_bytes_per_param() + setup.cast_bytes_per_param())
     if setup.pipelined:
@@ -307,16 +316,18 @@ def piece_memory(cost: Cost, shares: Split, setup: MemorySetup, tokens: int, rec
         static += params * (setup.compute_bytes if matmul else 4.0)
     full = act_bytes_per_token(_activations(cost), shares, setup) * tokens
     full += act_bytes_per_token(cost.per_batch, shares, setup)
+    full += received
     moments = [act_bytes_per_token(m, shares, setup) * tokens for m in cost.backward]
-    peak = full + max(moments, default=0.0)
+    peak = full + max(moments, default=0.0) + received
     if not recompute:
         kept = full
     elif setup.activation_checkpointing != "op":
-        kept = boundary_bytes(d_model, tokens, setup)
+        kept = boundary_bytes(d_model, tokens, setup) + received
     elif cost.op_kept is None:
         kept = full
     else:
-        kept = boundary_bytes(d_model, tokens, setup) + act_bytes_per_token(cost.op_kept, shares, setup) * tokens
+        kept = (boundary_bytes(d_model, tokens, setup) + act_bytes_per_token(cost.op_kept, shares, setup) * tokens
+                + received)
     return PieceMemory(params, static, kept, peak)
 
 
@@ -332,9 +343,14 @@ def model_memory(cfg: ModelConfig, setup: MemorySetup, costs: ModelCosts | None 
     tokens = setup.micro_batch * cfg.seq_len // setup.cp
     recomputed = set(checkpointed_blocks([str(i) for i in range(cfg.n_layers)], setup.activation_checkpointing,
                                          setup.ac_every))
-    layers = [piece_memory(context_parallel_cost(cost, cfg, setup), _shares(cfg, setup.tp, width), setup, tokens,
-                           str(i) in recomputed, cfg.d_model, block=True)
-              for i, (cost, width) in enumerate(zip(costs.layers, costs.widths))]
+    if setup.cp == 1:  # the planner evaluates this for every layout: nothing exchanged, nothing to count
+        layers = [piece_memory(cost, _shares(cfg, setup.tp, width), setup, tokens, str(i) in recomputed, cfg.d_model,
+                               block=True) for i, (cost, width) in enumerate(zip(costs.layers, costs.widths))]
+    else:
+        messages = block_messages(cfg, costs.widths, setup.micro_batch, setup.cp, setup.compute_bytes, setup.cp_ring)
+        layers = [piece_memory(context_parallel_cost(cost, cfg, setup, sent), _shares(cfg, setup.tp, width), setup,
+                               tokens, str(i) in recomputed, cfg.d_model, block=True, received=received_bytes(sent))
+                  for i, (cost, width, sent) in enumerate(zip(costs.layers, costs.widths, messages))]
     if setup.fsdp and not setup.pipelined:
         layers = _gathered_units(layers, setup)
     shares = _shares(cfg, setup.tp, cfg.taper.multiple)
@@ -375,13 +391,17 @@ def _gathered_units(layers: list[PieceMemory], setup: MemorySetup) -> list[Piece
     return out
 
 
-def context_parallel_cost(cost: Cost, cfg: ModelConfig, setup: MemorySetup) -> Cost:
-    """A block's cost per local token under context parallelism (module doc). All-gather: its K
-    and V (and their gradients in backward) are those of the whole sequence, cp times the rank's
-    tokens; under activation_checkpointing=op the kept K and V projections stay the rank's own
-    (`op_act`). Ring: the moment of a piece of its backward."""
+def context_parallel_cost(cost: Cost, cfg: ModelConfig, setup: MemorySetup,
+                          messages: Sequence[CPMessage] = ()) -> Cost:
+    """A block's cost per local token under context parallelism (module doc), for a block whose
+    `messages` (cost/cp.py) include attention's K and V: all-gathered, its K and V (and their
+    gradients in backward) are those of the whole sequence, cp times the rank's tokens; under
+    activation_checkpointing=op the kept K and V projections stay the rank's own (`op_act`).
+    Ring: the moment of a piece of its backward. A block without them (Titans' local attention,
+    the memories, the tree) keeps its own tokens' elements; what it is handed instead counts as
+    `received` bytes (piece_memory)."""
     cp = setup.cp
-    if cp == 1:
+    if cp == 1 or not any(m.what == "kv" for m in messages):
         return cost
     if setup.cp_ring:
         rows = min(CP_RING_TILE, cfg.seq_len // (2 * cp))

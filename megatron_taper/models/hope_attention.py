@@ -57,6 +57,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_taper.cost.block import Cost, Split, attention_cost, swiglu_cost
+from megatron_taper.cost.cp import CHAIN, CPMessage, attention_messages
 from megatron_taper.models.cards import HOPE_ATTENTION
 from megatron_taper.models.decoding import kv_decoder
 from megatron_taper.models.init import RESIDUAL_OUT, init_tensor
@@ -351,6 +352,14 @@ def cp_state_bytes(cfg: ModelConfig, width: int, micro_batch: int, dtype_bytes: 
     return len(chained_levels(cfg, 2)) * micro_batch * 3 * width * cfg.d_model * dtype_bytes
 
 
+def hope_cp_messages(cfg: ModelConfig, layer: int, width: int, micro_batch: int, cp: int, act_bytes: int = 4,
+                     ring: bool = False) -> tuple[CPMessage, ...]:
+    """FamilySpec.cp_messages: the Transformer's attention, and the chain of the chained levels'
+    fast weights (cp_state_bytes, fp32 like the weights they start from) where there are any."""
+    state = cp_state_bytes(cfg, width, micro_batch)
+    return attention_messages(cfg, micro_batch, cp, act_bytes, ring) + ((CPMessage(CHAIN, state),) if state else ())
+
+
 def check_hope_layout(m: ModelConfig, p: ParallelConfig) -> None:
     if p.cp == 1:
         return
@@ -366,6 +375,6 @@ def check_hope_layout(m: ModelConfig, p: ParallelConfig) -> None:
 
 SPECS = (FamilySpec(card=HOPE_ATTENTION, build=HopeAttention, layer_cost=hope_attention_layer_cost,
                     tp_block_plan=tp_plan_hope_attention_block, check_layout=check_hope_layout,
-                    context_parallel=True, cp_balanced=False,
+                    context_parallel=True, cp_balanced=False, cp_messages=hope_cp_messages,
                     decoder=functools.partial(kv_decoder, block_class=HopeAttentionBlock, feedforward=cms_feedforward,
                                               block_state=online_level_states)),)

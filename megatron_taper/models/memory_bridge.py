@@ -76,6 +76,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_taper.cost.block import Cost
+from megatron_taper.cost.cp import CHAIN, CPMessage, attention_messages
 from megatron_taper.models.cards import BRIDGE
 from megatron_taper.models.init import init_tensor
 from megatron_taper.models.layers import RMSNorm, rope_tables
@@ -335,6 +336,15 @@ def cp_state_bytes(cfg: ModelConfig, micro_batch: int, dtype_bytes: int = 4) -> 
     return micro_batch * cfg.bridge.slots * cfg.d_model * dtype_bytes
 
 
+def bridge_cp_messages(cfg: ModelConfig, layer: int, width: int, micro_batch: int, cp: int, act_bytes: int = 4,
+                       ring: bool = False) -> tuple[CPMessage, ...]:
+    """FamilySpec.cp_messages: the Transformer's attention in every block, and on the block that
+    holds the bridge (bridge_layer) the chain of its state (cp_state_bytes)."""
+    state = cp_state_bytes(cfg, micro_batch, act_bytes) if layer == bridge_layer(cfg) else 0
+    chain = (CPMessage(CHAIN, state),) if state else ()
+    return attention_messages(cfg, micro_batch, cp, act_bytes, ring) + chain
+
+
 def tp_plan_bridge_block(block: BridgeBlock, prefix: str, cfg: ModelConfig, tp: TPBuilder) -> None:
     """The Transformer's plan; the bridge replicated (its input, the residual stream, is whole on
     every tp rank without sequence parallelism, which check_bridge_layout refuses)."""
@@ -383,5 +393,6 @@ def take_state(model: MemoryBridgeLM) -> torch.Tensor:
 SPECS = (FamilySpec(card=BRIDGE, build=MemoryBridgeLM, layer_cost=transformer_layer_cost,
                     block_extra_cost=bridge_block_cost, tp_block_plan=tp_plan_bridge_block,
                     check_layout=check_bridge_layout, context_parallel=True, cp_balanced=False,
+                    cp_messages=bridge_cp_messages,
                     carried_state=CarriedState(enabled=lambda cfg: cfg.bridge.slots > 0 and cfg.bridge.carry_state,
                                                put=put_state, take=take_state)),)

@@ -299,7 +299,7 @@ def check_memory_caching_layout(mcfg: ModelConfig, pcfg: ParallelConfig) -> None
 
 SPECS = (FamilySpec(card=LINEAR_MEMORY, build=LinearMemoryLM, layer_cost=linear_memory_layer_cost,
                     tp_block_plan=tp_plan_memory_caching_block, check_layout=check_memory_caching_layout,
-                    context_parallel=True, cp_balanced=False),
+                    context_parallel=True, cp_balanced=False, cp_messages=cp.cp_messages),
          FamilySpec(card=DEEP_MEMORY, build=DeepMemoryLM, layer_cost=deep_memory_layer_cost,
                     tp_block_plan=tp_plan_memory_caching_block, check_layout=check_memory_caching_layout,
-                    context_parallel=True, cp_balanced=False))
+                    context_parallel=True, cp_balanced=False, cp_messages=cp.cp_messages))

@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+from megatron_taper.cost.cp import ALLGATHER, CHAIN, HALO, CPMessage
 from megatron_taper.models.titans import ConvPast, State, memory_dims
 from megatron_taper.validation import ConfigError
 
@@ -235,6 +236,20 @@ def handover_sizes(mcfg: ModelConfig, micro_batch: int, before: int, elem: int =
     tensors = 2 * depth * continues + depth * caches + gated
     per_head = 2 * p * continues + before * p * caches + before * mcfg.head_dim * gated
     return tensors, elem * micro_batch * mcfg.n_heads * per_head
+
+
+def cp_messages(mcfg: ModelConfig, layer: int, width: int, micro_batch: int, cp: int, act_bytes: int = 4,
+                ring: bool = False) -> tuple[CPMessage, ...]:
+    """FamilySpec.cp_messages of both families: the convolution halo (halo_bytes, the mixer's input
+    rows in the activations' dtype) and the deep memory's chain, its largest hop (the handover into
+    the last rank, which carries the cache of the (cp - 1) n segments before it: handover_sizes),
+    or the linear memory's prefix all-gather (summary_sizes)."""
+    halo = halo_bytes(mcfg, micro_batch, act_bytes)
+    out = (CPMessage(HALO, halo, "rows"),) if halo else ()
+    if mcfg.arch == "deep_memory":
+        before = (cp - 1) * segments_per_slice(mcfg, cp)
+        return out + (CPMessage(CHAIN, handover_sizes(mcfg, micro_batch, before)[1]),)
+    return out + (CPMessage(ALLGATHER, summary_sizes(mcfg, cp, micro_batch)[1], "summary"),)
 
 
 def summary_sizes(mcfg: ModelConfig, cp: int, micro_batch: int, elem: int = 4) -> tuple[int, int]:

@@ -526,4 +526,5 @@ def check_titans_layout(mcfg: ModelConfig, pcfg: ParallelConfig) -> None:
 
 
 SPECS = (FamilySpec(card=TITANS, build=Titans, layer_cost=titans_layer_cost, tp_block_plan=tp_plan_titans_block,
-                    check_layout=check_titans_layout, context_parallel=True, cp_balanced=False),)
+                    check_layout=check_titans_layout, context_parallel=True, cp_balanced=False,
+                    cp_messages=titans_cp.cp_messages),)

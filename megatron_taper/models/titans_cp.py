@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from megatron_taper.cost.cp import CHAIN, CPMessage
 from megatron_taper.validation import ConfigError
 
 if TYPE_CHECKING:
@@ -101,6 +102,14 @@ def cp_state_bytes(cfg: ModelConfig, rank: int, cp: int, batch: int, act_bytes: 
         return state + 4 * act_bytes * batch * conv_rows(t.conv_kernel) * h * e
     mem, attn = tail_rows(t.persistent_tokens, t.chunk_size, t.conv_kernel, t.window, rank, local)
     return state + act_bytes * batch * d * (mem + attn)
+
+
+def cp_messages(cfg: ModelConfig, layer: int, width: int, micro_batch: int, cp: int, act_bytes: int = 4,
+                ring: bool = False) -> tuple[CPMessage, ...]:
+    """FamilySpec.cp_messages: every block's chain message (cp_state_bytes), the largest hop's (the
+    attention tail grows with the rank up to W - 1 rows); Titans' attention is local, nothing is
+    all-gathered."""
+    return (CPMessage(CHAIN, max(cp_state_bytes(cfg, rank, cp, micro_batch, act_bytes) for rank in range(1, cp))),)
 
 
 def _receive(block: TitansBlock, initial: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -51,6 +51,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_taper.cost.block import Cost, Split, norm_act, swiglu_cost
+from megatron_taper.cost.cp import ALLGATHER, CPMessage
 from megatron_taper.models.cards import TREE
 from megatron_taper.models.layers import RMSNorm, SwiGLU
 from megatron_taper.models.spec import FamilySpec
@@ -248,6 +249,12 @@ def cp_gather_bytes(cfg: ModelConfig, cp: int, micro_batch: int, dtype_bytes: in
     return cp * micro_batch * cfg.d_model * dtype_bytes if cp > 1 else 0
 
 
+def tree_cp_messages(cfg: ModelConfig, layer: int, width: int, micro_batch: int, cp: int, act_bytes: int = 4,
+                     ring: bool = False) -> tuple[CPMessage, ...]:
+    """FamilySpec.cp_messages: each tree layer all-gathers the slices' roots (cp_gather_bytes)."""
+    return (CPMessage(ALLGATHER, cp_gather_bytes(cfg, cp, micro_batch, act_bytes), "roots"),)
+
+
 def tp_plan_tree_layer(block: TreeLayer, prefix: str, cfg: ModelConfig, tp: TPBuilder) -> None:
     """Norms replicated; the cell's hidden width C split in units of model.taper.multiple (W_in
     column-, W_out row-parallel: one all-reduce per cell level); the SwiGLU as the Transformer's."""
@@ -282,4 +289,5 @@ def check_tree_layout(m: ModelConfig, p: ParallelConfig) -> None:
 
 
 SPECS = (FamilySpec(card=TREE, build=TreeLM, layer_cost=tree_layer_cost, tp_block_plan=tp_plan_tree_layer,
-                    check_layout=check_tree_layout, context_parallel=True, cp_balanced=False),)
+                    check_layout=check_tree_layout, context_parallel=True, cp_balanced=False,
+                    cp_messages=tree_cp_messages),)

@@ -345,3 +345,17 @@ def test_interleaved_ranks_book_the_head_chunk_at_one_micro_batch():
 
     assert interleaved_activations([10, 50], [15, 80], 3, last=1) == max(2 * 10 + 80, 1 * 10 + 50 + 15)
     assert interleaved_activations([10, 50], [15, 80], 3, last=None) == 2 * 50 + 80
+
+
+def test_tensor_meter_counts_each_live_storage_once():
+    """benchmarks/activation_memory.py --meter tensors: a view adds nothing, a freed tensor leaves
+    the count, and the peak is the largest sum of live storages after an op (bytes exact)."""
+    meter = _bench().TensorMeter(torch.device("cpu"))
+    meter.reset()
+    a = torch.ones(1000, 250)  # 1e6 bytes
+    view = a.view(-1)
+    b = a * 2  # 2e6 live
+    del a, view
+    c = torch.cat((b, b))  # 1e6 + 2e6 live: the peak
+    del b, c
+    assert meter.peak() == 3_000_000 and meter.bytes == 0

@@ -1,0 +1,82 @@
+"""What context parallelism sends per block and micro-batch, by kind, for every family.
+
+`cp_messages(model_cfg, micro_batch, seq_len, cp)` lists, per block, the messages one micro-batch
+makes the cp ranks exchange, each a `CPMessage(kind, bytes, what)`:
+
+    chain      point-to-point rank r -> r + 1 of the state rank r's slice ends with
+               (parallel/cp_state.py receive_state / send_state); rank r + 1 waits for it, so the
+               hops run one after another across the cp ranks (serial). `bytes`: the largest hop
+               (the one into the last rank where the message grows with the rank), one direction;
+               backward sends its gradient back, as many bytes.
+    halo       point-to-point rank r -> r + 1 of the last rows of rank r's input (previous_rows, or
+               a chain message's rows that do not depend on the scan); every rank sends at once.
+               `bytes`: per hop, one direction; backward sends their gradient back.
+    allgather  a collective over the cp group (attention's K and V, a prefix's summaries, the
+               tree's roots): `bytes` is the gathered buffer (every rank's part; a rank receives
+               (cp - 1) / cp of it); backward reduce-scatters as many.
+    ring       parallel.cp_attention=ring: K and V of one slice passed around the ring, cp - 1
+               times forward; `bytes` per pass ([2, b, K, S / cp, E]); backward passes the same
+               blocks again and their gradients (3 cp - 2 sends per rank and block in all).
+
+`what` names the tensors ("kv" for attention's K and V, which cost/memory.py counts as kv
+elements per token; "state", "rows", "summary", "roots" otherwise). Every family's own counting
+function gives the bytes (the ones its runtime code is checked against): the family's FamilySpec
+`cp_messages`; a family without one is an attention family (the Transformer's K/V all-gather).
+Sizes are those of the whole model (tp = 1); `act_bytes` is the activations' dtype (2 under bf16
+autocast); recurrent states travel in fp32 (their parameters' dtype) whatever it is.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, NamedTuple
+
+from megatron_taper.models import family
+from megatron_taper.taper import layer_widths
+
+if TYPE_CHECKING:
+    from megatron_taper.config import ModelConfig
+
+CHAIN, HALO, ALLGATHER, RING = "chain", "halo", "allgather", "ring"
+
+
+class CPMessage(NamedTuple):
+    kind: str  # chain | halo | allgather | ring (module doc)
+    bytes: float  # per block and micro-batch, one direction (module doc)
+    what: str = "state"  # kv (attention's K and V) | state | rows | summary | roots
+
+
+def attention_messages(cfg: ModelConfig, micro_batch: int, cp: int, act_bytes: int = 4,
+                       ring: bool = False) -> tuple[CPMessage, ...]:
+    """One attention layer over the whole sequence (parallel/context_parallel.py): the all-gather
+    of K and V, [b, S, K, E] each, or under the ring one slice's K and V per pass."""
+    kv = 2 * micro_batch * cfg.seq_len * cfg.kv_heads * cfg.head_dim * act_bytes
+    return (CPMessage(RING, kv / cp, "kv"),) if ring else (CPMessage(ALLGATHER, kv, "kv"),)
+
+
+def cp_messages(model_cfg: ModelConfig, micro_batch: int, seq_len: int, cp: int, act_bytes: int = 4,
+                ring: bool = False) -> list[tuple[CPMessage, ...]]:
+    """Per block of `model_cfg` at `seq_len` tokens split over `cp` ranks, micro-batches of
+    `micro_batch` sequences: its messages (module doc); nothing at cp = 1. `ring`:
+    parallel.cp_attention=ring."""
+    cfg = model_cfg if seq_len == model_cfg.seq_len else dataclasses.replace(model_cfg, seq_len=seq_len)
+    return block_messages(cfg, layer_widths(cfg), micro_batch, cp, act_bytes, ring)
+
+
+def block_messages(cfg: ModelConfig, widths: list[int], micro_batch: int, cp: int, act_bytes: int = 4,
+                   ring: bool = False) -> list[tuple[CPMessage, ...]]:
+    """cp_messages of `cfg` at its seq_len, for blocks of MLP widths `widths` (the caller's)."""
+    if cp == 1:
+        return [() for _ in widths]
+    spec = family(cfg.arch)
+    if spec.cp_messages is None:
+        return [attention_messages(cfg, micro_batch, cp, act_bytes, ring) for _ in widths]
+    return [spec.cp_messages(cfg, layer, width, micro_batch, cp, act_bytes, ring) for layer, width in enumerate(widths)]
+
+
+def received_bytes(messages: tuple[CPMessage, ...]) -> float:
+    """Bytes the receiving rank keeps for backward from a block's messages besides attention's K
+    and V (which memory.py counts as kv elements): what a chain or halo hands it (the scan's
+    starting state and the rows its first outputs read; parallel/cp_state.py also keeps them for
+    a recompute) and the gathered buffers of other all-gathers; its backward holds their gradient,
+    as many bytes, before sending it back."""
+    return sum(m.bytes for m in messages if m.what != "kv" and m.kind != RING)
