@@ -28,6 +28,7 @@ from itertools import accumulate
 from typing import TYPE_CHECKING, Any, Sequence
 
 from megatron_taper.config import V_SCHEDULES
+from megatron_taper.cost.cp import cp_messages
 from megatron_taper.cost.devices import DeviceProfile, profiles
 from megatron_taper.cost.flops import model_costs
 from megatron_taper.cost.memory import (
@@ -209,6 +210,7 @@ class Predictor:
         self._models: dict[tuple, tuple] = {}
         self._tables: dict[MemorySetup, _PeakRows] = {}
         self._work: dict[tuple, list[RankWork]] = {}
+        self._cp: dict[tuple, list[tuple]] = {}
 
     def bounds(self, n_chunks: int) -> tuple[int, ...]:
         if n_chunks not in self._bounds:
@@ -285,15 +287,31 @@ class Predictor:
             self._work[key] = self._rank_work(mm, pp, virtual, schedule, mode, every)
         return self._work[key]
 
+    def rank_layers(self, pp: int, virtual: int, schedule: str) -> list[list[int]]:
+        """The layers of each pipeline rank over the balanced split (every chunk it holds)."""
+        n_chunks = pp * virtual
+        b = self.bounds(n_chunks)
+        return [[i for ch in range(n_chunks) if chunk_rank(ch, pp, schedule in V_SCHEDULES) == r
+                 for i in range(b[ch], b[ch + 1])] for r in range(pp)]
+
+    def rank_cp_messages(self, pp: int, virtual: int, schedule: str, micro_batch: int, cp: int, bf16: bool,
+                         ring: bool, tp: int) -> list[tuple]:
+        """Per pipeline rank, its blocks' context-parallel messages as (kind, bytes) per block and
+        micro-batch (cost/cp.py; attention's K and V split over tp with the heads, the families'
+        states counted whole)."""
+        key = (pp, virtual, schedule, micro_batch, cp, bf16, ring, tp)
+        if key not in self._cp:
+            blocks = cp_messages(self.model, micro_batch, self.model.seq_len, cp, 2 if bf16 else 4, ring)
+            per_block = [tuple((m.kind, m.bytes / (tp if m.what == "kv" else 1)) for m in msgs) for msgs in blocks]
+            self._cp[key] = [tuple(per_block[i] for i in layers) for layers in self.rank_layers(pp, virtual, schedule)]
+        return self._cp[key]
+
     def _rank_work(self, mm: ModelMemory, pp: int, virtual: int, schedule: str, mode: str, every: int
                    ) -> list[RankWork]:
-        c, n_chunks = self.costs, pp * virtual
-        b = self.bounds(n_chunks)
+        c = self.costs
         recomputed = {int(x) for x in checkpointed_blocks([str(i) for i in range(len(c.layers))], mode, every)}
         out = []
-        for r in range(pp):
-            layers = [i for ch in range(n_chunks) if chunk_rank(ch, pp, schedule in V_SCHEDULES) == r
-                      for i in range(b[ch], b[ch + 1])]
+        for layers in self.rank_layers(pp, virtual, schedule):
             first, last = 0 in layers, len(c.layers) - 1 in layers
             flops = sum(c.layers[i].flops for i in layers) + c.embedding.flops * first + c.head.flops * last
             linear = sum(min(2.0 * c.layers[i].params, c.layers[i].flops) for i in layers)
@@ -312,6 +330,10 @@ class Predictor:
         virtual = p.virtual_stages if p.pp > 1 else 1
         peaks = self.rank_peaks(setup, p.pp, virtual, p.pp_schedule)
         work = self.rank_work(self.memory(setup), p.pp, virtual, p.pp_schedule, t.activation_checkpointing, t.ac_every)
+        if setup.cp > 1:
+            messages = self.rank_cp_messages(p.pp, virtual, p.pp_schedule, micro_batch, setup.cp, bf16, setup.cp_ring,
+                                             p.tp)
+            work = [dataclasses.replace(w, cp_messages=msgs) for w, msgs in zip(work, messages)]
         layout = StepLayout(tp=p.tp, pp=p.pp, dp=dp, virtual=virtual, schedule=p.pp_schedule, zero=p.zero,
                             sequence_parallel=setup.sequence_parallel, micro_batch=micro_batch, microbatches=m,
                             bf16=bf16, float8=t.float8, overlap=self.device.profile != "cpu",

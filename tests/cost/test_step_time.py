@@ -95,3 +95,25 @@ def test_cp_messages_by_kind():
     gather = collective_seconds("all_gather", 8e3, 4, 4, CPU) + collective_seconds("reduce_scatter", 8e3, 4, 4, CPU)
     assert cp_seconds(("chain", 8e3), ("allgather", 8e3)) == pytest.approx(
         WORK.blocks * (2 * 3 * hop + gather + 3 * per_block))
+
+
+def test_the_planner_charges_each_family_its_own_cp_messages():
+    """Predictor: the Transformer's cp term is its K / V all-gather (the default), a Titans model's
+    its chain of memory state (cost/cp.py), with the chain's wavefront wait."""
+    from megatron_taper.config import load_config
+    from megatron_taper.plan import Predictor
+
+    h100 = profiles()["h100"]
+    for arch in ("transformer", "titans"):
+        cfg = load_config("configs/tiny_taper.yaml", [f"model.arch={arch}", "model.seq_len=8192", "parallel.cp=2",
+                                                      "train.global_batch=8", "train.micro_batch=1"])
+        predictor = Predictor(cfg, h100)
+        got = predictor.predict(cfg, 1, float("inf"))
+        blocks = predictor.rank_cp_messages(1, 1, "1f1b", 1, 2, True, False, 1)[0]
+        kinds = {kind for block in blocks for kind, _ in block}
+        assert len(blocks) == cfg.model.n_layers and got.step.cp > 0
+        if arch == "transformer":
+            assert kinds == {"allgather"}
+        else:  # at least the wavefront: one block's compute per micro-batch (cp - 1 = 1)
+            assert "chain" in kinds and "allgather" not in kinds
+            assert got.step.cp >= got.step.compute / cfg.model.n_layers
