@@ -49,7 +49,7 @@ def model_costs(cfg: ModelConfig, causal: bool = True) -> ModelCosts:
     return ModelCosts(layers, embedding, head_cost(cfg), widths)
 
 
-def head_cost(cfg: ModelConfig, vocab_parallel: bool = False, chunked: bool = False) -> Cost:
+def head_cost(cfg: ModelConfig, vocab_parallel: bool = False, chunked: bool = False, bf16: bool = False) -> Cost:
     """Final norm, output projection and the cross-entropy of the last stage.
 
     Kept for backward per token: the norm's, the projection's input, and the loss's [V]: in fp32
@@ -57,10 +57,10 @@ def head_cost(cfg: ModelConfig, vocab_parallel: bool = False, chunked: bool = Fa
     slice; the logits themselves, compute dtype, are not kept), or the logits in the compute
     dtype under train.loss_chunk (`chunked`, parallel/loss.py). Its backward's moment: besides
     those, the gradient of the log-softmax and of the logits (F.cross_entropy), or the scaled
-    softmax (vocab_parallel_cross_entropy, one pass): 2 or 1 more [V] in fp32 (under bf16 the
-    latter's cast to the logits' dtype beside it is not counted); chunked, the logits' gradient
-    [V] in the compute dtype (the fp32 chunks, a fixed number of tokens, are added by
-    cost/memory.py).
+    softmax (vocab_parallel_cross_entropy, one pass): 2 or 1 more [V] in fp32, the latter beside
+    its cast to the logits' dtype under bf16 (`bf16`: one more [V] in the compute dtype); chunked,
+    the logits' gradient [V] in the compute dtype (the fp32 chunks, a fixed number of tokens, are
+    added by cost/memory.py).
     """
     d, v = cfg.d_model, cfg.vocab_size
     params = d + (0 if cfg.tie_embeddings else v * d)
@@ -70,7 +70,7 @@ def head_cost(cfg: ModelConfig, vocab_parallel: bool = False, chunked: bool = Fa
         backward = Split(seq=d, logits=v)
     else:
         act = norm_act(d) + Split(whole=d, vocab=v)
-        backward = Split(seq=d, vocab=(1 if vocab_parallel else 2) * v)
+        backward = Split(seq=d, vocab=(1 if vocab_parallel else 2) * v, logits=v if vocab_parallel and bf16 else 0)
     return Cost(params, 2.0 * d * v, tp_params=tp_params, act=act, backward=(backward,))
 
 

@@ -354,8 +354,9 @@ def model_memory(cfg: ModelConfig, setup: MemorySetup, costs: ModelCosts | None 
     if setup.fsdp and not setup.pipelined:
         layers = _gathered_units(layers, setup)
     shares = _shares(cfg, setup.tp, cfg.taper.multiple)
-    head_piece = piece_memory(head_cost(cfg, vocab_parallel=setup.tp > 1, chunked=setup.loss_chunk > 0), shares,
-                              setup, tokens, False, cfg.d_model, block=False, matmul=not cfg.tie_embeddings)
+    head = head_cost(cfg, vocab_parallel=setup.tp > 1, chunked=setup.loss_chunk > 0, bf16=setup.bf16)
+    head_piece = piece_memory(head, shares, setup, tokens, False, cfg.d_model, block=False,
+                              matmul=not cfg.tie_embeddings)
     last = fsdp_units([p.params for p in layers], setup.dp_shard or setup.dp)[-1] if layers else []
     gathered = sum(layers[i].params for i in last) * setup.compute_bytes if setup.fsdp and not setup.pipelined else 0.0
     head_peak = max(head_piece.peak + loss_chunk_bytes(cfg, setup, tokens), head_weight_grad_moment(cfg, shares, setup,
