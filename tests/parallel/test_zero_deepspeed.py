@@ -8,9 +8,9 @@ bitwise at its own dp size from DeepSpeed's files and from the logical files alo
 opening only its own files), and within TOL at dp=1 without DeepSpeed (the logical files); a
 corrupted file of one rank stops every rank with the error naming it; tools/convert_checkpoint.py
 exports the same tensors from either source; a non-finite loss on one rank skips that step on
-every rank.
+every rank; DeepSpeed's shared-memory all-reduce op is not built on the CPU.
 
-DeepSpeed JIT-builds a C++ op on first use (30-100 s); it is cached in TORCH_EXTENSIONS_DIR
+C++ ops DeepSpeed JIT-builds (none on these layouts) are cached in TORCH_EXTENSIONS_DIR
 (test_zero.py's EXT_DIR).
 """
 import json
@@ -168,7 +168,9 @@ def test_convert_checkpoint_from_every_kind(runs, tmp_path):
 
 def _nonfinite_loss_on_rank1(overrides):
     """3 DeepSpeed steps; in step 2 rank 1's loss is made infinite while its gradients stay finite
-    (an infinite constant added): the non-finite policy must skip that step on every rank."""
+    (an infinite constant added): the non-finite policy must skip that step on every rank. Also
+    whether DeepSpeed's communication backend came up without its shared-memory op (not built)."""
+    import deepspeed.comm.comm
     import torch.distributed as dist
 
     from megatron_taper.config import load_config
@@ -186,7 +188,8 @@ def _nonfinite_loss_on_rank1(overrides):
     pm.loss_fn = poisoned
     records = [trainer.train_step() for _ in range(3)]
     return {"skipped": trainer.skipped, "engine_skipped": pm.engine.skipped_steps,
-            "stepped_losses": [float(r["loss"]) for r in records]}
+            "stepped_losses": [float(r["loss"]) for r in records],
+            "shm_comm_op_built": deepspeed.comm.comm.cdb.shm_comm_op is not None}
 
 
 def test_deepspeed_skips_a_step_whose_loss_is_non_finite(runs, tmp_path):
@@ -196,3 +199,4 @@ def test_deepspeed_skips_a_step_whose_loss_is_non_finite(runs, tmp_path):
     for r in out:
         assert r["skipped"] == 1 and r["engine_skipped"] == 1, r
         assert r["stepped_losses"][1] == float("inf") and all(map(math.isfinite, r["stepped_losses"][::2]))
+        assert not r["shm_comm_op_built"]  # parallel/zero_deepspeed.py skip_shm_comm_build
