@@ -15,8 +15,10 @@ flattens its parameter groups into fp32 partitions); with optimizer offload it r
 
 Known traps handled here: `gradient_clipping` is set from train.grad_clip (DeepSpeed's default is
 1.0, also when clipping was meant to be off); DS_ACCELERATOR=cpu is set (if unset) only when the
-run's device is the CPU; DeepSpeed JIT-builds C++ ops into TORCH_EXTENSIONS_DIR (tests/run.sh
-and the tests point it at .cache/torch_extensions); the process group is left through
+run's device is the CPU, and there DeepSpeed's shared-memory all-reduce op, which only its
+inference all-reduce uses, is not JIT-built (skip_shm_comm_build); C++ ops DeepSpeed does build go
+to TORCH_EXTENSIONS_DIR (tests/run.sh and the tests point it at .cache/torch_extensions); the
+process group is left through
 context.shutdown (barrier, then destroy), as DeepSpeed may abort at exit otherwise.
 DeepSpeed skips a step whose gradient norm is non-finite (in every precision); that is reported
 to the Trainer as a skipped step. A step whose loss is non-finite on any dp rank (the Trainer's
@@ -198,6 +200,20 @@ class Partition:
         return flat
 
 
+def skip_shm_comm_build() -> None:
+    """DeepSpeed's CPU communication backend JIT-builds its shared-memory all-reduce op at initialize
+    (30-100 s of compiling on 2 cores, once per TORCH_EXTENSIONS_DIR); only its inference_all_reduce
+    uses that op, which ZeRO training never calls (its collectives are torch.distributed's on our
+    gloo groups), and without it DeepSpeed falls back to torch.distributed. Marked incompatible in
+    DeepSpeed's table of compatible ops, it is not built."""
+    import deepspeed.ops
+    from deepspeed.accelerator import get_accelerator
+
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if builder is not None:
+        deepspeed.ops.__compatible_ops__[builder.NAME] = False
+
+
 @dataclass
 class DeepSpeedParallelModel(ParallelModel):
     options: DeepSpeedConfig | None = None  # parallel.deepspeed
@@ -223,6 +239,8 @@ class DeepSpeedParallelModel(ParallelModel):
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
         import deepspeed
 
+        if self.ctx.device.type == "cpu":
+            skip_shm_comm_build()
         base = build_optimizer(self.module, train, self.ctx.device)
         self.engine, optimizer, _, _ = deepspeed.initialize(
             model=self.module, optimizer=base, config=deepspeed_config(train, self.options, self.ctx),
