@@ -306,6 +306,7 @@ class Predictor:
         """The prediction for `cfg` (legal: preflight accepted it) at data-parallel size `dp`."""
         p, t = cfg.parallel, cfg.train
         bf16 = uses_bf16(t.precision, self.device)
+        _check_peak(self.device, bf16, t.float8)
         micro_batch, m = step_split(p, t, dp)
         setup = MemorySetup.from_config(p, t, dp, bf16, micro_batch=micro_batch, microbatches=m)
         virtual = p.virtual_stages if p.pp > 1 else 1
@@ -324,6 +325,17 @@ class Predictor:
         mfu = 3.0 * self.costs.total_flops * tokens / (gpus * peak * 1e12)
         values = {key: _get(cfg, key) for key, _ in SEARCH_SPACE}
         return Prediction(values, layout, peaks, step, tokens, mfu, max(peaks) <= memory_limit)
+
+
+def _check_peak(device: DeviceProfile, bf16: bool, float8: bool) -> None:
+    """ConfigError unless the device profile has a peak for the step's matmul dtype (step_time
+    divides by it): e.g. train.precision=bf16 on the cpu profile, whose bf16_tflops is 0."""
+    key, field = (("train.float8=true", "fp8_tflops") if float8 else ("train.precision=bf16", "bf16_tflops")
+                  if bf16 else ("train.precision=fp32", "fp32_tflops"))
+    if getattr(device, field) <= 0:
+        raise ConfigError(f"{key}: the {device.profile} device profile ({device.name} in cost/devices.json) has "
+                          f"{field} {getattr(device, field):g}, so no step time can be predicted for it; plan "
+                          f"another train.precision / train.float8 or a profile with that peak")
 
 
 def _get(cfg: Config, key: str) -> Any:

@@ -15,7 +15,7 @@ from megatron_taper.cost.devices import profiles
 from megatron_taper.cost.memory import GIB
 from megatron_taper.cost.step_time import RankWork, StepLayout, bandwidth, bubble_fraction, ring_seconds, step_time
 from megatron_taper.parallel.pipeline import plan_stages
-from megatron_taper.plan import SEARCH_SPACE, USABLE_FRACTION, reason, with_values
+from megatron_taper.plan import SEARCH_SPACE, USABLE_FRACTION, Predictor, reason, with_values
 from megatron_taper.preflight import preflight
 from megatron_taper.validation import ConfigError
 from tests.helpers.runner import REPO
@@ -186,3 +186,18 @@ def test_refusals_skipped_at_other_train_values_are_the_ones_preflight_gives():
     assert result.candidates == len(seen) and result.legal == len(seen) - sum(dropped.values())
     assert {k: v for k, v in result.dropped.items() if not k.startswith("predicted peak")} == dropped
     assert any("dualpipev" in k for k in dropped)
+
+
+def test_a_profile_without_the_precisions_peak_is_one_clear_error():
+    """The cpu profile has no bf16 (nor fp8) peak: predicting a bf16 or float8 step on it names the
+    setting, the profile and the field (step_time would divide by the zero peak), fp32 predicts."""
+    cfg = load_config(None, ["model.n_layers=2", "model.d_model=64", "model.n_heads=4", "model.vocab_size=256",
+                             "model.seq_len=32", "train.precision=bf16"])
+    cpu = profiles()["cpu"]
+    with pytest.raises(ConfigError, match=r"^train.precision=bf16: the cpu device profile .* has bf16_tflops 0,"):
+        Predictor(cfg, cpu).predict(cfg, 1, float("inf"))
+    fp8 = with_values(cfg, {"train.precision": "fp32", "train.float8": True})
+    with pytest.raises(ConfigError, match=r"^train.float8=true: the cpu device profile .* has fp8_tflops 0,"):
+        Predictor(fp8, cpu).predict(fp8, 1, float("inf"))
+    fp32 = with_values(cfg, {"train.precision": "fp32"})
+    assert Predictor(fp32, cpu).predict(fp32, 1, float("inf")).step.total > 0
