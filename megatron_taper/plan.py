@@ -44,7 +44,7 @@ from megatron_taper.parallel.partition import (
     chunk_rank,
     in_flight_microbatches,
     interleaved_activations,
-    interleaved_in_flight,
+    multi_chunk_activations,
     partition,
 )
 from megatron_taper.preflight import preflight, step_split
@@ -230,11 +230,11 @@ class Predictor:
     def rank_peaks(self, setup: MemorySetup, pp: int, virtual: int, schedule: str) -> list[float]:
         """Predicted peak bytes of each pipeline rank: the memory model per stage at v = 1; with
         several chunks per rank, its chunks' static bytes and buffers and
-        partition.interleaved_activations of its chunks (the rule of PipelinePlan.rank_peak_bytes)
-        with in flight = torch's count for interleaved 1F1B (interleaved_in_flight), Megatron's
-        warm-up count (pp - r - 1) x 2 + (v - 1) x pp + 1 (at most m x v) for the zero-bubble and V
-        schedules (an estimate: their deferred weight gradients are not modelled; ZB-V measured
-        6% high / 7% low, docs/planning.md)."""
+        partition.multi_chunk_activations of its chunks (the rule of PipelinePlan.rank_peak_bytes:
+        interleaved 1F1B, ZB-V by its action list); for interleaved_zero_bubble and dualpipev,
+        not modelled there, interleaved_activations with Megatron's warm-up count
+        (pp - r - 1) x 2 + (v - 1) x pp + 1 (at most m x v) in flight (an estimate: their deferred
+        weight gradients are not modelled, docs/planning.md)."""
         key = (setup, pp, virtual, schedule)
         if key in self._peaks:
             return self._peaks[key]
@@ -250,14 +250,14 @@ class Predictor:
             for r in range(pp):
                 ids = [c for c in range(n_chunks) if chunk_rank(c, pp, schedule in V_SCHEDULES) == r]
                 mine = [chunks[c] for c in ids]
-                fixed = sum(s.static + s.buffers for s in mine)
-                if schedule == "interleaved_1f1b":  # PipelinePlan.rank_peak_bytes's count (measured)
-                    flight = interleaved_in_flight(pp, virtual, m, r)
-                else:
+                kept, tops = [s.kept for s in mine], [s.activations for s in mine]
+                act = multi_chunk_activations(schedule, pp, m, r, ids, n_chunks, kept, tops,
+                                              [s.retained for s in mine])
+                if act is None:  # interleaved_zero_bubble, dualpipev: Megatron's warm-up count (estimate)
                     flight = min(m * virtual, (pp - r - 1) * 2 + (virtual - 1) * pp + 1)
-                last = ids.index(n_chunks - 1) if n_chunks - 1 in ids else None
-                peaks.append(fixed + interleaved_activations([s.kept for s in mine], [s.activations for s in mine],
-                                                             flight, last))
+                    act = interleaved_activations(kept, tops, flight, ids.index(n_chunks - 1)
+                                                  if n_chunks - 1 in ids else None)
+                peaks.append(sum(s.static + s.buffers for s in mine) + act)
         self._peaks[key] = peaks
         return peaks
 
@@ -276,7 +276,8 @@ class Predictor:
         lo, hi, n = bounds[index], bounds[index + 1], len(in_flight)
         static, act, fixed = model.stage_parts(index, n, lo, hi, static_pre, kept_pre, self._tables[setup])
         kept = kept_pre[hi] - kept_pre[lo] + (mm.head.kept if index == n - 1 else 0.0)
-        return StageMemory(static=static, activations=act, buffers=fixed, kept=kept, in_flight=in_flight[index])
+        return StageMemory(static=static, activations=act, buffers=fixed, kept=kept, in_flight=in_flight[index],
+                           retained=mm.retained(lo, hi, index == n - 1))
 
     def rank_work(self, mm: ModelMemory, pp: int, virtual: int, schedule: str, mode: str, every: int
                   ) -> list[RankWork]:

@@ -175,6 +175,20 @@ class MemorySetup:
         param = self.compute_bytes if matmul else 4.0
         return param + (4.0 if self.pipelined else param)
 
+    def made_grad_bytes_per_param(self) -> float:
+        """Of the state and unsharded bytes, the gradients that do not exist before a step's first
+        backward makes them: the optimizer step zeroes gradients with set_to_none except behind
+        DDP (whose gradients are views into its buckets) and FSDP2 frees its unsharded ones at the
+        reduce-scatter. fsdp2 under pipelining: the unsharded fp32 gradient (4); fsdp2 otherwise:
+        the sharded one (4 / s); zero=none without DDP (dp x cp = 1): 4; DDP, DeepSpeed (its
+        partitions, not measured), `bytes_per_param` and setups without the optimizer step (the
+        activation benchmarks' gradients stay resident): 0."""
+        if self.bytes_per_param is not None or not self.optimizer or self.zero == "deepspeed":
+            return 0.0
+        if self.fsdp:
+            return 4.0 if self.pipelined else 4.0 / (self.dp_shard or self.dp)
+        return 4.0 if self.dp * self.cp == 1 else 0.0
+
     def cast_bytes_per_param(self) -> float:
         """bf16 autocast's copies of fp32 weights, kept for backward (fsdp2 at dp > 1 gathers the
         matmul weights in bf16 instead: nothing to cast)."""
@@ -185,12 +199,19 @@ class MemorySetup:
 class PieceMemory:
     """One block, the embedding or the head, on one rank: bytes for the whole stage's step
     (`static`), kept by one micro-batch for backward (`kept`), and the largest moment of its
-    backward (`peak`: its own activations, recomputed or kept, plus gradient buffers)."""
+    backward (`peak`: its own activations, recomputed or kept, plus gradient buffers), and what
+    a split backward's input pass leaves besides `kept` until its weight pass (`retained`, the
+    zero-bubble schedules: torch.distributed.pipelining's stage_backward_input keeps the graph and
+    the gradients of the outputs of the ops that hold weights; counted as the `op_act` elements,
+    all of the activations where a family does not count them; the head: the logits' gradient,
+    less the unchunked loss's saved tensor, freed with the loss's graph)."""
 
     params: float  # tp-local parameters
     static: float
     kept: float
     peak: float
+    retained: float = 0.0
+    grads: float = 0.0  # of `static`: gradients made by the step's first backward (made_grad_bytes_per_param)
 
 
 @dataclass(frozen=True)
@@ -212,7 +233,12 @@ class ModelMemory:
         static_pre, kept_pre = _prefix(model.static), _prefix(model.act)
         static, act, fixed = model.stage_parts(index, n_stages, lo, hi, static_pre, kept_pre)
         kept = kept_pre[hi] - kept_pre[lo] + (self.head.kept if index == n_stages - 1 else 0.0)
-        return StageMemory(static=static, activations=act, buffers=fixed, kept=kept, in_flight=in_flight)
+        return StageMemory(static=static, activations=act, buffers=fixed, kept=kept, in_flight=in_flight,
+                           retained=self.retained(lo, hi, index == n_stages - 1))
+
+    def retained(self, lo: int, hi: int, last: bool) -> float:
+        """PieceMemory.retained of a stage holding layers lo..hi-1 (and the head if `last`)."""
+        return sum(p.retained for p in self.layers[lo:hi]) + (self.head.retained if last else 0.0)
 
 
 @dataclass(frozen=True)
@@ -222,6 +248,7 @@ class StageMemory:
     buffers: float  # pipeline p2p buffers
     kept: float  # K: one micro-batch's
     in_flight: int
+    retained: float = 0.0  # after a split backward's input pass, besides K (PieceMemory.retained)
 
     @property
     def total(self) -> float:
@@ -317,7 +344,9 @@ def piece_memory(cost: Cost, shares: Split, setup: MemorySetup, tokens: int, rec
         kept = full
     else:
         kept = boundary_bytes(d_model, tokens, setup) + act_bytes_per_token(cost.op_kept, shares, setup) * tokens
-    return PieceMemory(params, static, kept, peak)
+    op = cost.op_kept
+    retained = act_bytes_per_token(_activations(cost) if op is None else op, shares, setup) * tokens
+    return PieceMemory(params, static, kept, peak, retained, params * setup.made_grad_bytes_per_param())
 
 
 def boundary_bytes(d_model: int, tokens: int, setup: MemorySetup) -> float:
@@ -344,7 +373,11 @@ def model_memory(cfg: ModelConfig, setup: MemorySetup, costs: ModelCosts | None 
     gathered = sum(layers[i].params for i in last) * setup.compute_bytes if setup.fsdp and not setup.pipelined else 0.0
     head_peak = max(head_piece.peak + loss_chunk_bytes(cfg, setup, tokens), head_weight_grad_moment(cfg, shares, setup,
                                                                                                   head_piece, tokens))
-    head_piece = dataclasses.replace(head_piece, peak=head_peak + gathered)
+    # the split backward's input pass keeps the logits' gradient and frees the loss's graph
+    # (torch detaches the loss), with it the unchunked loss's saved tensor
+    retained = (act_bytes_per_token(Split(logits=cfg.vocab_size), shares, setup) * tokens
+                - loss_saved_bytes(cfg, shares, setup, tokens))
+    head_piece = dataclasses.replace(head_piece, peak=head_peak + gathered, retained=retained)
     head_piece = _with_stage_output(head_piece, cfg, shares, setup, tokens)
     layers = _root_gradient(layers, head_piece, setup, matmul=not cfg.tie_embeddings)
     embedding = piece_memory(costs.embedding, shares, setup, tokens, False, cfg.d_model, block=False, matmul=False)
@@ -397,15 +430,26 @@ def context_parallel_cost(cost: Cost, cfg: ModelConfig, setup: MemorySetup) -> C
 def head_weight_grad_moment(cfg: ModelConfig, shares: Split, setup: MemorySetup, head: PieceMemory, tokens: int
                             ) -> float:
     """The head's backward at its output projection, where gradients accumulate over micro-batches
-    (pipelining or gradient accumulation; else 0): what the head keeps, the logits' gradient
-    [b, S, V / tp] in the compute dtype and the projection's new weight gradient [V / tp, d]
-    before it is added to the existing one (fp32, also under bf16 autocast: its bf16 form is not
-    seen beside it in the measured peaks, docs/memory_model.md). With the chunked loss this
-    outgrows the loss's chunk buffers where d_model is large against loss_chunk."""
+    (pipelining or gradient accumulation; else 0): what the head keeps less the unchunked loss's
+    saved fp32 [V] per token (loss_saved_bytes: autograd frees it once the loss's backward has run,
+    before the projection's), the logits' gradient [b, S, V / tp] in the compute dtype and the
+    projection's new weight gradient [V / tp, d] before it is added to the existing one (fp32, also
+    under bf16 autocast: its bf16 form is not seen beside it in the measured peaks,
+    docs/memory_model.md). With the chunked loss this outgrows the loss's chunk buffers where
+    d_model is large against loss_chunk; unchunked it is at most the loss's moment unless d_model
+    is large against the micro-batch's tokens."""
     if not setup.pipelined and setup.microbatches <= 1:
         return 0.0
     weight = 4.0 * cfg.vocab_size * largest_share(cfg.vocab_size, setup.tp) * cfg.d_model
-    return head.kept + act_bytes_per_token(Split(logits=cfg.vocab_size), shares, setup) * tokens + weight
+    logits_grad = act_bytes_per_token(Split(logits=cfg.vocab_size), shares, setup) * tokens
+    return head.kept - loss_saved_bytes(cfg, shares, setup, tokens) + logits_grad + weight
+
+
+def loss_saved_bytes(cfg: ModelConfig, shares: Split, setup: MemorySetup, tokens: int) -> float:
+    """The unchunked loss's saved fp32 [b, S, V / tp] (F.cross_entropy's log-softmax, the
+    vocab-parallel loss's softmax of the rank's slice); 0 under train.loss_chunk (its saved
+    tensors are the logits, which the pipeline keeps too)."""
+    return 0.0 if setup.loss_chunk > 0 else act_bytes_per_token(Split(vocab=cfg.vocab_size), shares, setup) * tokens
 
 
 def _with_stage_output(head: PieceMemory, cfg: ModelConfig, shares: Split, setup: MemorySetup, tokens: int
@@ -466,7 +510,9 @@ def to_memory_model(mm: ModelMemory, in_flight: Sequence[int], limits: Sequence[
         limits=list(limits), first_static=mm.embedding.static, first_act=mm.embedding.kept,
         last_static=mm.head.static, last_act=mm.head.kept, key=key, peak=[p.peak for p in mm.layers],
         last_peak=mm.head.peak - mm.head.kept,
-        fixed=[b + engine for b in pipeline_buffers(mm.io, in_flight, mm.setup.microbatches)])
+        fixed=[b + engine for b in pipeline_buffers(mm.io, in_flight, mm.setup.microbatches)],
+        grad_prefix=_prefix([p.grads for p in mm.layers]), first_grads=mm.embedding.grads,
+        last_grads=mm.head.grads, microbatches=mm.setup.microbatches)
 
 
 def _prefix(values: Sequence[float]) -> list[float]:
@@ -496,6 +542,12 @@ class MemoryModel:
     peak: Sequence[float] = ()
     last_peak: float = 0.0  # bytes besides everything the stage keeps while the head's backward runs
     fixed: Sequence[float] = field(default_factory=list)  # per stage, whatever its layers (buffers)
+    # prefix sums over the layers of the gradients in `static` that the step's first backward makes
+    # (PieceMemory.grads), the embedding's and head's; empty = resident through the step
+    grad_prefix: Sequence[float] = ()
+    first_grads: float = 0.0
+    last_grads: float = 0.0
+    microbatches: int = 0  # micro-batches of a stage per step (0: not known, the in-flight count)
 
     def peak_table(self, act_prefix: Sequence[float]) -> list[list[float]]:
         """table[lo][hi - lo - 1] = max over l in [lo, hi) of act_prefix[l] + peak[l]."""
@@ -526,7 +578,18 @@ class MemoryModel:
         table = table or self.peak_table(act_prefix)
         blocks = table[lo][hi - lo - 1] - act_prefix[lo] + (self.first_act if first else 0.0)
         top = max(blocks, act + self.last_peak if last else act)
-        return static, act * (n - 1) + top, fixed
+        if not self.grad_prefix:
+            return static, act * (n - 1) + top, fixed
+        # the step's first backward runs beside the warm-up's n micro-batches before the stage's
+        # gradients exist (those made before its top moment are not counted); the next one has
+        # them, beside n micro-batches again if a forward comes between (m > n), else n - 1
+        grads = (self.grad_prefix[hi] - self.grad_prefix[lo] + (self.first_grads if first else 0.0)
+                 + (self.last_grads if last else 0.0))
+        first_backward = act * (n - 1) + top - grads
+        m = self.microbatches or n
+        if m <= 1:
+            return static, first_backward, fixed
+        return static, max(first_backward, act * (n - 1 if m > n else n - 2) + top), fixed
 
     def stage_bytes(self, stage: int, n_stages: int, lo: int, hi: int, static_prefix: Sequence[float],
                     act_prefix: Sequence[float], table: list[list[float]] | None = None) -> float:

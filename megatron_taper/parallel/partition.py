@@ -190,6 +190,7 @@ class StagePlan:
     peak_bytes: float = 0.0  # static_bytes + act_bytes: the predicted peak of one rank (v = 1)
     kept_bytes: float = 0.0  # one micro-batch's activations kept for backward (K)
     buffer_bytes: float = 0.0  # its p2p buffers (in act_bytes)
+    retained_bytes: float = 0.0  # one micro-batch's, after a split backward's input pass (PieceMemory.retained)
 
 
 @dataclass
@@ -222,22 +223,114 @@ class PipelinePlan:
         return sum(self.stages[c].static_bytes for c in self.rank_chunks(pp_rank))
 
     def rank_peak_bytes(self, pp_rank: int) -> float | None:
-        """Predicted peak of a pp rank with all its chunks; None where not modelled (the
-        zero-bubble schedules, whose deferred weight gradients keep activations longer).
-        Interleaved 1F1B: the chunks' static bytes and p2p buffers plus interleaved_activations
-        with n = interleaved_in_flight."""
+        """Predicted peak of a pp rank with all its chunks: their static bytes and p2p buffers
+        plus multi_chunk_activations; None where that is not modelled (interleaved_zero_bubble,
+        dualpipev)."""
         ids = self.rank_chunks(pp_rank)
         chunks = [self.stages[c] for c in ids]
         if len(chunks) == 1:
             return chunks[0].peak_bytes
-        if self.schedule != "interleaved_1f1b" or self.memory is None:
+        if self.memory is None:
             return None
-        n = interleaved_in_flight(self.pp, len(chunks), self.memory.microbatches, pp_rank)
-        last = len(self.stages) - 1
-        tops = [s.act_bytes - s.buffer_bytes for s in chunks]
-        return (self.rank_static_bytes(pp_rank) + sum(s.buffer_bytes for s in chunks)
-                + interleaved_activations([s.kept_bytes for s in chunks], tops, n,
-                                          ids.index(last) if last in ids else None))
+        act = multi_chunk_activations(self.schedule, self.pp, self.memory.microbatches, pp_rank, ids,
+                                      len(self.stages), [s.kept_bytes for s in chunks],
+                                      [s.act_bytes - s.buffer_bytes for s in chunks],
+                                      [s.retained_bytes for s in chunks])
+        return None if act is None else self.rank_static_bytes(pp_rank) + sum(s.buffer_bytes for s in chunks) + act
+
+
+def multi_chunk_activations(schedule: str, pp: int, microbatches: int, pp_rank: int, chunk_ids: Sequence[int],
+                            n_chunks: int, kept: Sequence[float], tops: Sequence[float], retained: Sequence[float]
+                            ) -> float | None:
+    """Activation bytes at the peak of pp rank `pp_rank` holding the chunks `chunk_ids` (of
+    `n_chunks`, in schedule order) that keep `kept` per micro-batch, reach `tops` in their
+    backward and keep `retained` more between a split backward's passes: interleaved 1F1B by
+    interleaved_activations (n = interleaved_in_flight), ZB-V by walking torch's action list
+    (zbv_actions, split_backward_activations); None for the other schedules (not modelled)."""
+    if schedule == "zbv":
+        return split_backward_activations(zbv_actions(pp, microbatches, pp_rank), kept, tops, retained,
+                                          chunk_ids.index(0) if 0 in chunk_ids else None)
+    if schedule != "interleaved_1f1b":
+        return None
+    n = interleaved_in_flight(pp, len(chunk_ids), microbatches, pp_rank)
+    return interleaved_activations(kept, tops, n, chunk_ids.index(n_chunks - 1) if n_chunks - 1 in chunk_ids else None)
+
+
+def zbv_actions(pp: int, microbatches: int, rank: int) -> list[tuple[str, int, int]]:
+    """The actions of pp rank `rank` under torch.distributed.pipelining's ScheduleZBVZeroBubble
+    (its _calculate_single_rank_operations, torch 2.13), in order: (F forward | I input-gradient
+    pass | W weight-gradient pass, local chunk 0 = stage `rank` or 1 = stage 2 pp - 1 - rank,
+    micro-batch). tests/parallel/test_plan_layout.py compares it with torch's."""
+    n = max(2 * pp - 1, microbatches)  # torch plans at least this many, then drops the extra ones
+    ops: list[tuple[str, int, int]] = []
+    count = {("F", 0): 0, ("F", 1): 0, ("B", 0): 0, ("B", 1): 0}
+
+    def fwd(chunk: int) -> None:
+        ops.append(("F", chunk, count[("F", chunk)]))
+        count[("F", chunk)] += 1
+
+    def bwd(chunk: int, weight: bool = True) -> None:
+        ops.append(("I", chunk, count[("B", chunk)]))
+        if weight:
+            ops.append(("W", chunk, count[("B", chunk)]))
+        count[("B", chunk)] += 1
+
+    for _ in range(2 * (pp - rank) - 1):
+        fwd(0)
+    for _ in range(rank):
+        fwd(1)
+        fwd(0)
+    for _ in range(pp - rank):
+        fwd(1)
+        bwd(1)
+    while count[("F", 1)] < count[("F", 0)] or count[("F", 0)] < n:
+        if count[("F", 0)] < n:
+            fwd(0)
+        bwd(0)
+        fwd(1)
+        bwd(1)
+    w = {0: count[("B", 0)], 1: count[("B", 1)]}
+    for _ in range(rank):
+        bwd(0, weight=False)
+        bwd(1, weight=False)
+    for _ in range(pp - rank):
+        bwd(0, weight=False)
+        ops.append(("W", 0, w[0]))
+        w[0] += 1
+    for chunk in (1, 0):
+        while w[chunk] < count[("B", chunk)]:
+            ops.append(("W", chunk, w[chunk]))
+            w[chunk] += 1
+    return [op for op in ops if op[2] < microbatches]
+
+
+def split_backward_activations(actions: Sequence[tuple[str, int, int]], kept: Sequence[float],
+                               tops: Sequence[float], retained: Sequence[float], first: int | None) -> float:
+    """Activation bytes at the peak of a rank running `actions` (zbv_actions' form) on chunks that
+    keep `kept` per micro-batch after F, reach `tops` in a backward (PieceMemory.peak's moments
+    over the chunk, the head's new weight gradient included) and keep `retained` more from I to W.
+    I of a micro-batch: the other micro-batches' bytes plus its chunk's top; then kept + retained
+    until its W, whose moment is the larger of that and the top. The first stage's chunk (`first`:
+    its index, or None) has no input gradient to make: torch skips its I and runs the whole
+    backward at W. Each moment is the bytes held besides the micro-batch being processed plus its
+    own (the forward's transients are not counted)."""
+    held: dict[tuple[int, int], float] = {}
+    peak = 0.0
+    for kind, chunk, mb in actions:
+        rest = sum(v for k, v in held.items() if k != (chunk, mb))
+        if kind == "F":
+            held[(chunk, mb)] = kept[chunk]
+            peak = max(peak, rest + kept[chunk])
+        elif chunk == first:
+            if kind == "W":
+                peak = max(peak, rest + tops[chunk])
+                del held[(chunk, mb)]
+        elif kind == "I":
+            peak = max(peak, rest + tops[chunk])
+            held[(chunk, mb)] = kept[chunk] + retained[chunk]
+        else:
+            peak = max(peak, rest + max(tops[chunk], held.pop((chunk, mb))))
+    return peak
 
 
 def interleaved_activations(kept: Sequence[float], tops: Sequence[float], n: int, last: int | None) -> float:
@@ -303,7 +396,8 @@ def plan_pipeline(model_cfg: ModelConfig, pp: int, *, virtual: int = 1, balance:
         if len(limits) != pp:
             raise ValueError(f"{memory_key}: {len(limits)} limits given for parallel.pp={pp} stages")
         limits = [g * GIB for g in limits]
-    memory = to_memory_model(model_memory(model_cfg, setup), in_flight, limits, memory_key)
+    mm = model_memory(model_cfg, setup)
+    memory = to_memory_model(mm, in_flight, limits, memory_key)
 
     flops = [c.flops for c in costs.layers]
     if balance == "flops":
@@ -334,6 +428,7 @@ def plan_pipeline(model_cfg: ModelConfig, pp: int, *, virtual: int = 1, balance:
         kept = (act_pre[layers[-1] + 1] - act_pre[layers[0]] + (memory.first_act if c == 0 else 0.0)
                 + (memory.last_act if c == n_chunks - 1 else 0.0))
         stages.append(StagePlan(layers, chunk_rank(c, pp, v_shape), by_flops.costs[c], params, static, act + fixed,
-                                part.costs[c], static + act + fixed, kept, fixed))
+                                part.costs[c], static + act + fixed, kept, fixed,
+                                mm.retained(layers[0], layers[-1] + 1, c == n_chunks - 1)))
     return PipelinePlan(pp, virtual, balance, stages, by_flops.bottleneck_over_ideal,
                         uniform_flops.bottleneck_over_ideal, uniform.stages, setup, v_shape, schedule)
