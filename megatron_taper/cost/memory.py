@@ -22,7 +22,9 @@ static   per tp-local parameter P of the stage: parameters, gradients, AdamW sta
          head's unsharded gradient from its backward to the end of the backward (in the blocks'
          moments; it is reduce-scattered then, measured: docs/memory_model.md); bf16 autocast (every
          layout but fsdp2 at dp x cp > 1, which gathers matmul weights in bf16) keeps a bf16 copy of
-         every weight it casts (2 bytes per P).
+         every weight it casts (2 bytes per P), except the blocks' under train.float8 (torchao's
+         Float8Linear saves the fp32 weight and casts it to float8 per matmul; its casts are
+         transient, and its step adds nothing else measured on the CPU: docs/memory_model.md).
 K        bytes one micro-batch keeps for backward: sum over the stage's blocks of their saved
          activations (cost/block.py: per token x tokens per micro-batch, plus any kept once
          per micro-batch), or of their input [b, S, d] alone for the blocks that recompute
@@ -110,6 +112,7 @@ class MemorySetup:
     dp_shard: int = 0  # fsdp2: ranks the state is sharded over (dp x cp; HSDP: parallel.dp_shard); 0 = dp
     pipelined: bool = False  # pp > 1
     bf16: bool = False  # autocast to bf16 (train.precision on the device)
+    float8: bool = False  # train.float8: the blocks' linears are torchao Float8Linear (parallel/float8.py)
     activation_checkpointing: str = "none"  # none | full | selective | op
     ac_every: int = 2
     loss_chunk: int = 0  # tokens per chunk of the cross entropy (train.loss_chunk); 0 = unchunked
@@ -133,7 +136,7 @@ class MemorySetup:
                    cp=parallel.cp, cp_ring=parallel.cp_attention == "ring",
                    zero=parallel.zero,
                    dp_shard=parallel.dp_split(dp)[1] * parallel.cp if parallel.zero == "fsdp2" else 0,
-                   pipelined=parallel.pp > 1, bf16=bf16,
+                   pipelined=parallel.pp > 1, bf16=bf16, float8=train.float8,
                    activation_checkpointing=train.activation_checkpointing, ac_every=train.ac_every,
                    loss_chunk=train.loss_chunk,
                    micro_batch=micro_batch or train.micro_batch, microbatches=microbatches,
@@ -327,7 +330,9 @@ def piece_memory(cost: Cost, shares: Split, setup: MemorySetup, tokens: int, rec
     parameters are matmul weights (not an embedding). A recomputed piece keeps its input, and
     under activation_checkpointing=op also its `op_act` (all of `act` where that is unknown)."""
     params = local_params(cost, shares)
-    static = params * (setup.state_bytes_per_param() + setup.cast_bytes_per_param())
+    # float8: torchao's matmul saves the blocks' fp32 weights uncast (no bf16 copy; measured)
+    cast = 0.0 if block and setup.float8 else setup.cast_bytes_per_param()
+    static = params * (setup.state_bytes_per_param() + cast)
     if setup.pipelined:
         static += params * setup.unsharded_bytes_per_param(matmul)
     elif not block and setup.fsdp:  # the root's weights stay gathered; its gradient: _root_gradient

@@ -99,3 +99,22 @@ def test_head_weight_gradient_moment(loss_chunk):
     assert act_bytes_per_token(Split(vocab=v), shares, setup) * tokens == 4 * tokens * v
     assert head_weight_grad_moment(cfg, shares, dataclasses.replace(setup, pipelined=False, microbatches=1), head,
                                    tokens) == 0.0
+
+
+def test_float8_blocks_keep_no_bf16_weight_copy():
+    """Under bf16 autocast the blocks' linears, torchao Float8Linear under train.float8, save their
+    fp32 weights uncast: 2 bytes per block parameter fewer; the head keeps its bf16 copy; fp32
+    has no copies either way (train.float8 reaches the setup through from_config)."""
+    cfg = load_config(None, ["model.n_layers=2", "model.d_model=64", "model.n_heads=4", "model.vocab_size=512",
+                             "model.seq_len=128", "train.float8=true"])
+    costs = model_costs(cfg.model)
+    setup = MemorySetup.from_config(cfg.parallel, cfg.train, dp=1, bf16=True)
+    assert setup.float8
+    with_f8 = model_memory(cfg.model, setup, costs)
+    without = model_memory(cfg.model, dataclasses.replace(setup, float8=False), costs)
+    for a, b in zip(with_f8.layers, without.layers):
+        assert b.static - a.static == pytest.approx(2.0 * a.params, rel=1e-12)
+    assert with_f8.head.static == without.head.static
+    fp32 = dataclasses.replace(setup, bf16=False)
+    assert model_memory(cfg.model, fp32, costs).layers[0].static == model_memory(
+        cfg.model, dataclasses.replace(fp32, float8=False), costs).layers[0].static
