@@ -48,6 +48,15 @@ top      the largest moment of the backward of the micro-batch being processed: 
          buffers); fsdp2 without pipelining adds the gathered parameters and unsharded gradients
          of the block's FSDP unit (`fsdp_units`: consecutive blocks grouped) and of the unit
          before it (prefetched).
+first backward: the gradients a step makes (made_grad_bytes_per_param: set to None between
+         steps except behind DDP; FSDP2 frees its unsharded ones at the reduce-scatter) are not
+         there in its first backward, beside the warm-up's n micro-batches: the activations term
+         is max((n - 1) K + top - those gradients, the next backward's: (n - 1) K + top if a
+         forward comes between (m > n), (n - 2) K + top if not; none if m = 1).
+retained (the split backward of ZB-V, parallel/partition.py split_backward_activations) what
+         stage_backward_input leaves until the weight pass: the gradients of the weight ops'
+         outputs (`op_act` elements, all of `act` where unknown); the head's logits' gradient
+         less the unchunked loss's saved tensor (freed with the detached loss's graph).
 buffers  torch.distributed.pipelining's p2p buffers, [b, S, d] each: a non-first stage keeps
          a receive buffer per micro-batch of the step (those of the n in flight are the inputs
          counted in K), a non-last stage a gradient receive buffer per micro-batch and the
@@ -179,13 +188,9 @@ class MemorySetup:
         return param + (4.0 if self.pipelined else param)
 
     def made_grad_bytes_per_param(self) -> float:
-        """Of the state and unsharded bytes, the gradients that do not exist before a step's first
-        backward makes them: the optimizer step zeroes gradients with set_to_none except behind
-        DDP (whose gradients are views into its buckets) and FSDP2 frees its unsharded ones at the
-        reduce-scatter. fsdp2 under pipelining: the unsharded fp32 gradient (4); fsdp2 otherwise:
-        the sharded one (4 / s); zero=none without DDP (dp x cp = 1): 4; DDP, DeepSpeed (its
-        partitions, not measured), `bytes_per_param` and setups without the optimizer step (the
-        activation benchmarks' gradients stay resident): 0."""
+        """The gradients (of the bytes above) a step's first backward makes (module doc): fsdp2
+        pipelined the unsharded fp32 one, else the sharded 4 / s; zero=none without DDP 4; DDP
+        (bucket views), DeepSpeed (not measured), bytes_per_param, no optimizer step: 0."""
         if self.bytes_per_param is not None or not self.optimizer or self.zero == "deepspeed":
             return 0.0
         if self.fsdp:
@@ -203,11 +208,8 @@ class PieceMemory:
     """One block, the embedding or the head, on one rank: bytes for the whole stage's step
     (`static`), kept by one micro-batch for backward (`kept`), and the largest moment of its
     backward (`peak`: its own activations, recomputed or kept, plus gradient buffers), and what
-    a split backward's input pass leaves besides `kept` until its weight pass (`retained`, the
-    zero-bubble schedules: torch.distributed.pipelining's stage_backward_input keeps the graph and
-    the gradients of the outputs of the ops that hold weights; counted as the `op_act` elements,
-    all of the activations where a family does not count them; the head: the logits' gradient,
-    less the unchunked loss's saved tensor, freed with the loss's graph)."""
+    a split backward's input pass leaves besides `kept` until its weight pass (`retained`, module
+    doc)."""
 
     params: float  # tp-local parameters
     static: float
@@ -436,13 +438,10 @@ def head_weight_grad_moment(cfg: ModelConfig, shares: Split, setup: MemorySetup,
                             ) -> float:
     """The head's backward at its output projection, where gradients accumulate over micro-batches
     (pipelining or gradient accumulation; else 0): what the head keeps less the unchunked loss's
-    saved fp32 [V] per token (loss_saved_bytes: autograd frees it once the loss's backward has run,
-    before the projection's), the logits' gradient [b, S, V / tp] in the compute dtype and the
-    projection's new weight gradient [V / tp, d] before it is added to the existing one (fp32, also
-    under bf16 autocast: its bf16 form is not seen beside it in the measured peaks,
-    docs/memory_model.md). With the chunked loss this outgrows the loss's chunk buffers where
-    d_model is large against loss_chunk; unchunked it is at most the loss's moment unless d_model
-    is large against the micro-batch's tokens."""
+    saved fp32 [V] per token (freed once the loss's backward has run), the logits' gradient
+    [b, S, V / tp] (compute dtype) and the new fp32 weight gradient [V / tp, d] before it is added
+    to the existing one (docs/memory_model.md). It outgrows the loss's own moment where d_model is
+    large against loss_chunk (chunked) or against the micro-batch's tokens (unchunked)."""
     if not setup.pipelined and setup.microbatches <= 1:
         return 0.0
     weight = 4.0 * cfg.vocab_size * largest_share(cfg.vocab_size, setup.tp) * cfg.d_model

@@ -26,7 +26,8 @@ interleaved zero-bubble schedules expect), or, for the V schedules (zbv, dualpip
 rank), on rank c for c < pp and 2 pp - 1 - c after (rank 0 holds the first and the last chunk);
 the embedding is on chunk 0 and the head on the last chunk. Memory limits are only
 modelled for v = 1 (an interleaved rank's in-flight count depends on the chunk) and are refused
-otherwise; a multi-chunk rank's predicted peak is PipelinePlan.rank_peak_bytes (interleaved 1F1B).
+otherwise; a multi-chunk rank's predicted peak is PipelinePlan.rank_peak_bytes (interleaved 1F1B;
+ZB-V by walking torch's action list for the rank, zbv_actions).
 """
 from __future__ import annotations
 
