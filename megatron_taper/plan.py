@@ -245,7 +245,7 @@ class Predictor:
             flight = [1] if pp == 1 else in_flight_microbatches(pp, m, schedule)
             peaks = [self.stage(setup, b, r, flight).total for r in range(pp)]
         else:
-            chunks = [self.stage(setup, b, c, [1] * n_chunks) for c in range(n_chunks)]
+            chunks = [self.stage(setup, b, c, [1] * n_chunks, virtual) for c in range(n_chunks)]
             peaks = []
             for r in range(pp):
                 ids = [c for c in range(n_chunks) if chunk_rank(c, pp, schedule in V_SCHEDULES) == r]
@@ -261,13 +261,14 @@ class Predictor:
         self._peaks[key] = peaks
         return peaks
 
-    def stage(self, setup: MemorySetup, bounds: Sequence[int], index: int, in_flight: list[int]) -> StageMemory:
-        """ModelMemory.stage of chunk `index` of the split `bounds`, with the memory model's
-        per-setup tables computed once."""
+    def stage(self, setup: MemorySetup, bounds: Sequence[int], index: int, in_flight: list[int], virtual: int = 1
+              ) -> StageMemory:
+        """ModelMemory.stage of chunk `index` of the split `bounds` (`virtual` chunks per rank), with
+        the memory model's per-setup tables computed once."""
         mm = self.memory(setup)
-        key = (setup, tuple(in_flight))
+        key = (setup, tuple(in_flight), virtual)
         if key not in self._models:
-            model = to_memory_model(mm, in_flight, [math.inf] * len(in_flight))
+            model = to_memory_model(mm, in_flight, [math.inf] * len(in_flight), virtual=virtual)
             static_pre, kept_pre = [0.0, *accumulate(model.static)], [0.0, *accumulate(model.act)]
             if setup not in self._tables:
                 self._tables[setup] = _PeakRows(model.peak, kept_pre)

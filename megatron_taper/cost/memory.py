@@ -52,7 +52,9 @@ first backward: the gradients a step makes (made_grad_bytes_per_param: set to No
          steps except behind DDP; FSDP2 frees its unsharded ones at the reduce-scatter) are not
          there in its first backward, beside the warm-up's n micro-batches: the activations term
          is max((n - 1) K + top - those gradients, the next backward's: (n - 1) K + top if a
-         forward comes between (m > n), (n - 2) K + top if not; none if m = 1).
+         forward comes between (m > n), (n - 2) K + top if not; none if m = 1; at least 0), under fsdp2
+         with pipelining and one chunk per rank at least those gradients once more: FSDP's
+         reduce-scatter after the last backward copies them while they are held (measured).
 retained (the split backward of ZB-V, parallel/partition.py split_backward_activations) what
          stage_backward_input leaves until the weight pass: the gradients of the weight ops'
          outputs (`op_act` elements, all of `act` where unknown); the head's logits' gradient
@@ -506,8 +508,9 @@ def deepspeed_buffers(mm: ModelMemory) -> float:
 
 
 def to_memory_model(mm: ModelMemory, in_flight: Sequence[int], limits: Sequence[float],
-                    key: str = "parallel.pp_memory_gb") -> "MemoryModel":
-    """The partitioner's view of `mm` for len(in_flight) stages with byte limits `limits`."""
+                    key: str = "parallel.pp_memory_gb", virtual: int = 1) -> "MemoryModel":
+    """The partitioner's view of `mm` for len(in_flight) stages (`virtual` chunks per rank) with
+    byte limits `limits`."""
     engine = deepspeed_buffers(mm)
     return MemoryModel(
         static=[p.static for p in mm.layers], act=[p.kept for p in mm.layers], in_flight=list(in_flight),
@@ -516,7 +519,8 @@ def to_memory_model(mm: ModelMemory, in_flight: Sequence[int], limits: Sequence[
         last_peak=mm.head.peak - mm.head.kept,
         fixed=[b + engine for b in pipeline_buffers(mm.io, in_flight, mm.setup.microbatches)],
         grad_prefix=_prefix([p.grads for p in mm.layers]), first_grads=mm.embedding.grads,
-        last_grads=mm.head.grads, microbatches=mm.setup.microbatches)
+        last_grads=mm.head.grads, microbatches=mm.setup.microbatches,
+        reduce_copy=mm.setup.fsdp and mm.setup.pipelined and virtual == 1)
 
 
 def _prefix(values: Sequence[float]) -> list[float]:
@@ -552,6 +556,7 @@ class MemoryModel:
     first_grads: float = 0.0
     last_grads: float = 0.0
     microbatches: int = 0  # micro-batches of a stage per step (0: not known, the in-flight count)
+    reduce_copy: bool = False  # fsdp2, one chunk per rank: at the step's end a copy of its gradients (measured)
 
     def peak_table(self, act_prefix: Sequence[float]) -> list[list[float]]:
         """table[lo][hi - lo - 1] = max over l in [lo, hi) of act_prefix[l] + peak[l]."""
@@ -584,16 +589,13 @@ class MemoryModel:
         top = max(blocks, act + self.last_peak if last else act)
         if not self.grad_prefix:
             return static, act * (n - 1) + top, fixed
-        # the step's first backward runs beside the warm-up's n micro-batches before the stage's
-        # gradients exist (those made before its top moment are not counted); the next one has
-        # them, beside n micro-batches again if a forward comes between (m > n), else n - 1
+        # module doc: the first backward without the gradients, the next with them, the step's end
         grads = (self.grad_prefix[hi] - self.grad_prefix[lo] + (self.first_grads if first else 0.0)
                  + (self.last_grads if last else 0.0))
         first_backward = act * (n - 1) + top - grads
         m = self.microbatches or n
-        if m <= 1:
-            return static, first_backward, fixed
-        return static, max(first_backward, act * (n - 1 if m > n else n - 2) + top), fixed
+        later = act * (n - 1 if m > n else n - 2) + top if m > 1 else first_backward
+        return static, max(first_backward, later, grads if self.reduce_copy else 0.0), fixed
 
     def stage_bytes(self, stage: int, n_stages: int, lo: int, hi: int, static_prefix: Sequence[float],
                     act_prefix: Sequence[float], table: list[list[float]] | None = None) -> float:

@@ -398,7 +398,7 @@ def plan_pipeline(model_cfg: ModelConfig, pp: int, *, virtual: int = 1, balance:
             raise ValueError(f"{memory_key}: {len(limits)} limits given for parallel.pp={pp} stages")
         limits = [g * GIB for g in limits]
     mm = model_memory(model_cfg, setup)
-    memory = to_memory_model(mm, in_flight, limits, memory_key)
+    memory = to_memory_model(mm, in_flight, limits, memory_key, virtual)
 
     flops = [c.flops for c in costs.layers]
     if balance == "flops":

@@ -1,6 +1,7 @@
-"""Arithmetic of three rules of the memory model (megatron_taper/cost/memory.py, docs/memory_model.md):
+"""Arithmetic of rules of the memory model (megatron_taper/cost/memory.py, docs/memory_model.md):
 the step's first backward runs before the gradients it makes exist, which gradients those are per
-engine, and the head's weight-gradient moment without the unchunked loss's freed log-softmax. The
+engine, fsdp2's step-end copy of them, the head's weight-gradient moment without the unchunked
+loss's freed log-softmax, and float8's uncast weights. The
 measurements behind them are in docs/memory_model.md (benchmarks/layout_memory.py); these tests
 pin the rules themselves, exactly (small integers, no tolerance needed)."""
 from __future__ import annotations
@@ -20,6 +21,7 @@ from megatron_taper.cost.memory import (
     head_weight_grad_moment,
     largest_share,
     model_memory,
+    to_memory_model,
 )
 
 
@@ -48,6 +50,11 @@ def test_first_backward_runs_without_the_gradients_it_makes(m, first_stage, last
     # without the gradient terms (grad_prefix empty): n - 1 kept + top, whatever m
     resident = dataclasses.replace(model, grad_prefix=())
     assert resident.stage_parts(0, 2, 0, 1, s_pre, a_pre) == (10.0, 8.0, 0.0)
+    # fsdp2 with one chunk per rank: the step's end copies the stage's gradients once more (20 here)
+    # while they are held, above the activations' 8
+    large = dataclasses.replace(model, grad_prefix=[0.0, 20.0, 40.0])
+    assert large.stage_parts(0, 2, 0, 1, s_pre, a_pre)[1] == {4: 8.0, 2: 5.0, 1: 0.0}[m]
+    assert dataclasses.replace(large, reduce_copy=True).stage_parts(0, 2, 0, 1, s_pre, a_pre)[1] == 20.0
 
 
 def test_which_gradients_a_step_makes():
@@ -63,6 +70,11 @@ def test_which_gradients_a_step_makes():
     assert MemorySetup(zero="deepspeed", dp=2).made_grad_bytes_per_param() == 0.0
     assert MemorySetup(bytes_per_param=6.0).made_grad_bytes_per_param() == 0.0
     assert MemorySetup(optimizer=False).made_grad_bytes_per_param() == 0.0
+    cfg = load_config(None, ["model.n_layers=2", "model.d_model=64", "model.n_heads=4", "model.vocab_size=512",
+                             "model.seq_len=128"]).model
+    mm = model_memory(cfg, MemorySetup(zero="fsdp2", dp=2, dp_shard=2, pipelined=True, microbatches=4))
+    assert to_memory_model(mm, [2, 1], [math.inf] * 2).reduce_copy
+    assert not to_memory_model(mm, [1] * 4, [math.inf] * 4, virtual=2).reduce_copy  # torch's REDUCE_GRAD action
 
 
 def test_one_microbatch_per_rank_peaks_without_the_sharded_gradients():
