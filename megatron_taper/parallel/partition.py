@@ -316,21 +316,22 @@ def split_backward_activations(actions: Sequence[tuple[str, int, int]], kept: Se
     backward at W. Each moment is the bytes held besides the micro-batch being processed plus its
     own (the forward's transients are not counted)."""
     held: dict[tuple[int, int], float] = {}
-    peak = 0.0
+    total = peak = 0.0  # total = sum(held.values())
     for kind, chunk, mb in actions:
-        rest = sum(v for k, v in held.items() if k != (chunk, mb))
-        if kind == "F":
-            held[(chunk, mb)] = kept[chunk]
-            peak = max(peak, rest + kept[chunk])
-        elif chunk == first:
-            if kind == "W":
-                peak = max(peak, rest + tops[chunk])
-                del held[(chunk, mb)]
+        mine = held.pop((chunk, mb), 0.0)
+        rest = total - mine
+        if kind == "F" or (kind == "I" and chunk == first):
+            mine = kept[chunk]
+            peak = max(peak, rest + mine)
         elif kind == "I":
             peak = max(peak, rest + tops[chunk])
-            held[(chunk, mb)] = kept[chunk] + retained[chunk]
-        else:
-            peak = max(peak, rest + max(tops[chunk], held.pop((chunk, mb))))
+            mine = kept[chunk] + retained[chunk]
+        else:  # W: the first stage's whole backward, or the weight pass after I
+            peak = max(peak, rest + (tops[chunk] if chunk == first else max(tops[chunk], mine)))
+            mine = 0.0
+        if mine:
+            held[(chunk, mb)] = mine
+        total = rest + mine
     return peak
 
 
