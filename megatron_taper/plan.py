@@ -209,6 +209,7 @@ class Predictor:
         self._models: dict[tuple, tuple] = {}
         self._tables: dict[MemorySetup, _PeakRows] = {}
         self._work: dict[tuple, list[RankWork]] = {}
+        self._moments: dict[tuple, set] = {}  # partition.split_backward_moments per ZB-V rank
 
     def bounds(self, n_chunks: int) -> tuple[int, ...]:
         if n_chunks not in self._bounds:
@@ -252,7 +253,7 @@ class Predictor:
                 mine = [chunks[c] for c in ids]
                 kept, tops = [s.kept for s in mine], [s.activations for s in mine]
                 act = multi_chunk_activations(schedule, pp, m, r, ids, n_chunks, kept, tops,
-                                              [s.retained for s in mine])
+                                              [s.retained for s in mine], self._moments)
                 if act is None:  # interleaved_zero_bubble, dualpipev: Megatron's warm-up count (estimate)
                     flight = min(m * virtual, (pp - r - 1) * 2 + (virtual - 1) * pp + 1)
                     act = interleaved_activations(kept, tops, flight, ids.index(n_chunks - 1)

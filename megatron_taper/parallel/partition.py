@@ -241,16 +241,21 @@ class PipelinePlan:
 
 
 def multi_chunk_activations(schedule: str, pp: int, microbatches: int, pp_rank: int, chunk_ids: Sequence[int],
-                            n_chunks: int, kept: Sequence[float], tops: Sequence[float], retained: Sequence[float]
-                            ) -> float | None:
+                            n_chunks: int, kept: Sequence[float], tops: Sequence[float], retained: Sequence[float],
+                            moments: dict | None = None) -> float | None:
     """Activation bytes at the peak of pp rank `pp_rank` holding the chunks `chunk_ids` (of
     `n_chunks`, in schedule order) that keep `kept` per micro-batch, reach `tops` in their
     backward and keep `retained` more between a split backward's passes: interleaved 1F1B by
     interleaved_activations (n = interleaved_in_flight), ZB-V by walking torch's action list
-    (zbv_actions, split_backward_activations); None for the other schedules (not modelled)."""
+    (zbv_actions, split_backward_activations); None for the other schedules (not modelled).
+    `moments`: a dict the caller keeps to reuse split_backward_moments across calls (a search)."""
     if schedule == "zbv":
-        return split_backward_activations(zbv_actions(pp, microbatches, pp_rank), kept, tops, retained,
-                                          chunk_ids.index(0) if 0 in chunk_ids else None)
+        first = chunk_ids.index(0) if 0 in chunk_ids else None
+        key = (pp, microbatches, pp_rank, first)
+        moments = {} if moments is None else moments
+        if key not in moments:
+            moments[key] = split_backward_moments(zbv_actions(pp, microbatches, pp_rank), first)
+        return _evaluate(moments[key], kept, tops, retained)
     if schedule != "interleaved_1f1b":
         return None
     n = interleaved_in_flight(pp, len(chunk_ids), microbatches, pp_rank)
@@ -315,24 +320,52 @@ def split_backward_activations(actions: Sequence[tuple[str, int, int]], kept: Se
     its index, or None) has no input gradient to make: torch skips its I and runs the whole
     backward at W. Each moment is the bytes held besides the micro-batch being processed plus its
     own (the forward's transients are not counted)."""
-    held: dict[tuple[int, int], float] = {}
-    total = peak = 0.0  # total = sum(held.values())
+    return _evaluate(split_backward_moments(actions, first), kept, tops, retained)
+
+
+def split_backward_moments(actions: Sequence[tuple[str, int, int]], first: int | None
+                           ) -> set[tuple[int, ...]]:
+    """The distinct moments of split_backward_activations, each as counts (k0, k1, r0, r1, t0, t1):
+    micro-batches of chunk c held after F (k, at kept[c]) and after I (r, at kept[c] +
+    retained[c]), and the chunk whose top is reached (t). They depend on the action list alone,
+    and the steady state repeats the same few, so a search evaluates them per layout cheaply."""
+    state = {}  # (chunk, mb) -> "k" | "r"
+    k, r = [0, 0], [0, 0]
+    out: set[tuple[int, ...]] = set()
+
+    def moment(top: int | None = None, extra: str = "") -> None:
+        kk, rr = list(k), list(r)
+        if extra:
+            (kk if extra == "k" else rr)[chunk] += 1
+        out.add((*kk, *rr, int(top == 0), int(top == 1)))
+
     for kind, chunk, mb in actions:
-        mine = held.pop((chunk, mb), 0.0)
-        rest = total - mine
+        held = state.pop((chunk, mb), "")
+        if held:
+            (k if held == "k" else r)[chunk] -= 1
         if kind == "F" or (kind == "I" and chunk == first):
-            mine = kept[chunk]
-            peak = max(peak, rest + mine)
+            moment(extra="k")
+            state[(chunk, mb)] = "k"
         elif kind == "I":
-            peak = max(peak, rest + tops[chunk])
-            mine = kept[chunk] + retained[chunk]
-        else:  # W: the first stage's whole backward, or the weight pass after I
-            peak = max(peak, rest + (tops[chunk] if chunk == first else max(tops[chunk], mine)))
-            mine = 0.0
-        if mine:
-            held[(chunk, mb)] = mine
-        total = rest + mine
-    return peak
+            moment(top=chunk)
+            state[(chunk, mb)] = "r"
+        elif chunk == first:  # W: the first stage's whole backward
+            moment(top=chunk)
+        else:  # W: the weight pass, the larger of its top and what its I left
+            moment(top=chunk)
+            moment(extra="r")
+        kind_now = state.get((chunk, mb), "")
+        if kind_now:
+            (k if kind_now == "k" else r)[chunk] += 1
+    return out
+
+
+def _evaluate(moments: set[tuple[int, ...]], kept: Sequence[float], tops: Sequence[float],
+              retained: Sequence[float]) -> float:
+    after_i = [kept[c] + retained[c] for c in range(len(kept))]
+    padded = [*kept, 0.0][:2], [*after_i, 0.0][:2], [*tops, 0.0][:2]
+    return max((k0 * padded[0][0] + k1 * padded[0][1] + r0 * padded[1][0] + r1 * padded[1][1]
+                + t0 * padded[2][0] + t1 * padded[2][1] for k0, k1, r0, r1, t0, t1 in moments), default=0.0)
 
 
 def interleaved_activations(kept: Sequence[float], tops: Sequence[float], n: int, last: int | None) -> float:
