@@ -44,8 +44,10 @@ DeepSpeed): `--steps` warm-up steps (the AdamW state allocated), then the peak o
 (VmHWM as above; measured_peak_bytes counts from the RSS after importing torch and the modules a
 step imports on first use: torch._dynamo, FSDP2, pipelining, DeepSpeed when it is the engine)
 against this rank's predicted peak with the optimizer state (its chunks of the plan under
-pipelining: PipelinePlan.rank_peak_bytes; null where not modelled). benchmarks/layout_memory.py
-runs it over the layouts of docs/memory_model.md.
+pipelining: PipelinePlan.rank_peak_bytes, null where not modelled: interleaved_zero_bubble,
+dualpipev; without pipelining the whole model with the trainer's gradient accumulation,
+preflight.step_split). benchmarks/layout_memory.py runs it over the layouts of
+docs/memory_model.md.
 
 `--loss-chunks` repeats every mode for each train.loss_chunk (0 = the unchunked loss; the
 chunked one, parallel/loss.py, never holds fp32 logits of the whole micro-batch), e.g. the loss
@@ -271,6 +273,7 @@ def full_step(cfg, steps: int) -> dict:
 
     from megatron_taper.build import build_run
     from megatron_taper.cost.memory import MemorySetup, model_memory
+    from megatron_taper.preflight import step_split
 
     meter = PeakMeter(torch.device("cpu"))
     run = build_run(cfg)
@@ -297,7 +300,9 @@ def full_step(cfg, steps: int) -> dict:
     if plan is not None:  # every chunk of this rank (interleaved schedules: several)
         predicted_static, predicted_peak = plan.rank_static_bytes(ctx.pp_rank), plan.rank_peak_bytes(ctx.pp_rank)
     else:
-        setup = MemorySetup.from_config(cfg.parallel, cfg.train, ctx.dp, run.bf16)
+        micro_batch, accumulated = step_split(cfg.parallel, cfg.train, ctx.dp)  # as the planner
+        setup = MemorySetup.from_config(cfg.parallel, cfg.train, ctx.dp, run.bf16, micro_batch=micro_batch,
+                                        microbatches=accumulated)
         whole = model_memory(cfg.model, setup).stage(range(cfg.model.n_layers))
         predicted_static, predicted_peak = whole.static, whole.total
     return {"layout": {"zero": cfg.parallel.zero, "pp": ctx.pp, "dp": ctx.dp, "cp": ctx.cp, "tp": ctx.tp},

@@ -16,7 +16,7 @@ enough that the state terms under test (fp32 gradients accumulated between the p
 micro-batches, DeepSpeed's fp32 partitions and moments, bf16 cast copies) are tens of MiB.
 Layouts (LAYOUTS) also include fsdp2_pp2_dp2_interleaved and fsdp2_pp2_dp2_zbv: 2 chunks of one
 block per pp rank, each its own FSDP root; their prediction is the rank's (PipelinePlan
-.rank_peak_bytes; null for zbv, whose activations are not modelled); fsdp2_cp2, fsdp2_cp2_dp2 and
+.rank_peak_bytes: interleaved 1F1B's rule, ZB-V's walk of torch's action list); fsdp2_cp2, fsdp2_cp2_dp2 and
 fsdp2_cp2_pp2: context parallelism at cp = 2, the state sharded over dp x cp.
 Prints one JSON object: per layout, precision and rank, measured and predicted peaks and their
 ratio.

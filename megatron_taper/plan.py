@@ -45,7 +45,7 @@ from megatron_taper.parallel.partition import (
     chunk_rank,
     in_flight_microbatches,
     interleaved_activations,
-    interleaved_in_flight,
+    multi_chunk_activations,
     partition,
 )
 from megatron_taper.preflight import preflight, step_split
@@ -211,6 +211,7 @@ class Predictor:
         self._tables: dict[MemorySetup, _PeakRows] = {}
         self._work: dict[tuple, list[RankWork]] = {}
         self._cp: dict[tuple, list[tuple]] = {}
+        self._moments: dict[tuple, set] = {}  # partition.split_backward_moments per ZB-V rank
 
     def bounds(self, n_chunks: int) -> tuple[int, ...]:
         if n_chunks not in self._bounds:
@@ -232,11 +233,11 @@ class Predictor:
     def rank_peaks(self, setup: MemorySetup, pp: int, virtual: int, schedule: str) -> list[float]:
         """Predicted peak bytes of each pipeline rank: the memory model per stage at v = 1; with
         several chunks per rank, its chunks' static bytes and buffers and
-        partition.interleaved_activations of its chunks (the rule of PipelinePlan.rank_peak_bytes)
-        with in flight = torch's count for interleaved 1F1B (interleaved_in_flight), Megatron's
-        warm-up count (pp - r - 1) x 2 + (v - 1) x pp + 1 (at most m x v) for the zero-bubble and V
-        schedules (an estimate: their deferred weight gradients are not modelled; ZB-V measured
-        6% high / 7% low, docs/planning.md)."""
+        partition.multi_chunk_activations of its chunks (the rule of PipelinePlan.rank_peak_bytes:
+        interleaved 1F1B, ZB-V by its action list); for interleaved_zero_bubble and dualpipev,
+        not modelled there, interleaved_activations with Megatron's warm-up count
+        (pp - r - 1) x 2 + (v - 1) x pp + 1 (at most m x v) in flight (an estimate: their deferred
+        weight gradients are not modelled, docs/planning.md)."""
         key = (setup, pp, virtual, schedule)
         if key in self._peaks:
             return self._peaks[key]
@@ -247,29 +248,30 @@ class Predictor:
             flight = [1] if pp == 1 else in_flight_microbatches(pp, m, schedule)
             peaks = [self.stage(setup, b, r, flight).total for r in range(pp)]
         else:
-            chunks = [self.stage(setup, b, c, [1] * n_chunks) for c in range(n_chunks)]
+            chunks = [self.stage(setup, b, c, [1] * n_chunks, virtual) for c in range(n_chunks)]
             peaks = []
             for r in range(pp):
                 ids = [c for c in range(n_chunks) if chunk_rank(c, pp, schedule in V_SCHEDULES) == r]
                 mine = [chunks[c] for c in ids]
-                fixed = sum(s.static + s.buffers for s in mine)
-                if schedule == "interleaved_1f1b":  # PipelinePlan.rank_peak_bytes's count (measured)
-                    flight = interleaved_in_flight(pp, virtual, m, r)
-                else:
+                kept, tops = [s.kept for s in mine], [s.activations for s in mine]
+                act = multi_chunk_activations(schedule, pp, m, r, ids, n_chunks, kept, tops,
+                                              [s.retained for s in mine], self._moments)
+                if act is None:  # interleaved_zero_bubble, dualpipev: Megatron's warm-up count (estimate)
                     flight = min(m * virtual, (pp - r - 1) * 2 + (virtual - 1) * pp + 1)
-                last = ids.index(n_chunks - 1) if n_chunks - 1 in ids else None
-                peaks.append(fixed + interleaved_activations([s.kept for s in mine], [s.activations for s in mine],
-                                                             flight, last))
+                    act = interleaved_activations(kept, tops, flight, ids.index(n_chunks - 1)
+                                                  if n_chunks - 1 in ids else None)
+                peaks.append(sum(s.static + s.buffers for s in mine) + act)
         self._peaks[key] = peaks
         return peaks
 
-    def stage(self, setup: MemorySetup, bounds: Sequence[int], index: int, in_flight: list[int]) -> StageMemory:
-        """ModelMemory.stage of chunk `index` of the split `bounds`, with the memory model's
-        per-setup tables computed once."""
+    def stage(self, setup: MemorySetup, bounds: Sequence[int], index: int, in_flight: list[int], virtual: int = 1
+              ) -> StageMemory:
+        """ModelMemory.stage of chunk `index` of the split `bounds` (`virtual` chunks per rank), with
+        the memory model's per-setup tables computed once."""
         mm = self.memory(setup)
-        key = (setup, tuple(in_flight))
+        key = (setup, tuple(in_flight), virtual)
         if key not in self._models:
-            model = to_memory_model(mm, in_flight, [math.inf] * len(in_flight))
+            model = to_memory_model(mm, in_flight, [math.inf] * len(in_flight), virtual=virtual)
             static_pre, kept_pre = [0.0, *accumulate(model.static)], [0.0, *accumulate(model.act)]
             if setup not in self._tables:
                 self._tables[setup] = _PeakRows(model.peak, kept_pre)
@@ -278,7 +280,8 @@ class Predictor:
         lo, hi, n = bounds[index], bounds[index + 1], len(in_flight)
         static, act, fixed = model.stage_parts(index, n, lo, hi, static_pre, kept_pre, self._tables[setup])
         kept = kept_pre[hi] - kept_pre[lo] + (mm.head.kept if index == n - 1 else 0.0)
-        return StageMemory(static=static, activations=act, buffers=fixed, kept=kept, in_flight=in_flight[index])
+        return StageMemory(static=static, activations=act, buffers=fixed, kept=kept, in_flight=in_flight[index],
+                           retained=mm.retained(lo, hi, index == n - 1))
 
     def rank_work(self, mm: ModelMemory, pp: int, virtual: int, schedule: str, mode: str, every: int
                   ) -> list[RankWork]:
@@ -325,6 +328,7 @@ class Predictor:
         """The prediction for `cfg` (legal: preflight accepted it) at data-parallel size `dp`."""
         p, t = cfg.parallel, cfg.train
         bf16 = uses_bf16(t.precision, self.device)
+        _check_peak(self.device, bf16, t.float8)
         micro_batch, m = step_split(p, t, dp)
         setup = MemorySetup.from_config(p, t, dp, bf16, micro_batch=micro_batch, microbatches=m)
         virtual = p.virtual_stages if p.pp > 1 else 1
@@ -348,6 +352,17 @@ class Predictor:
         mfu = 3.0 * self.costs.total_flops * tokens / (gpus * peak * 1e12)
         values = {key: _get(cfg, key) for key, _ in SEARCH_SPACE}
         return Prediction(values, layout, peaks, step, tokens, mfu, max(peaks) <= memory_limit)
+
+
+def _check_peak(device: DeviceProfile, bf16: bool, float8: bool) -> None:
+    """ConfigError unless the device profile has a peak for the step's matmul dtype (step_time
+    divides by it): e.g. train.precision=bf16 on the cpu profile, whose bf16_tflops is 0."""
+    key, field = (("train.float8=true", "fp8_tflops") if float8 else ("train.precision=bf16", "bf16_tflops")
+                  if bf16 else ("train.precision=fp32", "fp32_tflops"))
+    if getattr(device, field) <= 0:
+        raise ConfigError(f"{key}: the {device.profile} device profile ({device.name} in cost/devices.json) has "
+                          f"{field} {getattr(device, field):g}, so no step time can be predicted for it; plan "
+                          f"another train.precision / train.float8 or a profile with that peak")
 
 
 def _get(cfg: Config, key: str) -> Any:

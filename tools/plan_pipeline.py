@@ -89,7 +89,7 @@ def to_json(plan: PipelinePlan) -> dict:
         "stage_act_bytes": [s.act_bytes for s in plan.stages],
         "stage_peak_bytes": [s.peak_bytes for s in plan.stages],
         "stage_cost": [s.cost for s in plan.stages],
-        # per pp rank, all its chunks (null: not modelled for the zero-bubble schedules)
+        # per pp rank, all its chunks (null: not modelled for interleaved_zero_bubble and dualpipev)
         "rank_static_bytes": [plan.rank_static_bytes(r) for r in range(plan.pp)],
         "rank_peak_bytes": [plan.rank_peak_bytes(r) for r in range(plan.pp)],
         "bottleneck_over_ideal": plan.bottleneck_over_ideal,

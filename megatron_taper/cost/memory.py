@@ -22,7 +22,9 @@ static   per tp-local parameter P of the stage: parameters, gradients, AdamW sta
          head's unsharded gradient from its backward to the end of the backward (in the blocks'
          moments; it is reduce-scattered then, measured: docs/memory_model.md); bf16 autocast (every
          layout but fsdp2 at dp x cp > 1, which gathers matmul weights in bf16) keeps a bf16 copy of
-         every weight it casts (2 bytes per P).
+         every weight it casts (2 bytes per P), except the blocks' under train.float8 (torchao's
+         Float8Linear saves the fp32 weight and casts it to float8 per matmul; its casts are
+         transient, and its step adds nothing else measured on the CPU: docs/memory_model.md).
 K        bytes one micro-batch keeps for backward: sum over the stage's blocks of their saved
          activations (cost/block.py: per token x tokens per micro-batch, plus any kept once
          per micro-batch), or of their input [b, S, d] alone for the blocks that recompute
@@ -46,6 +48,17 @@ top      the largest moment of the backward of the micro-batch being processed: 
          buffers); fsdp2 without pipelining adds the gathered parameters and unsharded gradients
          of the block's FSDP unit (`fsdp_units`: consecutive blocks grouped) and of the unit
          before it (prefetched).
+first backward: the gradients a step makes (made_grad_bytes_per_param: set to None between
+         steps except behind DDP; FSDP2 frees its unsharded ones at the reduce-scatter) are not
+         there in its first backward, beside the warm-up's n micro-batches: the activations term
+         is max((n - 1) K + top - those gradients, the next backward's: (n - 1) K + top if a
+         forward comes between (m > n), (n - 2) K + top if not; none if m = 1; at least 0), under fsdp2
+         with pipelining and one chunk per rank at least those gradients once more: FSDP's
+         reduce-scatter after the last backward copies them while they are held (measured).
+retained (the split backward of ZB-V, parallel/partition.py split_backward_activations) what
+         stage_backward_input leaves until the weight pass: the gradients of the weight ops'
+         outputs (`op_act` elements, all of `act` where unknown); the head's logits' gradient
+         less the unchunked loss's saved tensor (freed with the detached loss's graph).
 buffers  torch.distributed.pipelining's p2p buffers, [b, S, d] each: a non-first stage keeps
          a receive buffer per micro-batch of the step (those of the n in flight are the inputs
          counted in K), a non-last stage a gradient receive buffer per micro-batch and the
@@ -116,6 +129,7 @@ class MemorySetup:
     dp_shard: int = 0  # fsdp2: ranks the state is sharded over (dp x cp; HSDP: parallel.dp_shard); 0 = dp
     pipelined: bool = False  # pp > 1
     bf16: bool = False  # autocast to bf16 (train.precision on the device)
+    float8: bool = False  # train.float8: the blocks' linears are torchao Float8Linear (parallel/float8.py)
     activation_checkpointing: str = "none"  # none | full | selective | op
     ac_every: int = 2
     loss_chunk: int = 0  # tokens per chunk of the cross entropy (train.loss_chunk); 0 = unchunked
@@ -139,7 +153,7 @@ class MemorySetup:
                    cp=parallel.cp, cp_ring=parallel.cp_attention == "ring",
                    zero=parallel.zero,
                    dp_shard=parallel.dp_split(dp)[1] * parallel.cp if parallel.zero == "fsdp2" else 0,
-                   pipelined=parallel.pp > 1, bf16=bf16,
+                   pipelined=parallel.pp > 1, bf16=bf16, float8=train.float8,
                    activation_checkpointing=train.activation_checkpointing, ac_every=train.ac_every,
                    loss_chunk=train.loss_chunk,
                    micro_batch=micro_batch or train.micro_batch, microbatches=microbatches,
@@ -181,6 +195,16 @@ class MemorySetup:
         param = self.compute_bytes if matmul else 4.0
         return param + (4.0 if self.pipelined else param)
 
+    def made_grad_bytes_per_param(self) -> float:
+        """The gradients (of the bytes above) a step's first backward makes (module doc): fsdp2
+        pipelined the unsharded fp32 one, else the sharded 4 / s; zero=none without DDP 4; DDP
+        (bucket views), DeepSpeed (not measured), bytes_per_param, no optimizer step: 0."""
+        if self.bytes_per_param is not None or not self.optimizer or self.zero == "deepspeed":
+            return 0.0
+        if self.fsdp:
+            return 4.0 if self.pipelined else 4.0 / (self.dp_shard or self.dp)
+        return 4.0 if self.dp * self.cp == 1 else 0.0
+
     def cast_bytes_per_param(self) -> float:
         """bf16 autocast's copies of fp32 weights, kept for backward (fsdp2 at dp > 1 gathers the
         matmul weights in bf16 instead: nothing to cast)."""
@@ -191,12 +215,16 @@ class MemorySetup:
 class PieceMemory:
     """One block, the embedding or the head, on one rank: bytes for the whole stage's step
     (`static`), kept by one micro-batch for backward (`kept`), and the largest moment of its
-    backward (`peak`: its own activations, recomputed or kept, plus gradient buffers)."""
+    backward (`peak`: its own activations, recomputed or kept, plus gradient buffers), and what
+    a split backward's input pass leaves besides `kept` until its weight pass (`retained`, module
+    doc)."""
 
     params: float  # tp-local parameters
     static: float
     kept: float
     peak: float
+    retained: float = 0.0
+    grads: float = 0.0  # of `static`: gradients made by the step's first backward (made_grad_bytes_per_param)
 
 
 @dataclass(frozen=True)
@@ -218,7 +246,12 @@ class ModelMemory:
         static_pre, kept_pre = _prefix(model.static), _prefix(model.act)
         static, act, fixed = model.stage_parts(index, n_stages, lo, hi, static_pre, kept_pre)
         kept = kept_pre[hi] - kept_pre[lo] + (self.head.kept if index == n_stages - 1 else 0.0)
-        return StageMemory(static=static, activations=act, buffers=fixed, kept=kept, in_flight=in_flight)
+        return StageMemory(static=static, activations=act, buffers=fixed, kept=kept, in_flight=in_flight,
+                           retained=self.retained(lo, hi, index == n_stages - 1))
+
+    def retained(self, lo: int, hi: int, last: bool) -> float:
+        """PieceMemory.retained of a stage holding layers lo..hi-1 (and the head if `last`)."""
+        return sum(p.retained for p in self.layers[lo:hi]) + (self.head.retained if last else 0.0)
 
 
 @dataclass(frozen=True)
@@ -228,6 +261,7 @@ class StageMemory:
     buffers: float  # pipeline p2p buffers
     kept: float  # K: one micro-batch's
     in_flight: int
+    retained: float = 0.0  # after a split backward's input pass, besides K (PieceMemory.retained)
 
     @property
     def total(self) -> float:
@@ -309,7 +343,9 @@ def piece_memory(cost: Cost, shares: Split, setup: MemorySetup, tokens: int, rec
     V (cost/cp.py received_bytes), kept also when it recomputes (parallel/cp_state.py keeps what a
     forward received for the recompute), and their gradient in its backward."""
     params = local_params(cost, shares)
-    static = params * (setup.state_bytes_per_param() + setup.cast_bytes_per_param())
+    # float8: torchao's matmul saves the blocks' fp32 weights uncast (no bf16 copy; measured)
+    cast = 0.0 if block and setup.float8 else setup.cast_bytes_per_param()
+    static = params * (setup.state_bytes_per_param() + cast)
     if setup.pipelined:
         static += params * setup.unsharded_bytes_per_param(matmul)
     elif not block and setup.fsdp:  # the root's weights stay gathered; its gradient: _root_gradient
@@ -328,7 +364,9 @@ def piece_memory(cost: Cost, shares: Split, setup: MemorySetup, tokens: int, rec
     else:
         kept = (boundary_bytes(d_model, tokens, setup) + act_bytes_per_token(cost.op_kept, shares, setup) * tokens
                 + received)
-    return PieceMemory(params, static, kept, peak)
+    op = cost.op_kept
+    retained = act_bytes_per_token(_activations(cost) if op is None else op, shares, setup) * tokens
+    return PieceMemory(params, static, kept, peak, retained, params * setup.made_grad_bytes_per_param())
 
 
 def boundary_bytes(d_model: int, tokens: int, setup: MemorySetup) -> float:
@@ -361,7 +399,11 @@ def model_memory(cfg: ModelConfig, setup: MemorySetup, costs: ModelCosts | None 
     gathered = sum(layers[i].params for i in last) * setup.compute_bytes if setup.fsdp and not setup.pipelined else 0.0
     head_peak = max(head_piece.peak + loss_chunk_bytes(cfg, setup, tokens), head_weight_grad_moment(cfg, shares, setup,
                                                                                                   head_piece, tokens))
-    head_piece = dataclasses.replace(head_piece, peak=head_peak + gathered)
+    # the split backward's input pass keeps the logits' gradient and frees the loss's graph
+    # (torch detaches the loss), with it the unchunked loss's saved tensor
+    retained = (act_bytes_per_token(Split(logits=cfg.vocab_size), shares, setup) * tokens
+                - loss_saved_bytes(cfg, shares, setup, tokens))
+    head_piece = dataclasses.replace(head_piece, peak=head_peak + gathered, retained=retained)
     head_piece = _with_stage_output(head_piece, cfg, shares, setup, tokens)
     layers = _root_gradient(layers, head_piece, setup, matmul=not cfg.tie_embeddings)
     embedding = piece_memory(costs.embedding, shares, setup, tokens, False, cfg.d_model, block=False, matmul=False)
@@ -418,15 +460,23 @@ def context_parallel_cost(cost: Cost, cfg: ModelConfig, setup: MemorySetup,
 def head_weight_grad_moment(cfg: ModelConfig, shares: Split, setup: MemorySetup, head: PieceMemory, tokens: int
                             ) -> float:
     """The head's backward at its output projection, where gradients accumulate over micro-batches
-    (pipelining or gradient accumulation; else 0): what the head keeps, the logits' gradient
-    [b, S, V / tp] in the compute dtype and the projection's new weight gradient [V / tp, d]
-    before it is added to the existing one (fp32, also under bf16 autocast: its bf16 form is not
-    seen beside it in the measured peaks, docs/memory_model.md). With the chunked loss this
-    outgrows the loss's chunk buffers where d_model is large against loss_chunk."""
+    (pipelining or gradient accumulation; else 0): what the head keeps less the unchunked loss's
+    saved fp32 [V] per token (freed once the loss's backward has run), the logits' gradient
+    [b, S, V / tp] (compute dtype) and the new fp32 weight gradient [V / tp, d] before it is added
+    to the existing one (docs/memory_model.md). It outgrows the loss's own moment where d_model is
+    large against loss_chunk (chunked) or against the micro-batch's tokens (unchunked)."""
     if not setup.pipelined and setup.microbatches <= 1:
         return 0.0
     weight = 4.0 * cfg.vocab_size * largest_share(cfg.vocab_size, setup.tp) * cfg.d_model
-    return head.kept + act_bytes_per_token(Split(logits=cfg.vocab_size), shares, setup) * tokens + weight
+    logits_grad = act_bytes_per_token(Split(logits=cfg.vocab_size), shares, setup) * tokens
+    return head.kept - loss_saved_bytes(cfg, shares, setup, tokens) + logits_grad + weight
+
+
+def loss_saved_bytes(cfg: ModelConfig, shares: Split, setup: MemorySetup, tokens: int) -> float:
+    """The unchunked loss's saved fp32 [b, S, V / tp] (F.cross_entropy's log-softmax, the
+    vocab-parallel loss's softmax of the rank's slice); 0 under train.loss_chunk (its saved
+    tensors are the logits, which the pipeline keeps too)."""
+    return 0.0 if setup.loss_chunk > 0 else act_bytes_per_token(Split(vocab=cfg.vocab_size), shares, setup) * tokens
 
 
 def _with_stage_output(head: PieceMemory, cfg: ModelConfig, shares: Split, setup: MemorySetup, tokens: int
@@ -479,15 +529,19 @@ def deepspeed_buffers(mm: ModelMemory) -> float:
 
 
 def to_memory_model(mm: ModelMemory, in_flight: Sequence[int], limits: Sequence[float],
-                    key: str = "parallel.pp_memory_gb") -> "MemoryModel":
-    """The partitioner's view of `mm` for len(in_flight) stages with byte limits `limits`."""
+                    key: str = "parallel.pp_memory_gb", virtual: int = 1) -> "MemoryModel":
+    """The partitioner's view of `mm` for len(in_flight) stages (`virtual` chunks per rank) with
+    byte limits `limits`."""
     engine = deepspeed_buffers(mm)
     return MemoryModel(
         static=[p.static for p in mm.layers], act=[p.kept for p in mm.layers], in_flight=list(in_flight),
         limits=list(limits), first_static=mm.embedding.static, first_act=mm.embedding.kept,
         last_static=mm.head.static, last_act=mm.head.kept, key=key, peak=[p.peak for p in mm.layers],
         last_peak=mm.head.peak - mm.head.kept,
-        fixed=[b + engine for b in pipeline_buffers(mm.io, in_flight, mm.setup.microbatches)])
+        fixed=[b + engine for b in pipeline_buffers(mm.io, in_flight, mm.setup.microbatches)],
+        grad_prefix=_prefix([p.grads for p in mm.layers]), first_grads=mm.embedding.grads,
+        last_grads=mm.head.grads, microbatches=mm.setup.microbatches,
+        reduce_copy=mm.setup.fsdp and mm.setup.pipelined and virtual == 1)
 
 
 def _prefix(values: Sequence[float]) -> list[float]:
@@ -517,6 +571,13 @@ class MemoryModel:
     peak: Sequence[float] = ()
     last_peak: float = 0.0  # bytes besides everything the stage keeps while the head's backward runs
     fixed: Sequence[float] = field(default_factory=list)  # per stage, whatever its layers (buffers)
+    # prefix sums over the layers of the gradients in `static` that the step's first backward makes
+    # (PieceMemory.grads), the embedding's and head's; empty = resident through the step
+    grad_prefix: Sequence[float] = ()
+    first_grads: float = 0.0
+    last_grads: float = 0.0
+    microbatches: int = 0  # micro-batches of a stage per step (0: not known, the in-flight count)
+    reduce_copy: bool = False  # fsdp2, one chunk per rank: at the step's end a copy of its gradients (measured)
 
     def peak_table(self, act_prefix: Sequence[float]) -> list[list[float]]:
         """table[lo][hi - lo - 1] = max over l in [lo, hi) of act_prefix[l] + peak[l]."""
@@ -547,7 +608,15 @@ class MemoryModel:
         table = table or self.peak_table(act_prefix)
         blocks = table[lo][hi - lo - 1] - act_prefix[lo] + (self.first_act if first else 0.0)
         top = max(blocks, act + self.last_peak if last else act)
-        return static, act * (n - 1) + top, fixed
+        if not self.grad_prefix:
+            return static, act * (n - 1) + top, fixed
+        # module doc: the first backward without the gradients, the next with them, the step's end
+        grads = (self.grad_prefix[hi] - self.grad_prefix[lo] + (self.first_grads if first else 0.0)
+                 + (self.last_grads if last else 0.0))
+        first_backward = act * (n - 1) + top - grads
+        m = self.microbatches or n
+        later = act * (n - 1 if m > n else n - 2) + top if m > 1 else first_backward
+        return static, max(first_backward, later, grads if self.reduce_copy else 0.0), fixed
 
     def stage_bytes(self, stage: int, n_stages: int, lo: int, hi: int, static_prefix: Sequence[float],
                     act_prefix: Sequence[float], table: list[list[float]] | None = None) -> float:

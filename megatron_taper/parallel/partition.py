@@ -26,7 +26,8 @@ interleaved zero-bubble schedules expect), or, for the V schedules (zbv, dualpip
 rank), on rank c for c < pp and 2 pp - 1 - c after (rank 0 holds the first and the last chunk);
 the embedding is on chunk 0 and the head on the last chunk. Memory limits are only
 modelled for v = 1 (an interleaved rank's in-flight count depends on the chunk) and are refused
-otherwise; a multi-chunk rank's predicted peak is PipelinePlan.rank_peak_bytes (interleaved 1F1B).
+otherwise; a multi-chunk rank's predicted peak is PipelinePlan.rank_peak_bytes (interleaved 1F1B;
+ZB-V by walking torch's action list for the rank, zbv_actions).
 """
 from __future__ import annotations
 
@@ -190,6 +191,7 @@ class StagePlan:
     peak_bytes: float = 0.0  # static_bytes + act_bytes: the predicted peak of one rank (v = 1)
     kept_bytes: float = 0.0  # one micro-batch's activations kept for backward (K)
     buffer_bytes: float = 0.0  # its p2p buffers (in act_bytes)
+    retained_bytes: float = 0.0  # one micro-batch's, after a split backward's input pass (PieceMemory.retained)
 
 
 @dataclass
@@ -222,22 +224,148 @@ class PipelinePlan:
         return sum(self.stages[c].static_bytes for c in self.rank_chunks(pp_rank))
 
     def rank_peak_bytes(self, pp_rank: int) -> float | None:
-        """Predicted peak of a pp rank with all its chunks; None where not modelled (the
-        zero-bubble schedules, whose deferred weight gradients keep activations longer).
-        Interleaved 1F1B: the chunks' static bytes and p2p buffers plus interleaved_activations
-        with n = interleaved_in_flight."""
+        """Predicted peak of a pp rank with all its chunks: their static bytes and p2p buffers
+        plus multi_chunk_activations; None where that is not modelled (interleaved_zero_bubble,
+        dualpipev)."""
         ids = self.rank_chunks(pp_rank)
         chunks = [self.stages[c] for c in ids]
         if len(chunks) == 1:
             return chunks[0].peak_bytes
-        if self.schedule != "interleaved_1f1b" or self.memory is None:
+        if self.memory is None:
             return None
-        n = interleaved_in_flight(self.pp, len(chunks), self.memory.microbatches, pp_rank)
-        last = len(self.stages) - 1
-        tops = [s.act_bytes - s.buffer_bytes for s in chunks]
-        return (self.rank_static_bytes(pp_rank) + sum(s.buffer_bytes for s in chunks)
-                + interleaved_activations([s.kept_bytes for s in chunks], tops, n,
-                                          ids.index(last) if last in ids else None))
+        act = multi_chunk_activations(self.schedule, self.pp, self.memory.microbatches, pp_rank, ids,
+                                      len(self.stages), [s.kept_bytes for s in chunks],
+                                      [s.act_bytes - s.buffer_bytes for s in chunks],
+                                      [s.retained_bytes for s in chunks])
+        return None if act is None else self.rank_static_bytes(pp_rank) + sum(s.buffer_bytes for s in chunks) + act
+
+
+def multi_chunk_activations(schedule: str, pp: int, microbatches: int, pp_rank: int, chunk_ids: Sequence[int],
+                            n_chunks: int, kept: Sequence[float], tops: Sequence[float], retained: Sequence[float],
+                            moments: dict | None = None) -> float | None:
+    """Activation bytes at the peak of pp rank `pp_rank` holding the chunks `chunk_ids` (of
+    `n_chunks`, in schedule order) that keep `kept` per micro-batch, reach `tops` in their
+    backward and keep `retained` more between a split backward's passes: interleaved 1F1B by
+    interleaved_activations (n = interleaved_in_flight), ZB-V by walking torch's action list
+    (zbv_actions, split_backward_activations); None for the other schedules (not modelled).
+    `moments`: a dict the caller keeps to reuse split_backward_moments across calls (a search)."""
+    if schedule == "zbv":
+        first = chunk_ids.index(0) if 0 in chunk_ids else None
+        key = (pp, microbatches, pp_rank, first)
+        moments = {} if moments is None else moments
+        if key not in moments:
+            moments[key] = split_backward_moments(zbv_actions(pp, microbatches, pp_rank), first)
+        return _evaluate(moments[key], kept, tops, retained)
+    if schedule != "interleaved_1f1b":
+        return None
+    n = interleaved_in_flight(pp, len(chunk_ids), microbatches, pp_rank)
+    return interleaved_activations(kept, tops, n, chunk_ids.index(n_chunks - 1) if n_chunks - 1 in chunk_ids else None)
+
+
+def zbv_actions(pp: int, microbatches: int, rank: int) -> list[tuple[str, int, int]]:
+    """The actions of pp rank `rank` under torch.distributed.pipelining's ScheduleZBVZeroBubble
+    (its _calculate_single_rank_operations, torch 2.13), in order: (F forward | I input-gradient
+    pass | W weight-gradient pass, local chunk 0 = stage `rank` or 1 = stage 2 pp - 1 - rank,
+    micro-batch). tests/parallel/test_plan_layout.py compares it with torch's."""
+    n = max(2 * pp - 1, microbatches)  # torch plans at least this many, then drops the extra ones
+    ops: list[tuple[str, int, int]] = []
+    count = {("F", 0): 0, ("F", 1): 0, ("B", 0): 0, ("B", 1): 0}
+
+    def fwd(chunk: int) -> None:
+        ops.append(("F", chunk, count[("F", chunk)]))
+        count[("F", chunk)] += 1
+
+    def bwd(chunk: int, weight: bool = True) -> None:
+        ops.append(("I", chunk, count[("B", chunk)]))
+        if weight:
+            ops.append(("W", chunk, count[("B", chunk)]))
+        count[("B", chunk)] += 1
+
+    for _ in range(2 * (pp - rank) - 1):
+        fwd(0)
+    for _ in range(rank):
+        fwd(1)
+        fwd(0)
+    for _ in range(pp - rank):
+        fwd(1)
+        bwd(1)
+    while count[("F", 1)] < count[("F", 0)] or count[("F", 0)] < n:
+        if count[("F", 0)] < n:
+            fwd(0)
+        bwd(0)
+        fwd(1)
+        bwd(1)
+    w = {0: count[("B", 0)], 1: count[("B", 1)]}
+    for _ in range(rank):
+        bwd(0, weight=False)
+        bwd(1, weight=False)
+    for _ in range(pp - rank):
+        bwd(0, weight=False)
+        ops.append(("W", 0, w[0]))
+        w[0] += 1
+    for chunk in (1, 0):
+        while w[chunk] < count[("B", chunk)]:
+            ops.append(("W", chunk, w[chunk]))
+            w[chunk] += 1
+    return [op for op in ops if op[2] < microbatches]
+
+
+def split_backward_activations(actions: Sequence[tuple[str, int, int]], kept: Sequence[float],
+                               tops: Sequence[float], retained: Sequence[float], first: int | None) -> float:
+    """Activation bytes at the peak of a rank running `actions` (zbv_actions' form) on chunks that
+    keep `kept` per micro-batch after F, reach `tops` in a backward (PieceMemory.peak's moments
+    over the chunk, the head's new weight gradient included) and keep `retained` more from I to W.
+    I of a micro-batch: the other micro-batches' bytes plus its chunk's top; then kept + retained
+    until its W, whose moment is the larger of that and the top. The first stage's chunk (`first`:
+    its index, or None) has no input gradient to make: torch skips its I and runs the whole
+    backward at W. Each moment is the bytes held besides the micro-batch being processed plus its
+    own (the forward's transients are not counted)."""
+    return _evaluate(split_backward_moments(actions, first), kept, tops, retained)
+
+
+def split_backward_moments(actions: Sequence[tuple[str, int, int]], first: int | None
+                           ) -> set[tuple[int, ...]]:
+    """The distinct moments of split_backward_activations, each as counts (k0, k1, r0, r1, t0, t1):
+    micro-batches of chunk c held after F (k, at kept[c]) and after I (r, at kept[c] +
+    retained[c]), and the chunk whose top is reached (t). They depend on the action list alone,
+    and the steady state repeats the same few, so a search evaluates them per layout cheaply."""
+    state = {}  # (chunk, mb) -> "k" | "r"
+    k, r = [0, 0], [0, 0]
+    out: set[tuple[int, ...]] = set()
+
+    def moment(top: int | None = None, extra: str = "") -> None:
+        kk, rr = list(k), list(r)
+        if extra:
+            (kk if extra == "k" else rr)[chunk] += 1
+        out.add((*kk, *rr, int(top == 0), int(top == 1)))
+
+    for kind, chunk, mb in actions:
+        held = state.pop((chunk, mb), "")
+        if held:
+            (k if held == "k" else r)[chunk] -= 1
+        if kind == "F" or (kind == "I" and chunk == first):
+            moment(extra="k")
+            state[(chunk, mb)] = "k"
+        elif kind == "I":
+            moment(top=chunk)
+            state[(chunk, mb)] = "r"
+        elif chunk == first:  # W: the first stage's whole backward
+            moment(top=chunk)
+        else:  # W: the weight pass, the larger of its top and what its I left
+            moment(top=chunk)
+            moment(extra="r")
+        kind_now = state.get((chunk, mb), "")
+        if kind_now:
+            (k if kind_now == "k" else r)[chunk] += 1
+    return out
+
+
+def _evaluate(moments: set[tuple[int, ...]], kept: Sequence[float], tops: Sequence[float],
+              retained: Sequence[float]) -> float:
+    after_i = [kept[c] + retained[c] for c in range(len(kept))]
+    padded = [*kept, 0.0][:2], [*after_i, 0.0][:2], [*tops, 0.0][:2]
+    return max((k0 * padded[0][0] + k1 * padded[0][1] + r0 * padded[1][0] + r1 * padded[1][1]
+                + t0 * padded[2][0] + t1 * padded[2][1] for k0, k1, r0, r1, t0, t1 in moments), default=0.0)
 
 
 def interleaved_activations(kept: Sequence[float], tops: Sequence[float], n: int, last: int | None) -> float:
@@ -303,7 +431,8 @@ def plan_pipeline(model_cfg: ModelConfig, pp: int, *, virtual: int = 1, balance:
         if len(limits) != pp:
             raise ValueError(f"{memory_key}: {len(limits)} limits given for parallel.pp={pp} stages")
         limits = [g * GIB for g in limits]
-    memory = to_memory_model(model_memory(model_cfg, setup), in_flight, limits, memory_key)
+    mm = model_memory(model_cfg, setup)
+    memory = to_memory_model(mm, in_flight, limits, memory_key, virtual)
 
     flops = [c.flops for c in costs.layers]
     if balance == "flops":
@@ -334,6 +463,7 @@ def plan_pipeline(model_cfg: ModelConfig, pp: int, *, virtual: int = 1, balance:
         kept = (act_pre[layers[-1] + 1] - act_pre[layers[0]] + (memory.first_act if c == 0 else 0.0)
                 + (memory.last_act if c == n_chunks - 1 else 0.0))
         stages.append(StagePlan(layers, chunk_rank(c, pp, v_shape), by_flops.costs[c], params, static, act + fixed,
-                                part.costs[c], static + act + fixed, kept, fixed))
+                                part.costs[c], static + act + fixed, kept, fixed,
+                                mm.retained(layers[0], layers[-1] + 1, c == n_chunks - 1)))
     return PipelinePlan(pp, virtual, balance, stages, by_flops.bottleneck_over_ideal,
                         uniform_flops.bottleneck_over_ideal, uniform.stages, setup, v_shape, schedule)

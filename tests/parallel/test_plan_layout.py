@@ -14,8 +14,9 @@ from megatron_taper.config import load_config
 from megatron_taper.cost.devices import profiles
 from megatron_taper.cost.memory import GIB
 from megatron_taper.cost.step_time import RankWork, StepLayout, bandwidth, bubble_fraction, ring_seconds, step_time
+from megatron_taper.parallel.partition import split_backward_activations, zbv_actions
 from megatron_taper.parallel.pipeline import plan_stages
-from megatron_taper.plan import SEARCH_SPACE, USABLE_FRACTION, reason, with_values
+from megatron_taper.plan import SEARCH_SPACE, USABLE_FRACTION, Predictor, reason, with_values
 from megatron_taper.preflight import preflight
 from megatron_taper.validation import ConfigError
 from tests.helpers.runner import REPO
@@ -188,3 +189,69 @@ def test_refusals_skipped_at_other_train_values_are_the_ones_preflight_gives():
     assert result.candidates == len(seen) and result.legal == len(seen) - sum(dropped.values())
     assert {k: v for k, v in result.dropped.items() if not k.startswith("predicted peak")} == dropped
     assert any("dualpipev" in k for k in dropped)
+
+
+def test_a_profile_without_the_precisions_peak_is_one_clear_error():
+    """The cpu profile has no bf16 (nor fp8) peak: predicting a bf16 or float8 step on it names the
+    setting, the profile and the field (step_time would divide by the zero peak), fp32 predicts."""
+    cfg = load_config(None, ["model.n_layers=2", "model.d_model=64", "model.n_heads=4", "model.vocab_size=256",
+                             "model.seq_len=32", "train.precision=bf16"])
+    cpu = profiles()["cpu"]
+    with pytest.raises(ConfigError, match=r"^train.precision=bf16: the cpu device profile .* has bf16_tflops 0,"):
+        Predictor(cfg, cpu).predict(cfg, 1, float("inf"))
+    fp8 = with_values(cfg, {"train.precision": "fp32", "train.float8": True})
+    with pytest.raises(ConfigError, match=r"^train.float8=true: the cpu device profile .* has fp8_tflops 0,"):
+        Predictor(fp8, cpu).predict(fp8, 1, float("inf"))
+    fp32 = with_values(cfg, {"train.precision": "fp32"})
+    assert Predictor(fp32, cpu).predict(fp32, 1, float("inf")).step.total > 0
+
+
+@pytest.mark.parametrize("pp", [2, 3, 4])
+def test_zbv_actions_are_torchs(pp):
+    """partition.zbv_actions (torch-free, for the memory rule) is ScheduleZBVZeroBubble's own action
+    list: its _calculate_single_rank_operations, run on the schedule's sizes alone."""
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining.schedules import ScheduleZBVZeroBubble, _ComputationType
+
+    kinds = {_ComputationType.FORWARD: "F", _ComputationType.BACKWARD_INPUT: "I",
+             _ComputationType.BACKWARD_WEIGHT: "W"}
+    for m in (1, 2, pp, 2 * pp - 1, 2 * pp + 3):
+        for rank in range(pp):
+            sizes = SimpleNamespace(pp_group_size=pp, _n_microbatches=m, num_stages=2 * pp)
+            theirs = [(kinds[a.computation_type], 0 if a.stage_index == rank else 1, a.microbatch_index)
+                      for a in ScheduleZBVZeroBubble._calculate_single_rank_operations(sizes, rank) if a is not None]
+            assert zbv_actions(pp, m, rank) == theirs, (pp, m, rank)
+
+
+def test_zbv_rank_activations_by_hand():
+    """split_backward_activations on ZB-V pp = 2, 4 micro-batches, pp rank 1 (chunks: stage 1 keeps
+    10 per micro-batch, top 15, retained 3; stage 2: 20, 30, 5). Its actions: F0 F1 F0 F1 I1 W1
+    (F0 I0 W0 F1 I1 W1) x 2, then I0 I1 I0 W0 W1 W0. The peak is the steady state's I1 / W1 beside
+    two micro-batches of stage 1 and one of stage 2: 2 x 10 + 20 + 30 = 70. With retained 10 / 20,
+    the cool-down's I0(3) holds stage 1's micro-batch 2 and stage 2's 3 after their I (20 + 40)
+    beside stage 1's top: 75; and W0(2) holds all three after I: 20 + 20 + 40 = 80, as the steady
+    state's W1 (2 x 10 + 20 + 40)."""
+    actions = zbv_actions(2, 4, 1)
+    assert [f"{k}{c}" for k, c, _ in actions] == ("F0 F1 F0 F1 I1 W1 " + "F0 I0 W0 F1 I1 W1 " * 2
+                                                  + "I0 I1 I0 W0 W1 W0").split()
+    assert split_backward_activations(actions, [10, 20], [15, 30], [3, 5], None) == 70
+    assert split_backward_activations(actions, [10, 20], [15, 30], [10, 20], None) == 80
+    # pp rank 0 at one micro-batch: F0 F1 I1 W1 I0 W0; chunk 0 is the first stage (torch skips its
+    # I and runs the whole backward at W): peak max(10 + 30, 10 + max(30, 20 + 5), 15) = 40
+    assert zbv_actions(2, 1, 0) == [("F", 0, 0), ("F", 1, 0), ("I", 1, 0), ("W", 1, 0), ("I", 0, 0), ("W", 0, 0)]
+    assert split_backward_activations(zbv_actions(2, 1, 0), [10, 20], [15, 30], [3, 5], 0) == 40
+
+
+def test_zbv_rank_peaks_are_the_plans():
+    """The planner and tools/plan_pipeline (PipelinePlan.rank_peak_bytes) give a ZB-V rank the same
+    predicted peak: one rule (partition.multi_chunk_activations)."""
+    cfg = load_config(None, ["model.n_layers=4", "model.d_model=64", "model.n_heads=4", "model.vocab_size=512",
+                             "model.seq_len=64", "train.global_batch=16", "train.micro_batch=2", "parallel.pp=2",
+                             "parallel.microbatches=4", "parallel.pp_schedule=zbv", "parallel.zero=fsdp2",
+                             "train.precision=fp32"])
+    dp = preflight(cfg, 4).dp
+    plan = plan_stages(cfg.model, cfg.parallel, cfg.train, dp, bf16=False)
+    predicted = Predictor(cfg, profiles()["cpu"]).predict(cfg, dp, float("inf"))
+    assert [plan.rank_peak_bytes(r) for r in range(2)] == pytest.approx(predicted.rank_peaks, rel=1e-12)
+    assert all(p > plan.rank_static_bytes(r) for r, p in enumerate(predicted.rank_peaks))
