@@ -38,8 +38,8 @@ from megatron_taper.cost.memory import (
     StageMemory,
     checkpointed_blocks,
     model_memory,
-    to_memory_model,
 )
+from megatron_taper.cost.stage_memory import to_memory_model
 from megatron_taper.cost.step_time import RankWork, StepLayout, StepTime, step_time
 from megatron_taper.parallel.partition import (
     chunk_rank,

@@ -38,7 +38,8 @@ from typing import TYPE_CHECKING, Sequence
 
 from megatron_taper.config import PP_BALANCE_MODES
 from megatron_taper.cost.flops import model_costs
-from megatron_taper.cost.memory import GIB, MemoryModel, MemorySetup, model_memory, to_memory_model
+from megatron_taper.cost.memory import GIB, MemorySetup, model_memory
+from megatron_taper.cost.stage_memory import MemoryModel, to_memory_model
 
 if TYPE_CHECKING:
     from megatron_taper.config import ModelConfig

@@ -43,13 +43,11 @@ from megatron_taper.config import load_config
 from megatron_taper.cost.block import Cost, Split
 from megatron_taper.cost.flops import head_cost, model_costs
 from megatron_taper.cost.memory import (
-    MemoryModel,
     MemorySetup,
-    deepspeed_buffers,
     model_memory,
     piece_memory,
-    pipeline_buffers,
 )
+from megatron_taper.cost.stage_memory import MemoryModel, deepspeed_buffers, pipeline_buffers
 from megatron_taper.models import build_model
 from megatron_taper.models.layers import rope_tables
 from megatron_taper.parallel.partition import evaluate, partition

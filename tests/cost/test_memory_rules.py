@@ -15,14 +15,13 @@ from megatron_taper.config import load_config
 from megatron_taper.cost.block import Split
 from megatron_taper.cost.flops import model_costs
 from megatron_taper.cost.memory import (
-    MemoryModel,
     MemorySetup,
     act_bytes_per_token,
     head_weight_grad_moment,
     largest_share,
     model_memory,
-    to_memory_model,
 )
+from megatron_taper.cost.stage_memory import MemoryModel, to_memory_model
 
 
 def _two_layers(microbatches: int) -> MemoryModel:
