@@ -107,6 +107,7 @@ from typing import TYPE_CHECKING, Sequence
 from megatron_taper.cost.block import Cost, Split
 from megatron_taper.cost.cp import CPMessage, block_messages, received_bytes
 from megatron_taper.cost.flops import ModelCosts, head_cost, model_costs
+from megatron_taper.cost.stage_memory import _prefix, to_memory_model
 
 if TYPE_CHECKING:
     from megatron_taper.config import ModelConfig, ParallelConfig, TrainConfig
@@ -240,8 +241,6 @@ class ModelMemory:
     def stage(self, layers: Sequence[int], index: int = 0, n_stages: int = 1, in_flight: int = 1) -> "StageMemory":
         """The predicted peak of pipeline stage `index` of `n_stages` holding the consecutive
         `layers` with `in_flight` micro-batches (the whole model: the defaults)."""
-        from megatron_taper.cost.stage_memory import _prefix, to_memory_model  # it builds on this module
-
         lo, hi = layers[0], layers[-1] + 1
         assert list(layers) == list(range(lo, hi)) and 0 <= index < n_stages, (layers, index, n_stages)
         model = to_memory_model(self, [in_flight] * n_stages, [math.inf] * n_stages)

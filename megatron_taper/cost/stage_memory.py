@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
-from megatron_taper.cost.memory import ModelMemory
+if TYPE_CHECKING:
+    from megatron_taper.cost.memory import ModelMemory
 
 
 def pipeline_buffers(io: float, in_flight: Sequence[int], microbatches: int) -> list[float]:
