@@ -344,8 +344,7 @@ class Predictor:
                             dp_shard=setup.dp_shard, compute_share=self.device.rank_share(p.tp * p.pp * p.cp * dp),
                             host_cores=self.device.cores,
                             cp=setup.cp, cp_ring=setup.cp_ring)
-        step = step_time(work, layout, self.model.d_model, self.model.seq_len, self.device,
-                         kv_dim=self.model.kv_heads * self.model.head_dim)
+        step = step_time(work, layout, self.model.d_model, self.model.seq_len, self.device)
         tokens = t.global_batch * self.model.seq_len / step.total
         gpus = p.tp * p.pp * p.cp * dp
         peak = self.device.bf16_tflops if bf16 else self.device.fp32_tflops

@@ -47,7 +47,7 @@ Context parallelism (parallel.cp, parallel/context_parallel.py): every rank hold
 tokens of each micro-batch and does 1 / cp of its work (the load-balanced causal split; the
 contiguous split of the state-passing families too), so the compute, tp and pp terms above are
 those of S / cp tokens. Besides, per block and micro-batch, its messages (RankWork.cp_messages,
-cost/cp.py cp_messages; by default attention's K and V, [b, K, S, E] each in the compute dtype):
+cost/cp.py cp_messages; for attention its K and V, [b, K, S, E] each in the compute dtype):
 allgather = an all-gather in forward and a reduce-scatter of the gradients in backward (one more
 all-gather in a recomputed block), not overlapped; ring = (cp - 1) blocks sent forward and (2 cp -
 1) backward, point to point, overlapped with the compute where the device overlaps; halo = one hop
@@ -106,7 +106,7 @@ class RankWork:
     params: float  # tp-local parameters on the rank (its dp collectives' payload)
     vocab_collectives: int = 0  # tp collectives of its vocab-parallel ends per micro-batch (embedding 1, head + loss 3)
     # context parallelism: per block, its messages per micro-batch as (kind, bytes) pairs (cost/cp.py
-    # cp_messages: chain, halo, allgather, ring); () = attention's K / V from step_time's kv_dim
+    # cp_messages: chain, halo, allgather, ring; attention's K and V for the attention families)
     cp_messages: tuple = ()
 
 
@@ -182,9 +182,8 @@ def bubble_fraction(pp: int, virtual: int, schedule: str) -> float:
 
 
 def step_time(ranks: Sequence[RankWork], layout: StepLayout, d_model: int, seq_len: int,
-              device: DeviceProfile, kv_dim: int = 0) -> StepTime:
-    """Seconds of one optimizer step of `layout` whose pipeline ranks do `ranks` (module doc);
-    `kv_dim`: K x E, the width of one token's keys (context parallelism's messages)."""
+              device: DeviceProfile) -> StepTime:
+    """Seconds of one optimizer step of `layout` whose pipeline ranks do `ranks` (module doc)."""
     lo = layout
     tokens = lo.micro_batch * seq_len // lo.cp
     compute_bytes = 2 if lo.bf16 else 4
@@ -202,8 +201,7 @@ def step_time(ranks: Sequence[RankWork], layout: StepLayout, d_model: int, seq_l
         other = (3 * r.flops + r.recompute_flops) * tokens - linear
         compute.append((linear / fp8_rate + other / rate) / lo.tp)
         tp_s.append(per_collective * (4 * r.blocks + 2 * r.recomputed_blocks + r.vocab_collectives))
-    cp_s = [_cp_seconds(r, lo, kv_dim * compute_bytes * lo.micro_batch * seq_len, compute[k], device)
-            for k, r in enumerate(ranks)]
+    cp_s = [_cp_seconds(r, lo, compute[k], device) for k, r in enumerate(ranks)]
     per_rank = [compute[k] + tp_s[k] + cp_s[k] + pp_s for k in range(len(ranks))]
     i = max(range(len(ranks)), key=per_rank.__getitem__)
     slowest = per_rank[i]
@@ -216,27 +214,24 @@ def step_time(ranks: Sequence[RankWork], layout: StepLayout, d_model: int, seq_l
     shard = (lo.dp_shard or lo.dp) if lo.zero == "fsdp2" else lo.dp if lo.zero == "deepspeed" else 1
     optimizer = ADAMW_TRAFFIC_BYTES * params / shard / (device.memory_tb_per_s * 1e12)
     total = m * slowest + bubble + dp_s + optimizer
-    ranks = lo.tp * lo.pp * lo.dp * lo.cp
-    if 0 < lo.host_cores < ranks:  # the ranks take turns on the cores; idle ones (the bubble) give theirs up
-        busy = sum(m * t + dp_s + optimizer for t in per_rank) * (ranks // lo.pp)
+    world = lo.tp * lo.pp * lo.dp * lo.cp
+    if 0 < lo.host_cores < world:  # the ranks take turns on the cores; idle ones (the bubble) give theirs up
+        busy = sum(m * t + dp_s + optimizer for t in per_rank) * (world // lo.pp)
         total = max(total, busy / lo.host_cores)
     return StepTime(total=total, compute=m * compute[i], bubble=bubble, tp=m * tp_s[i], pp=m * pp_s, dp=dp_s,
                     optimizer=optimizer, cp=m * cp_s[i], parts={"micro_batch_s": slowest})
 
 
-def _cp_seconds(r: RankWork, lo: StepLayout, kv_bytes: float, compute: float, device: DeviceProfile) -> float:
-    """Exposed context-parallel communication and waiting of one micro-batch on a rank doing `r`,
-    whose compute takes `compute` s; its blocks' messages are `r.cp_messages`, else each block's
-    attention K and V of the whole sequence, `kv_bytes` each (module doc)."""
+def _cp_seconds(r: RankWork, lo: StepLayout, compute: float, device: DeviceProfile) -> float:
+    """Exposed context-parallel communication and waiting of one micro-batch on a rank doing `r`
+    (its blocks' messages: `r.cp_messages`), whose compute takes `compute` s (module doc)."""
     if lo.cp <= 1:
         return 0.0
-    blocks = r.cp_messages or [(("ring", 2.0 * kv_bytes / lo.cp) if lo.cp_ring else ("allgather", 2.0 * kv_bytes),)
-                               for _ in range(r.blocks)]
     span, latency = lo.tp * lo.cp, device.collective_latency_us * 1e-6
     hop = bandwidth(span, device)
     redo = r.recomputed_blocks / max(r.blocks, 1)  # recomputed blocks gather again
     exposed, ring, chained, serial = 0.0, 0.0, 0, False
-    for messages in blocks:
+    for messages in r.cp_messages:
         kinds = {kind for kind, _ in messages}
         for kind, nbytes in messages:
             if kind == "allgather":

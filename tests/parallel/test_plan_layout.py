@@ -92,13 +92,15 @@ def test_step_time_by_hand():
     assert t.total == pytest.approx(3 * compute + 32 * 1e6 / 3.35e12)
     # cp = 4, all-gather: per block a gather of K and V of the whole sequence and a reduce-scatter
     # of their gradients; the compute is that of S / 4 tokens; DDP spans dp x cp = 4 ranks
-    cp = step_time(work, dataclasses.replace(layout, cp=4), d_model=64, seq_len=128, device=h100, kv_dim=32)
     kv = 2 * 32 * (2 * 128) * 2  # K and V (32 elements a token each) of 2 sequences of 128 tokens, bf16
+    gathered = [dataclasses.replace(w, cp_messages=((("allgather", kv),),) * w.blocks) for w in work]
+    cp = step_time(gathered, dataclasses.replace(layout, cp=4), d_model=64, seq_len=128, device=h100)
     assert cp.compute == pytest.approx(t.compute / 4) and cp.cp == pytest.approx(3 * 2 * 2 * 0.75 * kv / 450e9)
     assert cp.dp == pytest.approx(max(0.0, 1.5 * 4e6 / 450e9 - cp.compute / 3 * 2 / 3))
     # ring, not overlapped: per block (cp - 1) K/V blocks of S / cp tokens forward, 2 cp - 1 backward
-    ring = step_time(work, dataclasses.replace(layout, cp=4, cp_ring=True, overlap=False), d_model=64, seq_len=128,
-                     device=h100, kv_dim=32)
+    passed = [dataclasses.replace(w, cp_messages=((("ring", kv / 4),),) * w.blocks) for w in work]
+    ring = step_time(passed, dataclasses.replace(layout, cp=4, cp_ring=True, overlap=False), d_model=64, seq_len=128,
+                     device=h100)
     assert ring.cp == pytest.approx(3 * 2 * (3 + 7) * kv / 4 / 450e9)
 
 
