@@ -30,14 +30,17 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def best_of(fn, repeats: int = 5) -> float:
+def best_of(fn, repeats: int = 5, median: bool = False, before=lambda: None) -> float:
+    """Seconds of `fn` after one warm-up call: the fastest of `repeats`, or their median;
+    `before` runs ahead of each timed call, untimed (a barrier, so ranks start together)."""
     fn()
     times = []
     for _ in range(repeats):
+        before()
         t = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t)
-    return min(times)
+    return sorted(times)[len(times) // 2] if median else min(times)
 
 
 def _free_port() -> int:
@@ -65,14 +68,8 @@ def mlp_block():
 
 
 def median_of(fn, repeats: int = 5) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        dist.barrier()
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return sorted(times)[len(times) // 2]
+    """The median seconds of a collective `fn`, every rank starting together."""
+    return best_of(fn, repeats, median=True, before=dist.barrier)
 
 
 def _collectives(rank: int, world: int, port: int, numel: int, out) -> None:
