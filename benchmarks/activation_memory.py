@@ -415,6 +415,8 @@ def main() -> None:
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*", help="key=value config overrides")
     args = parser.parse_args()
+    if args.full_step and args.meter != "rss":
+        parser.error(f"--meter {args.meter} measures tensors made in a region, not --full-step's whole step: use rss")
     if args.worker:
         worker(args)
         return
