@@ -382,14 +382,10 @@ def model_memory(cfg: ModelConfig, setup: MemorySetup, costs: ModelCosts | None 
     tokens = setup.micro_batch * cfg.seq_len // setup.cp
     recomputed = set(checkpointed_blocks([str(i) for i in range(cfg.n_layers)], setup.activation_checkpointing,
                                          setup.ac_every))
-    if setup.cp == 1:  # the planner evaluates this for every layout: nothing exchanged, nothing to count
-        layers = [piece_memory(cost, _shares(cfg, setup.tp, width), setup, tokens, str(i) in recomputed, cfg.d_model,
-                               block=True) for i, (cost, width) in enumerate(zip(costs.layers, costs.widths))]
-    else:
-        messages = block_messages(cfg, costs.widths, setup.micro_batch, setup.cp, setup.compute_bytes, setup.cp_ring)
-        layers = [piece_memory(context_parallel_cost(cost, cfg, setup, sent), _shares(cfg, setup.tp, width), setup,
-                               tokens, str(i) in recomputed, cfg.d_model, block=True, received=received_bytes(sent))
-                  for i, (cost, width, sent) in enumerate(zip(costs.layers, costs.widths, messages))]
+    messages = block_messages(cfg, costs.widths, setup.micro_batch, setup.cp, setup.compute_bytes, setup.cp_ring)
+    layers = [piece_memory(context_parallel_cost(cost, cfg, setup, sent), _shares(cfg, setup.tp, width), setup,
+                           tokens, str(i) in recomputed, cfg.d_model, block=True, received=received_bytes(sent))
+              for i, (cost, width, sent) in enumerate(zip(costs.layers, costs.widths, messages))]
     if setup.fsdp and not setup.pipelined:
         layers = _gathered_units(layers, setup)
     shares = _shares(cfg, setup.tp, cfg.taper.multiple)
