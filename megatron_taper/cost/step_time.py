@@ -66,7 +66,7 @@ bus bandwidth; measured for gloo on the CPU, whose all-gather and reduce-scatter
 all-reduce). Every collective call (and point-to-point message) also costs the device's
 `collective_latency_us` (the CPU's is measured between ranks that compute between collectives, the
 way a step's collectives run; 0 on the GPU profiles: not measured, not modelled). Calls counted: tp
-one per collective above; pp 2 per micro-batch; cp per layer (allgather) or ring step; DDP one per
+one per collective above; pp 2 per micro-batch; cp one per message, ring step or hop; DDP one per
 gradient bucket (`ddp_bucket_elements`, the rule parallel/data_parallel.py buckets with); fsdp2 and
 DeepSpeed one per ZeRO unit (each block and the root) and collective (gathers, reduce-scatter and
 the replicas' all-reduce).
