@@ -147,6 +147,15 @@ def launch_ranks(script: str, overrides: list[str], cp: int, steps: int) -> list
         return rows
 
 
+def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
+    """The command line launch_ranks runs a script's workers with (--worker --out DIR --steps N
+    key=value ...), also the measuring side's --steps and overrides."""
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument("overrides", nargs="*", help="key=value config overrides")
+
+
 def launch(overrides: list[str], cp: int, steps: int) -> dict:
     """One measurement on `cp` fresh processes; rank 0's row."""
     return launch_ranks(__file__, overrides, cp, steps)[0]
@@ -157,10 +166,7 @@ def main() -> None:
     parser.add_argument("--seq-lens", default="1024,2048,4096,8192")
     parser.add_argument("--cps", default="1,2,4")
     parser.add_argument("--attentions", default="allgather,ring", help="parallel.cp_attention values (cp > 1)")
-    parser.add_argument("--steps", type=int, default=2)
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--out", help=argparse.SUPPRESS)
-    parser.add_argument("overrides", nargs="*", help="key=value config overrides")
+    add_worker_arguments(parser)
     args = parser.parse_args()
     if args.worker:
         row = worker(args.overrides, args.steps)

@@ -86,14 +86,13 @@ def launch(overrides: list[str], cp: int, steps: int) -> list[dict]:
 
 
 def main() -> None:
+    from context_parallel import add_worker_arguments
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", default="linear_memory:grm,deep_memory:grm", help="arch:variant, comma-separated")
     parser.add_argument("--seq-lens", default="1024,2048")
     parser.add_argument("--cps", default="1,2")
-    parser.add_argument("--steps", type=int, default=2)
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--out", help=argparse.SUPPRESS)
-    parser.add_argument("overrides", nargs="*", help="key=value config overrides")
+    add_worker_arguments(parser)
     args = parser.parse_args()
     if args.worker:
         worker(args.overrides, args.steps, args.out)
