@@ -1,22 +1,26 @@
 """One prepared check for a single CUDA GPU (target: an H200), in under 8 minutes.
 
-1. Parity: configs/tiny_taper.yaml on byte tokens of real text, fp32, 10 steps of the Trainer on
-   the CPU and on the GPU from the same weights and batches; the largest loss difference
-   (tolerance PARITY_TOL: fp32 reduction orders of the two devices differ by ~1e-6 per step; a
-   wrong kernel or a lost gradient moves the loss by 1e-3 or more).
+1. Parity: configs/tiny_taper.yaml on byte tokens of real text, 10 steps of the Trainer on the CPU
+   and on the GPU from the same weights and batches; the largest loss difference. In fp32
+   (PARITY_TOL: fp32 reduction orders of the two devices differ by ~1e-6 per step; a wrong kernel
+   or a lost gradient moves the loss by 1e-3 or more) and in bf16 autocast on both (`bf16_parity`,
+   BF16_TOL: both round the same matmul outputs to bf16, u = 2^-8, but oneDNN and cuBLAS sum in
+   other orders, so one rounding may land on the other side; measured 1e-4 on the H200).
 2. Throughput: a ~1.3B tapered Transformer (configs/transformer_1.3b_taper.yaml with pp=1) in bf16
    with parallel.zero=fsdp2 at dp=1 (one process: nothing to shard, so the model runs as is under
    bf16 autocast), one variant per entry of VARIANTS, most wanted first (the baseline, float8
-   linears, op-level activation checkpointing, the chunked loss, whole-block checkpointing, then
-   with train.compile, float8 with compile last but one): step time, tokens/s, MFU (the taper-
-   exact FLOPs of flops.model_costs, 6 x forward per token, against the device's dense bf16 peak),
-   peak allocated and reserved GPU memory. MFU is given in two labelled conventions: `mfu_causal`
-   (attention FLOPs of the causal half, this project's FLOPs model) and `mfu_full_attention`
-   (torchtitan's: attention counted as full, which reads higher). Steps are the Trainer's own
-   (`train_step`) on random tokens. Variants still to run when the time budget (--budget-s) is
-   spent are reported as skipped, and a variant that reaches the budget mid-way stops and reports
-   the steps it timed (`truncated`). torch._dynamo.reset() runs between variants, so one compiled
-   variant's caches and recompile limits never reach the next.
+   linears, op-level activation checkpointing, one 32K-token sequence (LONG_CONTEXT), the chunked
+   loss, whole-block checkpointing, then with train.compile, float8 with compile last but one):
+   step time, tokens/s, MFU (the taper-exact FLOPs of flops.model_costs, 6 x forward per token,
+   against the device's dense bf16 peak), peak allocated and reserved GPU memory, and beside them
+   the layout planner's prediction for the same run (plan.Predictor with this device's profile:
+   `predicted_peak_gib`, `predicted_step_s` and the measured / predicted ratios). MFU is given in
+   two labelled conventions: `mfu_causal` (attention FLOPs of the causal half, this project's FLOPs
+   model) and `mfu_full_attention` (torchtitan's: attention counted as full, which reads higher).
+   Steps are the Trainer's own (`train_step`) on random tokens. Variants still to run when the time
+   budget (--budget-s) is spent are reported as skipped, and a variant that reaches the budget
+   mid-way stops and reports the steps it timed (`truncated`). torch._dynamo.reset() runs between
+   variants, so one compiled variant's caches and recompile limits never reach the next.
 3. NCCL (gloo on a CPU) at world size 1: the process group is initialised in this process and
    every collective the trainer and checkpointer use (all_reduce sum/avg/max/min, all_gather,
    reduce_scatter, broadcast, gather_object, broadcast_object_list, barrier) runs once, then a
@@ -25,7 +29,7 @@
 Every part runs in its own try: a failure is recorded in the JSON (`failed`: the error) and the
 next part runs; the JSON file is rewritten after each part, so a crash keeps what finished.
 Prints one JSON object at the end (and writes it to --out); exit 1 when parity or any part failed.
-`--smoke` runs all parts at toy sizes (2 steps, two variants without compile, plus one variant
+`--smoke` runs all parts at toy sizes (2 steps, three variants without compile, plus one variant
 made to fail on purpose, recorded as `failed` with `expected_failure`) on whatever device there
 is, so that tests/launch/test_gpu_check.py keeps this script working on machines without a GPU.
 
@@ -52,11 +56,15 @@ from megatron_taper.data.corpus import embedded_files
 from megatron_taper.trainer import Trainer
 
 PARITY_TOL = 1e-4
+BF16_TOL = 2e-2
+# one sequence of 32K tokens a step (global batch 1): the long-context probe of the memory model
+LONG_CONTEXT = ["model.seq_len=32768", "train.global_batch=1", "train.micro_batch=1"]
 # each variant: train.* overrides; activation_checkpointing and compile always named
 VARIANTS = [
     {"activation_checkpointing": "none", "compile": False},
     {"activation_checkpointing": "none", "compile": False, "float8": True},
     {"activation_checkpointing": "op", "compile": False},
+    {"activation_checkpointing": "op", "compile": False, "overrides": LONG_CONTEXT},
     {"activation_checkpointing": "none", "compile": False, "loss_chunk": 1024},
     {"activation_checkpointing": "full", "compile": False},
     {"activation_checkpointing": "none", "compile": True},
@@ -84,30 +92,55 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def losses(overrides: list[str], steps: int) -> list[float]:
-    trainer = Trainer(load_config("configs/tiny_taper.yaml", overrides))
+def losses(overrides: list[str], steps: int, config: str = "configs/tiny_taper.yaml") -> list[float]:
+    trainer = Trainer(load_config(config, overrides))
     out = [float(trainer.train_step()["loss"]) for _ in range(steps)]
     trainer.prefetch.close()
     trainer.metrics.close()
     return out
 
 
-def parity(folder: str, device: str, steps: int) -> dict:
+def parity(folder: str, device: str, steps: int, precision: str = "fp32",
+           config: str = "configs/tiny_taper.yaml", extra: tuple[str, ...] = ()) -> dict:
+    """The same `steps` Trainer steps of `config` on the CPU and on `device`, from the same weights and
+    batches (byte tokens), in `precision` (bf16: autocast on both, the CPU's through oneDNN)."""
     common = ["model.vocab_size=256", f"data.path={byte_tokens(folder)}", "run.tensorboard=false",
-              "train.precision=fp32", "train.log_interval=1000"]
-    cpu = losses([*common, "train.device=cpu", f"run.dir={folder}/parity_cpu"], steps)
-    dev = losses([*common, f"train.device={device}", f"run.dir={folder}/parity_dev"], steps)
+              f"train.precision={precision}", "train.log_interval=1000", *extra]
+    name = f"{Path(config).stem}_{precision}"
+    cpu = losses([*common, "train.device=cpu", f"run.dir={folder}/parity_cpu_{name}"], steps, config)
+    dev = losses([*common, f"train.device={device}", f"run.dir={folder}/parity_dev_{name}"], steps, config)
     diff = max(abs(a - b) for a, b in zip(cpu, dev))
-    return {"steps": steps, "cpu_losses": cpu, "device_losses": dev, "max_abs_diff": diff, "tolerance": PARITY_TOL,
-            "ok": diff < PARITY_TOL}
+    tolerance = BF16_TOL if precision == "bf16" else PARITY_TOL
+    return {"config": config, "precision": precision, "steps": steps, "cpu_losses": cpu, "device_losses": dev,
+            "max_abs_diff": diff, "tolerance": tolerance, "ok": diff < tolerance}
 
 
-def throughput(shape: list[str], folder: str, variant: dict, steps: int, warmup: int, deadline: float) -> dict:
-    name = "_".join(f"{k}{v}" for k, v in variant.items())
-    cfg = load_config("configs/transformer_1.3b_taper.yaml", [
-        *shape, f"run.dir={folder}/tp_{name}", "run.tensorboard=false", "parallel.pp=1",
-        "parallel.microbatches=0", "parallel.zero=fsdp2", "train.log_interval=1000", "train.eval_batches=1",
-        *(f"train.{k}={str(v).lower()}" for k, v in variant.items())])
+def predict(cfg, measured_step_s: float, measured_peak_bytes: float | None) -> dict:
+    """The layout planner's prediction for this one-process run (megatron_taper/plan.py, the device's
+    profile from cost/devices.json) beside the measurement: peak memory and step time, with ratios."""
+    from megatron_taper.cost.memory import GIB
+    from megatron_taper.plan import Predictor, local_device
+
+    profile, _, where = local_device(cfg.train.device, 1)
+    predicted = Predictor(cfg, profile).predict(cfg, 1, float("inf"))
+    out = {"profile": where, "predicted_step_s": predicted.step.total,
+           "step_ratio": measured_step_s / predicted.step.total, "predicted_mfu": predicted.mfu,
+           "predicted_peak_gib": predicted.peak / GIB}
+    if measured_peak_bytes is not None:
+        out["peak_ratio"] = measured_peak_bytes / predicted.peak
+    return out
+
+
+def throughput(shape: list[str], folder: str, variant: dict, steps: int, warmup: int, deadline: float,
+               config: str = "configs/transformer_1.3b_taper.yaml", zero: str = "fsdp2") -> dict:
+    """Steps of `config` in one process at pp = 1 (`variant`: train.* settings, `overrides`: more):
+    step time, tokens/s, MFU, peak GPU memory and the planner's prediction of the last two."""
+    settings = {k: v for k, v in variant.items() if k != "overrides"}
+    name = "_".join(f"{k}{v}" for k, v in settings.items()) + ("_long" if "overrides" in variant else "")
+    cfg = load_config(config, [
+        *shape, f"run.dir={folder}/tp_{Path(config).stem}_{name}", "run.tensorboard=false", "parallel.pp=1",
+        "parallel.microbatches=0", f"parallel.zero={zero}", "train.log_interval=1000", "train.eval_batches=1",
+        *(f"train.{k}={str(v).lower()}" for k, v in settings.items()), *variant.get("overrides", [])])
     trainer = Trainer(cfg)
     try:
         device = trainer.ctx.device
@@ -134,9 +167,15 @@ def throughput(shape: list[str], folder: str, variant: dict, steps: int, warmup:
                   "mfu_causal": mfu(tokens / step_s, causal.total_flops, peak),
                   "mfu_full_attention": mfu(tokens / step_s, full.total_flops, peak),
                   "bf16": trainer.bf16, "params": causal.total_params}
+        peak_bytes = None
         if device.type == "cuda":
-            result["peak_allocated_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+            peak_bytes = torch.cuda.max_memory_allocated(device)
+            result["peak_allocated_gib"] = peak_bytes / 2**30
             result["peak_reserved_gib"] = torch.cuda.max_memory_reserved(device) / 2**30
+        try:
+            result.update(predict(cfg, step_s, peak_bytes))
+        except Exception as e:  # noqa: BLE001 - the measurement stands without its prediction
+            result["prediction_failed"] = f"{type(e).__name__}: {e}"
         return result
     finally:
         if trainer.prefetch is not None:
@@ -234,6 +273,8 @@ def main() -> int:
         # compile is covered by tests/parallel/test_step_engines.py; "bogus" fails on purpose
         variants = [{"activation_checkpointing": "none", "compile": False},
                     {"activation_checkpointing": "op", "compile": False, "float8": True, "loss_chunk": 16},
+                    {"activation_checkpointing": "op", "compile": False,
+                     "overrides": ["model.seq_len=64", "train.global_batch=1", "train.micro_batch=1"]},
                     {"activation_checkpointing": "bogus", "compile": False}]
     else:  # global batch 8 x 2048 tokens as 2 micro-batches of 4
         shape = ["train.global_batch=8", "train.micro_batch=4"]
@@ -242,6 +283,7 @@ def main() -> int:
     write(report, args.out)
     with tempfile.TemporaryDirectory() as folder:
         attempt(report, args.out, "parity", parity, folder, device, parity_steps)
+        attempt(report, args.out, "bf16_parity", parity, folder, device, parity_steps, "bf16")
         attempt(report, args.out, "collectives", collectives, folder, device)
         vocab = load_config("configs/transformer_1.3b_taper.yaml", shape).model.vocab_size
         shape = [*shape, f"data.path={random_tokens(folder, vocab, 4_000_000)}", f"train.device={device}",
@@ -262,7 +304,7 @@ def main() -> int:
     json.dump(report, sys.stdout)
     print()
     failed = [r for r in report.get("throughput", []) if "failed" in r and not r.get("expected_failure")]
-    ok = report["parity"].get("ok") and report["collectives"].get("ok") and not failed
+    ok = all(report[part].get("ok") for part in ("parity", "bf16_parity", "collectives")) and not failed
     return 0 if ok else 1
 
 
