@@ -11,7 +11,8 @@ thread each (what tp / dp / pp / cp traffic runs over on one CPU machine):
   step: the loop's time per iteration with the collective less without it (median of 3 rounds of
   50). On an idle pair of processes a 4 KiB all-reduce is also reported alone
   (`idle_allreduce_4kib_us`); the loop's figure is larger: a collective makes the ranks wait for
-  each other, and gloo's threads need the cores the ranks compute on.
+  each other, and gloo's threads need the cores the ranks compute on;
+- `op_overhead_us`: the host time of one eager operator (op_overhead: many tiny operators).
 
     OMP_NUM_THREADS=1 python benchmarks/cpu_profile.py [--size 2048] [--mib 64]
 
@@ -67,6 +68,21 @@ def mlp_block():
     return run
 
 
+def op_overhead() -> tuple[float, int]:
+    """Seconds per eager operator: a narrowed 2-block tiny Titans (cost/op_count.py's widths, 128
+    tokens: ~12k operators of little arithmetic each) forward and backward, best of 7, over its
+    operator count; an upper bound, as its arithmetic is counted in."""
+    from megatron_taper.config import load_config
+    from megatron_taper.cost.op_count import _count, _narrow
+    from megatron_taper.models import build_model
+
+    cfg = _narrow(load_config(os.path.join(os.path.dirname(__file__), "..", "configs", "tiny_titans.yaml"),
+                              []).model, 2, 128)
+    _, ops = _count(cfg)
+    model, tokens = build_model(cfg), torch.randint(0, cfg.vocab_size, (1, cfg.seq_len))
+    return best_of(lambda: model(tokens).float().mean().backward(), repeats=7) / ops, ops
+
+
 def median_of(fn, repeats: int = 5) -> float:
     """The median seconds of a collective `fn`, every rank starting together."""
     return best_of(fn, repeats, median=True, before=dist.barrier)
@@ -115,6 +131,7 @@ def main() -> None:
     a, b = torch.randn(n, n), torch.randn(n, n)
     matmul_s = best_of(lambda: a @ b)
     block_s = best_of(mlp_block())
+    per_op_s, ops = op_overhead()
     numel = args.mib * 2**20 // 4
     src = torch.ones(numel)
     dst = torch.empty_like(src)
@@ -148,6 +165,7 @@ def main() -> None:
         "loop_compute_ms": 1e3 * coll["compute_step"],
         "collective_latency_us": 1e6 * coll["in_loop_small"],
         "concurrent_efficiency": block_s / coll["block"],
+        "op_overhead_us": 1e6 * per_op_s, "op_overhead_ops": ops,
         "cpu": (open("/proc/cpuinfo").read().split("model name")[1].split("\n")[0].strip(" \t:")
                 if os.path.exists("/proc/cpuinfo") else ""),
     }))

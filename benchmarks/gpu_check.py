@@ -59,6 +59,7 @@ PARITY_TOL = 1e-4
 BF16_TOL = 2e-2
 # one sequence of 32K tokens a step (global batch 1): the long-context probe of the memory model
 LONG_CONTEXT = ["model.seq_len=32768", "train.global_batch=1", "train.micro_batch=1"]
+SHAPE = ["train.global_batch=8", "train.micro_batch=4"]  # the throughput runs' step: 2 micro-batches of 4
 # each variant: train.* overrides; activation_checkpointing and compile always named
 VARIANTS = [
     {"activation_checkpointing": "none", "compile": False},
@@ -115,13 +116,14 @@ def parity(folder: str, device: str, steps: int, precision: str = "fp32",
             "max_abs_diff": diff, "tolerance": tolerance, "ok": diff < tolerance}
 
 
-def predict(cfg, measured_step_s: float, measured_peak_bytes: float | None) -> dict:
+def predict(cfg, measured_step_s: float, measured_peak_bytes: float | None, profile=None) -> dict:
     """The layout planner's prediction for this one-process run (megatron_taper/plan.py, the device's
-    profile from cost/devices.json) beside the measurement: peak memory and step time, with ratios."""
+    profile from cost/devices.json, or `profile`) beside the measurement: peak memory and step time,
+    with ratios."""
     from megatron_taper.cost.memory import GIB
     from megatron_taper.plan import Predictor, local_device
 
-    profile, _, where = local_device(cfg.train.device, 1)
+    profile, where = (profile, profile.name) if profile else local_device(cfg.train.device, 1)[::2]
     predicted = Predictor(cfg, profile).predict(cfg, 1, float("inf"))
     out = {"profile": where, "predicted_step_s": predicted.step.total,
            "step_ratio": measured_step_s / predicted.step.total, "predicted_mfu": predicted.mfu,
@@ -131,16 +133,21 @@ def predict(cfg, measured_step_s: float, measured_peak_bytes: float | None) -> d
     return out
 
 
+def run_config(config: str, shape: list[str], folder: str, variant: dict, zero: str):
+    """The Config of one throughput run: `config` at pp = 1 with `shape`, `variant` and `zero`."""
+    settings = {k: v for k, v in variant.items() if k not in ("overrides", "family", "recipe", "expected_failure")}
+    name = "_".join(f"{k}{v}" for k, v in settings.items()) + ("_long" if "overrides" in variant else "")
+    return load_config(config, [
+        *shape, f"run.dir={folder}/tp_{Path(config).stem}_{name}", "run.tensorboard=false", "parallel.pp=1",
+        "parallel.microbatches=0", f"parallel.zero={zero}", "train.log_interval=1000", "train.eval_batches=1",
+        *(f"train.{k}={str(v).lower()}" for k, v in settings.items()), *variant.get("overrides", [])])
+
+
 def throughput(shape: list[str], folder: str, variant: dict, steps: int, warmup: int, deadline: float,
                config: str = "configs/transformer_1.3b_taper.yaml", zero: str = "fsdp2") -> dict:
     """Steps of `config` in one process at pp = 1 (`variant`: train.* settings, `overrides`: more):
     step time, tokens/s, MFU, peak GPU memory and the planner's prediction of the last two."""
-    settings = {k: v for k, v in variant.items() if k != "overrides"}
-    name = "_".join(f"{k}{v}" for k, v in settings.items()) + ("_long" if "overrides" in variant else "")
-    cfg = load_config(config, [
-        *shape, f"run.dir={folder}/tp_{Path(config).stem}_{name}", "run.tensorboard=false", "parallel.pp=1",
-        "parallel.microbatches=0", f"parallel.zero={zero}", "train.log_interval=1000", "train.eval_batches=1",
-        *(f"train.{k}={str(v).lower()}" for k, v in settings.items()), *variant.get("overrides", [])])
+    cfg = run_config(config, shape, folder, variant, zero)
     trainer = Trainer(cfg)
     try:
         device = trainer.ctx.device
@@ -277,7 +284,7 @@ def main() -> int:
                      "overrides": ["model.seq_len=64", "train.global_batch=1", "train.micro_batch=1"]},
                     {"activation_checkpointing": "bogus", "compile": False}]
     else:  # global batch 8 x 2048 tokens as 2 micro-batches of 4
-        shape = ["train.global_batch=8", "train.micro_batch=4"]
+        shape = list(SHAPE)
         steps, warmup, parity_steps = args.steps, 3, 10
         variants = VARIANTS
     write(report, args.out)

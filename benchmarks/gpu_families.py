@@ -46,8 +46,15 @@ SIZED = {  # family -> (recipe, micro-batch)
 # a carried bridge state needs row streams, which read MDS shards (mosaicml-streaming, not on the GPU
 # image): the bridge runs within each window there
 EXTRA = {"bridge": ("model.bridge.carry_state=false",)}
+SIZED_VARIANT = {"activation_checkpointing": "none"}
 SMOKE = ["taper", "bridge"]  # --smoke: fp32 parity, the sized run (bridge) and the first resume
 RESUMED = {"transformer": ("tiny_taper", ["parallel.zero=fsdp2"]), "titans": ("tiny_titans", [])}
+
+
+def sized_shape(family: str, micro: int, bf16: bool) -> list[str]:
+    """The sized runs' step: global batch 8 of `micro`-sequence micro-batches."""
+    return ["train.global_batch=8", f"train.micro_batch={micro}",
+            "train.precision=bf16" if bf16 else "train.precision=fp32", *EXTRA.get(family, ())]
 
 
 def resume(folder: str, device: str, config: str, extra: list[str], steps: int) -> dict:
@@ -104,10 +111,9 @@ def main() -> int:
                 continue
             config = f"configs/{recipe}.yaml"
             vocab = load_config(config, []).model.vocab_size
-            shape = ["train.global_batch=8", f"train.micro_batch={micro}", f"train.device={device}",
-                     f"data.path={random_tokens(folder, vocab, 2_000_000)}",
-                     "train.precision=bf16" if cuda else "train.precision=fp32", *EXTRA.get(family, ())]
-            attempt(report, args.out, "sized", throughput, shape, folder, {"activation_checkpointing": "none"},
+            shape = [*sized_shape(family, micro, cuda), f"train.device={device}",
+                     f"data.path={random_tokens(folder, vocab, 2_000_000)}"]
+            attempt(report, args.out, "sized", throughput, shape, folder, SIZED_VARIANT,
                     steps, 2, float("inf"), config, "none", append=True, family=family, recipe=recipe)
     report["elapsed_s"] = time.perf_counter() - began
     write(report, args.out)

@@ -39,6 +39,7 @@ from megatron_taper.cost.memory import (
     checkpointed_blocks,
     model_memory,
 )
+from megatron_taper.cost.op_count import OpCounts, count_ops
 from megatron_taper.cost.stage_memory import to_memory_model
 from megatron_taper.cost.step_time import RankWork, StepLayout, StepTime, step_time
 from megatron_taper.parallel.partition import (
@@ -212,6 +213,8 @@ class Predictor:
         self._work: dict[tuple, list[RankWork]] = {}
         self._cp: dict[tuple, list[tuple]] = {}
         self._moments: dict[tuple, set] = {}  # partition.split_backward_moments per ZB-V rank
+        self._ops: dict[tuple, list[float]] = {}
+        self._op_counts: dict[int, OpCounts] = {}  # by cp
 
     def bounds(self, n_chunks: int) -> tuple[int, ...]:
         if n_chunks not in self._bounds:
@@ -309,6 +312,19 @@ class Predictor:
             self._cp[key] = [tuple(per_block[i] for i in layers) for layers in self.rank_layers(pp, virtual, schedule)]
         return self._cp[key]
 
+    def rank_ops(self, pp: int, virtual: int, schedule: str, recomputed: Sequence[int], cp: int) -> list[float]:
+        """Per pipeline rank, the eager operators of one micro-batch (cost/op_count.py at a cp
+        rank's seq_len / cp tokens): its blocks', their recomputed forwards and the ends' on the last."""
+        key = (pp, virtual, schedule, tuple(recomputed), cp)
+        if key not in self._ops:
+            if cp not in self._op_counts:
+                self._op_counts[cp] = count_ops(self.model, self.model.seq_len // cp)
+            ops = self._op_counts[cp]
+            last = len(self.costs.layers) - 1
+            self._ops[key] = [len(layers) * ops.block + n_redo * ops.block_forward + ops.ends * (last in layers)
+                              for layers, n_redo in zip(self.rank_layers(pp, virtual, schedule), recomputed)]
+        return self._ops[key]
+
     def _rank_work(self, mm: ModelMemory, pp: int, virtual: int, schedule: str, mode: str, every: int
                    ) -> list[RankWork]:
         c = self.costs
@@ -338,6 +354,9 @@ class Predictor:
             messages = self.rank_cp_messages(p.pp, virtual, p.pp_schedule, micro_batch, setup.cp, bf16, setup.cp_ring,
                                              p.tp)
             work = [dataclasses.replace(w, cp_messages=msgs) for w, msgs in zip(work, messages)]
+        if self.device.op_overhead_us > 0:
+            ops = self.rank_ops(p.pp, virtual, p.pp_schedule, [w.recomputed_blocks for w in work], setup.cp)
+            work = [dataclasses.replace(w, ops=n) for w, n in zip(work, ops)]
         layout = StepLayout(tp=p.tp, pp=p.pp, dp=dp, virtual=virtual, schedule=p.pp_schedule, zero=p.zero,
                             sequence_parallel=setup.sequence_parallel, micro_batch=micro_batch, microbatches=m,
                             bf16=bf16, float8=t.float8, overlap=self.device.profile != "cpu",

@@ -37,6 +37,7 @@ class DeviceProfile:
     reduce_scatter_efficiency: float = 1.0  # reduce-scatter's bus bandwidth / all-reduce's on the same link
     collective_latency_us: float = 0.0  # what one collective call adds to a step beyond its bytes
     concurrent_efficiency: float = 1.0  # a CPU core's matmul rate while every core computes / alone
+    op_overhead_us: float = 0.0  # host time to issue one eager operator (cost/op_count.py); 0: not modelled
 
     def rank_share(self, ranks: int) -> float:
         """The fraction of one device a computing rank gets when `ranks` run: 1 on accelerators (a

@@ -6,7 +6,10 @@ Per pipeline rank r, for one micro-batch of b x S tokens on one tp rank:
                 blocks' linear layers at the fp8 rate under train.float8 (torchao converts only
                 those), everything else (attention scores, embedding, head) at the bf16 rate
                 (fp32 without bf16); rate = the device's peak x its assumed MFU (cost/devices.json),
-                x its concurrent_efficiency on a CPU host where more than one rank computes
+                x its concurrent_efficiency on a CPU host where more than one rank computes;
+                at least its operators x the device's op_overhead_us (cost/op_count.py) where the
+                device runs kernels beside the host issuing them (GPUs: the host runs ahead), their
+                sum on a CPU (the same cores do both)
     tp_r        Megatron's 4 collectives per block ([b, S, d] in the compute dtype: 2 in forward,
                 2 in backward; all-reduces, or all-gather + reduce-scatter under sequence
                 parallelism, which move the same bytes), 2 more per recomputed block, and those of
@@ -108,6 +111,7 @@ class RankWork:
     # context parallelism: per block, its messages per micro-batch as (kind, bytes) pairs (cost/cp.py
     # cp_messages: chain, halo, allgather, ring; attention's K and V for the attention families)
     cp_messages: tuple = ()
+    ops: float = 0.0  # eager operators it dispatches per micro-batch (cost/op_count.py; recomputed forwards included)
 
 
 @dataclass(frozen=True)
@@ -199,7 +203,9 @@ def step_time(ranks: Sequence[RankWork], layout: StepLayout, d_model: int, seq_l
     for r in ranks:
         linear = r.linear_flops * (3 * tokens) + r.recompute_flops * tokens * r.linear_flops / max(r.flops, 1e-30)
         other = (3 * r.flops + r.recompute_flops) * tokens - linear
-        compute.append((linear / fp8_rate + other / rate) / lo.tp)
+        math = (linear / fp8_rate + other / rate) / lo.tp
+        issue = r.ops * device.op_overhead_us * 1e-6
+        compute.append(max(math, issue) if lo.overlap else math + issue)
         tp_s.append(per_collective * (4 * r.blocks + 2 * r.recomputed_blocks + r.vocab_collectives))
     cp_s = [_cp_seconds(r, lo, compute[k], device) for k, r in enumerate(ranks)]
     per_rank = [compute[k] + tp_s[k] + cp_s[k] + pp_s for k in range(len(ranks))]

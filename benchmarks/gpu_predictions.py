@@ -1,0 +1,68 @@
+"""The layout planner's predictions for measured GPU runs again, with today's cost model: reads the
+JSON of benchmarks/gpu_check.py (`throughput`) and of benchmarks/gpu_families.py (`sized`), rebuilds
+each run's Config as those scripts did, and predicts it with a device profile of
+megatron_taper/cost/devices.json (default: h200). Runs on any machine (no GPU), so a change to the
+cost model is checked against the recorded measurements without a GPU at hand.
+
+    python benchmarks/gpu_predictions.py docs/results/gpu_check_h200_2026-12-04.json \\
+        docs/results/gpu_families_h200_2026-12-04.json [--profile h200]
+
+Prints one JSON object: per run its measured and predicted step time and peak memory and their
+ratios, and the geometric spread of each ratio (max / min over the runs).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_check import SHAPE, predict, run_config  # noqa: E402
+from gpu_families import SIZED, SIZED_VARIANT, sized_shape  # noqa: E402
+
+VARIANT_KEYS = ("activation_checkpointing", "compile", "float8", "loss_chunk", "overrides")
+
+
+def rows(report: dict) -> list[tuple[str, list[str], dict, str, dict]]:
+    """(recipe, shape, variant, ZeRO engine, measured row) of every run that measured a step, as
+    gpu_check.py (fsdp2) and gpu_families.py (no ZeRO) ran it."""
+    out = []
+    for row in report.get("throughput", []):
+        if "step_s" in row:
+            variant = {k: row[k] for k in VARIANT_KEYS if k in row}
+            out.append(("configs/transformer_1.3b_taper.yaml", [*SHAPE, "train.precision=bf16"], variant, "fsdp2", row))
+    for row in report.get("sized", []):
+        if "step_s" in row:
+            recipe, micro = SIZED[row["family"]]
+            out.append((f"configs/{recipe}.yaml", sized_shape(row["family"], micro, True), SIZED_VARIANT, "none", row))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("reports", nargs="+")
+    parser.add_argument("--profile", default="h200")
+    args = parser.parse_args()
+    from megatron_taper.cost.devices import profiles
+
+    profile = profiles()[args.profile]
+    results = []
+    for path in args.reports:
+        with open(path) as f:
+            report = json.load(f)
+        for recipe, shape, variant, zero, measured in rows(report):
+            cfg = run_config(recipe, shape, "/tmp/gpu_predictions", variant, zero)
+            peak = measured.get("peak_allocated_gib", 0.0) * 2**30 or None
+            result = predict(cfg, measured["step_s"], peak, profile)
+            results.append({"recipe": os.path.basename(recipe), **variant, "measured_step_s": measured["step_s"],
+                            **{k: v for k, v in result.items() if k != "profile"}})
+    steps = [r["step_ratio"] for r in results]
+    peaks = [r["peak_ratio"] for r in results if "peak_ratio" in r]
+    print(json.dumps({"benchmark": "gpu_predictions", "profile": args.profile, "runs": results,
+                      "step_ratio_range": [min(steps), max(steps)],
+                      "peak_ratio_range": [min(peaks), max(peaks)] if peaks else None}))
+
+
+if __name__ == "__main__":
+    main()

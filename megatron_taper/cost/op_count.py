@@ -1,0 +1,82 @@
+"""Operators a training step dispatches: the step-time model's per-op cost (cost/step_time.py).
+
+Eager PyTorch pays a host-side cost per operator (Python, the dispatcher, a kernel launch) whatever
+its size. For the chunked recurrent families that cost, not their FLOPs, sets the step: measured on
+an H200 (docs/gpu.md), Titans and Hope at 125M run 480k-675k operators per step at 15-18 us each,
+190-240x longer than their FLOPs at the profile's MFU.
+
+`count_ops` counts the ATen operators of one forward and one backward (TorchDispatchMode) of the
+model at its real sequence length and structure but narrowed widths (d_model 64, 4 heads, MLP
+width 128, vocabulary 256), on the CPU: the count depends on the structure (blocks, chunks of the
+sequence, memory levels), not on the widths, and the narrow model counts in well under a second
+for 1-2 blocks (2 s for the deepest family). Two builds, of 1 and of 2 blocks, give the ops of one
+block and of the ends (embedding, head, loss and any state outside the blocks: the tree is a single
+block, all of it counted as its block). What is left out: the optimizer's few foreach operators per
+step, bf16 autocast's casts, float8's scaling operators, the parallel wrappers' own operators
+(FSDP's copies, tp's collectives: each collective is costed by collective_latency_us).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from megatron_taper.config import ModelConfig
+from megatron_taper.validation import ConfigError
+
+NARROW = {"d_model": 64, "n_heads": 4, "n_kv_heads": 0, "mlp_width": 128, "vocab_size": 256}
+
+
+@dataclass(frozen=True)
+class OpCounts:
+    """ATen operators per micro-batch (independent of its size)."""
+
+    block_forward: float  # one block's forward (what a recomputed block runs again)
+    block: float  # one block's forward and backward
+    ends: float  # the embedding, head, loss and state outside the blocks, forward and backward
+
+
+def _narrow(cfg: ModelConfig, n_layers: int, seq_len: int) -> ModelConfig:
+    taper = dataclasses.replace(cfg.taper, multiple=16)
+    narrow = dataclasses.replace(cfg, n_layers=n_layers, seq_len=seq_len, taper=taper, **NARROW)
+    narrow.validate("model")
+    return narrow
+
+
+def _count(cfg: ModelConfig) -> tuple[int, int]:
+    """(forward, forward + backward) operators of one micro-batch of one sequence."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from megatron_taper.models import build_model
+
+    class Counter(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += 1
+            return func(*args, **(kwargs or {}))
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = build_model(cfg)
+        tokens = torch.randint(0, cfg.vocab_size, (1, cfg.seq_len))
+        counter = Counter()
+        with counter:
+            out = model(tokens)
+            forward = counter.n
+            (out if torch.is_tensor(out) else out[0]).float().mean().backward()
+    return forward, counter.n
+
+
+def count_ops(cfg: ModelConfig, seq_len: int | None = None) -> OpCounts:
+    """Operators per micro-batch of `cfg` at `seq_len` tokens per sequence (default: cfg.seq_len;
+    a context-parallel rank's share is seq_len / cp)."""
+    seq = seq_len or cfg.seq_len
+    one_forward, one = _count(_narrow(cfg, 1, seq))
+    try:
+        two_forward, two = _count(_narrow(cfg, 2, seq))
+    except ConfigError:  # a single-block family (the tree)
+        return OpCounts(block_forward=one_forward, block=one, ends=0.0)
+    return OpCounts(block_forward=two_forward - one_forward, block=two - one, ends=2 * one - two)
