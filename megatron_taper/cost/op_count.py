@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from megatron_taper.config import ModelConfig
 from megatron_taper.validation import ConfigError
 
+CAP = 1024  # tokens counted at most (attention's arithmetic at the narrow width grows with their square)
 NARROW = {"d_model": 64, "n_heads": 4, "n_kv_heads": 0, "mlp_width": 128, "vocab_size": 256}
 
 
@@ -70,10 +71,24 @@ def _count(cfg: ModelConfig) -> tuple[int, int]:
     return forward, counter.n
 
 
-def count_ops(cfg: ModelConfig, seq_len: int | None = None) -> OpCounts:
+def count_ops(cfg: ModelConfig, seq_len: int | None = None, cap: int = CAP) -> OpCounts:
     """Operators per micro-batch of `cfg` at `seq_len` tokens per sequence (default: cfg.seq_len;
-    a context-parallel rank's share is seq_len / cp)."""
+    a context-parallel rank's share is seq_len / cp). Beyond `cap` tokens the counts at cap and
+    cap / 2 are extended along their line (a chunk loop's operators grow linearly with the tokens;
+    attention's do not grow), where the family accepts those lengths; else it counts at seq_len."""
     seq = seq_len or cfg.seq_len
+    if seq > cap:
+        try:
+            at_cap, at_half = _counts_at(cfg, cap), _counts_at(cfg, cap // 2)
+        except ConfigError:
+            return _counts_at(cfg, seq)
+        per_half = (seq - cap) / (cap // 2)
+        return OpCounts(*(a + (a - b) * per_half for a, b in zip(dataclasses.astuple(at_cap),
+                                                                  dataclasses.astuple(at_half))))
+    return _counts_at(cfg, seq)
+
+
+def _counts_at(cfg: ModelConfig, seq: int) -> OpCounts:
     one_forward, one = _count(_narrow(cfg, 1, seq))
     try:
         two_forward, two = _count(_narrow(cfg, 2, seq))

@@ -9,7 +9,9 @@ def test_planner_profiles_carry_every_number_with_its_source():
     found = profiles()
     assert set(found) == {"cpu", "h100", "h200", "b200"}
     for name, p in found.items():
-        assert set(p.sources) - {"concurrent_efficiency"} == {"flops", "memory", "links", "mfu", "collectives"}, name
+        assert set(p.sources) - {"concurrent_efficiency"} == {"flops", "memory", "links", "mfu", "collectives",
+                                                              "op_overhead"}, name
+        assert p.op_overhead_us > 0 and ("measured" in p.sources["op_overhead"]), name
         assert ("concurrent_efficiency" in p.sources) == (p.concurrent_efficiency != 1.0), name
         assert all(isinstance(s, str) and s for s in p.sources.values()), name
         assert 0 < p.mfu <= 1 and p.fp32_tflops > 0 and p.intra_node_gb_per_s > 0 and p.inter_node_gb_per_s > 0

@@ -1,0 +1,62 @@
+"""Eager operators per micro-batch (cost/op_count.py) and their share of the step time
+(cost/step_time.py): the count of a narrowed model is the real model's, a whole model is its ends
+plus its blocks, and the time term is the larger of arithmetic and issue on a device that runs
+ahead of the host (GPUs), their sum on a CPU."""
+import dataclasses
+
+import pytest
+import torch
+
+from megatron_taper.config import load_config
+from megatron_taper.cost.devices import profiles
+from megatron_taper.cost.op_count import _count, _narrow, count_ops
+from megatron_taper.cost.step_time import RankWork, StepLayout, step_time
+from megatron_taper.plan import Predictor
+
+
+@pytest.mark.parametrize("recipe", ["tiny_taper", "tiny_titans", "tiny_bridge"])
+def test_a_model_is_its_ends_plus_its_blocks_at_any_width(recipe):
+    cfg = load_config(f"configs/{recipe}.yaml", []).model
+    ops = count_ops(cfg)
+    assert ops.block > ops.block_forward > 0 and ops.ends >= 0
+    whole = _narrow(cfg, cfg.n_layers, cfg.seq_len)
+    assert _count(whole)[1] == ops.ends + cfg.n_layers * ops.block  # 4 or 6 blocks from the 1- and 2-block counts
+    assert _count(dataclasses.replace(cfg, n_layers=2))[1] == _count(_narrow(cfg, 2, cfg.seq_len))[1]  # width-free
+
+
+def test_chunked_families_scale_with_the_sequence_and_the_tree_is_one_block():
+    titans = load_config("configs/tiny_titans.yaml", []).model
+    full, half = count_ops(titans), count_ops(titans, titans.seq_len // 2)
+    assert half.block < 0.6 * full.block  # a chunk loop: half the chunks, about half the operators
+    taper = load_config("configs/tiny_taper.yaml", []).model
+    assert count_ops(taper, 64) == count_ops(taper)  # attention: one operator whatever the length
+    for recipe in ("tiny_titans", "tiny_linear_memory_caching"):  # beyond the cap: along the line of two counts
+        cfg = load_config(f"configs/{recipe}.yaml", []).model
+        assert count_ops(cfg, cap=64).block == pytest.approx(count_ops(cfg).block, rel=0.05)
+    tree = count_ops(load_config("configs/tiny_tree.yaml", []).model)
+    assert tree.ends == 0 and tree.block > 0
+
+
+def test_issue_time_overlaps_on_gpus_and_adds_on_a_cpu():
+    work = RankWork(flops=1e6, linear_flops=5e5, recompute_flops=0.0, blocks=2, recomputed_blocks=0, params=1e3,
+                    ops=10_000)
+    gpu = dataclasses.replace(profiles()["h200"], op_overhead_us=10.0)
+    layout = StepLayout(tp=1, pp=1, dp=1, virtual=1, schedule="1f1b", zero="none", sequence_parallel=False,
+                        micro_batch=1, microbatches=2, bf16=True, float8=False, overlap=True)
+    math = 3 * 1e6 * 128 / gpu.matmul_flops(True)
+    assert step_time([work], layout, 64, 128, gpu).compute == pytest.approx(2 * max(math, 0.1))
+    cpu = dataclasses.replace(profiles()["cpu"], op_overhead_us=10.0, cores=0)
+    flat = dataclasses.replace(layout, bf16=False, overlap=False)
+    math = 3 * 1e6 * 128 / cpu.matmul_flops(False)
+    assert step_time([work], flat, 64, 128, cpu).compute == pytest.approx(2 * (math + 0.1))
+
+
+def test_the_planner_counts_recomputed_forwards_and_the_ends_on_the_last_stage():
+    cfg = load_config("configs/tiny_taper.yaml", ["parallel.pp=2", "parallel.microbatches=4"])
+    ops = count_ops(cfg.model)
+    predictor = Predictor(cfg, profiles()["h200"])
+    first, last = map(len, predictor.rank_layers(2, 1, "1f1b"))  # the FLOPs-balanced split
+    assert predictor.rank_ops(2, 1, "1f1b", [0, 0], 1) == [first * ops.block, last * ops.block + ops.ends]
+    assert predictor.rank_ops(2, 1, "1f1b", [1, 1], 1) == [first * ops.block + ops.block_forward,
+                                                          last * ops.block + ops.block_forward + ops.ends]
+    assert torch.get_default_dtype() == torch.float32  # counting leaves the process as it was
