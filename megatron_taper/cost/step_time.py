@@ -21,8 +21,9 @@ Per pipeline rank r, for one micro-batch of b x S tokens on one tp rank:
     T_r         compute_r + tp_r + pp_r; T = max over ranks (the balanced partition's slowest rank)
 
     step        m x T + bubble + dp (exposed) + optimizer; on a CPU host with fewer cores than
-                ranks at least every rank's busy time (m x T_r + dp + optimizer) summed over the
-                cores (the ranks take turns; a rank idle in the bubble gives its core up)
+                ranks at least every rank's busy time (m x T_r + dp + optimizer, without the
+                collectives' per-call latency) summed over the cores (the ranks take turns; a rank
+                idle in the bubble or waiting out a collective's latency gives its core up)
     bubble      (pp - 1) x T' for gpipe and 1f1b, where T' is the other ranks' mean T_r (the
                 warm-up and drain pass through them while the slowest rank waits; T' = T when
                 the partition balances the ranks exactly), / v interleaved, / 3 for the
@@ -76,6 +77,7 @@ the replicas' all-reduce).
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -221,11 +223,15 @@ def step_time(ranks: Sequence[RankWork], layout: StepLayout, d_model: int, seq_l
     optimizer = ADAMW_TRAFFIC_BYTES * params / shard / (device.memory_tb_per_s * 1e12)
     total = m * slowest + bubble + dp_s + optimizer
     world = lo.tp * lo.pp * lo.dp * lo.cp
-    if 0 < lo.host_cores < world:  # the ranks take turns on the cores; idle ones (the bubble) give theirs up
-        busy = sum(m * t + dp_s + optimizer for t in per_rank) * (world // lo.pp)
+    if 0 < lo.host_cores < world:  # the ranks take turns on the cores; idle ones (the bubble) give theirs up,
+        # and so does one waiting out a collective's per-call latency: busy time is without it
+        quiet = step_time(ranks, dataclasses.replace(lo, host_cores=0), d_model, seq_len,
+                          dataclasses.replace(device, collective_latency_us=0.0))
+        busy = sum(m * t + quiet.dp + optimizer for t in quiet.parts["rank_micro_batch_s"]) * (world // lo.pp)
         total = max(total, busy / lo.host_cores)
     return StepTime(total=total, compute=m * compute[i], bubble=bubble, tp=m * tp_s[i], pp=m * pp_s, dp=dp_s,
-                    optimizer=optimizer, cp=m * cp_s[i], parts={"micro_batch_s": slowest})
+                    optimizer=optimizer, cp=m * cp_s[i],
+                    parts={"micro_batch_s": slowest, "rank_micro_batch_s": per_rank})
 
 
 def _cp_seconds(r: RankWork, lo: StepLayout, compute: float, device: DeviceProfile) -> float:
