@@ -73,12 +73,12 @@ def op_overhead() -> tuple[float, int]:
     tokens: ~12k operators of little arithmetic each) forward and backward, best of 7, over its
     operator count; an upper bound, as its arithmetic is counted in."""
     from megatron_taper.config import load_config
-    from megatron_taper.cost.op_count import _count, _narrow
+    from megatron_taper.cost.op_count import dispatched_ops, narrowed
     from megatron_taper.models import build_model
 
-    cfg = _narrow(load_config(os.path.join(os.path.dirname(__file__), "..", "configs", "tiny_titans.yaml"),
+    cfg = narrowed(load_config(os.path.join(os.path.dirname(__file__), "..", "configs", "tiny_titans.yaml"),
                               []).model, 2, 128)
-    _, ops = _count(cfg)
+    _, ops = dispatched_ops(cfg)
     model, tokens = build_model(cfg), torch.randint(0, cfg.vocab_size, (1, cfg.seq_len))
     return best_of(lambda: model(tokens).float().mean().backward(), repeats=7) / ops, ops
 

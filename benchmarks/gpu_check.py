@@ -123,7 +123,10 @@ def predict(cfg, measured_step_s: float, measured_peak_bytes: float | None, prof
     from megatron_taper.cost.memory import GIB
     from megatron_taper.plan import Predictor, local_device
 
-    profile, where = (profile, profile.name) if profile else local_device(cfg.train.device, 1)[::2]
+    if profile is None:
+        profile, _, where = local_device(cfg.train.device, 1)
+    else:
+        where = profile.name
     predicted = Predictor(cfg, profile).predict(cfg, 1, float("inf"))
     out = {"profile": where, "predicted_step_s": predicted.step.total,
            "step_ratio": measured_step_s / predicted.step.total, "predicted_mfu": predicted.mfu,

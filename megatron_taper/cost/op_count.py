@@ -36,14 +36,15 @@ class OpCounts:
     ends: float  # the embedding, head, loss and state outside the blocks, forward and backward
 
 
-def _narrow(cfg: ModelConfig, n_layers: int, seq_len: int) -> ModelConfig:
+def narrowed(cfg: ModelConfig, n_layers: int, seq_len: int) -> ModelConfig:
+    """`cfg` at NARROW's widths with `n_layers` blocks of `seq_len` tokens (its structure kept)."""
     taper = dataclasses.replace(cfg.taper, multiple=16)
     narrow = dataclasses.replace(cfg, n_layers=n_layers, seq_len=seq_len, taper=taper, **NARROW)
     narrow.validate("model")
     return narrow
 
 
-def _count(cfg: ModelConfig) -> tuple[int, int]:
+def dispatched_ops(cfg: ModelConfig) -> tuple[int, int]:
     """(forward, forward + backward) operators of one micro-batch of one sequence."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -89,9 +90,9 @@ def count_ops(cfg: ModelConfig, seq_len: int | None = None, cap: int = CAP) -> O
 
 
 def _counts_at(cfg: ModelConfig, seq: int) -> OpCounts:
-    one_forward, one = _count(_narrow(cfg, 1, seq))
+    one_forward, one = dispatched_ops(narrowed(cfg, 1, seq))
     try:
-        two_forward, two = _count(_narrow(cfg, 2, seq))
+        two_forward, two = dispatched_ops(narrowed(cfg, 2, seq))
     except ConfigError:  # a single-block family (the tree)
         return OpCounts(block_forward=one_forward, block=one, ends=0.0)
     return OpCounts(block_forward=two_forward - one_forward, block=two - one, ends=2 * one - two)

@@ -9,7 +9,7 @@ import torch
 
 from megatron_taper.config import load_config
 from megatron_taper.cost.devices import profiles
-from megatron_taper.cost.op_count import _count, _narrow, count_ops
+from megatron_taper.cost.op_count import count_ops, dispatched_ops, narrowed
 from megatron_taper.cost.step_time import RankWork, StepLayout, step_time
 from megatron_taper.plan import Predictor
 
@@ -19,9 +19,11 @@ def test_a_model_is_its_ends_plus_its_blocks_at_any_width(recipe):
     cfg = load_config(f"configs/{recipe}.yaml", []).model
     ops = count_ops(cfg)
     assert ops.block > ops.block_forward > 0 and ops.ends >= 0
-    whole = _narrow(cfg, cfg.n_layers, cfg.seq_len)
-    assert _count(whole)[1] == ops.ends + cfg.n_layers * ops.block  # 4 or 6 blocks from the 1- and 2-block counts
-    assert _count(dataclasses.replace(cfg, n_layers=2))[1] == _count(_narrow(cfg, 2, cfg.seq_len))[1]  # width-free
+    whole = narrowed(cfg, cfg.n_layers, cfg.seq_len)
+    # 4 or 6 blocks, from the 1- and 2-block counts
+    assert dispatched_ops(whole)[1] == ops.ends + cfg.n_layers * ops.block
+    real_width = dataclasses.replace(cfg, n_layers=2)
+    assert dispatched_ops(real_width)[1] == dispatched_ops(narrowed(cfg, 2, cfg.seq_len))[1]  # width-free
 
 
 def test_chunked_families_scale_with_the_sequence_and_the_tree_is_one_block():
