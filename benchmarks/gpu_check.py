@@ -138,7 +138,7 @@ def predict(cfg, measured_step_s: float, measured_peak_bytes: float | None, prof
 
 def run_config(config: str, shape: list[str], folder: str, variant: dict, zero: str):
     """The Config of one throughput run: `config` at pp = 1 with `shape`, `variant` and `zero`."""
-    settings = {k: v for k, v in variant.items() if k not in ("overrides", "family", "recipe", "expected_failure")}
+    settings = {k: v for k, v in variant.items() if k != "overrides"}
     name = "_".join(f"{k}{v}" for k, v in settings.items()) + ("_long" if "overrides" in variant else "")
     return load_config(config, [
         *shape, f"run.dir={folder}/tp_{Path(config).stem}_{name}", "run.tensorboard=false", "parallel.pp=1",

@@ -8,7 +8,7 @@ cost model is checked against the recorded measurements without a GPU at hand.
         docs/results/gpu_families_h200_2026-12-04.json [--profile h200]
 
 Prints one JSON object: per run its measured and predicted step time and peak memory and their
-ratios, and the geometric spread of each ratio (max / min over the runs).
+ratios, and the range [min, max] of each ratio over the runs.
 """
 from __future__ import annotations
 
@@ -42,21 +42,27 @@ def rows(report: dict) -> list[tuple[str, list[str], dict, str, dict]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("reports", nargs="+")
-    parser.add_argument("--profile", default="h200")
-    args = parser.parse_args()
     from megatron_taper.cost.devices import profiles
 
-    profile = profiles()[args.profile]
+    known = profiles()
+    parser.add_argument("--profile", default="h200", choices=sorted(known))
+    args = parser.parse_args()
+    profile = known[args.profile]
     results = []
     for path in args.reports:
-        with open(path) as f:
-            report = json.load(f)
+        try:
+            with open(path) as f:
+                report = json.load(f)
+        except (OSError, json.JSONDecodeError) as e:
+            parser.error(f"{path}: not a gpu_check / gpu_families JSON ({e})")
         for recipe, shape, variant, zero, measured in rows(report):
             cfg = run_config(recipe, shape, "/tmp/gpu_predictions", variant, zero)
             peak = measured.get("peak_allocated_gib", 0.0) * 2**30 or None
             result = predict(cfg, measured["step_s"], peak, profile)
             results.append({"recipe": os.path.basename(recipe), **variant, "measured_step_s": measured["step_s"],
                             **{k: v for k, v in result.items() if k != "profile"}})
+    if not results:
+        parser.error(f"no measured run (a `throughput` or `sized` row with step_s) in {', '.join(args.reports)}")
     steps = [r["step_ratio"] for r in results]
     peaks = [r["peak_ratio"] for r in results if "peak_ratio" in r]
     print(json.dumps({"benchmark": "gpu_predictions", "profile": args.profile, "runs": results,

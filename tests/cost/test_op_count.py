@@ -55,7 +55,9 @@ def test_issue_time_overlaps_on_gpus_and_adds_on_a_cpu():
 
 def test_the_planner_counts_recomputed_forwards_and_the_ends_on_the_last_stage():
     cfg = load_config("configs/tiny_taper.yaml", ["parallel.pp=2", "parallel.microbatches=4"])
+    rng = torch.random.get_rng_state()
     ops = count_ops(cfg.model)
+    assert torch.equal(torch.random.get_rng_state(), rng)  # counting draws from a forked generator
     predictor = Predictor(cfg, profiles()["h200"])
     first, last = map(len, predictor.rank_layers(2, 1, "1f1b"))  # the FLOPs-balanced split
     assert predictor.rank_ops(2, 1, "1f1b", [0, 0], 1) == [first * ops.block, last * ops.block + ops.ends]
