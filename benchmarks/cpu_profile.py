@@ -12,11 +12,16 @@ thread each (what tp / dp / pp / cp traffic runs over on one CPU machine):
   50). On an idle pair of processes a 4 KiB all-reduce is also reported alone
   (`idle_allreduce_4kib_us`); the loop's figure is larger: a collective makes the ranks wait for
   each other, and gloo's threads need the cores the ranks compute on;
-- `op_overhead_us`: the host time of one eager operator (op_overhead: many tiny operators).
+- `op_overhead_us`: the host time of one eager operator (op_overhead: many tiny operators);
+- `oversubscribed_efficiency`: the host's total rate with twice as many one-thread processes as
+  cores over one per core (what time-slicing costs; the 4-rank layouts on 2 cores).
 
-    OMP_NUM_THREADS=1 python benchmarks/cpu_profile.py [--size 2048] [--mib 64]
+    OMP_NUM_THREADS=1 python benchmarks/cpu_profile.py [--size 2048] [--mib 64] [--write FILE]
 
 Prints one JSON object. The collectives' numbers depend on the machine's load: measure it quiet.
+`--write FILE` also writes them as a measured profile of the planner's cpu entry (cost/devices.py
+`profiles(measured=...)`; `megatron-taper-plan --measured-profile FILE`, `parallel.layout_profile`),
+each number with its source; `mfu` is the MLP block's rate over the matmul peak.
 """
 from __future__ import annotations
 
@@ -56,11 +61,13 @@ BLOCK_FLOPS = 3 * 2 * 2 * BLOCK_TOKENS * BLOCK_D * BLOCK_F  # two matmuls, forwa
 
 def mlp_block():
     """A transformer MLP's forward and backward on one thread: [512, 512] -> 1536 -> 512, SiLU,
-    residual and layer norm (BLOCK_FLOPS in its matmuls, the rest elementwise, as in a step)."""
+    residual and layer norm (BLOCK_FLOPS in its matmuls, the rest elementwise, as in a step). The
+    weights are scaled by 1 / sqrt(fan-in) as a model's are: unscaled, the backward's gradients
+    fall to denormal floats, which made it 2.6x slower on an Intel Xeon."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(BLOCK_TOKENS, BLOCK_D, generator=gen, requires_grad=True)
-    w1 = torch.randn(BLOCK_D, BLOCK_F, generator=gen, requires_grad=True)
-    w2 = torch.randn(BLOCK_F, BLOCK_D, generator=gen, requires_grad=True)
+    w1 = (torch.randn(BLOCK_D, BLOCK_F, generator=gen) / BLOCK_D**0.5).requires_grad_()
+    w2 = (torch.randn(BLOCK_F, BLOCK_D, generator=gen) / BLOCK_F**0.5).requires_grad_()
 
     def run() -> None:
         out = torch.nn.functional.layer_norm(torch.nn.functional.silu(x @ w1) @ w2 + x, (BLOCK_D,))
@@ -81,6 +88,35 @@ def op_overhead() -> tuple[float, int]:
     _, ops = dispatched_ops(cfg)
     model, tokens = build_model(cfg), torch.randint(0, cfg.vocab_size, (1, cfg.seq_len))
     return best_of(lambda: model(tokens).float().mean().backward(), repeats=7) / ops, ops
+
+
+def _blocks(barrier, out, n: int) -> None:
+    torch.set_num_threads(1)
+    block = mlp_block()
+    block()
+    barrier.wait()
+    start = time.perf_counter()
+    for _ in range(n):
+        block()
+    out.put(time.perf_counter() - start)
+
+
+def oversubscribed_efficiency(cores: int, n: int = 40) -> float:
+    """The host's total MLP-block rate with 2 x `cores` one-thread processes over its rate with
+    `cores` of them: what the cores lose to switching between more ranks than they have (the
+    step-time model's host bound divides by it)."""
+    ctx = mp.get_context("spawn")
+    rates = []
+    for processes in (cores, 2 * cores):
+        barrier, queue = ctx.Barrier(processes), ctx.Queue()
+        procs = [ctx.Process(target=_blocks, args=(barrier, queue, n)) for _ in range(processes)]
+        for p in procs:
+            p.start()
+        slowest = max(queue.get(timeout=600) for _ in procs)
+        for p in procs:
+            p.join()
+        rates.append(processes * n / slowest)
+    return rates[1] / rates[0]
 
 
 def median_of(fn, repeats: int = 5) -> float:
@@ -126,6 +162,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", type=int, default=2048, help="square matmul size")
     parser.add_argument("--mib", type=int, default=64, help="all-reduce / copy size in MiB")
+    parser.add_argument("--write", default="", metavar="FILE",
+                        help="also write the figures the planner takes as a measured profile of the cpu "
+                             "entry (megatron-taper-plan --measured-profile, parallel.layout_profile)")
     args = parser.parse_args()
     n = args.size
     a, b = torch.randn(n, n), torch.randn(n, n)
@@ -150,7 +189,7 @@ def main() -> None:
     # reduce-scatter (n - 1) / n x the whole tensor's bytes
     moved = {"all_reduce": 1.0, "all_gather": 0.5, "reduce_scatter": 0.5}
     bus = {k: f * nbytes / coll[k] / 1e9 for k, f in moved.items()}
-    print(json.dumps({
+    figures = {
         "threads": torch.get_num_threads(),
         "fp32_matmul_tflops": 2 * n**3 / matmul_s / 1e12,
         "block_tflops": BLOCK_FLOPS / block_s / 1e12,
@@ -165,10 +204,45 @@ def main() -> None:
         "loop_compute_ms": 1e3 * coll["compute_step"],
         "collective_latency_us": 1e6 * coll["in_loop_small"],
         "concurrent_efficiency": block_s / coll["block"],
+        "cores": os.cpu_count() or 1, "oversubscribed_efficiency": oversubscribed_efficiency(os.cpu_count() or 1),
         "op_overhead_us": 1e6 * per_op_s, "op_overhead_ops": ops,
         "cpu": (open("/proc/cpuinfo").read().split("model name")[1].split("\n")[0].strip(" \t:")
                 if os.path.exists("/proc/cpuinfo") else ""),
-    }))
+    }
+    print(json.dumps(figures))
+    if args.write:
+        write_profile(args.write, figures, args.size, args.mib)
+
+
+def write_profile(path: str, m: dict, size: int, mib: int) -> None:
+    """The measured-profile file of the cpu entry (cost/devices.py profiles' `measured`): each
+    number with where and how it was measured. `mfu` is the MLP block's rate over the matmul peak:
+    the matmul-sized work of a small model's step, not a fit to any run."""
+    where = f"measured with benchmarks/cpu_profile.py on {m['cpu'] or 'this CPU'}, {time.strftime('%Y-%m-%d %H:%M')}"
+    entry = {
+        "fp32_tflops": m["fp32_matmul_tflops"], "mfu": min(1.0, m["block_tflops"] / m["fp32_matmul_tflops"]),
+        "memory_tb_per_s": m["copy_gb_per_s"] / 1e3,
+        "intra_node_gb_per_s": m["gloo_allreduce_bus_gb_per_s"], "inter_node_gb_per_s": m["gloo_allreduce_bus_gb_per_s"],
+        "all_gather_efficiency": m["all_gather_efficiency"], "reduce_scatter_efficiency": m["reduce_scatter_efficiency"],
+        "collective_latency_us": m["collective_latency_us"],
+        "concurrent_efficiency": min(1.0, m["concurrent_efficiency"]),
+        "oversubscribed_efficiency": min(1.0, m["oversubscribed_efficiency"]),
+        "op_overhead_us": m["op_overhead_us"],
+        "sources": {
+            "flops": f"{where}: a {size}^2 fp32 matmul on {m['threads']} thread(s), best of 5",
+            "mfu": f"{where}: the MLP block ([{BLOCK_TOKENS}, {BLOCK_D}] -> {BLOCK_F}, forward and backward, SiLU, "
+                   "layer norm) over the matmul peak",
+            "memory": f"{where}: a {mib} MiB copy (read + write), best of 5",
+            "links": f"{where}: gloo all-reduce of {mib} MiB between 2 local processes, ring bus bandwidth, median of 5",
+            "collectives": f"{where}: all-gather / reduce-scatter bus bandwidth over the all-reduce's ({mib} MiB, "
+                           "median of 5); latency: what a 4 KiB all-reduce adds to a loop of ~5 ms matmuls",
+            "concurrent_efficiency": f"{where}: the MLP block's rate in 2 one-thread processes at once over alone",
+            "oversubscribed_efficiency": f"{where}: the MLP block's total rate in {2 * m['cores']} one-thread processes "
+                                         f"over {m['cores']} ({m['cores']} cores)",
+            "op_overhead": f"{where}: a narrowed 2-block tiny Titans' forward and backward over its operators"}}
+    with open(path + ".tmp", "w") as f:
+        json.dump({"devices": {"cpu": entry}}, f, indent=1)
+    os.replace(path + ".tmp", path)
 
 
 if __name__ == "__main__":

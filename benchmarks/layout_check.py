@@ -3,7 +3,7 @@ measured peak memory per rank and step time, their ratios, and the rank correlat
 times with the spread of its repeats.
 
     nice -n 10 python benchmarks/layout_check.py [--layouts none_dp1,ddp_dp2,...] [--repeats 3] [--steps 3]
-                                                 [key=value ...]
+                                                 [--measured-profile FILE | none] [key=value ...]
 
 Each layout runs in fresh gloo processes (1, 2 or 4, 1 thread each: OMP_NUM_THREADS=1 also for the
 one-process layout, as the cpu profile rates a rank by one core) through
@@ -14,10 +14,14 @@ times from `--repeats` further runs with glibc's default allocator, as a trainin
 low threshold makes each large allocation fault its pages in again: it slowed tp = 2 by 40% and
 DDP by 17% here). A run's step time is rank 0's fastest step after the first (the first warms up:
 allocations, the pipeline's shape inference). The timing runs are interleaved (every layout once,
-then again), so a change of the machine's load falls on all of them alike; a layout's step time is
-the median of its runs and its spread (max - min) / median is reported beside it. Spearman's rank
-correlation is computed on the medians (`spearman_step_time`) and on every repeat alone
-(`spearman_per_repeat`, the noise of the statistic itself). Beside the wall time, each run
+then again), so a change of the machine's load falls on all of them alike. A layout's step time
+is the fastest of its runs (`measured_step_fastest_s`: on a machine shared with other jobs the
+noise only adds time, and each run's figure is already its fastest step); the median of its runs
+(`measured_step_s`) and their spread (max - min) / median are reported beside it. Spearman's rank
+correlation is computed on the fastest (`spearman_step_time`), for both profiles and statistics
+(`spearman`), on every repeat alone (`spearman_per_repeat`) and between the repeats themselves
+(`spearman_between_repeats`: how well the measurement agrees with itself, the ceiling of any
+prediction's). Beside the wall time, each run
 records the step's CPU time per process (all its threads; `measured_step_cpu_s`: the largest
 rank's, median over repeats): other engineers' jobs on a shared machine lengthen the wall time
 but much less the CPU time; it leaves out waiting (the pipeline bubble, a collective's wait for
@@ -25,13 +29,18 @@ a slower rank), so `spearman_step_cpu_time` is a second, load-robust view, not a
 `peak_ratio_after_runtime` takes out the runtime's own ~31 MiB per process that the memory model
 does not count (RUNTIME_BYTES).
 
-Predictions come from megatron_taper/plan.py's Predictor with the `cpu` device profile
-(cost/devices.json) and this machine's cores (os.cpu_count(): the processes share them).
-`cpu_mfu_fitted` is the fraction of the profile's fp32 matmul peak the one-process layout's median
-step implies (its predicted compute over the measured step less the rest of its prediction), and
-`cpu_concurrent_efficiency_fitted` what DDP dp=2's ranks keep of a core (half the one-process
-step over a rank's CPU time): the cpu profile's `mfu` and `concurrent_efficiency` were fitted
-this way (FITTED), so `spearman_step_time_unfitted` ranks the other layouts alone.
+Predictions come from megatron_taper/plan.py's Predictor with this machine's cores (os.cpu_count():
+the processes share them) and two device profiles: `measured`, the cpu profile measured on this
+machine by benchmarks/cpu_profile.py --write just before the layouts run (or read from
+`--measured-profile FILE`), which the ratios and `spearman_step_time` use, and `stored`, the cpu
+entry of cost/devices.json as it stands (another machine's numbers, `predicted_step_by_profile_s`).
+The measured profile fits nothing to the layouts (its `mfu` is cpu_profile's MLP block's rate over
+its matmul peak). The stored one's `mfu` and `concurrent_efficiency` were fitted on its machine
+from two of these layouts (FITTED), as `cpu_mfu_fitted` (the fraction of the profile's fp32 matmul
+peak the one-process layout's median step implies: its predicted compute over the measured step
+less the rest of its prediction) and `cpu_concurrent_efficiency_fitted` (what DDP dp=2's ranks
+keep of a core: half the one-process step over a rank's CPU time) report them here; the
+correlations' `unfitted` entries rank the other layouts alone.
 Prints one JSON object: `rows` (per layout and rank), `layouts` (per layout: the largest rank's
 peaks, the step times of every repeat and their median, ratios) and the correlations.
 """
@@ -50,6 +59,8 @@ LAYOUTS = {  # name -> (processes, overrides)
     "none_dp1_full": (1, ["parallel.zero=none", "train.activation_checkpointing=full"]),
     "ddp_dp2": (2, ["parallel.zero=none"]),
     "ddp_dp2_full": (2, ["parallel.zero=none", "train.activation_checkpointing=full"]),
+    "none_dp1_op": (1, ["parallel.zero=none", "train.activation_checkpointing=op"]),
+    "ddp_dp2_op": (2, ["parallel.zero=none", "train.activation_checkpointing=op"]),
     "tp2": (2, ["parallel.tp=2"]),
     "pp2": (2, ["parallel.pp=2", "parallel.microbatches=4"]),
     "fsdp2_dp2": (2, ["parallel.zero=fsdp2"]),
@@ -78,6 +89,9 @@ def ranks(values: list[float]) -> list[float]:
 
 
 def spearman(a: list[float], b: list[float]) -> float:
+    """Spearman's rank correlation; NaN for fewer than 2 values."""
+    if len(a) < 2:
+        return float("nan")
     ra, rb = ranks(a), ranks(b)
     ma, mb = sum(ra) / len(ra), sum(rb) / len(rb)
     cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
@@ -96,9 +110,15 @@ def main() -> None:
     parser.add_argument("--layouts", default=",".join(LAYOUTS))
     parser.add_argument("--repeats", type=int, default=3, help="runs of every layout, interleaved")
     parser.add_argument("--steps", type=int, default=3, help="training steps before the measured one")
+    parser.add_argument("--measured-profile", default="", metavar="FILE",
+                        help="this machine's measured cpu profile (benchmarks/cpu_profile.py --write); default: "
+                             "measured by cpu_profile.py now, before the layouts; 'none': the table's only")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     import dataclasses
+    import itertools
+    import subprocess
+    import tempfile
 
     from activation_memory import DEFAULT, measure
     from layout_memory import SHAPE
@@ -109,7 +129,15 @@ def main() -> None:
     from megatron_taper.plan import Predictor
     from megatron_taper.preflight import preflight
 
-    cpu = dataclasses.replace(profiles()["cpu"], cores=os.cpu_count() or 1)
+    measured_file = args.measured_profile
+    if not measured_file:  # this machine's numbers, measured before the layouts (about a minute)
+        measured_file = os.path.join(tempfile.mkdtemp(), "cpu_measured.json")
+        subprocess.run([sys.executable, os.path.join(HERE, "cpu_profile.py"), "--write", measured_file],
+                       check=True, stdout=sys.stderr, stderr=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    cores = os.cpu_count() or 1
+    devices = {"stored": dataclasses.replace(profiles()["cpu"], cores=cores)}
+    if measured_file != "none":
+        devices["measured"] = dataclasses.replace(profiles(measured=measured_file)["cpu"], cores=cores)
     names = args.layouts.split(",")
     setups = {}
     for name in names:
@@ -117,7 +145,9 @@ def main() -> None:
         overrides = SHAPE + layout + ["train.precision=fp32", *args.overrides]
         cfg = load_config(None, DEFAULT + overrides)
         dp = preflight(cfg, nproc).dp
-        setups[name] = (nproc, overrides, cfg, dp, Predictor(cfg, cpu).predict(cfg, dp, float("inf")))
+        setups[name] = (nproc, overrides, cfg, dp, {k: Predictor(cfg, d).predict(cfg, dp, float("inf"))
+                                                    for k, d in devices.items()})
+    main_profile = "measured" if "measured" in devices else "stored"
     peaks = {name: measure(setups[name][1], setups[name][2].train.activation_checkpointing, setups[name][0],
                            args.steps, full=True, threads=1) for name in names}
     runs: dict[str, list[list[dict]]] = {name: [] for name in names}
@@ -133,7 +163,8 @@ def main() -> None:
                   file=sys.stderr)
     rows, layouts = [], []
     for name in names:
-        nproc, _, cfg, dp, predicted = setups[name]
+        nproc, _, cfg, dp, by_profile = setups[name]
+        predicted = by_profile[main_profile]
         first = peaks[name]
         for row in first:
             pp_rank = row["rank"] // (dp * cfg.parallel.cp * cfg.parallel.tp)
@@ -148,33 +179,48 @@ def main() -> None:
         cpu_steps = [max(r["step_cpu_s"] for r in run) for run in runs[name]]
         top = max(rows[-len(first):], key=lambda r: abs(r["peak_ratio_after_runtime"] - 1.0))
         layouts.append({"layout": name, "processes": nproc, "predicted_step_s": predicted.step.total,
+                        "predicted_step_by_profile_s": {k: p.step.total for k, p in by_profile.items()},
                         "predicted_parts_s": {"compute": predicted.step.compute, "bubble": predicted.step.bubble,
                                               "tp": predicted.step.tp, "cp": predicted.step.cp,
                                               "pp": predicted.step.pp,
                                               "dp": predicted.step.dp, "optimizer": predicted.step.optimizer},
-                        "measured_step_s": step, "measured_step_runs_s": steps,
+                        "measured_step_s": step, "measured_step_fastest_s": min(steps), "measured_step_runs_s": steps,
                         "step_spread": (max(steps) - min(steps)) / step, "step_ratio": step / predicted.step.total,
+                        "step_ratio_fastest": min(steps) / predicted.step.total,
                         "measured_step_cpu_s": median(cpu_steps), "measured_step_cpu_runs_s": cpu_steps,
                         "predicted_peak_gib": predicted.peak / GIB,
                         "measured_peak_gib": max(r["measured_peak_bytes"] for r in first) / GIB,
                         "worst_rank_peak_ratio_after_runtime": top["peak_ratio_after_runtime"]})
     predicted_steps = [x["predicted_step_s"] for x in layouts]
-    per_repeat = [spearman(predicted_steps, [x["measured_step_runs_s"][k] for x in layouts])
-                  for k in range(args.repeats)]
-    fitted, concurrent = None, None
+    runs_by_repeat = [[x["measured_step_runs_s"][k] for x in layouts] for k in range(args.repeats)]
+    per_repeat = [spearman(predicted_steps, run) for run in runs_by_repeat]
+    between = [spearman(a, b) for a, b in itertools.combinations(runs_by_repeat, 2)]
+    unfitted = [k for k, name in enumerate(names) if name not in FITTED]
+    correlations = {}
+    for key, statistic in (("median", "measured_step_s"), ("fastest", "measured_step_fastest_s")):
+        measured = [x[statistic] for x in layouts]
+        for profile in devices:
+            guess = [x["predicted_step_by_profile_s"][profile] for x in layouts]
+            correlations[f"{profile}_profile_{key}"] = {
+                "all": spearman(guess, measured),
+                "unfitted": spearman([guess[k] for k in unfitted], [measured[k] for k in unfitted]),
+                "step_ratios": [min(m / g for m, g in zip(measured, guess)), max(m / g for m, g in zip(measured, guess))]}
+    fitted, concurrent, cpu = None, None, devices[main_profile]
     if "none_dp1" in names:
         one = layouts[names.index("none_dp1")]
         rest = one["predicted_step_s"] - one["predicted_parts_s"]["compute"]
         fitted = cpu.mfu * one["predicted_parts_s"]["compute"] / max(one["measured_step_s"] - rest, 1e-9)
         if "ddp_dp2" in names:  # half the one-process work per rank, both ranks computing at once
             concurrent = one["measured_step_s"] / 2 / layouts[names.index("ddp_dp2")]["measured_step_cpu_s"]
-    unfitted = [k for k, name in enumerate(names) if name not in FITTED]
     print(json.dumps({"benchmark": "layout_check", "device": "cpu", "cores": cpu.cores, "repeats": args.repeats,
-                      "steps": args.steps, "shape": SHAPE + args.overrides, "rows": rows, "layouts": layouts,
-                      "spearman_step_time": spearman(predicted_steps, [x["measured_step_s"] for x in layouts]),
+                      "steps": args.steps, "shape": SHAPE + args.overrides, "profile": main_profile,
+                      "profiles": {k: dataclasses.asdict(d) for k, d in devices.items()},
+                      "rows": rows, "layouts": layouts,
+                      "spearman_step_time": spearman(predicted_steps, [x["measured_step_fastest_s"] for x in layouts]),
                       "spearman_step_time_unfitted": spearman([predicted_steps[k] for k in unfitted],
-                                                              [layouts[k]["measured_step_s"] for k in unfitted]),
-                      "spearman_per_repeat": per_repeat, "cpu_mfu_fitted": fitted,
+                                                              [layouts[k]["measured_step_fastest_s"] for k in unfitted]),
+                      "spearman": correlations, "spearman_per_repeat": per_repeat,
+                      "spearman_between_repeats": between, "cpu_mfu_fitted": fitted,
                       "cpu_concurrent_efficiency_fitted": concurrent,
                       "spearman_step_cpu_time": spearman(predicted_steps, [x["measured_step_cpu_s"] for x in layouts]),
                       "load_average": os.getloadavg()}))

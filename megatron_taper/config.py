@@ -173,9 +173,12 @@ class ParallelConfig:
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
     # manual | auto: at start the layout planner (megatron_taper/plan.py) sets tp, pp, schedule, zero,
     # sequence_parallel, train.micro_batch, activation checkpointing and float8 to the fastest
-    # predicted layout that fits the device memory per rank (layout_memory_gb GiB when > 0)
+    # predicted layout that fits the device memory per rank (layout_memory_gb GiB when > 0);
+    # layout_profile: a file of this cluster's measured device numbers over cost/devices.json's
+    # (cost/devices.py profiles; benchmarks/cpu_profile.py --write makes the CPU's)
     layout: str = "manual"
     layout_memory_gb: float = 0.0
+    layout_profile: str = ""
 
     def validate(self, prefix: str) -> None:
         check_choice(f"{prefix}.layout", self.layout, ("manual", "auto"))

@@ -325,6 +325,15 @@ class Predictor:
                               for layers, n_redo in zip(self.rank_layers(pp, virtual, schedule), recomputed)]
         return self._ops[key]
 
+    def op_recompute_bytes(self, setup: MemorySetup, pp: int, virtual: int, schedule: str) -> list[float]:
+        """Per pipeline rank, the activation bytes per micro-batch activation_checkpointing=op drops
+        and its backward makes again: what its blocks keep without checkpointing less what they keep
+        under op (the matmuls' and attention's outputs)."""
+        op = self.memory(setup)
+        none = self.memory(dataclasses.replace(setup, activation_checkpointing="none"))
+        return [sum(none.layers[i].kept - op.layers[i].kept for i in layers)
+                for layers in self.rank_layers(pp, virtual, schedule)]
+
     def _rank_work(self, mm: ModelMemory, pp: int, virtual: int, schedule: str, mode: str, every: int
                    ) -> list[RankWork]:
         c = self.costs
@@ -354,8 +363,13 @@ class Predictor:
             messages = self.rank_cp_messages(p.pp, virtual, p.pp_schedule, micro_batch, setup.cp, bf16, setup.cp_ring,
                                              p.tp)
             work = [dataclasses.replace(w, cp_messages=msgs) for w, msgs in zip(work, messages)]
-        if self.device.op_overhead_us > 0:
-            ops = self.rank_ops(p.pp, virtual, p.pp_schedule, [w.recomputed_blocks for w in work], setup.cp)
+        op_level = t.activation_checkpointing == "op"
+        if op_level:
+            work = [dataclasses.replace(w, op_recompute_bytes=b)
+                    for w, b in zip(work, self.op_recompute_bytes(setup, p.pp, virtual, p.pp_schedule))]
+        if self.device.op_overhead_us > 0:  # op-level: a block's forward operators again (matmuls included: an upper bound)
+            redo = [w.blocks if op_level else w.recomputed_blocks for w in work]
+            ops = self.rank_ops(p.pp, virtual, p.pp_schedule, redo, setup.cp)
             work = [dataclasses.replace(w, ops=n) for w, n in zip(work, ops)]
         layout = StepLayout(tp=p.tp, pp=p.pp, dp=dp, virtual=virtual, schedule=p.pp_schedule, zero=p.zero,
                             sequence_parallel=setup.sequence_parallel, micro_batch=micro_batch, microbatches=m,
@@ -460,17 +474,19 @@ def no_fit_message(result: PlanResult, memory_gib: float) -> str:
             f"larger devices, or a smaller model")
 
 
-def local_device(train_device: str, world: int, local_ranks: int | None = None) -> tuple[DeviceProfile, float, str]:
+def local_device(train_device: str, world: int, local_ranks: int | None = None,
+                 measured: str = "") -> tuple[DeviceProfile, float, str]:
     """This machine's device profile, memory per rank in GiB and where they came from: a CUDA
     device's total memory and its profile (by name; the h100 one's links and MFU with the
     device's own peak FLOP/s for other GPUs), else the CPU profile and the RAM / local ranks
     (`local_ranks`, default LOCAL_WORLD_SIZE, else `world`); the CPU profile's cores are every
-    node's (world / local ranks nodes, alike), which the step-time model's host bound divides by."""
+    node's (world / local ranks nodes, alike), which the step-time model's host bound divides by.
+    `measured`: a measured-profile file over the table's numbers (cost/devices.py profiles)."""
     import torch
 
     from megatron_taper.cost.flops import lookup_peak_tflops
 
-    known = profiles()
+    known = profiles(measured=measured)
     if train_device != "cpu" and torch.cuda.is_available():
         index = int(os.environ.get("LOCAL_RANK", "0"))
         name = torch.cuda.get_device_name(index)
@@ -502,7 +518,10 @@ def choose_layout(cfg: Config, world: int, local_ranks: int | None = None) -> tu
     device memory per rank (parallel.layout_memory_gb when > 0) at `world` processes
     (`local_ranks` of them here: local_device), and a line saying why; nothing fits: ConfigError
     naming the nearest layout."""
-    device, memory, found = local_device(cfg.train.device, world, local_ranks)
+    try:
+        device, memory, found = local_device(cfg.train.device, world, local_ranks, cfg.parallel.layout_profile)
+    except ValueError as e:
+        raise ConfigError(f"parallel.layout_profile: {e}") from None
     if cfg.parallel.layout_memory_gb > 0:
         memory, found = cfg.parallel.layout_memory_gb, f"parallel.layout_memory_gb={cfg.parallel.layout_memory_gb:g}"
     result = search(cfg, world, memory, device)

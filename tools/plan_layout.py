@@ -80,6 +80,10 @@ def main(argv: list[str] | None = None) -> int:
     add_config_arguments(parser)
     known = profiles()
     parser.add_argument("--gpus", type=int, required=True, help="devices (processes) of the run")
+    parser.add_argument("--measured-profile", default="", metavar="FILE",
+                        help="this cluster's measured device numbers over cost/devices.json's (JSON: "
+                             "{\"devices\": {profile: {field: number, \"sources\": {...}}}}; "
+                             "benchmarks/cpu_profile.py --write makes the CPU's)")
     parser.add_argument("--gpu-memory", type=float, default=0.0,
                         help="GiB per device (default: the device's, cost/devices.json; cpu: RAM / --gpus)")
     parser.add_argument("--gpus-per-node", type=int, default=0, help="devices per node (default: the device's)")
@@ -92,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.gpus < 1 or args.top < 1 or args.gpu_memory < 0 or args.gpus_per_node < 0:
             parser.error("--gpus and --top must be at least 1, --gpu-memory and --gpus-per-node not negative")
-        device = known[args.device]
+        device = profiles(measured=args.measured_profile)[args.device] if args.measured_profile else known[args.device]
         if args.gpus_per_node:
             device = dataclasses.replace(device, gpus_per_node=args.gpus_per_node)
         # the cpu profile: this machine's RAM shared by the processes

@@ -7,7 +7,9 @@ Per pipeline rank r, for one micro-batch of b x S tokens on one tp rank:
                 those), everything else (attention scores, embedding, head) at the bf16 rate
                 (fp32 without bf16); rate = the device's peak x its assumed MFU (cost/devices.json),
                 x its concurrent_efficiency on a CPU host where more than one rank computes;
-                at least its operators x the device's op_overhead_us (cost/op_count.py) where the
+                plus, under activation_checkpointing=op, its recomputed elementwise outputs written
+                again and their inputs read (2 x the activation bytes op drops) at the memory
+                bandwidth; at least its operators x the device's op_overhead_us (cost/op_count.py) where the
                 device runs kernels beside the host issuing them (GPUs: the host runs ahead), their
                 sum on a CPU (the same cores do both)
     tp_r        Megatron's 4 collectives per block ([b, S, d] in the compute dtype: 2 in forward,
@@ -22,7 +24,8 @@ Per pipeline rank r, for one micro-batch of b x S tokens on one tp rank:
 
     step        m x T + bubble + dp (exposed) + optimizer; on a CPU host with fewer cores than
                 ranks at least every rank's busy time (m x T_r + dp + optimizer, without the
-                collectives' per-call latency) summed over the cores (the ranks take turns; a rank
+                collectives' per-call latency) summed over the cores at the host's
+                oversubscribed_efficiency (the ranks take turns, which costs the switches; a rank
                 idle in the bubble or waiting out a collective's latency gives its core up)
     bubble      (pp - 1) x T' for gpipe and 1f1b, where T' is the other ranks' mean T_r (the
                 warm-up and drain pass through them while the slowest rank waits; T' = T when
@@ -114,6 +117,9 @@ class RankWork:
     # cp_messages: chain, halo, allgather, ring; attention's K and V for the attention families)
     cp_messages: tuple = ()
     ops: float = 0.0  # eager operators it dispatches per micro-batch (cost/op_count.py; recomputed forwards included)
+    # activation_checkpointing=op: bytes per micro-batch (tp-local) of the elementwise outputs its
+    # backward makes again (none's kept activations less op's, cost/memory.py)
+    op_recompute_bytes: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -205,7 +211,10 @@ def step_time(ranks: Sequence[RankWork], layout: StepLayout, d_model: int, seq_l
     for r in ranks:
         linear = r.linear_flops * (3 * tokens) + r.recompute_flops * tokens * r.linear_flops / max(r.flops, 1e-30)
         other = (3 * r.flops + r.recompute_flops) * tokens - linear
-        math = (linear / fp8_rate + other / rate) / lo.tp
+        # op-level recompute: memory-bound elementwise work, each output written again and its
+        # inputs (as many bytes) read
+        elementwise = 2.0 * r.op_recompute_bytes / (device.memory_tb_per_s * 1e12)
+        math = (linear / fp8_rate + other / rate) / lo.tp + elementwise
         issue = r.ops * device.op_overhead_us * 1e-6
         compute.append(max(math, issue) if lo.overlap else math + issue)
         tp_s.append(per_collective * (4 * r.blocks + 2 * r.recomputed_blocks + r.vocab_collectives))
@@ -228,7 +237,7 @@ def step_time(ranks: Sequence[RankWork], layout: StepLayout, d_model: int, seq_l
         quiet = step_time(ranks, dataclasses.replace(lo, host_cores=0), d_model, seq_len,
                           dataclasses.replace(device, collective_latency_us=0.0))
         busy = sum(m * t + quiet.dp + optimizer for t in quiet.parts["rank_micro_batch_s"]) * (world // lo.pp)
-        total = max(total, busy / lo.host_cores)
+        total = max(total, busy / (lo.host_cores * device.oversubscribed_efficiency))
     return StepTime(total=total, compute=m * compute[i], bubble=bubble, tp=m * tp_s[i], pp=m * pp_s, dp=dp_s,
                     optimizer=optimizer, cp=m * cp_s[i],
                     parts={"micro_batch_s": slowest, "rank_micro_batch_s": per_rank})

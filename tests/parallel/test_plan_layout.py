@@ -66,6 +66,32 @@ def test_a_model_that_cannot_fit_names_the_nearest_layout(capsys):
     assert "parallel.zero=" in err[0] and "GiB per rank, i.e. devices of" in err[0]
 
 
+def test_a_measured_profile_is_what_the_plan_predicts_with(capsys, tmp_path):
+    """--measured-profile / parallel.layout_profile: the cluster's own numbers over the table's,
+    printed with the plan; a bad file is one error naming it, before any search."""
+    good = tmp_path / "measured.json"
+    good.write_text(json.dumps({"devices": {"h100": {"inter_node_gb_per_s": 12.5, "mfu": 0.3, "sources": {
+        "links": "nccl-tests all_reduce_perf across 2 nodes", "mfu": "our 8B run's logged MFU"}}}}))
+    recipe = ["--config", str(REPO / "configs" / "transformer_1.3b_taper.yaml"), "--gpus", "16", "--top", "1", "--json"]
+    assert _tool("plan_layout").main([*recipe, "--measured-profile", str(good)]) == 0
+    measured = json.loads(capsys.readouterr().out)
+    assert measured["device"]["inter_node_gb_per_s"] == 12.5 and measured["device"]["mfu"] == 0.3
+    assert measured["device"]["sources"]["links"] == "nccl-tests all_reduce_perf across 2 nodes"
+    assert _tool("plan_layout").main(recipe) == 0
+    assert json.loads(capsys.readouterr().out)["layouts"][0]["step_s"] < measured["layouts"][0]["step_s"]
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"devices": {"h100": {"mfu": 0.3}}}))
+    assert _tool("plan_layout").main([*recipe, "--measured-profile", str(bad)]) == 2
+    assert capsys.readouterr().err.strip() == (f"error: measured device profile {bad}: devices.h100.mfu: no "
+                                               "sources.mfu saying where it was measured")
+    from megatron_taper.plan import choose_layout
+
+    cfg = load_config(None, ["model.n_layers=2", "model.d_model=64", "model.n_heads=4", "model.vocab_size=256",
+                             "model.seq_len=32", "parallel.layout=auto", f"parallel.layout_profile={bad}"])
+    with pytest.raises(ConfigError, match=rf"^parallel.layout_profile: measured device profile {bad}: devices.h100"):
+        choose_layout(cfg, 1)
+
+
 def test_refusals_count_by_kind():
     cfg = load_config(None, ["parallel.pp=3"])
     with pytest.raises(ConfigError) as a:
