@@ -522,6 +522,8 @@ def choose_layout(cfg: Config, world: int, local_ranks: int | None = None) -> tu
         device, memory, found = local_device(cfg.train.device, world, local_ranks, cfg.parallel.layout_profile)
     except ValueError as e:
         raise ConfigError(f"parallel.layout_profile: {e}") from None
+    if cfg.parallel.layout_profile:
+        found += f"; measured numbers from {cfg.parallel.layout_profile}"
     if cfg.parallel.layout_memory_gb > 0:
         memory, found = cfg.parallel.layout_memory_gb, f"parallel.layout_memory_gb={cfg.parallel.layout_memory_gb:g}"
     result = search(cfg, world, memory, device)

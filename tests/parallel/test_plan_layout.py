@@ -90,6 +90,10 @@ def test_a_measured_profile_is_what_the_plan_predicts_with(capsys, tmp_path):
                              "model.seq_len=32", "parallel.layout=auto", f"parallel.layout_profile={bad}"])
     with pytest.raises(ConfigError, match=rf"^parallel.layout_profile: measured device profile {bad}: devices.h100"):
         choose_layout(cfg, 1)
+    cpu = tmp_path / "cpu.json"
+    cpu.write_text(json.dumps({"devices": {"cpu": {"fp32_tflops": 0.5, "sources": {"flops": "here"}}}}))
+    _, why = choose_layout(with_values(cfg, {"parallel.layout_profile": str(cpu), "train.precision": "fp32"}), 1)
+    assert f"; measured numbers from {cpu}; " in why
 
 
 def test_refusals_count_by_kind():
