@@ -222,8 +222,10 @@ def write_profile(path: str, m: dict, size: int, mib: int) -> None:
     entry = {
         "fp32_tflops": m["fp32_matmul_tflops"], "mfu": min(1.0, m["block_tflops"] / m["fp32_matmul_tflops"]),
         "memory_tb_per_s": m["copy_gb_per_s"] / 1e3,
-        "intra_node_gb_per_s": m["gloo_allreduce_bus_gb_per_s"], "inter_node_gb_per_s": m["gloo_allreduce_bus_gb_per_s"],
-        "all_gather_efficiency": m["all_gather_efficiency"], "reduce_scatter_efficiency": m["reduce_scatter_efficiency"],
+        "intra_node_gb_per_s": m["gloo_allreduce_bus_gb_per_s"],
+        "inter_node_gb_per_s": m["gloo_allreduce_bus_gb_per_s"],
+        "all_gather_efficiency": m["all_gather_efficiency"],
+        "reduce_scatter_efficiency": m["reduce_scatter_efficiency"],
         "collective_latency_us": m["collective_latency_us"],
         "concurrent_efficiency": min(1.0, m["concurrent_efficiency"]),
         "oversubscribed_efficiency": min(1.0, m["oversubscribed_efficiency"]),
@@ -233,12 +235,13 @@ def write_profile(path: str, m: dict, size: int, mib: int) -> None:
             "mfu": f"{where}: the MLP block ([{BLOCK_TOKENS}, {BLOCK_D}] -> {BLOCK_F}, forward and backward, SiLU, "
                    "layer norm) over the matmul peak",
             "memory": f"{where}: a {mib} MiB copy (read + write), best of 5",
-            "links": f"{where}: gloo all-reduce of {mib} MiB between 2 local processes, ring bus bandwidth, median of 5",
+            "links": f"{where}: gloo all-reduce of {mib} MiB between 2 local processes, ring bus bandwidth, "
+                     "median of 5",
             "collectives": f"{where}: all-gather / reduce-scatter bus bandwidth over the all-reduce's ({mib} MiB, "
                            "median of 5); latency: what a 4 KiB all-reduce adds to a loop of ~5 ms matmuls",
             "concurrent_efficiency": f"{where}: the MLP block's rate in 2 one-thread processes at once over alone",
-            "oversubscribed_efficiency": f"{where}: the MLP block's total rate in {2 * m['cores']} one-thread processes "
-                                         f"over {m['cores']} ({m['cores']} cores)",
+            "oversubscribed_efficiency": f"{where}: the MLP block's total rate in {2 * m['cores']} one-thread "
+                                         f"processes over {m['cores']} ({m['cores']} cores)",
             "op_overhead": f"{where}: a narrowed 2-block tiny Titans' forward and backward over its operators"}}
     with open(path + ".tmp", "w") as f:
         json.dump({"devices": {"cpu": entry}}, f, indent=1)

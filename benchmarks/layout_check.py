@@ -133,7 +133,8 @@ def main() -> None:
     if not measured_file:  # this machine's numbers, measured before the layouts (about a minute)
         measured_file = os.path.join(tempfile.mkdtemp(), "cpu_measured.json")
         subprocess.run([sys.executable, os.path.join(HERE, "cpu_profile.py"), "--write", measured_file],
-                       check=True, stdout=sys.stderr, stderr=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                       check=True, stdout=sys.stderr, stderr=subprocess.DEVNULL,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
     cores = os.cpu_count() or 1
     devices = {"stored": dataclasses.replace(profiles()["cpu"], cores=cores)}
     if measured_file != "none":
@@ -204,7 +205,7 @@ def main() -> None:
             correlations[f"{profile}_profile_{key}"] = {
                 "all": spearman(guess, measured),
                 "unfitted": spearman([guess[k] for k in unfitted], [measured[k] for k in unfitted]),
-                "step_ratios": [min(m / g for m, g in zip(measured, guess)), max(m / g for m, g in zip(measured, guess))]}
+                "step_ratios": [min(ratios := [m / g for m, g in zip(measured, guess)]), max(ratios)]}
     fitted, concurrent, cpu = None, None, devices[main_profile]
     if "none_dp1" in names:
         one = layouts[names.index("none_dp1")]
@@ -217,8 +218,7 @@ def main() -> None:
                       "profiles": {k: dataclasses.asdict(d) for k, d in devices.items()},
                       "rows": rows, "layouts": layouts,
                       "spearman_step_time": spearman(predicted_steps, [x["measured_step_fastest_s"] for x in layouts]),
-                      "spearman_step_time_unfitted": spearman([predicted_steps[k] for k in unfitted],
-                                                              [layouts[k]["measured_step_fastest_s"] for k in unfitted]),
+                      "spearman_step_time_unfitted": correlations[f"{main_profile}_profile_fastest"]["unfitted"],
                       "spearman": correlations, "spearman_per_repeat": per_repeat,
                       "spearman_between_repeats": between, "cpu_mfu_fitted": fitted,
                       "cpu_concurrent_efficiency_fitted": concurrent,

@@ -367,7 +367,7 @@ class Predictor:
         if op_level:
             work = [dataclasses.replace(w, op_recompute_bytes=b)
                     for w, b in zip(work, self.op_recompute_bytes(setup, p.pp, virtual, p.pp_schedule))]
-        if self.device.op_overhead_us > 0:  # op-level: a block's forward operators again (matmuls included: an upper bound)
+        if self.device.op_overhead_us > 0:  # op-level: each block's forward operators again (matmuls counted in)
             redo = [w.blocks if op_level else w.recomputed_blocks for w in work]
             ops = self.rank_ops(p.pp, virtual, p.pp_schedule, redo, setup.cp)
             work = [dataclasses.replace(w, ops=n) for w, n in zip(work, ops)]

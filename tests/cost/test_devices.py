@@ -58,7 +58,8 @@ def test_a_measured_profile_replaces_the_numbers_it_gives_with_their_sources(tmp
     ({"cpu": {"fp32_tflops": 1}}, "devices.cpu.fp32_tflops: no sources.flops saying where it was measured"),
     ({"cpu": {"mfu": 0, "sources": {"mfu": "x"}}}, "devices.cpu.mfu=0: not a positive number"),
     ({"cpu": {"mfu": "0.5", "sources": {"mfu": "x"}}}, "devices.cpu.mfu='0.5': not a positive number"),
-    ({"cpu": {"gpus_per_node": 1.5, "sources": {"links": "x"}}}, "devices.cpu.gpus_per_node=1.5: not a positive integer"),
+    ({"cpu": {"gpus_per_node": 1.5, "sources": {"links": "x"}}},
+     "devices.cpu.gpus_per_node=1.5: not a positive integer"),
     ({"cpu": [1]}, "devices.cpu: not an object of numbers with a 'sources' object"),
 ])
 def test_a_bad_measured_profile_is_one_error_naming_the_file_and_field(tmp_path, content, message):
@@ -99,6 +100,7 @@ def test_cpu_profile_writes_a_file_the_planner_reads(tmp_path):
     assert cpu.memory_tb_per_s == pytest.approx(0.0138) and cpu.intra_node_gb_per_s == cpu.inter_node_gb_per_s == 1.16
     assert cpu.concurrent_efficiency == 1.0  # a core shared is never faster than alone: the probe's noise capped
     assert (cpu.all_gather_efficiency, cpu.reduce_scatter_efficiency, cpu.op_overhead_us) == (0.43, 0.32, 3.78)
-    assert cpu.oversubscribed_efficiency == 0.92 and "4 one-thread processes over 2" in cpu.sources["oversubscribed_efficiency"]
+    assert cpu.oversubscribed_efficiency == 0.92
+    assert "4 one-thread processes over 2" in cpu.sources["oversubscribed_efficiency"]
     assert all("measured with benchmarks/cpu_profile.py on Xeon" in s for s in cpu.sources.values())
     assert not (tmp_path / "cpu.json.tmp").exists()
