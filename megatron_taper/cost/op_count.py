@@ -38,11 +38,20 @@ class OpCounts:
 
 
 def narrowed(cfg: ModelConfig, n_layers: int, seq_len: int) -> ModelConfig:
-    """`cfg` at NARROW's widths with `n_layers` blocks of `seq_len` tokens (its structure kept)."""
-    taper = dataclasses.replace(cfg.taper, multiple=16)
-    narrow = dataclasses.replace(cfg, n_layers=n_layers, seq_len=seq_len, taper=taper, **NARROW)
-    narrow.validate("model")
-    return narrow
+    """`cfg` with `n_layers` blocks of `seq_len` tokens (its structure kept) at the first widths its
+    family accepts: NARROW's; 16 per head with its own heads; its own (slower to count, never
+    refused). ConfigError when none is accepted (a block count or length the family refuses)."""
+    heads = {"d_model": 16 * cfg.n_heads, "mlp_width": 32 * cfg.n_heads, "vocab_size": 256}
+    refusal = None
+    for widths in (NARROW, heads, {}):
+        taper = dataclasses.replace(cfg.taper, multiple=16) if widths else cfg.taper
+        narrow = dataclasses.replace(cfg, n_layers=n_layers, seq_len=seq_len, taper=taper, **widths)
+        try:
+            narrow.validate("model")
+            return narrow
+        except ConfigError as e:
+            refusal = e
+    raise refusal
 
 
 def dispatched_ops(cfg: ModelConfig) -> tuple[int, int]:

@@ -26,6 +26,19 @@ def test_a_model_is_its_ends_plus_its_blocks_at_any_width(recipe):
     assert dispatched_ops(real_width)[1] == dispatched_ops(narrowed(cfg, 2, cfg.seq_len))[1]  # width-free
 
 
+def test_a_family_refusing_the_narrow_widths_is_counted_at_widths_it_accepts(monkeypatch):
+    """A family whose checks refuse NARROW's widths (here: 3 heads do not divide d_model 64) is
+    counted at 16 per head: the same counts."""
+    from megatron_taper.cost import op_count
+
+    cfg = load_config("configs/tiny_taper.yaml", []).model
+    want = count_ops(cfg)
+    monkeypatch.setattr(op_count, "NARROW", {**op_count.NARROW, "n_heads": 3})
+    assert narrowed(cfg, 2, 64).d_model == 16 * cfg.n_heads and count_ops(cfg) == want
+    with pytest.raises(op_count.ConfigError, match="n_layers"):  # refused at every width: the family's error
+        narrowed(cfg, 0, 64)
+
+
 def test_chunked_families_scale_with_the_sequence_and_the_tree_is_one_block():
     titans = load_config("configs/tiny_titans.yaml", []).model
     full, half = count_ops(titans), count_ops(titans, titans.seq_len // 2)
