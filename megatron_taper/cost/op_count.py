@@ -6,15 +6,16 @@ an H200 (docs/gpu.md), Titans and Hope at 125M run 480k-675k operators per step 
 190-240x longer than their FLOPs at the profile's MFU.
 
 `count_ops` counts the ATen operators of one forward and one backward (TorchDispatchMode) of the
-model at its structure but narrowed widths (d_model 64, 4 heads, MLP width 128, vocabulary 256),
-on the CPU, at its sequence length up to CAP tokens and along the line of two counts beyond (see
+model at its structure but narrowed widths (d_model 64, 4 heads, MLP width 128, vocabulary 256), on
+the CPU, at its sequence length up to CAP tokens and along the line of two counts beyond (see
 count_ops): the count depends on the structure (blocks, chunks of the sequence, memory levels), not
-on the widths. A model counts in 0.1-3 s here (3 s: Titans 125M, the most operators). Two builds,
-of 1 and of 2 blocks, give the ops of one block and of the ends (embedding, head, loss and any
-state outside the blocks; the tree is a single block, all of it counted as its block). Left out:
-the optimizer's few foreach operators per step, bf16 autocast's casts, float8's scaling operators,
-the parallel wrappers' own operators (FSDP's copies, tp's collectives: each collective is costed
-by collective_latency_us).
+on the widths (a family whose checks refuse those widths is counted at 16 per head of its own
+heads, else at its own widths: `narrowed`). A model counts in 0.1-3 s here (3 s: Titans 125M, the
+most operators). Two builds, of 1 and of 2 blocks, give the ops of one block and of the ends
+(embedding, head, loss and any state outside the blocks; the tree is a single block, all of it
+counted as its block). Left out: the optimizer's few foreach operators per step, bf16 autocast's
+casts, float8's scaling operators, the parallel wrappers' own operators (FSDP's copies, tp's
+collectives: each collective is costed by collective_latency_us).
 """
 from __future__ import annotations
 

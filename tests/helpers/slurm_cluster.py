@@ -188,6 +188,10 @@ class SlurmCluster:
             time.sleep(0.2)
         raise TimeoutError(f"job {job_id} not in {states} after {timeout:.0f}s: {info}\n{self.logs()}")
 
+    def queued(self, job_id: int) -> bool:
+        """Whether any task of job (array) `job_id` is still in the queue (pending or running)."""
+        return bool(self._run(["squeue", "-h", "-j", str(job_id), "-o", "%i"]).strip())
+
     def idle_nodes(self) -> list[str]:
         return self._run(["sinfo", "-h", "-N", "-t", "idle", "-o", "%N"]).split()
 

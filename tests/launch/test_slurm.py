@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -220,15 +221,20 @@ def test_sweep_as_job_array(slurm, byte_tokens, tmp_path):
 
     proc = tool("--slurm", "--", "--nodes=1")
     assert proc.returncode == 0 and "submitted 2 run(s)" in proc.stdout, proc.stdout + proc.stderr
+    job = int(re.search(r"job array (\d+)", proc.stdout).group(1))
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         runs = [json.loads(line) for line in tool("--dry-run").stdout.splitlines()]
+        # done, a task failed, or the array left the queue without finishing (it could not start)
         if all(r["finished"] for r in runs) or "exited with" in "".join(
                 p.read_text(errors="replace") for p in (out / "slurm").glob("*.out")).replace("exited with 0", ""):
             break
+        if not slurm.queued(job):
+            runs = [json.loads(line) for line in tool("--dry-run").stdout.splitlines()]
+            break
         time.sleep(1)
     logs = "".join(p.read_text(errors="replace") for p in (out / "slurm").glob("*.out"))
-    assert all(r["finished"] for r in runs), logs[-4000:]
+    assert all(r["finished"] for r in runs), f"{logs[-4000:]}\njob {job}: {slurm.job(job)}"
     assert "array task 0" in logs and "array task 1" in logs
     proc = tool("--collect")
     assert proc.returncode == 0, proc.stderr
