@@ -14,7 +14,8 @@ thread each (what tp / dp / pp / cp traffic runs over on one CPU machine):
   each other, and gloo's threads need the cores the ranks compute on;
 - `op_overhead_us`: the host time of one eager operator (op_overhead: many tiny operators);
 - `oversubscribed_efficiency`: the host's total rate with twice as many one-thread processes as
-  cores over one per core (what time-slicing costs; the 4-rank layouts on 2 cores).
+  cores over one per core (what time-slicing costs; the 4-rank layouts on 2 cores);
+- `op_checkpoint_overhead_us`: what op-level checkpointing adds per forward operator of a block.
 
     OMP_NUM_THREADS=1 python benchmarks/cpu_profile.py [--size 2048] [--mib 64] [--write FILE]
 
@@ -119,6 +120,31 @@ def oversubscribed_efficiency(cores: int, n: int = 40) -> float:
     return rates[1] / rates[0]
 
 
+def op_checkpoint_overhead() -> float:
+    """Seconds per forward operator that activation_checkpointing=op adds to a block: a narrowed
+    tiny Transformer (cost/op_count.py's widths, 128 tokens) at 2 and 4 blocks, forward and
+    backward with op-level checkpointing less without, best of 9 each, per block over its forward
+    operators (the arithmetic is small at these widths: what remains is the policy's and the
+    recompute's host time)."""
+    from megatron_taper.config import load_config
+    from megatron_taper.cost.op_count import count_ops, narrowed
+    from megatron_taper.models import build_model
+    from megatron_taper.parallel.block_options import apply_block_options
+
+    base = load_config(os.path.join(os.path.dirname(__file__), "..", "configs", "tiny_taper.yaml"), []).model
+    added = {}
+    for blocks in (2, 4):
+        cfg = narrowed(base, blocks, 128)
+        tokens, seconds = torch.randint(0, cfg.vocab_size, (1, cfg.seq_len)), {}
+        for mode in ("none", "op"):
+            torch.manual_seed(0)
+            model = build_model(cfg)
+            apply_block_options(model, mode, 1, False)
+            seconds[mode] = best_of(lambda m=model, x=tokens: m(x).float().mean().backward(), repeats=9)
+        added[blocks] = seconds["op"] - seconds["none"]
+    return (added[4] - added[2]) / 2 / count_ops(narrowed(base, 2, 128), 128).block_forward
+
+
 def median_of(fn, repeats: int = 5) -> float:
     """The median seconds of a collective `fn`, every rank starting together."""
     return best_of(fn, repeats, median=True, before=dist.barrier)
@@ -171,6 +197,7 @@ def main() -> None:
     matmul_s = best_of(lambda: a @ b)
     block_s = best_of(mlp_block())
     per_op_s, ops = op_overhead()
+    op_checkpoint_s = op_checkpoint_overhead()
     numel = args.mib * 2**20 // 4
     src = torch.ones(numel)
     dst = torch.empty_like(src)
@@ -205,7 +232,7 @@ def main() -> None:
         "collective_latency_us": 1e6 * coll["in_loop_small"],
         "concurrent_efficiency": block_s / coll["block"],
         "cores": os.cpu_count() or 1, "oversubscribed_efficiency": oversubscribed_efficiency(os.cpu_count() or 1),
-        "op_overhead_us": 1e6 * per_op_s, "op_overhead_ops": ops,
+        "op_overhead_us": 1e6 * per_op_s, "op_overhead_ops": ops, "op_checkpoint_overhead_us": 1e6 * op_checkpoint_s,
         "cpu": (open("/proc/cpuinfo").read().split("model name")[1].split("\n")[0].strip(" \t:")
                 if os.path.exists("/proc/cpuinfo") else ""),
     }
@@ -229,7 +256,7 @@ def write_profile(path: str, m: dict, size: int, mib: int) -> None:
         "collective_latency_us": m["collective_latency_us"],
         "concurrent_efficiency": min(1.0, m["concurrent_efficiency"]),
         "oversubscribed_efficiency": min(1.0, m["oversubscribed_efficiency"]),
-        "op_overhead_us": m["op_overhead_us"],
+        "op_overhead_us": m["op_overhead_us"], "op_checkpoint_overhead_us": m["op_checkpoint_overhead_us"],
         "sources": {
             "flops": f"{where}: a {size}^2 fp32 matmul on {m['threads']} thread(s), best of 5",
             "mfu": f"{where}: the MLP block ([{BLOCK_TOKENS}, {BLOCK_D}] -> {BLOCK_F}, forward and backward, SiLU, "
@@ -242,7 +269,9 @@ def write_profile(path: str, m: dict, size: int, mib: int) -> None:
             "concurrent_efficiency": f"{where}: the MLP block's rate in 2 one-thread processes at once over alone",
             "oversubscribed_efficiency": f"{where}: the MLP block's total rate in {2 * m['cores']} one-thread "
                                          f"processes over {m['cores']} ({m['cores']} cores)",
-            "op_overhead": f"{where}: a narrowed 2-block tiny Titans' forward and backward over its operators"}}
+            "op_overhead": f"{where}: a narrowed 2-block tiny Titans' forward and backward over its operators",
+            "op_checkpoint_overhead": f"{where}: a narrowed tiny Transformer's forward and backward with op-level "
+                                      "checkpointing less without, per block forward operator (2 and 4 blocks)"}}
     with open(path + ".tmp", "w") as f:
         json.dump({"devices": {"cpu": entry}}, f, indent=1)
     os.replace(path + ".tmp", path)

@@ -367,10 +367,11 @@ class Predictor:
         if op_level:
             work = [dataclasses.replace(w, op_recompute_bytes=b)
                     for w, b in zip(work, self.op_recompute_bytes(setup, p.pp, virtual, p.pp_schedule))]
-        if self.device.op_overhead_us > 0:  # op-level: each block's forward operators again (matmuls counted in)
-            redo = [w.blocks if op_level else w.recomputed_blocks for w in work]
-            ops = self.rank_ops(p.pp, virtual, p.pp_schedule, redo, setup.cp)
-            work = [dataclasses.replace(w, ops=n) for w, n in zip(work, ops)]
+        if self.device.op_overhead_us > 0 or op_level:
+            ops = self.rank_ops(p.pp, virtual, p.pp_schedule, [w.recomputed_blocks for w in work], setup.cp)
+            forward = self._op_counts[setup.cp].block_forward
+            work = [dataclasses.replace(w, ops=n, op_checkpointed_ops=forward * w.blocks * op_level)
+                    for w, n in zip(work, ops)]
         layout = StepLayout(tp=p.tp, pp=p.pp, dp=dp, virtual=virtual, schedule=p.pp_schedule, zero=p.zero,
                             sequence_parallel=setup.sequence_parallel, micro_batch=micro_batch, microbatches=m,
                             bf16=bf16, float8=t.float8, overlap=self.device.profile != "cpu",

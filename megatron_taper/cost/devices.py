@@ -43,6 +43,9 @@ class DeviceProfile:
     op_overhead_us: float = 0.0  # host time to issue one eager operator (cost/op_count.py); 0: not modelled
     # a CPU host's total rate with more one-thread ranks than cores over one per core (time-slicing)
     oversubscribed_efficiency: float = 1.0
+    # activation_checkpointing=op: host time per forward operator of a checkpointed block (torch's
+    # selective-checkpoint policy called on it in the forward and again in the recompute); 0: not modelled
+    op_checkpoint_overhead_us: float = 0.0
 
     def rank_share(self, ranks: int) -> float:
         """The fraction of one device a computing rank gets when `ranks` run: 1 on accelerators (a
@@ -82,7 +85,7 @@ MEASURED_SOURCE = {  # a measured file's number -> the `sources` key that must s
     "gpus_per_node": "links", "mfu": "mfu", "all_gather_efficiency": "collectives",
     "reduce_scatter_efficiency": "collectives", "collective_latency_us": "collectives",
     "concurrent_efficiency": "concurrent_efficiency", "op_overhead_us": "op_overhead",
-    "oversubscribed_efficiency": "oversubscribed_efficiency"}
+    "oversubscribed_efficiency": "oversubscribed_efficiency", "op_checkpoint_overhead_us": "op_checkpoint_overhead"}
 
 
 def read_measured(path: str, known: dict[str, DeviceProfile]) -> dict[str, dict]:

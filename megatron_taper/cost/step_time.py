@@ -9,9 +9,11 @@ Per pipeline rank r, for one micro-batch of b x S tokens on one tp rank:
                 x its concurrent_efficiency on a CPU host where more than one rank computes;
                 plus, under activation_checkpointing=op, its recomputed elementwise outputs written
                 again and their inputs read (2 x the activation bytes op drops) at the memory
-                bandwidth; at least its operators x the device's op_overhead_us (cost/op_count.py) where the
-                device runs kernels beside the host issuing them (GPUs: the host runs ahead), their
-                sum on a CPU (the same cores do both)
+                bandwidth; at least its operators x the device's op_overhead_us (cost/op_count.py)
+                where the device runs kernels beside the host issuing them (GPUs: the host runs
+                ahead), their sum on a CPU (the same cores do both); under op, in series, the
+                forward operators of its blocks x op_checkpoint_overhead_us (torch's selective-
+                checkpoint policy, a Python call per operator in the forward and the recompute)
     tp_r        Megatron's 4 collectives per block ([b, S, d] in the compute dtype: 2 in forward,
                 2 in backward; all-reduces, or all-gather + reduce-scatter under sequence
                 parallelism, which move the same bytes), 2 more per recomputed block, and those of
@@ -120,6 +122,7 @@ class RankWork:
     # activation_checkpointing=op: bytes per micro-batch (tp-local) of the elementwise outputs its
     # backward makes again (none's kept activations less op's, cost/memory.py)
     op_recompute_bytes: float = 0.0
+    op_checkpointed_ops: float = 0.0  # forward operators of its op-checkpointed blocks per micro-batch
 
 
 @dataclass(frozen=True)
@@ -216,7 +219,8 @@ def step_time(ranks: Sequence[RankWork], layout: StepLayout, d_model: int, seq_l
         elementwise = 2.0 * r.op_recompute_bytes / (device.memory_tb_per_s * 1e12)
         math = (linear / fp8_rate + other / rate) / lo.tp + elementwise
         issue = r.ops * device.op_overhead_us * 1e-6
-        compute.append(max(math, issue) if lo.overlap else math + issue)
+        policy = r.op_checkpointed_ops * device.op_checkpoint_overhead_us * 1e-6  # measured in series on an H200
+        compute.append((max(math, issue) if lo.overlap else math + issue) + policy)
         tp_s.append(per_collective * (4 * r.blocks + 2 * r.recomputed_blocks + r.vocab_collectives))
     cp_s = [_cp_seconds(r, lo, compute[k], device) for k, r in enumerate(ranks)]
     per_rank = [compute[k] + tp_s[k] + cp_s[k] + pp_s for k in range(len(ranks))]

@@ -14,8 +14,9 @@ def test_planner_profiles_carry_every_number_with_its_source():
     assert set(found) == {"cpu", "h100", "h200", "b200"}
     for name, p in found.items():
         assert set(p.sources) - {"concurrent_efficiency"} == {"flops", "memory", "links", "mfu", "collectives",
-                                                              "op_overhead"}, name
+                                                              "op_overhead", "op_checkpoint_overhead"}, name
         assert p.op_overhead_us > 0 and ("measured" in p.sources["op_overhead"]), name
+        assert p.op_checkpoint_overhead_us > 0 and ("measured" in p.sources["op_checkpoint_overhead"]), name
         assert ("concurrent_efficiency" in p.sources) == (p.concurrent_efficiency != 1.0), name
         assert all(isinstance(s, str) and s for s in p.sources.values()), name
         assert 0 < p.mfu <= 1 and p.fp32_tflops > 0 and p.intra_node_gb_per_s > 0 and p.inter_node_gb_per_s > 0
@@ -92,6 +93,7 @@ def test_cpu_profile_writes_a_file_the_planner_reads(tmp_path):
     figures = {"threads": 1, "fp32_matmul_tflops": 0.168, "block_tflops": 0.131, "copy_gb_per_s": 13.8,
                "gloo_allreduce_bus_gb_per_s": 1.16, "all_gather_efficiency": 0.43, "reduce_scatter_efficiency": 0.32,
                "collective_latency_us": 1060.0, "concurrent_efficiency": 1.07, "op_overhead_us": 3.78, "cpu": "Xeon",
+               "op_checkpoint_overhead_us": 42.0,
                "cores": 2, "oversubscribed_efficiency": 0.92}
     path = str(tmp_path / "cpu.json")
     module.write_profile(path, figures, 2048, 64)
@@ -100,7 +102,7 @@ def test_cpu_profile_writes_a_file_the_planner_reads(tmp_path):
     assert cpu.memory_tb_per_s == pytest.approx(0.0138) and cpu.intra_node_gb_per_s == cpu.inter_node_gb_per_s == 1.16
     assert cpu.concurrent_efficiency == 1.0  # a core shared is never faster than alone: the probe's noise capped
     assert (cpu.all_gather_efficiency, cpu.reduce_scatter_efficiency, cpu.op_overhead_us) == (0.43, 0.32, 3.78)
-    assert cpu.oversubscribed_efficiency == 0.92
+    assert cpu.oversubscribed_efficiency == 0.92 and cpu.op_checkpoint_overhead_us == 42.0
     assert "4 one-thread processes over 2" in cpu.sources["oversubscribed_efficiency"]
     assert all("measured with benchmarks/cpu_profile.py on Xeon" in s for s in cpu.sources.values())
     assert not (tmp_path / "cpu.json.tmp").exists()
