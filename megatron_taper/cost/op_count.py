@@ -40,8 +40,8 @@ class OpCounts:
 
 def narrowed(cfg: ModelConfig, n_layers: int, seq_len: int) -> ModelConfig:
     """`cfg` with `n_layers` blocks of `seq_len` tokens (its structure kept) at the first widths its
-    family accepts: NARROW's; 16 per head with its own heads; its own (slower to count, never
-    refused). ConfigError when none is accepted (a block count or length the family refuses)."""
+    family accepts: NARROW's; 16 per head with its own heads; its own (slower to count).
+    ConfigError when none is accepted (a block count or length the family refuses)."""
     heads = {"d_model": 16 * cfg.n_heads, "mlp_width": 32 * cfg.n_heads, "vocab_size": 256}
     refusal = None
     for widths in (NARROW, heads, {}):

@@ -77,3 +77,19 @@ def test_the_planner_counts_recomputed_forwards_and_the_ends_on_the_last_stage()
     assert predictor.rank_ops(2, 1, "1f1b", [1, 1], 1) == [first * ops.block + ops.block_forward,
                                                           last * ops.block + ops.block_forward + ops.ends]
     assert torch.get_default_dtype() == torch.float32  # counting leaves the process as it was
+
+
+def test_op_checkpointing_pays_the_policy_per_forward_operator_in_series():
+    """activation_checkpointing=op: each micro-batch pays its blocks' forward operators x
+    op_checkpoint_overhead_us in series (cost/step_time.py); on a GPU the recomputed elementwise
+    bytes hide, for this tiny model, under its operators' issue time."""
+    from megatron_taper.preflight import step_split
+
+    cfg = load_config("configs/tiny_taper.yaml", ["train.precision=bf16"])
+    op_cfg = load_config("configs/tiny_taper.yaml", ["train.precision=bf16", "train.activation_checkpointing=op"])
+    h200 = profiles()["h200"]
+    predictor = Predictor(cfg, h200)
+    none, op = predictor.predict(cfg, 1, float("inf")), predictor.predict(op_cfg, 1, float("inf"))
+    per_micro_batch = count_ops(cfg.model).block_forward * cfg.model.n_layers * h200.op_checkpoint_overhead_us * 1e-6
+    micro_batches = step_split(cfg.parallel, cfg.train, 1)[1]
+    assert op.step.total - none.step.total == pytest.approx(micro_batches * per_micro_batch, rel=1e-9)
