@@ -76,19 +76,34 @@ def mlp_block():
     return run
 
 
+def recipe_model(name: str):
+    """The model section of configs/`name`.yaml."""
+    from megatron_taper.config import load_config
+
+    return load_config(os.path.join(os.path.dirname(__file__), "..", "configs", f"{name}.yaml"), []).model
+
+
+def forward_backward_seconds(cfg, checkpointing: str, repeats: int) -> float:
+    """Best of `repeats`: one forward and backward of model `cfg` on one sequence, its blocks under
+    train.activation_checkpointing=`checkpointing` (parallel/block_options.py)."""
+    from megatron_taper.models import build_model
+    from megatron_taper.parallel.block_options import apply_block_options
+
+    torch.manual_seed(0)
+    model, tokens = build_model(cfg), torch.randint(0, cfg.vocab_size, (1, cfg.seq_len))
+    apply_block_options(model, checkpointing, 1, False)
+    return best_of(lambda: model(tokens).float().mean().backward(), repeats=repeats)
+
+
 def op_overhead() -> tuple[float, int]:
     """Seconds per eager operator: a narrowed 2-block tiny Titans (cost/op_count.py's widths, 128
     tokens: ~12k operators of little arithmetic each) forward and backward, best of 7, over its
     operator count; an upper bound, as its arithmetic is counted in."""
-    from megatron_taper.config import load_config
     from megatron_taper.cost.op_count import dispatched_ops, narrowed
-    from megatron_taper.models import build_model
 
-    cfg = narrowed(load_config(os.path.join(os.path.dirname(__file__), "..", "configs", "tiny_titans.yaml"),
-                              []).model, 2, 128)
+    cfg = narrowed(recipe_model("tiny_titans"), 2, 128)
     _, ops = dispatched_ops(cfg)
-    model, tokens = build_model(cfg), torch.randint(0, cfg.vocab_size, (1, cfg.seq_len))
-    return best_of(lambda: model(tokens).float().mean().backward(), repeats=7) / ops, ops
+    return forward_backward_seconds(cfg, "none", 7) / ops, ops
 
 
 def _blocks(barrier, out, n: int) -> None:
@@ -126,23 +141,14 @@ def op_checkpoint_overhead() -> float:
     backward with op-level checkpointing less without, best of 9 each, per block over its forward
     operators (the arithmetic is small at these widths: what remains is the policy's and the
     recompute's host time)."""
-    from megatron_taper.config import load_config
     from megatron_taper.cost.op_count import count_ops, narrowed
-    from megatron_taper.models import build_model
-    from megatron_taper.parallel.block_options import apply_block_options
 
-    base = load_config(os.path.join(os.path.dirname(__file__), "..", "configs", "tiny_taper.yaml"), []).model
+    base = recipe_model("tiny_taper")
     added = {}
     for blocks in (2, 4):
         cfg = narrowed(base, blocks, 128)
-        tokens, seconds = torch.randint(0, cfg.vocab_size, (1, cfg.seq_len)), {}
-        for mode in ("none", "op"):
-            torch.manual_seed(0)
-            model = build_model(cfg)
-            apply_block_options(model, mode, 1, False)
-            seconds[mode] = best_of(lambda m=model, x=tokens: m(x).float().mean().backward(), repeats=9)
-        added[blocks] = seconds["op"] - seconds["none"]
-    return (added[4] - added[2]) / 2 / count_ops(narrowed(base, 2, 128), 128).block_forward
+        added[blocks] = forward_backward_seconds(cfg, "op", 9) - forward_backward_seconds(cfg, "none", 9)
+    return (added[4] - added[2]) / 2 / count_ops(base, 128).block_forward
 
 
 def median_of(fn, repeats: int = 5) -> float:
@@ -198,6 +204,7 @@ def main() -> None:
     block_s = best_of(mlp_block())
     per_op_s, ops = op_overhead()
     op_checkpoint_s = op_checkpoint_overhead()
+    cores = os.cpu_count() or 1
     numel = args.mib * 2**20 // 4
     src = torch.ones(numel)
     dst = torch.empty_like(src)
@@ -231,7 +238,7 @@ def main() -> None:
         "loop_compute_ms": 1e3 * coll["compute_step"],
         "collective_latency_us": 1e6 * coll["in_loop_small"],
         "concurrent_efficiency": block_s / coll["block"],
-        "cores": os.cpu_count() or 1, "oversubscribed_efficiency": oversubscribed_efficiency(os.cpu_count() or 1),
+        "cores": cores, "oversubscribed_efficiency": oversubscribed_efficiency(cores),
         "op_overhead_us": 1e6 * per_op_s, "op_overhead_ops": ops, "op_checkpoint_overhead_us": 1e6 * op_checkpoint_s,
         "cpu": (open("/proc/cpuinfo").read().split("model name")[1].split("\n")[0].strip(" \t:")
                 if os.path.exists("/proc/cpuinfo") else ""),

@@ -129,16 +129,17 @@ def main() -> None:
     from megatron_taper.plan import Predictor
     from megatron_taper.preflight import preflight
 
-    measured_file = args.measured_profile
-    if not measured_file:  # this machine's numbers, measured before the layouts (about a minute)
-        measured_file = os.path.join(tempfile.mkdtemp(), "cpu_measured.json")
-        subprocess.run([sys.executable, os.path.join(HERE, "cpu_profile.py"), "--write", measured_file],
-                       check=True, stdout=sys.stderr, stderr=subprocess.DEVNULL,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"})
     cores = os.cpu_count() or 1
     devices = {"stored": dataclasses.replace(profiles()["cpu"], cores=cores)}
-    if measured_file != "none":
-        devices["measured"] = dataclasses.replace(profiles(measured=measured_file)["cpu"], cores=cores)
+    if args.measured_profile and args.measured_profile != "none":
+        devices["measured"] = dataclasses.replace(profiles(measured=args.measured_profile)["cpu"], cores=cores)
+    elif not args.measured_profile:  # this machine's numbers, measured before the layouts (about a minute)
+        with tempfile.TemporaryDirectory() as tmp:
+            measured_file = os.path.join(tmp, "cpu_measured.json")
+            subprocess.run([sys.executable, os.path.join(HERE, "cpu_profile.py"), "--write", measured_file],
+                           check=True, stdout=sys.stderr, stderr=subprocess.DEVNULL,
+                           env={**os.environ, "OMP_NUM_THREADS": "1"})
+            devices["measured"] = dataclasses.replace(profiles(measured=measured_file)["cpu"], cores=cores)
     names = args.layouts.split(",")
     setups = {}
     for name in names:
@@ -217,7 +218,7 @@ def main() -> None:
                       "steps": args.steps, "shape": SHAPE + args.overrides, "profile": main_profile,
                       "profiles": {k: dataclasses.asdict(d) for k, d in devices.items()},
                       "rows": rows, "layouts": layouts,
-                      "spearman_step_time": spearman(predicted_steps, [x["measured_step_fastest_s"] for x in layouts]),
+                      "spearman_step_time": correlations[f"{main_profile}_profile_fastest"]["all"],
                       "spearman_step_time_unfitted": correlations[f"{main_profile}_profile_fastest"]["unfitted"],
                       "spearman": correlations, "spearman_per_repeat": per_repeat,
                       "spearman_between_repeats": between, "cpu_mfu_fitted": fitted,

@@ -312,14 +312,18 @@ class Predictor:
             self._cp[key] = [tuple(per_block[i] for i in layers) for layers in self.rank_layers(pp, virtual, schedule)]
         return self._cp[key]
 
+    def op_counts(self, cp: int) -> OpCounts:
+        """cost/op_count.py's counts at a cp rank's seq_len / cp tokens, counted once per cp."""
+        if cp not in self._op_counts:
+            self._op_counts[cp] = count_ops(self.model, self.model.seq_len // cp)
+        return self._op_counts[cp]
+
     def rank_ops(self, pp: int, virtual: int, schedule: str, recomputed: Sequence[int], cp: int) -> list[float]:
-        """Per pipeline rank, the eager operators of one micro-batch (cost/op_count.py at a cp
-        rank's seq_len / cp tokens): its blocks', their recomputed forwards and the ends' on the last."""
+        """Per pipeline rank, the eager operators of one micro-batch (op_counts): its blocks', their
+        recomputed forwards and the ends' on the last."""
         key = (pp, virtual, schedule, tuple(recomputed), cp)
         if key not in self._ops:
-            if cp not in self._op_counts:
-                self._op_counts[cp] = count_ops(self.model, self.model.seq_len // cp)
-            ops = self._op_counts[cp]
+            ops = self.op_counts(cp)
             last = len(self.costs.layers) - 1
             self._ops[key] = [len(layers) * ops.block + n_redo * ops.block_forward + ops.ends * (last in layers)
                               for layers, n_redo in zip(self.rank_layers(pp, virtual, schedule), recomputed)]
@@ -369,9 +373,8 @@ class Predictor:
                     for w, b in zip(work, self.op_recompute_bytes(setup, p.pp, virtual, p.pp_schedule))]
         if self.device.op_overhead_us > 0 or op_level:
             ops = self.rank_ops(p.pp, virtual, p.pp_schedule, [w.recomputed_blocks for w in work], setup.cp)
-            forward = self._op_counts[setup.cp].block_forward
-            work = [dataclasses.replace(w, ops=n, op_checkpointed_ops=forward * w.blocks * op_level)
-                    for w, n in zip(work, ops)]
+            forward = self.op_counts(setup.cp).block_forward if op_level else 0.0
+            work = [dataclasses.replace(w, ops=n, op_checkpointed_ops=forward * w.blocks) for w, n in zip(work, ops)]
         layout = StepLayout(tp=p.tp, pp=p.pp, dp=dp, virtual=virtual, schedule=p.pp_schedule, zero=p.zero,
                             sequence_parallel=setup.sequence_parallel, micro_batch=micro_batch, microbatches=m,
                             bf16=bf16, float8=t.float8, overlap=self.device.profile != "cpu",

@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.gpus < 1 or args.top < 1 or args.gpu_memory < 0 or args.gpus_per_node < 0:
             parser.error("--gpus and --top must be at least 1, --gpu-memory and --gpus-per-node not negative")
-        device = profiles(measured=args.measured_profile)[args.device] if args.measured_profile else known[args.device]
+        device = profiles(measured=args.measured_profile)[args.device]
         if args.gpus_per_node:
             device = dataclasses.replace(device, gpus_per_node=args.gpus_per_node)
         # the cpu profile: this machine's RAM shared by the processes
