@@ -2,8 +2,9 @@
 train.float8), `.[hf]` (Hugging Face
 export/import and datasets inputs: transformers, datasets), `.[data]` (MDS data and the parquet /
 zstd readers: mosaicml-streaming, pyarrow, zstandard), `.[wandb]` (Weights & Biases logging, run.wandb), `.[plot]`
-(matplotlib, for tools/sweep.py's plot) or `.[lmeval]` (lm-evaluation-harness; a large dependency
-tree, not installed by launch/install.sh). Install extras with a constraints file pinning the
+(matplotlib, for tools/sweep.py's plot), `.[kernels]` (triton, for the Triton kernels of
+megatron_taper/models/kernels on CUDA and their tests on CPU) or `.[lmeval]` (lm-evaluation-harness;
+a large dependency tree, not installed by launch/install.sh). Install extras with a constraints file pinning the
 installed torch (launch/install.sh does), so that none of them replaces it.
 
 Commands (console_scripts): megatron-taper-train and one per tool in tools/, which is installed as
@@ -52,6 +53,7 @@ setup(
         "data": ["mosaicml-streaming==0.13.0", "pyarrow>=14", "zstandard>=0.22"],
         "wandb": ["wandb>=0.17"],
         "plot": ["matplotlib>=3.7"],
+        "kernels": ["triton==3.9.0"],  # declares no dependencies; launch/install.sh installs it with --no-deps
         "lmeval": ["lm_eval>=0.4.9", "transformers>=4.40,<5"],
     },
 )

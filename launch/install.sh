@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Creates .venv (if missing) and installs megatron_taper with everything the tests and the
-# quickstart need (extras dev, hf, plot and wandb: pytest, ruff, transformers, matplotlib, wandb), without
+# quickstart need (extras dev, hf, plot and wandb: pytest, ruff, transformers, matplotlib, wandb; and
+# triton, the kernels extra, whose kernels the tests run on CPU under TRITON_INTERPRET=1), without
 # ever letting a dependency replace the installed torch wheel. torch is not imported before numpy is
 # installed (its version is read from the package metadata), so a first install prints no
 # "Failed to initialize NumPy" warning. The lm_eval extra is not installed here: its
@@ -18,7 +19,7 @@ pip() { "$py" -m pip --disable-pip-version-check -q "$@"; }
 
 stamp="$venv/.megatron_taper_installed"
 want="$(cat "$root/setup.py" "$root/launch/install.sh" "$root/launch/requirements-lean.txt" | sha256sum | cut -c1-16)"
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$py" -c "import megatron_taper, importlib.util as u; assert all(map(u.find_spec, ('streaming', 'transformers', 'matplotlib', 'wandb', 'torchao')))" 2>/dev/null; then
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$py" -c "import megatron_taper, importlib.util as u; assert all(map(u.find_spec, ('streaming', 'transformers', 'matplotlib', 'wandb', 'torchao', 'triton')))" 2>/dev/null; then
   exit 0
 fi
 
@@ -37,6 +38,8 @@ pip install -c "$constraints" -e "$root[dev,float8,hf,plot,wandb]"
 # torchvision and ~1 GB of cloud SDKs; install them without dependencies plus their real needs.
 pip install -c "$constraints" -r "$root/launch/requirements-lean.txt"
 pip install -c "$constraints" --no-deps mosaicml-streaming==0.13.0 deepspeed==0.19.8
+# triton (setup.py's kernels extra) declares no dependencies; --no-deps keeps it so (~290 MB wheel)
+pip install -c "$constraints" --no-deps triton==3.9.0
 # the parquet and zstd readers of tools/preprocess_data.py (the rest of the data extra)
 pip install -c "$constraints" "pyarrow>=14" "zstandard>=0.22"
 "$py" -c "import torch, sys; assert torch.__version__.split('+')[0] == '$torch_version', 'torch was replaced'"

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megatron_taper.models.kernels.state_passing import chunk_states
 from megatron_taper.models.titans import ConvPast, NeuralMemory, ReadMix, State, mlp_read
 
 if TYPE_CHECKING:
@@ -83,24 +84,66 @@ class LinearMemory(nn.Module):
 
     def scan_features(self, features: LinearFeatures, state: State, chunk_size: int | None = None,
                       mix: ReadMix | None = None) -> tuple[torch.Tensor, State]:
-        """Write and read every token, chunk by chunk: ([B, H, T, E], state). `mix(0, q, read,
-        positions=...)`, when given, replaces each chunk's read (NeuralMemory.scan_features)."""
-        k, v, q, log_a, b = features
-        size = chunk_size or self.chunk_size
-        s = state[0][0]  # [B, H, E, E]
-        reads = []
-        for start in range(0, k.shape[2], size):
-            c = slice(start, start + size)
-            kc, vc, qc, bc = k[:, :, c], v[:, :, c], q[:, :, c], b[..., c]
-            lb = log_a[..., c].cumsum(-1)  # [B, H, C]
-            causal = torch.ones(kc.shape[2], kc.shape[2], dtype=torch.bool, device=k.device).tril()
-            decay = (lb[..., :, None] - lb[..., None, :]).masked_fill(~causal, -math.inf).exp()  # [B, H, C, C]
-            scores = (qc @ kc.transpose(-1, -2)) * decay * bc[..., None, :]
-            read = scores @ vc + lb.exp()[..., None] * (qc @ s)
-            reads.append(read if mix is None else mix(0, qc, read, positions=c))
-            weight = (bc * (lb[..., -1:] - lb).exp())[..., None]  # [B, H, C, 1]
-            s = lb[..., -1:, None].exp() * s + (kc * weight).transpose(-1, -2) @ vc
-        return torch.cat(reads, dim=2), ([s], [])
+        """Write and read every token, all chunks at once: ([B, H, T, E], state). `mix(0, q, read,
+        positions=slice(0, T))`, when given, replaces the read (NeuralMemory.scan_features)."""
+        reads, states = chunked_scan(features, state[0][0], chunk_size or self.chunk_size)
+        q = features[2]
+        return reads if mix is None else mix(0, q, reads, positions=slice(0, q.shape[2])), ([states[:, :, -1]], [])
+
+    def scan_segments(self, features: LinearFeatures, start: torch.Tensor, length: int,
+                      continues: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Memory Caching's segments of `length` tokens (the last may be shorter) in one scan: the
+        online reads [B, H, T, E] and every segment's end state [B, H, n, E, E]. `continues`: a
+        segment starts from the previous one's end state (the first from `start` [B, H, E, E]);
+        else each starts from zero, folded into the batch. Each segment is padded to whole chunks
+        with tokens that neither write (b = 0) nor decay (log a = 0), so its end is a chunk's end."""
+        total = features[0].shape[2]
+        n = -(-total // length)
+        size = min(self.chunk_size, length)
+        padded = -(-length // size) * size
+        blocks = [pad_time(f, n * length).unflatten(2, (n, length)) for f in features]  # [B, H, n, L, ...]
+        blocks = [pad_time(f, padded, dim=3) for f in blocks]  # [B, H, n, L', ...]
+        if continues:
+            flat = tuple(f.flatten(2, 3) for f in blocks)
+            reads, states = chunked_scan(flat, start, size)
+            ends = states[:, :, padded // size::padded // size]  # [B, H, n, E, E]
+            reads = reads.unflatten(2, (n, padded))
+        else:
+            batch, heads = start.shape[:2]
+            folded = tuple(f.movedim(2, 1).flatten(0, 1) for f in blocks)  # [B * n, H, L', ...]
+            initial = torch.cat((start.unsqueeze(1), start.new_zeros(batch, n - 1, *start.shape[1:])), dim=1)
+            reads, states = chunked_scan(folded, initial.flatten(0, 1), size)
+            ends = states[:, :, -1].unflatten(0, (batch, n)).movedim(1, 2)
+            reads = reads.unflatten(0, (batch, n)).movedim(1, 2)
+        return reads[:, :, :, :length].flatten(2, 3)[:, :, :total], ends
+
+
+def pad_time(t: torch.Tensor, size: int, dim: int = 2) -> torch.Tensor:
+    """t padded with zeros at the end of dimension `dim` to `size`."""
+    extra = size - t.shape[dim]
+    if not extra:
+        return t
+    return torch.cat((t, t.new_zeros(*t.shape[:dim], extra, *t.shape[dim + 1:])), dim=dim)
+
+
+def chunked_scan(features: LinearFeatures, initial: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chunked form of the module docstring for every chunk at once: reads [B, H, T, E] and
+    the states before every chunk and after the last [B, H, N + 1, E, E], from `initial`
+    [B, H, E, E]. T is padded to whole chunks of `size` (tokens that neither write nor decay)."""
+    k, v, q, log_a, b = features
+    total = k.shape[2]
+    chunks = -(-total // size)
+    k, v, q = (pad_time(t, chunks * size).unflatten(2, (chunks, size)) for t in (k, v, q))  # [B, H, N, C, E]
+    log_a, b = (pad_time(t, chunks * size).unflatten(2, (chunks, size)) for t in (log_a, b))  # [B, H, N, C]
+    lb = log_a.cumsum(-1)
+    causal = torch.ones(size, size, dtype=torch.bool, device=k.device).tril()
+    decay = (lb[..., :, None] - lb[..., None, :]).masked_fill(~causal, -math.inf).exp()  # [B, H, N, C, C]
+    scores = (q @ k.transpose(-1, -2)) * decay * b[..., None, :]
+    weight = (b * (lb[..., -1:] - lb).exp())[..., None]  # [B, H, N, C, 1]
+    updates = (k * weight).transpose(-1, -2) @ v  # [B, H, N, E, E]: each chunk's writes from a zero state
+    states = chunk_states(updates, lb[..., -1], initial)  # [B, H, N + 1, E, E]
+    reads = scores @ v + lb.exp()[..., None] * (q @ states[:, :, :-1])
+    return reads.flatten(2, 3)[:, :, :total], states
 
 
 def linear_memory_params(cfg: ModelConfig) -> int:
@@ -108,16 +151,25 @@ def linear_memory_params(cfg: ModelConfig) -> int:
     return 4 * d * h * e + 2 * d * h + 2 * h + h * e + 3 * h * e * kernel
 
 
-def linear_scan_flops(cfg: ModelConfig, tokens: int) -> float:
-    """Chunked writes and reads of `tokens` tokens starting from a state (projections excluded):
-    per chunk of c tokens and head, q k^T and scores v (2 c^2 E each), q S and the state update
-    (2 c E^2 each)."""
-    h, e, size = cfg.n_heads, cfg.head_dim, cfg.memory_caching.linear_chunk
-    total = 0.0
-    for s in range(0, tokens, size):
-        c = min(size, tokens - s)
-        total += h * (4 * c * c * e + 4 * c * e * e)
-    return total
+def linear_scan_flops(cfg: ModelConfig, tokens: int, size: int | None = None) -> float:
+    """chunked_scan of one sequence of `tokens` tokens from a state, in chunks of `size` (default
+    model.memory_caching.linear_chunk), padded to whole chunks (projections excluded): per chunk
+    and head q k^T and scores v (2 C^2 E each), the chunk's writes and q S (2 C E^2 each); per
+    head the state passing's [N + 1, N + 1] transfer product (2 (N + 1)^2 E^2)."""
+    h, e = cfg.n_heads, cfg.head_dim
+    size = size or cfg.memory_caching.linear_chunk
+    chunks = -(-tokens // size)
+    return h * (chunks * (4 * size * size * e + 4 * size * e * e) + 2 * (chunks + 1) ** 2 * e * e)
+
+
+def linear_segments_flops(cfg: ModelConfig, tokens: int, length: int, continues: bool) -> float:
+    """LinearMemory.scan_segments over `tokens` tokens in segments of `length`: each padded to whole
+    chunks of min(linear_chunk, length); one scan (continues) or one per segment."""
+    size = min(cfg.memory_caching.linear_chunk, length)
+    segments, padded = -(-tokens // length), -(-length // size) * size
+    if continues:
+        return linear_scan_flops(cfg, segments * padded, size)
+    return segments * linear_scan_flops(cfg, padded, size)
 
 
 def linear_projection_flops(cfg: ModelConfig) -> float:

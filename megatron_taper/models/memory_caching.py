@@ -38,6 +38,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from megatron_taper.cost.block import Cost, Split, attention_cost, norm_act, swiglu_cost
@@ -48,11 +49,13 @@ from megatron_taper.models.linear_memory import (
     LinearMemory,
     linear_memory_params,
     linear_projection_flops,
-    linear_scan_flops,
+    linear_segments_flops,
+    pad_time,
 )
 from megatron_taper.models.spec import FamilySpec
 from megatron_taper.models.titans import (
     NeuralMemory,
+    State,
     Titans,
     memory_dims,
     memory_params,
@@ -104,50 +107,80 @@ class MemoryCachingMixer(nn.Module):
         features = memory.project(x, x, cp.conv_past(self, x))[0]  # time is dim 2 of every feature
         k, q = features[0], features[2]
         segments = segment_slices(x.shape[1], self.segment, self.variant)
+        length = segments[0].stop
         u = None if self.wu is None else self.wu(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
-        pooled = None if u is None else torch.stack([k[:, :, seg].mean(2) for seg in segments], dim=2)
+        pooled = None if u is None else segment_means(k, length)  # [B, H, n, E]
         handover = cp.receive(self, features, segments, pooled, batch)
-        before = len(handover.cache)
+        before = handover.cache[0].shape[2] if handover.cache else 0
         if handover.pooled is not None:
             pooled = torch.cat((handover.pooled, pooled), dim=2)  # [B, H, N + n, E]
-        gammas = [None if u is None else self.gammas(u[:, :, seg], k[:, :, seg], pooled, before + i)
-                  for i, seg in enumerate(segments)]
-        state, onlines, finals = handover.start, [], list(handover.cache)
-        for i, seg in enumerate(segments):
-            mix = self.soup_mix(gammas[i], finals) if self.variant == "soup" else None
+        # every token's weights over (online, cached 0 .. N + n - 2): [B, H, T, N + n]
+        gammas = None if u is None else self.gammas(u, k, pooled, before, length)
+        online, finals, state = self.scan_segments(features, handover, gammas, length)
+        if self.caches:  # per memory layer the end states of every segment so far [B, H, N + n, i, o]
+            finals = [torch.cat(pair, dim=2) for pair in zip(handover.cache, finals)] if before else finals
+        if self.variant == "none" or (self.variant == "soup" and not self.linear):
+            return cp.send(self, online, state, finals, pooled, handover)
+        reachable = before + len(segments) - 1  # cached states some token of the slice reads
+        if not reachable:
+            return cp.send(self, online if gammas is None else gammas[..., :1] * online, state, finals, pooled,
+                           handover)
+        cached = cached_reads(q, [w[:, :, :reachable] for w in finals], not self.linear)  # [B, H, T, M, E]
+        if self.variant == "residual":
+            weights = cached_mask(length, x.shape[1], before, reachable, q)  # [T, M]
+            out = online + torch.einsum("tm,bhtme->bhte", weights, cached)
+        else:  # grm, ssc; soup over a linear memory is grm (module doc)
+            out = gammas[..., :1] * online + (gammas[..., None, 1:reachable + 1] @ cached).squeeze(-2)
+        return cp.send(self, out, state, finals, pooled, handover)
+
+    def scan_segments(self, features: tuple, handover: cp.Handover, gammas: torch.Tensor | None,
+                      length: int) -> tuple[torch.Tensor, list[torch.Tensor], State]:
+        """The online reads [B, H, T, E] of the slice's segments of `length` tokens, their end
+        states per memory layer [B, H, n, i, o], and the online state after the last segment. The
+        linear memory scans them at once (LinearMemory.scan_segments); the deep memory folds
+        independent segments into the batch where they are whole, else runs them one by one (a
+        continuing write needs the state before it; soup mixes the cached memories into each read)."""
+        memory, batch, total = self.memory, features[0].shape[0], features[0].shape[2]
+        if self.linear:
+            reads, ends = memory.scan_segments(features, handover.start[0][0], length, self.continues)
+            state = ([ends[:, :, -1]], []) if self.continues else memory.init_state(batch)
+            return reads, [ends], state
+        n = -(-total // length)
+        if not self.continues and self.variant != "soup" and total % length == 0:
+            folded = tuple(f.unflatten(2, (n, length)).movedim(2, 1).flatten(0, 1) for f in features)
+            reads, ends = memory.scan_features(folded, memory.init_state(batch * n))
+            reads = reads.unflatten(0, (batch, n)).movedim(1, 2).flatten(2, 3)
+            return reads, [w.unflatten(0, (batch, n)).movedim(1, 2) for w in ends[0]], memory.init_state(batch)
+        cache, state, onlines, own = list(handover.cache), handover.start, [], []
+        for start in range(0, total, length):
+            seg = slice(start, start + length)
+            mix = None
+            if self.variant == "soup":  # segment i reads the N + i states cached before it
+                mix = self.soup_mix(gammas[:, :, seg, :1 + (cache[0].shape[2] if cache else 0)], cache)
             read, final = memory.scan_features(tuple(f[:, :, seg] for f in features), state, mix=mix)
             onlines.append(read)
-            finals.append(final[0])
+            own.append(final[0])
+            if self.variant == "soup":
+                ends = [w.unsqueeze(2) for w in final[0]]
+                cache = [torch.cat(pair, dim=2) for pair in zip(cache, ends)] if cache else ends
             state = final if self.continues else memory.init_state(batch)
-        if self.variant in ("none", "soup"):
-            return cp.send(self, torch.cat(onlines, dim=2), state, finals, pooled, handover)
-        q = q.contiguous()  # so that every slice along time below is a view for the matmuls
-        # the reads of cached state j by every token of the slice after segment j: [B, H, T - start_j, E]
-        starts = [0] * before + [seg.stop for seg in segments[:-1]]
-        later = [memory.read(q[:, :, start:], (final, [])) for start, final in zip(starts, finals)]
-        outs = []
-        for i, seg in enumerate(segments):
-            n = before + i  # cached states this segment reads
-            if not n:
-                outs.append(onlines[0] if gammas[0] is None else gammas[0] * onlines[0])
-                continue
-            rows = [reads[:, :, seg.start - start:seg.stop - start] for reads, start in zip(later[:n], starts)]
-            cached = torch.stack(rows, dim=3)  # [B, H, T, n, E]
-            if self.variant == "residual":
-                outs.append(onlines[i] + cached.sum(3))
-                continue
-            gamma = gammas[i]  # [B, H, T, 1 + n]
-            outs.append(gamma[..., :1] * onlines[i] + (gamma[..., None, 1:] @ cached).squeeze(-2))
-        return cp.send(self, torch.cat(outs, dim=2), state, finals, pooled, handover)
+        return torch.cat(onlines, dim=2), [torch.stack(layer, dim=2) for layer in zip(*own)], state
 
-    def gammas(self, u: torch.Tensor, k: torch.Tensor, pooled: torch.Tensor | None, cached: int) -> torch.Tensor:
-        """Weights [B, H, T, 1 + cached] of the online state and the first `cached` cached states
-        for one segment's u, k [B, H, T, E]; pooled [B, H, N, E] the mean keys of cached segments."""
-        count = torch.arange(1, k.shape[2] + 1, device=k.device, dtype=k.dtype)[:, None]
-        logits = (u * (k.cumsum(2) / count)).sum(-1, keepdim=True)  # online: keys up to t only
-        if cached:
-            scores = u @ pooled[:, :, :cached].transpose(-1, -2)  # [B, H, T, cached]
-            if self.variant == "ssc" and cached > self.top_k:
+    def gammas(self, u: torch.Tensor, k: torch.Tensor, pooled: torch.Tensor, before: int, length: int) -> torch.Tensor:
+        """Weights [B, H, T, N + n] of the online state and the cached states 0 .. N + n - 2 for
+        every token of the slice (a token of segment i gives weight 0 to the states it may not
+        read, N + i and later); u, k [B, H, T, E]; pooled [B, H, N + n, E] the segments' mean keys."""
+        total = k.shape[2]
+        n = pooled.shape[2] - before
+        blocks = pad_time(k, n * length).unflatten(2, (n, length))  # [B, H, n, L, E]
+        count = torch.arange(1, length + 1, device=k.device, dtype=k.dtype)[:, None]
+        running = (blocks.cumsum(3) / count).flatten(2, 3)[:, :, :total]  # online: keys up to t only
+        logits = (u * running).sum(-1, keepdim=True)  # [B, H, T, 1]
+        reachable = before + n - 1
+        if reachable:
+            visible = cached_mask(length, total, before, reachable, k).bool()  # [T, M]
+            scores = (u @ pooled[:, :, :reachable].transpose(-1, -2)).masked_fill(~visible, float("-inf"))
+            if self.variant == "ssc" and reachable > self.top_k:
                 chosen = scores.topk(self.top_k, dim=-1).indices
                 keep = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, chosen, True)
                 scores = scores.masked_fill(~keep, float("-inf"))
@@ -155,10 +188,11 @@ class MemoryCachingMixer(nn.Module):
         return torch.softmax(logits, dim=-1)
 
     @staticmethod
-    def soup_mix(gamma: torch.Tensor, finals: list[list[torch.Tensor]]) -> Callable[..., torch.Tensor]:
+    def soup_mix(gamma: torch.Tensor, cache: list[torch.Tensor]) -> Callable[..., torch.Tensor]:
         """The read hook of the memory soup for one segment: layer l's pre-activation is
-        g^(s) (r M^(s)_t) + r (sum_i g^(i) M^(i)), the cached memories mixed per token."""
-        stacked = [torch.stack(layer, dim=2).flatten(3) for layer in zip(*finals)]  # per layer [B, H, N, i*o]
+        g^(s) (r M^(s)_t) + r (sum_i g^(i) M^(i)), the cached memories (per layer [B, H, N, i, o])
+        mixed per token."""
+        stacked = [layer.flatten(3) for layer in cache]  # per layer [B, H, N, i*o]
 
         def mix(layer: int, r: torch.Tensor, read: torch.Tensor, positions: slice) -> torch.Tensor:
             g = gamma[:, :, positions]  # [B, H, C, 1 + N]
@@ -169,6 +203,34 @@ class MemoryCachingMixer(nn.Module):
             return out + (r.unsqueeze(-2) @ mixed).squeeze(-2)
 
         return mix
+
+
+def cached_reads(q: torch.Tensor, cache: list[torch.Tensor], residual: bool) -> torch.Tensor:
+    """Every query's reads of every cached memory: q [B, H, T, E], cache per memory layer
+    [B, H, M, i, o] -> [B, H, T, M, E]: f(q) (SiLU between layers), plus q when `residual` (the
+    deep memory). The first layer is one matmul against the cached weights side by side."""
+    first = cache[0]
+    r = (q @ first.movedim(2, 3).flatten(3)).unflatten(-1, (first.shape[2], -1))  # [B, H, T, M, o]
+    for w in cache[1:]:
+        r = torch.einsum("bhtmi,bhmio->bhtmo", F.silu(r), w)
+    return r + q.unsqueeze(3) if residual else r
+
+
+def segment_means(k: torch.Tensor, length: int) -> torch.Tensor:
+    """The mean of k [B, H, T, E] over each segment of `length` tokens (the last may be shorter): [B, H, n, E]."""
+    total = k.shape[2]
+    n = -(-total // length)
+    sums = pad_time(k, n * length).unflatten(2, (n, length)).sum(3)
+    sizes = torch.full((n, 1), float(length), dtype=k.dtype, device=k.device)
+    sizes[-1] = total - (n - 1) * length
+    return sums / sizes
+
+
+def cached_mask(length: int, total: int, before: int, reachable: int, like: torch.Tensor) -> torch.Tensor:
+    """[T, M] in like's dtype: 1 where token t (of local segment t // length) may read cached state
+    m (m < N + t // length), else 0."""
+    seg = torch.arange(total, device=like.device) // length
+    return (torch.arange(reachable, device=like.device)[None, :] < before + seg[:, None]).to(like.dtype)
 
 
 class MemoryCachingBlock(nn.Module):
@@ -220,16 +282,17 @@ def memory_caching_layer_cost(cfg: ModelConfig, width: int, deep: bool) -> Cost:
     if deep:  # projections and read-out of every token, chunks restarting at every segment
         flops = sum(scan_flops(cfg, t) for t in segments)
     else:
-        flops = seq * linear_projection_flops(cfg) + sum(linear_scan_flops(cfg, t) for t in segments)
+        continues = mc.variant == "none" or mc.write_mode == "checkpoint"
+        flops = seq * linear_projection_flops(cfg) + linear_segments_flops(cfg, seq, segments[0], continues)
     flops += 2 * d * h * e * seq if gated else 0  # W_u
-    for n, t in enumerate(segments):  # n: cached states this segment reads
-        if not n or mc.variant == "none":
-            continue
-        if mc.variant == "soup":  # scores, mixing the cached memories per token, the mixed read
-            flops += h * (2 * t * e * n + sum(2 * t * n * x + 2 * t * x for x in io))
-            continue
-        flops += h * sum(2 * n * t * x for x in io)  # cached reads
-        flops += h * (2 * t * e * n + 2 * t * n * e) if gated else 0  # scores, weighted sum of the reads
+    reachable = len(segments) - 1  # cached states some token reads; every token reads all, masked
+    if mc.variant == "none" or not reachable:
+        pass
+    elif mc.variant == "soup" and deep:  # scores; per segment the cached memories mixed per token, the mixed read
+        flops += h * 2 * seq * reachable * e
+        flops += h * sum(sum(2 * t * n * x + 2 * t * x for x in io) for n, t in enumerate(segments) if n)
+    else:  # every token's reads of every cached state and their weighted sum [, the scores]
+        flops += h * seq * reachable * (sum(2 * x for x in io) + 2 * e + (2 * e if gated else 0))
     mixer_params = mem_params + (d * h * e if gated else 0)
     mlp = swiglu_cost(cfg, width)
     tp_params = Split(whole=d, heads=mixer_params) + mlp.params_split
@@ -240,34 +303,47 @@ def memory_caching_layer_cost(cfg: ModelConfig, width: int, deep: bool) -> Cost:
 
 
 def mixer_act(cfg: ModelConfig, io: list[int], deep: bool) -> Split:
-    """Elements per token the mixer keeps for backward, fitted to torch's saved tensors (tests/
+    """Elements per token the mixer keeps for backward, counted from torch's saved tensors (tests/
     models/test_memory_caching.py checks it within 10%): the norm and its output; per head the
-    base's scan (linear: 18 head vectors per token, the chunk's [C, C] decay products, one state
-    per chunk; deep: Titans' scan_act_per_row and 8 head vectors); with caching the contiguous
-    queries, each cached read's hidden activations (deep), the weights, the scores u and the cached
-    reads they weigh (2E + 1.75 E + 4 per cached state), the final states that independent writes
-    keep only for the cached reads, and soup's per-token mixed memories and per-segment stacks of
-    the cached ones. The constants are fitted to the measured counts."""
+    base's scan and the cached reads. Linear base: its projections, convolutions and read-out
+    (9 E + 9 + 3 E with taps), per padded token the chunk's vectors (5 E, and 3 E more that matmul
+    copies when the features are scanned in place) and [C, C] products (4 C + 4), the states before every chunk
+    twice (the transfer product's input and the reads' copy) and the [N + 1, N + 1] transfer of
+    every scan. Deep base: Titans' scan_act_per_row and 8 head vectors. With caching, every token
+    reads every cached state M (masked): the queries and the cached weights side by side (E + M P /
+    L), for the gated variants also u, the running mean keys, the scores and weights (6 E + M + 2),
+    the online read and the M cached reads they weigh (M E), and for the deep memory each cached
+    read's hidden activations; soup over the deep memory its per-token mixed memories and
+    per-segment stacks of the cached ones. The deep constants are fitted to the measured counts."""
     d, e, seq, mc = cfg.d_model, cfg.head_dim, cfg.seq_len, cfg.memory_caching
     segments = segment_slices(seq, mc.segment, mc.variant)
-    chunk = cfg.titans.chunk_size if deep else mc.linear_chunk
-    chunks = sum(-(-(s.stop - s.start) // chunk) for s in segments)  # chunks restart at every segment
+    n, length = len(segments), segments[0].stop
+    continues = mc.variant == "none" or mc.write_mode == "checkpoint"
     if deep:  # Titans' count assumes seq / chunk chunks of weights and surprise
+        chunk = cfg.titans.chunk_size
+        chunks = sum(-(-(s.stop - s.start) // chunk) for s in segments)  # chunks restart at every segment
         per_head = scan_act_per_row(cfg, seq) + 8 * e + 2 * sum(io) * (chunks - seq / chunk) / seq
         hidden = sum(memory_dims(e, cfg.titans.memory_depth, cfg.titans.memory_expansion)[1:-1])
     else:
-        per_head, hidden = 18 * e + 3 * min(chunk, seq) + e * e * chunks / seq, 0
-    n = len(segments)
-    cached = sum(i * (s.stop - s.start) for i, s in enumerate(segments)) / seq  # mean cached states per token
-    if mc.variant == "soup":
+        size = min(mc.linear_chunk, length)
+        padded = -(-length // size) * size
+        scans, chunks = (1 if continues else n), n * padded // size
+        taps = mc.linear_conv_kernel
+        per_head = 9 * e + 9 + (3 * e * (1 + (taps - 1) / seq) if taps else 0)
+        stretch = n * padded / seq  # padded tokens per token
+        aligned = continues and stretch == 1  # the features are scanned in place: matmul copies 3 of them
+        per_head += stretch * (5 * e + 4 * size + 4) + (3 * e if aligned else 0)
+        per_head += ((2 * chunks + scans) * e * e + scans * (chunks // scans + 1) ** 2) / seq
+        hidden = 0
+    reachable = n - 1 if mc.variant != "none" else 0  # cached states every token reads (masked)
+    if mc.variant == "soup" and deep:
+        cached = sum(i * (s.stop - s.start) for i, s in enumerate(segments)) / seq  # mean cached states per token
         with_cache = (seq - segments[0].stop) / seq  # tokens that mix cached memories
         per_head += sum(io) * (with_cache + n * (n - 1) / (2 * seq)) + 2 * e + 4 * (1 + cached)
-    elif mc.variant != "none":
-        per_head += e + 2 * hidden * cached
-        if mc.write_mode == "independent":  # final states kept only for the cached reads
-            per_head += (2 if deep else 0.5) * sum(io) * (n - 1) / seq
+    elif reachable:
+        per_head += e + reachable * sum(io) / seq + 2 * hidden * reachable
         if mc.variant in GATED:
-            per_head += 2 * e + 1.75 * e * cached + 4 * (1 + cached)
+            per_head += (4 + 2 * (1 if deep else stretch)) * e + reachable * (e + 1) + 2
     return norm_act(d) + Split(whole=d, heads=cfg.n_heads * per_head)
 
 

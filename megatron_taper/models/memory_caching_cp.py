@@ -61,7 +61,7 @@ if TYPE_CHECKING:
 
 class Handover(NamedTuple):
     start: State  # the online memory's state at the slice's start
-    cache: list[list[torch.Tensor]]  # per earlier segment, per memory layer: its end state [B, H, i, o]
+    cache: list[torch.Tensor]  # per memory layer the end states of the N earlier segments [B, H, N, i, o]
     pooled: torch.Tensor | None  # their mean keys [B, H, N, E] (gated variants)
     received: tuple[torch.Tensor, ...]  # what the slice was handed (their backward must run on every rank)
 
@@ -88,7 +88,7 @@ def receive(mixer: MemoryCachingMixer, features: tuple, segments: list[slice], p
     return _chain_in(mixer, len(segments) * split.rank, features[0], batch)
 
 
-def send(mixer: MemoryCachingMixer, y: torch.Tensor, state: State, finals: list[list[torch.Tensor]],
+def send(mixer: MemoryCachingMixer, y: torch.Tensor, state: State, finals: list[torch.Tensor],
          pooled: torch.Tensor | None, handover: Handover) -> torch.Tensor:
     """y (the mixer's reads), after handing this slice's end handover to the next rank (deep
     memory) or tying what it was handed (linear memory); module doc."""
@@ -103,7 +103,7 @@ def send(mixer: MemoryCachingMixer, y: torch.Tensor, state: State, finals: list[
         return y
     like = handover.received  # the same dtypes as what this rank was handed, in the same order
     out = (state[0] + state[1] if mixer.continues else [])
-    out += [torch.stack(layer, dim=2) for layer in zip(*finals)] if mixer.caches else []
+    out += list(finals) if mixer.caches else []  # per layer [B, H, N + n, i, o]
     out += [pooled] if pooled is not None else []
     return send_state(split, mixer.context_tag, y, [t.to(w.dtype) for t, w in zip(out, like)])
 
@@ -129,21 +129,22 @@ def _chain_in(mixer: MemoryCachingMixer, before: int, k: torch.Tensor, batch: in
     depth = len(mixer.memory.init_state(batch)[0])
     start = (flat[:depth], flat[depth:2 * depth]) if mixer.continues else mixer.memory.init_state(batch)
     rest = flat[2 * depth:] if mixer.continues else flat
-    cache = [list(layers) for layers in zip(*(t.unbind(2) for t in rest[:depth]))] if mixer.caches else []
+    cache = list(rest[:depth]) if mixer.caches else []
     return Handover(start, cache, rest[-1] if keys is not None else None, tuple(flat))
 
 
 def linear_summary(features: tuple, segments: list[slice], pooled: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
     """What each segment does to a linear memory's state (module doc): log a [B, H, n], U
-    [B, H, n, E, E], and the segments' mean keys [B, H, n, E] when given."""
-    k, v, _, log_a, b = features
-    logs, updates = [], []
-    for seg in segments:
-        lb = log_a[..., seg].cumsum(-1)  # [B, H, T]
-        weight = (b[..., seg] * (lb[..., -1:] - lb).exp())[..., None]
-        updates.append((k[:, :, seg] * weight).transpose(-1, -2) @ v[:, :, seg])
-        logs.append(lb[..., -1])
-    return (torch.stack(logs, dim=2), torch.stack(updates, dim=2), *(() if pooled is None else (pooled,)))
+    [B, H, n, E, E], and the segments' mean keys [B, H, n, E] when given; all segments at once
+    (the last, if shorter, padded with tokens that neither write nor decay)."""
+    from megatron_taper.models.linear_memory import pad_time
+
+    k, v, _, log_a, b = (pad_time(f, len(segments) * segments[0].stop).unflatten(2, (len(segments), -1))
+                         for f in features)  # [B, H, n, L, ...]
+    lb = log_a.cumsum(-1)  # [B, H, n, L]
+    weight = (b * (lb[..., -1:] - lb).exp())[..., None]
+    updates = (k * weight).transpose(-1, -2) @ v
+    return (lb[..., -1], updates, *(() if pooled is None else (pooled,)))
 
 
 def fold(continues: bool, caches: bool, state: tuple[torch.Tensor, ...],
@@ -151,15 +152,14 @@ def fold(continues: bool, caches: bool, state: tuple[torch.Tensor, ...],
     """The linear handover (S, [cache [B, H, N, E, E]], [pooled [B, H, N, E]]) after the segments
     of `summary` (linear_summary): S <- a S + U each (U alone for independent writes), each end
     state cached and each mean key appended."""
-    s, rest = state[0], list(state[1:])
+    from megatron_taper.models.kernels.state_passing import chunk_states
+
+    rest = list(state[1:])
     logs, updates, *keys = summary
-    finals = []
-    for j in range(updates.shape[2]):
-        s = logs[..., j, None, None].exp() * s + updates[:, :, j] if continues else updates[:, :, j]
-        finals.append(s)
-    out = [s]
+    finals = chunk_states(updates, logs, state[0])[:, :, 1:] if continues else updates  # [B, H, n, E, E]
+    out = [finals[:, :, -1]]
     if caches:
-        out.append(torch.cat((rest.pop(0), torch.stack(finals, dim=2)), dim=2))
+        out.append(torch.cat((rest.pop(0), finals), dim=2))
     if keys:
         out.append(torch.cat((rest.pop(0), keys[0]), dim=2))
     return tuple(out)
@@ -179,7 +179,7 @@ def _prefix(mixer: MemoryCachingMixer, features: tuple, segments: list[slice], p
     state = prefix_state(mixer.context, initial, linear_summary(features, segments, pooled),
                          functools.partial(fold, mixer.continues, mixer.caches))
     start = ([state[0]], []) if mixer.continues else memory.init_state(batch)
-    cache = [[t] for t in state[1].unbind(2)] if mixer.caches else []
+    cache = [state[1]] if mixer.caches else []
     return Handover(start, cache, state[-1] if pooled is not None else None, tuple(state))
 
 

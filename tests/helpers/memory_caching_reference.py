@@ -104,3 +104,105 @@ def reference_reads(mixer: MemoryCachingMixer, x: torch.Tensor) -> torch.Tensor:
         else:
             reads.append(sum(gamma[:, :, i, None] * read(m, qt) for i, m in enumerate(memories)))
     return torch.stack(reads, dim=2)
+
+
+# ---------------------------------------------------------------------------------------------
+# The chunk and segment loops models/memory_caching.py and models/linear_memory.py ran until the
+# loop-free forms replaced them (one Python iteration per chunk and per segment): the definition
+# of the chunked math the loop-free forms are tested against, in float64 to 1e-10.
+
+
+def loop_linear_scan(memory, features, state, chunk_size=None, mix=None):
+    """LinearMemory.scan_features as a loop over chunks: ([B, H, T, E], state)."""
+    import math
+
+    k, v, q, log_a, b = features
+    size = chunk_size or memory.chunk_size
+    s = state[0][0]  # [B, H, E, E]
+    reads = []
+    for start in range(0, k.shape[2], size):
+        c = slice(start, start + size)
+        kc, vc, qc, bc = k[:, :, c], v[:, :, c], q[:, :, c], b[..., c]
+        lb = log_a[..., c].cumsum(-1)  # [B, H, C]
+        causal = torch.ones(kc.shape[2], kc.shape[2], dtype=torch.bool, device=k.device).tril()
+        decay = (lb[..., :, None] - lb[..., None, :]).masked_fill(~causal, -math.inf).exp()  # [B, H, C, C]
+        scores = (qc @ kc.transpose(-1, -2)) * decay * bc[..., None, :]
+        read = scores @ vc + lb.exp()[..., None] * (qc @ s)
+        reads.append(read if mix is None else mix(0, qc, read, positions=c))
+        weight = (bc * (lb[..., -1:] - lb).exp())[..., None]  # [B, H, C, 1]
+        s = lb[..., -1:, None].exp() * s + (kc * weight).transpose(-1, -2) @ vc
+    return torch.cat(reads, dim=2), ([s], [])
+
+
+def loop_gammas(mixer, u, k, pooled, cached):
+    """MemoryCachingMixer.gammas for one segment (the loop form's per-segment weights)."""
+    count = torch.arange(1, k.shape[2] + 1, device=k.device, dtype=k.dtype)[:, None]
+    logits = (u * (k.cumsum(2) / count)).sum(-1, keepdim=True)
+    if cached:
+        scores = u @ pooled[:, :, :cached].transpose(-1, -2)
+        if mixer.variant == "ssc" and cached > mixer.top_k:
+            chosen = scores.topk(mixer.top_k, dim=-1).indices
+            keep = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, chosen, True)
+            scores = scores.masked_fill(~keep, float("-inf"))
+        logits = torch.cat((logits, scores), dim=-1)
+    return torch.softmax(logits, dim=-1)
+
+
+def loop_soup_mix(gamma, finals):
+    stacked = [torch.stack(layer, dim=2).flatten(3) for layer in zip(*finals)]
+
+    def mix(layer, r, read, positions):
+        g = gamma[:, :, positions]
+        out = g[..., :1] * read
+        if not stacked:
+            return out
+        mixed = (g[..., 1:] @ stacked[layer]).unflatten(-1, (r.shape[-1], -1))
+        return out + (r.unsqueeze(-2) @ mixed).squeeze(-2)
+
+    return mix
+
+
+def loop_reads(mixer: MemoryCachingMixer, x: torch.Tensor) -> torch.Tensor:
+    """MemoryCachingMixer.reads (one process) as a loop over segments, each scanned chunk by chunk
+    (the linear memory through loop_linear_scan, the deep one through its own scan_features)."""
+    from megatron_taper.models.memory_caching import segment_slices
+
+    memory, batch = mixer.memory, x.shape[0]
+    deep = isinstance(memory, NeuralMemory)
+
+    def scan(features, state, mix):
+        if deep:
+            return memory.scan_features(features, state, mix=mix)
+        return loop_linear_scan(memory, features, state, mix=mix)
+
+    features = memory.project(x, x)[0]
+    k, q = features[0], features[2]
+    segments = segment_slices(x.shape[1], mixer.segment, mixer.variant)
+    u = None if mixer.wu is None else mixer.wu(x).unflatten(-1, (-1, mixer.head_dim)).transpose(1, 2)
+    pooled = None if u is None else torch.stack([k[:, :, seg].mean(2) for seg in segments], dim=2)
+    gammas = [None if u is None else loop_gammas(mixer, u[:, :, seg], k[:, :, seg], pooled, i)
+              for i, seg in enumerate(segments)]
+    state, onlines, finals = memory.init_state(batch), [], []
+    for i, seg in enumerate(segments):
+        mix = loop_soup_mix(gammas[i], finals) if mixer.variant == "soup" else None
+        read, final = scan(tuple(f[:, :, seg] for f in features), state, mix)
+        onlines.append(read)
+        finals.append(final[0])
+        state = final if mixer.continues else memory.init_state(batch)
+    if mixer.variant in ("none", "soup"):
+        return torch.cat(onlines, dim=2)
+    starts = [seg.stop for seg in segments[:-1]]
+    later = [memory.read(q[:, :, start:], (final, [])) for start, final in zip(starts, finals)]
+    outs = []
+    for i, seg in enumerate(segments):
+        if not i:
+            outs.append(onlines[0] if gammas[0] is None else gammas[0] * onlines[0])
+            continue
+        rows = [reads[:, :, seg.start - start:seg.stop - start] for reads, start in zip(later[:i], starts)]
+        cached = torch.stack(rows, dim=3)  # [B, H, T, n, E]
+        if mixer.variant == "residual":
+            outs.append(onlines[i] + cached.sum(3))
+            continue
+        gamma = gammas[i]
+        outs.append(gamma[..., :1] * onlines[i] + (gamma[..., None, 1:] @ cached).squeeze(-2))
+    return torch.cat(outs, dim=2)

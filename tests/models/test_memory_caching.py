@@ -125,8 +125,9 @@ def test_cost_model_matches_module_and_flop_counter(arch, variant):
 
 
 def test_cached_reads_grow_as_length_squared_over_segment():
-    """GRM over the linear memory adds W_u (2 D H E per token) and, per token of segment n, n cached
-    reads (2 E^2 per head), n scores and n weighted reads (2 E each): O(L + L^2 / S) in all."""
+    """GRM over the linear memory adds W_u (2 D H E per token) and, per token, reads of every one of
+    the n - 1 cached states (2 E^2 per head; those the token may not read yet weigh 0), n - 1 scores
+    and n - 1 weighted reads (2 E each): O(L + L^2 / S) in all."""
     d, h, e = 32, 2, 16
     for seq, segment in ((256, 32), (1024, 32), (1024, 128)):
         cfgs = [load_config(None, SMALL + ["model.arch=linear_memory", f"model.seq_len={seq}",
@@ -134,7 +135,7 @@ def test_cached_reads_grow_as_length_squared_over_segment():
                                            f"model.memory_caching.variant={v}"]).model for v in ("grm", "none")]
         grm, base = (model_costs(c).layers[0].flops * seq for c in cfgs)
         n = seq // segment
-        expected = 2 * d * h * e * seq + h * segment * n * (n - 1) / 2 * (2 * e * e + 4 * e)
+        expected = 2 * d * h * e * seq + h * seq * (n - 1) * (2 * e * e + 4 * e)
         assert grm - base == pytest.approx(expected, rel=1e-12)
 
 
