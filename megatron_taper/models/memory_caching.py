@@ -137,15 +137,19 @@ class MemoryCachingMixer(nn.Module):
                       length: int) -> tuple[torch.Tensor, list[torch.Tensor], State]:
         """The online reads [B, H, T, E] of the slice's segments of `length` tokens, their end
         states per memory layer [B, H, n, i, o], and the online state after the last segment. The
-        linear memory scans them at once (LinearMemory.scan_segments); the deep memory folds
-        independent segments into the batch where they are whole, else runs them one by one (a
-        continuing write needs the state before it; soup mixes the cached memories into each read)."""
+        linear memory scans them at once (LinearMemory.scan_segments); the deep memory scans
+        continuing segments of whole chunks at once (their ends are chunk boundaries) and folds
+        independent segments into the batch where the slice holds whole segments; else, and for
+        soup (which mixes the cached memories into each read), it runs them one by one."""
         memory, batch, total = self.memory, features[0].shape[0], features[0].shape[2]
         if self.linear:
             reads, ends = memory.scan_segments(features, handover.start[0][0], length, self.continues)
             state = ([ends[:, :, -1]], []) if self.continues else memory.init_state(batch)
             return reads, [ends], state
         n = -(-total // length)
+        if self.continues and self.variant != "soup" and length % min(memory.chunk_size, length) == 0:
+            reads, ends, state = memory.scan_segments(features, handover.start, length)
+            return reads, ends, state
         if not self.continues and self.variant != "soup" and total % length == 0:
             folded = tuple(f.unflatten(2, (n, length)).movedim(2, 1).flatten(0, 1) for f in features)
             reads, ends = memory.scan_features(folded, memory.init_state(batch * n))

@@ -1,43 +1,7 @@
 """Titans (Behrouz et al. 2024, arXiv 2501.00663): attention plus a neural long-term memory.
 
-Neural memory, per head (H heads of size E), for tokens t = 1..T:
-    k_t = l2norm(silu(conv_k(W_k x)_t)), likewise v_t (conv_v, W_v) and q_t (conv_q, W_q)
-    conv(z)_t = sum_{j<K} w[:, K-1-j] * z_{t-j}     (depthwise causal, K = `conv_kernel` taps)
-    theta_t = max_lr * sigmoid(.), eta_t = sigmoid(. + logit(momentum_init)),
-    alpha_t = sigmoid(. + logit(forget_init))                  (one linear map x_t -> [H, 3])
-    M(x) = x + f_W(x)                                          (residual memory, f an MLP)
-    nu_t = sum_l ||a_l(k_t)||^2   (squared norms of every layer's input at k_t, M_{t-1}; >= ||k_t||^2 = 1)
-    S_t = eta_t S_{t-1} - (theta_t / nu_t) grad_W ||M_{t-1}(k_t) - v_t||^2    (surprise, momentum)
-    W_t = W_0 + (1 - alpha_t)(W_{t-1} - W_0) + S_t                           (forgetting toward W_0)
-    y_t = M_t(q_t)                                                          (read after writing)
-f is an MLP E -> (expansion * E) -> ... -> E of `memory_depth` weight matrices with SiLU between
-them, its initial weights W_0 are parameters; S_0 = 0. Departures from eq. 13-14 of the paper,
-for long sequences (docs/architectures.md): the residual path keeps the read's scale whatever W
-holds; forgetting pulls W back to the learned W_0 instead of to 0 (with decay toward 0 a depth-2
-memory's read shrank like (1 - alpha)^(2t): 2e-18 of its start at token 2047); the normalised
-(NLMS-like) step makes theta_t the fraction of the error a lone write corrects, independent of
-the activations' scale.
-
-Chunked parallel form (`chunk_size` C): inside a chunk every gradient is taken at the chunk's
-starting state W, grad_i = a_i delta_i^T per memory layer (a_i the layer input, delta_i the
-backpropagated error), and nu_i too. The two linear recurrences then unroll to
-    W_t = W_0 + B_t (W - W_0) + (sum_j P_tj E_j) S - sum_i c_ti a_i delta_i^T,   c_ti = (theta_i / nu_i) (P Q)_ti,
-with P_tj = prod_{j<l<=t} (1 - alpha_l), Q_ji = prod_{i<l<=j} eta_l (from log-space cumsums),
-B_t = prod_{l<=t} (1 - alpha_l), E_j = prod_{l<=j} eta_l. Reading f_t(q_t) layer by layer is
-then attention-like: r W_t = r W_0 + B_t (r (W - W_0)) + D_t (r S) - ((c * r a^T) delta), never
-materialising per-token weights. C = 1 is the exact token-by-token recurrence (tests compare both
-with a torch.func reference).
-
-Convolution: the paper's 1D depthwise-separable convolution after the query, key and value
-projections (the projection is its pointwise part), on the neural memory's q, k, v only (the
-attention's are plain), before SiLU and the l2-norm. Causal: zero-padded in front, so token t
-mixes the projections of tokens t-K+1..t of the sequence the memory reads ([P, x] in MAG / MAL,
-persistent tokens included; in MAC the whole x for the retrieval queries and the whole y, carried
-across segments through `ConvPast`, for the writes). It acts before the memory, so the chunked
-form and the recurrence see the same k, v, q and stay exactly equal at C = 1. Taps [H*E, K] per
-projection, initialised to the identity (1 on the newest tap) plus N(0, init_std), so a new model
-starts close to the one without convolution; split by head under tensor parallelism like wq.
-`conv_kernel` = 0 removes it.
+Neural memory: models/neural_memory.py (NeuralMemory, its chunked parallel form and the causal
+convolution on its q, k, v; re-exported here).
 
 Blocks (the MLP after the mixer has this layer's tapered width, as in the Transformer):
     MAG  x~ = [P, norm(x)];  o = SWA(x~) * sigmoid(M(x~))                 (memory as a gate)
@@ -67,7 +31,6 @@ Context parallelism (`context` set on each block): models/titans_cp.py.
 from __future__ import annotations
 
 import functools
-import math
 from typing import TYPE_CHECKING, Callable
 
 import torch
@@ -80,6 +43,16 @@ from megatron_taper.models.cards import TITANS
 from megatron_taper.models.init import init_tensor
 from megatron_taper.models.layers import Attention, RMSNorm, apply_rope, rope_tables, rope_tables_at
 from megatron_taper.models.local_attention import blockwise_pairs, sliding_window_attention
+from megatron_taper.models.neural_memory import (  # noqa: F401 (re-exported)
+    ConvPast,
+    Features,
+    NeuralMemory,
+    ReadMix,
+    State,
+    causal_conv,
+    memory_dims,
+    mlp_read,
+)
 from megatron_taper.models.spec import FamilySpec
 from megatron_taper.models.transformer import Transformer, TransformerBlock, tp_plan_transformer_block
 from megatron_taper.validation import ConfigError
@@ -87,174 +60,6 @@ from megatron_taper.validation import ConfigError
 if TYPE_CHECKING:
     from megatron_taper.config import ModelConfig, ParallelConfig
     from megatron_taper.parallel.tp_plan import TPBuilder
-
-
-State = tuple[list[torch.Tensor], list[torch.Tensor]]  # (memory weights, surprise), each [B, H, i, o]
-# k, v, q [B, H, T, E]; theta, log eta, log (1 - alpha) [B, H, T]
-Features = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
-ConvPast = tuple[torch.Tensor, ...] | None  # per convolved projection (k, v, q) its last K-1 inputs [B, K-1, H*E]
-# (layer, that layer's input r [B, H, C, i], its read r M_t [B, H, C, o], positions=slice of the C tokens in
-# the scan) -> the pre-activation that continues the read; Memory Caching's soup mixes cached memories in here
-ReadMix = Callable[..., torch.Tensor]
-
-
-def memory_dims(head_dim: int, depth: int, expansion: int) -> list[int]:
-    return [head_dim] + [expansion * head_dim] * (depth - 1) + [head_dim]
-
-
-def mlp_read(q: torch.Tensor, state: State) -> torch.Tensor:
-    """f(q), the memory MLP with the weights of `state` (SiLU between layers) at q [B, H, T, E]."""
-    r = q
-    for layer, w in enumerate(state[0]):
-        r = r @ w
-        r = F.silu(r) if layer < len(state[0]) - 1 else r
-    return r
-
-
-def silu_grad(z: torch.Tensor) -> torch.Tensor:
-    s = torch.sigmoid(z)
-    return s * (1 + z * (1 - s))
-
-
-def causal_conv(x: torch.Tensor, weight: torch.Tensor | None,
-                past: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Depthwise causal convolution along time, y_t = sum_j weight[:, j] x_{t-K+1+j}: x [B, T, C],
-    weight [C, K] (None = identity), past [B, K-1, C] the inputs before x (zeros when None).
-    Returns y [B, T, C] and the last K-1 inputs, the next call's past."""
-    if weight is None:
-        return x, None
-    taps = weight.shape[1]
-    if past is None:
-        past = x.new_zeros(x.shape[0], taps - 1, x.shape[2])
-    padded = torch.cat((past, x), dim=1)  # [B, K-1+T, C]
-    y = F.conv1d(padded.transpose(1, 2), weight.to(x.dtype).unsqueeze(1), groups=weight.shape[0])
-    return y.transpose(1, 2), padded[:, padded.shape[1] - (taps - 1):]
-
-
-class NeuralMemory(nn.Module):
-    """Per-head MLP memory written and read inside the forward pass (see the module docstring)."""
-
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        t, d, h, e = cfg.titans, cfg.d_model, cfg.n_heads, cfg.head_dim
-        self.head_dim, self.chunk_size, self.max_lr = e, t.chunk_size, t.max_lr
-        self.eta_offset = math.log(t.momentum_init / (1 - t.momentum_init))
-        self.alpha_offset = math.log(t.forget_init / (1 - t.forget_init))
-        self.wq = nn.Linear(d, h * e, bias=False)
-        self.wk = nn.Linear(d, h * e, bias=False)
-        self.wv = nn.Linear(d, h * e, bias=False)
-        for name in ("conv_q", "conv_k", "conv_v"):  # depthwise taps [H*E, K], oldest first
-            self.register_parameter(name, nn.Parameter(torch.empty(h * e, t.conv_kernel)) if t.conv_kernel else None)
-        self.gates = nn.Linear(d, h * 3, bias=True)  # head-major [H, (theta, eta, alpha)]
-        dims = memory_dims(e, t.memory_depth, t.memory_expansion)
-        self.mem_w = nn.ParameterList(nn.Parameter(torch.empty(h, i, o)) for i, o in zip(dims[:-1], dims[1:]))
-        self.out_norm_weight = nn.Parameter(torch.ones(h * e))  # RMSNorm of each head's read, per-head gains
-        self.wo = nn.Linear(h * e, d, bias=False)
-        self.eps = cfg.norm_eps
-
-    def heads(self, proj: nn.Linear, conv: torch.Tensor | None, x: torch.Tensor,
-              past: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """[B, T, D] -> l2norm(silu(conv(proj x))) as [B, H, T, E], and the convolution's past."""
-        z, past = causal_conv(proj(x), conv, past)
-        return F.normalize(F.silu(z).unflatten(-1, (-1, self.head_dim)).transpose(1, 2), dim=-1), past
-
-    def project(self, x_kv: torch.Tensor, x_q: torch.Tensor, past: ConvPast = None) -> tuple[Features, ConvPast]:
-        """k, v, q, theta, log eta, log (1 - alpha) of x_kv / x_q [B, T, D], which continue the
-        sequences whose convolution inputs `past` holds (None = they start here); and the new past."""
-        pk, pv, pq = past or (None, None, None)
-        k, pk = self.heads(self.wk, self.conv_k, x_kv, pk)
-        v, pv = self.heads(self.wv, self.conv_v, x_kv, pv)
-        q, pq = self.heads(self.wq, self.conv_q, x_q, pq)
-        g = self.gates(x_kv).unflatten(-1, (-1, 3)).permute(3, 0, 2, 1)  # [3, B, H, T]
-        theta = self.max_lr * torch.sigmoid(g[0])
-        log_eta = F.logsigmoid(g[1] + self.eta_offset)
-        log_keep = F.logsigmoid(-(g[2] + self.alpha_offset))
-        return (k, v, q, theta, log_eta, log_keep), (None if pk is None else (pk, pv, pq))
-
-    def init_state(self, batch: int) -> State:
-        weights = [w.unsqueeze(0).expand(batch, -1, -1, -1) for w in self.mem_w]
-        return weights, [torch.zeros_like(w) for w in weights]
-
-    def output(self, reads: torch.Tensor) -> torch.Tensor:
-        """reads [B, H, T, E] -> [B, T, D]."""
-        r = F.rms_norm(reads.transpose(1, 2), (self.head_dim,), eps=self.eps)  # [B, T, H, E]
-        return self.wo((r * self.out_norm_weight.view(-1, self.head_dim)).flatten(2))
-
-    def read(self, q: torch.Tensor, state: State) -> torch.Tensor:
-        """M(q) = q + f(q) of queries q [B, H, T, E] with the memory frozen at `state` (no writes)."""
-        return q + mlp_read(q, state)
-
-    def scan(self, x_kv: torch.Tensor, x_q: torch.Tensor, state: State,
-             chunk_size: int | None = None) -> tuple[torch.Tensor, State]:
-        """Write k_t, v_t and read M_t(q_t) for every token of x_kv / x_q [B, T, D] (sequences that
-        start here), chunk by chunk: ([B, H, T, E], state)."""
-        return self.scan_features(self.project(x_kv, x_q)[0], state, chunk_size)
-
-    def scan_features(self, features: Features, state: State, chunk_size: int | None = None,
-                      mix: ReadMix | None = None, whole_chunks: bool = False) -> tuple[torch.Tensor, State]:
-        """`scan` from projected features (`project`): ([B, H, T, E], state). `mix`, when given,
-        replaces each memory layer's pre-activation read (see ReadMix). `whole_chunks`: the state
-        returned is the one after the last whole chunk (a trailing partial chunk is read, not written)."""
-        k, v, q, theta, log_eta, log_keep = features
-        size, total = chunk_size or self.chunk_size, k.shape[2]
-        reads = []
-        for s in range(0, total, size):
-            c = slice(s, s + size)
-            read, written = self.chunk(state, k[:, :, c], v[:, :, c], q[:, :, c], theta[..., c], log_eta[..., c],
-                                       log_keep[..., c], None if mix is None else functools.partial(mix, positions=c))
-            state = state if whole_chunks and s + size > total else written
-            reads.append(read)
-        return torch.cat(reads, dim=2), state
-
-    def chunk(self, state: State, k: torch.Tensor, v: torch.Tensor, q: torch.Tensor, theta: torch.Tensor,
-              log_eta: torch.Tensor, log_keep: torch.Tensor,
-              mix: Callable[..., torch.Tensor] | None = None) -> tuple[torch.Tensor, State]:
-        """One chunk of C tokens; k, v, q [B, H, C, E]; theta, log_eta, log_keep [B, H, C]."""
-        weights, surprise = state
-        n = len(weights)
-        acts, pre, h = [], [], k  # forward of W (the chunk's starting state) on the keys
-        for layer, w in enumerate(weights):
-            acts.append(h)
-            h = h @ w
-            if layer < n - 1:
-                pre.append(h)
-                h = F.silu(h)
-        delta = 2.0 * (k + h - v)  # d ||k + f(k) - v||^2 / d f(k)
-        theta = theta / sum(a.square().sum(-1) for a in acts)  # normalised step theta_t / nu_t, [B, H, C]
-        deltas = [delta] * n
-        for layer in range(n - 1, 0, -1):
-            delta = (delta @ weights[layer].transpose(-1, -2)) * silu_grad(pre[layer - 1])
-            deltas[layer - 1] = delta
-
-        size = k.shape[2]
-        causal = torch.ones(size, size, dtype=torch.bool, device=k.device).tril()
-        lb, le = log_keep.cumsum(-1), log_eta.cumsum(-1)  # [B, H, C]
-        decay = (lb[..., :, None] - lb[..., None, :]).masked_fill(~causal, -math.inf).exp()  # P [B, H, C, C]
-        momentum = (le[..., :, None] - le[..., None, :]).masked_fill(~causal, -math.inf).exp()  # Q
-        coef = (decay @ momentum) * theta[..., None, :]  # c_ti
-        keep_w = lb.exp()[..., None]  # B_t [B, H, C, 1]
-        keep_s = decay @ le.exp()[..., None]  # sum_j P_tj E_j [B, H, C, 1]
-
-        r = q
-        for layer in range(n):
-            a, d, init = acts[layer], deltas[layer], self.mem_w[layer].to(r.dtype)
-            read = (r @ init + keep_w * (r @ (weights[layer] - init)) + keep_s * (r @ surprise[layer])
-                    - (coef * (r @ a.transpose(-1, -2))) @ d)
-            r = read if mix is None else mix(layer, r, read)
-            r = F.silu(r) if layer < n - 1 else r
-
-        last = coef[..., -1, :, None]  # [B, H, C, 1]
-        s_coef = (theta * (le[..., -1:] - le).exp())[..., None]
-        new_w, new_s = [], []
-        for layer in range(n):
-            a_t, d, init = acts[layer].transpose(-1, -2), deltas[layer], self.mem_w[layer].to(q.dtype)
-            new_w.append(init + keep_w[..., -1:, :] * (weights[layer] - init) + keep_s[..., -1:, :] * surprise[layer]
-                         - a_t @ (last * d))
-            new_s.append(le[..., -1:, None].exp() * surprise[layer] - a_t @ (s_coef * d))
-        return q + r, (new_w, new_s)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.output(self.scan(x, x, self.init_state(x.shape[0]))[0])
 
 
 class RowAttention(Attention):
@@ -404,19 +209,21 @@ def memory_params(cfg: ModelConfig) -> int:
 
 
 def scan_flops(cfg: ModelConfig, tokens: int) -> float:
-    """Projections, chunked writes and reads of `tokens` tokens, output projection included."""
+    """Projections, chunked writes and reads of `tokens` tokens, output projection included. A
+    trailing partial chunk is padded to C tokens (neural_memory.py) and, when there is one, every
+    chunk computes the last row of P Q over its real tokens apart (2 C^2)."""
     d, h, e, t = cfg.d_model, cfg.n_heads, cfg.head_dim, cfg.titans
     dims = memory_dims(e, t.memory_depth, t.memory_expansion)
     io = [i * o for i, o in zip(dims[:-1], dims[1:])]
     total = tokens * 2 * (4 * d * h * e + 3 * d * h + 3 * h * e * t.conv_kernel)  # wq, wk, wv, wo, gates, convs
-    for s in range(0, tokens, t.chunk_size):
-        c = min(t.chunk_size, tokens - s)
-        per_head = 2 * c * (sum(io) + sum(io[1:]))  # forward on keys, backward of deltas
-        per_head += 2 * c**3 + 2 * c**2  # coefficients P Q, P E
-        per_head += sum(2 * c * (3 * x) + 2 * c * c * (i + o) for x, i, o in zip(io, dims[:-1], dims[1:]))  # reads
-        per_head += sum(2 * c * 2 * x for x in io)  # new weights and surprise
-        total += h * per_head
-    return total
+    c = min(t.chunk_size, tokens)
+    count = -(-tokens // c) if tokens else 0
+    per_head = 2 * c * (sum(io) + sum(io[1:]))  # forward on keys, backward of deltas
+    per_head += 2 * c**3 + 2 * c**2  # coefficients P Q, P E
+    per_head += sum(2 * c * (3 * x) + 2 * c * c * (i + o) for x, i, o in zip(io, dims[:-1], dims[1:]))  # reads
+    per_head += sum(2 * c * 2 * x for x in io)  # new weights and surprise
+    per_head += 2 * c**2 if count * c > tokens else 0  # the last row of P Q over the real tokens
+    return total + h * count * per_head
 
 
 def row_attention_flops(cfg: ModelConfig, q_rows: int, kv_rows: int, pairs: float) -> float:

@@ -2,14 +2,22 @@
 gradients (torch.func), its inputs projected token by token (the depthwise causal convolution as
 an explicit sum over each token's last K projected inputs), and sliding-window attention under a
 dense [S, P + S] mask. The oracles the chunked memory and the banded attention kernels in
-megatron_taper/models/ are tested against; test code only."""
+megatron_taper/models/ are tested against; test code only.
+
+`reference_chunked_scan` is the chunked parallel form as NeuralMemory ran it one chunk at a time
+before its chunk loop was batched (issue 39): the definition of the chunked math the batched
+NeuralMemory.scan_features must reproduce (tests/models/test_titans_scan.py)."""
 from __future__ import annotations
+
+import functools
+import math
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron_taper.models.titans import NeuralMemory, State
+from megatron_taper.models.titans import Features, NeuralMemory, ReadMix, State
 
 
 def reference_heads(memory: NeuralMemory, proj: nn.Linear, conv: torch.Tensor | None,
@@ -86,3 +94,75 @@ def dense_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pr
     j = torch.arange(k.shape[2], device=q.device)[None, :] - prefix
     mask = (j < 0) | ((i - j >= 0) & (i - j < window))
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def reference_chunked_scan(memory: NeuralMemory, features: Features, state: State, chunk_size: int | None = None,
+                           mix: ReadMix | None = None, whole_chunks: bool = False) -> tuple[torch.Tensor, State]:
+    """NeuralMemory.scan_features as it ran chunk by chunk (the definition of the chunked math):
+    ([B, H, T, E], state). `mix`, when given, replaces each memory layer's pre-activation read
+    (ReadMix). `whole_chunks`: the state returned is the one after the last whole chunk (a trailing
+    partial chunk is read, not written)."""
+    k, v, q, theta, log_eta, log_keep = features
+    size, total = chunk_size or memory.chunk_size, k.shape[2]
+    reads = []
+    for s in range(0, total, size):
+        c = slice(s, s + size)
+        read, written = reference_chunk(memory, state, k[:, :, c], v[:, :, c], q[:, :, c], theta[..., c],
+                                        log_eta[..., c], log_keep[..., c],
+                                        None if mix is None else functools.partial(mix, positions=c))
+        state = state if whole_chunks and s + size > total else written
+        reads.append(read)
+    return torch.cat(reads, dim=2), state
+
+
+def silu_grad(z: torch.Tensor) -> torch.Tensor:
+    s = torch.sigmoid(z)
+    return s * (1 + z * (1 - s))
+
+
+def reference_chunk(memory: NeuralMemory, state: State, k: torch.Tensor, v: torch.Tensor, q: torch.Tensor,
+                    theta: torch.Tensor, log_eta: torch.Tensor, log_keep: torch.Tensor,
+                    mix: Callable[..., torch.Tensor] | None = None) -> tuple[torch.Tensor, State]:
+    """One chunk of C tokens; k, v, q [B, H, C, E]; theta, log_eta, log_keep [B, H, C]."""
+    weights, surprise = state
+    n = len(weights)
+    acts, pre, h = [], [], k  # forward of W (the chunk's starting state) on the keys
+    for layer, w in enumerate(weights):
+        acts.append(h)
+        h = h @ w
+        if layer < n - 1:
+            pre.append(h)
+            h = F.silu(h)
+    delta = 2.0 * (k + h - v)  # d ||k + f(k) - v||^2 / d f(k)
+    theta = theta / sum(a.square().sum(-1) for a in acts)  # normalised step theta_t / nu_t, [B, H, C]
+    deltas = [delta] * n
+    for layer in range(n - 1, 0, -1):
+        delta = (delta @ weights[layer].transpose(-1, -2)) * silu_grad(pre[layer - 1])
+        deltas[layer - 1] = delta
+
+    size = k.shape[2]
+    causal = torch.ones(size, size, dtype=torch.bool, device=k.device).tril()
+    lb, le = log_keep.cumsum(-1), log_eta.cumsum(-1)  # [B, H, C]
+    decay = (lb[..., :, None] - lb[..., None, :]).masked_fill(~causal, -math.inf).exp()  # P [B, H, C, C]
+    momentum = (le[..., :, None] - le[..., None, :]).masked_fill(~causal, -math.inf).exp()  # Q
+    coef = (decay @ momentum) * theta[..., None, :]  # c_ti
+    keep_w = lb.exp()[..., None]  # B_t [B, H, C, 1]
+    keep_s = decay @ le.exp()[..., None]  # sum_j P_tj E_j [B, H, C, 1]
+
+    r = q
+    for layer in range(n):
+        a, d, init = acts[layer], deltas[layer], memory.mem_w[layer].to(r.dtype)
+        read = (r @ init + keep_w * (r @ (weights[layer] - init)) + keep_s * (r @ surprise[layer])
+                - (coef * (r @ a.transpose(-1, -2))) @ d)
+        r = read if mix is None else mix(layer, r, read)
+        r = F.silu(r) if layer < n - 1 else r
+
+    last = coef[..., -1, :, None]  # [B, H, C, 1]
+    s_coef = (theta * (le[..., -1:] - le).exp())[..., None]
+    new_w, new_s = [], []
+    for layer in range(n):
+        a_t, d, init = acts[layer].transpose(-1, -2), deltas[layer], memory.mem_w[layer].to(q.dtype)
+        new_w.append(init + keep_w[..., -1:, :] * (weights[layer] - init) + keep_s[..., -1:, :] * surprise[layer]
+                     - a_t @ (last * d))
+        new_s.append(le[..., -1:, None].exp() * surprise[layer] - a_t @ (s_coef * d))
+    return q + r, (new_w, new_s)

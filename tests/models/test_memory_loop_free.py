@@ -60,7 +60,8 @@ def test_linear_scan_equals_the_chunk_loop(seq, chunk):
 
 
 VARIANTS = ["none", "residual", "grm", "soup", "ssc"]
-SHAPES = [(), ("model.memory_caching.segment=13",), ("model.memory_caching.linear_chunk=3",)]
+SHAPES = [(), ("model.memory_caching.segment=13",),
+          ("model.memory_caching.linear_chunk=3", "model.titans.chunk_size=3"), ("model.titans.chunk_size=16",)]
 CASES = [(arch, variant, mode, extra)
          for arch, variant, mode, extra in itertools.product(
              ["linear_memory", "deep_memory"], VARIANTS, ["checkpoint", "independent"], SHAPES)

@@ -1,0 +1,344 @@
+"""Titans' neural long-term memory (Behrouz et al. 2024, arXiv 2501.00663), the mixer of the Titans
+blocks (models/titans.py) and the base of the deep Memory Caching family (models/memory_caching.py).
+
+Per head (H heads of size E), for tokens t = 1..T:
+    k_t = l2norm(silu(conv_k(W_k x)_t)), likewise v_t (conv_v, W_v) and q_t (conv_q, W_q)
+    conv(z)_t = sum_{j<K} w[:, K-1-j] * z_{t-j}     (depthwise causal, K = `conv_kernel` taps)
+    theta_t = max_lr * sigmoid(.), eta_t = sigmoid(. + logit(momentum_init)),
+    alpha_t = sigmoid(. + logit(forget_init))                  (one linear map x_t -> [H, 3])
+    M(x) = x + f_W(x)                                          (residual memory, f an MLP)
+    nu_t = sum_l ||a_l(k_t)||^2   (squared norms of every layer's input at k_t, M_{t-1}; >= ||k_t||^2 = 1)
+    S_t = eta_t S_{t-1} - (theta_t / nu_t) grad_W ||M_{t-1}(k_t) - v_t||^2    (surprise, momentum)
+    W_t = W_0 + (1 - alpha_t)(W_{t-1} - W_0) + S_t                           (forgetting toward W_0)
+    y_t = M_t(q_t)                                                          (read after writing)
+f is an MLP E -> (expansion * E) -> ... -> E of `memory_depth` weight matrices with SiLU between
+them, its initial weights W_0 are parameters; S_0 = 0. Departures from eq. 13-14 of the paper,
+for long sequences (docs/architectures.md): the residual path keeps the read's scale whatever W
+holds; forgetting pulls W back to the learned W_0 instead of to 0 (with decay toward 0 a depth-2
+memory's read shrank like (1 - alpha)^(2t): 2e-18 of its start at token 2047); the normalised
+(NLMS-like) step makes theta_t the fraction of the error a lone write corrects, independent of
+the activations' scale.
+
+Chunked parallel form (`chunk_size` C): inside a chunk every gradient is taken at the chunk's
+starting state W, grad_i = a_i delta_i^T per memory layer (a_i the layer input, delta_i the
+backpropagated error), and nu_i too. The two linear recurrences then unroll to
+    W_t = W_0 + B_t (W - W_0) + (sum_j P_tj E_j) S - sum_i c_ti a_i delta_i^T,   c_ti = (theta_i / nu_i) (P Q)_ti,
+with P_tj = prod_{j<l<=t} (1 - alpha_l), Q_ji = prod_{i<l<=j} eta_l (from log-space cumsums),
+B_t = prod_{l<=t} (1 - alpha_l), E_j = prod_{l<=j} eta_l. Reading f_t(q_t) layer by layer is
+then attention-like: r W_t = (1 - B_t) r W_0 + B_t (r W) + D_t (r S) - ((P Q * r a^T) delta'),
+delta' = (theta / nu) delta, never materialising per-token weights. C = 1 is the exact
+token-by-token recurrence (tests compare both with a torch.func reference).
+
+Evaluation (`scan_features`): everything that does not depend on the state is computed for all
+chunks at once, batched over a chunk dimension: the cumsums, P, Q, P Q, B, D, the end-of-chunk
+factors, and every term of the first memory layer that involves only q and k (q W_0, B q, D q,
+-(P Q * q k^T), the update's -(last row of P Q * k)^T and -(E_C / E_i * k)^T). The loop keeps only
+the recurrence, on [B*H, ...] tensors through bmm / baddbmm, one chunk's ~40 operators forward
+for a depth-2 memory. A trailing partial chunk is padded to C tokens that change nothing: keys
+of ones (so nu > 0), theta = 0 (no write), keep = eta = 1, and the two end-of-chunk sums that
+would run over the padding (sum_j P_Cj E_j and the last row of P Q) masked to the real tokens.
+Under autocast the state stays in its own dtype (its update adds the bf16 matmul instead of
+fusing it into baddbmm). The old one-chunk-at-a-time loop is the definition of this math in
+tests/helpers/titans_reference.py (reference_chunked_scan).
+
+Convolution: the paper's 1D depthwise-separable convolution after the query, key and value
+projections (the projection is its pointwise part), on the neural memory's q, k, v only (the
+attention's are plain), before SiLU and the l2-norm. Causal: zero-padded in front, so token t
+mixes the projections of tokens t-K+1..t of the sequence the memory reads ([P, x] in MAG / MAL,
+persistent tokens included; in MAC the whole x for the retrieval queries and the whole y, carried
+across segments through `ConvPast`, for the writes). It acts before the memory, so the chunked
+form and the recurrence see the same k, v, q and stay exactly equal at C = 1. Taps [H*E, K] per
+projection, initialised to the identity (1 on the newest tap) plus N(0, init_std), so a new model
+starts close to the one without convolution; split by head under tensor parallelism like wq.
+`conv_kernel` = 0 removes it.
+"""
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+if TYPE_CHECKING:
+    from megatron_taper.config import ModelConfig
+
+
+State = tuple[list[torch.Tensor], list[torch.Tensor]]  # (memory weights, surprise), each [B, H, i, o]
+# k, v, q [B, H, T, E]; theta, log eta, log (1 - alpha) [B, H, T]
+Features = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+ConvPast = tuple[torch.Tensor, ...] | None  # per convolved projection (k, v, q) its last K-1 inputs [B, K-1, H*E]
+# (layer, that layer's input r [B, H, C, i], its read r M_t [B, H, C, o], positions=slice of the C tokens in
+# the scan) -> the pre-activation that continues the read; Memory Caching's soup mixes cached memories in here
+ReadMix = Callable[..., torch.Tensor]
+
+
+def memory_dims(head_dim: int, depth: int, expansion: int) -> list[int]:
+    return [head_dim] + [expansion * head_dim] * (depth - 1) + [head_dim]
+
+
+def mlp_read(q: torch.Tensor, state: State) -> torch.Tensor:
+    """f(q), the memory MLP with the weights of `state` (SiLU between layers) at q [B, H, T, E]."""
+    r = q
+    for layer, w in enumerate(state[0]):
+        r = r @ w
+        r = F.silu(r) if layer < len(state[0]) - 1 else r
+    return r
+
+
+def causal_conv(x: torch.Tensor, weight: torch.Tensor | None,
+                past: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Depthwise causal convolution along time, y_t = sum_j weight[:, j] x_{t-K+1+j}: x [B, T, C],
+    weight [C, K] (None = identity), past [B, K-1, C] the inputs before x (zeros when None).
+    Returns y [B, T, C] and the last K-1 inputs, the next call's past."""
+    if weight is None:
+        return x, None
+    taps = weight.shape[1]
+    if past is None:
+        past = x.new_zeros(x.shape[0], taps - 1, x.shape[2])
+    padded = torch.cat((past, x), dim=1)  # [B, K-1+T, C]
+    y = F.conv1d(padded.transpose(1, 2), weight.to(x.dtype).unsqueeze(1), groups=weight.shape[0])
+    return y.transpose(1, 2), padded[:, padded.shape[1] - (taps - 1):]
+
+
+class NeuralMemory(nn.Module):
+    """Per-head MLP memory written and read inside the forward pass (see the module docstring)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        t, d, h, e = cfg.titans, cfg.d_model, cfg.n_heads, cfg.head_dim
+        self.head_dim, self.chunk_size, self.max_lr = e, t.chunk_size, t.max_lr
+        self.eta_offset = math.log(t.momentum_init / (1 - t.momentum_init))
+        self.alpha_offset = math.log(t.forget_init / (1 - t.forget_init))
+        self.wq = nn.Linear(d, h * e, bias=False)
+        self.wk = nn.Linear(d, h * e, bias=False)
+        self.wv = nn.Linear(d, h * e, bias=False)
+        for name in ("conv_q", "conv_k", "conv_v"):  # depthwise taps [H*E, K], oldest first
+            self.register_parameter(name, nn.Parameter(torch.empty(h * e, t.conv_kernel)) if t.conv_kernel else None)
+        self.gates = nn.Linear(d, h * 3, bias=True)  # head-major [H, (theta, eta, alpha)]
+        dims = memory_dims(e, t.memory_depth, t.memory_expansion)
+        self.mem_w = nn.ParameterList(nn.Parameter(torch.empty(h, i, o)) for i, o in zip(dims[:-1], dims[1:]))
+        self.out_norm_weight = nn.Parameter(torch.ones(h * e))  # RMSNorm of each head's read, per-head gains
+        self.wo = nn.Linear(h * e, d, bias=False)
+        self.eps = cfg.norm_eps
+
+    def heads(self, proj: nn.Linear, conv: torch.Tensor | None, x: torch.Tensor,
+              past: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """[B, T, D] -> l2norm(silu(conv(proj x))) as [B, H, T, E], and the convolution's past."""
+        z, past = causal_conv(proj(x), conv, past)
+        return F.normalize(F.silu(z).unflatten(-1, (-1, self.head_dim)).transpose(1, 2), dim=-1), past
+
+    def project(self, x_kv: torch.Tensor, x_q: torch.Tensor, past: ConvPast = None) -> tuple[Features, ConvPast]:
+        """k, v, q, theta, log eta, log (1 - alpha) of x_kv / x_q [B, T, D], which continue the
+        sequences whose convolution inputs `past` holds (None = they start here); and the new past."""
+        pk, pv, pq = past or (None, None, None)
+        k, pk = self.heads(self.wk, self.conv_k, x_kv, pk)
+        v, pv = self.heads(self.wv, self.conv_v, x_kv, pv)
+        q, pq = self.heads(self.wq, self.conv_q, x_q, pq)
+        g = self.gates(x_kv).unflatten(-1, (-1, 3)).permute(3, 0, 2, 1)  # [3, B, H, T]
+        theta = self.max_lr * torch.sigmoid(g[0])
+        log_eta = F.logsigmoid(g[1] + self.eta_offset)
+        log_keep = F.logsigmoid(-(g[2] + self.alpha_offset))
+        return (k, v, q, theta, log_eta, log_keep), (None if pk is None else (pk, pv, pq))
+
+    def init_state(self, batch: int) -> State:
+        weights = [w.unsqueeze(0).expand(batch, -1, -1, -1) for w in self.mem_w]
+        return weights, [torch.zeros_like(w) for w in weights]
+
+    def output(self, reads: torch.Tensor) -> torch.Tensor:
+        """reads [B, H, T, E] -> [B, T, D]."""
+        r = F.rms_norm(reads.transpose(1, 2), (self.head_dim,), eps=self.eps)  # [B, T, H, E]
+        return self.wo((r * self.out_norm_weight.view(-1, self.head_dim)).flatten(2))
+
+    def read(self, q: torch.Tensor, state: State) -> torch.Tensor:
+        """M(q) = q + f(q) of queries q [B, H, T, E] with the memory frozen at `state` (no writes)."""
+        return q + mlp_read(q, state)
+
+    def scan(self, x_kv: torch.Tensor, x_q: torch.Tensor, state: State,
+             chunk_size: int | None = None) -> tuple[torch.Tensor, State]:
+        """Write k_t, v_t and read M_t(q_t) for every token of x_kv / x_q [B, T, D] (sequences that
+        start here), chunk by chunk: ([B, H, T, E], state)."""
+        return self.scan_features(self.project(x_kv, x_q)[0], state, chunk_size)
+
+    def scan_features(self, features: Features, state: State, chunk_size: int | None = None,
+                      mix: ReadMix | None = None, whole_chunks: bool = False) -> tuple[torch.Tensor, State]:
+        """`scan` from projected features (`project`): ([B, H, T, E], state). `mix`, when given,
+        replaces each memory layer's pre-activation read (see ReadMix). `whole_chunks`: the state
+        returned is the one after the last whole chunk (a trailing partial chunk is read, not written)."""
+        reads, state, _ = self.scan_with_starts(features, state, chunk_size, mix, whole_chunks)
+        return reads, state
+
+    def scan_segments(self, features: Features, start: State, length: int) -> tuple[torch.Tensor, list[torch.Tensor],
+                                                                                    State]:
+        """Memory Caching's continuing segments of `length` tokens (a multiple of the chunk; the
+        last segment may be shorter) in one scan from `start`: the reads [B, H, T, E], every
+        segment's end weights per memory layer [B, H, n, i, o] and the state after the last."""
+        size = min(self.chunk_size, length)  # the chunks a segment of its own would have
+        reads, state, starts = self.scan_with_starts(features, start, size)
+        every = length // size
+        ends = [torch.stack([weights[layer] for weights, _ in starts[every::every]] + [state[0][layer]], dim=2)
+                for layer in range(len(state[0]))]
+        return reads, ends, state
+
+    def scan_with_starts(self, features: Features, state: State, chunk_size: int | None = None,
+                         mix: ReadMix | None = None, whole_chunks: bool = False) -> tuple[torch.Tensor, State,
+                                                                                          list[State]]:
+        """scan_features, and the state every chunk started from (per layer [B, H, i, o])."""
+        k, q = features[0], features[2]
+        batch, heads, total = k.shape[:3]
+        if not total:
+            return q, state, []
+        whole = chunk_size or self.chunk_size
+        size = min(whole, total)  # one chunk of T < C tokens is the same math unpadded
+        count = -(-total // size)
+        init = [w.to(k.dtype).expand(batch, -1, -1, -1).reshape(batch * heads, *w.shape[1:]) for w in self.mem_w]
+        loop, reads = chunk_terms(features, init[0], size, len(init) > 1)
+        weights = [w.to(k.dtype).reshape(batch * heads, *w.shape[2:]) for w in state[0]]  # [B*H, i, o]
+        surprise = [s.to(k.dtype).reshape(batch * heads, *s.shape[2:]) for s in state[1]]
+        fused = not torch.is_autocast_enabled(k.device.type)  # else the state keeps its dtype
+        last = count - 1 if whole_chunks and total % whole else count  # chunks that write
+        starts, deltas, acts = [], [], []  # per chunk: its starting state, delta' and hidden activations
+        for c, terms in enumerate(loop):
+            starts.append((weights, surprise))
+            delta, act, written = write_chunk(init, weights, surprise, terms, fused, c < last)
+            deltas.append(delta)
+            acts.append(act)
+            weights, surprise = written or (weights, surprise)
+        out = read_chunks(init, starts, deltas, acts, reads, mix, batch, total)  # [B*H, T, E]
+        unflat = [[t.view(batch, heads, *t.shape[1:]) for t in ts] for ts in (weights, surprise)]
+        chunk_starts = [tuple([t.view(batch, heads, *t.shape[1:]) for t in ts] for ts in start) for start in starts]
+        return q + out.view(batch, heads, total, -1), (unflat[0], unflat[1]), chunk_starts
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.output(self.scan(x, x, self.init_state(x.shape[0]))[0])
+
+
+def add_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, fused: bool) -> torch.Tensor:
+    """acc + a @ b ([B*H, ., .]); one baddbmm when `fused`, else in acc's dtype (under autocast)."""
+    return torch.baddbmm(acc, a, b) if fused else acc + torch.bmm(a, b)
+
+
+def write_chunk(init: list[torch.Tensor], weights: list[torch.Tensor], surprise: list[torch.Tensor],
+                terms: tuple[torch.Tensor, ...], fused: bool,
+                write: bool) -> tuple[list[torch.Tensor], list[torch.Tensor], State | None]:
+    """One chunk's writes from its starting state (weights, surprise per layer [B*H, i, o]) and its
+    terms (chunk_terms): per layer delta' = (theta / nu) delta [B*H, C, o], the hidden layers'
+    inputs a_l [B*H, C, i] (l >= 1) and, when `write`, the state after the chunk."""
+    n = len(weights)
+    k, kk, theta, kv2, k_last, k_scale, keep_end, decay_end, eta_end, one, *deep = terms
+    acts, pre, h = [k], [], k  # forward of the chunk's starting state on the keys
+    for layer, w in enumerate(weights):
+        h = torch.bmm(h, w)
+        if layer < n - 1:
+            pre.append(h)
+            h = F.silu(h)
+            acts.append(h)
+    nu = kk
+    for a in acts[1:]:
+        nu = nu + a.square().sum(-1, keepdim=True)
+    delta = torch.add(kv2, h, alpha=2.0) * (theta / nu)  # (theta / nu) d ||k + f(k) - v||^2 / d f(k)
+    deltas = [delta] * n
+    for layer in range(n - 1, 0, -1):  # silu'(z) = s + silu(z) (1 - s), s = sigmoid(z)
+        slope = torch.lerp(torch.sigmoid(pre[layer - 1]), one, acts[layer])
+        delta = torch.bmm(delta, weights[layer].transpose(1, 2)) * slope
+        deltas[layer - 1] = delta
+    if not write:
+        return deltas, acts[1:], None
+    new_w, new_s = [], []
+    for layer in range(n):
+        if layer == 0:
+            to_w, to_s = k_last, k_scale  # -(last * k)^T, -(E_C / E * k)^T [B*H, E, C]
+        else:
+            a_t = acts[layer].transpose(1, 2)
+            to_w, to_s = a_t * deep[0], a_t * deep[1]
+        kept = torch.addcmul(torch.lerp(init[layer], weights[layer], keep_end), decay_end, surprise[layer])
+        new_w.append(add_mm(kept, to_w, deltas[layer], fused))
+        new_s.append(add_mm(surprise[layer] * eta_end, to_s, deltas[layer], fused))
+    return deltas, acts[1:], (new_w, new_s)
+
+
+def read_chunks(init: list[torch.Tensor], starts: list[State], deltas: list[list[torch.Tensor]],
+                acts: list[list[torch.Tensor]], terms: tuple[torch.Tensor, ...], mix: ReadMix | None,
+                batch: int, total: int) -> torch.Tensor:
+    """f_t(q_t) [B*H, T, E] of every chunk at once (batched over chunks), from each chunk's
+    starting state, delta' and hidden activations (write_chunk) and the read terms (chunk_terms)."""
+    first, left, q, *deep = terms  # [B*H, N, C, .]
+    flat, count, size = first.shape[:3]
+    r = None
+    for layer in range(len(init)):
+        stacked = [torch.stack(t, dim=1) for t in ([s[0][layer] for s in starts], [s[1][layer] for s in starts],
+                                                     [d[layer] for d in deltas])]
+        right = torch.cat(stacked, dim=2).flatten(0, 1)  # [W; S; delta'] [B*H*N, 2i + C, o]
+        if layer == 0:  # (1 - B) q W_0 + [B q, D q, -(P Q * q k^T)] [W; S; delta']
+            read = torch.baddbmm(first.flatten(0, 1), left.flatten(0, 1), right)
+            x = q.flatten(1, 2)
+        else:
+            fresh, kept, carried, pq = deep  # 1 - B, B, D [B*H, N, C, 1]; -P Q [B*H, N, C, C]
+            x = F.silu(r).view(flat, count, size, -1)
+            a_t = torch.stack([a[layer - 1] for a in acts], dim=1).transpose(-1, -2)  # [B*H, N, i, C]
+            scores = pq * (x @ a_t)  # [B*H, N, C, C]
+            acc = (x.flatten(1, 2) @ init[layer]).view(flat, count, size, -1) * fresh
+            read = torch.baddbmm(acc.flatten(0, 1), torch.cat((x * kept, x * carried, scores), -1).flatten(0, 1), right)
+            x = x.flatten(1, 2)
+        read = read.view(flat, count * size, -1)  # [B*H, N*C, o]
+        r = read if mix is None else call_mix(mix, batch, total, layer, x, read)
+    return r[:, :total] if count * size > total else r
+
+
+def call_mix(mix: ReadMix, batch: int, total: int, layer: int, r: torch.Tensor, read: torch.Tensor) -> torch.Tensor:
+    """`mix` over every token at once: r [B*H, N*C, i], read [B*H, N*C, o], of which the first T
+    rows are tokens (the rest pad a trailing partial chunk) -> [B*H, N*C, o]."""
+    rows = r.shape[1]
+    r, read = (t[:, :total].unflatten(0, (batch, -1)) for t in (r, read))  # [B, H, T, .]
+    out = mix(layer, r, read, positions=slice(0, total)).flatten(0, 1)
+    return F.pad(out, (0, 0, 0, rows - total)) if rows > total else out
+
+
+def chunk_terms(features: Features, init: torch.Tensor, size: int,
+                deep: bool) -> tuple[list[tuple[torch.Tensor, ...]], tuple[torch.Tensor, ...]]:
+    """The state-independent terms of every chunk of C = `size` tokens (module doc; a trailing
+    partial chunk padded). For the write loop, each a tuple over the N chunks: k [B*H, C, E],
+    ||k||^2 and theta [B*H, C, 1], 2 (k - v), the first layer's update factors -(last * k)^T and
+    -(E_C / E * k)^T [B*H, E, C], B_C, D_C, E_C [B*H, 1, 1], and when the memory is deeper -last,
+    -E_C / E [B*H, 1, C]. For the reads, over all chunks: (1 - B) (q W_0) [B*H, N, C, o],
+    [B q, D q, -(P Q * q k^T)] [B*H, N, C, 2E + C], q [B*H, N, C, E], and when deeper 1 - B, B, D
+    [B*H, N, C, 1] and -P Q [B*H, N, C, C]."""
+    k, v, q, theta, log_eta, log_keep = features
+    batch, heads, total, dim = k.shape
+    count = -(-total // size)
+    pad, flat = count * size - total, batch * heads
+
+    def rows(x: torch.Tensor, value: float = 0.0) -> torch.Tensor:  # [B, H, T, ...] -> [B*H, N*C, ...]
+        x = x.reshape(flat, total, *x.shape[3:])
+        return F.pad(x, (0, 0) * (x.dim() - 2) + (0, pad), value=value) if pad else x
+
+    k, v, q, theta = rows(k, 1.0), rows(v), rows(q), rows(theta)  # [B*H, N*C, E], theta [B*H, N*C]
+    logs = torch.stack((rows(log_keep), rows(log_eta))).view(2, flat, count, size).cumsum(-1)  # [2, B*H, N, C]
+    future = torch.ones(size, size, dtype=torch.bool, device=k.device).triu(1)
+    decay, momentum = (logs[..., :, None] - logs[..., None, :]).masked_fill(future, -math.inf).exp()  # P, Q
+    lb, le = logs  # [B*H, N, C]
+    eta = le.exp()
+    valid = None
+    if pad:  # the sums over j of P_Cj: real tokens only
+        valid = (torch.arange(count * size, device=k.device) < total).to(k.dtype).view(count, size)
+        eta = eta * valid
+    both = torch.cat((momentum, eta[..., None]), dim=-1).flatten(0, 1)  # [B*H*N, C, C + 1]
+    pq, ks = torch.bmm(decay.flatten(0, 1), both).view(flat, count, size, size + 1).split((size, 1), dim=-1)
+    last = pq[..., -1:, :] if valid is None else (decay[..., -1:, :] * valid[:, None]) @ momentum  # [B*H, N, 1, C]
+    scale = (le[..., -1:, None] - le[..., None, :]).exp()  # E_C / E_i [B*H, N, 1, C]
+    kw = lb.exp()[..., None]  # B [B*H, N, C, 1]
+    ends = torch.cat((kw[..., -1, :], ks[..., -1, :], le[..., -1:].exp()), dim=-1)  # B_C, D_C, E_C [B*H, N, 3]
+
+    kc, vc, qc = (t.view(flat, count, size, dim) for t in (k, v, q))
+    k_t = (kc * torch.stack((last, scale)).transpose(-1, -2)).neg().transpose(-1, -2)  # [2, B*H, N, E, C]
+    loop = [kc, kc.square().sum(-1, keepdim=True), theta.view(flat, count, size, 1), 2 * (kc - vc), *k_t,
+            *ends[..., None, None].unbind(-3)]
+    loop.append(kc.new_ones(()).expand(1, count, 1, 1))  # 1 [1, 1, 1] per chunk
+    if deep:
+        loop += [-last, -scale]
+    fresh = -torch.expm1(lb)[..., None]  # 1 - B [B*H, N, C, 1]
+    first = fresh * (q @ init).view(flat, count, size, -1)  # (1 - B) q W_0 [B*H, N, C, o]
+    left = torch.cat((kw * qc, ks * qc, -(pq * (qc @ kc.transpose(-1, -2)))), dim=-1)
+    reads = (first, left, qc, *((fresh, kw, ks, -pq) if deep else ()))
+    return list(zip(*(t.unbind(1) for t in loop))), reads
