@@ -313,7 +313,7 @@ def mixer_act(cfg: ModelConfig, io: list[int], deep: bool) -> Split:
     (9 E + 9 + 3 E with taps), per padded token the chunk's vectors (5 E, and 3 E more that matmul
     copies when the features are scanned in place) and [C, C] products (4 C + 4), the states before every chunk
     twice (the transfer product's input and the reads' copy) and the [N + 1, N + 1] transfer of
-    every scan. Deep base: Titans' scan_act_per_row and 8 head vectors. With caching, every token
+    every scan. Deep base: Titans' scan_act_per_row of each scan it runs and 8 head vectors. With caching, every token
     reads every cached state M (masked): the queries and the cached weights side by side (E + M P /
     L), for the gated variants also u, the running mean keys, the scores and weights (6 E + M + 2),
     the online read and the M cached reads they weigh (M E), and for the deep memory each cached
@@ -323,10 +323,15 @@ def mixer_act(cfg: ModelConfig, io: list[int], deep: bool) -> Split:
     segments = segment_slices(seq, mc.segment, mc.variant)
     n, length = len(segments), segments[0].stop
     continues = mc.variant == "none" or mc.write_mode == "checkpoint"
-    if deep:  # Titans' count assumes seq / chunk chunks of weights and surprise
-        chunk = cfg.titans.chunk_size
-        chunks = sum(-(-(s.stop - s.start) // chunk) for s in segments)  # chunks restart at every segment
-        per_head = scan_act_per_row(cfg, seq) + 8 * e + 2 * sum(io) * (chunks - seq / chunk) / seq
+    if deep:  # the scans MemoryCachingMixer.scan_segments runs, and 8 head vectors
+        size = min(cfg.titans.chunk_size, length)
+        if continues and mc.variant != "soup" and length % size == 0:  # one scan, chunks ending at segment ends
+            scans = [(seq, size)]
+        elif not continues and mc.variant != "soup" and seq % length == 0:  # one per segment, folded in the batch
+            scans = [(length, size)] * n
+        else:  # segment by segment
+            scans = [(s.stop - s.start, min(size, s.stop - s.start)) for s in segments]
+        per_head = sum(scan_act_per_row(cfg, rows, c) * rows for rows, c in scans) / seq + 8 * e
         hidden = sum(memory_dims(e, cfg.titans.memory_depth, cfg.titans.memory_expansion)[1:-1])
     else:
         size = min(mc.linear_chunk, length)

@@ -260,18 +260,21 @@ def titans_layer_cost(cfg: ModelConfig, width: int, causal: bool = True) -> Cost
                 act=titans_mixer_act(cfg) + mlp.act, backward=backward)
 
 
-def scan_act_per_row(cfg: ModelConfig, rows: int) -> float:
-    """Elements one head of the neural memory keeps for backward per row it scans (`rows` rows):
-    the memory weights and surprise of every chunk but the first one's weights (views of M_0), the
-    weights' differences from M_0 (read and update), and per row its keys, queries, values, gates,
-    step norms and per-layer activations and deltas, and the chunk's [C, C] decay / momentum /
-    coefficient products. Counted from torch's saved tensors (the constants 4.9 and 2.2 of the
-    state terms, 14, 17 and 4.5 + 2 * depth are fitted to what NeuralMemory.scan saves)."""
+def scan_act_per_row(cfg: ModelConfig, rows: int, size: int | None = None) -> float:
+    """Elements one head of the neural memory keeps for backward per row of one scan of `rows`
+    rows in chunks of `size` (default model.titans.chunk_size; one chunk of all rows when fewer):
+    the memory weights and surprise each chunk starts from and writes, the starting state, and per
+    padded row its keys, queries, values, gates, step norms, per-layer activations and deltas and
+    the chunk's [C, C] decay / momentum / coefficient products. Counted from torch's saved tensors
+    (the constants 4.0 and 0.9 of the state terms, 14.2, -45.6 and 5 * depth are fitted to what
+    NeuralMemory.scan_features saves)."""
     t, e = cfg.titans, cfg.head_dim
     dims = memory_dims(e, t.memory_depth, t.memory_expansion)
     state = sum(i * o for i, o in zip(dims[:-1], dims[1:]))
-    return (4.9 * state / t.chunk_size + 2.2 * state / rows + 14 * (sum(dims[1:-1]) + e) + 17
-            + (4.5 + 2 * t.memory_depth) * t.chunk_size)
+    size = min(size or t.chunk_size, rows)
+    chunks = -(-rows // size)
+    per_padded_row = 14.2 * (sum(dims[1:-1]) + e) - 45.6 + 5.0 * t.memory_depth * size
+    return (4.0 * state * chunks + 0.9 * state + per_padded_row * chunks * size) / rows
 
 
 def titans_mixer_act(cfg: ModelConfig) -> Split:
