@@ -21,11 +21,14 @@ for w1 and w3), makes it a normalised-LMS step whose effect does not depend on t
 activations (which differs by orders of magnitude between model sizes and early training).
 The gradient is written in closed form from the chunk's activations (e = (y - n) / C_l,
 grad w2 = e^T h, dh = e w2, grad w1 = (dh * w3 n * silu'(w1 n))^T n, grad w3 =
-(dh * silu(w1 n))^T n), on [B, ...] fast weights, one loop iteration per chunk; the updates are
-differentiable functions of the parameters, so the outer gradient flows through them
-(tests/helpers/hope_reference.py is the token-by-token autograd reference). Per token of an
-updated chunk this costs 4 more matmuls of the level's size (8 W D FLOPs), and backward keeps the
-[W, D] fast weights of every update of every sequence (3 W D values).
+(dh * silu(w1 n))^T n); the updates are differentiable functions of the parameters, so the outer
+gradient flows through them. Every update is low rank (C_l rows), so the level runs as one scan
+(models/hope_online.py): chunk c reads w13^(c) as the w13 materialised at the start of its group
+of chunks plus products against the earlier chunks' factors (computed for all chunks at once where
+they do not depend on the recurrence), w2 is updated in place, and a hand-written backward keeps
+n and 3 W + D factor values per updated token, never a [2W, D] or [D, W] fast weight per update.
+tests/helpers/hope_reference.py holds the definition (chunked_reference_level: one loop iteration
+per chunk on materialised [B, ...] fast weights) and a token-by-token autograd reference.
 
 `model.hope.online=false` is the ablation: a plain chain of residual SwiGLUs that change only
 with the outer optimizer. The taper applies to the CMS widths: every level of block i has width
@@ -33,8 +36,9 @@ w_i, so tapered and uniform twins have equal parameter counts and FLOPs.
 
 Tensor parallelism splits every level's width like a SwiGLU's (w1, w3 by rows, w2 by columns).
 A shard's update needs the whole output error: each chunk's partial outputs (with the partial
-||h_t||^2) are all-reduced once, and the sum re-enters the shard's update through f (identity
-forward, all-reduce backward), as does eta; everything else in the update stays on its shard.
+||h_t||^2) are all-reduced once in the scan's forward, and once more in its backward (the sum's
+reuse by the shard's update: f, identity forward, all-reduce backward); eta enters through f;
+everything else in the update stays on its shard.
 
 Context parallelism (contiguous split, parallel/cp_state.py): attention is the Transformer's
 (all-gather or ring over the whole sequence); each online level whose period C_l is shorter
@@ -60,6 +64,7 @@ from megatron_taper.cost.block import Cost, Split, attention_cost, swiglu_cost
 from megatron_taper.cost.cp import CHAIN, CPMessage, attention_messages
 from megatron_taper.models.cards import HOPE_ATTENTION
 from megatron_taper.models.decoding import kv_decoder
+from megatron_taper.models.hope_online import STEP_EPS, online_scan, scan_flops
 from megatron_taper.models.init import RESIDUAL_OUT, init_tensor
 from megatron_taper.models.layers import RMSNorm
 from megatron_taper.models.spec import FamilySpec
@@ -75,9 +80,6 @@ if TYPE_CHECKING:
 def level_period(hope: HopeConfig, level: int) -> int:
     """C_l: the tokens per update of CMS level `level`."""
     return hope.chunk_size * hope.chunk_growth**level
-
-
-STEP_EPS = 1e-6  # keeps a normalised step finite for a chunk whose inputs vanish
 
 
 def identity(x: torch.Tensor) -> torch.Tensor:
@@ -167,25 +169,15 @@ class ContinuumLevel(nn.Module):
             weights = receive_state(split, self.context_tag, tuple(w.expand(n.shape[0], *w.shape) for w in weights))
         # the sequence's last chunk makes no update (nothing reads it); a slice before the last ends with one
         last_updates = chained and split.rank < split.cp - 1
-        chunks = n.split(self.period, dim=1)
-        outs, updates = [], 0
-        for index, chunk in enumerate(chunks):
-            acts = SwiGLUActivations.of(chunk, weights[0])
-            y = acts.h @ weights[1].transpose(-1, -2)  # [B, C, D], partial sums over width shards
-            if index == len(chunks) - 1 and not last_updates:
-                outs.append(self.comm.sum_partial(y))
-                break
-            h_sq = acts.h.square().sum(-1, keepdim=True)  # [B, C, 1], partial sums over width shards
-            whole = self.comm.sum_partial(torch.cat((y, h_sq), dim=-1))  # one all-reduce: [B, C, D + 1]
-            outs.append(whole[..., :-1])
-            inner = self.comm.reenter(whole)
-            weights = inner_step(weights, chunk, acts, inner[..., :-1], inner[..., -1], step)
-            updates += 1
-        out = torch.cat(outs, dim=1)
+        if n.shape[1] <= self.period and not last_updates:  # one chunk, no update
+            acts = SwiGLUActivations.of(n, weights[0])
+            out = self.comm.sum_partial(acts.h @ weights[1].transpose(-1, -2))  # partial sums over width shards
+            return out + 0.0 * step  # eta still joins the graph for a (zero) gradient, as DDP needs
+        sum_partial = None if self.comm.sum_partial is identity else self.comm.sum_partial
+        out = online_scan(n, *weights, step, self.period, sum_partial, last_updates)
         if last_updates:  # rank r + 1 starts from these weights (cp_state.py's chain)
-            return send_state(split, self.context_tag, out, weights)
-        # no update ran; eta still joins the graph for a (zero) gradient, as DDP needs
-        return out if updates else out + 0.0 * step
+            return send_state(split, self.context_tag, out[0], tuple(out[1:]))
+        return out
 
 
 class HopeAttentionBlock(TransformerBlock):
@@ -236,23 +228,26 @@ def hope_attention_layer_cost(cfg: ModelConfig, width: int, causal: bool = True)
 
 
 def online_update_flops(cfg: ModelConfig, width: int, level: int) -> float:
-    """Forward FLOPs per token (over the sequence) of a level's inner updates: 4 matmuls of
-    2 W D per token (grads of w2, w1, w3 and the error through w2) in every chunk but the last."""
+    """Forward FLOPs per token (over the sequence) of a level's inner updates beyond a plain
+    SwiGLU's 6 W D: its scan's (hope_online.scan_flops) reads through the low-rank factors and
+    materialised start weights, less the plain read. Zero for a level with one chunk."""
     period = level_period(cfg.hope, level)
-    updated_tokens = (-(-cfg.seq_len // period) - 1) * period
-    return 8 * width * cfg.d_model * updated_tokens / cfg.seq_len
+    if cfg.seq_len <= period:
+        return 0.0
+    return scan_flops(cfg.seq_len, period, cfg.d_model, width) / cfg.seq_len - 6 * width * cfg.d_model
 
 
 def online_level_act(cfg: ModelConfig, width: int, level: int) -> Split:
     """Elements per token an online level keeps for backward besides a plain SwiGLU's, as counted
-    from the tensors autograd saves (tests/cost/test_memory_model.py): 4 more W-wide activations per
-    token; per update (every chunk but the last), per sequence, the new fast weights [2W, D] and
-    [D, W], and 4 W + 2 D per token of the updated chunk."""
-    d, s = cfg.d_model, cfg.seq_len
+    from the tensors autograd saves (tests/cost/test_memory_model.py): its scan keeps n (as the
+    SwiGLU does, in one copy) and per updated token the factors G [2W], H [W] and E [D], not the
+    SwiGLU's 4 W activations."""
     period = level_period(cfg.hope, level)
-    updates = -(-s // period) - 1
-    per_update = Split(whole=2 * d * period, width=3 * width * d + 4 * width * period)
-    return Split(width=4 * width) + per_update.scaled(updates / s)
+    updates = -(-cfg.seq_len // period) - 1
+    if not updates:  # one chunk: the SwiGLU's read as SwiGLUActivations, 4 more W-wide activations
+        return Split(width=4 * width)
+    plain = Split(width=-4 * width, input_copies=-cfg.d_model)
+    return plain + Split(whole=cfg.d_model, width=3 * width).scaled(updates * period / cfg.seq_len)
 
 
 def tp_plan_hope_attention_block(block: HopeAttentionBlock, prefix: str, cfg: ModelConfig, tp: TPBuilder) -> None:
@@ -296,8 +291,9 @@ class OnlineLevelState:
     """One online CMS level while decoding: theta^(c), the weights that read the current chunk
     (w13 [2W, D] and w2 [D, W] until the first update, [B, ...] after), and what that chunk's
     positions so far read: inputs n, activations and outputs y, kept for the update at its end,
-    computed with the training code's own `inner_step`, so decoding reads exactly the weights a full
-    forward reads (same chunk boundaries: positions are counted from the start of the sequence)."""
+    computed with `inner_step` on materialised weights: the weights a full forward's scan reads
+    through its low-rank factors, up to rounding (same chunk boundaries: positions are counted from
+    the start of the sequence)."""
 
     weights: Weights
     chunk: list[tuple[torch.Tensor, SwiGLUActivations, torch.Tensor]] = field(default_factory=list)

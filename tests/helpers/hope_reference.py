@@ -52,3 +52,48 @@ def reference_level(w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, raw_st
             weights = [w - scale * g / period for w, g in zip(weights, grads)]
             grads, inputs_sq = [0.0, 0.0, 0.0], 0.0
     return torch.stack(outs, dim=1)
+
+
+def chunked_reference_level(w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, raw_step: torch.Tensor,
+                            n: torch.Tensor, period: int, w13: torch.Tensor | None = None,
+                            w2_start: torch.Tensor | None = None, end_update: bool = False
+                            ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The definition of an online level's math: ContinuumLevel.online as it was before its scan
+    (models/hope_online.py), one loop iteration per chunk on materialised [B, 2W, D] and [B, D, W]
+    fast weights, autograd through everything. On one device (no tensor parallelism).
+
+    Chunk c of `period` tokens n_c [B, C, D] is read with the weights theta^(c) = ([w1; w3], w2)
+    that the chunks before it left; unless it is the sequence's last chunk (or `end_update`, a
+    context-parallel slice that hands its end weights on), it then updates them:
+
+        a, g = n_c w1^T, n_c w3^T;  s = silu(a);  h = s * g;  y = h w2^T
+        scale = eta / (C (mean_t (||h_t||^2 + 2 ||n_t||^2) + STEP_EPS)),  eta = softplus(raw_step)
+        descent = (n_c - y) * scale;  dh = descent w2
+        w2 += descent^T h;  [w1; w3] += [dh * g * silu'(a), dh * s]^T n_c
+
+    `w13`, `w2_start`: start weights other than the parameters ([B, 2W, D], [B, D, W], a slice's
+    received state). Returns the outputs [B, S, D], with `end_update` also the end weights."""
+    step = F.softplus(raw_step)
+    w13 = torch.cat((w1, w3)) if w13 is None else w13
+    w2 = w2 if w2_start is None else w2_start
+    chunks = n.split(period, dim=1)
+    outs, updates = [], 0
+    for index, chunk in enumerate(chunks):
+        a, g = (chunk @ w13.transpose(-1, -2)).chunk(2, dim=-1)
+        sig = torch.sigmoid(a)
+        s = a * sig
+        h, dh_da = s * g, g * sig * (1 + a * (1 - sig))
+        y = h @ w2.transpose(-1, -2)
+        outs.append(y)
+        if index == len(chunks) - 1 and not end_update:
+            break
+        inputs_sq = (h.square().sum(-1) + 2 * chunk.square().sum(-1)).mean(1)  # [B]
+        scale = step / (chunk.shape[1] * (inputs_sq + STEP_EPS))
+        descent = (chunk - y) * scale[:, None, None]
+        dh = descent @ w2
+        w2 = w2 + descent.transpose(1, 2) @ h
+        w13 = w13 + torch.cat((dh * dh_da, dh * s), dim=-1).transpose(1, 2) @ chunk
+        updates += 1
+    out = torch.cat(outs, dim=1)
+    out = out if updates else out + 0.0 * step
+    return (out, w13, w2) if end_update else out
