@@ -188,14 +188,25 @@ def throughput(shape: list[str], folder: str, variant: dict, steps: int, warmup:
             result["prediction_failed"] = f"{type(e).__name__}: {e}"
         return result
     finally:
-        if trainer.prefetch is not None:
-            trainer.prefetch.close()
-        trainer.metrics.close()
+        close_trainer(trainer)
         del trainer
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-        torch._dynamo.reset()
+        release_memory()
+
+
+def close_trainer(trainer) -> None:
+    """Stop a benchmark Trainer's prefetch thread and metrics writers."""
+    if trainer.prefetch is not None:
+        trainer.prefetch.close()
+    trainer.metrics.close()
+
+
+def release_memory() -> None:
+    """Free what the last run left (after its references are dropped): garbage, the CUDA cache,
+    dynamo's compiled code."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    torch._dynamo.reset()
 
 
 def collectives(folder: str, device: str) -> dict:

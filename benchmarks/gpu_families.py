@@ -53,7 +53,18 @@ from unittest import mock
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpu_check import attempt, byte_tokens, parity, predict, random_tokens, run_config, sync, write  # noqa: E402
+from gpu_check import (  # noqa: E402
+    attempt,
+    byte_tokens,
+    close_trainer,
+    parity,
+    predict,
+    random_tokens,
+    release_memory,
+    run_config,
+    sync,
+    write,
+)
 
 from megatron_taper.config import load_config  # noqa: E402
 from megatron_taper.cost.flops import mfu, model_costs, peak_flops  # noqa: E402
@@ -268,14 +279,9 @@ def speed_row(recipe: str, overrides: list[str], variant: str, micro: int, data:
                     result["prediction_failed"] = f"{type(e).__name__}: {e}"
             return result
         finally:
-            if trainer.prefetch is not None:
-                trainer.prefetch.close()
-            trainer.metrics.close()
+            close_trainer(trainer)
             del trainer, step
-            gc.collect()
-            if cuda:
-                torch.cuda.empty_cache()
-            torch._dynamo.reset()
+            release_memory()
 
 
 def train_loss(trainer: Trainer, graphs: bool) -> torch.Tensor:
