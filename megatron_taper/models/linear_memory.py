@@ -10,11 +10,16 @@ S_0 = 0. Chunked form (`chunk_size` C): with l_t = sum_{j<=t} log a_j inside the
 chunk's starting state,
     y_t = exp(l_t) q_t S + sum_{j<=t} exp(l_t - l_j) b_j (q_t . k_j) v_j
     S'  = exp(l_C) S + sum_j exp(l_C - l_j) b_j k_j v_j^T,
-exact for every C (no approximation, unlike the deep memory's chunked gradients).
+exact for every C (no approximation, unlike the deep memory's chunked gradients). All chunks run
+at once (`chunked_scan`): the intra-chunk [C, C] products batched over chunks, each chunk's writes
+from a zero state, and the states between chunks from one segment-sum product
+(models/kernels/state_passing.py; a Triton kernel on CUDA); no Python loop, so the operator count
+does not grow with the sequence.
 
 The module shares Titans' NeuralMemory's interface (project / init_state / scan_features / read
-/ output), so Memory Caching runs over either base unchanged; its projections and read are
-NeuralMemory's own methods; the read-out is wo(y * gains) (per-channel gains, no normalisation).
+/ output), so Memory Caching runs over either base (each also has a `scan_segments` of its own);
+its projections and read are NeuralMemory's own methods; the read-out is wo(y * gains)
+(per-channel gains, no normalisation).
 """
 from __future__ import annotations
 

@@ -20,13 +20,20 @@ state M^(s)_t (after writing t) and the cached M^(i), i < s:
     soup      y_t = M~_t(q_t) with the parameters mixed, M~_t = g^(s)_t M^(s)_t + sum_i g^(i)_t M^(i):
               the cached memories are mixed per token, the online one enters each memory layer as
               g^(s)_t (r M^(s)_t) through the base's read hook (ReadMix), so the online state
-              itself is never materialised; for a linear memory this equals grm (a test checks it)
+              itself is never materialised; for a linear memory this equals grm (a test checks it),
+              and the linear memory computes it as grm
     ssc       grm over the online state and the `top_k` cached segments of the highest scores
               <u_t, kbar_i> (per token and head; the others get weight 0); the reads of all cached
               segments are computed and the unselected ones discarded (dense, grm's cost)
 With one segment (S >= L) every variant is its base: its only weight is softmax of one score, 1.
-Cached reads cost O(L^2 / S) per sequence (each token reads the s states before it); the cost
-model (`memory_caching_layer_cost`) counts exactly the matmuls below.
+No Python loop runs over segments where it can be avoided (`scan_segments`): the linear memory
+scans all segments at once, the deep memory continuing segments of whole chunks in one scan and
+independent ones folded into the batch (soup over the deep memory, which mixes the cached states
+into each segment's reads, and segments that are not whole chunks still run one by one); every
+token's weights and its reads of every cached state are computed at once, a state the token may
+not read yet weighted 0. So cached reads cost O(L^2 / S) per sequence, twice the triangle's
+(every token reads the n - 1 cached states); the cost model (`memory_caching_layer_cost`) counts
+exactly the matmuls below.
 
 Tensor parallelism splits everything by head (scores, gammas and reads are per head), through
 Titans' `tp_plan_memory`; W_u is column-parallel like wq. Context parallelism (the mixer's
