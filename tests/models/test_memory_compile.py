@@ -1,8 +1,11 @@
 """Every memory family's block traces into one graph (no graph break: what `train.compile` needs
 to capture the whole scan) and, compiled through dynamo and AOT autograd (backend aot_eager: the
 layer where a compiled scan's gradients went wrong in a prototype on torch 2.13), equals the eager
-block in float64: outputs and every parameter's gradient within 1e-10 (measured ~1e-15). Inductor's
-code generation is left to the GPU check (benchmarks/gpu_families.py's compiled rows)."""
+block in float64: outputs and every parameter's gradient within 1e-10 (measured ~1e-15); and
+`train.compile` compiles a tapered stack of them into a bounded number of graphs. Inductor's code
+generation is left to the GPU check (benchmarks/gpu_families.py's compiled rows)."""
+import functools
+
 import pytest
 import torch
 
@@ -44,4 +47,30 @@ def test_block_compiles_whole_and_equals_eager_in_float64(family):
         assert (a is None) == (b is None)
         if a is not None:
             torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("family", list(RECIPES))
+def test_per_block_compile_is_two_graphs_without_breaks(family, monkeypatch):
+    """`train.compile` (parallel/block_options.py) over a tapered stack of 4 blocks of 4 widths:
+    one graph for the first width, one with the sizes marked dynamic for the rest, as for the
+    Transformer; no graph break in the scans (dynamo's counters, the `eager` backend standing in
+    for inductor, whose code generation is not what is counted). The bridge's model adds its own
+    bridge block: 3."""
+    from torch._dynamo.utils import counters
+
+    from megatron_taper.parallel.block_options import apply_block_options
+
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
+    cfg = load_config(str(REPO / f"configs/tiny_{family}.yaml"), SMALL + RECIPES[family] + ["model.n_layers=4"]).model
+    model = build_model(cfg)
+    model.init_weights(0)
+    assert len(set(model.mlp_widths)) == 4
+    apply_block_options(model, "none", 1, True)
+    torch._dynamo.reset()
+    counters.clear()
+    out = model(torch.randint(0, cfg.vocab_size, (2, cfg.seq_len)))
+    (out if torch.is_tensor(out) else out[0]).float().mean().backward()
+    assert counters["stats"]["unique_graphs"] == (3 if family == "bridge" else 2)
+    assert not sum(counters["graph_break"].values())
     torch._dynamo.reset()
