@@ -33,13 +33,16 @@ Evaluation (`scan_features`): everything that does not depend on the state is co
 chunks at once, batched over a chunk dimension: the cumsums, P, Q, P Q, B, D, the end-of-chunk
 factors, and every term of the first memory layer that involves only q and k (q W_0, B q, D q,
 -(P Q * q k^T), the update's -(last row of P Q * k)^T and -(E_C / E_i * k)^T). The loop keeps only
-the recurrence, on [B*H, ...] tensors through bmm / baddbmm, one chunk's ~40 operators forward
-for a depth-2 memory. A trailing partial chunk is padded to C tokens that change nothing: keys
-of ones (so nu > 0), theta = 0 (no write), keep = eta = 1, and the two end-of-chunk sums that
-would run over the padding (sum_j P_Cj E_j and the last row of P Q) masked to the real tokens.
-Under autocast the state stays in its own dtype (its update adds the bf16 matmul instead of
-fusing it into baddbmm). The old one-chunk-at-a-time loop is the definition of this math in
-tests/helpers/titans_reference.py (reference_chunked_scan).
+the recurrence, on [B*H, ...] tensors through bmm / baddbmm, as one autograd node (WriteLoop)
+whose backward is written by hand: a reverse loop over the chunks carrying the state's gradient,
+everything that does not feed it taken for all chunks at once. A depth-2 memory's chunk costs ~34
+operators forward and ~34 backward (cost/op_count.py; 38 + 130 when autograd recorded the loop).
+A trailing partial chunk is padded to C tokens that change nothing: keys of ones (so nu > 0),
+theta = 0 (no write), keep = eta = 1, and the two end-of-chunk sums that would run over the
+padding (sum_j P_Cj E_j and the last row of P Q) masked to the real tokens. Under autocast the
+state stays in its own dtype (its update adds the bf16 matmul instead of fusing it into baddbmm;
+the backward runs under the same autocast). The old one-chunk-at-a-time loop is the definition
+of this math in tests/helpers/titans_reference.py (reference_chunked_scan).
 
 Convolution: the paper's 1D depthwise-separable convolution after the query, key and value
 projections (the projection is its pointwise part), on the neural memory's q, k, v only (the
@@ -177,38 +180,33 @@ class NeuralMemory(nn.Module):
         size = min(self.chunk_size, length)  # the chunks a segment of its own would have
         reads, state, starts = self.scan_with_starts(features, start, size)
         every = length // size
-        ends = [torch.stack([weights[layer] for weights, _ in starts[every::every]] + [state[0][layer]], dim=2)
-                for layer in range(len(state[0]))]
+        ends = [torch.cat((w[:, :, every::every], end.unsqueeze(2)), dim=2) for w, end in zip(starts[0], state[0])]
         return reads, ends, state
 
     def scan_with_starts(self, features: Features, state: State, chunk_size: int | None = None,
-                         mix: ReadMix | None = None, whole_chunks: bool = False) -> tuple[torch.Tensor, State,
-                                                                                          list[State]]:
-        """scan_features, and the state every chunk started from (per layer [B, H, i, o])."""
+                         mix: ReadMix | None = None, whole_chunks: bool = False) -> tuple[torch.Tensor, State, State]:
+        """scan_features, and the state every chunk started from (per layer [B, H, N, i, o])."""
         k, q = features[0], features[2]
         batch, heads, total = k.shape[:3]
         if not total:
-            return q, state, []
+            return q, state, tuple([t.unsqueeze(2)[:, :, :0] for t in ts] for ts in state)
         whole = chunk_size or self.chunk_size
         size = min(whole, total)  # one chunk of T < C tokens is the same math unpadded
         count = -(-total // size)
+        n = len(self.mem_w)
         init = [w.to(k.dtype).expand(batch, -1, -1, -1).reshape(batch * heads, *w.shape[1:]) for w in self.mem_w]
-        loop, reads = chunk_terms(features, init[0], size, len(init) > 1)
+        loop, reads = chunk_terms(features, init[0], size, n > 1)
         weights = [w.to(k.dtype).reshape(batch * heads, *w.shape[2:]) for w in state[0]]  # [B*H, i, o]
         surprise = [s.to(k.dtype).reshape(batch * heads, *s.shape[2:]) for s in state[1]]
         fused = not torch.is_autocast_enabled(k.device.type)  # else the state keeps its dtype
         last = count - 1 if whole_chunks and total % whole else count  # chunks that write
-        starts, deltas, acts = [], [], []  # per chunk: its starting state, delta' and hidden activations
-        for c, terms in enumerate(loop):
-            starts.append((weights, surprise))
-            delta, act, written = write_chunk(init, weights, surprise, terms, fused, c < last)
-            deltas.append(delta)
-            acts.append(act)
-            weights, surprise = written or (weights, surprise)
+        out = WriteLoop.apply(n, last, fused, *init, *weights, *surprise, *loop)
+        starts, deltas, acts = out[:2 * n], out[2 * n:3 * n], out[3 * n:4 * n - 1]  # [B*H, N, ., .]
+        ends = out[4 * n - 1:] if last == count else [t[:, last] for t in starts]
         out = read_chunks(init, starts, deltas, acts, reads, mix, batch, total)  # [B*H, T, E]
-        unflat = [[t.view(batch, heads, *t.shape[1:]) for t in ts] for ts in (weights, surprise)]
-        chunk_starts = [tuple([t.view(batch, heads, *t.shape[1:]) for t in ts] for ts in start) for start in starts]
-        return q + out.view(batch, heads, total, -1), (unflat[0], unflat[1]), chunk_starts
+        unflat = [t.view(batch, heads, *t.shape[1:]) for t in ends]
+        stacked = [t.view(batch, heads, *t.shape[1:]) for t in starts]
+        return q + out.view(batch, heads, total, -1), (unflat[:n], unflat[n:]), (stacked[:n], stacked[n:])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.output(self.scan(x, x, self.init_state(x.shape[0]))[0])
@@ -220,13 +218,15 @@ def add_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, fused: bool) -> 
 
 
 def write_chunk(init: list[torch.Tensor], weights: list[torch.Tensor], surprise: list[torch.Tensor],
-                terms: tuple[torch.Tensor, ...], fused: bool,
-                write: bool) -> tuple[list[torch.Tensor], list[torch.Tensor], State | None]:
+                terms: tuple[torch.Tensor, ...], one: torch.Tensor, fused: bool,
+                write: bool) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], State | None]:
     """One chunk's writes from its starting state (weights, surprise per layer [B*H, i, o]) and its
     terms (chunk_terms): per layer delta' = (theta / nu) delta [B*H, C, o], the hidden layers'
-    inputs a_l [B*H, C, i] (l >= 1) and, when `write`, the state after the chunk."""
+    inputs a_l [B*H, C, i] (l >= 1), what WriteLoop's backward keeps (the hidden pre-activations
+    z_l, the products delta'_{l+1} W_{l+1}^T [B*H, C, i], 2 (k + f(k) - v) [B*H, C, E] and nu
+    [B*H, C, 1]) and, when `write`, the state after the chunk."""
     n = len(weights)
-    k, kk, theta, kv2, k_last, k_scale, keep_end, decay_end, eta_end, one, *deep = terms
+    k, kk, theta, kv2, k_last, k_scale, keep_end, decay_end, eta_end, *deep = terms
     acts, pre, h = [k], [], k  # forward of the chunk's starting state on the keys
     for layer, w in enumerate(weights):
         h = torch.bmm(h, w)
@@ -237,14 +237,17 @@ def write_chunk(init: list[torch.Tensor], weights: list[torch.Tensor], surprise:
     nu = kk
     for a in acts[1:]:
         nu = nu + a.square().sum(-1, keepdim=True)
-    delta = torch.add(kv2, h, alpha=2.0) * (theta / nu)  # (theta / nu) d ||k + f(k) - v||^2 / d f(k)
-    deltas = [delta] * n
+    error = torch.add(kv2, h, alpha=2.0)
+    delta = error * (theta / nu)  # (theta / nu) d ||k + f(k) - v||^2 / d f(k)
+    deltas, prods = [delta] * n, [delta] * (n - 1)
     for layer in range(n - 1, 0, -1):  # silu'(z) = s + silu(z) (1 - s), s = sigmoid(z)
         slope = torch.lerp(torch.sigmoid(pre[layer - 1]), one, acts[layer])
-        delta = torch.bmm(delta, weights[layer].transpose(1, 2)) * slope
+        prods[layer - 1] = torch.bmm(delta, weights[layer].transpose(1, 2))
+        delta = prods[layer - 1] * slope
         deltas[layer - 1] = delta
+    kept = pre + prods + [error, nu]
     if not write:
-        return deltas, acts[1:], None
+        return deltas, acts[1:], kept, None
     new_w, new_s = [], []
     for layer in range(n):
         if layer == 0:
@@ -252,31 +255,166 @@ def write_chunk(init: list[torch.Tensor], weights: list[torch.Tensor], surprise:
         else:
             a_t = acts[layer].transpose(1, 2)
             to_w, to_s = a_t * deep[0], a_t * deep[1]
-        kept = torch.addcmul(torch.lerp(init[layer], weights[layer], keep_end), decay_end, surprise[layer])
-        new_w.append(add_mm(kept, to_w, deltas[layer], fused))
+        kept_w = torch.addcmul(torch.lerp(init[layer], weights[layer], keep_end), decay_end, surprise[layer])
+        new_w.append(add_mm(kept_w, to_w, deltas[layer], fused))
         new_s.append(add_mm(surprise[layer] * eta_end, to_s, deltas[layer], fused))
-    return deltas, acts[1:], (new_w, new_s)
+    return deltas, acts[1:], kept, (new_w, new_s)
 
 
-def read_chunks(init: list[torch.Tensor], starts: list[State], deltas: list[list[torch.Tensor]],
-                acts: list[list[torch.Tensor]], terms: tuple[torch.Tensor, ...], mix: ReadMix | None,
+class WriteLoop(torch.autograd.Function):
+    """write_chunk over every chunk in turn as one autograd node: forward (n memory layers, the
+    first `last` chunks writing) -> per layer the starting weights, then surprise, of every chunk
+    [B*H, N, i, o], delta' [B*H, N, C, o], the hidden inputs a_l [B*H, N, C, i] and, when every
+    chunk writes, the final weights and surprise [B*H, i, o]; backward a reverse loop over the
+    chunks carrying the gradient of the state (write_loop_backward)."""
+
+    @staticmethod
+    def forward(ctx, n: int, last: int, fused: bool, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        init, terms = list(tensors[:n]), tensors[3 * n:]
+        weights, surprise = list(tensors[n:2 * n]), list(tensors[2 * n:3 * n])
+        starts, deltas, acts, kept = [], [], [], []
+        dtype = terms[0].dtype if fused else torch.get_autocast_dtype(terms[0].device.type)
+        one = terms[0].new_ones((), dtype=dtype)  # silu'(z) = lerp(sigmoid(z), 1, silu(z))
+        for c, chunk in enumerate(zip(*(t.unbind(1) for t in terms))):
+            starts.append(weights + surprise)
+            delta, act, keep, written = write_chunk(init, weights, surprise, chunk, one, fused, c < last)
+            deltas.append(delta)
+            acts.append(act)
+            kept.append(keep)
+            weights, surprise = written or (weights, surprise)
+        out = [torch.stack(ts, dim=1) for rows in (starts, deltas, acts) for ts in zip(*rows)]
+        saved = [torch.stack(ts, dim=1) for ts in zip(*kept)]
+        ends = weights + surprise if last == len(starts) else []
+        ctx.n, ctx.last, ctx.fused, ctx.terms = n, last, fused, len(terms)
+        ctx.device = terms[0].device.type
+        ctx.dtype = torch.get_autocast_dtype(ctx.device)
+        ctx.save_for_backward(*init, terms[0], *terms[2:3], *terms[4:], *out, *saved)  # all but ||k||^2, 2 (k - v)
+        return (*out, *ends)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        if ctx.fused:
+            return None, None, None, *write_loop_backward(ctx, grads)
+        with torch.autocast(ctx.device, dtype=ctx.dtype):
+            return None, None, None, *write_loop_backward(ctx, grads)
+
+
+def write_loop_backward(ctx, grads: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+    """WriteLoop's gradients of (init, weights, surprise, terms) from those of its outputs: a reverse
+    loop over the chunks carrying the gradient of the state (gw, gs per layer [B*H, i, o]); what
+    does not feed it is taken for every chunk at once before and after."""
+    n, last, fused = ctx.n, ctx.last, ctx.fused
+    saved = ctx.saved_tensors
+    init, terms, rest = saved[:n], saved[n:n + ctx.terms - 2], saved[n + ctx.terms - 2:]
+    ws, ss, ds, acts = rest[:n], rest[n:2 * n], rest[2 * n:3 * n], rest[3 * n:4 * n - 1]  # [B*H, N, ., .]
+    pre, prods, error, nu = rest[4 * n - 1:5 * n - 2], rest[5 * n - 2:6 * n - 3], rest[-2], rest[-1]
+    k, theta, k_last, k_scale, keep, decay, eta, *deep = terms
+    count = k.shape[1]
+    ratio = theta / nu
+    sig = [torch.sigmoid(z) for z in pre]
+    slope = [torch.lerp(s, s.new_ones(()), a) for s, a in zip(sig, acts)]
+    curv = [p * (s - s * s) * (2 + z * (1 - 2 * s)) for p, s, z in zip(prods, sig, pre)]  # P silu''(z)
+    ut, vt, dml, dms = [k_last.mT], [k_scale.mT], [None], [None]  # [B*H, N, C, i]
+    if deep:
+        ml, ms = deep[0].mT, deep[1].mT  # [B*H, N, C, 1]
+        ut, vt = ut + [a * ml for a in acts], vt + [a * ms for a in acts]
+        dml, dms = dml + [d * ml for d in ds[1:]], dms + [d * ms for d in ds[1:]]
+    c_ws, c_ds, c_acts, c_ut, c_vt, c_dml, c_dms, c_slope, c_curv, c_wt, c_at = (
+        [None if t is None else t.unbind(1) for t in ts]
+        for ts in (ws, ds, acts, ut, vt, dml, dms, slope, curv, [None] + [w.mT for w in ws[1:]],
+                   [k.mT] + [a.mT for a in acts]))
+    g_ws, g_ss, g_ds, g_as = ([g.unbind(1) for g in grads[a:b]] for a, b in
+                              ((0, n), (n, 2 * n), (2 * n, 3 * n), (3 * n, 4 * n - 1)))
+    c_keep, c_decay, c_eta, c_r2, c_negrn, c_error = (t.unbind(1) for t in
+                                                      (keep, decay, eta, 2 * ratio, -ratio / nu, error))
+    gw, gs = (list(grads[4 * n - 1:5 * n - 1]), list(grads[5 * n - 1:])) if last == count else (None, None)
+    after, g_z, g_top, g_r, g_nu = [], [], [], [], []
+    for c in range(count - 1, -1, -1):  # per chunk [B*H, ., .]
+        gd, ga = [g[c] for g in g_ds], [None] + [g[c] for g in g_as]
+        if c < last:  # its write: W' = W_0 + B_C (W - W_0) + D_C S + U delta', S' = E_C S + V delta'
+            after.append(gw + gs)
+            for layer in range(n):
+                gd[layer] = add_mm(add_mm(gd[layer], c_ut[layer][c], gw[layer], fused), c_vt[layer][c], gs[layer],
+                                   fused)
+                if layer:
+                    ga[layer] = add_mm(add_mm(ga[layer], c_dml[layer][c], gw[layer].mT, fused), c_dms[layer][c],
+                                       gs[layer].mT, fused)
+            new_w = [torch.addcmul(g[c], c_keep[c], w) for g, w in zip(g_ws, gw)]
+            new_s = [torch.addcmul(torch.addcmul(g[c], c_eta[c], s), c_decay[c], w) for g, w, s in zip(g_ss, gw, gs)]
+        elif gw is None:
+            new_w, new_s = [g[c] for g in g_ws], [g[c] for g in g_ss]
+        else:
+            new_w, new_s = [g[c] + w for g, w in zip(g_ws, gw)], [g[c] + s for g, s in zip(g_ss, gs)]
+        for layer in range(n - 1):  # delta'_l = (delta'_{l+1} W_{l+1}^T) silu'(z_l)
+            gp = gd[layer] * c_slope[layer][c]
+            gd[layer + 1] = add_mm(gd[layer + 1], gp, c_ws[layer + 1][c], fused)
+            new_w[layer + 1] = add_mm(new_w[layer + 1], gp.mT, c_ds[layer + 1][c], fused)
+        gh = gd[n - 1] * c_r2[c]
+        gr = (gd[n - 1] * c_error[c]).sum(-1, keepdim=True)
+        gnu = gr * c_negrn[c]
+        g_top.append(gh)
+        g_r.append(gr)
+        g_nu.append(gnu)
+        for layer in range(n - 1, -1, -1):  # the forward of the memory MLP on the keys
+            new_w[layer] = add_mm(new_w[layer], c_at[layer][c], gh, fused)
+            if layer:
+                grad = add_mm(ga[layer], gh, c_wt[layer][c], fused)
+                grad = torch.addcmul(grad, c_acts[layer - 1][c], gnu, value=2)
+                gh = torch.addcmul(grad * c_slope[layer - 1][c], gd[layer - 1], c_curv[layer - 1][c])
+        g_z.append(gh)
+        gw, gs = new_w, new_s
+    rows = [torch.stack(ts[::-1], dim=1) for ts in (g_z, g_nu, g_r, g_top)]
+    g_terms = [rows[0] @ ws[0].mT, rows[1], rows[2] / nu, rows[3] * 0.5]
+    g_init, g_factors = write_grads(init, terms, ws, ss, ds, acts, after, last)
+    return [*g_init, *gw, *gs, *g_terms, *g_factors]
+
+
+def write_grads(init: tuple[torch.Tensor, ...], terms: tuple[torch.Tensor, ...], ws: tuple[torch.Tensor, ...],
+                ss: tuple[torch.Tensor, ...], ds: tuple[torch.Tensor, ...], acts: tuple[torch.Tensor, ...],
+                after: list[list[torch.Tensor]], last: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The gradients of W_0 per layer and of the writes' factors -(last * k)^T, -(E_C / E * k)^T,
+    B_C, D_C, E_C and when deeper -last, -E_C / E, from the gradients of the state after each
+    writing chunk (`after`, last chunk first: per layer gw then gs)."""
+    k, theta, *write = terms
+    if not last:
+        return [torch.zeros_like(t) for t in init], [torch.zeros_like(t) for t in write]
+    n, count = len(init), k.shape[1]
+    stacked = [torch.stack(ts[::-1], dim=1) for ts in zip(*after)]  # [B*H, L, i, o]
+    gw, gs = stacked[:n], stacked[n:]
+    g_init = [(g * (1 - write[2][:, :last])).sum(1) for g in gw]
+    ws, ss, ds, acts = ([t[:, :last] for t in ts] for ts in (ws, ss, ds, acts))
+
+    def inner(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return (a * b).sum((-1, -2), keepdim=True)
+
+    found = [gw[0] @ ds[0].mT, gs[0] @ ds[0].mT, sum(inner(g, w - i[:, None]) for g, w, i in zip(gw, ws, init)),
+             sum(inner(g, s) for g, s in zip(gw, ss)), sum(inner(g, s) for g, s in zip(gs, ss))]
+    if len(write) > 5:  # d -last_j = sum_o delta'_jo (a gW)_jo, likewise -E_C / E_j with gS
+        for grad in (gw, gs):
+            found.append(sum(((a @ g) * d).sum(-1, keepdim=True).mT for a, g, d in zip(acts, grad[1:], ds[1:])))
+    return g_init, [f if last == count else torch.cat((f, torch.zeros_like(t[:, last:])), dim=1)
+                    for f, t in zip(found, write)]
+
+
+def read_chunks(init: list[torch.Tensor], starts: list[torch.Tensor], deltas: list[torch.Tensor],
+                acts: list[torch.Tensor], terms: tuple[torch.Tensor, ...], mix: ReadMix | None,
                 batch: int, total: int) -> torch.Tensor:
     """f_t(q_t) [B*H, T, E] of every chunk at once (batched over chunks), from each chunk's
-    starting state, delta' and hidden activations (write_chunk) and the read terms (chunk_terms)."""
+    starting weights and surprise (per layer [B*H, N, i, o], weights first), delta' [B*H, N, C, o]
+    and hidden inputs [B*H, N, C, i] (WriteLoop) and the read terms (chunk_terms)."""
     first, left, q, *deep = terms  # [B*H, N, C, .]
     flat, count, size = first.shape[:3]
+    n = len(init)
     r = None
-    for layer in range(len(init)):
-        stacked = [torch.stack(t, dim=1) for t in ([s[0][layer] for s in starts], [s[1][layer] for s in starts],
-                                                     [d[layer] for d in deltas])]
-        right = torch.cat(stacked, dim=2).flatten(0, 1)  # [W; S; delta'] [B*H*N, 2i + C, o]
+    for layer in range(n):
+        right = torch.cat((starts[layer], starts[n + layer], deltas[layer]), dim=2).flatten(0, 1)  # [B*H*N, 2i + C, o]
         if layer == 0:  # (1 - B) q W_0 + [B q, D q, -(P Q * q k^T)] [W; S; delta']
             read = torch.baddbmm(first.flatten(0, 1), left.flatten(0, 1), right)
             x = q.flatten(1, 2)
         else:
             fresh, kept, carried, pq = deep  # 1 - B, B, D [B*H, N, C, 1]; -P Q [B*H, N, C, C]
             x = F.silu(r).view(flat, count, size, -1)
-            a_t = torch.stack([a[layer - 1] for a in acts], dim=1).transpose(-1, -2)  # [B*H, N, i, C]
+            a_t = acts[layer - 1].transpose(-1, -2)  # [B*H, N, i, C]
             scores = pq * (x @ a_t)  # [B*H, N, C, C]
             acc = (x.flatten(1, 2) @ init[layer]).view(flat, count, size, -1) * fresh
             read = torch.baddbmm(acc.flatten(0, 1), torch.cat((x * kept, x * carried, scores), -1).flatten(0, 1), right)
@@ -298,10 +436,10 @@ def call_mix(mix: ReadMix, batch: int, total: int, layer: int, r: torch.Tensor, 
 def chunk_terms(features: Features, init: torch.Tensor, size: int,
                 deep: bool) -> tuple[list[tuple[torch.Tensor, ...]], tuple[torch.Tensor, ...]]:
     """The state-independent terms of every chunk of C = `size` tokens (module doc; a trailing
-    partial chunk padded). For the write loop, each a tuple over the N chunks: k [B*H, C, E],
-    ||k||^2 and theta [B*H, C, 1], 2 (k - v), the first layer's update factors -(last * k)^T and
-    -(E_C / E * k)^T [B*H, E, C], B_C, D_C, E_C [B*H, 1, 1], and when the memory is deeper -last,
-    -E_C / E [B*H, 1, C]. For the reads, over all chunks: (1 - B) (q W_0) [B*H, N, C, o],
+    partial chunk padded). For the write loop, over the N chunks: k [B*H, N, C, E], ||k||^2 and
+    theta [B*H, N, C, 1], 2 (k - v), the first layer's update factors -(last * k)^T and
+    -(E_C / E * k)^T [B*H, N, E, C], B_C, D_C, E_C [B*H, N, 1, 1], and when the memory is deeper
+    -last, -E_C / E [B*H, N, 1, C]. For the reads, over all chunks: (1 - B) (q W_0) [B*H, N, C, o],
     [B q, D q, -(P Q * q k^T)] [B*H, N, C, 2E + C], q [B*H, N, C, E], and when deeper 1 - B, B, D
     [B*H, N, C, 1] and -P Q [B*H, N, C, C]."""
     k, v, q, theta, log_eta, log_keep = features
@@ -334,11 +472,10 @@ def chunk_terms(features: Features, init: torch.Tensor, size: int,
     k_t = (kc * torch.stack((last, scale)).transpose(-1, -2)).neg().transpose(-1, -2)  # [2, B*H, N, E, C]
     loop = [kc, kc.square().sum(-1, keepdim=True), theta.view(flat, count, size, 1), 2 * (kc - vc), *k_t,
             *ends[..., None, None].unbind(-3)]
-    loop.append(kc.new_ones(()).expand(1, count, 1, 1))  # 1 [1, 1, 1] per chunk
     if deep:
         loop += [-last, -scale]
     fresh = -torch.expm1(lb)[..., None]  # 1 - B [B*H, N, C, 1]
     first = fresh * (q @ init).view(flat, count, size, -1)  # (1 - B) q W_0 [B*H, N, C, o]
     left = torch.cat((kw * qc, ks * qc, -(pq * (qc @ kc.transpose(-1, -2)))), dim=-1)
     reads = (first, left, qc, *((fresh, kw, ks, -pq) if deep else ()))
-    return list(zip(*(t.unbind(1) for t in loop))), reads
+    return loop, reads

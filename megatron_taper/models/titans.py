@@ -266,14 +266,15 @@ def scan_act_per_row(cfg: ModelConfig, rows: int, size: int | None = None) -> fl
     the memory weights and surprise each chunk starts from and writes, the starting state, and per
     padded row its keys, queries, values, gates, step norms, per-layer activations and deltas and
     the chunk's [C, C] decay / momentum / coefficient products. Counted from torch's saved tensors
-    (the constants 4.0 and 0.9 of the state terms, 14.2, -45.6 and 5 * depth are fitted to what
-    NeuralMemory.scan_features saves)."""
+    (the constants 4.0 and 0.9 of the state terms, 9.2, 14.2, -46.6 and 5 * depth are fitted to what
+    NeuralMemory.scan_features saves: the write loop's hand-written backward keeps per hidden unit
+    its pre-activation, delta' W^T product and input)."""
     t, e = cfg.titans, cfg.head_dim
     dims = memory_dims(e, t.memory_depth, t.memory_expansion)
     state = sum(i * o for i, o in zip(dims[:-1], dims[1:]))
     size = min(size or t.chunk_size, rows)
     chunks = -(-rows // size)
-    per_padded_row = 14.2 * (sum(dims[1:-1]) + e) - 45.6 + 5.0 * t.memory_depth * size
+    per_padded_row = 9.2 * sum(dims[1:-1]) + 14.2 * e - 46.6 + 5.0 * t.memory_depth * size
     return (4.0 * state * chunks + 0.9 * state + per_padded_row * chunks * size) / rows
 
 

@@ -42,11 +42,11 @@ def test_a_family_refusing_the_narrow_widths_is_counted_at_widths_it_accepts(mon
 def test_chunked_families_scale_with_the_sequence_and_the_tree_is_one_block():
     titans = load_config("configs/tiny_titans.yaml", []).model
     full, half = count_ops(titans), count_ops(titans, titans.seq_len // 2)
-    assert full.block - half.block > 0.25 * full.block  # a chunk loop: the second half's chunks add operators
+    assert full.block - half.block > 0.15 * full.block  # a chunk loop: the second half's chunks add operators
     taper = load_config("configs/tiny_taper.yaml", []).model
     assert count_ops(taper, 64) == count_ops(taper)  # attention: one operator whatever the length
     cfg = load_config("configs/tiny_titans.yaml", []).model  # beyond the cap: along the line of two counts
-    assert count_ops(cfg, cap=64).block == pytest.approx(count_ops(cfg).block, rel=0.05)
+    assert count_ops(cfg, cap=64).block == pytest.approx(count_ops(cfg).block, rel=0.07)
     # the linear memory's loop-free scan: as many operators at 1024 tokens as at 512, and about as many at 128
     linear = load_config("configs/tiny_linear_memory_caching.yaml", []).model
     assert count_ops(linear, 1024) == count_ops(linear, 512)
