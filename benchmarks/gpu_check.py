@@ -177,20 +177,28 @@ def throughput(shape: list[str], folder: str, variant: dict, steps: int, warmup:
                   "mfu_causal": mfu(tokens / step_s, causal.total_flops, peak),
                   "mfu_full_attention": mfu(tokens / step_s, full.total_flops, peak),
                   "bf16": trainer.bf16, "params": causal.total_params}
-        peak_bytes = None
-        if device.type == "cuda":
-            peak_bytes = torch.cuda.max_memory_allocated(device)
-            result["peak_allocated_gib"] = peak_bytes / 2**30
-            result["peak_reserved_gib"] = torch.cuda.max_memory_reserved(device) / 2**30
-        try:
-            result.update(predict(cfg, step_s, peak_bytes))
-        except Exception as e:  # noqa: BLE001 - the measurement stands without its prediction
-            result["prediction_failed"] = f"{type(e).__name__}: {e}"
-        return result
+        peak_bytes, peaks = peak_memory(device)
+        return {**result, **peaks, **prediction(cfg, step_s, peak_bytes)}
     finally:
         close_trainer(trainer)
         del trainer
         release_memory()
+
+
+def peak_memory(device: torch.device) -> tuple[int | None, dict]:
+    """The peak allocated bytes since the last reset and the row's peak fields (GiB); none off CUDA."""
+    if device.type != "cuda":
+        return None, {}
+    peak, reserved = torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)
+    return peak, {"peak_allocated_gib": peak / 2**30, "peak_reserved_gib": reserved / 2**30}
+
+
+def prediction(cfg, step_s: float, peak_bytes: int | None) -> dict:
+    """predict's fields, or why there are none (the measurement stands without them)."""
+    try:
+        return predict(cfg, step_s, peak_bytes)
+    except Exception as e:  # noqa: BLE001
+        return {"prediction_failed": f"{type(e).__name__}: {e}"}
 
 
 def close_trainer(trainer) -> None:

@@ -58,7 +58,8 @@ from gpu_check import (  # noqa: E402
     byte_tokens,
     close_trainer,
     parity,
-    predict,
+    peak_memory,
+    prediction,
     random_tokens,
     release_memory,
     run_config,
@@ -258,11 +259,8 @@ def speed_row(recipe: str, overrides: list[str], variant: str, micro: int, data:
                 result.update(compile_s=first_s - step_s,
                               graphs=counters["stats"]["unique_graphs"] - graphs_before,
                               graph_breaks=sum(counters["graph_break"].values()) - breaks_before)
-            peak_bytes = None
-            if cuda:
-                peak_bytes = torch.cuda.max_memory_allocated(dev)
-                result["peak_allocated_gib"] = peak_bytes / 2**30
-                result["peak_reserved_gib"] = torch.cuda.max_memory_reserved(dev) / 2**30
+            peak_bytes, peaks = peak_memory(dev)
+            result.update(peaks)
             if time.perf_counter() < deadline:
                 try:
                     result.update(count_step(step, dev, compiled, losses))
@@ -273,10 +271,7 @@ def speed_row(recipe: str, overrides: list[str], variant: str, micro: int, data:
             result["losses"] = [float(loss) for loss in losses]
             result["first_loss"] = result["losses"][0]
             if not compiled:  # the planner models eager steps (compile's fusion is not modelled)
-                try:
-                    result.update(predict(cfg, step_s, peak_bytes))
-                except Exception as e:  # noqa: BLE001 - the measurement stands without its prediction
-                    result["prediction_failed"] = f"{type(e).__name__}: {e}"
+                result.update(prediction(cfg, step_s, peak_bytes))
             return result
         finally:
             close_trainer(trainer)
