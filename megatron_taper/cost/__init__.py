@@ -1,7 +1,11 @@
-"""The cost model: pure arithmetic, no torch at module level.
+"""The cost model and the planner's arithmetic: no torch at module level.
 
-block.py   per-piece costs (FLOPs, parameters, activations) and the shared counting helpers
-flops.py   per-layer and whole-model costs from each family's spec, MFU and device peaks
-memory.py  per-rank, per-stage peak memory of a training step (docs/memory_model.md)
-cp.py      per block, what each family sends under context parallelism (chain / halo / all-gather)
+block.py         per-piece costs (FLOPs, parameters, activations) and the shared counting helpers
+flops.py         per-layer and whole-model costs from each family's spec, MFU and device peaks
+memory.py        per-rank, per-stage peak memory of a training step (docs/memory_model.md)
+stage_memory.py  per-stage memory of a pipeline split: communication buffers, DeepSpeed's buckets
+cp.py            per block, what each family sends under context parallelism (chain / halo / all-gather)
+devices.py       the device table (devices.json) and measured profiles laid over it
+op_count.py      the eager operators a training step dispatches (counted on the CPU, torch imported lazily)
+step_time.py     the predicted time of one training step of one layout (docs/planning.md)
 """

@@ -3,6 +3,19 @@
 Every source hands one data-parallel rank its micro-batches of packed token sequences and has a
 state that goes into checkpoints, so that a resumed run sees exactly the samples an
 uninterrupted one would have seen.
+
+sources.py             choose the data source for a run from `data.path`
+streaming.py           packed samples from MDS shards, a global sample order, an exact dp-size-free state
+order.py               the global sample order over document lengths, O(documents / block) memory
+mixture.py             weighted mixtures of MDS datasets (`data.mix`)
+token_file.py          a flat token array (.npy) cut into samples
+prefetch.py            a background thread preparing the next steps' micro-batches
+tokenizer.py           SentencePiece training and a load / encode / decode wrapper
+corpus.py              raw text inputs (files, folders, globs, .gz/.zst, jsonl, parquet, datasets)
+readers.py             readers of formats that are not lines of text
+preprocess.py          documents -> tokens -> MDS shards (train/, val/, stats.json)
+builtin.py             the built-in dataset made once from the embedded corpus
+torchvision_compat.py  the one way this project imports mosaicml-streaming
 """
 from __future__ import annotations
 

@@ -1,2 +1,10 @@
-"""Surviving faults (README "Surviving faults"): the hang watchdog (watchdog.py) and the
-fault-injection hook for tests and drills (inject.py). Torch-free."""
+"""Surviving faults (README "Surviving faults").
+
+watchdog.py   hang detection: a watchdog thread per rank with a timeout per section of the run
+inject.py     the fault-injection hook for tests and drills (MEGATRON_TAPER_FAULT)
+guard.py      FaultGuard: the one object the Trainer calls for fault handling
+rollback.py   the non-finite and spike policy: bad steps, rollback, the data windows it skips
+straggler.py  straggler statistics across ranks at log intervals
+
+rollback.py and straggler.py import torch; the others do not.
+"""

@@ -5,5 +5,5 @@ evaluate.py                 held-out loss / perplexity per sequence length at an
 generation.py               sampling, with each family's decoding state (FamilySpec.decoder)
 lm_eval_adapter.py          the lm-evaluation-harness model `megatron_taper`
 hf.py                       Hugging Face export / import through each family's FamilySpec.hf adapter
-modeling_tapered_llama.py   the modelling file that tapered Llama exports carry (trust_remote_code)
+(models/modeling_tapered_llama.py: the modelling file that tapered Llama exports carry, trust_remote_code)
 """

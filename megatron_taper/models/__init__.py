@@ -1,4 +1,4 @@
-"""Model families and their registry (torch-free: family code is imported on first use).
+"""Model families and their registry (this module imports no torch; family code is imported on first use).
 
 A family is a FamilyCard (torch-free: name, options section, positions, test cases; built-in
 ones in models/cards.py) plus a FamilySpec (card + behaviour) in the tuple `SPECS` at the end of
@@ -10,6 +10,17 @@ Families outside this package: the environment variable MEGATRON_TAPER_FAMILIES 
 modules (comma-separated, importable, each defining `SPECS`, a tuple of FamilySpec) that are
 registered after the built-in ones; those modules are imported when the registry is first read
 (in that process: torchrun's workers inherit the variable).
+
+The registry and cards: spec.py (FamilyCard, FamilySpec), cards.py (built-in cards and options).
+Shared layers: layers.py (RMSNorm, RoPE, ALiBi, attention, SwiGLU), local_attention.py (sliding
+window behind persistent tokens), init.py (split-independent initialisation), decoding.py (KV
+cache). The families, each file ending in its SPECS, with the code it keeps beside it:
+transformer.py, gated_attention.py, titans.py (its memory neural_memory.py, its context
+parallelism titans_cp.py), hope_attention.py (its online levels hope_online.py),
+memory_caching.py (its bases linear_memory.py and neural_memory.py, its context parallelism
+memory_caching_cp.py), tree_lm.py, memory_bridge.py. Hugging Face: hf_llama.py (the adapter),
+modeling_tapered_llama.py (the modelling file exports carry). kernels/: the loop-free and Triton
+forms of the recurrences.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Loop-free and kernel forms of the memory families' recurrences.
 
-state_passing          the states of a linear recurrence between chunks, S_{n+1} = exp(g_n) S_n + U_n,
-                       as one stable segment-sum product (every device), or the Triton kernels (CUDA)
-state_passing_triton   those kernels: a loop over chunks with the state in registers; imports triton
+state_passing.py         the states of a linear recurrence between chunks, S_{n+1} = exp(g_n) S_n + U_n,
+                         as one stable segment-sum product (every device), or the Triton kernels (CUDA)
+state_passing_triton.py  those kernels: a loop over chunks with the state in registers; imports triton
 """
