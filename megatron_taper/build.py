@@ -34,7 +34,7 @@ import torch
 
 from megatron_taper.config import Config
 from megatron_taper.models import build_model
-from megatron_taper.parallel.context import ParallelContext, init_parallel, uses_bf16, world_size
+from megatron_taper.parallel.context import ParallelContext, has_bf16, init_parallel, world_size
 from megatron_taper.parallel.meta_init import has_buffers, logical_shapes, materialise
 from megatron_taper.parallel.model import ParallelModel
 from megatron_taper.parallel.parallelize import parallelize
@@ -75,4 +75,4 @@ def build_run(cfg: Config, ctx: ParallelContext | None = None) -> BuiltRun:
     if cfg.parallel.zero == "none" and ctx.dp * ctx.cp > 1:
         pm.attach_data_parallel(cfg.parallel.ddp_bucket_mb)
     optimizer = pm.build_optimizer(cfg.train)
-    return BuiltRun(cfg, ctx, layout, pm, optimizer, uses_bf16(cfg.train.precision, ctx.device))
+    return BuiltRun(cfg, ctx, layout, pm, optimizer, cfg.train.uses_bf16(has_bf16(ctx.device)))

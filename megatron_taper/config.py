@@ -266,6 +266,11 @@ class TrainConfig:
             raise ConfigError(f"{prefix}.micro_batch={self.micro_batch} must divide "
                               f"{prefix}.global_batch={self.global_batch}")
 
+    def uses_bf16(self, device_has_bf16: bool) -> bool:
+        """The precision rule: bf16 autocast when `precision` is bf16, or auto on a device with bf16
+        matrix units (the runtime asks CUDA; the planner its device table)."""
+        return self.precision == "bf16" or (self.precision == "auto" and device_has_bf16)
+
 
 @dataclass
 class DataConfig:

@@ -134,11 +134,6 @@ def reason(error: Exception) -> str:
     return re.sub(r"(?<![\w.])\d+(\.\d+)?(?!\w)", "N", text)[:110]
 
 
-def uses_bf16(precision: str, device: DeviceProfile) -> bool:
-    """train.precision on the planned device (auto: bf16 where it has bf16 matrix units)."""
-    return precision == "bf16" or (precision == "auto" and device.bf16_tflops > 0)
-
-
 @dataclass
 class Prediction:
     values: dict[str, Any]  # the search space's keys and their values
@@ -356,7 +351,7 @@ class Predictor:
     def predict(self, cfg: Config, dp: int, memory_limit: float) -> Prediction:
         """The prediction for `cfg` (legal: preflight accepted it) at data-parallel size `dp`."""
         p, t = cfg.parallel, cfg.train
-        bf16 = uses_bf16(t.precision, self.device)
+        bf16 = t.uses_bf16(self.device.bf16_tflops > 0)
         _check_peak(self.device, bf16, t.float8)
         micro_batch, m = step_split(p, t, dp)
         setup = MemorySetup.from_config(p, t, dp, bf16, micro_batch=micro_batch, microbatches=m)

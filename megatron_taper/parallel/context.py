@@ -132,9 +132,9 @@ def choose_device(requested: str = "auto") -> torch.device:
     return torch.device("cpu")
 
 
-def uses_bf16(precision: str, device: torch.device) -> bool:
-    """The precision rule (train.precision): bf16, or auto = bf16 on a CUDA device that has it."""
-    return precision == "bf16" or (precision == "auto" and device.type == "cuda" and torch.cuda.is_bf16_supported())
+def has_bf16(device: torch.device) -> bool:
+    """Whether `device` has bf16 matrix units (TrainConfig.uses_bf16's device half): CUDA that supports it."""
+    return device.type == "cuda" and torch.cuda.is_bf16_supported()
 
 
 def world_size() -> int:

@@ -46,7 +46,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron_taper.config import V_SCHEDULES
-from megatron_taper.parallel.context import ParallelContext, uses_bf16
+from megatron_taper.parallel.context import ParallelContext, has_bf16
 from megatron_taper.parallel.context_parallel import cp_mean, split_batch
 from megatron_taper.parallel.data_parallel import average_gradients
 from megatron_taper.parallel.data_parallel import bucket_mb as dp_bucket_mb
@@ -265,7 +265,7 @@ def plan_stages(model_cfg: ModelConfig, parallel: ParallelConfig, train: TrainCo
         memory_gb = [parallel.pp_memory_gb]
     if bf16 is None:
         device = device or (torch.device("cuda") if train.device == "cuda" else choose_device(train.device))
-        bf16 = uses_bf16(train.precision, device)
+        bf16 = train.uses_bf16(has_bf16(device))
     setup = MemorySetup.from_config(parallel, train, dp, bf16)
     return plan_pipeline(model_cfg, parallel.pp, virtual=parallel.virtual_stages, balance=parallel.pp_balance,
                          microbatches=n_micro, micro_batch=micro_batch, schedule=parallel.pp_schedule,
@@ -287,7 +287,7 @@ def make_plan(model: nn.Module, ctx: ParallelContext, model_cfg: ModelConfig, pa
     measured = None
     if parallel.pp_balance == "profile":
         box: list[Any] = [None]
-        bf16 = uses_bf16(train.precision, ctx.device)  # timed under the run's precision
+        bf16 = train.uses_bf16(has_bf16(ctx.device))  # timed under the run's precision
         autocast = (lambda: torch.autocast(ctx.device.type, dtype=torch.bfloat16)) if bf16 else None
         if is_meta(model) and ctx.pp_rank == 0 and ctx.dp_rank == 0:  # one piece at a time on the device
             tp = (TPShard(ctx.tp_group, ctx.tp_rank, ctx.tp, model_cfg, parallel.sequence_parallel)

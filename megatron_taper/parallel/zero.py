@@ -68,7 +68,7 @@ import torch
 from torch import nn
 
 from megatron_taper.cost.memory import fsdp_units
-from megatron_taper.parallel.context import uses_bf16
+from megatron_taper.parallel.context import has_bf16
 from megatron_taper.parallel.model import ParallelModel
 
 if TYPE_CHECKING:
@@ -85,7 +85,7 @@ def apply_zero(pm: ParallelModel, parallel: ParallelConfig, train: TrainConfig,
         return pm
     assert all(k == 1 for k in pm.replicas.values()), "preflight refuses ZeRO with tp > kv heads"
     if engine == "fsdp2":
-        return _fsdp2(pm, uses_bf16(train.precision, pm.ctx.device), chunks)
+        return _fsdp2(pm, train.uses_bf16(has_bf16(pm.ctx.device)), chunks)
     assert engine == "deepspeed" and chunks is None, engine
     from megatron_taper.parallel.zero_deepspeed import DeepSpeedParallelModel  # imports deepspeed
 
