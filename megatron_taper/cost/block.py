@@ -28,8 +28,9 @@ makes the count conservative):
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 if TYPE_CHECKING:
     from megatron_taper.config import ModelConfig
@@ -140,3 +141,8 @@ def swiglu_cost(cfg: ModelConfig, width: int) -> Cost:
     op_act = Split(whole=d, width=2 * width)  # op-level recompute keeps w1's, w3's and w2's outputs
     return Cost(matmul + d, 2 * matmul, tp_params=Split(whole=d, width=matmul), act=act, backward=(backward,),
                 op_act=op_act)
+
+
+def prefix_sums(values: Sequence[float]) -> list[float]:
+    """[0, v0, v0 + v1, ...]: the sum of any contiguous run of `values` as a difference of two."""
+    return [0.0, *itertools.accumulate(values)]

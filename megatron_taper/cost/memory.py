@@ -104,10 +104,10 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
-from megatron_taper.cost.block import Cost, Split
+from megatron_taper.cost.block import Cost, Split, prefix_sums
 from megatron_taper.cost.cp import CPMessage, block_messages, received_bytes
 from megatron_taper.cost.flops import ModelCosts, head_cost, model_costs
-from megatron_taper.cost.stage_memory import _prefix, to_memory_model
+from megatron_taper.cost.stage_memory import to_memory_model
 
 if TYPE_CHECKING:
     from megatron_taper.config import ModelConfig, ParallelConfig, TrainConfig
@@ -244,7 +244,7 @@ class ModelMemory:
         lo, hi = layers[0], layers[-1] + 1
         assert list(layers) == list(range(lo, hi)) and 0 <= index < n_stages, (layers, index, n_stages)
         model = to_memory_model(self, [in_flight] * n_stages, [math.inf] * n_stages)
-        static_pre, kept_pre = _prefix(model.static), _prefix(model.act)
+        static_pre, kept_pre = prefix_sums(model.static), prefix_sums(model.act)
         static, act, fixed = model.stage_parts(index, n_stages, lo, hi, static_pre, kept_pre)
         kept = kept_pre[hi] - kept_pre[lo] + (self.head.kept if index == n_stages - 1 else 0.0)
         return StageMemory(static=static, activations=act, buffers=fixed, kept=kept, in_flight=in_flight,

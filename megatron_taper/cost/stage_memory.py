@@ -7,6 +7,8 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence
 
+from megatron_taper.cost.block import prefix_sums
+
 if TYPE_CHECKING:
     from megatron_taper.cost.memory import ModelMemory
 
@@ -49,16 +51,9 @@ def to_memory_model(mm: ModelMemory, in_flight: Sequence[int], limits: Sequence[
         last_static=mm.head.static, last_act=mm.head.kept, key=key, peak=[p.peak for p in mm.layers],
         last_peak=mm.head.peak - mm.head.kept,
         fixed=[b + engine for b in pipeline_buffers(mm.io, in_flight, mm.setup.microbatches)],
-        grad_prefix=_prefix([p.grads for p in mm.layers]), first_grads=mm.embedding.grads,
+        grad_prefix=prefix_sums([p.grads for p in mm.layers]), first_grads=mm.embedding.grads,
         last_grads=mm.head.grads, microbatches=mm.setup.microbatches,
         reduce_copy=mm.setup.fsdp and mm.setup.pipelined and virtual == 1)
-
-
-def _prefix(values: Sequence[float]) -> list[float]:
-    out = [0.0]
-    for v in values:
-        out.append(out[-1] + v)
-    return out
 
 
 @dataclass(frozen=True)

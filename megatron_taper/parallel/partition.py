@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence
 
 from megatron_taper.config import PP_BALANCE_MODES
+from megatron_taper.cost.block import prefix_sums
 from megatron_taper.cost.flops import model_costs
 from megatron_taper.cost.memory import GIB, MemorySetup, model_memory
 from megatron_taper.cost.stage_memory import MemoryModel, to_memory_model
@@ -66,18 +67,11 @@ class Partition:
         return self.bottleneck / self.ideal if self.ideal > 0 else 1.0
 
 
-def _prefix(values: Sequence[float]) -> list[float]:
-    out = [0.0]
-    for v in values:
-        out.append(out[-1] + v)
-    return out
-
-
 def evaluate(bounds: Sequence[int], costs: Sequence[float], first: float = 0.0, last: float = 0.0) -> Partition:
     """The stage costs of a given split (stage s = layers bounds[s]..bounds[s+1]-1)."""
     n = len(bounds) - 1
     assert bounds[0] == 0 and bounds[-1] == len(costs) and all(a < b for a, b in zip(bounds, bounds[1:]))
-    pre = _prefix(costs)
+    pre = prefix_sums(costs)
     out = []
     for s in range(n):
         c = pre[bounds[s + 1]] - pre[bounds[s]]
@@ -96,9 +90,9 @@ def partition(costs: Sequence[float], n_stages: int, first: float = 0.0, last: f
     if memory is not None:
         assert len(memory.in_flight) == n_stages and len(memory.limits) == n_stages
         assert len(memory.static) == n and len(memory.act) == n
-    pre = _prefix(costs)
-    s_pre = _prefix(memory.static) if memory else []
-    a_pre = _prefix(memory.act) if memory else []
+    pre = prefix_sums(costs)
+    s_pre = prefix_sums(memory.static) if memory else []
+    a_pre = prefix_sums(memory.act) if memory else []
     table = memory.peak_table(a_pre) if memory and memory.peak else None
 
     def cost(s: int, lo: int, hi: int) -> float:
@@ -454,7 +448,7 @@ def plan_pipeline(model_cfg: ModelConfig, pp: int, *, virtual: int = 1, balance:
     uniform = partition([1.0] * n_layers, n_chunks)
     uniform_flops = evaluate(uniform.bounds, flops, costs.embedding.flops, costs.head.flops)
 
-    static_pre, act_pre = _prefix(memory.static), _prefix(memory.act)
+    static_pre, act_pre = prefix_sums(memory.static), prefix_sums(memory.act)
     table = memory.peak_table(act_pre)
     stages = []
     for c, layers in enumerate(part.stages):
