@@ -173,7 +173,7 @@ def _flat_index(shape: tuple[int, ...], offsets: tuple[int, ...]) -> int:
 
 
 @dataclass(frozen=True)
-class Partition:
+class ParameterShard:
     """A rank's ZeRO-3 partition of one parameter: flat range [lo, hi) of the tp-local tensor of
     `shape`, which sits at `tp_offsets` in the logical tensor of shape `full`; `padded` elements
     in DeepSpeed's partition buffer."""
@@ -390,7 +390,7 @@ class DeepSpeedParallelModel(ParallelModel):
                 if f"optim/{name}/{k}" in reader.index:
                     safe_set_local_optimizer_state(param, part.read(reader, f"optim/{name}/{k}").to(self.ctx.device), k)
 
-    def _partition(self, name: str, param: torch.nn.Parameter) -> "Partition":
+    def _partition(self, name: str, param: torch.nn.Parameter) -> "ParameterShard":
         """This rank's ZeRO partition of `param`: the flat range [dp_rank x P, (dp_rank + 1) x P) of
         the row-major tp-local tensor (P: DeepSpeed's partition size; the last one padded), placed
         in the logical tensor by the tp layout (piece_box)."""
@@ -398,7 +398,8 @@ class DeepSpeedParallelModel(ParallelModel):
         full, tp_offsets, owner = self.piece_box(name, torch.empty(shape, device="meta"))
         size = param.ds_tensor.ds_numel if hasattr(param.ds_tensor, "ds_numel") else param.ds_tensor.numel()
         lo = min(self.ctx.dp_shard_rank * size, param.ds_numel)
-        return Partition(shape, full, tp_offsets, owner, param.ds_tensor.numel(), lo, min(lo + size, param.ds_numel))
+        hi = min(lo + size, param.ds_numel)
+        return ParameterShard(shape, full, tp_offsets, owner, param.ds_tensor.numel(), lo, hi)
 
     def save_native(self, folder: str) -> bool:
         """DeepSpeed's own checkpoint into folder/deepspeed/state/ (a collective; every rank writes)."""
