@@ -180,8 +180,8 @@ def whole_model(cfg, steps: int, meter_kind: str = "rss") -> dict:
     """build_run, one small warm-up step, then `steps` measured forward+backward passes."""
     import torch
 
-    from megatron_taper.build import build_run
     from megatron_taper.cost.memory import MemorySetup, model_memory
+    from megatron_taper.training.build import build_run
 
     device_type = "cuda" if cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available()) \
         else "cpu"
@@ -271,9 +271,9 @@ def full_step(cfg, steps: int) -> dict:
     if cfg.parallel.zero == "deepspeed":
         import deepspeed  # noqa: F401
 
-    from megatron_taper.build import build_run
     from megatron_taper.cost.memory import MemorySetup, model_memory
     from megatron_taper.preflight import step_split
+    from megatron_taper.training.build import build_run
 
     meter = PeakMeter(torch.device("cpu"))
     run = build_run(cfg)

@@ -85,9 +85,9 @@ def worker(overrides: list[str], steps: int) -> dict:
     import torch
     from activation_memory import PeakMeter, _tokens
 
-    from megatron_taper.build import build_run
     from megatron_taper.config import load_config
     from megatron_taper.cost.memory import MemorySetup, model_memory
+    from megatron_taper.training.build import build_run
 
     cfg = load_config(None, SHAPE + overrides)
     meter = PeakMeter(torch.device("cpu"))

@@ -61,9 +61,9 @@ def worker(rank: int, port: int, folder: str, overrides: list[str], queue) -> No
                        "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"})
     import torch
 
-    from megatron_taper.build import build_run
     from megatron_taper.config import load_config
     from megatron_taper.data.sources import build_sources
+    from megatron_taper.training.build import build_run
 
     torch.set_num_threads(1)
     cfg = load_config(None, [*DEFAULT, *overrides, "parallel.zero=deepspeed", f"run.dir={folder}/run",

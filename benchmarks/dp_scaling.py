@@ -27,8 +27,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from megatron_taper.build import build_run
 from megatron_taper.config import load_config
+from megatron_taper.training.build import build_run
 
 SHAPE = ["model.n_layers=6", "model.d_model=256", "model.n_heads=4", "model.mlp_width=688",
          "model.taper.multiple=16", "model.vocab_size=4096", "model.seq_len=256", "train.global_batch=8",

@@ -53,7 +53,7 @@ import torch
 from megatron_taper.config import load_config
 from megatron_taper.cost.flops import mfu, model_costs, peak_flops
 from megatron_taper.data.corpus import embedded_files
-from megatron_taper.trainer import Trainer
+from megatron_taper.training.trainer import Trainer
 
 PARITY_TOL = 1e-4
 BF16_TOL = 2e-2

@@ -17,7 +17,7 @@ elif [ -n "${VENV:-}" ]; then py="$VENV/bin/python"
 elif [ -x "$root/.venv/bin/python" ]; then py="$root/.venv/bin/python"
 else py="$(command -v python3 || command -v python || echo python3)"
 fi
-imports() { PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" "$py" -c "import numpy, torch, yaml, megatron_taper.trainer" >/dev/null 2>&1; }
+imports() { PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" "$py" -c "import numpy, torch, yaml, megatron_taper.training.trainer" >/dev/null 2>&1; }
 if ! imports; then
   echo "gpu_check: $py cannot import torch / megatron_taper; trying bash launch/install.sh" >&2
   if ! bash launch/install.sh >&2; then

@@ -71,7 +71,7 @@ from megatron_taper.config import load_config  # noqa: E402
 from megatron_taper.cost.flops import mfu, model_costs, peak_flops  # noqa: E402
 from megatron_taper.models import cards  # noqa: E402
 from megatron_taper.models.kernels import state_passing  # noqa: E402
-from megatron_taper.trainer import Trainer  # noqa: E402
+from megatron_taper.training.trainer import Trainer  # noqa: E402
 
 TINY = ["taper", "gated_attention", "titans", "hope_attention", "linear_memory_caching",
         "deep_memory_caching", "tree", "bridge"]

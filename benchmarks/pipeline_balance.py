@@ -83,7 +83,7 @@ def _worker(rank: int, port: int, overrides: list[str], steps: int, rounds: int,
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
-    from megatron_taper.build import build_run
+    from megatron_taper.training.build import build_run
 
     busy = compute_timer()
     models = {}

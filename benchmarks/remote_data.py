@@ -57,7 +57,7 @@ def child(data_path: str, cache: str, run_dir: str, steps: int, lookahead: bool,
 
     from megatron_taper.config import load_config
     from megatron_taper.data import prefetch, streaming
-    from megatron_taper.trainer import Trainer
+    from megatron_taper.training.trainer import Trainer
 
     if not lookahead:
         streaming.SAMPLES_AHEAD = 0

@@ -86,12 +86,12 @@ def worker(overrides: list[str], folder: str, out: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from megatron_taper.build import build_run, seed_everything
     from megatron_taper.checkpoint.checkpointer import Checkpointer, load_logical
     from megatron_taper.config import load_config
     from megatron_taper.models import build_model
     from megatron_taper.parallel.context import init_parallel, shutdown
     from megatron_taper.parallel.parallelize import parallelize
+    from megatron_taper.training.build import build_run, seed_everything
 
     torch.set_num_threads(1)
     cfg = load_config(None, overrides)

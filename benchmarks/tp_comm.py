@@ -51,11 +51,11 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from megatron_taper.build import build_run
 from megatron_taper.config import load_config
 from megatron_taper.parallel.context import init_parallel, shutdown, world_size
 from megatron_taper.preflight import preflight
 from megatron_taper.taper import layer_widths
+from megatron_taper.training.build import build_run
 
 KINDS = {  # c10d dispatcher op -> (kind, index of the full-size tensor argument)
     "allreduce_": ("all_reduce", 0),

@@ -34,8 +34,8 @@ from megatron_taper.config import load_config
 from megatron_taper.data.corpus import embedded_files
 from megatron_taper.models import build_model
 from megatron_taper.models.layers import cross_entropy
-from megatron_taper.optim import build_optimizer, lr_at
-from megatron_taper.trainer import Trainer
+from megatron_taper.training.optim import build_optimizer, lr_at
+from megatron_taper.training.trainer import Trainer
 
 
 def token_file(folder: str) -> str:

@@ -50,10 +50,10 @@ def worker(engine: str, overrides: list[str], out: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from megatron_taper.build import build_run
     from megatron_taper.config import load_config
     from megatron_taper.parallel.context import init_parallel, shutdown, world_size
     from megatron_taper.preflight import preflight
+    from megatron_taper.training.build import build_run
 
     cfg = load_config(None, DEFAULT + overrides + [f"parallel.zero={engine}", "train.device=cpu"])
     preflight(cfg, world_size())  # e.g. deepspeed with one process: a clear error before joining

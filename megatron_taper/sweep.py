@@ -47,7 +47,7 @@ import yaml
 
 from megatron_taper.config import load_config
 from megatron_taper.data.corpus import TEXT_MODES
-from megatron_taper.metrics import perplexity
+from megatron_taper.training.metrics import perplexity
 from megatron_taper.validation import ConfigError, check_choice
 
 RESERVED = ("recipe",)

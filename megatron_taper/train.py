@@ -1,4 +1,4 @@
-"""Command line entry point of training (the Trainer is megatron_taper/trainer.py).
+"""Command line entry point of training (the Trainer is megatron_taper/training/trainer.py).
 
     torchrun --nproc-per-node N -m megatron_taper.train --config configs/X.yaml [key=value ...]
     python -m megatron_taper.train --config configs/X.yaml [key=value ...]
@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
         except ConfigError as e:
             report_error(e, int(os.environ.get("RANK", "0")), None, expected=True)
             return 2
-    from megatron_taper.trainer import run
+    from megatron_taper.training.trainer import run
 
     return run(args.config, overrides)
 

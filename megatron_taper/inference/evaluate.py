@@ -1,6 +1,6 @@
 """Held-out loss and perplexity of a model, at one or several sequence lengths.
 
-`evaluate_lengths` runs the Trainer's evaluation loop (megatron_taper/held_out.py) once per
+`evaluate_lengths` runs the Trainer's evaluation loop (megatron_taper/training/held_out.py) once per
 sequence length on fresh held-out sources (`data.path`'s val split, or the tail of a .npy token
 file; under `data.mix` each source's val split separately, and their losses weighted by the
 mixture). `evaluate_checkpoint` does everything `tools/evaluate.py` does: read a checkpoint's
@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from megatron_taper.config import Config, ParallelConfig, apply_override
-from megatron_taper.held_out import EvalResult, combined_loss, evaluate_source
 from megatron_taper.inference.load import CheckpointRef, load_parallel_weights, open_checkpoint
 from megatron_taper.parallel.context import init_parallel, shutdown, world_size
+from megatron_taper.training.held_out import EvalResult, combined_loss, evaluate_source
 from megatron_taper.validation import ConfigError
 
 if TYPE_CHECKING:
@@ -99,8 +99,8 @@ def evaluate_checkpoint(checkpoint: str, overrides: list[str] = (), seq_lens: li
     """tools/evaluate.py: {checkpoint, step, layout, data, results: {seq_len: {loss, ppl, tokens,
     batches}}}. Under torchrun (or in processes that already joined a process group) every rank
     calls it and gets the same object; the process group is left at the end."""
-    from megatron_taper.build import build_run
     from megatron_taper.preflight import preflight
+    from megatron_taper.training.build import build_run
 
     ref = open_checkpoint(checkpoint)
     batch_size = batch_size or ref.config.train.micro_batch

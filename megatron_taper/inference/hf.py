@@ -197,9 +197,9 @@ def read_hf_state(hf_dir: str, cfg: Config) -> dict[str, torch.Tensor]:
 
 def import_hf(hf_dir: str, output: str, recipe: str | None = None, overrides: list[str] = ()) -> dict:
     """Write OUTPUT/config.yaml and OUTPUT/checkpoints/step-0 from an HF Llama folder (module doc)."""
-    from megatron_taper.build import build_run
     from megatron_taper.checkpoint.checkpointer import Checkpointer, checkpoint_root
     from megatron_taper.data.sources import build_sources
+    from megatron_taper.training.build import build_run
 
     if not os.path.isdir(hf_dir):
         raise ValueError(f"--from hf {hf_dir}: no such folder")

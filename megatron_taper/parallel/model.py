@@ -20,15 +20,15 @@ from torch.distributed.tensor import DTensor
 
 from megatron_taper.checkpoint.files import CheckpointReader, Piece
 from megatron_taper.models.layers import cross_entropy
-from megatron_taper.optim import build_optimizer
 from megatron_taper.parallel.context import ParallelContext
 from megatron_taper.parallel.context_parallel import SequenceSplit, cp_mean, split_batch
 from megatron_taper.parallel.data_parallel import wrap_ddp
 from megatron_taper.parallel.tensor import ShardSpec
+from megatron_taper.training.optim import build_optimizer
 
 if TYPE_CHECKING:
-    from megatron_taper.carried import CarriedRows
     from megatron_taper.config import TrainConfig
+    from megatron_taper.training.carried import CarriedRows
 
 
 @dataclass

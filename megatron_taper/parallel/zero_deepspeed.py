@@ -47,10 +47,10 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from megatron_taper.checkpoint.files import CheckpointError, CheckpointReader, Piece, shard_file
-from megatron_taper.optim import build_optimizer
 from megatron_taper.parallel.context import ParallelContext
 from megatron_taper.parallel.context_parallel import cp_mean, split_batch
 from megatron_taper.parallel.model import ParallelModel
+from megatron_taper.training.optim import build_optimizer
 from megatron_taper.validation import ConfigError
 
 if TYPE_CHECKING:

@@ -28,7 +28,7 @@ ARGS = ["model.n_layers=2", "model.d_model=32", "model.n_heads=2", "model.vocab_
 def _fit_with_slow_delete(overrides: list[str], markers: str) -> dict:
     import megatron_taper.checkpoint.checkpointer as checkpointer
     from megatron_taper.config import load_config
-    from megatron_taper.trainer import Trainer
+    from megatron_taper.training.trainer import Trainer
 
     rank = int(os.environ["RANK"])
     waited: dict[int, bool] = {}

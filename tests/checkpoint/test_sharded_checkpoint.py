@@ -35,7 +35,7 @@ TOL = 5e-5
 
 def _fit(overrides):
     from megatron_taper.config import load_config
-    from megatron_taper.trainer import Trainer
+    from megatron_taper.training.trainer import Trainer
 
     return Trainer(load_config(None, overrides)).fit()
 
@@ -72,7 +72,7 @@ def test_tp2_pp2_checkpoint_resumes_at_fsdp2_and_one_process(tmp_path, byte_toke
 def _bytes_read(overrides):
     from megatron_taper.config import load_config
     from megatron_taper.parallel.model import local_part
-    from megatron_taper.trainer import Trainer
+    from megatron_taper.training.trainer import Trainer
 
     trainer = Trainer(load_config(None, overrides))
     own = 0

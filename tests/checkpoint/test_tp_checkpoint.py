@@ -25,7 +25,7 @@ TOL = 5e-5
 
 def _fit(overrides):
     from megatron_taper.config import load_config
-    from megatron_taper.trainer import Trainer
+    from megatron_taper.training.trainer import Trainer
 
     return Trainer(load_config(None, overrides)).fit()
 

@@ -76,14 +76,15 @@ FLOORS = {
     "megatron_taper": 0, "megatron_taper.validation": 0, "megatron_taper.taper": 0, "megatron_taper.recipe": 0,
     "megatron_taper.models.spec": 0, "megatron_taper.models.cards": 0,  # the torch-free half of the families
     "megatron_taper.config": 1, "megatron_taper.cli": 1, "megatron_taper.models": 1,  # the registry
-    "megatron_taper.cost": 2, "megatron_taper.metrics": 2,
+    "megatron_taper.cost": 2, "megatron_taper.training.metrics": 2,
     "megatron_taper.models.*": 3, "megatron_taper.checkpoint.files": 3,  # family code; the checkpoint format
-    "megatron_taper.parallel": 4, "megatron_taper.data": 4, "megatron_taper.optim": 4,
+    "megatron_taper.parallel": 4, "megatron_taper.data": 4, "megatron_taper.training.optim": 4,
     "megatron_taper.checkpoint": 5, "megatron_taper.preflight": 5, "megatron_taper.console": 5,
     "megatron_taper.fault": 5,
     "megatron_taper.launch_check": 6,
-    "megatron_taper.build": 6, "megatron_taper.held_out": 6, "megatron_taper.carried": 6, "megatron_taper.plan": 6,
-    "megatron_taper.trainer": 7, "megatron_taper.train": 8,
+    "megatron_taper.training.build": 6, "megatron_taper.training.held_out": 6, "megatron_taper.training.carried": 6,
+    "megatron_taper.plan": 6,
+    "megatron_taper.training.trainer": 7, "megatron_taper.train": 8,
     "megatron_taper.inference": 9, "megatron_taper.sweep": 9,
 }
 
@@ -118,7 +119,7 @@ def test_models_import_nothing_from_parallel_at_module_level():
 
 
 def test_training_loop_imports_no_post_training_code():
-    for start in ("megatron_taper.train", "megatron_taper.trainer"):
+    for start in ("megatron_taper.train", "megatron_taper.training.trainer"):
         bad = sorted(m for m in _closure(start) if m.startswith("megatron_taper.inference"))
         assert not bad, f"{start} reaches {bad} at module level"
         anywhere = {m for n in _closure(start) for m in imports_of(n, MODULES[n], MODULES)}

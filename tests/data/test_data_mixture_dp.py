@@ -26,7 +26,7 @@ def _fit_recording(overrides):
     """Trainer(...).fit() that records (global sample index, row) of every micro-batch this rank
     trains on (the prefetch thread reads a few steps ahead: those are left out)."""
     from megatron_taper.config import load_config
-    from megatron_taper.trainer import Trainer
+    from megatron_taper.training.trainer import Trainer
 
     trainer = Trainer(load_config(None, overrides))
     source, seen = trainer.train_source, []

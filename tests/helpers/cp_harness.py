@@ -12,11 +12,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megatron_taper.build import build_run
-from megatron_taper.carried import CarriedRows
 from megatron_taper.config import load_config
 from megatron_taper.models import family
 from megatron_taper.parallel.context import ParallelContext
+from megatron_taper.training.build import build_run
+from megatron_taper.training.carried import CarriedRows
 
 STEPS = 3
 

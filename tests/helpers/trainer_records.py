@@ -21,7 +21,7 @@ def logged(run_dir: str, keys: tuple[str, ...] = ("loss", "grad_norm")) -> dict[
 def fit_all(runs: list[list[str]]) -> list[dict]:
     """Train each complete override list with the Trainer, one after another in this process
     group; rank 0's logged losses and grad norms of each (other ranks: {})."""
-    from megatron_taper.trainer import Trainer
+    from megatron_taper.training.trainer import Trainer
 
     torch.set_num_threads(1)
     out = []

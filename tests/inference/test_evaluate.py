@@ -33,7 +33,7 @@ def _tool(name):
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory, byte_tokens):
     from megatron_taper.config import load_config
-    from megatron_taper.trainer import Trainer
+    from megatron_taper.training.trainer import Trainer
 
     run = tmp_path_factory.mktemp("evaluate") / "run"
     assert Trainer(load_config(None, MODEL + TRAIN + [f"run.dir={run}", f"data.path={byte_tokens}"])).fit() == 0

@@ -30,7 +30,7 @@ TOL = 1e-5
 
 def _train(overrides):
     from megatron_taper.config import load_config
-    from megatron_taper.trainer import Trainer
+    from megatron_taper.training.trainer import Trainer
 
     return Trainer(load_config(None, overrides)).fit()
 

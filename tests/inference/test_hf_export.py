@@ -60,7 +60,7 @@ def tokenizer(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tapered_run(tmp_path_factory, byte_tokens, tokenizer):
-    from megatron_taper.trainer import Trainer
+    from megatron_taper.training.trainer import Trainer
 
     run = tmp_path_factory.mktemp("hf") / "run"
     overrides = MODEL + TRAIN + [f"run.dir={run}", f"data.path={byte_tokens}", f"data.tokenizer={tokenizer}"]
@@ -122,7 +122,7 @@ def test_uniform_tied_export_is_a_plain_llama(tmp_path):
 def test_llama_imports_trains_and_round_trips(tmp_path, byte_tokens):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from megatron_taper.trainer import Trainer
+    from megatron_taper.training.trainer import Trainer
 
     torch.manual_seed(0)
     hf = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,

@@ -21,12 +21,12 @@ import pytest
 import torch
 
 from megatron_taper.config import load_config
-from megatron_taper.held_out import evaluate_source
 from megatron_taper.inference.evaluate import evaluation_config
 from megatron_taper.inference.generation import SamplingOptions, generate
 from megatron_taper.inference.lm_eval_adapter import MegatronTaperLM
 from megatron_taper.inference.load import load_parallel_weights, open_checkpoint, save_exported
 from megatron_taper.models import build_model
+from megatron_taper.training.held_out import evaluate_source
 
 TOL = 1e-4
 MODEL = ["model.n_layers=2", "model.d_model=32", "model.n_heads=4", "model.n_kv_heads=2", "model.mlp_width=48",
@@ -82,7 +82,7 @@ def _accuracy(lm, docs):
 
 def _our_evaluation_logprob(checkpoint, tokens):
     """-(mean loss x predicted tokens) of megatron_taper.inference.evaluate over `tokens` (one sequence)."""
-    from megatron_taper.build import build_run
+    from megatron_taper.training.build import build_run
 
     ref = open_checkpoint(checkpoint)
     run = build_run(evaluation_config(ref, [], batch_size=1))

@@ -16,9 +16,9 @@ from contextlib import nullcontext
 import pytest
 import torch
 
-from megatron_taper.build import build_run
 from megatron_taper.config import load_config
 from megatron_taper.parallel.context import ParallelContext
+from megatron_taper.training.build import build_run
 from tests.helpers.families import family_cases, refuses
 from tests.helpers.harness import run_distributed
 

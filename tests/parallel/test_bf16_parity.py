@@ -56,7 +56,7 @@ LAYOUTS_2 = {"tp=2": ["parallel.tp=2"], "pp=2": ["parallel.pp=2"], "fsdp2 dp=2":
 
 def _losses(overrides: list[str]) -> list[float]:
     from megatron_taper.config import load_config
-    from megatron_taper.trainer import Trainer
+    from megatron_taper.training.trainer import Trainer
 
     cfg = load_config(None, MODEL + TRAIN + overrides)
     Trainer(cfg).fit()
@@ -121,7 +121,7 @@ def _dtypes(overrides: list[str]) -> dict:
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from megatron_taper.config import load_config
-    from megatron_taper.trainer import Trainer
+    from megatron_taper.training.trainer import Trainer
 
     torch.set_num_threads(1)
     cfg = load_config(None, MODEL + TRAIN + overrides)

@@ -22,11 +22,11 @@ import re
 import pytest
 import torch
 
-from megatron_taper.build import build_run
 from megatron_taper.config import load_config
 from megatron_taper.models import build_model
 from megatron_taper.models.tree_lm import SweepCount, prefixes_after, tree_prefixes, up_sweep
 from megatron_taper.preflight import preflight
+from megatron_taper.training.build import build_run
 from megatron_taper.validation import ConfigError
 from tests.helpers.cp_harness import Tolerances, compare, reference, train
 from tests.helpers.harness import run_distributed

@@ -49,8 +49,8 @@ def _forward_backward_observed(overrides):
     from torch.distributed.tensor import DTensor
     from torch.profiler import profile
 
-    from megatron_taper.build import build_run
     from megatron_taper.config import load_config
+    from megatron_taper.training.build import build_run
 
     pm = build_run(load_config(None, overrides)).model
     tokens = torch.randint(0, 256, (1, 17), generator=torch.Generator().manual_seed(0))

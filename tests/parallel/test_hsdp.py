@@ -97,7 +97,7 @@ def _nan_gradients_on_rank3(overrides):
     import torch.distributed as dist
 
     from megatron_taper.parallel.model import local_part
-    from megatron_taper.trainer import Trainer
+    from megatron_taper.training.trainer import Trainer
 
     trainer = Trainer(load_config(None, overrides))
     pm, calls, loss_fn = trainer.pm, [0], trainer.pm.loss_fn

@@ -30,9 +30,9 @@ MODEL = ["model.n_layers=3", "model.d_model=64", "model.n_heads=4", "model.n_kv_
 def _compare(layouts: list[list[str]]) -> list[dict]:
     """Per layout: the parameter names this rank compared, those that differ from the one-process
     model, and this rank's local element count next to the whole model's."""
-    from megatron_taper.build import build_run
     from megatron_taper.models import build_model
     from megatron_taper.parallel.model import local_part
+    from megatron_taper.training.build import build_run
 
     out = []
     for overrides in layouts:
@@ -81,8 +81,8 @@ def test_tp_x_fsdp2_weights_equal_one_process():
 
 
 def _one_process_run(overrides: list[str]):
-    from megatron_taper.build import build_run
     from megatron_taper.parallel.context import ParallelContext
+    from megatron_taper.training.build import build_run
 
     return build_run(load_config(None, MODEL + overrides), ParallelContext(1, 0, 0, 1, 1, 1, torch.device("cpu")))
 
@@ -131,7 +131,7 @@ def test_materialise_refuses_a_parameter_it_cannot_place():
 
 def test_model_with_buffers_is_built_materialised(monkeypatch):
     """to_empty cannot recreate buffer values: such a model is built whole, with its buffers."""
-    import megatron_taper.build as build
+    import megatron_taper.training.build as build
     from megatron_taper.models import build_model
 
     def with_buffer(model_cfg):

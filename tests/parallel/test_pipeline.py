@@ -30,7 +30,7 @@ TRAIN = ["train.steps=10", "train.global_batch=8", "train.micro_batch=2", "train
 
 def _fit(overrides: list[str]) -> list[dict]:
     """Train with the Trainer (in this process group); the metrics records of rank 0."""
-    from megatron_taper.trainer import Trainer
+    from megatron_taper.training.trainer import Trainer
 
     torch.set_num_threads(1)
     cfg = load_config(None, MODEL + TRAIN + overrides)
@@ -104,7 +104,7 @@ def _batches(step: int, cfg) -> list[torch.Tensor]:
 
 
 def _loop(overrides: list[str], steps: int = 3) -> dict:
-    from megatron_taper.build import build_run
+    from megatron_taper.training.build import build_run
 
     run = build_run(load_config(None, MODEL + TRAIN + overrides))
     cfg, pm, opt = run.cfg, run.model, run.optimizer

@@ -40,7 +40,7 @@ def _loop_dp(overrides: list[str], steps: int = 3, trace: bool = False) -> dict:
     """`steps` steps on batches split over the dp ranks; the dp-mean losses, grad norms, an eval
     loss, the logical weights of this rank's stage and (trace) the backward / reduce-scatter events
     of the last step."""
-    from megatron_taper.build import build_run
+    from megatron_taper.training.build import build_run
 
     torch.set_num_threads(1)
     run = build_run(load_config(None, MODEL + TRAIN + overrides))

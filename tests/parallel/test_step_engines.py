@@ -38,7 +38,7 @@ TRAIN = ["train.steps=10", "train.global_batch=8", "train.micro_batch=2", "train
 def _fit(overrides: list[str]) -> dict:
     """Train with the Trainer (in this process group); rank 0's loss series, and which blocks of
     this rank were recomputed / compiled."""
-    from megatron_taper.trainer import Trainer
+    from megatron_taper.training.trainer import Trainer
 
     torch.set_num_threads(1)
     cfg = load_config(None, MODEL + TRAIN + overrides)

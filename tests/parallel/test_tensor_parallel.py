@@ -15,11 +15,11 @@ from contextlib import nullcontext
 import pytest
 import torch
 
-from megatron_taper.build import build_run
 from megatron_taper.config import load_config
 from megatron_taper.parallel.context import ParallelContext
 from megatron_taper.parallel.tensor import split_sizes
 from megatron_taper.taper import layer_widths
+from megatron_taper.training.build import build_run
 from tests.helpers.harness import run_distributed
 
 pytestmark = pytest.mark.multiprocess

@@ -47,7 +47,7 @@ TOL = 5e-5
 
 def _fit(overrides):
     from megatron_taper.config import load_config
-    from megatron_taper.trainer import Trainer
+    from megatron_taper.training.trainer import Trainer
 
     return Trainer(load_config(None, overrides)).fit()
 
@@ -157,7 +157,7 @@ def _bf16_step(overrides):
     from torch.distributed.tensor import DTensor
 
     from megatron_taper.config import load_config
-    from megatron_taper.trainer import Trainer
+    from megatron_taper.training.trainer import Trainer
 
     trainer = Trainer(load_config(None, overrides))
     block = trainer.pm.module.layers["0"]

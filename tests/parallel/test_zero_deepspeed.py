@@ -174,7 +174,7 @@ def _nonfinite_loss_on_rank1(overrides):
     import torch.distributed as dist
 
     from megatron_taper.config import load_config
-    from megatron_taper.trainer import Trainer
+    from megatron_taper.training.trainer import Trainer
 
     trainer = Trainer(load_config(None, overrides))
     pm, calls = trainer.pm, [0]

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from megatron_taper.console import DEBUG_ENV, report_error
-from megatron_taper.metrics import PERF_KEYS, scalar_tag
 from megatron_taper.train import main
+from megatron_taper.training.metrics import PERF_KEYS, scalar_tag
 from tests.helpers.runner import TINY
 
 STAMP = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d"

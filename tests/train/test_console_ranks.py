@@ -25,7 +25,7 @@ def _train_then_fail(tokens: str, run_dir: str) -> tuple[str, str]:
 
     from megatron_taper.config import load_config
     from megatron_taper.console import report_error
-    from megatron_taper.trainer import Trainer
+    from megatron_taper.training.trainer import Trainer
 
     torch.set_num_threads(1)
     cfg = load_config(None, MODEL + TRAIN + [f"data.path={tokens}", f"run.dir={run_dir}"])

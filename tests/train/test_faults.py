@@ -96,7 +96,7 @@ def test_hang_dead_worker_nan_and_slow_rank_under_torchrun_bitwise(byte_tokens, 
             f"{faulty / 'checkpoints' / 'step-8'} at step 8; data batches 9-9 are skipped") in out, out[-4000:]
     assert {r["ready_s_max_rank"] for r in read_metrics(faulty) if "loss" in r} == {1}
     stacks = (faulty / "logs" / "stacks-rank0.txt").read_text()
-    assert "in section step of step 3" in stacks and "megatron_taper/trainer.py" in stacks
+    assert "in section step of step 3" in stacks and "megatron_taper/training/trainer.py" in stacks
     assert "gloo:all_reduce #" in stacks.split("The last collectives this rank issued")[1]
     events = [json.loads(line) for line in (faulty / "logs" / "faults.jsonl").read_text().splitlines()]
     fired = {e["kind"]: e for e in events if e["event"] == "fired"}

@@ -5,7 +5,7 @@ import torch
 
 from megatron_taper.config import ConfigError, load_config
 from megatron_taper.cost.flops import PEAK_TFLOPS, lookup_peak_tflops, peak_flops
-from megatron_taper.metrics import scalar_tag, scalars
+from megatron_taper.training.metrics import scalar_tag, scalars
 
 
 def test_tags_are_grouped():

@@ -9,7 +9,7 @@ from megatron_taper_tools import convert_checkpoint
 from megatron_taper.data.tokenizer import train_tokenizer
 from megatron_taper.inference.load import open_checkpoint
 from megatron_taper.train import main
-from megatron_taper.trainer import Trainer
+from megatron_taper.training.trainer import Trainer
 from tests.helpers.runner import REPO, TINY
 
 

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from megatron_taper.metrics import PERF_KEYS
 from megatron_taper.train import main
+from megatron_taper.training.metrics import PERF_KEYS
 from tests.helpers.runner import REPO, TINY, losses, read_metrics, train_in_process
 
 pytestmark = pytest.mark.multiprocess

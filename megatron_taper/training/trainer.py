@@ -19,8 +19,6 @@ import time
 import torch
 import torch.distributed as dist
 
-from megatron_taper.build import build_run
-from megatron_taper.carried import CarriedRows
 from megatron_taper.checkpoint.checkpointer import (
     Checkpointer,
     checkpoint_root,
@@ -36,12 +34,14 @@ from megatron_taper.data.sources import build_sources
 from megatron_taper.fault.guard import FaultGuard
 from megatron_taper.fault.rollback import BadSteps, DataSkips
 from megatron_taper.fault.straggler import StragglerWatch
-from megatron_taper.held_out import combined_loss, evaluate_held_out
-from megatron_taper.metrics import MetricsLogger, perplexity, timestamp
 from megatron_taper.models import family
-from megatron_taper.optim import lr_at
 from megatron_taper.parallel.context import ParallelContext, init_parallel, shutdown, world_size
 from megatron_taper.preflight import check_data, preflight
+from megatron_taper.training.build import build_run
+from megatron_taper.training.carried import CarriedRows
+from megatron_taper.training.held_out import combined_loss, evaluate_held_out
+from megatron_taper.training.metrics import MetricsLogger, perplexity, timestamp
+from megatron_taper.training.optim import lr_at
 
 EXIT_BAD_INPUT = 2
 EXIT_REQUEUE = 3

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 import torch.distributed as dist
 
-from megatron_taper.metrics import perplexity
+from megatron_taper.training.metrics import perplexity
 
 if TYPE_CHECKING:
     from megatron_taper.data import BatchSource

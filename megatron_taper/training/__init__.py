@@ -1,0 +1,9 @@
+"""The training loop and what it is built from (the floors of tests/config/test_layering.py).
+
+build.py     build_run: config -> parallel context -> model -> optimizer, preflight once
+trainer.py   the Trainer: steps, evaluation, checkpoints, fault handling, logging
+carried.py   state carried across windows (the bridge's memory along each document)
+held_out.py  the held-out evaluation loop
+metrics.py   metrics.jsonl, tensorboard and wandb writers, MFU and ETA
+optim.py     the optimizer and the learning-rate schedule
+"""
