@@ -73,7 +73,10 @@ def triton_importable() -> bool:
 
 
 def chunk_states_torch(updates: torch.Tensor, log_decays: torch.Tensor, initial: torch.Tensor) -> torch.Tensor:
-    """chunk_states as the segment-sum product (every device)."""
+    """chunk_states as the segment-sum product (every device). Under autocast the product runs in
+    the states' own dtype (fp32 for an fp32 initial state), as the loop's elementwise update did:
+    a bf16 product would round every state passed on."""
     stacked = torch.cat((initial.unsqueeze(2), updates), dim=2).flatten(3)  # [B, H, N+1, E*F]
-    transfer = segment_sums(log_decays).exp().to(stacked.dtype)  # [B, H, N+1, N+1]
-    return (transfer @ stacked).unflatten(-1, initial.shape[-2:])
+    with torch.autocast(stacked.device.type, enabled=False):
+        transfer = segment_sums(log_decays).exp().to(stacked.dtype)  # [B, H, N+1, N+1]
+        return (transfer @ stacked).unflatten(-1, initial.shape[-2:])
