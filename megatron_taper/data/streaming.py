@@ -129,6 +129,7 @@ class ShardReader:
             index = json.load(f)
         if index.get("version") != 2:
             raise ValueError(f"{index_path}: unsupported MDS index version {index.get('version')!r}")
+        check_shard_names(index, index_path)
         self._shards = [reader_from_json(local, split, info) for info in index["shards"]]
         for shard in self._shards:
             shard.validate(False)
@@ -233,6 +234,25 @@ class ShardReader:
                                  f"has {len(self)}: the folder is damaged, rewrite it")
             return lengths
         return LengthTable(np.array([len(self[i]) for i in range(len(self))], np.int64))
+
+
+def check_shard_names(index: dict, index_path: str) -> None:
+    """Every shard file an index names is a plain file name inside its split's folder: the
+    downloader writes to the cache under these names, so `../` or an absolute path in a remote
+    index.json would write outside data.cache_dir (and read outside a local folder)."""
+    shards = index.get("shards")
+    if not isinstance(shards, list):
+        raise ValueError(f"{index_path}: 'shards' is not a list")
+    for i, info in enumerate(shards):
+        for field in ("raw_data", "zip_data"):
+            entry = info.get(field) if isinstance(info, dict) else None
+            if entry is None and field == "zip_data":
+                continue
+            name = entry.get("basename") if isinstance(entry, dict) else None
+            if (not isinstance(name, str) or name in ("", ".", "..") or name != os.path.basename(name)
+                    or "\\" in name or "\0" in name):
+                raise ValueError(f"{index_path}: shards[{i}].{field}.basename={name!r} is not a plain file name "
+                                 f"(a shard must be a file of its split's folder)")
 
 
 def check_shard(path: str, size: int, hashes: dict, where: str) -> None:

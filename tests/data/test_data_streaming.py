@@ -178,6 +178,24 @@ def test_remote_with_cache_matches_local_and_copies_once(dataset, tmp_path):
         src("s3://bucket/data")
 
 
+@pytest.mark.parametrize("name", ["../../../escaped.mds", "/tmp/escaped_abs.mds", "sub/../../escaped.mds", ".."])
+def test_an_index_naming_a_shard_outside_its_folder_is_refused_before_any_copy(dataset, tmp_path, name):
+    """A remote index.json whose shard basename climbs out of the split (or is absolute) would have
+    the downloader write outside data.cache_dir (issue 41): refused naming the file and the field,
+    nothing written."""
+    remote = tmp_path / "remote"
+    shutil.copytree(dataset, remote)
+    index_file = remote / "train" / "index.json"
+    index = json.loads(index_file.read_text())
+    index["shards"][0]["raw_data"]["basename"] = name
+    index_file.write_text(json.dumps(index))
+    cache = tmp_path / "deep" / "er" / "cache"
+    with pytest.raises(ValueError, match=r"index\.json: shards\[0\]\.raw_data\.basename=.* is not a plain file name"):
+        ShardReader(str(remote), "train", str(cache))
+    assert not any(p.name.startswith("escaped") for p in tmp_path.rglob("*"))
+    assert not os.path.exists("/tmp/escaped_abs.mds")
+
+
 def test_remote_shards_are_fetched_ahead_of_the_samples_that_need_them(dataset, tmp_path):
     """After one micro-batch, the shards of this rank's next SAMPLES_AHEAD samples are downloaded
     (in background threads) before any of those samples is drawn; the batches are unchanged."""
