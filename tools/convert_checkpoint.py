@@ -44,7 +44,12 @@ from megatron_taper.checkpoint.checkpointer import (
     load_logical,
     verify_checkpoint,
 )
-from megatron_taper.checkpoint.files import CheckpointReader, iter_full_tensors, write_safetensors_streaming
+from megatron_taper.checkpoint.files import (
+    CheckpointReader,
+    deepspeed_loads_allowlisted,
+    iter_full_tensors,
+    write_safetensors_streaming,
+)
 from megatron_taper.cli import OVERRIDES_HELP, parse_with_overrides
 from megatron_taper.config import from_dict, save_config
 
@@ -77,7 +82,8 @@ def consolidated_state(path: str, source: str = "auto") -> tuple[dict[str, torch
 
     from megatron_taper.parallel.zero_deepspeed import NATIVE_TAG
 
-    state = get_fp32_state_dict_from_zero_checkpoint(native, tag=NATIVE_TAG)
+    with deepspeed_loads_allowlisted():  # zero_to_fp32 unpickles with weights_only=False: allow-listed here
+        state = get_fp32_state_dict_from_zero_checkpoint(native, tag=NATIVE_TAG)
     return dict(state), meta, source
 
 

@@ -15,9 +15,12 @@ intersect its piece. `CheckpointReader.bytes_read` counts what was read.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import importlib
 import json
 import os
+import pickle
 import struct
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -233,3 +236,57 @@ def _numel(shape) -> int:
     for s in shape:
         n *= int(s)
     return n
+
+
+# The classes DeepSpeed's checkpoint files pickle beyond torch's own tensors and containers (found in
+# the files its ZeRO engine writes: the loss scaler objects and the ZeRO stage enum); nothing else in
+# such a file is ever unpickled.
+DEEPSPEED_GLOBALS = ("deepspeed.runtime.fp16.loss_scaler.LossScaler",
+                     "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
+                     "deepspeed.runtime.zero.config.ZeroStageEnum")
+
+
+def load_deepspeed_file(path, map_location=None, **kwargs):
+    """torch.load of one of DeepSpeed's checkpoint files with weights_only and DEEPSPEED_GLOBALS as
+    the only classes allowed beyond torch's: a file whose pickle names any other (a payload that
+    would run code) is refused with a CheckpointError naming the file and that global, before
+    anything in it runs. `kwargs` (e.g. mmap) go to torch.load."""
+    allowed = []
+    for name in DEEPSPEED_GLOBALS:
+        module, attr = name.rsplit(".", 1)
+        allowed.append(getattr(importlib.import_module(module), attr))
+    kwargs.pop("weights_only", None)
+    try:
+        with torch.serialization.safe_globals(allowed):
+            return torch.load(path, map_location=map_location, weights_only=True, **kwargs)
+    except pickle.UnpicklingError as e:
+        reason = next((line.strip() for line in str(e).splitlines() if "GLOBAL" in line or "global" in line),
+                      str(e).splitlines()[0])
+        raise CheckpointError(f"{path}: refused to unpickle a DeepSpeed checkpoint file that names a class "
+                              f"outside the allow-list (checkpoint/files.py DEEPSPEED_GLOBALS): {reason}") from None
+
+
+@contextlib.contextmanager
+def deepspeed_loads_allowlisted():
+    """Inside: every torch.load (DeepSpeed's zero_to_fp32 calls it with weights_only=False) goes
+    through load_deepspeed_file. For command-line tools that hand a checkpoint to DeepSpeed's own
+    readers; the training engine uses a checkpoint engine instead (parallel/zero_deepspeed.py)."""
+    real = torch.load
+
+    def load(f, map_location=None, **kwargs):
+        with swapped(torch, "load", real):
+            return load_deepspeed_file(f, map_location, **kwargs)
+
+    with swapped(torch, "load", load):
+        yield
+
+
+@contextlib.contextmanager
+def swapped(owner, name: str, value):
+    """owner.name = value inside the block, restored after."""
+    before = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, before)

@@ -46,7 +46,14 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from megatron_taper.checkpoint.files import CheckpointError, CheckpointReader, Piece, shard_file
+from megatron_taper.checkpoint.files import (
+    CheckpointError,
+    CheckpointReader,
+    Piece,
+    deepspeed_loads_allowlisted,
+    load_deepspeed_file,
+    shard_file,
+)
 from megatron_taper.parallel.context import ParallelContext
 from megatron_taper.parallel.context_parallel import cp_mean, split_batch
 from megatron_taper.parallel.model import ParallelModel
@@ -420,14 +427,17 @@ class DeepSpeedParallelModel(ParallelModel):
         try:
             for name in self.native_reads(folder, meta):
                 verify(name)
+                # the allow-list before the collective load, so that every rank stops (mmap: no tensor is read)
+                load_deepspeed_file(os.path.join(folder, name), "cpu", mmap=True)
         except CheckpointError as e:
             error = str(e)
         errors: list = [None] * self.ctx.world_size  # engine.load_checkpoint is a collective: all ranks or none
         torch.distributed.all_gather_object(errors, error)
         if any(errors):
             raise CheckpointError(next(e for e in errors if e))
-        path, _ = self.engine.load_checkpoint(os.path.join(folder, NATIVE_DIR), tag=NATIVE_TAG,
-                                              load_optimizer_states=True, load_lr_scheduler_states=False)
+        with deepspeed_loads_allowlisted():  # DeepSpeed's loads run weights_only with an allow-list (files.py)
+            path, _ = self.engine.load_checkpoint(os.path.join(folder, NATIVE_DIR), tag=NATIVE_TAG,
+                                                  load_optimizer_states=True, load_lr_scheduler_states=False)
         if path is None:
             raise ConfigError(f"{folder}: DeepSpeed could not load its checkpoint files")
         return True

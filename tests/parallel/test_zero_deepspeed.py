@@ -166,6 +166,51 @@ def test_convert_checkpoint_from_every_kind(runs, tmp_path):
     assert all(torch.equal(ds_logical[k], ds_native[k]) for k in ds_logical)
 
 
+class _Payload:
+    """Unpickled, this runs a shell command: what a malicious checkpoint file carries."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _poisoned_copy(runs, tmp_path, step: int, marker):
+    """A copy of ds_dp2's step-`step` checkpoint whose rank-1 optimizer-state file is a pickle that
+    runs code, with meta.json's size and sha256 rewritten to match (an attacker who can write the
+    folder can write meta.json too)."""
+    import hashlib
+    import shutil
+
+    folder = tmp_path / f"step-{step}"
+    shutil.copytree(runs["root"] / "ds_dp2" / "checkpoints" / f"step-{step}", folder)
+    victim = next((folder / "deepspeed" / "state").glob("*zero_pp_rank_1_*optim_states.pt"))
+    torch.save({"optimizer_state_dict": _Payload(marker)}, victim)
+    meta = json.loads((folder / "meta.json").read_text())
+    name = victim.relative_to(folder).as_posix()
+    meta["files"][name] = {"size": victim.stat().st_size, "sha256": hashlib.sha256(victim.read_bytes()).hexdigest()}
+    (folder / "meta.json").write_text(json.dumps(meta))
+    return folder, victim
+
+
+def test_a_deepspeed_file_that_would_run_code_is_refused_on_resume_and_by_the_converter(runs, tmp_path):
+    """issue 41: DeepSpeed's loaders unpickle with weights_only=False. Resuming (both ranks) and
+    tools/convert_checkpoint.py --source deepspeed refuse the file, naming it and the global, and
+    the payload's marker file is never written."""
+    marker = tmp_path / "pwned"
+    folder, victim = _poisoned_copy(runs, tmp_path, 5, marker)
+    errors = run_distributed(_fit_error, 2, _args(tmp_path / "run", runs["data"], "parallel.zero=deepspeed",
+                                                  f"run.resume={folder}"), timeout=180, env=ENV)
+    assert all(victim.name in e and "allow-list" in e for e in errors), errors  # both ranks stop
+    assert not marker.exists()
+    proc = subprocess.run([sys.executable, "tools/convert_checkpoint.py", str(folder), "--output",
+                           str(tmp_path / "out"), "--source", "deepspeed"], cwd=REPO, capture_output=True, text=True,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=120)
+    assert proc.returncode != 0 and "allow-list" in proc.stderr and "posix.system" in proc.stderr, proc.stderr[-2000:]
+    assert not marker.exists()
+
+
 def _nonfinite_loss_on_rank1(overrides):
     """3 DeepSpeed steps; in step 2 rank 1's loss is made infinite while its gradients stay finite
     (an infinite constant added): the non-finite policy must skip that step on every rank. Also
