@@ -231,7 +231,16 @@ class Checkpointer:
              explicit: bool) -> tuple[str, dict] | None:
         """Load the first candidate that every rank verifies: (path, trainer state of this rank).
         None when there are no candidates. A failing candidate is an error when `explicit`, else
-        skipped with a warning."""
+        skipped with a warning. The candidates are rank 0's on every rank: a rank whose listing of a
+        shared folder lags (NFS right after a restart) would otherwise resume another step."""
+        listed = _gather_objects(self.ctx, list(candidates))
+        if any(other != listed[0] for other in listed):
+            lagging = [rank for rank, other in enumerate(listed) if other != listed[0]]
+            if self.ctx.is_main:
+                warnings.warn(f"ranks {lagging} list other checkpoints than rank 0 (newest {listed[lagging[0]][:1]} "
+                              f"against {listed[0][:1]}: a shared filesystem's listing lagging?); every rank "
+                              f"follows rank 0's", stacklevel=2)
+            candidates = listed[0]
         first_error = ""
         for path in candidates:
             error, other_model = "", False

@@ -119,3 +119,28 @@ def test_sigkill_during_async_save_keeps_the_previous_checkpoint(tmp_path, byte_
     train_in_process([*args[2:], f"run.dir={run_dir}", "checkpoint.async_save=true"])  # resumes from step-2
     assert _losses(run_dir) == _losses(straight)  # bitwise, every step
     assert sorted(os.listdir(ckpts)) == ["step-2", "step-4", "step-6", "step-8"]
+
+
+def _resumed_step_with_a_lagging_listing(overrides):
+    """Build a Trainer (it resumes on construction) while rank 1's listing of checkpoints/ misses
+    the newest folder, as a shared filesystem's listing can right after a restart: the step it
+    resumed."""
+    from megatron_taper.checkpoint import checkpointer
+    from megatron_taper.config import load_config
+    from megatron_taper.training.trainer import Trainer
+
+    listing = checkpointer.list_checkpoints
+    if os.environ["RANK"] == "1":
+        checkpointer.list_checkpoints = lambda root: listing(root)[:-1]
+    return Trainer(load_config(None, overrides)).step
+
+
+def test_every_rank_resumes_the_step_rank_0_lists(tmp_path, byte_tokens):
+    """issue 41: ranks chose their resume checkpoint each from its own listing, so a lagging one
+    resumed an older step and its fsdp2 shards trained against the others' newer ones. Now every
+    rank follows rank 0's candidates (rank 0 warns, naming the ranks that listed otherwise)."""
+    run = tmp_path / "run"
+    _run(2, run, byte_tokens, "parallel.zero=fsdp2", "checkpoint.interval=2")
+    assert sorted(os.listdir(run / "checkpoints"))[-1] == "step-6"
+    args = MODEL + TRAIN + [f"run.dir={run}", f"data.path={byte_tokens}", "parallel.zero=fsdp2", "train.steps=8"]
+    assert run_distributed(_resumed_step_with_a_lagging_listing, 2, args, timeout=240) == [6, 6]
