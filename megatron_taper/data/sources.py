@@ -51,7 +51,7 @@ def build_sources(data: DataConfig, *, seq_len: int, micro_batch: int, seed: int
                          f"reads one MDS folder or the built-in corpus, not "
                          f"{'data.mix' if data.mix else 'the .npy token file data.path=' + repr(data.path)}")
     if data.mix:
-        return _build_mixture(data, seq_len, mb, seed, dp_rank, dp_size)
+        return _build_mixture(data, seq_len, mb, seed, dp_rank, dp_size, vocab_size)
     path = data.path
     if path.endswith(".npy"):
         from megatron_taper.data.token_file import TokenFileSource
@@ -65,7 +65,7 @@ def build_sources(data: DataConfig, *, seq_len: int, micro_batch: int, seed: int
         from megatron_taper.data.builtin import prepare_builtin_data
 
         path = prepare_builtin_data(os.path.join(default_cache_dir(data), "builtin"), vocab_size)
-    make, has_val = _mds_dataset(data, path, "data.path")
+    make, has_val = _mds_dataset(data, path, "data.path", vocab_size)
 
     def make_split(split: str) -> BatchSource:
         return make(split, seq_len, mb, dp_rank, dp_size, seed)
@@ -74,8 +74,10 @@ def build_sources(data: DataConfig, *, seq_len: int, micro_batch: int, seed: int
     return train, ([HeldOut("", 1.0, lambda: make_split("val"))] if has_val else [])
 
 
-def _mds_dataset(data: DataConfig, path: str, key: str) -> tuple[Callable[..., BatchSource], bool]:
-    """(factory of StreamingSources of the MDS folder `path`, whether it has a val/ split)."""
+def _mds_dataset(data: DataConfig, path: str, key: str,
+                 vocab_size: int | None = None) -> tuple[Callable[..., BatchSource], bool]:
+    """(factory of StreamingSources of the MDS folder `path`, whether it has a val/ split); their
+    documents' token ids are checked against `vocab_size` as they are read."""
     from megatron_taper.data.streaming import RowStreamSource, StreamingSource
 
     if is_remote(path):
@@ -89,7 +91,7 @@ def _mds_dataset(data: DataConfig, path: str, key: str) -> tuple[Callable[..., B
 
     def make(split: str, seq_len: int, mb: int, dp_rank: int, dp_size: int, seed: int,
              rows: int = 0) -> StreamingSource:
-        timeout = {"download_timeout_s": data.download_timeout_s}
+        timeout = {"download_timeout_s": data.download_timeout_s, "vocab_size": vocab_size}
         if rows:
             return RowStreamSource(path, split, seq_len, mb, dp_rank, dp_size, seed, cache, rows=rows, **timeout)
         return StreamingSource(path, split, seq_len, mb, dp_rank, dp_size, seed, cache, **timeout)
@@ -120,11 +122,11 @@ def check_local_dataset(path: str, key: str = "data.path") -> None:
 
 
 def _build_mixture(data: DataConfig, seq_len: int, mb: int, seed: int, dp_rank: int,
-                   dp_size: int) -> tuple[BatchSource, list[HeldOut]]:
+                   dp_size: int, vocab_size: int) -> tuple[BatchSource, list[HeldOut]]:
     from megatron_taper.data.mixture import MixSchedule, MixtureSource
 
     names, weights = data.mix_names(), [float(e["weight"]) for e in data.mix]
-    datasets = [_mds_dataset(data, e["path"], f"data.mix[{i}].path") for i, e in enumerate(data.mix)]
+    datasets = [_mds_dataset(data, e["path"], f"data.mix[{i}].path", vocab_size) for i, e in enumerate(data.mix)]
     # every rank reads every source's stream (a mixture sample can come from any of them)
     train = MixtureSource([make("train", seq_len, 1, 0, 1, seed) for make, _ in datasets], names, weights, mb,
                           dp_rank, dp_size)

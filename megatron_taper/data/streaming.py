@@ -107,7 +107,7 @@ class ShardReader:
     """Random access to the documents of one split: `len(reader)` documents, `reader[i]` tokens."""
 
     def __init__(self, path: str, split: str, cache_dir: str | None = None,
-                 download_timeout_s: float = DOWNLOAD_TIMEOUT_S) -> None:
+                 download_timeout_s: float = DOWNLOAD_TIMEOUT_S, vocab_size: int | None = None) -> None:
         import_streaming()
         from streaming.base.format import reader_from_json
         from streaming.base.stream import Stream
@@ -116,6 +116,7 @@ class ShardReader:
             raise ValueError(f"data.path={path} is remote and needs a local cache folder (data.cache_dir)")
         self.where = f"{path.rstrip('/')}/{split}"
         self.download_timeout_s = download_timeout_s
+        self.vocab_size = vocab_size  # every document's ids are checked against it when read (None: not)
         remote = path if cache_dir else None
         local = cache_folder(cache_dir, path) if cache_dir else path
         self._split_dir = os.path.join(local, split)
@@ -168,7 +169,12 @@ class ShardReader:
         # MDS raw shard: [num_samples: u32][offsets: u32 x (num_samples + 1)][samples]; the
         # library's reader reopens the file per sample, a kept mapping is ~2x faster per document.
         sample = data[int(offsets[idx]):int(offsets[idx + 1])]
-        return self._shards[shard_id].decode_sample(sample)[TOKENS_COLUMN]
+        tokens = self._shards[shard_id].decode_sample(sample)[TOKENS_COLUMN]
+        if self.vocab_size is not None and len(tokens) and int(tokens.max()) >= self.vocab_size:
+            shard = self._shards[shard_id].raw_data.basename
+            raise ValueError(f"{self.where}/{shard}: document {idx} holds token id {int(tokens.max())}, outside "
+                             f"model.vocab_size={self.vocab_size} (shards written with another tokenizer?)")
+        return tokens
 
     def _fetch_index(self, remote_split: str) -> None:
         from streaming.base.storage.download import CloudDownloader
@@ -282,7 +288,7 @@ class StreamingSource:
 
     def __init__(self, path: str, split: str, seq_len: int, micro_batch: int, dp_rank: int, dp_size: int,
                  seed: int, cache_dir: str | None = None, shuffle: bool = True, block_docs: int = BLOCK_DOCS,
-                 download_timeout_s: float = DOWNLOAD_TIMEOUT_S) -> None:
+                 download_timeout_s: float = DOWNLOAD_TIMEOUT_S, vocab_size: int | None = None) -> None:
         for key, value, low in (("model.seq_len", seq_len, 1), ("train.micro_batch", micro_batch, 1),
                                 ("dp_size", dp_size, 1), ("dp_rank", dp_rank, 0), ("train.seed", seed, 0),
                                 ("block_docs", block_docs, 1)):
@@ -292,7 +298,7 @@ class StreamingSource:
             raise ValueError(f"dp_rank={dp_rank} must be < dp_size={dp_size}")
         self.split, self.seq_len, self.micro_batch = split, seq_len, micro_batch
         self.dp_rank, self.dp_size, self.seed, self.shuffle = dp_rank, dp_size, seed, shuffle
-        self.reader = ShardReader(path, split, cache_dir, download_timeout_s)
+        self.reader = ShardReader(path, split, cache_dir, download_timeout_s, vocab_size)
         self.order = SampleOrder(self.reader.lengths, seq_len, seed, shuffle, block_docs)
         self.num_documents = len(self.reader)
         self.num_tokens = self.order.num_tokens

@@ -178,6 +178,16 @@ def test_remote_with_cache_matches_local_and_copies_once(dataset, tmp_path):
         src("s3://bucket/data")
 
 
+def test_a_token_id_outside_the_vocabulary_names_the_shard_where_it_is_read(dataset):
+    """issue 41: an id >= model.vocab_size crashed ~120 steps in with a bare IndexError (a device
+    assert on CUDA); the reader checks each document it reads and names the shard and document."""
+    reader = ShardReader(dataset, "train", vocab_size=8)
+    with pytest.raises(ValueError, match=r"/train/shard\.\d+\.mds: document \d+ holds token id \d+, outside "
+                                         r"model\.vocab_size=8"):
+        reader[0]
+    assert len(ShardReader(dataset, "train", vocab_size=1 << 20)[0])  # in range: read as before
+
+
 @pytest.mark.parametrize("name", ["../../../escaped.mds", "/tmp/escaped_abs.mds", "sub/../../escaped.mds", ".."])
 def test_an_index_naming_a_shard_outside_its_folder_is_refused_before_any_copy(dataset, tmp_path, name):
     """A remote index.json whose shard basename climbs out of the split (or is absolute) would have
