@@ -52,6 +52,7 @@ from megatron_taper.validation import ConfigError, check_choice
 
 RESERVED = ("recipe",)
 SWEEP_DATA_FILE = "sweep_data.json"
+SWEEP_PARTIAL_FILE = ".sweep_data.partial"  # in OUT/data while a sweep writes it
 DATA_KEYS = ("corpus", "text_mode", "val_fraction")
 
 
@@ -195,6 +196,14 @@ def prepare_data(data: SweepData, log=print) -> None:
     for c in data.corpus:
         if not os.path.exists(c) and not any(ch in c for ch in "*?["):
             raise ConfigError(f"sweep data: corpus {c} does not exist")
+    partial = os.path.join(data.folder, SWEEP_PARTIAL_FILE)
+    if os.path.isdir(data.folder) and os.listdir(data.folder) and not os.path.exists(partial):
+        raise ConfigError(f"{data.folder} exists and was not written by a sweep (no {SWEEP_DATA_FILE} or "
+                          f"{SWEEP_PARTIAL_FILE}): the sweep's data step would replace it; remove it or use "
+                          f"another --out")
+    os.makedirs(data.folder, exist_ok=True)
+    with open(partial, "w"):  # marks the folder as this sweep's until its stamp is written
+        pass
     parent = os.path.dirname(os.path.abspath(data.folder))
     os.makedirs(parent, exist_ok=True)
     prefix = os.path.join(parent, "tokenizer.partial", "spm")

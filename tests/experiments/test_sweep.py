@@ -138,3 +138,19 @@ def test_sweep_only_selects_runs(tmp_path, byte_tokens):
         "taper=uniform,seed=0", "taper=uniform,seed=1", "taper=linear,seed=0", "taper=linear,seed=1"]
     proc = _tool_here(spec, "--out", tmp_path / "o", "--dry-run", "--only", "taper=unifrom")
     assert proc.returncode == 2 and "'unifrom' is not a label of axis taper" in proc.stderr
+
+
+def test_sweep_data_never_replaces_a_folder_it_did_not_write(tmp_path):
+    """issue 41: with a `data:` section, an existing OUT/data that no sweep wrote (no sweep_data.json,
+    no partial marker) was replaced; now the sweep refuses, naming it, and leaves it as it was."""
+    from megatron_taper.sweep import SweepData, prepare_data
+    from megatron_taper.validation import ConfigError
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("some text\n\nmore text\n", encoding="utf-8")
+    mine = tmp_path / "out" / "data"
+    mine.mkdir(parents=True)
+    (mine / "precious.txt").write_text("keep me")
+    with pytest.raises(ConfigError, match="exists and was not written by a sweep"):
+        prepare_data(SweepData((str(corpus),), "paragraph", 0.0, 64, str(mine)), log=lambda *_: None)
+    assert (mine / "precious.txt").read_text() == "keep me"
