@@ -15,7 +15,9 @@ logical tensors) and writes one file; rank 0 gathers the small per-rank indexes 
 so a folder named step-N is complete. Rank 0 never deletes while the others wait in a
 collective: a folder to replace is renamed aside, and deleting it, leftovers of unfinished saves
 (`.tmp-step-*`) and checkpoints beyond `checkpoint.keep` (except the multiples of
-`checkpoint.keep_every`) runs in a thread after the barrier.
+`checkpoint.keep_every`) runs in a thread after the barrier. A run that resumed from an earlier
+step leaves a branch behind: at its first save, checkpoints of later steps are renamed
+`abandoned-step-N` with a warning (never resumed from, never pruned, never deleted by us).
 With `checkpoint.async_save`, the writing runs in a background thread after the copy (from a GPU:
 non-blocking copies into pinned buffers kept for the next save, ParallelModel.checkpoint_pieces); the
 Trainer calls `poll()` every step, and once every rank has finished, the folder is renamed. A
@@ -203,7 +205,12 @@ class Checkpointer:
                 os.rename(p.final, aside)
                 doomed.append(aside)
             os.rename(p.tmp, p.final)
+            set_aside = _set_aside_abandoned(self.root, p.step)
             fsync_file(self.root)
+            if set_aside:
+                warnings.warn(f"checkpoints newer than step {p.step} belong to a branch this run left (it resumed "
+                              f"from an earlier step): renamed to {', '.join(set_aside)} so that neither resume "
+                              f"nor pruning takes them; delete them when they are not wanted", stacklevel=2)
             doomed += _to_prune(self.root, self.options.keep, self.options.keep_every)
             doomed += [os.path.join(self.root, n) for n in os.listdir(self.root)
                        if n.startswith((".tmp-step-", ".trash-")) and os.path.join(self.root, n) not in doomed]
@@ -477,6 +484,21 @@ def _sha256(file: str) -> str:
         for block in iter(lambda: f.read(1 << 22), b""):
             h.update(block)
     return h.hexdigest()
+
+
+def _set_aside_abandoned(root: str, step: int) -> list[str]:
+    """Complete checkpoints of steps after `step` (just saved) are an abandoned branch: renamed
+    abandoned-step-N (not a checkpoint name: auto-resume and pruning skip it). Their new names."""
+    names = []
+    for later, path in list_checkpoints(root):
+        if later > step:
+            n, aside = 0, os.path.join(root, f"abandoned-step-{later}")
+            while os.path.exists(aside):
+                n += 1
+                aside = os.path.join(root, f"abandoned-step-{later}-{n}")
+            os.rename(path, aside)
+            names.append(os.path.basename(aside))
+    return names
 
 
 def _to_prune(root: str, keep: int, keep_every: int = 0) -> list[str]:

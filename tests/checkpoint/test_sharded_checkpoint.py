@@ -144,3 +144,19 @@ def test_every_rank_resumes_the_step_rank_0_lists(tmp_path, byte_tokens):
     assert sorted(os.listdir(run / "checkpoints"))[-1] == "step-6"
     args = MODEL + TRAIN + [f"run.dir={run}", f"data.path={byte_tokens}", "parallel.zero=fsdp2", "train.steps=8"]
     assert run_distributed(_resumed_step_with_a_lagging_listing, 2, args, timeout=240) == [6, 6]
+
+
+def test_resuming_an_earlier_step_sets_the_abandoned_branch_aside(tmp_path, byte_tokens):
+    """issue 41: resuming step-4 explicitly with step-6 and step-7 present, keep=1 pruned by step
+    number: it deleted the new step-5 and the source and kept step-7, which a later auto-resume
+    continued. Now the first save renames the later ones abandoned-step-N (with a warning), prunes
+    this branch only, and an auto-resume continues it."""
+    run = tmp_path / "run"
+    base = MODEL + TRAIN + [f"run.dir={run}", f"data.path={byte_tokens}", "checkpoint.interval=1"]
+    train_in_process(base + ["train.steps=7"])
+    root = run / "checkpoints"
+    branch = train_in_process(base + ["train.steps=5", f"run.resume={root / 'step-4'}", "checkpoint.keep=1"])
+    assert "abandoned-step-6, abandoned-step-7" in branch.stderr
+    assert sorted(os.listdir(root)) == ["abandoned-step-6", "abandoned-step-7", "step-5"]
+    resumed = train_in_process(base + ["train.steps=6", "checkpoint.keep=1"])
+    assert "resumed from:" in resumed.stdout and "step-5 at step 5" in resumed.stdout
