@@ -287,6 +287,9 @@ def load_checkpoint(path: str, model_cfg: ModelConfig, pm: ParallelModel, optimi
     Raises CheckpointError naming the bad file."""
     ctx = pm.ctx
     meta = _read_meta(path)
+    if "trainer.pt" not in meta["files"]:
+        raise CheckpointError(f"{os.path.join(path, 'meta.json')}: lists no trainer.pt (not a training checkpoint, "
+                              f"or an incomplete one)")
     _check_compatible(meta, model_cfg, path)
     def verify(name: str) -> None:  # an engine's own file this rank reads
         if name not in meta["files"]:
@@ -438,10 +441,27 @@ def _read_meta(path: str) -> dict:
     meta_path = os.path.join(path, "meta.json")
     try:
         with open(meta_path) as f:
-            return json.load(f)
+            meta = json.load(f)
     except (OSError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{meta_path}: unreadable checkpoint metadata ({e}); delete the folder or set "
                               f"run.resume to another checkpoint") from None
+    _check_names(meta, meta_path)
+    return meta
+
+
+def _check_names(meta, meta_path: str) -> None:
+    """Every file meta.json names (its files and its tensor records') lies inside the checkpoint
+    folder: a relative path without '..', so that nothing outside it is read."""
+    try:
+        names = list(meta["files"]) + [rec["file"] for entry in meta.get("tensors", {}).values()
+                                        for rec in entry["records"]]
+    except (KeyError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"{meta_path}: malformed checkpoint metadata (at {e!r}); delete the folder or set "
+                              f"run.resume to another checkpoint") from None
+    for name in names:
+        parts = name.replace("\\", "/").split("/") if isinstance(name, str) else []
+        if not parts or os.path.isabs(name) or any(part in ("", ".", "..") for part in parts):
+            raise CheckpointError(f"{meta_path}: names the file {name!r}, which is not inside the checkpoint folder")
 
 
 def _verify(file: str, info: dict) -> None:

@@ -160,3 +160,29 @@ def test_resuming_an_earlier_step_sets_the_abandoned_branch_aside(tmp_path, byte
     assert sorted(os.listdir(root)) == ["abandoned-step-6", "abandoned-step-7", "step-5"]
     resumed = train_in_process(base + ["train.steps=6", "checkpoint.keep=1"])
     assert "resumed from:" in resumed.stdout and "step-5 at step 5" in resumed.stdout
+
+
+def test_metadata_naming_files_outside_the_folder_or_no_trainer_state_is_a_checkpoint_error(tmp_path, byte_tokens):
+    """issue 41: a meta.json without trainer.pt was a KeyError (exit 1) instead of a checkpoint an
+    auto-resume skips for the previous one; a meta.json could name files outside its folder. Both
+    are now CheckpointErrors naming meta.json: the resume falls back to step-2 with a warning, and
+    a name climbing out of the folder is refused before anything is read."""
+    from megatron_taper.checkpoint.checkpointer import verify_checkpoint
+    from megatron_taper.checkpoint.files import CheckpointError
+
+    run = tmp_path / "run"
+    base = MODEL + TRAIN + [f"run.dir={run}", f"data.path={byte_tokens}", "checkpoint.interval=2"]
+    train_in_process(base + ["train.steps=4"])
+    step4 = run / "checkpoints" / "step-4"
+    meta = json.loads((step4 / "meta.json").read_text())
+    del meta["files"]["trainer.pt"]
+    (step4 / "meta.json").write_text(json.dumps(meta))
+    resumed = train_in_process(base + ["train.steps=5"])
+    assert "lists no trainer.pt" in resumed.stderr and "step-2 at step 2" in resumed.stdout
+    step2 = run / "checkpoints" / "step-2"
+    meta = json.loads((step2 / "meta.json").read_text())
+    meta["files"]["../../outside.bin"] = {"size": 1, "sha256": "0"}
+    (step2 / "meta.json").write_text(json.dumps(meta))
+    outside = r"meta\.json: names the file '\.\./\.\./outside\.bin', which is not inside"
+    with pytest.raises(CheckpointError, match=outside):
+        verify_checkpoint(str(step2))
