@@ -16,12 +16,12 @@ from tests.helpers.runner import REPO
 
 SMALL = ["model.n_layers=2", "model.d_model=32", "model.n_heads=2", "model.mlp_width=64", "model.vocab_size=64",
          "model.taper.multiple=16"]
-RECIPES = {"titans": ["model.seq_len=40", "model.titans.chunk_size=8", "model.titans.window=16"],
+RECIPES = {"titans": ["model.seq_len=20", "model.titans.chunk_size=8", "model.titans.window=8"],
            "hope_attention": ["model.seq_len=40"],
            "linear_memory_caching": ["model.seq_len=40", "model.memory_caching.segment=16",
                                      "model.memory_caching.linear_chunk=8"],
-           "deep_memory_caching": ["model.seq_len=40", "model.memory_caching.segment=16",
-                                   "model.titans.chunk_size=8"],
+           "deep_memory_caching": ["model.seq_len=20", "model.memory_caching.segment=8",
+                                   "model.titans.chunk_size=4"],
            "bridge": ["model.seq_len=40", "model.bridge.carry_state=false"]}
 
 
@@ -35,12 +35,10 @@ def test_block_compiles_whole_and_equals_eager_in_float64(family):
     x = torch.randn(2, cfg.seq_len, cfg.d_model, dtype=torch.float64, requires_grad=True)
     cos, sin = (t.double() for t in rope_tables(cfg.seq_len, cfg.head_dim, cfg.rope_theta, x.device))
     torch._dynamo.reset()
-    explained = torch._dynamo.explain(block)(x, cos, sin)
-    assert explained.graph_break_count == 0, explained.break_reasons
     inputs = [x, *block.parameters()]
     eager = block(x, cos, sin)
     want = torch.autograd.grad(eager.square().sum(), inputs, allow_unused=True)
-    compiled = torch.compile(block, backend="aot_eager", fullgraph=True)(x, cos, sin)
+    compiled = torch.compile(block, backend="aot_eager", fullgraph=True)(x, cos, sin)  # fullgraph: a break fails
     got = torch.autograd.grad(compiled.square().sum(), inputs, allow_unused=True)
     torch.testing.assert_close(compiled, eager, rtol=1e-10, atol=1e-12)
     for a, b in zip(got, want):
