@@ -102,3 +102,36 @@ def saved_elements(model, forward, floating_only: bool = False) -> int:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         forward()
     return sum(saved.values())
+
+
+def process_tree(pid: int) -> list[int]:
+    """`pid` and every process below it (from /proc: parents, not process groups, since torchrun
+    starts each worker in a session of its own), parents first."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            ppid = int(stat[stat.rindex(")") + 2:].split()[1])
+            children.setdefault(ppid, []).append(int(entry))
+    tree, todo = [], [pid]
+    while todo:
+        tree.append(todo.pop(0))
+        todo += children.get(tree[-1], [])
+    return tree
+
+
+def kill_tree(pid: int) -> list[int]:
+    """SIGKILL `pid` and every process below it (listed first, killed together); their pids."""
+    import signal
+
+    tree = process_tree(pid)
+    for p in tree:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return tree

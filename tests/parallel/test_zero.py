@@ -20,7 +20,6 @@ directly.
 """
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -30,7 +29,7 @@ import pytest
 import torch
 
 from tests.helpers.harness import run_distributed
-from tests.helpers.runner import REPO
+from tests.helpers.runner import REPO, kill_tree
 
 pytestmark = pytest.mark.multiprocess
 
@@ -141,14 +140,16 @@ def test_fsdp2_sigkill_and_resume_is_bitwise(runs, tmp_path):
     while time.time() < deadline and proc.poll() is None:
         if (run_dir / "checkpoints" / "step-5").is_dir() and (run_dir / "metrics.jsonl").exists() \
                 and 7 in _losses(run_dir):
-            os.killpg(proc.pid, signal.SIGKILL)  # torchrun and both ranks, mid-step
+            tree = kill_tree(proc.pid)  # torchrun and both ranks (each in its own session), mid-step
             killed = True
             break
         time.sleep(0.05)
     proc.wait(30)
     assert killed, f"the run ended before it could be killed:\n{proc.stderr.read()[-3000:]}"
+    assert len(tree) >= 3, tree  # torchrun and its two workers at least
     assert not (run_dir / "checkpoints" / "step-10").exists()
-    subprocess.run(cmd, cwd=REPO, env=env, check=True, capture_output=True, timeout=300)
+    resumed = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, f"the resumed run failed:\n{resumed.stderr[-4000:]}"
     got, straight = _losses(run_dir), _losses(runs["root"] / "fsdp2_dp2")
     assert got == straight  # bitwise: every float equal
 
