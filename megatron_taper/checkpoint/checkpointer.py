@@ -65,7 +65,7 @@ if TYPE_CHECKING:
     from megatron_taper.config import CheckpointConfig
 
 __all__ = ["CheckpointError", "CheckpointWriteError", "Checkpointer", "checkpoint_root", "list_checkpoints",
-           "resume_candidates", "load_checkpoint", "load_logical", "verify_checkpoint"]
+           "resume_candidates", "load_checkpoint", "load_logical", "verify_checkpoint", "broadcast_from_main"]
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 
@@ -187,7 +187,7 @@ class Checkpointer:
         errors = None
         if ctx.is_main:
             errors = "; ".join(f"rank {r}: {res['error']}" for r, res in enumerate(results) if "error" in res)
-        errors = _broadcast_from_main(ctx, errors)
+        errors = broadcast_from_main(ctx, errors)
         if errors:
             raise CheckpointWriteError(f"{p.tmp}: writing the checkpoint failed: " + errors)
         doomed: list[str] = []
@@ -554,7 +554,7 @@ def _gather_to_main(ctx, obj) -> list | None:
     return out
 
 
-def _broadcast_from_main(ctx, obj):
+def broadcast_from_main(ctx, obj):
     if ctx.mesh is None:
         return obj
     box = [obj]

@@ -6,4 +6,5 @@ carried.py   state carried across windows (the bridge's memory along each docume
 held_out.py  the held-out evaluation loop
 metrics.py   metrics.jsonl, tensorboard and wandb writers, MFU and ETA
 optim.py     the optimizer and the learning-rate schedule
+run_lock.py  one job per run folder: the main rank's lock on RUN/.lock
 """

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from megatron_taper.checkpoint.checkpointer import (
     Checkpointer,
+    broadcast_from_main,
     checkpoint_root,
     list_checkpoints,
     load_weights_only,
@@ -42,6 +43,7 @@ from megatron_taper.training.carried import CarriedRows
 from megatron_taper.training.held_out import combined_loss, evaluate_held_out
 from megatron_taper.training.metrics import MetricsLogger, perplexity, timestamp
 from megatron_taper.training.optim import lr_at
+from megatron_taper.training.run_lock import RunLock
 
 EXIT_BAD_INPUT = 2
 EXIT_REQUEUE = 3
@@ -125,6 +127,7 @@ class Trainer:
         self.prefetch: Prefetcher | None = None
         self.data_state: dict | None = None  # the source's state after the last consumed step
         self.stop = stop or StopSignal()
+        self.run_lock: RunLock | None = None  # the main rank's, while this Trainer lives
         self._prepare_run_dir()
         self.metrics = MetricsLogger(cfg.run.dir, self.ctx.is_main, cfg.run.tensorboard, cfg.run.wandb,
                                      cfg.to_dict())
@@ -142,8 +145,18 @@ class Trainer:
     # -- setup ---------------------------------------------------------------------------------
 
     def _prepare_run_dir(self) -> None:
+        """Lock the run folder (main rank; every rank stops when another job holds it), then write
+        config.yaml."""
+        refused = ""
         if self.ctx.is_main:
-            os.makedirs(self.cfg.run.dir, exist_ok=True)
+            try:
+                self.run_lock = RunLock(self.cfg.run.dir)
+            except ConfigError as e:
+                refused = str(e)
+        refused = broadcast_from_main(self.ctx, refused)
+        if refused:
+            raise ConfigError(refused)
+        if self.ctx.is_main:
             save_config(self.cfg, os.path.join(self.cfg.run.dir, "config.yaml"))
         self.ctx.barrier()
 
@@ -293,6 +306,8 @@ class Trainer:
             if self.prefetch is not None:
                 self.prefetch.close()
             self.metrics.close()
+            if self.run_lock is not None:
+                self.run_lock.release()
 
     def save(self, final: bool = False) -> None:
         """Checkpoint the current step; `final`: also wait until it (and any background save) is

@@ -83,6 +83,7 @@ FLOORS = {
     "megatron_taper.fault": 5,
     "megatron_taper.launch_check": 6,
     "megatron_taper.training.build": 6, "megatron_taper.training.held_out": 6, "megatron_taper.training.carried": 6,
+    "megatron_taper.training.run_lock": 6,
     "megatron_taper.plan": 6,
     "megatron_taper.training.trainer": 7, "megatron_taper.train": 8,
     "megatron_taper.inference": 9, "megatron_taper.sweep": 9,

@@ -184,3 +184,20 @@ def test_checkpoint_of_another_model_shape_is_refused(byte_tokens, tmp_path, cap
     err = _resume_error(byte_tokens, run, capsys, "model.d_model=128", "model.taper.start=1.25")
     assert f"{ckpt} was written for another model" in err
     assert "model.d_model: checkpoint 64 vs now 128" in err and "model.taper.start: checkpoint 1.5 vs now 1.25" in err
+
+
+def test_a_second_job_on_a_run_folder_in_use_is_refused_naming_the_holder(byte_tokens, tmp_path):
+    """issue 41: two runs started 3 s apart on one run.dir both trained, interleaving metrics.jsonl
+    and config.yaml. The main rank holds RUN/.lock (flock: freed by the kernel when its process
+    ends, so a dead job's lock is taken over); a second Trainer is refused before writing anything."""
+    from megatron_taper.config import ConfigError, load_config
+    from megatron_taper.training.trainer import Trainer
+
+    overrides = [*TINY, "train.steps=1", "train.device=cpu", f"data.path={byte_tokens}", f"run.dir={tmp_path / 'run'}"]
+    first = Trainer(load_config(str(REPO / "configs/tiny_taper.yaml"), overrides))
+    config_before = (tmp_path / "run" / "config.yaml").read_text()
+    with pytest.raises(ConfigError, match=r"is in use by another job .*\"pid\": " + str(os.getpid())):
+        Trainer(load_config(str(REPO / "configs/tiny_taper.yaml"), overrides + ["train.lr=1e-2"]))
+    assert (tmp_path / "run" / "config.yaml").read_text() == config_before  # the refused one wrote nothing
+    assert first.fit() == 0  # fit releases the lock at its end
+    assert Trainer(load_config(str(REPO / "configs/tiny_taper.yaml"), overrides)).step == 1  # free: it resumes
