@@ -84,6 +84,12 @@ class MemoryCachingConfig:
     linear_conv_kernel: int = 4  # linear_memory: taps of the causal convolution on q, k, v (0 = none)
     linear_decay_init: float = 0.97  # linear_memory: the decay a_t at initialisation
 
+    @property
+    def continues(self) -> bool:
+        """Whether a segment's writes start from the previous segment's end state (checkpoint
+        writes, and the uncached base) rather than from the base's initial state."""
+        return self.variant == "none" or self.write_mode == "checkpoint"
+
     def validate(self, prefix: str) -> None:
         check_choice(f"{prefix}.variant", self.variant, VARIANTS)
         check_choice(f"{prefix}.write_mode", self.write_mode, WRITE_MODES)

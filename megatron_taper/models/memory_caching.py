@@ -93,13 +93,12 @@ class MemoryCachingMixer(nn.Module):
         mc = cfg.memory_caching
         self.memory = memory
         self.variant, self.segment, self.top_k = mc.variant, mc.segment, mc.top_k
-        self.independent = mc.write_mode == "independent"
         self.head_dim = cfg.head_dim
         self.wu = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=False) if mc.variant in GATED else None
         # context parallelism (models/memory_caching_cp.py): the sequence split, or None
         self.context = None
         self.linear = isinstance(memory, LinearMemory)
-        self.continues = mc.variant == "none" or not self.independent  # a slice starts from the last one's state
+        self.continues = mc.continues  # a slice starts from the last one's state
         self.caches = mc.variant != "none"
 
     def forward(self, x: torch.Tensor, *_rope: torch.Tensor) -> torch.Tensor:
@@ -154,10 +153,11 @@ class MemoryCachingMixer(nn.Module):
             state = ([ends[:, :, -1]], []) if self.continues else memory.init_state(batch)
             return reads, [ends], state
         n = -(-total // length)
-        if self.continues and self.variant != "soup" and length % min(memory.chunk_size, length) == 0:
+        plan = deep_scan_plan(self.variant, self.continues, memory.chunk_size, total, length)
+        if plan == "one":
             reads, ends, state = memory.scan_segments(features, handover.start, length)
             return reads, ends, state
-        if not self.continues and self.variant != "soup" and total % length == 0:
+        if plan == "folded":
             folded = tuple(f.unflatten(2, (n, length)).movedim(2, 1).flatten(0, 1) for f in features)
             reads, ends = memory.scan_features(folded, memory.init_state(batch * n))
             reads = reads.unflatten(0, (batch, n)).movedim(1, 2).flatten(2, 3)
@@ -214,6 +214,19 @@ class MemoryCachingMixer(nn.Module):
             return out + (r.unsqueeze(-2) @ mixed).squeeze(-2)
 
         return mix
+
+
+def deep_scan_plan(variant: str, continues: bool, chunk_size: int, total: int, length: int) -> str:
+    """How the deep memory scans `total` tokens in segments of `length` (MemoryCachingMixer.
+    scan_segments; the activation model counts the same): "one" scan when continuing segments are
+    whole chunks (their ends are chunk boundaries), "folded" into the batch when independent
+    segments are whole, else "segments" one by one (also soup, which mixes the cached states into
+    each segment's reads)."""
+    if variant != "soup" and continues and length % min(chunk_size, length) == 0:
+        return "one"
+    if variant != "soup" and not continues and total % length == 0:
+        return "folded"
+    return "segments"
 
 
 def cached_reads(q: torch.Tensor, cache: list[torch.Tensor], residual: bool) -> torch.Tensor:
@@ -293,12 +306,11 @@ def memory_caching_layer_cost(cfg: ModelConfig, width: int, deep: bool) -> Cost:
     if deep:  # projections and read-out of every token, chunks restarting at every segment
         flops = sum(scan_flops(cfg, t) for t in segments)
     else:
-        continues = mc.variant == "none" or mc.write_mode == "checkpoint"
-        flops = seq * linear_projection_flops(cfg) + linear_segments_flops(cfg, seq, segments[0], continues)
+        flops = seq * linear_projection_flops(cfg) + linear_segments_flops(cfg, seq, segments[0], mc.continues)
     flops += 2 * d * h * e * seq if gated else 0  # W_u
     reachable = len(segments) - 1  # cached states some token reads; every token reads all, masked
     if mc.variant == "none" or not reachable:
-        pass
+        pass  # no cached reads
     elif mc.variant == "soup" and deep:  # scores; per segment the cached memories mixed per token, the mixed read
         flops += h * 2 * seq * reachable * e
         flops += h * sum(sum(2 * t * n * x + 2 * t * x for x in io) for n, t in enumerate(segments) if n)
@@ -329,12 +341,13 @@ def mixer_act(cfg: ModelConfig, io: list[int], deep: bool) -> Split:
     d, e, seq, mc = cfg.d_model, cfg.head_dim, cfg.seq_len, cfg.memory_caching
     segments = segment_slices(seq, mc.segment, mc.variant)
     n, length = len(segments), segments[0].stop
-    continues = mc.variant == "none" or mc.write_mode == "checkpoint"
+    continues = mc.continues
     if deep:  # the scans MemoryCachingMixer.scan_segments runs, and 8 head vectors
         size = min(cfg.titans.chunk_size, length)
-        if continues and mc.variant != "soup" and length % size == 0:  # one scan, chunks ending at segment ends
+        plan = deep_scan_plan(mc.variant, continues, cfg.titans.chunk_size, seq, length)
+        if plan == "one":  # chunks ending at segment ends
             scans = [(seq, size)]
-        elif not continues and mc.variant != "soup" and seq % length == 0:  # one per segment, folded in the batch
+        elif plan == "folded":
             scans = [(length, size)] * n
         else:  # segment by segment
             scans = [(s.stop - s.start, min(size, s.stop - s.start)) for s in segments]

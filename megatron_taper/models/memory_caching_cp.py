@@ -213,8 +213,7 @@ def _sizes(mcfg: ModelConfig) -> tuple[bool, bool, bool, int, int]:
         mcfg.head_dim] * 2
     p = sum(i * o for i, o in zip(dims[:-1], dims[1:]))
     taps = mcfg.titans.conv_kernel if deep else mc.linear_conv_kernel
-    continues = mc.variant == "none" or mc.write_mode == "checkpoint"
-    return deep, continues, mc.variant in ("grm", "soup", "ssc"), taps, p
+    return deep, mc.continues, mc.variant in ("grm", "soup", "ssc"), taps, p
 
 
 def segments_per_slice(mcfg: ModelConfig, cp: int) -> int:

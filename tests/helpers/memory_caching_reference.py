@@ -71,7 +71,7 @@ def reference_reads(mixer: MemoryCachingMixer, x: torch.Tensor) -> torch.Tensor:
             cached.append(weights)
             cached_keys.append(torch.stack(seg_keys).mean(0))
             seg_keys = []
-            if mixer.independent:
+            if not mixer.continues:
                 weights, surprise = initial()
         seg_keys.append(k[:, :, t])
         if deep:
