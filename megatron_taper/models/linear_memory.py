@@ -106,7 +106,7 @@ class LinearMemory(nn.Module):
         n = -(-total // length)
         size = min(self.chunk_size, length)
         padded = -(-length // size) * size
-        blocks = [pad_time(f, n * length).unflatten(2, (n, length)) for f in features]  # [B, H, n, L, ...]
+        blocks = [time_blocks(f, length) for f in features]  # [B, H, n, L, ...]
         blocks = [pad_time(f, padded, dim=3) for f in blocks]  # [B, H, n, L', ...]
         if continues:
             flat = tuple(f.flatten(2, 3) for f in blocks)
@@ -131,21 +131,33 @@ def pad_time(t: torch.Tensor, size: int, dim: int = 2) -> torch.Tensor:
     return torch.cat((t, t.new_zeros(*t.shape[:dim], extra, *t.shape[dim + 1:])), dim=dim)
 
 
+def time_blocks(t: torch.Tensor, length: int) -> torch.Tensor:
+    """t [B, H, T, ...] as blocks of `length` along time, the last padded with zeros: [B, H, n, L, ...]."""
+    n = -(-t.shape[2] // length)
+    return pad_time(t, n * length).unflatten(2, (n, length))
+
+
+def chunk_writes(k: torch.Tensor, v: torch.Tensor, log_a: torch.Tensor,
+                 b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per block of C tokens (k, v [..., C, E]; log a, b [..., C]): the log decays summed within
+    the block l [..., C] and its writes from a zero state U = sum_j exp(l_C - l_j) b_j k_j v_j^T
+    [..., E, E]."""
+    lb = log_a.cumsum(-1)
+    weight = (b * (lb[..., -1:] - lb).exp())[..., None]  # [..., C, 1]
+    return lb, (k * weight).transpose(-1, -2) @ v
+
+
 def chunked_scan(features: LinearFeatures, initial: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The chunked form of the module docstring for every chunk at once: reads [B, H, T, E] and
     the states before every chunk and after the last [B, H, N + 1, E, E], from `initial`
     [B, H, E, E]. T is padded to whole chunks of `size` (tokens that neither write nor decay)."""
     k, v, q, log_a, b = features
     total = k.shape[2]
-    chunks = -(-total // size)
-    k, v, q = (pad_time(t, chunks * size).unflatten(2, (chunks, size)) for t in (k, v, q))  # [B, H, N, C, E]
-    log_a, b = (pad_time(t, chunks * size).unflatten(2, (chunks, size)) for t in (log_a, b))  # [B, H, N, C]
-    lb = log_a.cumsum(-1)
+    k, v, q, log_a, b = (time_blocks(t, size) for t in (k, v, q, log_a, b))  # [B, H, N, C, E]; [B, H, N, C]
+    lb, updates = chunk_writes(k, v, log_a, b)  # [B, H, N, C]; [B, H, N, E, E]
     causal = torch.ones(size, size, dtype=torch.bool, device=k.device).tril()
     decay = (lb[..., :, None] - lb[..., None, :]).masked_fill(~causal, -math.inf).exp()  # [B, H, N, C, C]
     scores = (q @ k.transpose(-1, -2)) * decay * b[..., None, :]
-    weight = (b * (lb[..., -1:] - lb).exp())[..., None]  # [B, H, N, C, 1]
-    updates = (k * weight).transpose(-1, -2) @ v  # [B, H, N, E, E]: each chunk's writes from a zero state
     states = chunk_states(updates, lb[..., -1], initial)  # [B, H, N + 1, E, E]
     reads = scores @ v + lb.exp()[..., None] * (q @ states[:, :, :-1])
     return reads.flatten(2, 3)[:, :, :total], states

@@ -57,7 +57,7 @@ from megatron_taper.models.linear_memory import (
     linear_memory_params,
     linear_projection_flops,
     linear_segments_flops,
-    pad_time,
+    time_blocks,
 )
 from megatron_taper.models.spec import FamilySpec
 from megatron_taper.models.titans import (
@@ -183,7 +183,7 @@ class MemoryCachingMixer(nn.Module):
         read, N + i and later); u, k [B, H, T, E]; pooled [B, H, N + n, E] the segments' mean keys."""
         total = k.shape[2]
         n = pooled.shape[2] - before
-        blocks = pad_time(k, n * length).unflatten(2, (n, length))  # [B, H, n, L, E]
+        blocks = time_blocks(k, length)  # [B, H, n, L, E]
         count = torch.arange(1, length + 1, device=k.device, dtype=k.dtype)[:, None]
         running = (blocks.cumsum(3) / count).flatten(2, 3)[:, :, :total]  # online: keys up to t only
         logits = (u * running).sum(-1, keepdim=True)  # [B, H, T, 1]
@@ -244,7 +244,7 @@ def segment_means(k: torch.Tensor, length: int) -> torch.Tensor:
     """The mean of k [B, H, T, E] over each segment of `length` tokens (the last may be shorter): [B, H, n, E]."""
     total = k.shape[2]
     n = -(-total // length)
-    sums = pad_time(k, n * length).unflatten(2, (n, length)).sum(3)
+    sums = time_blocks(k, length).sum(3)
     sizes = torch.full((n, 1), float(length), dtype=k.dtype, device=k.device)
     sizes[-1] = total - (n - 1) * length
     return sums / sizes

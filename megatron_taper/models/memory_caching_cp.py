@@ -137,13 +137,10 @@ def linear_summary(features: tuple, segments: list[slice], pooled: torch.Tensor 
     """What each segment does to a linear memory's state (module doc): log a [B, H, n], U
     [B, H, n, E, E], and the segments' mean keys [B, H, n, E] when given; all segments at once
     (the last, if shorter, padded with tokens that neither write nor decay)."""
-    from megatron_taper.models.linear_memory import pad_time
+    from megatron_taper.models.linear_memory import chunk_writes, time_blocks
 
-    k, v, _, log_a, b = (pad_time(f, len(segments) * segments[0].stop).unflatten(2, (len(segments), -1))
-                         for f in features)  # [B, H, n, L, ...]
-    lb = log_a.cumsum(-1)  # [B, H, n, L]
-    weight = (b * (lb[..., -1:] - lb).exp())[..., None]
-    updates = (k * weight).transpose(-1, -2) @ v
+    k, v, log_a, b = (time_blocks(features[i], segments[0].stop) for i in (0, 1, 3, 4))  # [B, H, n, L, ...]
+    lb, updates = chunk_writes(k, v, log_a, b)
     return (lb[..., -1], updates, *(() if pooled is None else (pooled,)))
 
 
