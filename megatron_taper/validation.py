@@ -32,3 +32,13 @@ def check_range(key: str, value: float, low: float | None, high: float | None,
         hi = "inf" if high is None else f"{high}"
         interval = f"{'(' if open_low or low is None else '['}{lo}, {hi}{')' if open_high or high is None else ']'}"
         raise ConfigError(f"{key}={value} is outside the allowed range {interval}")
+
+
+def inside_folder(name, plain: bool = False) -> bool:
+    """Whether `name`, read from a file (an index, a checkpoint's meta.json), names a path inside
+    the folder it is joined to: relative, no '', '.' or '..' component, no NUL; with `plain`, a
+    bare file name (no folder at all)."""
+    if not isinstance(name, str) or not name or "\0" in name or name.startswith(("/", "\\")):
+        return False
+    parts = name.replace("\\", "/").split("/")
+    return not any(part in ("", ".", "..") for part in parts) and not (plain and len(parts) > 1)

@@ -60,6 +60,7 @@ from megatron_taper.checkpoint.files import (
 )
 from megatron_taper.config import ModelConfig
 from megatron_taper.parallel.model import ParallelModel
+from megatron_taper.validation import inside_folder
 
 if TYPE_CHECKING:
     from megatron_taper.config import CheckpointConfig
@@ -459,8 +460,7 @@ def _check_names(meta, meta_path: str) -> None:
         raise CheckpointError(f"{meta_path}: malformed checkpoint metadata (at {e!r}); delete the folder or set "
                               f"run.resume to another checkpoint") from None
     for name in names:
-        parts = name.replace("\\", "/").split("/") if isinstance(name, str) else []
-        if not parts or os.path.isabs(name) or any(part in ("", ".", "..") for part in parts):
+        if not inside_folder(name):
             raise CheckpointError(f"{meta_path}: names the file {name!r}, which is not inside the checkpoint folder")
 
 

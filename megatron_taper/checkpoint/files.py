@@ -269,8 +269,8 @@ def load_deepspeed_file(path, map_location=None, **kwargs):
 @contextlib.contextmanager
 def deepspeed_loads_allowlisted():
     """Inside: every torch.load (DeepSpeed's zero_to_fp32 calls it with weights_only=False) goes
-    through load_deepspeed_file. For command-line tools that hand a checkpoint to DeepSpeed's own
-    readers; the training engine uses a checkpoint engine instead (parallel/zero_deepspeed.py)."""
+    through load_deepspeed_file: around DeepSpeed's own readers (the engine's load_checkpoint in
+    parallel/zero_deepspeed.py, zero_to_fp32 in tools/convert_checkpoint.py)."""
     real = torch.load
 
     def load(f, map_location=None, **kwargs):

@@ -72,6 +72,7 @@ from filelock import FileLock
 from megatron_taper.data import is_remote
 from megatron_taper.data.order import BLOCK_DOCS, LengthTable, RowStreams, SampleOrder
 from megatron_taper.data.torchvision_compat import import_streaming
+from megatron_taper.validation import inside_folder
 
 TOKENS_COLUMN = "tokens"
 LENGTHS_FILE = "doc_lengths.npy"
@@ -255,8 +256,7 @@ def check_shard_names(index: dict, index_path: str) -> None:
             if entry is None and field == "zip_data":
                 continue
             name = entry.get("basename") if isinstance(entry, dict) else None
-            if (not isinstance(name, str) or name in ("", ".", "..") or name != os.path.basename(name)
-                    or "\\" in name or "\0" in name):
+            if not inside_folder(name, plain=True):
                 raise ValueError(f"{index_path}: shards[{i}].{field}.basename={name!r} is not a plain file name "
                                  f"(a shard must be a file of its split's folder)")
 
