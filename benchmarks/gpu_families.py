@@ -6,8 +6,8 @@
    --micro-batches (4, 16; all families at 4 first, then all at 16), one row per VARIANTS entry:
    eager, compiled (train.compile: each block), compiled with the Triton kernels
    (MEGATRON_TAPER_KERNELS=triton, where the family's eager step reaches a kernel choice; the other
-   rows run the torch form) and compiled + CUDA graphs (skipped: NO_GRAPHS; --graphs runs them
-   through inductor's triton.cudagraphs, what mode="reduce-overhead" sets, patched by this script).
+   rows run the torch form) and compiled + CUDA graphs (train.cuda_graphs: each compiled block
+   replayed as CUDA graphs; skipped on the CPU).
    Before a family's rows, its reference: the compiled Transformer of the same size class
    (transformer_<size>_taper at the family's sequence length; REFERENCE for the tiny ones), unless
    already run. Per row: step time, tokens/s, MFU (gpu_check's conventions), peak allocated and
@@ -73,8 +73,6 @@ from megatron_taper.models import cards  # noqa: E402
 from megatron_taper.models.kernels import state_passing  # noqa: E402
 from megatron_taper.training.trainer import Trainer  # noqa: E402
 
-TINY = ["taper", "gated_attention", "titans", "hope_attention", "linear_memory_caching",
-        "deep_memory_caching", "tree", "bridge"]
 # the 2026-12-04 run's `sized` rows (global batch 8 of micro-batches 4, 2 for the 760M ones), which
 # benchmarks/gpu_predictions.py rebuilds from these names; the speed matrix replaced that part
 SIZED = {  # family -> (recipe, micro-batch)
@@ -87,7 +85,7 @@ SIZED = {  # family -> (recipe, micro-batch)
 # image): the bridge runs within each window there
 EXTRA = {"bridge": ("model.bridge.carry_state=false",)}
 SIZED_VARIANT = {"activation_checkpointing": "none"}
-SMOKE = ["taper", "bridge"]  # --smoke: fp32 parity of these tiny recipes and the first resume
+SMOKE = ["transformer", "bridge"]  # --smoke: fp32 parity of these families' tiny recipes and the first resume
 RESUMED = {"transformer": ("tiny_taper", ["parallel.zero=fsdp2"]), "titans": ("tiny_titans", [])}
 
 # -- the speed matrix --------------------------------------------------------------------------------
@@ -100,7 +98,6 @@ SMOKE_COMPILED = "transformer"  # --smoke compiles this family's row only (the r
 VARIANTS = {"eager": (False, "torch", False), "compiled": (True, "torch", False),
             "compiled_kernels": (True, "triton", False), "compiled_graphs": (True, "torch", True)}
 COMPILED = ("compiled", "compiled_kernels", "compiled_graphs")
-NO_GRAPHS = "no CUDA-graph option in the trainer yet"
 # a family whose same-size Transformer is not transformer_<size>_taper / tiny_taper: the bridge's is
 # its own recipe without the bridge (tiny_bridge_none.yaml), read in windows as the bridge rows are
 REFERENCE = {"bridge": ("tiny_bridge_none", ("data.row_streams=false",))}
@@ -156,7 +153,7 @@ def reference_of(arch: str, recipe: str, seq_len: int) -> tuple[str, tuple[str, 
     return ref, () if load_config(f"configs/{ref}.yaml", []).model.seq_len == seq_len else (f"model.seq_len={seq_len}",)
 
 
-def plan(families: list[str], micro_batches: list[int], smoke: bool, cuda: bool, graphs: bool) -> list[dict]:
+def plan(families: list[str], micro_batches: list[int], smoke: bool, cuda: bool) -> list[dict]:
     """The speed rows in running order, each {"label": the row's fields, "skip": a reason or None}."""
     recipes = family_recipes(tiny=smoke)
     rows, planned = [], set()
@@ -180,9 +177,8 @@ def plan(families: list[str], micro_batches: list[int], smoke: bool, cuda: bool,
                     skip = "--smoke compiles one family's row only (a CPU compile takes 20-40 s)"
                 if kernels == "triton" and not cuda:
                     skip = "the Triton kernels need CUDA"
-                if cuda_graphs and not (graphs and cuda):
-                    skip = NO_GRAPHS + ("; --graphs runs them through inductor's triton.cudagraphs" if cuda
-                                        else "; CUDA graphs need CUDA")
+                if cuda_graphs and not cuda:
+                    skip = "CUDA graphs need CUDA"
                 rows.append({"label": row_label(arch, "family", (recipe, overrides), variant, micro, reference),
                              "skip": skip})
     return rows
@@ -207,24 +203,19 @@ def speed_row(recipe: str, overrides: list[str], variant: str, micro: int, data:
     shape = [f"train.global_batch={micro}", f"train.micro_batch={micro}", f"train.device={device}",
              f"data.path={data}", f"train.precision={'bf16' if cuda else 'fp32'}"]
     extra = [*overrides, f"run.dir={folder}/speed_{index:03d}_{recipe}_{variant}_mb{micro}"]
-    cfg = run_config(f"configs/{recipe}.yaml", shape, folder,
-                     {"activation_checkpointing": "none", "compile": compiled, "overrides": extra}, "none")
+    cfg = run_config(f"configs/{recipe}.yaml", shape, folder, {"activation_checkpointing": "none", "compile": compiled,
+                                                                "cuda_graphs": graphs, "overrides": extra}, "none")
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()
     env = mock.patch.dict(os.environ, {state_passing.KERNELS_ENV: kernels})
-    cudagraphs = contextlib.nullcontext()
-    if graphs:  # what mode="reduce-overhead" sets; only reached with --graphs on CUDA (NO_GRAPHS otherwise)
-        import torch._inductor.config as inductor_config
-
-        cudagraphs = inductor_config.patch({"triton.cudagraphs": True})
     from torch._dynamo.utils import counters
 
     graphs_before = counters["stats"]["unique_graphs"]
     breaks_before = sum(counters["graph_break"].values())
-    with env, cudagraphs:
+    with env:
         trainer = Trainer(cfg)
-        step = functools.partial(train_loss, trainer, graphs)
+        step = functools.partial(train_loss, trainer)
         try:
             dev = trainer.ctx.device
             if cuda:
@@ -279,10 +270,8 @@ def speed_row(recipe: str, overrides: list[str], variant: str, micro: int, data:
             release_memory()
 
 
-def train_loss(trainer: Trainer, graphs: bool) -> torch.Tensor:
+def train_loss(trainer: Trainer) -> torch.Tensor:
     """One Trainer step; its loss, on the device."""
-    if graphs:  # cudagraph trees: a new step, whose forward may overwrite the last one's outputs
-        torch.compiler.cudagraph_mark_step_begin()
     return trainer.train_step()["loss"]
 
 
@@ -421,10 +410,10 @@ def run_speed(report: dict, args, folder: str, device: str, deadline: float, spe
     steps, warmup = (2, 1) if args.smoke else (args.speed_steps, args.warmup)
     report["speed_settings"] = {"families": ordered_families(args.families, args.smoke),
                                 "micro_batches": micro_batches, "steps": steps, "warmup": warmup,
-                                "row_s": args.row_s, "graphs": args.graphs}
+                                "row_s": args.row_s}
     rows, data = report.setdefault("speed", []), {}
     for index, spec in enumerate(plan(report["speed_settings"]["families"], micro_batches, args.smoke,
-                                      device == "cuda", args.graphs)):
+                                      device == "cuda")):
         label, skip = spec["label"], spec["skip"]
         if skip is None and label.get("kernels") == "triton":
             probed = [r.get("kernel_calls") for r in rows if r.get("family") == label["family"]
@@ -468,8 +457,6 @@ def main() -> int:
     parser.add_argument("--speed-steps", type=int, default=5, help="timed steps per speed row")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per speed row (the first: compile)")
     parser.add_argument("--row-s", type=float, default=20.0, help="a row's timed steps stop after this")
-    parser.add_argument("--graphs", action="store_true",
-                        help="run compiled_graphs rows through inductor's triton.cudagraphs (not a trainer option)")
     args = parser.parse_args()
     began = time.perf_counter()
     deadline = began + args.budget_s
@@ -492,9 +479,10 @@ def main() -> int:
             run_speed(report, args, folder, device, deadline - reserve,
                       f"{spent} ({reserve:.0f} s of it kept for parity and resume)" if reserve else spent)
         if "parity" in parts:
-            for family in SMOKE if args.smoke else TINY:
+            tiny = family_recipes(tiny=True)  # every family that has a configs/tiny_*.yaml, registry order
+            for family in [f for f in (SMOKE if args.smoke else ordered_families(None, False)) if f in tiny]:
                 for precision in ("fp32",) if args.smoke else ("fp32", "bf16"):
-                    config = f"configs/tiny_{family}.yaml"
+                    config = f"configs/{tiny[family]}.yaml"
                     if time.perf_counter() > deadline:
                         report.setdefault("parity", []).append({"config": config, "precision": precision,
                                                                 "skipped": spent})

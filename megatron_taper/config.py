@@ -242,6 +242,9 @@ class TrainConfig:
     # in fp32 at once; 0 = the whole micro-batch at once (fp32 copies of all its logits)
     loss_chunk: int = 0
     compile: bool = False  # torch.compile each block (see parallel/block_options.py)
+    # with compile, on CUDA: replay each compiled block as CUDA graphs (inductor's cudagraph trees, what
+    # torch.compile's mode="reduce-overhead" does), removing the host's per-kernel launch cost
+    cuda_graphs: bool = False
     float8: bool = False  # the blocks' linears in float8 through torchao (parallel/float8.py; tp = 1)
     peak_tflops: float = 0.0  # peak TFLOP/s of one device for MFU; 0 = look up (cost/flops.py PEAK_TFLOPS)
 
@@ -262,6 +265,11 @@ class TrainConfig:
         check_choice(f"{prefix}.activation_checkpointing", self.activation_checkpointing,
                      ("none", "full", "selective", "op"))
         check_range(f"{prefix}.ac_every", self.ac_every, 1, None)
+        if self.cuda_graphs and not self.compile:
+            raise ConfigError(f"{prefix}.cuda_graphs=true needs {prefix}.compile=true (the graphs are captured from "
+                              f"the compiled blocks)")
+        if self.cuda_graphs and self.device == "cpu":
+            raise ConfigError(f"{prefix}.cuda_graphs=true needs a CUDA device ({prefix}.device=cpu)")
         if self.global_batch % self.micro_batch:
             raise ConfigError(f"{prefix}.micro_batch={self.micro_batch} must divide "
                               f"{prefix}.global_batch={self.global_batch}")

@@ -61,12 +61,30 @@ def preflight(cfg: Config, world_size: int, widths: Sequence[int] | None = None)
     _check_hsdp(p, dp)
     if t.float8:
         _check_float8(m, p)
+    if t.cuda_graphs:
+        _check_cuda_graphs(p)
     if cfg.run.init_from and p.zero == "deepspeed":
         raise ConfigError("run.init_from with parallel.zero=deepspeed is not supported (DeepSpeed partitions the "
                           "parameters itself); use parallel.zero=fsdp2 or none")
     accumulation = _check_batch(t, dp)
     n_micro = _check_pipeline(m, p, t, dp) if p.pp > 1 else 0
     return Layout(p.pp, dp, p.tp, accumulation, n_micro, p.cp)
+
+
+def _check_cuda_graphs(p: ParallelConfig) -> None:
+    """train.cuda_graphs (parallel/block_options.py): layouts whose blocks see the same parameter
+    memory and one micro-batch's forward and backward in turn."""
+    if p.zero != "none":
+        raise ConfigError(f"train.cuda_graphs=true with parallel.zero={p.zero} is not supported (ZeRO gathers each "
+                          f"block's parameters into new memory every step, which a captured graph cannot read); "
+                          f"use parallel.zero=none or train.cuda_graphs=false")
+    if p.pp > 1:
+        raise ConfigError(f"train.cuda_graphs=true with parallel.pp={p.pp} is not supported (a pipeline schedule runs "
+                          f"later micro-batches' forwards before earlier backwards, each needing its own graph); "
+                          f"use parallel.pp=1 or train.cuda_graphs=false")
+    if p.cp > 1:
+        raise ConfigError(f"train.cuda_graphs=true with parallel.cp={p.cp} is not supported yet (untested); use "
+                          f"parallel.cp=1 or train.cuda_graphs=false")
 
 
 def _check_context_parallel(m: ModelConfig, p: ParallelConfig, t: TrainConfig) -> None:

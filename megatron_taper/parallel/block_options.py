@@ -26,6 +26,15 @@ train.compile
     on the second marks the changed sizes dynamic, so a tapered stack compiles twice rather than
     once per width (measured: 2 graphs for 8 blocks of 6 widths). Collectives inside a block
     (tp) are graph breaks: compiled regions lie between them.
+
+train.cuda_graphs (with compile, CUDA only; preflight refuses it with ZeRO, pipelining or cp)
+    each block compiled with mode="reduce-overhead": inductor records the compiled forward and
+    backward as CUDA graphs (cudagraph trees, one recording per distinct shape) and replays them,
+    so a block costs one graph launch instead of one host call per kernel. ParallelModel marks a
+    new step before each training step and each evaluation batch; within a step, outputs of the
+    previous micro-batch that are still alive (accumulated gradients) make inductor record a
+    further graph rather than overwrite them. Never run on a GPU in this project's tests (CPU:
+    inductor skips the graphs and runs the compiled code).
 """
 from __future__ import annotations
 
@@ -38,9 +47,11 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from megatron_taper.cost.memory import checkpointed_blocks
 
 
-def apply_block_options(model: nn.Module, activation_checkpointing: str, ac_every: int, compile_blocks: bool) -> None:
-    """In place on `model.layers`: recompute (see module doc), then compile. Each block records
-    what it got in `block.options` (a tuple of "recompute", "compile")."""
+def apply_block_options(model: nn.Module, activation_checkpointing: str, ac_every: int, compile_blocks: bool,
+                        cuda_graphs: bool = False) -> None:
+    """In place on `model.layers`: recompute (see module doc), then compile, as CUDA graphs when
+    `cuda_graphs`. Each block records what it got in `block.options` (a tuple of "recompute",
+    "compile", "cuda_graphs")."""
     layers = model.layers
     for block in layers.values():
         block.options = ()
@@ -50,9 +61,10 @@ def apply_block_options(model: nn.Module, activation_checkpointing: str, ac_ever
         block.forward = functools.partial(recompute, block.forward)
         block.options += ("recompute",)
     if compile_blocks:
+        mode = "reduce-overhead" if cuda_graphs else None
         for block in layers.values():
-            block.forward = functools.partial(_compiled, torch.compile(block.forward))
-            block.options += ("compile",)
+            block.forward = functools.partial(_compiled, torch.compile(block.forward, mode=mode))
+            block.options += ("compile", "cuda_graphs") if cuda_graphs else ("compile",)
 
 
 def _recomputed(forward, *args, **kwargs) -> torch.Tensor:

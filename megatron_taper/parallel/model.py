@@ -61,6 +61,9 @@ class ParallelModel:
     # parallel.cp > 1: each sequence split over the cp group (parallel/context_parallel.py); the
     # batches stay whole sequences and are sliced here, and loss_fn gives this rank's share
     split: SequenceSplit | None = None
+    # train.cuda_graphs: the blocks replay CUDA graphs; each step and evaluation batch starts a new
+    # generation of them (torch.compiler.cudagraph_mark_step_begin)
+    cuda_graphs: bool = False
 
     def full_tensor(self, name: str, local: torch.Tensor) -> torch.Tensor:
         """The logical tensor of parameter `name` (or of a state tensor shaped like it). For a
@@ -259,6 +262,8 @@ class ParallelModel:
         """
         total = torch.zeros((), device=self.ctx.device)
         runner = self.dp_module or self.module
+        if self.cuda_graphs:
+            torch.compiler.cudagraph_mark_step_begin()
         for i, tokens in enumerate(micro_batches):
             if carry is not None:
                 carry.before(i)
@@ -280,6 +285,8 @@ class ParallelModel:
         """Mean loss of one micro-batch without gradients (float32 scalar, same on every rank)."""
         tokens = tokens.to(self.ctx.device, non_blocking=True)
         inputs, targets = split_batch(self.split, tokens)
+        if self.cuda_graphs:
+            torch.compiler.cudagraph_mark_step_begin()
         with autocast():
             return cp_mean(self.loss_fn(self.module(inputs), targets).float(), self.split)
 

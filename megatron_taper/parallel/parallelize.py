@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from megatron_taper.config import ConfigError
 from megatron_taper.models import family
 from megatron_taper.parallel.block_options import apply_block_options
 from megatron_taper.parallel.context import ParallelContext
@@ -64,7 +65,10 @@ def parallelize(model: nn.Module, ctx: ParallelContext, model_cfg: ModelConfig, 
         # float8 all-gathers only over NCCL: gloo has no float8 dtype ("Invalid scalar type")
         apply_float8(pm.module, ctx.device,
                      fsdp_all_gather=parallel.zero == "fsdp2" and ctx.dp > 1 and ctx.device.type == "cuda")
-    apply_block_options(pm.module, train.activation_checkpointing, train.ac_every, train.compile)
+    if train.cuda_graphs and ctx.device.type != "cuda":
+        raise ConfigError(f"train.cuda_graphs=true needs a CUDA device (this rank runs on {ctx.device.type})")
+    apply_block_options(pm.module, train.activation_checkpointing, train.ac_every, train.compile, train.cuda_graphs)
+    pm.cuda_graphs = train.cuda_graphs
     if not whole_model:
         return pm  # build_pipeline applies ZeRO once the stage's chunks exist (an FSDP root per chunk)
     return apply_zero(pm, parallel, train)

@@ -78,7 +78,7 @@ def test_gpu_families_smoke(tmp_path):
     assert eager["predicted_step_s"] > 0 and memory["predicted_step_s"] > 0
     skipped = {(r["family"], r["variant"]): r["skipped"] for r in rows if "skipped" in r}
     assert "need CUDA" in skipped[("linear_memory", "compiled_kernels")]
-    assert "no CUDA-graph option" in skipped[("transformer", "compiled_graphs")]
+    assert "CUDA graphs need CUDA" in skipped[("transformer", "compiled_graphs")]
     assert "--smoke" in skipped[("linear_memory", "compiled")]
     goal = next(g for g in report["goals"] if g["family"] == "linear_memory")
     assert goal["met"] is None and "--smoke" in goal["missing"]
