@@ -63,7 +63,6 @@ import contextlib
 import dataclasses
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -345,19 +344,13 @@ def worker(args: argparse.Namespace) -> None:
     else:
         row = whole_model(cfg, args.steps, args.meter)
     row["meter"] = args.meter
-    with open(args.out, "w") as f:
+    with open(os.path.join(args.out, f"rank{int(os.environ.get('RANK', 0))}.json"), "w") as f:
         json.dump(row, f)
     import torch.distributed as dist
 
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def measure(overrides: list[str], mode: str, nproc: int = 1, steps: int = 1, stage: str = "",
@@ -367,31 +360,30 @@ def measure(overrides: list[str], mode: str, nproc: int = 1, steps: int = 1, sta
     threads per process (OMP_NUM_THREADS); else 1 per process when several run, torch's default alone.
     `timing`: glibc's default allocator instead of MALLOC_MMAP_THRESHOLD_ (the peaks are then not
     exact, the step times are those of a training run: the low threshold makes every large
-    allocation a fresh mapping whose pages fault on first touch). `meter`: --meter (rss | tensors)."""
-    port = _free_port()
+    allocation a fresh mapping whose pages fault on first touch). `meter`: --meter (rss | tensors).
+
+    Fresh interpreters on purpose (not megatron_taper/parallel/spawn.py's forked children): glibc
+    reads MALLOC_MMAP_THRESHOLD_ when a process starts, and a child forked from a server that
+    imported torch would start from that server's heap. Several processes are started by torchrun
+    (--standalone: its own store on a free port), as benchmarks/context_parallel.py's are."""
     with tempfile.TemporaryDirectory() as tmp:
-        procs = []
-        for rank in range(nproc):
-            out = os.path.join(tmp, f"rank{rank}.json")
-            cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--out", out, "--mode", mode,
-                   "--steps", str(steps), "--stage", stage, "--stage-layers", str(stage_layers),
-                   "--in-flight", str(in_flight), "--loss-chunk", str(loss_chunk), "--meter", meter,
-                   *(["--full-step"] if full else []), *overrides]
-            env = {**os.environ, "PYTHONPATH": REPO, **({} if timing else {"MALLOC_MMAP_THRESHOLD_": MMAP_THRESHOLD})}
-            env.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(REPO, ".cache", "torch_extensions"))
-            if nproc > 1:
-                env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
-                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-            if threads > 0:
-                env["OMP_NUM_THREADS"] = str(threads)
-            procs.append((subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
-                                           stderr=subprocess.PIPE, text=True), out))
+        worker = [os.path.abspath(__file__), "--worker", "--out", tmp, "--mode", mode, "--steps", str(steps),
+                  "--stage", stage, "--stage-layers", str(stage_layers), "--in-flight", str(in_flight),
+                  "--loss-chunk", str(loss_chunk), "--meter", meter, *(["--full-step"] if full else []), *overrides]
+        launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)] if nproc > 1 else []
+        env = {**os.environ, "PYTHONPATH": REPO, **({} if timing else {"MALLOC_MMAP_THRESHOLD_": MMAP_THRESHOLD})}
+        env.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(REPO, ".cache", "torch_extensions"))
+        if nproc > 1:
+            env["OMP_NUM_THREADS"] = "1"
+        if threads > 0:
+            env["OMP_NUM_THREADS"] = str(threads)
+        proc = subprocess.run([sys.executable, *launcher, *worker], cwd=REPO, env=env, capture_output=True, text=True,
+                              timeout=timeout)
+        if proc.returncode != 0:
+            raise RuntimeError(f"measurement ({mode}, {nproc} processes) failed:\n{proc.stderr[-4000:]}")
         rows = []
-        for proc, out in procs:
-            _, err = proc.communicate(timeout=timeout)
-            if proc.returncode != 0:
-                raise RuntimeError(f"measurement ({mode}, {nproc} processes) failed:\n{err[-4000:]}")
-            with open(out) as f:
+        for rank in range(nproc):
+            with open(os.path.join(tmp, f"rank{rank}.json")) as f:
                 rows.append(json.load(f))
         return rows
 

@@ -39,13 +39,19 @@ from megatron_taper.cost.flops import model_costs
 from megatron_taper.models import build_model
 from megatron_taper.models.layers import cross_entropy
 
-RECIPES = ["configs/tiny_taper.yaml", "configs/tiny_gated_attention.yaml", "configs/tiny_titans.yaml",
-           "configs/tiny_hope_attention.yaml", "configs/tiny_tree.yaml", "configs/tiny_linear_memory_caching.yaml",
-           "configs/tiny_deep_memory_caching.yaml"]
-
-
 TITANS_RECIPE = "configs/tiny_titans.yaml"
 MIB = 2**20
+
+
+def tiny_recipes() -> list[str]:
+    """Every registered family's tiny recipe (gpu_families.family_recipes), in the registry's order."""
+    from megatron_taper.models import cards
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from gpu_families import family_recipes
+
+    tiny = family_recipes("configs", tiny=True)  # relative to the working directory, as --config is
+    return [f"configs/{tiny[arch]}.yaml" for arch in cards() if arch in tiny]
 
 
 def train_step(model, opt, tokens: torch.Tensor) -> None:
@@ -223,7 +229,7 @@ def main() -> None:
     if args.titans_window:
         print(json.dumps({**head, **titans_window(seqs, args.window, args.overrides, args.steps, device)}, indent=1))
         return
-    results = [measure(p, args.overrides, args.steps, args.warmup, device) for p in args.config or RECIPES]
+    results = [measure(p, args.overrides, args.steps, args.warmup, device) for p in args.config or tiny_recipes()]
     print(json.dumps({**head, "results": results}, indent=1))
 
 

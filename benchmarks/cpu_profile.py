@@ -29,12 +29,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from megatron_taper.parallel.spawn import run_distributed
 
 
 def best_of(fn, repeats: int = 5, median: bool = False, before=lambda: None) -> float:
@@ -48,12 +48,6 @@ def best_of(fn, repeats: int = 5, median: bool = False, before=lambda: None) -> 
         fn()
         times.append(time.perf_counter() - t)
     return sorted(times)[len(times) // 2] if median else min(times)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 BLOCK_TOKENS, BLOCK_D, BLOCK_F = 512, 512, 1536
@@ -106,31 +100,24 @@ def op_overhead() -> tuple[float, int]:
     return forward_backward_seconds(cfg, "none", 7) / ops, ops
 
 
-def _blocks(barrier, out, n: int) -> None:
-    torch.set_num_threads(1)
+def _blocks(n: int) -> float:
+    """Seconds of `n` MLP blocks on this rank's one thread, every rank starting together."""
     block = mlp_block()
     block()
-    barrier.wait()
+    dist.barrier()
     start = time.perf_counter()
     for _ in range(n):
         block()
-    out.put(time.perf_counter() - start)
+    return time.perf_counter() - start
 
 
 def oversubscribed_efficiency(cores: int, n: int = 40) -> float:
     """The host's total MLP-block rate with 2 x `cores` one-thread processes over its rate with
     `cores` of them: what the cores lose to switching between more ranks than they have (the
     step-time model's host bound divides by it)."""
-    ctx = mp.get_context("spawn")
     rates = []
     for processes in (cores, 2 * cores):
-        barrier, queue = ctx.Barrier(processes), ctx.Queue()
-        procs = [ctx.Process(target=_blocks, args=(barrier, queue, n)) for _ in range(processes)]
-        for p in procs:
-            p.start()
-        slowest = max(queue.get(timeout=600) for _ in procs)
-        for p in procs:
-            p.join()
+        slowest = max(run_distributed(_blocks, processes, n, timeout=600, device="cpu"))
         rates.append(processes * n / slowest)
     return rates[1] / rates[0]
 
@@ -156,10 +143,9 @@ def median_of(fn, repeats: int = 5) -> float:
     return best_of(fn, repeats, median=True, before=dist.barrier)
 
 
-def _collectives(rank: int, world: int, port: int, numel: int, out) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def _collectives(numel: int) -> dict[str, float]:
+    """On each of the gloo processes (one thread each): seconds of the MLP block and of each collective."""
+    world = dist.get_world_size()
     block = mlp_block()
     dist.barrier()
     seconds = {"block": best_of(block)}  # every process at once: the cores' shared rate
@@ -184,10 +170,8 @@ def _collectives(rank: int, world: int, port: int, numel: int, out) -> None:
     rounds = [(loop(False), loop(True)) for _ in range(3)]
     seconds["compute_step"] = sorted(r[0] for r in rounds)[1]
     seconds["in_loop_small"] = sorted(r[1] - r[0] for r in rounds)[1]
-    if rank == 0:
-        out.put(seconds)
     dist.barrier()
-    dist.destroy_process_group()
+    return seconds
 
 
 def main() -> None:
@@ -209,15 +193,7 @@ def main() -> None:
     src = torch.ones(numel)
     dst = torch.empty_like(src)
     copy_s = best_of(lambda: dst.copy_(src))
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_collectives, args=(r, 2, port, numel, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    coll = queue.get(timeout=600)
-    for p in procs:
-        p.join()
+    coll = run_distributed(_collectives, 2, numel, timeout=600, device="cpu")[0]  # rank 0's figures
     nbytes = 4 * numel
     # bus bandwidth of 2 ranks: ring all-reduce moves 2 (n - 1) / n x bytes, all-gather and
     # reduce-scatter (n - 1) / n x the whole tensor's bytes

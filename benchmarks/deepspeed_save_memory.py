@@ -12,18 +12,17 @@ pieces the rank would write. Prints one JSON object.
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
 import ctypes
 import gc
 import json
 import os
-import queue as queues
-import sys
 import tempfile
 import threading
 import time
 
-import torch.multiprocessing as mp
+from megatron_taper.parallel.spawn import run_distributed
 
 DEFAULT = ["model.n_layers=8", "model.d_model=512", "model.n_heads=8", "model.mlp_width=1536",
            "model.vocab_size=8192", "model.seq_len=64", "model.taper.multiple=32", "train.global_batch=4",
@@ -56,16 +55,14 @@ def peak_during(fn) -> tuple[float, object]:
     return (peak[0] - base) / 2**20, result
 
 
-def worker(rank: int, port: int, folder: str, overrides: list[str], queue) -> None:
-    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-                       "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"})
+def worker(folder: str, overrides: list[str]) -> dict:
+    """On each of the 2 gloo processes: one step, then both ways of collecting the pieces (module doc)."""
     import torch
 
     from megatron_taper.config import load_config
     from megatron_taper.data.sources import build_sources
     from megatron_taper.training.build import build_run
 
-    torch.set_num_threads(1)
     cfg = load_config(None, [*DEFAULT, *overrides, "parallel.zero=deepspeed", f"run.dir={folder}/run",
                              f"data.path={folder}/tokens.npy"])
     run = build_run(cfg)
@@ -88,37 +85,27 @@ def worker(rank: int, port: int, folder: str, overrides: list[str], queue) -> No
     after_mib, after_bytes = peak_during(after)
     before_mib, before_bytes = peak_during(before)
     params = sum(int(p.ds_numel) for p in pm.module.parameters())
-    queue.put((rank, {"params": params, "before_peak_mib": before_mib, "before_written_bytes": before_bytes,
-                      "after_peak_mib": after_mib, "after_written_bytes": after_bytes}))
     torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    return {"params": params, "before_peak_mib": before_mib, "before_written_bytes": before_bytes,
+            "after_peak_mib": after_mib, "after_written_bytes": after_bytes}
 
 
 def main() -> None:
     import numpy as np
 
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    overrides = sys.argv[1:]
+    from megatron_taper.config import load_config
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("overrides", nargs="*", help="key=value config overrides (the model: DEFAULT)")
+    overrides = parser.parse_args().overrides
     with tempfile.TemporaryDirectory() as folder:
         np.save(os.path.join(folder, "tokens.npy"),
                 np.random.default_rng(0).integers(0, 8192, 200_000).astype(np.uint16))
-        ctx = mp.get_context("spawn")
-        queue = ctx.Queue()
-        port = 29000 + os.getpid() % 1000
-        procs = [ctx.Process(target=worker, args=(r, port, folder, overrides, queue)) for r in range(2)]
-        for p in procs:
-            p.start()
-        results = {}
-        while len(results) < len(procs):
-            try:
-                rank, result = queue.get(timeout=1)
-                results[rank] = result
-            except queues.Empty:
-                if any(p.exitcode not in (None, 0) for p in procs):
-                    raise SystemExit("a worker failed (its traceback is above)") from None
-        for p in procs:
-            p.join()
-    print(json.dumps({"benchmark": "deepspeed_save_memory", "dp": 2, "ranks": [results[0], results[1]]}))
+        device = load_config(None, [*DEFAULT, *overrides]).train.device
+        accelerator = os.environ.get("DS_ACCELERATOR", "cpu" if device == "cpu" else "")
+        ranks = run_distributed(worker, 2, folder, overrides, timeout=3600, device=device,
+                                env={"DS_ACCELERATOR": accelerator} if accelerator else {})
+    print(json.dumps({"benchmark": "deepspeed_save_memory", "dp": 2, "ranks": ranks}))
 
 
 if __name__ == "__main__":

@@ -16,9 +16,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import multiprocessing as mp
-import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -28,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_taper.config import load_config
+from megatron_taper.parallel.spawn import run_distributed
 from megatron_taper.training.build import build_run
 
 SHAPE = ["model.n_layers=6", "model.d_model=256", "model.n_heads=4", "model.mlp_width=688",
@@ -86,10 +84,9 @@ def build(overrides: list[str], engine: str, run_dir: str):
     return run
 
 
-def rank_main(rank: int, world: int, port: int, overrides: list[str], steps: int, rounds: int, out) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-    torch.set_num_threads(1)
+def rank_main(overrides: list[str], steps: int, rounds: int) -> dict[str, float]:
+    """On each of the dp processes: the median tokens/s (whole job) of each engine."""
+    rank, world = dist.get_rank(), dist.get_world_size()
     with tempfile.TemporaryDirectory() as tmp:
         runs = {e: build(overrides, e, tmp) for e in ENGINES}
         cfg = runs["ddp"].cfg
@@ -102,9 +99,7 @@ def rank_main(rank: int, world: int, port: int, overrides: list[str], steps: int
         for _ in range(rounds):
             for e in ENGINES:
                 rates[e].append(tokens / timed(step_of[e], runs[e], data, barrier=True))
-    if rank == 0:
-        out.put({e: statistics.median(r) for e, r in rates.items()})
-    dist.destroy_process_group()
+    return {e: statistics.median(r) for e, r in rates.items()}
 
 
 def one_process(overrides: list[str], steps: int, rounds: int) -> float:
@@ -117,28 +112,14 @@ def one_process(overrides: list[str], steps: int, rounds: int) -> float:
         return statistics.median(tokens / timed(engine_step, run, data, barrier=False) for _ in range(rounds))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=rank_main, args=(r, 2, port, args.overrides, args.steps, args.rounds, out))
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    dp2 = out.get(timeout=3600)
-    for p in procs:
-        p.join()
+    device = load_config(None, SHAPE + args.overrides).train.device
+    dp2 = run_distributed(rank_main, 2, args.overrides, args.steps, args.rounds, timeout=3600, device=device)[0]
     single = one_process(args.overrides, args.steps, args.rounds)
     result = {
         "benchmark": "dp_scaling",

@@ -21,10 +21,11 @@
    budget (--budget-s) is spent are reported as skipped, and a variant that reaches the budget
    mid-way stops and reports the steps it timed (`truncated`). torch._dynamo.reset() runs between
    variants, so one compiled variant's caches and recompile limits never reach the next.
-3. NCCL (gloo on a CPU) at world size 1: the process group is initialised in this process and
-   every collective the trainer and checkpointer use (all_reduce sum/avg/max/min, all_gather,
-   reduce_scatter, broadcast, gather_object, broadcast_object_list, barrier) runs once, then a
-   Trainer takes 2 steps with the (1, 1, 1) mesh and writes a checkpoint.
+3. NCCL (gloo on a CPU) at world size 1: in one process started by the shared launcher
+   (megatron_taper/parallel/spawn.py), every collective the trainer and checkpointer use
+   (all_reduce sum/avg/max/min, all_gather, reduce_scatter, broadcast, gather_object,
+   broadcast_object_list, barrier) runs once, then a Trainer takes 2 steps with the (1, 1, 1)
+   mesh and writes a checkpoint.
 
 Every part runs in its own try: a failure is recorded in the JSON (`failed`: the error) and the
 next part runs; the JSON file is rewritten after each part, so a crash keeps what finished.
@@ -53,6 +54,7 @@ import torch
 from megatron_taper.config import load_config
 from megatron_taper.cost.flops import mfu, model_costs, peak_flops
 from megatron_taper.data.corpus import embedded_files
+from megatron_taper.parallel.spawn import run_distributed
 from megatron_taper.training.trainer import Trainer
 
 PARITY_TOL = 1e-4
@@ -218,41 +220,39 @@ def release_memory() -> None:
 
 
 def collectives(folder: str, device: str) -> dict:
-    """World size 1 on NCCL (gloo on the CPU): every collective once, then 2 Trainer steps and a save."""
+    """World size 1 on NCCL (gloo on the CPU), one process of the shared launcher: every collective
+    once, then 2 Trainer steps and a save."""
+    return run_distributed(_collectives_rank, 1, folder, device, timeout=600, device=device, threads=0)[0]
+
+
+def _collectives_rank(folder: str, device: str) -> dict:
     import torch.distributed as dist
 
-    backend = "nccl" if device == "cuda" else "gloo"
-    os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-                       "MASTER_PORT": os.environ.get("GPU_CHECK_PORT", "29533")})
-    dist.init_process_group(backend, world_size=1, rank=0,
-                            device_id=torch.device("cuda", 0) if device == "cuda" else None)
-    try:
-        x = torch.arange(4.0, device=device)
-        for op in (dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.MIN) + (
-                (dist.ReduceOp.AVG,) if backend == "nccl" else ()):
-            dist.all_reduce(x.clone(), op=op)
-        gathered = [torch.empty_like(x)]
-        dist.all_gather(gathered, x)
-        out = torch.empty_like(x)
-        dist.reduce_scatter_tensor(out, x)
-        dist.all_gather_into_tensor(torch.empty_like(x), x)
-        dist.broadcast(x, src=0)
-        objs = [None]
-        dist.gather_object({"a": 1}, objs, dst=0)
-        box = [{"b": 2}]
-        dist.broadcast_object_list(box, src=0)
-        dist.barrier()
-        ok = torch.equal(gathered[0], x) and torch.equal(out, x) and objs == [{"a": 1}] and box == [{"b": 2}]
-        cfg = load_config("configs/tiny_taper.yaml", [
-            "model.vocab_size=256", f"data.path={byte_tokens(folder)}", f"run.dir={folder}/collectives",
-            "run.tensorboard=false", f"train.device={device}", "train.steps=2", "train.log_interval=1",
-            "checkpoint.interval=1", "parallel.zero=fsdp2"])
-        code = Trainer(cfg).fit()
-        saved = sorted(os.listdir(os.path.join(folder, "collectives", "checkpoints")))
-        return {"backend": backend, "world_size": dist.get_world_size(), "collectives_ok": ok,
-                "trainer_exit_code": code, "checkpoints": saved, "ok": ok and code == 0}
-    finally:
-        dist.destroy_process_group()
+    backend = str(dist.get_backend())  # nccl on CUDA, gloo on the CPU (the launcher chose it from the device)
+    x = torch.arange(4.0, device=device)
+    for op in (dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.MIN) + (
+            (dist.ReduceOp.AVG,) if backend == "nccl" else ()):
+        dist.all_reduce(x.clone(), op=op)
+    gathered = [torch.empty_like(x)]
+    dist.all_gather(gathered, x)
+    out = torch.empty_like(x)
+    dist.reduce_scatter_tensor(out, x)
+    dist.all_gather_into_tensor(torch.empty_like(x), x)
+    dist.broadcast(x, src=0)
+    objs = [None]
+    dist.gather_object({"a": 1}, objs, dst=0)
+    box = [{"b": 2}]
+    dist.broadcast_object_list(box, src=0)
+    dist.barrier()
+    ok = torch.equal(gathered[0], x) and torch.equal(out, x) and objs == [{"a": 1}] and box == [{"b": 2}]
+    cfg = load_config("configs/tiny_taper.yaml", [
+        "model.vocab_size=256", f"data.path={byte_tokens(folder)}", f"run.dir={folder}/collectives",
+        "run.tensorboard=false", f"train.device={device}", "train.steps=2", "train.log_interval=1",
+        "checkpoint.interval=1", "parallel.zero=fsdp2"])
+    code = Trainer(cfg).fit()
+    saved = sorted(os.listdir(os.path.join(folder, "collectives", "checkpoints")))
+    return {"backend": backend, "world_size": dist.get_world_size(), "collectives_ok": ok,
+            "trainer_exit_code": code, "checkpoints": saved, "ok": ok and code == 0}
 
 
 def attempt(report: dict, out: str, key: str, fn, *args, append: bool = False, **extra) -> None:

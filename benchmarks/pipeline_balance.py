@@ -25,19 +25,17 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import json
 import os
-import socket
 import statistics
 import sys
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from megatron_taper.config import load_config
+from megatron_taper.parallel.spawn import run_distributed
 
 # Matmul-dominated like real models (at d_model 128 on CPU, norms, RoPE and softmax are a large
 # share of a layer's time and FLOPs predict it poorly; pp_balance=profile is for such cases).
@@ -77,13 +75,11 @@ def compute_timer() -> list[float]:
     return total
 
 
-def _worker(rank: int, port: int, overrides: list[str], steps: int, rounds: int, out_path: str,
-            variants: dict[str, list[str]], world: int) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
+def _worker(overrides: list[str], steps: int, rounds: int, variants: dict[str, list[str]]) -> dict | None:
+    """On each stage's process: every variant's steps; rank 0 returns the report, the others None."""
     from megatron_taper.training.build import build_run
+
+    rank, world = dist.get_rank(), dist.get_world_size()
 
     busy = compute_timer()
     models = {}
@@ -116,6 +112,7 @@ def _worker(rank: int, port: int, overrides: list[str], steps: int, rounds: int,
                 "plan": models[b][1].plan} for b in variants}
     gathered: list = [None] * world
     dist.all_gather_object(gathered, mine)
+    report = None
     if rank == 0:
         report = {}
         for b in variants:
@@ -136,10 +133,8 @@ def _worker(rank: int, port: int, overrides: list[str], steps: int, rounds: int,
                 # 1F1B on free cores: m micro-batches through the slowest stage plus pp - 1 of fill
                 "estimated_step_s_on_free_cores": round(max(busy) * (n_micro + len(busy) - 1) / n_micro, 4),
             }
-        with open(out_path, "w") as f:
-            json.dump(report, f)
     dist.barrier()
-    dist.destroy_process_group()
+    return report
 
 
 def _predicted_busy(parallel, m: int) -> float:
@@ -166,15 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     else:
         variants = {b: [f"parallel.pp_balance={b}"] for b in BALANCES}
     world = cfg.parallel.pp * cfg.parallel.tp
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out_path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"pipeline_balance_{os.getpid()}.json")
-    mp.spawn(_worker, args=(port, args.overrides, args.steps, args.rounds, out_path, variants, world), nprocs=world,
-             join=True)
-    with open(out_path) as f:
-        report = json.load(f)
-    os.remove(out_path)
+    # 1 thread per stage; train.device=cpu in every variant (_worker): gloo
+    report = run_distributed(_worker, world, args.overrides, args.steps, args.rounds, variants, timeout=3600,
+                             device="cpu")[0]
     m = cfg.model
     result = {
         "model": {"n_layers": m.n_layers, "d_model": m.d_model, "mlp_width": m.mlp_width, "seq_len": m.seq_len,

@@ -3,9 +3,9 @@
     python benchmarks/zero_memory.py [--engines fsdp2,deepspeed] [--hsdp] [key=value ...]
 
 Runs one training step of the model (default: 4 layers, d=128, tapered; override with key=value)
-at dp=1 (parallel.zero=none: the unsharded total) and at dp=2 for each engine, each in its own
-torchrun job on CPU/gloo, and prints one JSON object: per engine and rank the bytes this rank
-holds, measured from the live tensors (not computed from shapes):
+at dp=1 (parallel.zero=none: the unsharded total) and at dp=2 for each engine, each on its own
+gloo processes (megatron_taper/parallel/spawn.py) on the CPU, and prints one JSON object: per
+engine and rank the bytes this rank holds, measured from the live tensors (not computed from shapes):
   params_bytes   parameters (fsdp2: the local DTensor shards; deepspeed: the ZeRO partitions
                  `ds_tensor`, with parallel.deepspeed.param_persistence_threshold=0 so that no
                  parameter stays whole)
@@ -24,9 +24,8 @@ import argparse
 import contextlib
 import json
 import os
-import subprocess
-import sys
-import tempfile
+
+from megatron_taper.parallel.spawn import run_distributed
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -46,12 +45,13 @@ def _nbytes(tensors) -> int:
     return total
 
 
-def worker(engine: str, overrides: list[str], out: str) -> None:
+def worker(engine: str, overrides: list[str]) -> list[dict]:
+    """On each rank: one training step; every rank's row (rank order)."""
     import torch
     import torch.distributed as dist
 
     from megatron_taper.config import load_config
-    from megatron_taper.parallel.context import init_parallel, shutdown, world_size
+    from megatron_taper.parallel.context import init_parallel, world_size
     from megatron_taper.preflight import preflight
     from megatron_taper.training.build import build_run
 
@@ -81,41 +81,24 @@ def worker(engine: str, overrides: list[str], out: str) -> None:
         row["master_bytes"] = _nbytes(pm.engine.optimizer.fp32_partitioned_groups_flat)
     else:
         row["optim_bytes"] = _nbytes(v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v))
-    rows = [row]
-    if ctx.mesh is not None:
-        rows = [None] * ctx.world_size
-        dist.all_gather_object(rows, row)
-    if ctx.is_main:
-        with open(out, "w") as f:
-            json.dump(rows, f)
-    shutdown(ctx)
+    rows: list = [None] * ctx.world_size
+    dist.all_gather_object(rows, row)
+    return rows
 
 
 def launch(engine: str, dp: int, overrides: list[str]) -> list[dict]:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "rows.json")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(dp), "--standalone",
-               os.path.abspath(__file__), "--worker", engine, "--out", out, *overrides]
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        env.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(REPO, ".cache", "torch_extensions"))
-        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise SystemExit(f"{engine} dp={dp} failed:\n{proc.stderr[-4000:]}")
-        with open(out) as f:
-            return json.load(f)
+    """One step of `engine` on `dp` gloo processes (the shared launcher, one thread each); the rows."""
+    extensions = os.environ.get("TORCH_EXTENSIONS_DIR", os.path.join(REPO, ".cache", "torch_extensions"))
+    return run_distributed(worker, dp, engine, overrides, timeout=3600, device="cpu",
+                           env={"TORCH_EXTENSIONS_DIR": extensions})[0]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--engines", default="fsdp2,deepspeed")
     parser.add_argument("--hsdp", action="store_true", help="fsdp2 at dp=4: flat and HSDP 2 x 2")
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
-    parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
-    if args.worker:
-        worker(args.worker, args.overrides, args.out)
-        return
     if args.hsdp:  # global_batch 4 over dp = 4
         args.overrides = ["train.micro_batch=1", *args.overrides]
     total = launch("none", 1, args.overrides)[0]

@@ -22,4 +22,6 @@ Per block and data parallel:
     zero.py              ZeRO-3 over dp: fsdp2 (and HSDP)
     zero_deepspeed.py    ZeRO over dp: DeepSpeed
     data_parallel.py     dp without ZeRO: torch DDP (bucketed, overlapped all-reduces)
+Launching:
+    spawn.py             run a function on N local processes in one process group (benchmarks, tests)
 """

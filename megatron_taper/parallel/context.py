@@ -132,6 +132,11 @@ def choose_device(requested: str = "auto") -> torch.device:
     return torch.device("cpu")
 
 
+def process_group_backend(device: torch.device) -> str:
+    """The collective backend of a device: nccl on CUDA, gloo on the CPU."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
 def has_bf16(device: torch.device) -> bool:
     """Whether `device` has bf16 matrix units (TrainConfig.uses_bf16's device half): CUDA that supports it."""
     return device.type == "cuda" and torch.cuda.is_bf16_supported()
@@ -159,7 +164,7 @@ def init_parallel(pcfg: ParallelConfig, device: str = "auto", timeout_s: float =
     if world == 1 and not dist.is_initialized():
         return ParallelContext(1, 0, 0, 1, 1, 1, dev, None)
     if not dist.is_initialized():
-        backend = "nccl" if dev.type == "cuda" else "gloo"
+        backend = process_group_backend(dev)
         timeout = datetime.timedelta(seconds=timeout_s)
         joined = {}
         if "TORCHELASTIC_RUN_ID" in os.environ:
