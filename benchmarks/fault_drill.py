@@ -49,9 +49,10 @@ def launch(nproc: int, args: list[str], fault: str) -> subprocess.CompletedProce
 
 
 def records(run_dir: Path) -> dict:
+    from megatron_taper.metrics_file import read_metrics
+
     latest = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        r = json.loads(line)
+    for r in read_metrics(run_dir / "metrics.jsonl"):
         if "loss" in r:
             latest[r["step"]] = (r["loss"], r["grad_norm"])
     shas = {}

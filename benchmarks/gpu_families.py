@@ -69,6 +69,7 @@ from gpu_check import (  # noqa: E402
 
 from megatron_taper.config import load_config  # noqa: E402
 from megatron_taper.cost.flops import mfu, model_costs, peak_flops  # noqa: E402
+from megatron_taper.metrics_file import read_metrics  # noqa: E402
 from megatron_taper.models import cards  # noqa: E402
 from megatron_taper.models.kernels import state_passing  # noqa: E402
 from megatron_taper.training.trainer import Trainer  # noqa: E402
@@ -382,8 +383,7 @@ def resume(folder: str, device: str, config: str, extra: list[str], steps: int) 
         common.append("train.precision=bf16")
 
     def losses(run: str) -> list[float]:
-        with open(Path(folder) / run / "metrics.jsonl") as f:
-            return [r["loss"] for r in map(json.loads, f) if "loss" in r]
+        return [r["loss"] for r in read_metrics(Path(folder) / run / "metrics.jsonl") if "loss" in r]
 
     codes = [main([*common, f"run.dir={folder}/{config}_straight"]),
              main([*common, f"run.dir={folder}/{config}_split",

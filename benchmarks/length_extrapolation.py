@@ -42,6 +42,7 @@ from arch_throughput import timed_step  # noqa: E402
 from megatron_taper.config import load_config  # noqa: E402
 from megatron_taper.cost.flops import model_costs  # noqa: E402
 from megatron_taper.data.preprocess import is_complete  # noqa: E402
+from megatron_taper.metrics_file import read_metrics  # noqa: E402
 from megatron_taper.models import build_model  # noqa: E402
 from megatron_taper.models.tree_lm import tree_depth  # noqa: E402
 
@@ -116,8 +117,7 @@ def train_and_evaluate(name: str, cfg, overrides: list[str], args: argparse.Name
     n = args.seq_len
     print(f"[{name}] training {args.steps} steps at N={n} into {run_dir}", file=sys.stderr, flush=True)
     run([sys.executable, "-m", "megatron_taper.train", "--config", MODELS[name][0], *overrides], args.threads)
-    with open(run_dir / "metrics.jsonl") as f:
-        steps = [record for record in map(json.loads, f) if "loss" in record]
+    steps = [record for record in read_metrics(run_dir / "metrics.jsonl") if "loss" in record]
     lengths = [n * k for k in (1, 2, 4, 8)]
     results = {}
     for length in lengths:  # one call per length: the batch count keeps the evaluated tokens equal

@@ -5,10 +5,13 @@
 #
 # NPROC is the number of worker processes on this machine, or "auto": the GPUs visible here
 # (CUDA_VISIBLE_DEVICES, else `nvidia-smi -L`), else 1. On one machine torchrun runs with
-# --standalone; launch/train.sbatch runs this script once per node with the settings below.
+# --standalone through python -m megatron_taper.torchrun, whose rendezvous store listens on
+# 127.0.0.1 only (torch's own --standalone store listens on every interface); launch/train.sbatch
+# runs this script once per node with the settings below (c10d rendezvous, see docs/cluster.md).
 #
 # Before torchrun starts, the trainer's checks run once (python -m megatron_taper.launch_check:
-# the layout at NPROC x NNODES processes, data.path, the tokenizer against model.vocab_size).
+# the layout at NPROC x NNODES processes, data.path, the tokenizer against model.vocab_size and
+# the data's own tokenizer, a writable run.dir and checkpoints/).
 #
 # In-job restarts: when a worker fails (killed, an exception, a hang the watchdog detected: exit 4)
 # torchrun stops the others and starts all workers again, up to MAX_RESTARTS times (default 3);
@@ -121,7 +124,7 @@ trap 'rm -rf "$marker_dir"' EXIT
 # keeps this script alive until torchrun has let the workers save.
 trap '' USR1
 trap ':' TERM
-TAPER_MARKER_DIR="$marker_dir" "$py" -m torch.distributed.run \
+TAPER_MARKER_DIR="$marker_dir" "$py" -m megatron_taper.torchrun \
   "${rdzv[@]}" --nproc-per-node="$nproc" --max-restarts="$max_restarts" \
   --no-python bash "$self" --worker "$@"
 rc=$?

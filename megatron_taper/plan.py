@@ -128,9 +128,14 @@ def layout_of(cfg: Config) -> str:
     return " ".join(overrides({key: _get(cfg, key) for key, _ in SEARCH_SPACE}))
 
 
-def reason(error: Exception) -> str:
-    """A refusal with its numbers replaced, so refusals of one kind count together."""
-    text = re.split(r"; |: use | \(", str(error))[0]
+def first_clause(error: Exception | str) -> str:
+    """A refusal up to its advice."""
+    return re.split(r"; |: use ", str(error))[0]
+
+
+def reason(error: Exception | str) -> str:
+    """A refusal's first clause with its numbers replaced, so refusals of one kind count together."""
+    text = re.split(r" \(", first_clause(error))[0]
     return re.sub(r"(?<![\w.])\d+(\.\d+)?(?!\w)", "N", text)[:110]
 
 
@@ -156,7 +161,8 @@ class Prediction:
                  f"dp={x.dp}" + (f"({v['parallel.dp_replicate']}x{x.dp // v['parallel.dp_replicate']})"
                                  if v.get("parallel.dp_replicate", 1) > 1 else ""),
                  *([f"cp={x.cp}" + (" ring" if x.cp_ring else "")] if x.cp > 1 else []),
-                 f"zero={x.zero}", f"micro_batch={x.micro_batch}x{x.microbatches}",
+                 f"zero={x.zero}", f"micro_batch={x.micro_batch} x {x.microbatches} "
+                 + ("pipeline micro-batches" if x.pp > 1 else "accumulation"),
                  f"checkpointing={v.get('train.activation_checkpointing')}"]
         if v.get("train.float8"):
             parts.append("float8")
@@ -173,6 +179,8 @@ class PlanResult:
     layouts: list[Prediction]  # legal and fitting, fastest first
     nearest: Prediction | None  # the legal layout with the smallest peak
     dropped: dict[str, int] = field(default_factory=dict)  # reason -> layouts
+    # reason -> (the first refusal of that kind with its real values, distinct refusals of that kind)
+    examples: dict[str, tuple[str, int]] = field(default_factory=dict)
 
 
 class _PeakRows(dict):
@@ -407,7 +415,10 @@ def search(cfg: Config, gpus: int, memory_gib: float, device: DeviceProfile,
            space: Sequence[tuple[str, tuple[Any, ...]]] = SEARCH_SPACE, usable: float = USABLE_FRACTION,
            cp_min_tokens: int = CP_MIN_TOKENS) -> PlanResult:
     """Every layout of `space` for `cfg` on `gpus` devices of `memory_gib` GiB each (module doc),
-    leaving out cp values that give a rank fewer than `cp_min_tokens` tokens of a sequence."""
+    leaving out cp values that give a rank fewer than `cp_min_tokens` tokens of a sequence. At
+    pp > 1 with parallel.microbatches set, the pipeline micro-batch is global_batch / dp /
+    parallel.microbatches whatever train.micro_batch is: a layout's train.micro_batch is that
+    size, and the train.micro_batch values that give the same layout again count as dropped."""
     limit = usable * memory_gib * GIB
     predictor = Predictor(cfg, device)
     # the train keys vary innermost: a refusal of the other sections' values holds at all of them
@@ -417,6 +428,15 @@ def search(cfg: Config, gpus: int, memory_gib: float, device: DeviceProfile,
     seen: set[tuple] = set()
     sections: dict = {}
     dropped: Counter[str] = Counter()
+    examples: dict[str, tuple[str, set[str]]] = {}
+    predicted: set[tuple] = set()
+
+    def drop(message: str, layouts: int = 1) -> str:
+        kind = reason(message)
+        dropped[kind] += layouts
+        examples.setdefault(kind, (first_clause(message), set()))[1].add(first_clause(message))
+        return kind
+
     legal: list[Prediction] = []
     widths: dict[int, list[int]] = {}  # id of a model section (kept alive by cfg / `sections`) -> its widths
     for row in itertools.product(*(v for k, v in space if not k.startswith("train."))):
@@ -427,17 +447,17 @@ def search(cfg: Config, gpus: int, memory_gib: float, device: DeviceProfile,
         seen.add(marker)
         cp = outer.get("parallel.cp", cfg.parallel.cp)
         if cp > 1 and cfg.model.seq_len // cp < cp_min_tokens:
-            dropped[f"parallel.cp=N leaves fewer than {cp_min_tokens} tokens per rank (not searched)"] += \
-                len(inner_rows)
+            drop(f"parallel.cp={cp} leaves {cfg.model.seq_len // cp} tokens of model.seq_len={cfg.model.seq_len} per "
+                 f"rank, fewer than {cp_min_tokens} (not searched)", len(inner_rows))
             continue
         refused = ""  # a refusal naming no train. key (an error names its keys): it holds at every train value
         for inner in inner_rows:
             values = {**outer, **dict(zip(inner_keys, inner))}
             if values.get("train.float8") and device.fp8_tflops <= 0:
-                dropped[f"train.float8: the {device.profile} profile has no float8 peak"] += 1
+                drop(f"train.float8: the {device.profile} profile has no float8 peak")
                 continue
             if refused:
-                dropped[refused] += 1
+                drop(refused)
                 continue
             try:
                 candidate = with_values(cfg, values, sections)
@@ -447,17 +467,29 @@ def search(cfg: Config, gpus: int, memory_gib: float, device: DeviceProfile,
                     warnings.simplefilter("ignore")
                     dp = preflight(candidate, gpus, widths[id(candidate.model)]).dp
             except ConfigError as e:
-                dropped[reason(e)] += 1
-                refused = "" if "train." in str(e) else reason(e)
+                drop(str(e))
+                refused = "" if "train." in str(e) else str(e)
                 continue
-            legal.append(predictor.predict(candidate, dp, limit))
+            x = predictor.predict(candidate, dp, limit)
+            tried = x.values["train.micro_batch"]
+            x.values["train.micro_batch"] = x.layout.micro_batch
+            if tuple(x.values.items()) in predicted:
+                drop(f"train.micro_batch={tried} at parallel.pp={x.layout.pp}: parallel.microbatches="
+                     f"{x.layout.microbatches} splits the step into micro-batches of {x.layout.micro_batch} "
+                     f"whatever train.micro_batch is (one layout with train.micro_batch={x.layout.micro_batch})")
+                continue
+            predicted.add(tuple(x.values.items()))
+            legal.append(x)
     over = [x for x in legal if not x.fits]
     if over:
-        dropped[f"predicted peak over {usable:.0%} of {memory_gib:g} GiB"] = len(over)
+        kind = f"predicted peak over {usable:.0%} of {memory_gib:g} GiB"
+        dropped[kind] = len(over)
+        examples[kind] = (kind, {kind})
     fitting = sorted((x for x in legal if x.fits), key=lambda x: (x.step.total, x.peak))
     nearest = min(legal, key=lambda x: (x.peak, x.step.total)) if legal else None
-    return PlanResult(gpus, device, limit, len(seen) * len(inner_rows), len(legal), fitting, nearest,
-                      dict(sorted(dropped.items(), key=lambda kv: -kv[1])))
+    order = sorted(dropped.items(), key=lambda kv: -kv[1])
+    return PlanResult(gpus, device, limit, len(seen) * len(inner_rows), len(legal), fitting, nearest, dict(order),
+                      {kind: (examples[kind][0], len(examples[kind][1])) for kind, _ in order})
 
 
 def no_fit_message(result: PlanResult, memory_gib: float) -> str:
@@ -512,27 +544,53 @@ def host_memory_gib() -> float:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
 
 
-def choose_layout(cfg: Config, world: int, local_ranks: int | None = None) -> tuple[Config, str]:
-    """parallel.layout=auto: `cfg` with the fastest predicted layout that fits this machine's
-    device memory per rank (parallel.layout_memory_gb when > 0) at `world` processes
-    (`local_ranks` of them here: local_device), and a line saying why; nothing fits: ConfigError
-    naming the nearest layout."""
+def profile_device(name: str, world: int, local_ranks: int | None = None, measured: str = ""
+                   ) -> tuple[DeviceProfile, float, str]:
+    """The device profile `name` of cost/devices.json (what a job will get, planned from elsewhere:
+    a login node), its memory per rank in GiB and a line naming it; `local_ranks` per node (default:
+    the profile's GPUs per node). The cpu profile: this machine's RAM and cores per node."""
+    known = profiles(measured=measured)
+    if name not in known:
+        raise ConfigError(f"--device {name}: not a device profile of cost/devices.json ({', '.join(sorted(known))})")
+    device = known[name]
+    ranks = local_ranks or device.gpus_per_node or world
+    if device.memory_gb <= 0:
+        cpu, memory, found = local_device("cpu", world, ranks, measured)
+        return cpu, memory, f"--device {name}: {found}"
+    device = dataclasses.replace(device, gpus_per_node=ranks)
+    memory = device.memory_gb * 1e9 / GIB
+    return device, memory, (f"--device {name}: {device.name}, {memory:.1f} GiB, {ranks} per node (cost/devices.json; "
+                            f"not this machine's devices)")
+
+
+def choose_layout(cfg: Config, world: int, local_ranks: int | None = None, device_profile: str = ""
+                  ) -> tuple[Config, str]:
+    """parallel.layout=auto: `cfg` with the fastest predicted layout that fits the device memory
+    per rank (parallel.layout_memory_gb when > 0) at `world` processes (`local_ranks` per node) and
+    a line saying why and for which device; nothing fits: ConfigError naming the nearest layout.
+    The device: this machine's (local_device), or the profile `device_profile` (profile_device)."""
     try:
-        device, memory, found = local_device(cfg.train.device, world, local_ranks, cfg.parallel.layout_profile)
+        if device_profile:
+            device, memory, found = profile_device(device_profile, world, local_ranks, cfg.parallel.layout_profile)
+        else:
+            device, memory, found = local_device(cfg.train.device, world, local_ranks, cfg.parallel.layout_profile)
+    except ConfigError:
+        raise
     except ValueError as e:
         raise ConfigError(f"parallel.layout_profile: {e}") from None
     if cfg.parallel.layout_profile:
         found += f"; measured numbers from {cfg.parallel.layout_profile}"
     if cfg.parallel.layout_memory_gb > 0:
-        memory, found = cfg.parallel.layout_memory_gb, f"parallel.layout_memory_gb={cfg.parallel.layout_memory_gb:g}"
+        memory = cfg.parallel.layout_memory_gb
+        found = f"parallel.layout_memory_gb={memory:g} on {device.name} ({device.profile} profile)"
     result = search(cfg, world, memory, device)
     if not result.layouts:
         raise ConfigError(f"parallel.layout=auto: {no_fit_message(result, memory)}")
     best = result.layouts[0]
     chosen = with_values(cfg, best.values)
     why = (f"layout auto: {best.describe()} ({' '.join(overrides(best.values))}): the fastest predicted of "
-           f"{len(result.layouts)} layouts that fit {memory:.3g} GiB per rank ({found}; {result.legal} legal of "
-           f"{result.candidates}): step {best.step.total:.3g} s, peak {best.peak / GIB:.3g} GiB")
+           f"{len(result.layouts)} layouts that fit {memory:.3g} GiB per rank (planned for {found}; {result.legal} "
+           f"legal of {result.candidates}): step {best.step.total:.3g} s, peak {best.peak / GIB:.3g} GiB")
     if len(result.layouts) > 1:
         second = result.layouts[1]
         why += f"; next {second.describe()} at {second.step.total:.3g} s"

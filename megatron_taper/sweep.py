@@ -28,10 +28,12 @@ inputs refuses to reuse it.
 run and tabulated together (e.g. 4 architectures x 3 tapers, plus more tapers for one
 architecture); a run named twice is run once.
 
-Run r of the grid writes to OUT/runs/<axis=label,...,seed=S>/ (a normal run folder). A run is
-finished when its metrics.jsonl holds `metric` at step train.steps; finished runs are skipped,
-unfinished ones resume from their newest checkpoint (run.resume=auto), so a sweep can be
-restarted at any time. Every run's config is loaded and checked before the first one starts.
+Run r of the grid writes to OUT/runs/<axis=label,...,seed=S>/ (a normal run folder; run locally,
+its console output goes to OUT/logs/<axis=label,...,seed=S>.log). A run is
+finished when its metrics.jsonl holds `metric` at step train.steps (metrics_file.read_metrics: a
+torn last line is skipped with a warning); finished runs are skipped, unfinished ones resume from
+their newest checkpoint (run.resume=auto), so a sweep can be restarted at any time. Every run's
+config is loaded and checked before the first one starts.
 """
 from __future__ import annotations
 
@@ -47,6 +49,7 @@ import yaml
 
 from megatron_taper.config import load_config
 from megatron_taper.data.corpus import TEXT_MODES
+from megatron_taper.metrics_file import read_metrics
 from megatron_taper.training.metrics import perplexity
 from megatron_taper.validation import ConfigError, check_choice
 
@@ -82,6 +85,11 @@ class SweepRun:
     def args(self) -> list[str]:
         """Arguments of `python -m megatron_taper.train` for this run."""
         return ["--config", self.recipe, *self.overrides]
+
+    @property
+    def log_file(self) -> str:
+        """OUT/logs/<name>.log: a local run's console output (the run folder holds only what the trainer writes)."""
+        return os.path.join(os.path.dirname(os.path.dirname(self.run_dir)), "logs", f"{self.name}.log")
 
 
 @dataclass
@@ -307,11 +315,9 @@ def final_record(run: SweepRun, metric: str) -> dict | None:
     if not os.path.exists(path):
         return None
     last = None
-    with open(path) as f:
-        for line in f:
-            record = json.loads(line)
-            if record.get("step") == steps and metric in record:
-                last = record
+    for record in read_metrics(path):
+        if record.get("step") == steps and metric in record:
+            last = record
     return last
 
 

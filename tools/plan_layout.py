@@ -1,9 +1,11 @@
 """Plan a run before launching it: the best layouts of a recipe on N devices, and why the others
 were dropped.
 
-    megatron-taper-plan-layout --config C --gpus N --gpu-memory GIB [--gpus-per-node K]
-        [--device h100|h200|b200|cpu] [--top K] [--json] [key=value ...]
+    megatron-taper-plan-layout --config C (--gpus N | --nodes N) [--device h100|h200|b200|cpu]
+        [--gpus-per-node K] [--gpu-memory GIB] [--top K] [--json] [key=value ...]
     megatron-taper-plan --config C --gpus N ...     (the same: --gpus selects the layout search)
+
+`--nodes N` plans N nodes x `--gpus-per-node` (default: the device's, cost/devices.json) devices.
 
 Every layout of megatron_taper/plan.py's SEARCH_SPACE (tp, pp, schedule and virtual stages, ZeRO
 engine, HSDP replicas, sequence parallelism, context parallelism and its attention, micro-batch
@@ -15,13 +17,15 @@ ranks) and step time (cost/step_time.py, with the device's numbers from cost/dev
 count of layouts dropped per reason. Nothing fits: exit 2 with one error naming the nearest
 layout and the memory it needs. Meta only: no weights are built.
 `--json` prints one object: `device`, `assumptions`, `layouts` (each with `overrides`,
-`peak_gib`, `rank_peaks_gib`, `step_s` and its parts, `tokens_per_s`, `mfu`), `dropped`,
-`candidates`, `legal`.
+`peak_gib`, `rank_peaks_gib`, `step_s` and its parts, `tokens_per_s`, `mfu`), `dropped` (layouts
+per kind of refusal, its numbers as N), `dropped_examples` (per kind, the first refusal with its
+values), `candidates`, `legal`.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import json
 import sys
 import time
@@ -59,7 +63,8 @@ def assumptions(result: PlanResult) -> str:
 
 
 def to_text(result: PlanResult, top: int, seconds: float) -> str:
-    lines = [f"{result.gpus} devices, {assumptions(result)}",
+    nodes = -(-result.gpus // result.device.gpus_per_node) if result.device.gpus_per_node else 1
+    lines = [f"planned for {result.gpus} x {result.device.name} ({nodes} node(s)), {assumptions(result)}",
              f"{result.candidates} layouts tried, {result.legal} legal, {len(result.layouts)} fit "
              f"({seconds:.1f} s)",
              f"{'#':>2} {'step s':>8} {'tok/s':>10} {'MFU':>5} {'peak GiB':>8}  layout"]
@@ -69,9 +74,22 @@ def to_text(result: PlanResult, top: int, seconds: float) -> str:
                      f"{x.describe()}")
         lines.append(f"{'':>38}compute {s.compute:.3g} bubble {s.bubble:.3g} tp {s.tp:.3g} cp {s.cp:.3g} pp {s.pp:.3g} "
                      f"dp {s.dp:.3g} optimizer {s.optimizer:.3g} s; {' '.join(overrides(x.values))}")
-    lines.append("dropped:")
-    lines += [f"{n:>7}  {why}" for why, n in result.dropped.items()]
+    lines.append("dropped (layouts, the first refusal of each kind):")
+    for why, n in result.dropped.items():
+        example, kinds = result.examples.get(why, (why, 1))
+        lines.append(f"{n:>7}  {example}" + (f" (and {kinds - 1} more of this kind)" if kinds > 1 else ""))
     return "\n".join(lines)
+
+
+def _refuse_unknown_options(parser: argparse.ArgumentParser, extra: list[str]) -> None:
+    """A `--name value` that is neither an option of this tool nor a config key (keys are section.key):
+    one error naming the nearest option, not 'unknown key'."""
+    options = [o for action in parser._actions for o in action.option_strings if o.startswith("--")]
+    for override in extra:
+        key = override.split("=", 1)[0]
+        if "." not in key:
+            near = difflib.get_close_matches(f"--{key}", options, n=1)
+            parser.error(f"unknown option --{key}" + (f"; did you mean {near[0]}?" if near else ""))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
                                      allow_abbrev=False, epilog=OVERRIDES_HELP)
     add_config_arguments(parser)
     known = profiles()
-    parser.add_argument("--gpus", type=int, required=True, help="devices (processes) of the run")
+    parser.add_argument("--gpus", type=int, default=0, help="devices (processes) of the run, all nodes together")
+    parser.add_argument("--nodes", type=int, default=0, help="nodes of the run: --gpus is nodes x --gpus-per-node")
     parser.add_argument("--measured-profile", default="", metavar="FILE",
                         help="this cluster's measured device numbers over cost/devices.json's (JSON: "
                              "{\"devices\": {profile: {field: number, \"sources\": {...}}}}; "
@@ -94,11 +113,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if handle_info_flags(args, extra):
             return 0
-        if args.gpus < 1 or args.top < 1 or args.gpu_memory < 0 or args.gpus_per_node < 0:
-            parser.error("--gpus and --top must be at least 1, --gpu-memory and --gpus-per-node not negative")
+        _refuse_unknown_options(parser, extra)
+        if (args.gpus > 0) == (args.nodes > 0):
+            parser.error("give one of --gpus (devices of the run) and --nodes (nodes x --gpus-per-node)")
+        if min(args.gpus, args.nodes) < 0 or args.top < 1 or args.gpu_memory < 0 or args.gpus_per_node < 0:
+            parser.error("--gpus, --nodes and --top must be at least 1, --gpu-memory and --gpus-per-node not negative")
         device = profiles(measured=args.measured_profile)[args.device]
         if args.gpus_per_node:
             device = dataclasses.replace(device, gpus_per_node=args.gpus_per_node)
+        if args.nodes:
+            args.gpus = args.nodes * (device.gpus_per_node or 1)
         # the cpu profile: this machine's RAM shared by the processes
         own = device.memory_gb * 1e9 / GIB if device.memory_gb else host_memory_gib() / args.gpus
         memory = args.gpu_memory or own
@@ -115,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
                           "candidates": result.candidates, "legal": result.legal, "search_s": seconds,
                           "layouts": [layout_json(x) for x in result.layouts[:args.top]],
                           "nearest": layout_json(result.nearest) if result.nearest else None,
-                          "dropped": result.dropped}))
+                          "dropped": result.dropped,
+                          "dropped_examples": {k: example for k, (example, _) in result.examples.items()}}))
     else:
         print(to_text(result, args.top, seconds))
     if not result.layouts:

@@ -19,8 +19,8 @@ pp>1 the pipeline's parallel.microbatches.
 `bottleneck_over_ideal`, `uniform_bottleneck_over_ideal`, the other columns and `memory` (what
 the memory columns assumed).
 
-With `--gpus N` it is the layout search instead (tools/plan_layout.py: the best layouts of the
-recipe on N devices): `megatron-taper-plan --config C --gpus N --gpu-memory GIB ...`.
+With `--gpus N` (or `--nodes N`) it is the layout search instead (tools/plan_layout.py: the best
+layouts of the recipe on N devices): `megatron-taper-plan --config C --gpus N --gpu-memory GIB ...`.
 """
 from __future__ import annotations
 
@@ -148,7 +148,7 @@ def sibling_tool(name: str):
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if any(a == "--gpus" or a.startswith("--gpus=") for a in argv):
+    if any(a.split("=", 1)[0] in ("--gpus", "--nodes", "--gpu") for a in argv):  # --gpu: plan_layout says --gpus
         return sibling_tool("plan_layout").main(argv)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False, epilog=OVERRIDES_HELP)
     add_config_arguments(parser)

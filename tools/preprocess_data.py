@@ -10,7 +10,9 @@ fail with file:line). A non-empty DIR is refused without --overwrite. The output
 only once complete. Inputs are recognised by content and name (megatron_taper.data.readers): text,
 jsonl, parquet, .gz/.zst of text or jsonl, saved `datasets` folders, hf:NAME (`datasets` library);
 --text-key names the field holding the text (a comma-separated list is tried in order); an input
-that yields no document is an error naming it; other binary files are refused, naming the file.
+that yields no document is an error naming it (a text file: a warning); other binary files are refused, naming
+the file. A text input that is not UTF-8 (e.g. Latin-1) is skipped with one warning line naming its first bad
+byte and the iconv command that converts it. Warnings are one `[preprocess] warning:` line each.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import argparse
 import json
 import signal
 import sys
+import warnings
 
 from megatron_taper.data.corpus import SkipLog, add_input_arguments, documents_from_arguments
 from megatron_taper.data.preprocess import preprocess
@@ -46,6 +49,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     skips = SkipLog(strict=args.strict)
     previous = signal.signal(signal.SIGTERM, _terminate)
+    with warnings.catch_warnings():
+        warnings.showwarning = _one_line_warning
+        return _run(args, skips, previous)
+
+
+def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    print(f"[preprocess] warning: {message}", file=sys.stderr, flush=True)
+
+
+def _run(args: argparse.Namespace, skips: SkipLog, previous) -> int:
     try:
         stats = preprocess(
             documents_from_arguments(args, skips), args.tokenizer, args.output, skips=skips, workers=args.workers,

@@ -9,10 +9,11 @@
 
 The sweep file format is in megatron_taper/sweep.py. Locally the unfinished runs go seed by seed
 (every configuration's first seed, then the second, ...), one after another or --jobs at a time
-(`--nproc N` runs each with torchrun on N processes), each logging to RUN/train.log; a failed run
-is reported and the others go on. With --slurm the unfinished runs are submitted as one
-job array of launch/sweep.sbatch (each task is launch/train.sbatch for one run: requeue and resume
-included); arguments after `--` go to sbatch. Collecting writes OUT/results.json,
+(`--nproc N` runs each with torchrun on N processes, its rendezvous store on 127.0.0.1 only:
+megatron_taper.torchrun), each logging to OUT/logs/<run>.log; a failed run is reported and the others
+go on. With --slurm the unfinished runs are submitted as one job array of launch/sweep.sbatch
+(each task is launch/train.sbatch for one run: requeue and resume included); arguments after `--`
+go to sbatch. Collecting writes OUT/results.json,
 OUT/results.md (the table) and OUT/results.png (matplotlib, when installed). Exit status: 0, 1 if
 a run failed, 2 on bad input.
 """
@@ -32,13 +33,13 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run_local(run: SweepRun, nproc: int, env: dict | None = None) -> int:
-    os.makedirs(run.run_dir, exist_ok=True)
+    os.makedirs(os.path.dirname(run.log_file), exist_ok=True)
     if nproc > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+        cmd = [sys.executable, "-m", "megatron_taper.torchrun", "--standalone", "--nproc-per-node", str(nproc),
                "-m", "megatron_taper.train", *run.args]
     else:
         cmd = [sys.executable, "-m", "megatron_taper.train", *run.args]
-    with open(os.path.join(run.run_dir, "train.log"), "a") as log:
+    with open(run.log_file, "a") as log:
         return subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
 
 
@@ -68,7 +69,7 @@ def run_all(todo: list[SweepRun], nproc: int, jobs: int) -> list[str]:
         print(f"[sweep] {i + 1}/{len(todo)} {run.name}", flush=True)
         if run_local(run, nproc, env) != 0:
             failed.append(run.name)
-            print(f"[sweep] {run.name} failed: see {run.run_dir}/train.log", file=sys.stderr, flush=True)
+            print(f"[sweep] {run.name} failed: see {run.log_file}", file=sys.stderr, flush=True)
 
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         list(pool.map(one, range(len(todo)), todo))

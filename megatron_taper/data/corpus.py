@@ -11,7 +11,9 @@ with the document in that field; everything else that is text is split into docu
 text files and are ignored in jsonl; they are never counted as malformed. Binary files of any
 other kind are an error naming the file, and so is a jsonl, parquet or datasets input that yields
 no document (e.g. every record lacks the text field): its skips by reason and the last one are in
-the message; a text file without a document is a warning naming it.
+the message; a text file without a document is a warning naming it. An input with documents that
+are not UTF-8 is one warning naming its first bad byte (line, byte of the line) and the iconv
+command that converts it; they are skipped like other malformed input (--strict: an error).
 
 Malformed input is skipped and counted by reason with its `file:line` (`file:row` for rows): `invalid_json`,
 `missing_field` (absent, or not a string), `invalid_utf8`, `empty_document` (empty or only
@@ -24,6 +26,7 @@ import glob
 import gzip
 import json
 import os
+import shlex
 import sys
 import sysconfig
 import warnings
@@ -54,6 +57,7 @@ class SkipLog:
     counts: dict[str, int] = field(default_factory=lambda: {r: 0 for r in SKIP_REASONS})
     examples: list[str] = field(default_factory=list)
     last: str = ""  # the newest skip's message
+    first_in_input: dict[str, str] = field(default_factory=dict)  # reason -> its first `where: detail` in this input
 
     def skip(self, reason: str, where: str, detail: str) -> None:
         assert reason in SKIP_REASONS, reason
@@ -62,6 +66,7 @@ class SkipLog:
             raise ValueError(message + " (remove --strict to skip and count such lines)")
         self.counts[reason] += 1
         self.last = message
+        self.first_in_input.setdefault(reason, f"{where}: {detail}")
         if len(self.examples) < self.max_examples:
             self.examples.append(message)
 
@@ -126,19 +131,31 @@ def _read_files(files: list[str], skips: SkipLog, keys: tuple[str, ...], text_mo
                 hf_config: str | None) -> Iterator[Document]:
     for path in files:
         before = dict(skips.counts)
+        skips.first_in_input = {}
         found = 0
         for doc in _read_file(path, skips, keys, text_mode, hf_split, hf_config):
             found += 1
             yield doc
-        if not found:
+        not_utf8 = skips.counts["invalid_utf8"] - before["invalid_utf8"]
+        if found and not not_utf8:
+            continue
+        hint = ""
+        if not_utf8:
+            hint = (f"; if the input is Latin-1, convert it to UTF-8 and pass that file: iconv -f latin1 -t utf-8 "
+                    f"{shlex.quote(path)} > {shlex.quote(path + '.utf8')}")
+        records = path.startswith(readers.HF_PREFIX) or os.path.isdir(path) or \
+            readers.input_format(path).kind != "text"
+        if not_utf8 and (found or not records):
+            dropped = f"{not_utf8} document(s) skipped" if found else "the whole input skipped"
+            warnings.warn(f"{skips.first_in_input['invalid_utf8']}: {dropped}{hint}", stacklevel=2)
+        if not found and not (not_utf8 and not records):
             skipped = {r: n - before[r] for r, n in skips.counts.items() if n > before[r]}
             what = ", ".join(f"{n} {r}" for r, n in skipped.items()) or "nothing"
-            hint = (f"; is the text under another field? --text-key takes a comma-separated list tried in order "
-                    f"(now {','.join(keys)})" if "missing_field" in skipped else "")
+            if "missing_field" in skipped:
+                hint += (f"; is the text under another field? --text-key takes a comma-separated list tried in "
+                         f"order (now {','.join(keys)})")
             message = (f"{path}: no document in this input (skipped: {what}; last: {skips.last}){hint}"
                        if skipped else f"{path}: no document in this input (it is empty)")
-            records = path.startswith(readers.HF_PREFIX) or os.path.isdir(path) or \
-                readers.input_format(path).kind != "text"
             if records:
                 raise ValueError(message)
             warnings.warn(message, stacklevel=2)  # a text file in a folder of many may be empty
@@ -172,7 +189,9 @@ def _decode(raw: bytes, where_file: str, first_line: int, skips: SkipLog) -> str
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
         line = first_line + raw.count(b"\n", 0, e.start)
-        skips.skip("invalid_utf8", f"{where_file}:{line}", f"byte 0x{raw[e.start]:02x} is not UTF-8")
+        column = e.start - raw.rfind(b"\n", 0, e.start)  # 1-based byte of the line
+        skips.skip("invalid_utf8", f"{where_file}:{line}", f"byte 0x{raw[e.start]:02x} (byte {column} of line "
+                                                           f"{line}) is not UTF-8")
         return None
 
 

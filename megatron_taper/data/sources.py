@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
@@ -78,16 +79,19 @@ def _mds_dataset(data: DataConfig, path: str, key: str,
                  vocab_size: int | None = None) -> tuple[Callable[..., BatchSource], bool]:
     """(factory of StreamingSources of the MDS folder `path`, whether it has a val/ split); their
     documents' token ids are checked against `vocab_size` as they are read."""
-    from megatron_taper.data.streaming import RowStreamSource, StreamingSource
+    from megatron_taper.data.streaming import STATS_FILE, RowStreamSource, StreamingSource, cache_folder
 
     if is_remote(path):
         # A remote folder is always read through a local cache (data.cache_dir "" = the default).
         cache: str | None = os.path.join(default_cache_dir(data), "streaming")
         has_val = "val" in remote_splits(path, cache, key, data.download_timeout_s)
+        stats = os.path.join(cache_folder(cache, path), STATS_FILE)
     else:
         check_local_dataset(path, key)
         cache = os.path.join(default_cache_dir(data), "streaming") if data.cache_dir else None
         has_val = os.path.isdir(os.path.join(path, "val"))
+        stats = os.path.join(path, STATS_FILE)
+    check_tokenizer(stats, data.tokenizer, key, path)
 
     def make(split: str, seq_len: int, mb: int, dp_rank: int, dp_size: int, seed: int,
              rows: int = 0) -> StreamingSource:
@@ -134,6 +138,32 @@ def _build_mixture(data: DataConfig, seq_len: int, mb: int, seed: int, dp_rank: 
     held_out = [HeldOut(name, share, functools.partial(make, "val", seq_len, mb, dp_rank, dp_size, seed))
                 for name, share, (make, has_val) in zip(names, shares, datasets) if has_val]
     return train, held_out
+
+
+def check_tokenizer(stats_file: str, tokenizer: str, key: str, path: str) -> None:
+    """`tokenizer` (data.tokenizer; "" = the folder's own) is the one the MDS folder `path` was
+    written with: ValueError naming both when its stats.json records another (sha256 of the .model
+    file), a warning when it records none (written before the record was kept)."""
+    if not tokenizer or not os.path.isfile(stats_file):
+        return
+    from megatron_taper.data.tokenizer import model_sha256
+
+    with open(stats_file) as f:
+        stats = json.load(f)
+    recorded = stats.get("tokenizer_sha256") if isinstance(stats, dict) else None
+    if not recorded:
+        warnings.warn(f"{key}={path}: its stats.json records no tokenizer (written before tools/preprocess_data.py "
+                      f"kept one), so data.tokenizer={tokenizer} is not checked against it", stacklevel=2)
+        return
+    try:
+        ours = model_sha256(tokenizer)
+    except OSError as e:
+        raise ValueError(f"data.tokenizer={tokenizer}: {e.strerror or e}") from None
+    if ours != recorded:
+        raise ValueError(f"data.tokenizer={tokenizer} (sha256 {ours[:16]}) is not the tokenizer {key}={path} was "
+                         f"written with ({stats.get('tokenizer')}, sha256 {recorded[:16]}, {stats.get('vocab_size')} "
+                         f"ids, in its stats.json): leave data.tokenizer empty to use the folder's tokenizer.model, "
+                         f"or re-tokenize the data with this tokenizer (tools/preprocess_data.py)")
 
 
 def remote_splits(path: str, cache_dir: str, key: str = "data.path", download_timeout_s: float = 0.0) -> list[str]:

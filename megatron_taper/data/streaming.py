@@ -202,6 +202,12 @@ class ShardReader:
         check_shard(raw, shard.raw_data.bytes, shard.raw_data.hashes, self.where)
         with open(raw, "rb") as f:
             data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        held = int(np.frombuffer(data, np.uint32, count=1)[0]) if len(data) >= 4 else 0
+        if held != shard.samples or len(data) < 4 * (held + 2):
+            data.close()
+            raise ValueError(f"damaged MDS shard {raw}: it holds {held} samples where {self.where}/{INDEX_FILE} "
+                             f"records {shard.samples} (an edited or mismatched index.json); rewrite {self.where} "
+                             f"with tools/preprocess_data.py")
         offsets = np.frombuffer(data, np.uint32, count=shard.samples + 1, offset=4)
         self._maps[shard_id] = (data, offsets)
 

@@ -17,6 +17,14 @@ written (frozen or dead: SIGSTOP, a lost node), else the ranks furthest behind (
 section), else those that entered the common section last. A rank whose heartbeat is frozen and
 that runs on this host is sent SIGKILL, since it can neither write its stacks nor end on the
 launcher's SIGTERM (torchrun would wait 30 s for it).
+
+An attempt is torchrun's run id, its restart count and the workers' store (MASTER_ADDR:MASTER_PORT:
+a free port per job, so a rendezvous id reused by a later job is another attempt); heartbeats of
+other attempts, or written over FRESH_SLACK_S before this process started, are ignored. A PID is
+killed only when it is verifiably a worker of this attempt (worker_of_this_attempt): the process
+start time in /proc/PID/stat equals the one its heartbeat recorded (not a reused PID) and its
+environment (/proc/PID/environ) holds this attempt's run id, restart count, store and the
+heartbeat's rank. A stale or forged heartbeat naming another process kills nothing.
 """
 from __future__ import annotations
 
@@ -37,13 +45,56 @@ if TYPE_CHECKING:
 EXIT_HANG = 4
 POLL_S = 0.5
 FROZEN_AFTER_S = 3.0  # a heartbeat older than this: the rank's process is not running
+# a heartbeat written this long before this process started belongs to an earlier job (the ranks of
+# one attempt start within seconds of each other; hosts' clocks may differ a little)
+FRESH_SLACK_S = 60.0
 ORDER = {"startup": 0, "step": 1, "eval": 2, "save": 3, "finish": 4}  # within one step number
 HANG_FILE = "hang.json"
 
 
-def _attempt() -> tuple[str, str]:
-    """(torchrun's run id, its restart count): the heartbeats of one attempt share them."""
-    return os.environ.get("TORCHELASTIC_RUN_ID", ""), os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+def _attempt(environ: dict | os._Environ = os.environ) -> tuple[str, str, str]:
+    """(torchrun's run id, its restart count, the workers' store): one attempt's heartbeats share them."""
+    return (environ.get("TORCHELASTIC_RUN_ID", ""), environ.get("TORCHELASTIC_RESTART_COUNT", "0"),
+            f"{environ.get('MASTER_ADDR', '')}:{environ.get('MASTER_PORT', '')}")
+
+
+def _of_attempt(record: dict) -> tuple:
+    return record.get("run_id"), record.get("restart"), record.get("store")
+
+
+def process_start(pid: int) -> int | None:
+    """When process `pid` started (clock ticks after boot, /proc/PID/stat field 22); None: no such
+    process or no /proc."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+        return int(stat[stat.rindex(")") + 2:].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def process_environ(pid: int) -> dict[str, str]:
+    """Process `pid`'s environment from /proc/PID/environ ({} when it cannot be read)."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return {}
+    pairs = (item.split(b"=", 1) for item in raw.split(b"\0") if b"=" in item)
+    return {k.decode(errors="replace"): v.decode(errors="replace") for k, v in pairs}
+
+
+def worker_of_this_attempt(beat: dict, attempt: tuple[str, str, str]) -> bool:
+    """Whether the process a heartbeat names runs on this host and is verifiably the worker that
+    wrote it, in `attempt`: same start time as recorded (not a reused PID), and this attempt's
+    run id, restart count, store and the heartbeat's rank in its environment."""
+    pid, start = beat.get("pid"), beat.get("start_ticks")
+    if beat.get("host") != socket.gethostname() or not isinstance(pid, int) or pid == os.getpid() or start is None:
+        return False
+    if process_start(pid) != start:
+        return False
+    environ = process_environ(pid)
+    return _attempt(environ) == attempt and environ.get("RANK") == str(beat.get("rank"))
 
 
 def _write_json(path: str, obj: dict) -> None:
@@ -59,6 +110,17 @@ def _read_json(path: str) -> dict | None:
             return json.load(f)
     except (OSError, ValueError):
         return None
+
+
+def _process_age() -> float:
+    """Seconds since this process started (0 without /proc)."""
+    start = process_start(os.getpid())
+    try:
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+    except (OSError, ValueError):
+        return 0.0
+    return max(0.0, uptime - start / os.sysconf("SC_CLK_TCK")) if start is not None else 0.0
 
 
 def last_collectives(n: int = 8) -> list[str]:
@@ -90,6 +152,8 @@ class Watchdog:
         self.longest: dict[str, float] = {}  # completed sections: the longest duration of each kind
         self.started = time.time()
         self.attempt = _attempt()
+        self.start_ticks = process_start(os.getpid())
+        self.process_started = self.started - _process_age()
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, name="fault-watchdog", daemon=True)
 
@@ -139,9 +203,9 @@ class Watchdog:
 
     def _write_beat(self, section: str, step: int, began: float) -> None:
         _write_json(self._heartbeat_path(self.rank), {
-            "rank": self.rank, "pid": os.getpid(), "host": socket.gethostname(), "step": step,
-            "section": section, "began": began, "beat": time.time(), "run_id": self.attempt[0],
-            "restart": self.attempt[1]})
+            "rank": self.rank, "pid": os.getpid(), "start_ticks": self.start_ticks, "host": socket.gethostname(),
+            "step": step, "section": section, "began": began, "beat": time.time(), "run_id": self.attempt[0],
+            "restart": self.attempt[1], "store": self.attempt[2]})
 
     def _run(self) -> None:
         while not self._done.wait(POLL_S):
@@ -152,11 +216,12 @@ class Watchdog:
             if waited > limit:
                 with contextlib.suppress(OSError):
                     _write_json(os.path.join(self.log_dir, HANG_FILE), {
-                        "rank": self.rank, "run_id": self.attempt[0], "restart": self.attempt[1], "time": time.time()})
+                        "rank": self.rank, "run_id": self.attempt[0], "restart": self.attempt[1],
+                        "store": self.attempt[2], "time": time.time()})
                 self._expire(f"rank {self.rank}: no progress for {waited:.1f} s in section {section} of step {step} "
                              f"(fault.{self._key(section)}: {limit:g} s)")
             other = _read_json(os.path.join(self.log_dir, HANG_FILE))
-            if (other and (other.get("run_id"), other.get("restart")) == self.attempt
+            if (other and _of_attempt(other) == self.attempt
                     and other.get("time", 0) >= self.started and other.get("rank") != self.rank):
                 self._expire(f"rank {self.rank}: rank {other['rank']} reported a hang; this rank was "
                              f"{waited:.1f} s into section {section} of step {step}")
@@ -177,14 +242,19 @@ class Watchdog:
         sys.stdout.flush()
         print(f"hang: {what}; stopped first: {first}; stacks: {stacks}; exiting with {EXIT_HANG} "
               f"(restart from the last checkpoint)", file=sys.stderr, flush=True)
-        host = socket.gethostname()
-        for beat in frozen:
-            if beat["host"] == host and beat["pid"] != os.getpid():
-                try:
-                    os.kill(beat["pid"], signal.SIGKILL)
-                except OSError:
-                    pass
+        self.kill_frozen(frozen)
         os._exit(EXIT_HANG)
+
+    def kill_frozen(self, frozen: list[dict]) -> list[int]:
+        """SIGKILL the frozen ranks' processes that are verifiably this attempt's workers on this
+        host (worker_of_this_attempt); their PIDs."""
+        killed = []
+        for beat in frozen:
+            if worker_of_this_attempt(beat, self.attempt):
+                with contextlib.suppress(OSError):
+                    os.kill(beat["pid"], signal.SIGKILL)
+                    killed.append(beat["pid"])
+        return killed
 
     def stopped_first(self) -> tuple[str, list[dict]]:
         """(which rank(s) stopped first, in words; the heartbeats of the frozen ones)."""
@@ -192,7 +262,9 @@ class Watchdog:
         beats = {}
         for r in range(self.world):
             beat = _read_json(self._heartbeat_path(r))
-            if beat and (beat.get("run_id"), beat.get("restart")) == self.attempt:
+            if (isinstance(beat, dict) and _of_attempt(beat) == self.attempt
+                    and isinstance(beat.get("beat"), (int, float))
+                    and beat["beat"] >= self.process_started - FRESH_SLACK_S):
                 beats[r] = beat
         missing = [r for r in range(self.world) if r not in beats]
         frozen = [b for r, b in sorted(beats.items()) if now - b["beat"] > FROZEN_AFTER_S]

@@ -1,7 +1,6 @@
 """Helpers shared by the suite (imported as `runner`): real text as tokens and a Trainer runner."""
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -63,8 +62,9 @@ def train_in_process(args: list[str], check: bool = True) -> subprocess.Complete
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
-    with open(Path(run_dir) / "metrics.jsonl") as f:
-        return [json.loads(line) for line in f]
+    from megatron_taper.metrics_file import read_metrics as read
+
+    return read(Path(run_dir) / "metrics.jsonl")
 
 
 def losses(run_dir: str | Path) -> list[float]:
