@@ -16,6 +16,16 @@ most operators). Two builds, of 1 and of 2 blocks, give the ops of one block and
 counted as its block). Left out: the optimizer's few foreach operators per step, bf16 autocast's
 casts, float8's scaling operators, the parallel wrappers' own operators (FSDP's copies, tp's
 collectives: each collective is costed by collective_latency_us).
+
+The trace runs the torch forms: the Triton kernels (MEGATRON_TAPER_KERNELS,
+models/kernels/state_passing.py; the default until a GPU has checked them is the torch form too)
+are not taken on the CPU. With `write_kernel`, the Titans /
+deep-memory write loop's chunk loops are counted as the kernels that replace them on CUDA
+(models/kernels/memory_write_triton.py, depths 1 and 2): the operators traced inside
+neural_memory.write_loop_torch (forward) and neural_memory.reverse_loop (backward) are left out and
+each of their calls counts one launch (the kernel wrappers' allocations and copies are left out too;
+the batched torch work before and after the backward's loop is counted as traced). The default
+counts what the CPU trace runs, the torch loops.
 """
 from __future__ import annotations
 
@@ -55,20 +65,35 @@ def narrowed(cfg: ModelConfig, n_layers: int, seq_len: int) -> ModelConfig:
     raise refusal
 
 
-def dispatched_ops(cfg: ModelConfig) -> tuple[int, int]:
-    """(forward, forward + backward) operators of one micro-batch of one sequence."""
+def dispatched_ops(cfg: ModelConfig, write_kernel: bool = False) -> tuple[int, int]:
+    """(forward, forward + backward) operators of one micro-batch of one sequence; `write_kernel`:
+    the write loop's chunk loops counted as the Triton kernels' launches (module docstring)."""
+    import sys
+
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from megatron_taper.models import build_model
+    from megatron_taper.models.neural_memory import reverse_loop, write_kernel_handles, write_loop_torch
+
+    loops = (write_loop_torch.__code__, reverse_loop.__code__)
+
+    def kernel_loop():  # the frame of a torch chunk loop a kernel would replace, else None
+        frame = sys._getframe(2)
+        while frame is not None and frame.f_code not in loops:
+            frame = frame.f_back
+        return frame if frame is not None and write_kernel_handles(frame.f_locals["n"]) else None
 
     class Counter(TorchDispatchMode):
         def __init__(self):
             super().__init__()
-            self.n = 0
+            self.n, self.loop = 0, None
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.n += 1
+            loop = kernel_loop() if write_kernel else None
+            if loop is None or loop is not self.loop:  # one per kernel call: its first operator
+                self.n += 1
+            self.loop = loop  # held, so a later call's frame is a new object
             return func(*args, **(kwargs or {}))
 
     with torch.random.fork_rng(devices=[]):
@@ -83,27 +108,28 @@ def dispatched_ops(cfg: ModelConfig) -> tuple[int, int]:
     return forward, counter.n
 
 
-def count_ops(cfg: ModelConfig, seq_len: int | None = None, cap: int = CAP) -> OpCounts:
+def count_ops(cfg: ModelConfig, seq_len: int | None = None, cap: int = CAP, write_kernel: bool = False) -> OpCounts:
     """Operators per micro-batch of `cfg` at `seq_len` tokens per sequence (default: cfg.seq_len;
     a context-parallel rank's share is seq_len / cp). Beyond `cap` tokens the counts at cap and
     cap / 2 are extended along their line (a chunk loop's operators grow linearly with the tokens;
-    attention's do not grow), where the family accepts those lengths; else it counts at seq_len."""
+    attention's do not grow), where the family accepts those lengths; else it counts at seq_len.
+    `write_kernel`: the write loop's chunk loops as the Triton kernels (module docstring)."""
     seq = seq_len or cfg.seq_len
     if seq > cap:
         try:
-            at_cap, at_half = _counts_at(cfg, cap), _counts_at(cfg, cap // 2)
+            at_cap, at_half = _counts_at(cfg, cap, write_kernel), _counts_at(cfg, cap // 2, write_kernel)
         except ConfigError:
-            return _counts_at(cfg, seq)
+            return _counts_at(cfg, seq, write_kernel)
         per_half = (seq - cap) / (cap // 2)
         return OpCounts(*(a + (a - b) * per_half for a, b in zip(dataclasses.astuple(at_cap),
                                                                   dataclasses.astuple(at_half))))
-    return _counts_at(cfg, seq)
+    return _counts_at(cfg, seq, write_kernel)
 
 
-def _counts_at(cfg: ModelConfig, seq: int) -> OpCounts:
-    one_forward, one = dispatched_ops(narrowed(cfg, 1, seq))
+def _counts_at(cfg: ModelConfig, seq: int, write_kernel: bool) -> OpCounts:
+    one_forward, one = dispatched_ops(narrowed(cfg, 1, seq), write_kernel)
     try:
-        two_forward, two = dispatched_ops(narrowed(cfg, 2, seq))
+        two_forward, two = dispatched_ops(narrowed(cfg, 2, seq), write_kernel)
     except ConfigError:  # a single-block family (the tree)
         return OpCounts(block_forward=one_forward, block=one, ends=0.0)
     return OpCounts(block_forward=two_forward - one_forward, block=two - one, ends=2 * one - two)

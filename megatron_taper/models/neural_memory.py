@@ -37,6 +37,9 @@ the recurrence, on [B*H, ...] tensors through bmm / baddbmm, as one autograd nod
 whose backward is written by hand: a reverse loop over the chunks carrying the state's gradient,
 everything that does not feed it taken for all chunks at once. A depth-2 memory's chunk costs ~34
 operators forward and ~34 backward (cost/op_count.py; 38 + 130 when autograd recorded the loop).
+When MEGATRON_TAPER_KERNELS selects Triton (kernels/state_passing.py kernel_choice: by default CUDA
+tensors with triton installed), the forward loop of a depth-1 or depth-2 memory is one kernel launch
+instead, and so is the backward's reverse loop (kernels/memory_write_triton.py).
 A trailing partial chunk is padded to C tokens that change nothing: keys of ones (so nu > 0),
 theta = 0 (no write), keep = eta = 1, and the two end-of-chunk sums that would run over the
 padding (sum_j P_Cj E_j and the last row of P Q) masked to the real tokens. Under autocast the
@@ -63,6 +66,8 @@ from typing import TYPE_CHECKING, Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from megatron_taper.models.kernels import state_passing
 
 if TYPE_CHECKING:
     from megatron_taper.config import ModelConfig
@@ -265,26 +270,21 @@ class WriteLoop(torch.autograd.Function):
     """write_chunk over every chunk in turn as one autograd node: forward (n memory layers, the
     first `last` chunks writing) -> per layer the starting weights, then surprise, of every chunk
     [B*H, N, i, o], delta' [B*H, N, C, o], the hidden inputs a_l [B*H, N, C, i] and, when every
-    chunk writes, the final weights and surprise [B*H, i, o]; backward a reverse loop over the
-    chunks carrying the gradient of the state (write_loop_backward)."""
+    chunk writes, the final weights and surprise [B*H, i, o], by write_loop_torch or the Triton
+    kernels (write_kernel_handles); backward a reverse loop over the chunks carrying the gradient of
+    the state (write_loop_backward)."""
 
     @staticmethod
     def forward(ctx, n: int, last: int, fused: bool, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         init, terms = list(tensors[:n]), tensors[3 * n:]
         weights, surprise = list(tensors[n:2 * n]), list(tensors[2 * n:3 * n])
-        starts, deltas, acts, kept = [], [], [], []
-        dtype = terms[0].dtype if fused else torch.get_autocast_dtype(terms[0].device.type)
-        one = terms[0].new_ones((), dtype=dtype)  # silu'(z) = lerp(sigmoid(z), 1, silu(z))
-        for c, chunk in enumerate(zip(*(t.unbind(1) for t in terms))):
-            starts.append(weights + surprise)
-            delta, act, keep, written = write_chunk(init, weights, surprise, chunk, one, fused, c < last)
-            deltas.append(delta)
-            acts.append(act)
-            kept.append(keep)
-            weights, surprise = written or (weights, surprise)
-        out = [torch.stack(ts, dim=1) for rows in (starts, deltas, acts) for ts in zip(*rows)]
-        saved = [torch.stack(ts, dim=1) for ts in zip(*kept)]
-        ends = weights + surprise if last == len(starts) else []
+        ctx.kernel = write_kernel_handles(n) and state_passing.kernel_choice(terms[0]) == "triton"
+        if ctx.kernel:
+            from megatron_taper.models.kernels.memory_write_triton import write_loop_triton
+
+            out, saved, ends = write_loop_triton(n, last, init, weights, surprise, terms)
+        else:
+            out, saved, ends = write_loop_torch(n, last, fused, init, weights, surprise, terms)
         ctx.n, ctx.last, ctx.fused, ctx.terms = n, last, fused, len(terms)
         ctx.device = terms[0].device.type
         ctx.dtype = torch.get_autocast_dtype(ctx.device)
@@ -299,15 +299,62 @@ class WriteLoop(torch.autograd.Function):
             return None, None, None, *write_loop_backward(ctx, grads)
 
 
+def write_kernel_handles(n: int) -> bool:
+    """Whether the Triton kernels (kernels/memory_write_triton.py) can run WriteLoop's chunk loops,
+    forward and backward, for n memory layers: depths 1 and 2. Under autocast they compute in float32
+    and store in the terms' dtype, the state included, which keeps autocast's rule (the state keeps
+    its dtype)."""
+    return n in (1, 2)
+
+
+def write_loop_torch(n: int, last: int, fused: bool, init: list[torch.Tensor], weights: list[torch.Tensor],
+                     surprise: list[torch.Tensor], terms: tuple[torch.Tensor, ...]
+                     ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    """WriteLoop.forward's loop in torch, write_chunk per chunk: (its outputs but the final state,
+    what its backward keeps, the final weights and surprise when every chunk writes, else [])."""
+    starts, deltas, acts, kept = [], [], [], []
+    dtype = terms[0].dtype if fused else torch.get_autocast_dtype(terms[0].device.type)
+    one = terms[0].new_ones((), dtype=dtype)  # silu'(z) = lerp(sigmoid(z), 1, silu(z))
+    for c, chunk in enumerate(zip(*(t.unbind(1) for t in terms))):
+        starts.append(weights + surprise)
+        delta, act, keep, written = write_chunk(init, weights, surprise, chunk, one, fused, c < last)
+        deltas.append(delta)
+        acts.append(act)
+        kept.append(keep)
+        weights, surprise = written or (weights, surprise)
+    out = [torch.stack(ts, dim=1) for rows in (starts, deltas, acts) for ts in zip(*rows)]
+    saved = [torch.stack(ts, dim=1) for ts in zip(*kept)]
+    return out, saved, weights + surprise if last == len(starts) else []
+
+
 def write_loop_backward(ctx, grads: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
     """WriteLoop's gradients of (init, weights, surprise, terms) from those of its outputs: a reverse
-    loop over the chunks carrying the gradient of the state (gw, gs per layer [B*H, i, o]); what
-    does not feed it is taken for every chunk at once before and after."""
+    loop over the chunks carrying the gradient of the state (gw, gs per layer [B*H, i, o]; reverse_loop,
+    or the Triton kernel when the forward ran one); what does not feed it is taken for every chunk at
+    once before and after."""
     n, last, fused = ctx.n, ctx.last, ctx.fused
     saved = ctx.saved_tensors
     init, terms, rest = saved[:n], saved[n:n + ctx.terms - 2], saved[n + ctx.terms - 2:]
     ws, ss, ds, acts = rest[:n], rest[n:2 * n], rest[2 * n:3 * n], rest[3 * n:4 * n - 1]  # [B*H, N, ., .]
     pre, prods, error, nu = rest[4 * n - 1:5 * n - 2], rest[5 * n - 2:6 * n - 3], rest[-2], rest[-1]
+    if ctx.kernel:
+        from megatron_taper.models.kernels.memory_write_triton import write_loop_backward_triton
+
+        rows, gw, gs, after = write_loop_backward_triton(n, last, terms, ws, ds, acts, pre, prods, error, nu, grads)
+    else:
+        rows, gw, gs, after = reverse_loop(n, last, fused, terms, ws, ds, acts, pre, prods, error, nu, grads)
+    g_terms = [rows[0] @ ws[0].mT, rows[1], rows[2] / nu, rows[3] * 0.5]
+    g_init, g_factors = write_grads(init, terms, ws, ss, ds, acts, after, last)
+    return [*g_init, *gw, *gs, *g_terms, *g_factors]
+
+
+def reverse_loop(n: int, last: int, fused: bool, terms: tuple[torch.Tensor, ...], ws: tuple[torch.Tensor, ...],
+                 ds: tuple[torch.Tensor, ...], acts: tuple[torch.Tensor, ...], pre: tuple[torch.Tensor, ...],
+                 prods: tuple[torch.Tensor, ...], error: torch.Tensor, nu: torch.Tensor,
+                 grads: tuple[torch.Tensor, ...]) -> tuple[list[torch.Tensor], ...]:
+    """write_loop_backward's reverse loop in torch -> (the gradients of z_1 = k W_1 (of f(k) at depth
+    1), nu, theta / nu and f(k) per chunk [B*H, N, C, .]; of the starting weights and surprise per
+    layer; of the state after each writing chunk per layer, weights then surprise [B*H, last, i, o])."""
     k, theta, k_last, k_scale, keep, decay, eta, *deep = terms
     count = k.shape[1]
     ratio = theta / nu
@@ -364,23 +411,20 @@ def write_loop_backward(ctx, grads: tuple[torch.Tensor, ...]) -> list[torch.Tens
         g_z.append(gh)
         gw, gs = new_w, new_s
     rows = [torch.stack(ts[::-1], dim=1) for ts in (g_z, g_nu, g_r, g_top)]
-    g_terms = [rows[0] @ ws[0].mT, rows[1], rows[2] / nu, rows[3] * 0.5]
-    g_init, g_factors = write_grads(init, terms, ws, ss, ds, acts, after, last)
-    return [*g_init, *gw, *gs, *g_terms, *g_factors]
+    return rows, gw, gs, [torch.stack(ts[::-1], dim=1) for ts in zip(*after)]
 
 
 def write_grads(init: tuple[torch.Tensor, ...], terms: tuple[torch.Tensor, ...], ws: tuple[torch.Tensor, ...],
                 ss: tuple[torch.Tensor, ...], ds: tuple[torch.Tensor, ...], acts: tuple[torch.Tensor, ...],
-                after: list[list[torch.Tensor]], last: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+                after: list[torch.Tensor], last: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """The gradients of W_0 per layer and of the writes' factors -(last * k)^T, -(E_C / E * k)^T,
     B_C, D_C, E_C and when deeper -last, -E_C / E, from the gradients of the state after each
-    writing chunk (`after`, last chunk first: per layer gw then gs)."""
+    writing chunk (`after`: per layer gw then gs [B*H, last, i, o])."""
     k, theta, *write = terms
     if not last:
         return [torch.zeros_like(t) for t in init], [torch.zeros_like(t) for t in write]
     n, count = len(init), k.shape[1]
-    stacked = [torch.stack(ts[::-1], dim=1) for ts in zip(*after)]  # [B*H, L, i, o]
-    gw, gs = stacked[:n], stacked[n:]
+    gw, gs = after[:n], after[n:]
     g_init = [(g * (1 - write[2][:, :last])).sum(1) for g in gw]
     ws, ss, ds, acts = ([t[:, :last] for t in ts] for ts in (ws, ss, ds, acts))
 

@@ -8,10 +8,14 @@ of two long cumulative sums, so a long strongly decaying sequence loses no preci
 stacked X. The operator count does not depend on N; the work is O(N^2 E F) per head, against
 O(N E F) for a loop, which is small beside the chunks' own O(N C E F) while N <= C.
 
-On CUDA, `chunk_states` runs instead the Triton kernels of state_passing_triton.py (a loop over the
-chunks with the state in registers: O(N E F), one launch each way) when triton imports. The choice:
-the `kernel` argument, else the environment variable MEGATRON_TAPER_KERNELS (read at every call):
-    auto    (default) Triton for CUDA tensors when triton imports, else the torch form
+`chunk_states` can run instead the Triton kernels of state_passing_triton.py (a loop over the chunks
+with the state in registers: O(N E F), one launch each way); the Titans / deep-memory write loop has
+its own (memory_write_triton.py). Both are tested against the torch forms under Triton's CPU
+interpreter only: no GPU has run them yet, so `auto` keeps the torch form until one has
+(KERNELS_CHECKED_ON_GPU; docs/gpu.md). The choice: the `kernel` argument, else the environment
+variable MEGATRON_TAPER_KERNELS (read at every call):
+    auto    (default) Triton for CUDA tensors when triton imports and KERNELS_CHECKED_ON_GPU, else
+            the torch form (today: always the torch form)
     torch   always the torch form
     triton  always the Triton kernels: CUDA tensors, or CPU tensors under TRITON_INTERPRET=1 (set
             before triton is first imported; this is how the tests run the kernels without a GPU)
@@ -24,6 +28,9 @@ import torch
 
 KERNELS_ENV = "MEGATRON_TAPER_KERNELS"
 KERNEL_CHOICES = ("auto", "torch", "triton")
+# whether a GPU run of benchmarks/gpu_families.py has checked the Triton kernels against the torch
+# forms (its compiled_kernels rows' loss differences); until then `auto` means the torch form
+KERNELS_CHECKED_ON_GPU = False
 
 
 def segment_sums(log_decays: torch.Tensor) -> torch.Tensor:
@@ -57,7 +64,7 @@ def kernel_choice(tensor: torch.Tensor, kernel: str | None = None) -> str:
         source = "kernel" if kernel is not None else KERNELS_ENV
         raise ValueError(f"{source}={choice!r}: expected one of {', '.join(KERNEL_CHOICES)}")
     if choice == "auto":
-        return "triton" if tensor.is_cuda and triton_importable() else "torch"
+        return "triton" if KERNELS_CHECKED_ON_GPU and tensor.is_cuda and triton_importable() else "torch"
     if choice == "triton" and not tensor.is_cuda and os.environ.get("TRITON_INTERPRET", "0").lower() not in (
             "1", "true", "on", "yes"):
         raise ValueError(f"the Triton kernels need CUDA tensors, or TRITON_INTERPRET=1 for {tensor.device} ones")
