@@ -78,6 +78,9 @@ USABLE_FRACTION = 0.9  # of the device memory a predicted peak may take
 # use context parallelism for long sequences; a choice, not measured here), and the search stays
 # fast (70B at 4096 tokens: cp values that leave 2048 or fewer tokens would triple its time)
 CP_MIN_TOKENS = 4096
+# train.cuda_graphs: host launches per block and micro-batch, its forward and its backward graph
+# replayed (the kernels inside them cost the host nothing; not yet measured on a GPU)
+GRAPH_LAUNCHES_PER_BLOCK = 2
 
 
 def _canonical(values: dict[str, Any], cfg: Config) -> dict[str, Any]:
@@ -321,14 +324,17 @@ class Predictor:
             self._op_counts[cp] = count_ops(self.model, self.model.seq_len // cp)
         return self._op_counts[cp]
 
-    def rank_ops(self, pp: int, virtual: int, schedule: str, recomputed: Sequence[int], cp: int) -> list[float]:
+    def rank_ops(self, pp: int, virtual: int, schedule: str, recomputed: Sequence[int], cp: int,
+                 graphs: bool = False) -> list[float]:
         """Per pipeline rank, the eager operators of one micro-batch (op_counts): its blocks', their
-        recomputed forwards and the ends' on the last."""
-        key = (pp, virtual, schedule, tuple(recomputed), cp)
+        recomputed forwards and the ends' on the last; with `graphs` (train.cuda_graphs) a block is
+        GRAPH_LAUNCHES_PER_BLOCK launches whatever it runs inside."""
+        key = (pp, virtual, schedule, tuple(recomputed), cp, graphs)
         if key not in self._ops:
             ops = self.op_counts(cp)
             last = len(self.costs.layers) - 1
-            self._ops[key] = [len(layers) * ops.block + n_redo * ops.block_forward + ops.ends * (last in layers)
+            self._ops[key] = [(len(layers) * GRAPH_LAUNCHES_PER_BLOCK if graphs else
+                               len(layers) * ops.block + n_redo * ops.block_forward) + ops.ends * (last in layers)
                               for layers, n_redo in zip(self.rank_layers(pp, virtual, schedule), recomputed)]
         return self._ops[key]
 
@@ -375,7 +381,8 @@ class Predictor:
             work = [dataclasses.replace(w, op_recompute_bytes=b)
                     for w, b in zip(work, self.op_recompute_bytes(setup, p.pp, virtual, p.pp_schedule))]
         if self.device.op_overhead_us > 0 or op_level:
-            ops = self.rank_ops(p.pp, virtual, p.pp_schedule, [w.recomputed_blocks for w in work], setup.cp)
+            ops = self.rank_ops(p.pp, virtual, p.pp_schedule, [w.recomputed_blocks for w in work], setup.cp,
+                                graphs=t.cuda_graphs)
             forward = self.op_counts(setup.cp).block_forward if op_level else 0.0
             work = [dataclasses.replace(w, ops=n, op_checkpointed_ops=forward * w.blocks) for w, n in zip(work, ops)]
         layout = StepLayout(tp=p.tp, pp=p.pp, dp=dp, virtual=virtual, schedule=p.pp_schedule, zero=p.zero,

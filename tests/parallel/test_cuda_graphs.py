@@ -44,3 +44,18 @@ def test_cpu_rank_refuses_and_blocks_record_the_option():
     apply_block_options(model, "selective", 2, compile_blocks=True, cuda_graphs=True)
     assert [b.options for b in model.layers.values()] == [("recompute", "compile", "cuda_graphs"),
                                                          ("compile", "cuda_graphs")]
+
+
+def test_planner_counts_a_graph_launch_per_block_instead_of_its_operators():
+    from megatron_taper.cost.devices import profiles
+    from megatron_taper.plan import GRAPH_LAUNCHES_PER_BLOCK, Predictor
+
+    h100 = profiles()["h100"]
+    titans = TINY + ["model.arch=titans", "model.seq_len=64", "train.compile=true"]
+    eager, graphs = (load_config(None, titans + [f"train.cuda_graphs={on}"]) for on in ("false", "true"))
+    predictor = Predictor(eager, h100)
+    before, after = (predictor.predict(c, 1, float("inf")) for c in (eager, graphs))
+    ops = predictor.op_counts(1)
+    assert predictor.rank_ops(1, 1, "1f1b", [0], 1, graphs=True) == [2 * GRAPH_LAUNCHES_PER_BLOCK + ops.ends]
+    assert predictor.rank_ops(1, 1, "1f1b", [0], 1) == [2 * ops.block + ops.ends]
+    assert after.step.total < before.step.total
