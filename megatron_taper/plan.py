@@ -319,9 +319,14 @@ class Predictor:
         return self._cp[key]
 
     def op_counts(self, cp: int) -> OpCounts:
-        """cost/op_count.py's counts at a cp rank's seq_len / cp tokens, counted once per cp."""
+        """cost/op_count.py's counts at a cp rank's seq_len / cp tokens, counted once per cp; the
+        write loop as its Triton kernels where this process selects them (MEGATRON_TAPER_KERNELS=triton)
+        on a device that runs them."""
         if cp not in self._op_counts:
-            self._op_counts[cp] = count_ops(self.model, self.model.seq_len // cp)
+            from megatron_taper.models.kernels.state_passing import KERNELS_ENV
+
+            kernels = os.environ.get(KERNELS_ENV) == "triton" and self.device.profile != "cpu"
+            self._op_counts[cp] = count_ops(self.model, self.model.seq_len // cp, write_kernel=kernels)
         return self._op_counts[cp]
 
     def rank_ops(self, pp: int, virtual: int, schedule: str, recomputed: Sequence[int], cp: int,

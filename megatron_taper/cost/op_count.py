@@ -30,6 +30,7 @@ counts what the CPU trace runs, the torch loops.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 
 from megatron_taper.config import ModelConfig
@@ -96,7 +97,12 @@ def dispatched_ops(cfg: ModelConfig, write_kernel: bool = False) -> tuple[int, i
             self.loop = loop  # held, so a later call's frame is a new object
             return func(*args, **(kwargs or {}))
 
-    with torch.random.fork_rng(devices=[]):
+    from unittest import mock
+
+    from megatron_taper.models.kernels.state_passing import KERNELS_ENV
+
+    # the trace runs the torch forms whatever this process selects for its own steps
+    with torch.random.fork_rng(devices=[]), mock.patch.dict(os.environ, {KERNELS_ENV: "torch"}):
         torch.manual_seed(0)
         model = build_model(cfg)
         tokens = torch.randint(0, cfg.vocab_size, (1, cfg.seq_len))

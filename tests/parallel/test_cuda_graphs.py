@@ -59,3 +59,16 @@ def test_planner_counts_a_graph_launch_per_block_instead_of_its_operators():
     assert predictor.rank_ops(1, 1, "1f1b", [0], 1, graphs=True) == [2 * GRAPH_LAUNCHES_PER_BLOCK + ops.ends]
     assert predictor.rank_ops(1, 1, "1f1b", [0], 1) == [2 * ops.block + ops.ends]
     assert after.step.total < before.step.total
+
+
+def test_planner_counts_the_write_kernels_where_a_gpu_run_selects_them(monkeypatch):
+    from megatron_taper.cost.devices import profiles
+    from megatron_taper.models.kernels.state_passing import KERNELS_ENV
+    from megatron_taper.plan import Predictor
+
+    cfg = load_config(None, TINY + ["model.arch=titans", "model.seq_len=64"])
+    counts = {}
+    for name, env in (("h100", "auto"), ("h100", "triton"), ("cpu", "triton")):
+        monkeypatch.setenv(KERNELS_ENV, env)
+        counts[name, env] = Predictor(cfg, profiles()[name]).op_counts(1).block
+    assert counts["h100", "triton"] < counts["h100", "auto"] == counts["cpu", "triton"]
