@@ -76,7 +76,7 @@ class SyncingTrainer(Trainer):
         self.health.update(stepped, self.step + 1, self.cfg.train.max_nonfinite)
         self.health.breach_step()
         self.step += 1
-        self._agreed_stop()
+        bool(torch.tensor([1.0 if self.stop.received else 0.0]).item())  # the stop flag, read every step
         return {"loss": loss_value, "grad_norm": norm_value}
 
 
@@ -130,14 +130,15 @@ def trainer_loop(cfg, steps: int, cls=Trainer, delay_s: float = 0.0) -> tuple[fl
     with HostReads() as reads:
         for _ in range(steps):
             record = trainer.train_step()
+            trainer.stop_vote.at_step_end(trainer.step)
             if trainer.step % cfg.train.log_interval == 0:
                 trainer.check_health()
                 _ = {k: float(v) for k, v in record.items() if isinstance(v, (torch.Tensor, float))}
-                trainer._agreed_stop()
     elapsed = time.perf_counter() - start
     if trainer.prefetch is not None:
         trainer.prefetch.close()
     trainer.metrics.close()
+    trainer.run_lock.release()
     return elapsed, reads.count / steps
 
 
@@ -156,6 +157,7 @@ def main() -> None:
         probe = Trainer(cfg)
         batches = [[probe.train_source.next_batch() for _ in range(probe.accum)] for _ in range(args.steps)]
         probe.metrics.close()
+        probe.run_lock.release()  # (fit releases it; these Trainers never fit)
         tokens = args.steps * cfg.train.global_batch * cfg.model.seq_len
         bare_loop(cfg, batches[:2])  # warm-up
         bare, ours, before = [], [], []

@@ -2,14 +2,19 @@
 ETA, peak memory), and how a failed run reports its error.
 
 Errors: the main rank prints one line (`error: ...`); every rank writes its error with the full
-traceback to RUN/logs/rank-N.log when the run folder exists; MEGATRON_TAPER_DEBUG=1 prints the
-full traceback on the main rank's console as well.
+traceback to RUN/logs/rank-N.log when the run folder exists, after a header line naming the time
+and torchrun's restart count; MEGATRON_TAPER_DEBUG=1 prints the full traceback on the main rank's
+console as well. After an in-job restart the main rank says so in one line (`restart_line`), with
+the first error the previous attempt recorded (those headers, or RUN/logs/hang.json of a hang).
 """
 from __future__ import annotations
 
+import glob
+import json
 import os
 import resource
 import sys
+import time
 import traceback
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +30,9 @@ if TYPE_CHECKING:
     from megatron_taper.parallel.model import ParallelModel
 
 DEBUG_ENV = "MEGATRON_TAPER_DEBUG"
+MAX_ERROR_CHARS = 160  # of an error message in the restart line
+LOST_PEER = ("connection reset", "connection closed", "broken pipe")  # a collective's error when a peer died
+ERROR_HEADER = "== error at "  # then: unix time, local time, run R, restart N, rank R: the error's first line
 
 
 def summary_lines(cfg: Config, ctx: ParallelContext, pm: ParallelModel, train_source: Any, has_eval: bool,
@@ -115,8 +123,11 @@ def report_error(error: BaseException, rank: int, run_dir: str | None, expected:
     if run_dir and os.path.isdir(run_dir):
         log = os.path.join(run_dir, "logs", f"rank-{rank}.log")
         os.makedirs(os.path.dirname(log), exist_ok=True)
+        first = f"{type(error).__name__}: {error}".splitlines()[0] if str(error) else type(error).__name__
+        attempt = _attempt()
         with open(log, "a") as f:
-            f.write(trace)
+            f.write(f"{ERROR_HEADER}{time.time():.3f} ({time.strftime('%Y-%m-%d %H:%M:%S')}), {attempt}, "
+                    f"rank {rank}: {first}\n{trace}")
     if rank != 0:
         return
     if os.environ.get(DEBUG_ENV):
@@ -126,6 +137,58 @@ def report_error(error: BaseException, rank: int, run_dir: str | None, expected:
     if not expected and not os.environ.get(DEBUG_ENV):
         hint = f" (traceback in {log}; other ranks' next to it)" if log else f" (traceback: {DEBUG_ENV}=1)"
     print(f"error: {message}{hint}", file=sys.stderr, flush=True)
+
+
+def restart_line(restart: int, run_dir: str, resumed: str, since: float = 0.0) -> str:
+    """The console line of torchrun's in-job restart `restart` (> 0): what ended the previous
+    attempt, as far as RUN/logs recorded it after time `since` (when the checkpoint resumed from
+    was written), and `resumed` (where training goes on)."""
+    return (f"restart {restart} of this job (torchrun --max-restarts; the previous attempt ended "
+            f"{previous_attempt_end(os.path.join(run_dir, 'logs'), _attempt(restart - 1), since)}): {resumed}")
+
+
+def _attempt(restart: int | None = None) -> str:
+    """torchrun's run id and restart count (this process's, or `restart`), as the logs name them."""
+    if restart is None:
+        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    return f"run {os.environ.get('TORCHELASTIC_RUN_ID', '-')}, restart {restart}"
+
+
+def previous_attempt_end(log_dir: str, attempt: str, since: float = 0.0) -> str:
+    """How `attempt` (`_attempt`'s words) ended, from records written after `since`: a hang a
+    watchdog reported (RUN/logs/hang.json), else the first error a rank logged, else unknown."""
+    try:
+        with open(os.path.join(log_dir, "hang.json")) as f:
+            hang = json.load(f)
+        if _attempt_of(hang) == attempt and hang.get("time", 0) >= since:
+            return f"on a hang reported by rank {hang.get('rank')} (stacks in {log_dir}/stacks-rank*.txt)"
+    except (OSError, ValueError, AttributeError, TypeError):
+        pass
+    errors = []
+    for path in glob.glob(os.path.join(log_dir, "rank-*.log")):
+        try:
+            with open(path, errors="replace") as f:
+                for line in f:
+                    if line.startswith(ERROR_HEADER):
+                        when, _, rest = line[len(ERROR_HEADER):].partition(" ")
+                        where, _, what = rest.partition("), ")[2].partition(": ")
+                        if where.startswith(f"{attempt}, ") and float(when) >= since:
+                            errors.append((float(when), where.removeprefix(f"{attempt}, "), what.strip(), path))
+        except (OSError, ValueError):
+            continue
+    if not errors:
+        return ("without a recorded error: a worker was killed or died outside Python (SIGKILL, out of memory, "
+                "a lost node); see the launcher's output")
+    _, rank, what, path = min(errors)
+    lost = any(words in what.lower() for words in LOST_PEER)
+    what = what if len(what) <= MAX_ERROR_CHARS else what[:MAX_ERROR_CHARS] + "..."
+    return (f"after an error on {rank}: {what} ("
+            + ("a lost connection: another rank may have died first, without an error; " if lost else "")
+            + f"traceback in {path})")
+
+
+def _attempt_of(hang: dict) -> str:
+    return f"run {hang.get('run_id') or '-'}, restart {int(hang.get('restart', 0))}"
 
 
 def _count(n: float) -> str:

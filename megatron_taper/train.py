@@ -6,7 +6,7 @@
 
 --print-config and --list-keys are answered without importing torch or any model code.
 Exit codes: 0 done (or stopped by train.exit_after), 1 failed, 2 bad input, 3 stopped by
-SIGUSR1/SIGTERM after a checkpoint (the slurm script requeues the job on 3), 4 a hang detected
+SIGUSR1/SIGTERM/Ctrl-C after a checkpoint (the slurm script requeues the job on 3), 4 a hang detected
 by the watchdog (launch/torchrun.sh restarts the workers from the last checkpoint).
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ HELP_EPILOG = textwrap.fill(OVERRIDES_HELP + ".", 96) + f"""
 Errors: the main rank prints one line; every rank writes its error with the full traceback to
 RUN/logs/rank-N.log; {DEBUG_ENV}=1 also prints the traceback on the console.
 Exit codes: 0 done (or stopped by train.exit_after), 1 failed, 2 bad input, 3 stopped by
-SIGUSR1/SIGTERM after a checkpoint (run the same command again to resume), 4 a hang detected by
+SIGUSR1/SIGTERM/Ctrl-C after a checkpoint (run the same command again to resume), 4 a hang detected by
 the watchdog (stacks in RUN/logs/stacks-rankN.txt; run the same command again to resume)."""
 
 

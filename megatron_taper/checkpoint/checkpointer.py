@@ -14,7 +14,8 @@ logical tensors) and writes one file; rank 0 gathers the small per-rank indexes 
 0, not an all-gather), writes meta.json last, and renames `.tmp-step-N/` to `step-N/` (fsynced),
 so a folder named step-N is complete. Rank 0 never deletes while the others wait in a
 collective: a folder to replace is renamed aside, and deleting it, leftovers of unfinished saves
-(`.tmp-step-*`) and checkpoints beyond `checkpoint.keep` (except the multiples of
+(`.tmp-step-N`, and `.trash-...` folders set aside; only in a run's checkpoints folder, beside its
+config.yaml) and checkpoints beyond `checkpoint.keep` (except the multiples of
 `checkpoint.keep_every`) runs in a thread after the barrier. A run that resumed from an earlier
 step leaves a branch behind: at its first save, checkpoints of later steps are renamed
 `abandoned-step-N` with a warning (never resumed from, never pruned, never deleted by us).
@@ -69,6 +70,8 @@ __all__ = ["CheckpointError", "CheckpointWriteError", "Checkpointer", "checkpoin
            "resume_candidates", "load_checkpoint", "load_logical", "verify_checkpoint", "broadcast_from_main"]
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
+# what an unfinished save or a replaced folder leaves (`_trash_name`): removed only in a run's checkpoints/
+LEFTOVER = re.compile(r"^\.(tmp-step-\d+|trash-(\.tmp-)?step-\d+-\d+)$")
 
 
 def checkpoint_root(run_dir: str) -> str:
@@ -213,8 +216,7 @@ class Checkpointer:
                               f"from an earlier step): renamed to {', '.join(set_aside)} so that neither resume "
                               f"nor pruning takes them; delete them when they are not wanted", stacklevel=2)
             doomed += _to_prune(self.root, self.options.keep, self.options.keep_every)
-            doomed += [os.path.join(self.root, n) for n in os.listdir(self.root)
-                       if n.startswith((".tmp-step-", ".trash-")) and os.path.join(self.root, n) not in doomed]
+            doomed += [path for path in _leftovers(self.root) if path not in doomed]
         ctx.barrier()
         if doomed:  # not a daemon: the interpreter finishes it before exiting
             self.cleanups = [t for t in self.cleanups if t.is_alive()]
@@ -519,6 +521,16 @@ def _set_aside_abandoned(root: str, step: int) -> list[str]:
             os.rename(path, aside)
             names.append(os.path.basename(aside))
     return names
+
+
+def _leftovers(root: str) -> list[str]:
+    """The leftovers of unfinished saves and replaced folders (LEFTOVER) in `root`, when it is a
+    run's checkpoints folder (RUN/checkpoints beside RUN/config.yaml); [] anywhere else."""
+    parent = os.path.dirname(os.path.abspath(root))
+    if os.path.basename(os.path.abspath(root)) != "checkpoints" or not os.path.isfile(
+            os.path.join(parent, "config.yaml")):
+        return []
+    return [os.path.join(root, n) for n in os.listdir(root) if LEFTOVER.match(n)]
 
 
 def _to_prune(root: str, keep: int, keep_every: int = 0) -> list[str]:

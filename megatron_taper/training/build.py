@@ -1,6 +1,7 @@
 """build_run(cfg): the one chain from a validated config to a model ready to train.
 
     preflight(cfg, world size)          every cross-section rule, before any process group
+                                        (skipped when the caller ran it and passes its Layout)
     -> init_parallel                    (pp, dp, cp, tp) mesh, device      (unless a context is given)
     -> seed_everything(train.seed)
     -> build_model on the meta device   the family's single-device model, without storage
@@ -57,9 +58,11 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def build_run(cfg: Config, ctx: ParallelContext | None = None) -> BuiltRun:
-    """The chain above; `ctx` when the caller already joined the process group."""
-    layout = preflight(cfg, ctx.world_size if ctx is not None else world_size())
+def build_run(cfg: Config, ctx: ParallelContext | None = None, layout: Layout | None = None) -> BuiltRun:
+    """The chain above; `ctx` when the caller already joined the process group, `layout` when it
+    already ran preflight (train.run does, before joining: preflight runs once per process)."""
+    if layout is None:
+        layout = preflight(cfg, ctx.world_size if ctx is not None else world_size())
     ctx = ctx or init_parallel(cfg.parallel, cfg.train.device)
     seed_everything(cfg.train.seed)
     with torch.device("meta"):

@@ -23,9 +23,10 @@ class RunLock:
     """Taken on construction (ConfigError naming the holder when another process has it)."""
 
     def __init__(self, run_dir: str):
+        self.fd: int | None = None  # (set first: __del__ runs after a failed __init__ too)
         os.makedirs(run_dir, exist_ok=True)
         self.path = os.path.join(run_dir, LOCK_FILE)
-        self.fd: int | None = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:

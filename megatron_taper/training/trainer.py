@@ -4,16 +4,17 @@ command line).
 One step = global_batch sequences: each data-parallel rank runs global_batch / (dp x micro_batch)
 micro-batches through `ParallelModel.forward_backward`, gradients are reduced and clipped, and
 AdamW steps. `run` builds and fits a run from a recipe and overrides and maps errors to exit codes:
-0 done (or stopped by train.exit_after), 1 failed, 2 bad input, 3 stopped by SIGUSR1/SIGTERM
-after a checkpoint (the slurm script requeues the job on 3), 4 a hang detected by the watchdog
-(megatron_taper/fault/watchdog.py; launch/torchrun.sh restarts the workers from the last checkpoint).
+0 done (or stopped by train.exit_after), 1 failed, 2 bad input, 3 stopped by SIGUSR1, SIGTERM or
+SIGINT after a checkpoint (training/stop.py; the slurm script requeues the job on 3), 4 a hang
+detected by the watchdog (megatron_taper/fault/watchdog.py; launch/torchrun.sh restarts the workers
+from the last checkpoint). A second Ctrl-C ends the process at once (killed by SIGINT, without a
+checkpoint).
 """
 from __future__ import annotations
 
 import contextlib
 import os
 import shutil
-import signal
 import time
 
 import torch
@@ -28,7 +29,7 @@ from megatron_taper.checkpoint.checkpointer import (
     resume_candidates,
 )
 from megatron_taper.config import Config, ConfigError, load_config, save_config
-from megatron_taper.console import format_duration, peak_memory, report_error, summary_lines
+from megatron_taper.console import format_duration, peak_memory, report_error, restart_line, summary_lines
 from megatron_taper.cost.flops import mfu, model_costs, peak_flops
 from megatron_taper.data.prefetch import Prefetcher
 from megatron_taper.data.sources import build_sources
@@ -37,74 +38,27 @@ from megatron_taper.fault.rollback import BadSteps, DataSkips
 from megatron_taper.fault.straggler import StragglerWatch
 from megatron_taper.models import family
 from megatron_taper.parallel.context import ParallelContext, init_parallel, shutdown, world_size
-from megatron_taper.preflight import check_data, preflight
+from megatron_taper.preflight import Layout, check_data, preflight
 from megatron_taper.training.build import build_run
 from megatron_taper.training.carried import CarriedRows
+from megatron_taper.training.health import NonFiniteLossError, StepHealth
 from megatron_taper.training.held_out import combined_loss, evaluate_held_out
 from megatron_taper.training.metrics import MetricsLogger, perplexity, timestamp
 from megatron_taper.training.optim import lr_at
+from megatron_taper.training.run_folder import NotARunFolder, check_run_folder, resume_changes
 from megatron_taper.training.run_lock import RunLock
+from megatron_taper.training.stop import EXIT_REQUEUE, Stop, StopSignal, StopVote
 
 EXIT_BAD_INPUT = 2
-EXIT_REQUEUE = 3
-
-
-class NonFiniteLossError(RuntimeError):
-    pass
-
-
-class StopSignal:
-    """Records SIGUSR1 / SIGTERM; the Trainer checks it between steps (all ranks agree)."""
-
-    def __init__(self):
-        self.received: int | None = None
-        self._previous = {}
-
-    def install(self) -> None:
-        if self._previous:
-            return
-        for sig in (signal.SIGUSR1, signal.SIGTERM):
-            self._previous[sig] = signal.signal(sig, self._handle)
-
-    def _handle(self, signum, frame) -> None:
-        self.received = self.received or signum
-
-    def uninstall(self) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-        self._previous = {}
-
-
-class StepHealth:
-    """The non-finite policy's counters, kept on the device so that a step never waits for the
-    host: skipped steps, non-finite steps in a row, and the first step at which the run reached
-    train.max_nonfinite in a row (0: not reached)."""
-
-    def __init__(self, device: torch.device, skipped: int = 0):
-        self.skipped = torch.tensor(skipped, dtype=torch.int64, device=device)
-        self.in_row = torch.zeros((), dtype=torch.int64, device=device)
-        self.breach = torch.zeros((), dtype=torch.int64, device=device)
-
-    def update(self, stepped: torch.Tensor, step: int, max_nonfinite: int) -> None:
-        bad = (~stepped.to(self.in_row.device)).long()
-        self.skipped += bad
-        self.in_row = (self.in_row + 1) * bad
-        first = (self.breach == 0) & (self.in_row >= max_nonfinite)
-        self.breach = torch.where(first, torch.full_like(self.breach, step), self.breach)
-
-    def skipped_steps(self) -> int:
-        return int(self.skipped)
-
-    def breach_step(self) -> int:
-        return int(self.breach)
 
 
 class Trainer:
     def __init__(self, cfg: Config, ctx: ParallelContext | None = None, stop: StopSignal | None = None,
-                 guard: FaultGuard | None = None):
+                 guard: FaultGuard | None = None, layout: Layout | None = None):
+        """`layout`: preflight's result when the caller ran it (run() does, before joining)."""
         self.cfg = cfg
         self.guard = guard or FaultGuard()
-        run = build_run(cfg, ctx)
+        run = build_run(cfg, ctx, layout)
         self.ctx, self.pm, self.optimizer, self.bf16 = run.ctx, run.model, run.optimizer, run.bf16
         self.accum = run.layout.accumulation
         m, t = cfg.model, cfg.train
@@ -118,6 +72,7 @@ class Trainer:
         self.flops_per_token = model_costs(m).total_flops
         self.peak = peak_flops(self.ctx.device, self.bf16, t.peak_tflops)
         self.step = 0
+        self.tokens_seen = 0
         self.last_saved = -1
         self.health = StepHealth(self.ctx.device)
         self.bad = self._bad_steps()
@@ -127,6 +82,7 @@ class Trainer:
         self.prefetch: Prefetcher | None = None
         self.data_state: dict | None = None  # the source's state after the last consumed step
         self.stop = stop or StopSignal()
+        self.stop_vote = StopVote(self.ctx, self.stop)
         self.run_lock: RunLock | None = None  # the main rank's, while this Trainer lives
         self._prepare_run_dir()
         self.metrics = MetricsLogger(cfg.run.dir, self.ctx.is_main, cfg.run.tensorboard, cfg.run.wandb,
@@ -141,47 +97,53 @@ class Trainer:
                 summary.append(f"wandb ({cfg.run.wandb.mode}): {self.metrics.wandb_dir}")
             print(f"{timestamp()} megatron_taper run\n" + "\n".join("  " + line for line in summary), flush=True)
         self._resume()
+        if self.ctx.is_main:  # only now: a refused resume leaves the run's config.yaml as it was
+            save_config(self.cfg, os.path.join(self.cfg.run.dir, "config.yaml"))
+        self.ctx.barrier()
 
     # -- setup ---------------------------------------------------------------------------------
 
     def _prepare_run_dir(self) -> None:
-        """Lock the run folder (main rank; every rank stops when another job holds it), then write
-        config.yaml."""
-        refused = ""
+        """Refuse a run.dir that is not a run folder, then lock it (main rank; every rank stops
+        when another job holds it)."""
+        refused, not_a_run = "", False
         if self.ctx.is_main:
             try:
+                check_run_folder(self.cfg.run.dir)
                 self.run_lock = RunLock(self.cfg.run.dir)
             except ConfigError as e:
-                refused = str(e)
-        refused = broadcast_from_main(self.ctx, refused)
+                refused, not_a_run = str(e), isinstance(e, NotARunFolder)
+        refused, not_a_run = broadcast_from_main(self.ctx, (refused, not_a_run))
         if refused:
-            raise ConfigError(refused)
-        if self.ctx.is_main:
-            save_config(self.cfg, os.path.join(self.cfg.run.dir, "config.yaml"))
-        self.ctx.barrier()
+            raise (NotARunFolder if not_a_run else ConfigError)(refused)
 
     def _resume(self) -> None:
         mode = self.cfg.run.resume
         candidates = resume_candidates(mode, checkpoint_root(self.cfg.run.dir))
         loaded = self.checkpointer.load(candidates, self.cfg.model, self.optimizer, explicit=mode != "auto")
+        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         if loaded is None:
             self.metrics.truncate_after(0)
             if self.cfg.run.init_from:
                 source = load_weights_only(self.cfg.run.init_from, self.cfg.model, self.pm)
                 self._print(f"initialised from: {source} (weights only; optimizer, step and data start fresh)")
+            if restart:
+                self._print(restart_line(restart, self.cfg.run.dir, "no checkpoint yet: training from step 0"))
             return
         path, state = loaded
+        changes = resume_changes(state["config"], self.cfg, state["step"], self.row_streams)
         self._restore(state)
-        self._print(f"resumed from: {path} at step {self.step}")
-        saved_steps = state["config"]["train"]["steps"]
-        if saved_steps != self.cfg.train.steps:
-            self._print(f"warning: train.steps changed from {saved_steps} (checkpoint) to {self.cfg.train.steps}: "
-                        f"the learning-rate schedule (warmup + decay over train.steps) changes from step "
-                        f"{self.step} on; to split a run into parts keep train.steps and set train.exit_after=N")
+        resumed = f"resumed from: {path} at step {self.step}"
+        written = os.path.getmtime(os.path.join(path, "meta.json"))
+        self._print(restart_line(restart, self.cfg.run.dir, resumed, written) if restart else resumed)
+        for line in changes:
+            self._print(line)
 
     def _restore(self, state: dict) -> None:
         """Continue from a loaded checkpoint's trainer state."""
         self.step = state["step"]
+        saved = state["config"]["train"]  # checkpoints before tokens_seen was saved: all steps at their batch
+        self.tokens_seen = state.get("tokens_seen", self.step * saved["global_batch"] * self.cfg.model.seq_len)
         self.health = StepHealth(self.ctx.device, skipped=state["skipped"])
         self.batches = self.step + state.get("data_skipped", 0)
         self.last_saved = self.step
@@ -228,6 +190,7 @@ class Trainer:
         # reduce, clip and step (or skip a non-finite step, on the device); the engine owns how
         grad_norm, stepped = self.pm.optimizer_step(self.optimizer, self.cfg.train.grad_clip, torch.isfinite(loss))
         self.step += 1
+        self.tokens_seen += self.cfg.train.global_batch * self.cfg.model.seq_len
         self.health.update(stepped, self.step, self.cfg.train.max_nonfinite)
         self.bad.update(loss, stepped, self.step, self.batches)
         return {"loss": loss, "grad_norm": grad_norm, "lr": self.optimizer.param_groups[0]["lr"], **data_metrics}
@@ -237,8 +200,10 @@ class Trainer:
         return self.health.skipped_steps()
 
     def check_health(self) -> None:
-        """Raise NonFiniteLossError if train.max_nonfinite steps in a row were non-finite (a host
-        read of the device counters: at log intervals, before every save and at the end)."""
+        """Name the steps skipped since the last check; raise NonFiniteLossError if
+        train.max_nonfinite steps in a row were non-finite (host reads of the device counters: at
+        log intervals, before every save and at the end)."""
+        self._report_skipped()
         breach = self.health.breach_step()
         if breach:
             n = self.cfg.train.max_nonfinite
@@ -246,6 +211,11 @@ class Trainer:
                 f"loss or gradient norm was non-finite for {n} steps in a row (up to step {breach}, "
                 f"train.max_nonfinite={n}); lower train.lr, enable train.grad_clip or check the data"
             )
+
+    def _report_skipped(self) -> None:
+        line = self.health.new_skips(self.cfg.train.max_nonfinite)
+        if line:
+            self._print(line)
 
     def evaluate(self) -> dict[str, float] | None:
         """Held-out loss: "" the loss (data.mix: the sources' losses weighted by the mixture), and
@@ -259,7 +229,7 @@ class Trainer:
     def fit(self) -> int:
         t, ckpt = self.cfg.train, self.cfg.checkpoint
         tokens_per_step = t.global_batch * self.cfg.model.seq_len
-        self.stop.install()
+        installed_here = self.stop.install()  # run() installs them earlier, for start-up
         steps_here, last_time, last_step = 0, time.perf_counter(), self.step
         started = last_time
         try:
@@ -271,12 +241,18 @@ class Trainer:
                 steps_here += 1
                 self.checkpointer.poll()  # completes a background save once every rank has written
                 self._report_saved()
+                # a signal: agreed at every step boundary (training/stop.py), acted on here
+                stop = self.stop_vote.at_step_end(self.step) if self.step < t.steps else None
                 at_log = self.step % t.log_interval == 0 or self.step == t.steps
                 at_save = bool(ckpt.interval) and self.step % ckpt.interval == 0
                 at_exit = bool(t.exit_after) and steps_here >= t.exit_after
-                if (at_log or at_save or at_exit) and self._bad_step_policy():
-                    continue  # rolled back to an earlier checkpoint
-                if at_log:
+                rolled_back = False
+                if at_log or at_save or at_exit or stop:
+                    self._report_skipped()  # before a rollback resets the counters
+                    rolled_back = self._bad_step_policy()
+                    if rolled_back and not stop:
+                        continue  # rolled back to an earlier checkpoint
+                if at_log and not rolled_back:
                     self.check_health()
                     now = time.perf_counter()
                     step_time = (now - last_time) / max(self.step - last_step, 1)
@@ -284,18 +260,15 @@ class Trainer:
                     # ETA from this process's mean step time so far (evaluations and saves included)
                     eta = (t.steps - self.step) * (now - started) / steps_here
                     self._log_step(record, step_time, tokens_per_step, eta)
+                if stop:
+                    return self._stop_with_checkpoint(stop)
                 if t.eval_interval and self.step % t.eval_interval == 0 and self.step < t.steps:
                     self._log_eval()
-                # signals are agreed on at log intervals and checkpoint steps (a collective)
-                if (at_log or at_save) and self._agreed_stop():
-                    self.save(final=True)
-                    self._print(f"stopped by signal {self.stop.received} at step {self.step}; checkpoint written")
-                    return EXIT_REQUEUE
                 if self.step == t.steps:
                     break
                 if at_save:
                     self.save()
-                if t.exit_after and steps_here >= t.exit_after:
+                if at_exit:
                     self.save(final=True)
                     self._print(f"train.exit_after={t.exit_after}: stopped at step {self.step} with a checkpoint")
                     return 0
@@ -308,6 +281,14 @@ class Trainer:
             self.metrics.close()
             if self.run_lock is not None:
                 self.run_lock.release()
+            if installed_here:
+                self.stop.uninstall()
+
+    def _stop_with_checkpoint(self, stop: Stop) -> int:
+        self.save(final=True)
+        self._print(f"stopped by {stop.name} at step {self.step} (the signal was first seen at the end of step "
+                    f"{stop.seen_at}); checkpoint written; exit {EXIT_REQUEUE}: the same command resumes")
+        return EXIT_REQUEUE
 
     def save(self, final: bool = False) -> None:
         """Checkpoint the current step; `final`: also wait until it (and any background save) is
@@ -330,7 +311,8 @@ class Trainer:
             if self.carry is not None:  # this rank's rows' states, with the data position they belong to
                 data = {**data, "carried": self.carry.state_dict()}
             self.checkpointer.save(self.optimizer, self.step, self.cfg.to_dict(),
-                                   {"skipped": self.skipped, "data_skipped": self.batches - self.step}, data)
+                                   {"skipped": self.skipped, "data_skipped": self.batches - self.step,
+                                    "tokens_seen": self.tokens_seen}, data)
         if final:
             self.checkpointer.wait()
             self.checkpointer.join_cleanup()  # rank 0's deletions of older checkpoints
@@ -387,7 +369,7 @@ class Trainer:
         memory_gb, memory_kind = peak_memory(self.ctx.device)
         memory_gb = self._max_over_ranks(memory_gb)
         full = {"step": self.step, **record, "tokens_per_s": tokens_per_s,
-                "tokens_seen": self.step * tokens_per_step, "skipped_steps": self.skipped,
+                "tokens_seen": self.tokens_seen, "skipped_steps": self.skipped,
                 "step_time_s": step_time, "peak_memory_gb": memory_gb}
         straggler, warning = self.stragglers.report(step_time)
         full.update(straggler)
@@ -427,12 +409,6 @@ class Trainer:
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
         return float(tensor.item())
 
-    def _agreed_stop(self) -> bool:
-        flag = torch.tensor([1.0 if self.stop.received else 0.0], device=self.ctx.device)
-        if self.ctx.mesh is not None:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
-
     def _print(self, text: str) -> None:
         if self.ctx.is_main:
             print(f"{timestamp()} {text}", flush=True)
@@ -464,11 +440,12 @@ def run(recipe: str | None, overrides: list[str]) -> int:
             chosen = layout_of(cfg)
             if int(os.environ.get("RANK", "0")) == 0:
                 print(why, flush=True)
-        preflight(cfg, world_size())  # before joining: a bad layout fails alike on every rank, at once
+        layout = preflight(cfg, world_size())  # before joining: a bad layout fails alike on every rank, at once
         check_data(cfg, warn=int(os.environ.get("RANK", "0")) == 0)
+        check_run_folder(cfg.run.dir)  # before the watchdog writes RUN/logs
         guard = FaultGuard.start(cfg.fault, cfg.run.dir, int(os.environ.get("RANK", "0")), world_size())
         ctx = init_parallel(cfg.parallel, cfg.train.device, chosen_layout=chosen)
-        trainer = Trainer(cfg, ctx, stop, guard)
+        trainer = Trainer(cfg, ctx, stop, guard, layout)
         created_run_dir = None
         code = trainer.fit()
         guard.enter("finish", trainer.step)
@@ -479,7 +456,7 @@ def run(recipe: str | None, overrides: list[str]) -> int:
             guard.stop()
         expected = isinstance(e, (ConfigError, ValueError, NonFiniteLossError))
         rank = ctx.rank if ctx is not None else int(os.environ.get("RANK", "0"))
-        log_dir = cfg.run.dir if cfg is not None else None
+        log_dir = cfg.run.dir if cfg is not None and not isinstance(e, NotARunFolder) else None
         if expected and created_run_dir:  # a fresh run folder that never started training goes again
             log_dir = None
             if os.path.isdir(created_run_dir) and (ctx is None or ctx.is_main):

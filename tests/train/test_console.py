@@ -147,6 +147,6 @@ def test_unexpected_error_in_the_trainer_is_one_line(byte_tokens, tmp_path, caps
     monkeypatch.delenv(DEBUG_ENV, raising=False)
     blocker = tmp_path / "a_file"
     blocker.write_text("not a folder")
-    assert main(_args(byte_tokens, blocker, "train.steps=1")) == 1
+    assert main(_args(byte_tokens, blocker / "run", "train.steps=1")) == 1  # a folder inside a file
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("error: FileExistsError") and DEBUG_ENV in err, err
+    assert err.count("\n") == 1 and err.startswith("error: NotADirectoryError") and DEBUG_ENV in err, err
