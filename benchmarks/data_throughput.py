@@ -50,7 +50,7 @@ def measure_trainer(data: str, steps: int, vocab_size: int, run_dir: str) -> flo
            f"data.path={data}", f"run.dir={run_dir}", f"train.steps={steps}", "train.log_interval=1",
            "train.eval_interval=0", "train.eval_batches=1", "run.tensorboard=false", f"model.vocab_size={vocab_size}"]
     subprocess.run(cmd, cwd=REPO, check=True, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "2"})
-    from megatron_taper.metrics_file import read_metrics
+    from megatron_taper.training.metrics import read_metrics
 
     rates = [r["tokens_per_s"] for r in read_metrics(os.path.join(run_dir, "metrics.jsonl")) if "tokens_per_s" in r]
     return statistics.median(rates[len(rates) // 2:])  # steady state: the second half

@@ -49,7 +49,7 @@ def launch(nproc: int, args: list[str], fault: str) -> subprocess.CompletedProce
 
 
 def records(run_dir: Path) -> dict:
-    from megatron_taper.metrics_file import read_metrics
+    from megatron_taper.training.metrics import read_metrics
 
     latest = {}
     for r in read_metrics(run_dir / "metrics.jsonl"):

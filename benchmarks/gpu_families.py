@@ -69,9 +69,9 @@ from gpu_check import (  # noqa: E402
 
 from megatron_taper.config import load_config  # noqa: E402
 from megatron_taper.cost.flops import mfu, model_costs, peak_flops  # noqa: E402
-from megatron_taper.metrics_file import read_metrics  # noqa: E402
 from megatron_taper.models import cards  # noqa: E402
 from megatron_taper.models.kernels import state_passing  # noqa: E402
+from megatron_taper.training.metrics import read_metrics  # noqa: E402
 from megatron_taper.training.trainer import Trainer  # noqa: E402
 
 # the 2026-12-04 run's `sized` rows (global batch 8 of micro-batches 4, 2 for the 760M ones), which

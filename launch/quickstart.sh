@@ -57,7 +57,7 @@ echo "[quickstart] training $config with ${NPROC:-2} processes on CPU into $run_
 
 "$py" - "$run_dir/metrics.jsonl" <<'PY'
 import sys
-from megatron_taper.metrics_file import read_metrics
+from megatron_taper.training.metrics import read_metrics
 records = read_metrics(sys.argv[1])
 evals = [r for r in records if "eval_loss" in r]
 if not evals:

@@ -30,7 +30,7 @@ architecture); a run named twice is run once.
 
 Run r of the grid writes to OUT/runs/<axis=label,...,seed=S>/ (a normal run folder; run locally,
 its console output goes to OUT/logs/<axis=label,...,seed=S>.log). A run is
-finished when its metrics.jsonl holds `metric` at step train.steps (metrics_file.read_metrics: a
+finished when its metrics.jsonl holds `metric` at step train.steps (training.metrics.read_metrics: a
 torn last line is skipped with a warning); finished runs are skipped, unfinished ones resume from
 their newest checkpoint (run.resume=auto), so a sweep can be restarted at any time. Every run's
 config is loaded and checked before the first one starts.
@@ -49,8 +49,7 @@ import yaml
 
 from megatron_taper.config import load_config
 from megatron_taper.data.corpus import TEXT_MODES
-from megatron_taper.metrics_file import read_metrics
-from megatron_taper.training.metrics import perplexity
+from megatron_taper.training.metrics import perplexity, read_metrics
 from megatron_taper.validation import ConfigError, check_choice
 
 RESERVED = ("recipe",)

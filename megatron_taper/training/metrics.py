@@ -8,6 +8,13 @@ metrics.jsonl keeps flat keys (`loss`, `eval_loss`, `tokens_per_s`, ...); tensor
 get the same numbers under grouped names (`scalar_tag`): eval_* -> eval/* (eval_loss/<source>
 -> eval/loss/<source>), the timing and memory keys in PERF_KEYS -> perf/*, a key that already has
 a group (mix/<source>) keeps it, everything else -> train/*.
+
+read_metrics is the one reader of a metrics.jsonl (sweeps, the quickstart, benchmarks, tests, and
+the resume's truncation above): a torn last line (a process killed mid-write: no newline, not
+JSON) is skipped with a warning naming the file and line; a line longer than MAX_LINE_BYTES is
+skipped with a warning, read in pieces of at most that size (a metrics record is a few KB; a 100
+MB line parsed whole took ~4.75 GB); any other line that is not a JSON object is a ValueError
+naming the file and line. Torch-free.
 """
 from __future__ import annotations
 
@@ -16,6 +23,7 @@ import math
 import os
 import time
 import uuid
+import warnings
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -84,15 +92,7 @@ class MetricsLogger:
         if self._file is not None:  # a rollback during the run: the next record reopens the new file
             self._file.close()
             self._file = None
-        kept = []
-        with open(self.path) as f:
-            for line in f:
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError:
-                    break  # a torn last line from a killed process
-                if record.get("step", 0) <= step:
-                    kept.append(line if line.endswith("\n") else line + "\n")
+        kept = [json.dumps(r, allow_nan=True) + "\n" for r in read_metrics(self.path) if r.get("step", 0) <= step]
         tmp = self.path + ".tmp"
         with open(tmp, "w") as f:
             f.writelines(kept)
@@ -149,3 +149,41 @@ def start_wandb(options: WandbConfig, run_dir: str, config: dict[str, Any]):
     return wandb.init(project=options.project, entity=options.entity or None, name=name,
                       group=options.group or None, mode=options.mode, dir=run_dir, id=run_id, resume="allow",
                       config=config, settings=wandb.Settings(console="off", silent=True))
+
+
+MAX_LINE_BYTES = 1 << 20  # 1 MiB: far above any record the trainer writes
+
+
+def read_metrics(path: str | os.PathLike, max_line_bytes: int = MAX_LINE_BYTES) -> list[dict]:
+    """The records of the metrics.jsonl at `path`, in file order (blank lines ignored)."""
+    records = []
+    with open(path, "rb") as f:
+        lineno = 0
+        while True:
+            raw = f.readline(max_line_bytes + 1)
+            if not raw:
+                break
+            lineno += 1
+            if len(raw) > max_line_bytes:
+                length = len(raw)
+                while not raw.endswith(b"\n") and raw:
+                    raw = f.readline(max_line_bytes + 1)
+                    length += len(raw)
+                warnings.warn(f"{path}:{lineno}: a line of {length} bytes, over the {max_line_bytes}-byte cap of a "
+                              f"metrics record: skipped", stacklevel=2)
+                continue
+            if not raw.strip():
+                continue
+            try:
+                record = json.loads(raw)
+            except ValueError:
+                record = None
+            if isinstance(record, dict):
+                records.append(record)
+            elif not raw.endswith(b"\n"):  # readline stops without a newline only at the end
+                warnings.warn(f"{path}:{lineno}: a torn last line (a run killed while writing it?): skipped",
+                              stacklevel=2)
+            else:
+                raise ValueError(f"{path}:{lineno}: not a JSON object: {raw[:80]!r}"
+                                 + ("..." if len(raw) > 80 else ""))
+    return records

@@ -36,6 +36,7 @@ from megatron_taper.data.sources import build_sources
 from megatron_taper.fault.guard import FaultGuard
 from megatron_taper.fault.rollback import BadSteps, DataSkips
 from megatron_taper.fault.straggler import StragglerWatch
+from megatron_taper.launch_check import check_run_dir
 from megatron_taper.models import family
 from megatron_taper.parallel.context import ParallelContext, init_parallel, shutdown, world_size
 from megatron_taper.preflight import Layout, check_data, preflight
@@ -443,6 +444,7 @@ def run(recipe: str | None, overrides: list[str]) -> int:
         layout = preflight(cfg, world_size())  # before joining: a bad layout fails alike on every rank, at once
         check_data(cfg, warn=int(os.environ.get("RANK", "0")) == 0)
         check_run_folder(cfg.run.dir)  # before the watchdog writes RUN/logs
+        check_run_dir(cfg.run.dir)  # writable (also in the launch check, for runs started without it)
         guard = FaultGuard.start(cfg.fault, cfg.run.dir, int(os.environ.get("RANK", "0")), world_size())
         ctx = init_parallel(cfg.parallel, cfg.train.device, chosen_layout=chosen)
         trainer = Trainer(cfg, ctx, stop, guard, layout)

@@ -1,4 +1,4 @@
-"""One reader for metrics.jsonl (megatron_taper.metrics_file.read_metrics), used by the sweep's
+"""One reader for metrics.jsonl (megatron_taper.training.metrics.read_metrics), used by the sweep's
 collection, the quickstart, benchmarks and tests: a torn last line (a run killed mid-write) is
 skipped with a warning naming the file and line (the sweep's collection crashed on it); a line over
 the cap is skipped with a warning naming the cap, without holding the line in memory (a 100 MB line
@@ -8,8 +8,8 @@ import tracemalloc
 
 import pytest
 
-from megatron_taper.metrics_file import MAX_LINE_BYTES, read_metrics
 from megatron_taper.sweep import SweepRun, final_record
+from megatron_taper.training.metrics import MAX_LINE_BYTES, read_metrics
 from tests.helpers.runner import REPO
 
 

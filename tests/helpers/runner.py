@@ -62,7 +62,7 @@ def train_in_process(args: list[str], check: bool = True) -> subprocess.Complete
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
-    from megatron_taper.metrics_file import read_metrics as read
+    from megatron_taper.training.metrics import read_metrics as read
 
     return read(Path(run_dir) / "metrics.jsonl")
 

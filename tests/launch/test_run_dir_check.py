@@ -61,3 +61,15 @@ def test_torchrun_sh_refuses_a_read_only_run_dir_before_any_worker(tmp_path):
     assert proc.stderr == (f"error: run.dir={run} has a checkpoints/ that is not writable (Permission denied): "
                            "choose another run.dir or make it writable\n")
     assert proc.stdout == "" and sorted(os.listdir(run)) == ["checkpoints"]
+
+
+def test_the_trainer_started_without_the_launch_check_refuses_it_too(tmp_path):
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "checkpoints").chmod(0o555)
+    proc = subprocess.run([*_unprivileged(), sys.executable, "-m", "megatron_taper.train", "--config",
+                           "configs/tiny_taper.yaml", f"run.dir={run}"], cwd=REPO, env=ENV, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "has a checkpoints/ that is not writable" in proc.stdout + proc.stderr
+    assert not (run / "config.yaml").exists()  # refused before the run wrote anything (logs/ holds the error)

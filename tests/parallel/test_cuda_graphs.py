@@ -10,8 +10,8 @@ from megatron_taper.parallel.context import init_parallel
 from megatron_taper.parallel.parallelize import parallelize
 from megatron_taper.preflight import preflight
 
-TINY = ["model.n_layers=2", "model.d_model=32", "model.n_heads=2", "model.mlp_width=64", "model.taper.multiple=8", "model.vocab_size=64",
-        "model.seq_len=16", "train.global_batch=2", "train.micro_batch=1"]
+TINY = ["model.n_layers=2", "model.d_model=32", "model.n_heads=2", "model.mlp_width=64", "model.taper.multiple=8",
+        "model.vocab_size=64", "model.seq_len=16", "train.global_batch=2", "train.micro_batch=1"]
 
 
 @pytest.mark.parametrize("overrides, fragment", [
