@@ -10,6 +10,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.helpers.runner import REPO
 
 
@@ -50,6 +52,7 @@ def families(tmp_path, *args):
     return report
 
 
+@pytest.mark.slow  # over ~20 s alone (a CPU compile of the Transformer's row)
 def test_gpu_families_smoke(tmp_path):
     """benchmarks/gpu_families.py --smoke: the speed matrix's rows for the tiny Transformer and linear
     memory caching (eager for both, compiled for the Transformer: the reference of the ratios), the
