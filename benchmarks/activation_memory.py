@@ -271,7 +271,7 @@ def full_step(cfg, steps: int) -> dict:
         import deepspeed  # noqa: F401
 
     from megatron_taper.cost.memory import MemorySetup, model_memory
-    from megatron_taper.preflight import step_split
+    from megatron_taper.cost.preflight import step_split
     from megatron_taper.training.build import build_run
 
     meter = PeakMeter(torch.device("cpu"))

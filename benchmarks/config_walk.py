@@ -88,9 +88,9 @@ def main() -> None:
         total_climbs.update(climbs)
         return result
 
-    from megatron_taper.parallel.partition import plan_pipeline
-    from megatron_taper.plan import Predictor, search, with_values
-    from megatron_taper.preflight import preflight
+    from megatron_taper.cost.partition import plan_pipeline
+    from megatron_taper.cost.plan import Predictor, search, with_values
+    from megatron_taper.cost.preflight import preflight
 
     world = args.gpus
     p = cfg.parallel

@@ -1,6 +1,6 @@
 """Memory Caching under context parallelism: per-rank step time, activation memory and
 communication at cp = 1 and 2, beside the memory model and the communication theory
-(models/memory_caching_cp.py).
+(models/memory_caching/cp.py).
 
     python benchmarks/cp_memory_caching.py [--cases linear_memory:grm,deep_memory:grm]
                                            [--seq-lens 1024,2048] [--cps 1,2] [--steps 2] [key=value ...]
@@ -38,7 +38,7 @@ EXTRA = ["model.memory_caching.segment=256"]
 
 def theory(mcfg, cp: int, rank: int, micro_batch: int, params: int) -> dict:
     """c10d calls and bytes of one micro-batch's forward_backward on cp rank `rank` (module doc)."""
-    from megatron_taper.models.memory_caching_cp import halo_bytes, handover_sizes, segments_per_slice, summary_sizes
+    from megatron_taper.models.memory_caching.cost import halo_bytes, handover_sizes, segments_per_slice, summary_sizes
 
     if cp == 1:
         return {}

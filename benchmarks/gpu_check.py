@@ -119,11 +119,12 @@ def parity(folder: str, device: str, steps: int, precision: str = "fp32",
 
 
 def predict(cfg, measured_step_s: float, measured_peak_bytes: float | None, profile=None) -> dict:
-    """The layout planner's prediction for this one-process run (megatron_taper/plan.py, the device's
+    """The layout planner's prediction for this one-process run (megatron_taper/cost/plan.py, the device's
     profile from cost/devices.json, or `profile`) beside the measurement: peak memory and step time,
     with ratios."""
+    from megatron_taper.cost.auto_layout import local_device
     from megatron_taper.cost.memory import GIB
-    from megatron_taper.plan import Predictor, local_device
+    from megatron_taper.cost.plan import Predictor
 
     if profile is None:
         profile, _, where = local_device(cfg.train.device, 1)

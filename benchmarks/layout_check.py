@@ -29,7 +29,7 @@ a slower rank), so `spearman_step_cpu_time` is a second, load-robust view, not a
 `peak_ratio_after_runtime` takes out the runtime's own ~31 MiB per process that the memory model
 does not count (RUNTIME_BYTES).
 
-Predictions come from megatron_taper/plan.py's Predictor with this machine's cores (os.cpu_count():
+Predictions come from megatron_taper/cost/plan.py's Predictor with this machine's cores (os.cpu_count():
 the processes share them) and two device profiles: `measured`, the cpu profile measured on this
 machine by benchmarks/cpu_profile.py --write just before the layouts run (or read from
 `--measured-profile FILE`), which the ratios and `spearman_step_time` use, and `stored`, the cpu
@@ -126,8 +126,8 @@ def main() -> None:
     from megatron_taper.config import load_config
     from megatron_taper.cost.devices import profiles
     from megatron_taper.cost.memory import GIB
-    from megatron_taper.plan import Predictor
-    from megatron_taper.preflight import preflight
+    from megatron_taper.cost.plan import Predictor
+    from megatron_taper.cost.preflight import preflight
 
     cores = os.cpu_count() or 1
     devices = {"stored": dataclasses.replace(profiles()["cpu"], cores=cores)}

@@ -20,7 +20,7 @@ both models built in this process, their training steps (forward + backward + Ad
 micro-batch of 8 x N random tokens) alternating for --speed-steps steps after one warm-up step,
 median per model (benchmarks/arch_throughput.py's timed_step), so a changing load on a shared
 machine hits both alike. The tree's sequential cell levels at every length are printed with it
-(models/tree_lm.py: tree_depth).
+(models/tree/cost.py: tree_depth).
 """
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ from megatron_taper.config import load_config  # noqa: E402
 from megatron_taper.cost.flops import model_costs  # noqa: E402
 from megatron_taper.data.preprocess import is_complete  # noqa: E402
 from megatron_taper.models import build_model  # noqa: E402
-from megatron_taper.models.tree_lm import tree_depth  # noqa: E402
+from megatron_taper.models.tree.cost import tree_depth  # noqa: E402
 from megatron_taper.training.metrics import read_metrics  # noqa: E402
 
 DEFAULT_CORPUS = REPO.parent / "shared" / "data" / "kjv.txt.gz"

@@ -36,7 +36,7 @@ from megatron_taper.config import load_config
 from megatron_taper.cost.flops import model_costs
 from megatron_taper.models import build_model
 from megatron_taper.models.layers import IGNORE_INDEX, cross_entropy
-from megatron_taper.models.titans import NeuralMemory
+from megatron_taper.models.titans.neural_memory import NeuralMemory
 
 MODELS = {
     "transformer": ["model.arch=transformer"],

@@ -1,5 +1,5 @@
-"""Titans under context parallelism (models/titans_cp.py): step time at cp=2 against one process,
-the chain's message bytes beside titans_cp.cp_state_bytes, and the wavefront's predicted ratio.
+"""Titans under context parallelism (models/titans/cp.py): step time at cp=2 against one process,
+the chain's message bytes beside titans/cost.py cp_state_bytes, and the wavefront's predicted ratio.
 
     python benchmarks/titans_cp.py [--seq-lens 1024,4096] [--variants mag,mal,mac] [--cps 1,2]
                                    [--steps 3] [key=value ...]
@@ -15,7 +15,7 @@ convolutions of 4 taps). Added to each row:
                          point-to-point (context_parallel.py's theory is the attention families')
   measured_time_ratio    step time / the cp = 1 step time of the same (variant, seq_len)
   predicted_time_ratio   the wavefront's (L + cp - 1) / (L cp), with each rank on its own core
-                         and the messages free (titans_cp.wavefront_ratio)
+                         and the messages free (titans/cost.py wavefront_ratio)
 
 Prints one JSON object: {"config": ..., "results": [...]}. Where the ranks share cores (this
 project's 2-core test machine) the cp = 2 processes cannot run in parallel and the measured ratio
@@ -36,7 +36,7 @@ def main() -> None:
     from context_parallel import SHAPE, launch
 
     from megatron_taper.config import load_config
-    from megatron_taper.models.titans_cp import cp_state_bytes, wavefront_ratio
+    from megatron_taper.models.titans.cost import cp_state_bytes, wavefront_ratio
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seq-lens", default="1024,4096")

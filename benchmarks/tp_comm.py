@@ -52,8 +52,8 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_taper.config import load_config
+from megatron_taper.cost.preflight import preflight
 from megatron_taper.parallel.context import init_parallel, shutdown, world_size
-from megatron_taper.preflight import preflight
 from megatron_taper.taper import layer_widths
 from megatron_taper.training.build import build_run
 

@@ -51,8 +51,8 @@ def worker(engine: str, overrides: list[str]) -> list[dict]:
     import torch.distributed as dist
 
     from megatron_taper.config import load_config
+    from megatron_taper.cost.preflight import preflight
     from megatron_taper.parallel.context import init_parallel, world_size
-    from megatron_taper.preflight import preflight
     from megatron_taper.training.build import build_run
 
     cfg = load_config(None, DEFAULT + overrides + [f"parallel.zero={engine}", "train.device=cpu"])

@@ -139,7 +139,7 @@ class DeepSpeedConfig:
             raise ConfigError(f"{prefix}.config={self.config!r}: file not found")
 
 
-PP_BALANCE_MODES = ("flops", "uniform", "params", "profile")  # parallel.pp_balance (parallel/partition.py)
+PP_BALANCE_MODES = ("flops", "uniform", "params", "profile")  # parallel.pp_balance (cost/partition.py)
 # parallel.pp_schedule (parallel/pipeline.py); the zero-bubble ones split backward into input and
 # weight gradients; zbv and dualpipev place 2 chunks per rank in a V (rank r: chunks r, 2 pp - 1 - r)
 PP_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b", "interleaved_zero_bubble", "zbv", "dualpipev")
@@ -171,7 +171,7 @@ class ParallelConfig:
     # dp (parallel/data_parallel.py bucket_mb)
     ddp_bucket_mb: float = 0.0
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
-    # manual | auto: at start the layout planner (megatron_taper/plan.py) sets tp, pp, schedule, zero,
+    # manual | auto: at start the layout planner (megatron_taper/cost/plan.py) sets tp, pp, schedule, zero,
     # sequence_parallel, train.micro_batch, activation checkpointing and float8 to the fastest
     # predicted layout that fits the device memory per rank (layout_memory_gb GiB when > 0);
     # layout_profile: a file of this cluster's measured device numbers over cost/devices.json's
@@ -199,7 +199,7 @@ class ParallelConfig:
         self.deepspeed.validate(f"{prefix}.deepspeed")
 
     def dp_split(self, dp: int) -> tuple[int, int]:
-        """(dp_replicate, dp_shard) of a data-parallel size `dp` (preflight.py checks that their
+        """(dp_replicate, dp_shard) of a data-parallel size `dp` (cost/preflight.py checks that their
         product is dp)."""
         return self.dp_replicate, self.dp_shard or max(1, dp // self.dp_replicate)
 
@@ -430,7 +430,7 @@ class Config:
     run: RunConfig = field(default_factory=RunConfig)
 
     def validate(self) -> "Config":
-        """Each section on its own; rules across sections and the world size are in preflight.py."""
+        """Each section on its own; rules across sections and the world size are in cost/preflight.py."""
         for f in dataclasses.fields(self):
             getattr(self, f.name).validate(f.name)
         return self

@@ -19,7 +19,7 @@ import traceback
 from typing import TYPE_CHECKING, Any
 
 from megatron_taper.cost.flops import device_name, model_costs
-from megatron_taper.preflight import step_split
+from megatron_taper.cost.preflight import step_split
 from megatron_taper.taper import layer_widths
 
 if TYPE_CHECKING:

@@ -115,13 +115,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from megatron_taper.config import load_config
     from megatron_taper.console import report_error
-    from megatron_taper.preflight import check_data, preflight
+    from megatron_taper.cost.preflight import preflight
+    from megatron_taper.data.checks import check_data
 
     try:
         cfg = load_config(args.config, overrides)
         chosen = ""
         if cfg.parallel.layout == "auto":
-            from megatron_taper.plan import choose_layout
+            from megatron_taper.cost.auto_layout import choose_layout
 
             cfg, chosen = choose_layout(cfg, args.world_size, local_ranks=args.world_size // max(1, args.nodes),
                                         device_profile=args.device)

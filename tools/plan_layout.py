@@ -7,7 +7,7 @@ were dropped.
 
 `--nodes N` plans N nodes x `--gpus-per-node` (default: the device's, cost/devices.json) devices.
 
-Every layout of megatron_taper/plan.py's SEARCH_SPACE (tp, pp, schedule and virtual stages, ZeRO
+Every layout of megatron_taper/cost/plan.py's SEARCH_SPACE (tp, pp, schedule and virtual stages, ZeRO
 engine, HSDP replicas, sequence parallelism, context parallelism and its attention, micro-batch
 and so gradient accumulation, activation checkpointing, float8) that the trainer's own checks
 accept at N processes is predicted: peak memory per rank (cost/memory.py, max over pipeline
@@ -32,17 +32,10 @@ import time
 
 from megatron_taper.cli import OVERRIDES_HELP, add_config_arguments, handle_info_flags, parse_with_overrides
 from megatron_taper.config import load_config
+from megatron_taper.cost.auto_layout import host_memory_gib
 from megatron_taper.cost.devices import profiles
 from megatron_taper.cost.memory import GIB
-from megatron_taper.plan import (
-    USABLE_FRACTION,
-    PlanResult,
-    Prediction,
-    host_memory_gib,
-    no_fit_message,
-    overrides,
-    search,
-)
+from megatron_taper.cost.plan import USABLE_FRACTION, PlanResult, Prediction, no_fit_message, overrides, search
 
 
 def layout_json(x: Prediction) -> dict:

@@ -36,12 +36,12 @@ import torch
 from megatron_taper.cli import OVERRIDES_HELP, add_config_arguments, handle_info_flags, parse_with_overrides
 from megatron_taper.config import load_config
 from megatron_taper.cost.memory import MemorySetup
+from megatron_taper.cost.partition import PipelinePlan
+from megatron_taper.cost.preflight import preflight
 from megatron_taper.models import build_model
 from megatron_taper.parallel.context import choose_device
-from megatron_taper.parallel.partition import PipelinePlan
 from megatron_taper.parallel.pipeline import plan_stages
 from megatron_taper.parallel.profile import profile_layer_times
-from megatron_taper.preflight import preflight
 
 
 def default_dp(cfg) -> int:

@@ -12,8 +12,8 @@ import sys
 from megatron_taper.cli import OVERRIDES_HELP, add_config_arguments, handle_info_flags, parse_with_overrides
 from megatron_taper.config import load_config
 from megatron_taper.cost.flops import model_costs, uniform_twin
+from megatron_taper.cost.preflight import preflight
 from megatron_taper.models import family
-from megatron_taper.preflight import preflight
 from megatron_taper.taper import taper_widths
 
 

@@ -55,7 +55,7 @@ first backward: the gradients a step makes (made_grad_bytes_per_param: set to No
          forward comes between (m > n), (n - 2) K + top if not; none if m = 1; at least 0), under fsdp2
          with pipelining and one chunk per rank at least those gradients once more: FSDP's
          reduce-scatter after the last backward copies them while they are held (measured).
-retained (the split backward of ZB-V, parallel/partition.py split_backward_activations) what
+retained (the split backward of ZB-V, cost/partition.py split_backward_activations) what
          stage_backward_input leaves until the weight pass: the gradients of the weight ops'
          outputs (`op_act` elements, all of `act` where unknown); the head's logits' gradient
          less the unchunked loss's saved tensor (freed with the detached loss's graph).

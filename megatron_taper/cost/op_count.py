@@ -22,7 +22,7 @@ models/kernels/state_passing.py; the default until a GPU has checked them is the
 are not taken on the CPU. With `write_kernel`, the Titans /
 deep-memory write loop's chunk loops are counted as the kernels that replace them on CUDA
 (models/kernels/memory_write_triton.py, depths 1 and 2): the operators traced inside
-neural_memory.write_loop_torch (forward) and neural_memory.reverse_loop (backward) are left out and
+titans/neural_memory.write_loop_torch (forward) and .reverse_loop (backward) are left out and
 each of their calls counts one launch (the kernel wrappers' allocations and copies are left out too;
 the batched torch work before and after the backward's loop is counted as traced). The default
 counts what the CPU trace runs, the torch loops.
@@ -75,7 +75,7 @@ def dispatched_ops(cfg: ModelConfig, write_kernel: bool = False) -> tuple[int, i
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from megatron_taper.models import build_model
-    from megatron_taper.models.neural_memory import reverse_loop, write_kernel_handles, write_loop_torch
+    from megatron_taper.models.titans.neural_memory import reverse_loop, write_kernel_handles, write_loop_torch
 
     loops = (write_loop_torch.__code__, reverse_loop.__code__)
 

@@ -1,6 +1,6 @@
 """Per-stage memory of a pipeline split, from the per-piece numbers of cost/memory.py: the pipeline's
 communication buffers, DeepSpeed's buckets and `MemoryModel`, the static / activation prefix
-tables the partition (parallel/partition.py) and the planner (plan.py) look stages up in."""
+tables the partition (cost/partition.py) and the planner (cost/plan.py) look stages up in."""
 from __future__ import annotations
 
 import math

@@ -16,6 +16,7 @@ readers.py             readers of formats that are not lines of text
 preprocess.py          documents -> tokens -> MDS shards (train/, val/, stats.json)
 builtin.py             the built-in dataset made once from the embedded corpus
 torchvision_compat.py  the one way this project imports mosaicml-streaming
+checks.py              start-up checks that need the data on disk (folders, token ids, tokenizer size)
 """
 from __future__ import annotations
 

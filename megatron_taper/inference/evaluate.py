@@ -99,7 +99,7 @@ def evaluate_checkpoint(checkpoint: str, overrides: list[str] = (), seq_lens: li
     """tools/evaluate.py: {checkpoint, step, layout, data, results: {seq_len: {loss, ppl, tokens,
     batches}}}. Under torchrun (or in processes that already joined a process group) every rank
     calls it and gets the same object; the process group is left at the end."""
-    from megatron_taper.preflight import preflight
+    from megatron_taper.cost.preflight import preflight
     from megatron_taper.training.build import build_run
 
     ref = open_checkpoint(checkpoint)

@@ -1,26 +1,31 @@
 """Model families and their registry (this module imports no torch; family code is imported on first use).
 
 A family is a FamilyCard (torch-free: name, options section, positions, test cases; built-in
-ones in models/cards.py) plus a FamilySpec (card + behaviour) in the tuple `SPECS` at the end of
-the card's module (models/spec.py). `cards()` maps `model.arch` to the card and is all that
-config.py needs; `family(arch)` imports the family's module the first time it is asked and
-returns its spec (cost model, TP plan, layout checks, decoding state, Hugging Face adapter).
+ones in models/cards.py) plus a FamilySpec (card + behaviour) in the tuple `SPECS` of the card's
+module (models/spec.py). `cards()` maps `model.arch` to the card and is all that config.py needs;
+`family(arch)` imports the family's module the first time it is asked and returns its spec (cost
+model, TP plan, layout checks, decoding state, Hugging Face adapter); a built-in family's spec
+loads no torch until its model is built.
 
 Families outside this package: the environment variable MEGATRON_TAPER_FAMILIES may name
 modules (comma-separated, importable, each defining `SPECS`, a tuple of FamilySpec) that are
 registered after the built-in ones; those modules are imported when the registry is first read
 (in that process: torchrun's workers inherit the variable).
 
-The registry and cards: spec.py (FamilyCard, FamilySpec), cards.py (built-in cards and options).
-Shared layers: layers.py (RMSNorm, RoPE, ALiBi, attention, SwiGLU), local_attention.py (sliding
-window behind persistent tokens), init.py (split-independent initialisation), decoding.py (KV
-cache). The families, each file ending in its SPECS, with the code it keeps beside it:
-transformer.py, gated_attention.py, titans.py (its memory neural_memory.py, its context
-parallelism titans_cp.py), hope_attention.py (its online levels hope_online.py),
-memory_caching.py (its bases linear_memory.py and neural_memory.py, its context parallelism
-memory_caching_cp.py), tree_lm.py, memory_bridge.py. Hugging Face: hf_llama.py (the adapter),
-modeling_tapered_llama.py (the modelling file exports carry). kernels/: the loop-free and Triton
-forms of the recurrences.
+The registry and cards: spec.py (FamilyCard, FamilySpec, lazy), cards.py (built-in cards and
+options). Shared layers: layers.py (RMSNorm, RoPE, ALiBi, attention, SwiGLU), local_attention.py
+(sliding window behind persistent tokens), init.py (split-independent initialisation),
+decoding.py (KV cache). Hugging Face: hf_llama.py (the adapter), modeling_tapered_llama.py (the
+modelling file exports carry). kernels/: the loop-free and Triton forms of the recurrences.
+
+One folder per family, each the same shape: `__init__.py` (its SPECS, nothing else), model.py (the
+modules, single-device), cost.py (its cost terms and context-parallel message sizes) and parallel.py
+(its TP plan and layout checks), both torch-free and on the cost model's floor, cp.py (its
+context-parallel code, where it has one; the model calls it when `context` is set), and what only
+that family uses: transformer/, gated_attention/, titans/ (neural_memory.py: the neural memory, also
+the deep Memory Caching base), hope_attention/ (online.py: the online levels' scan), memory_caching/
+(linear_memory.py, its linear base; both the linear_memory and deep_memory families), bridge/, tree/
+(sweeps.py: the tree's up- and down-sweeps).
 """
 from __future__ import annotations
 

@@ -154,10 +154,10 @@ HOPE_ATTENTION = FamilyCard(name="hope_attention", module="megatron_taper.models
                             test_cases={"": ("model.hope.levels=2", "model.hope.chunk_size=4",
                                              "model.hope.online_lr=2.0"),
                                         "offline": ("model.hope.levels=3", "model.hope.online=false")})
-TREE = FamilyCard(name="tree", module="megatron_taper.models.tree_lm", section="tree", options=TreeConfig,
+TREE = FamilyCard(name="tree", module="megatron_taper.models.tree", section="tree", options=TreeConfig,
                   positions=("none",), refuses=("pp",),
                   test_cases={"": ("model.n_layers=1", "model.tree.cell_width=130")})
-BRIDGE = FamilyCard(name="bridge", module="megatron_taper.models.memory_bridge", section="bridge",
+BRIDGE = FamilyCard(name="bridge", module="megatron_taper.models.bridge", section="bridge",
                     options=BridgeConfig,
                     test_cases={"": ("model.bridge.segment=8", "model.bridge.slots=3", "model.bridge.aux_weight=0.1")})
 LINEAR_MEMORY = FamilyCard(name="linear_memory", module="megatron_taper.models.memory_caching",

@@ -11,7 +11,7 @@ Two kernels, chosen at run time from the tensors (`sliding_window_attention`):
   every such block shares, all of them in one SDPA call (blocks folded into the batch, so the
   fused CPU kernel runs); block 0 to [P, block 0] under
   a [W, P + W] mask. It computes every pair of that band, masked or not: per query P + 2W pairs
-  (P + W in block 0), of which P + min(i + 1, W) are visible (`blockwise_pairs` counts them).
+  (P + W in block 0), of which P + min(i + 1, W) are visible (titans/cost.py `blockwise_pairs` counts them).
 - FlexAttention (CUDA, when torch.nn.attention.flex_attention imports): the same pattern as a
   block-sparse mask built directly from the band (`band_block_mask`: O((S / 128)^2) block
   indices, never an [S, S] mask), through a compiled flex_attention; it skips the kv blocks
@@ -38,13 +38,6 @@ def band_mask(prefix: int, rows: int, before: int, window: int, device: torch.de
     i = torch.arange(rows, device=device)[:, None] + before  # the query's token offset among the keys
     j = torch.arange(prefix + before + rows, device=device)[None, :] - prefix
     return (j < 0) | ((i - j >= 0) & (i - j < window))
-
-
-def blockwise_pairs(seq: int, prefix: int, window: int) -> int:
-    """(query, key) pairs the blockwise kernel computes, padded rows and masked pairs included."""
-    block = min(window, seq)
-    blocks = math.ceil(seq / block)
-    return block * (prefix + block) + (blocks - 1) * block * (prefix + 2 * block)
 
 
 def blockwise_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int,

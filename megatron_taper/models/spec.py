@@ -3,14 +3,17 @@
 A family has two halves. Its `FamilyCard` is torch-free (name, options section and dataclass,
 position encodings, the overrides the standard tests build it with, and the module holding its
 code): config.py, `--print-config` and every config error read only cards. Its `FamilySpec`
-(card + behaviour) lives at the end of the family's module in a tuple `SPECS` (one module may
-define several families, as models/memory_caching.py does); `models/__init__.py` imports that
-module only when the spec is first asked for. cost/flops.py (per-layer costs), parallel/tp_plan.py
-(tensor-parallel plan), preflight.py (layout preconditions), inference/generation.py (decoding
-state) and inference/hf.py (Hugging Face adapter) read the spec; none of them names a family class.
+(card + behaviour) lives in a tuple `SPECS` in the family's module (a built-in family's package
+`models/<family>/__init__.py`; one module may define several families, as models/memory_caching/
+does); `models/__init__.py` imports that module only when the spec is first asked for. A
+built-in family's SPECS load no torch: they name the model code through `lazy` (imported on first
+call), and the cost terms, TP plan and layout checks they hold directly are torch-free modules.
+cost/flops.py (per-layer costs), parallel/tp_plan.py (tensor-parallel plan), preflight.py (layout
+preconditions), inference/generation.py (decoding state) and inference/hf.py (Hugging Face
+adapter) read the spec; none of them names a family class.
 
-Adding a built-in family = its module (code, ending in SPECS) + its options dataclass and card in
-models/cards.py, listed in BUILTIN_CARDS. From outside the package: one module holding card,
+Adding a built-in family = its package (code, SPECS in its __init__.py) + its options dataclass
+and card in models/cards.py, listed in BUILTIN_CARDS. From outside the package: one module holding card,
 options, code and SPECS, named in MEGATRON_TAPER_FAMILIES (tests/helpers/toy_family.py is one).
 
 The TP plan is a description, not parallel code: a function that names, for one block, which
@@ -19,6 +22,7 @@ it is handed (parallel/tp_plan.py); the model classes themselves stay single-dev
 """
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol
 
@@ -30,6 +34,17 @@ if TYPE_CHECKING:
     from megatron_taper.cost.block import Cost
     from megatron_taper.cost.cp import CPMessage
     from megatron_taper.parallel.tp_plan import TPBuilder
+
+
+def lazy(module: str, name: str) -> Callable[..., Any]:
+    """A callable that imports `module` on its first call and calls its attribute `name` with the
+    same arguments (a family's SPECS name their torch code through it)."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return getattr(importlib.import_module(module), name)(*args, **kwargs)
+
+    call.__qualname__ = call.__name__ = f"lazy({module}.{name})"
+    return call
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,7 @@ The mesh and the whole chain:
     parallelize.py       parallelize(): the chain below, in order
     meta_init.py         materialise a model built on the meta device, rank by rank
 Pipeline:
-    pipeline.py          stage construction + torch.distributed.pipelining schedules
-    partition.py         cost-balanced stage split (pure)
+    pipeline.py          stages (layers per stage: cost/partition.py) + torch.distributed.pipelining schedules
     profile.py           measured per-layer times for parallel.pp_balance=profile
 Tensor and context parallelism:
     tensor.py            TP autograd ops and column/row/vocab-parallel layers (uneven shards)

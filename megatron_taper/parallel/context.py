@@ -15,7 +15,7 @@ loss averages); `dp_mesh` is what FSDP2 shards over: the 1-D dp mesh, or under H
 (dp_replicate, dp_shard) one (`mesh._unflatten` of the dp dimension: same ranks, new groups).
 With cp > 1, ZeRO shards over the flattened dp x cp dimension (`dp_cp_mesh`, as Megatron-core and
 torchtitan do: the ranks of a cp group hold the same parameters), so `dp_mesh` is that mesh,
-`dp_shard` = dp x cp and `dp_shard_rank` = dp_rank x cp + cp_rank (preflight.py refuses HSDP
+`dp_shard` = dp x cp and `dp_shard_rank` = dp_rank x cp + cp_rank (cost/preflight.py refuses HSDP
 with cp).
 """
 from __future__ import annotations
@@ -150,7 +150,7 @@ def world_size() -> int:
 def init_parallel(pcfg: ParallelConfig, device: str = "auto", timeout_s: float = 600.0,
                   chosen_layout: str = "") -> ParallelContext:
     """Join the process group started by torchrun (if any) and build the (pp, dp, cp, tp) mesh.
-    Run preflight.py's checks first: here the layout is taken as valid. `chosen_layout`
+    Run cost/preflight.py's checks first: here the layout is taken as valid. `chosen_layout`
     (parallel.layout=auto: what this rank chose) must be the same on every rank, checked before the
     mesh is built (ranks building different meshes would wait in mismatched collectives)."""
     world = world_size()
@@ -184,7 +184,7 @@ def init_parallel(pcfg: ParallelConfig, device: str = "auto", timeout_s: float =
     # the flattened dp x cp group is created on every rank (a collective)
     dp_cp = mesh["dp", "cp"]._flatten("dp_cp") if pcfg.cp > 1 else None
     if dp_cp is not None:
-        dp_mesh = dp_cp  # preflight.py refuses HSDP with cp
+        dp_mesh = dp_cp  # cost/preflight.py refuses HSDP with cp
     elif replicate == 1:
         dp_mesh = mesh["dp"]
     else:

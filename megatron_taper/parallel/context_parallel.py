@@ -12,7 +12,7 @@ same code, with rank r doing r + 1/2 of rank 0's causal work.
     tokens [B, S + 1] -> inputs, targets [B, S] -> this rank's [B, S / cp]     (split)
     positions [S / cp]: the true positions of those tokens                    (positions)
 
-The model sees only its slice; its `context` attributes (models/transformer.py, models/layers.py
+The model sees only its slice; its `context` attributes (models/transformer/model.py, models/layers.py
 Attention) hold this SequenceSplit, which gives the RoPE positions and attends over the whole
 sequence (`attend`, all-gather of K/V):
 

@@ -9,7 +9,7 @@ gradients and optimizer state stay as they were (fp32), parameter names do not c
 checkpoints move freely between runs with and without it. The embedding and the head stay in
 the compute dtype (their error goes straight into the logits). Linears with a dimension that is
 not a multiple of 16 (small gates of some families) stay as they are; the MLP widths are kept
-legal by preflight.py (model.taper.multiple a multiple of 16, d_model too).
+legal by cost/preflight.py (model.taper.multiple a multiple of 16, d_model too).
 
 On a CUDA device of compute capability 8.9 or more the float8 matmuls are torch._scaled_mm; on
 the CPU (and older GPUs) torchao's emulation (Float8LinearConfig(emulate=True)) rounds to float8 and multiplies
@@ -21,7 +21,7 @@ after the gather, because gloo has no float8 dtype (its all-gather fails with "I
 type"), so the float8 all-gather is not tested here.
 
 Applied by parallelize() after tensor parallelism (only tp = 1: our column/row-parallel layers
-are not nn.Linear; preflight.py refuses tp > 1) and before activation checkpointing and ZeRO, in
+are not nn.Linear; cost/preflight.py refuses tp > 1) and before activation checkpointing and ZeRO, in
 torchtitan's order.
 """
 from __future__ import annotations

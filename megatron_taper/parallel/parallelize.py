@@ -10,7 +10,7 @@ split handed to the attention, the loss share) -> float8 linears (float8.py) -> 
 parallelism (DDP, data_parallel.py) comes after materialisation, in build.py. With pp > 1 the
 model is first cut to this rank's pipeline stage (pipeline.py), which then calls back here with
 `whole_model=False` for the rest of the chain on that stage. The layout was checked by
-preflight.py before any process group existed.
+cost/preflight.py before any process group existed.
 """
 from __future__ import annotations
 
@@ -119,7 +119,7 @@ def _sum_replica_grads(bucket: list[tuple[str, ShardSpec]], group: dist.ProcessG
     for name, spec in bucket:
         grad = module.get_parameter(name).grad
         if grad is not None:
-            assert not isinstance(grad, DTensor), "replica sums of ZeRO shards are refused in preflight.py"
+            assert not isinstance(grad, DTensor), "replica sums of ZeRO shards are refused in cost/preflight.py"
             items.append((grad, spec))
     if items:
         sum_replicas_(items, group)

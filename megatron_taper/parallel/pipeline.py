@@ -1,7 +1,7 @@
 """Pipeline parallelism: split the model into stages by cost, run them with torch.distributed.pipelining.
 
     full model (on the meta device, or initialised and the same on every rank)
-      -> plan (partition.py: layers per stage by parallel.pp_balance; profile: measured by rank 0's tp group)
+      -> plan (cost/partition.py: layers per stage by parallel.pp_balance; profile: measured by rank 0's tp group)
       -> this pp rank keeps only its layers (+ embedding on stage 0; final norm, head, loss on the
          last stage), parameter names unchanged (global layer indices)
       -> tensor parallelism etc. on that module (`parallelize(..., whole_model=False)`)
@@ -23,7 +23,7 @@ zero=none at dp > 1 averages the step's accumulated gradients over dp after the 
 
 Micro-batches: the rank's micro-batches of one step are concatenated along the batch and cut
 into `parallel.microbatches` equal pieces (0 = as many as the Trainer passes). 1F1B and
-interleaved 1F1B need at least pp of them; preflight.py refuses fewer (GPipe runs with fewer but
+interleaved 1F1B need at least pp of them; cost/preflight.py refuses fewer (GPipe runs with fewer but
 warns, since then most of every step is pipeline bubble).
 
 Loss: the last stage computes it per micro-batch (the ParallelModel's loss_fn, vocab-parallel
@@ -46,13 +46,13 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron_taper.config import V_SCHEDULES
+from megatron_taper.cost.partition import PipelinePlan, chunk_rank, plan_pipeline
 from megatron_taper.parallel.context import ParallelContext, has_bf16
 from megatron_taper.parallel.context_parallel import cp_mean, split_batch
 from megatron_taper.parallel.data_parallel import average_gradients
 from megatron_taper.parallel.data_parallel import bucket_mb as dp_bucket_mb
 from megatron_taper.parallel.meta_init import is_meta
 from megatron_taper.parallel.model import ParallelModel
-from megatron_taper.parallel.partition import PipelinePlan, chunk_rank, plan_pipeline
 from megatron_taper.parallel.profile import TPShard, profile_layer_times, profile_meta_layer_times
 from megatron_taper.parallel.zero import apply_zero
 
@@ -257,8 +257,8 @@ def plan_stages(model_cfg: ModelConfig, parallel: ParallelConfig, train: TrainCo
     bytes. Micro-batches follow the trainer (preflight.step_split: at pp = 1 train.micro_batch x
     accumulation)."""
     from megatron_taper.cost.memory import MemorySetup
+    from megatron_taper.cost.preflight import step_split
     from megatron_taper.parallel.context import choose_device
-    from megatron_taper.preflight import step_split
 
     micro_batch, n_micro = step_split(parallel, train, dp)
     if memory_gb is None and parallel.pp_memory_gb > 0:

@@ -10,7 +10,7 @@ the norms see only their sequence chunk).
 Plans live with their families: a FamilySpec's `tp_block_plan(block, prefix, cfg, tp)` shards one
 block through this builder's helpers (column, row, replicated, attention, swiglu, head_rows, ...);
 `apply_tp` runs it on every block and shards the embedding and head itself. Shapes a plan cannot
-split are refused earlier, by preflight.py (and the family's `check_layout`).
+split are refused earlier, by cost/preflight.py (and the family's `check_layout`).
 """
 from __future__ import annotations
 
@@ -175,7 +175,7 @@ def apply_tp(model: nn.Module, group, rank: int, tp: int, model_cfg: ModelConfig
              sequence_parallel: bool) -> TPBuilder:
     """Shard `model` (on meta, or initialised on its device) in place by its family's plan: the embedding,
     every block through the FamilySpec's `tp_block_plan`, the final norm and the head. Returns the
-    recorded layouts. Shapes were checked by preflight.py."""
+    recorded layouts. Shapes were checked by cost/preflight.py."""
     plan_block = family(model_cfg.arch).tp_block_plan
     assert plan_block is not None, f"preflight refuses parallel.tp > 1 for {model_cfg.arch}"
     tp_ = TPBuilder(group, rank, tp, sequence_parallel)

@@ -77,7 +77,7 @@ if TYPE_CHECKING:
 
 def apply_zero(pm: ParallelModel, parallel: ParallelConfig, train: TrainConfig,
                chunks: list[nn.Module] | None = None) -> ParallelModel:
-    """Shard `pm` over the dp group with the engine named by parallel.zero (preflight.py has
+    """Shard `pm` over the dp group with the engine named by parallel.zero (cost/preflight.py has
     refused the layouts an engine cannot run). `chunks`: a pipeline stage's chunks (views of
     `pm.module` sharing its blocks; pipeline.py), each made its own FSDP root."""
     engine = parallel.zero

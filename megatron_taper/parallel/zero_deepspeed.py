@@ -1,6 +1,6 @@
 """parallel.zero=deepspeed: DeepSpeed ZeRO stage 3 behind the ParallelModel interface.
 
-    parallelize() -> DeepSpeedParallelModel.wrap(pm)      (pp must be 1; checked in preflight.py)
+    parallelize() -> DeepSpeedParallelModel.wrap(pm)      (pp must be 1; checked in cost/preflight.py)
     Trainer      -> pm.build_optimizer(train)             deepspeed.initialize(model, AdamW, config, mpu)
                  -> pm.forward_backward(micro_batches)   engine(x), engine.backward, engine.step
                                                          (non-boundary micro-steps)
@@ -228,7 +228,7 @@ class DeepSpeedParallelModel(ParallelModel):
 
     @classmethod
     def wrap(cls, pm: ParallelModel, options: DeepSpeedConfig) -> "DeepSpeedParallelModel":
-        """Hand `pm`'s module to DeepSpeed (at build_optimizer); preflight.py has refused one process,
+        """Hand `pm`'s module to DeepSpeed (at build_optimizer); cost/preflight.py has refused one process,
         pp > 1, sequence parallelism and tp > kv heads."""
         assert pm.ctx.mesh is not None and not pm.tp_grad_syncs
         for name, param in pm.module.named_parameters():

@@ -34,12 +34,12 @@ import numpy as np
 import torch
 
 from megatron_taper.config import Config
+from megatron_taper.cost.preflight import Layout, preflight
 from megatron_taper.models import build_model
 from megatron_taper.parallel.context import ParallelContext, has_bf16, init_parallel, world_size
 from megatron_taper.parallel.meta_init import has_buffers, logical_shapes, materialise
 from megatron_taper.parallel.model import ParallelModel
 from megatron_taper.parallel.parallelize import parallelize
-from megatron_taper.preflight import Layout, preflight
 
 
 @dataclass

@@ -31,6 +31,8 @@ from megatron_taper.checkpoint.checkpointer import (
 from megatron_taper.config import Config, ConfigError, load_config, save_config
 from megatron_taper.console import format_duration, peak_memory, report_error, restart_line, summary_lines
 from megatron_taper.cost.flops import mfu, model_costs, peak_flops
+from megatron_taper.cost.preflight import Layout, preflight
+from megatron_taper.data.checks import check_data
 from megatron_taper.data.prefetch import Prefetcher
 from megatron_taper.data.sources import build_sources
 from megatron_taper.fault.guard import FaultGuard
@@ -39,7 +41,6 @@ from megatron_taper.fault.straggler import StragglerWatch
 from megatron_taper.launch_check import check_run_dir
 from megatron_taper.models import family
 from megatron_taper.parallel.context import ParallelContext, init_parallel, shutdown, world_size
-from megatron_taper.preflight import Layout, check_data, preflight
 from megatron_taper.training.build import build_run
 from megatron_taper.training.carried import CarriedRows
 from megatron_taper.training.health import NonFiniteLossError, StepHealth
@@ -435,7 +436,8 @@ def run(recipe: str | None, overrides: list[str]) -> int:
         # alike nodes choose alike; init_parallel stops every rank if some chose otherwise
         chosen = ""
         if cfg.parallel.layout == "auto":
-            from megatron_taper.plan import choose_layout, layout_of
+            from megatron_taper.cost.auto_layout import choose_layout
+            from megatron_taper.cost.plan import layout_of
 
             cfg, why = choose_layout(cfg, world_size())
             chosen = layout_of(cfg)

@@ -24,7 +24,9 @@ MODULES = package_modules()
 TORCH_FREE = ["megatron_taper.config", "megatron_taper.recipe", "megatron_taper.taper", "megatron_taper.validation",
               "megatron_taper.cli",
               "megatron_taper.models", "megatron_taper.models.cards", "megatron_taper.models.spec",
-              "megatron_taper.train", "megatron_taper.console", "megatron_taper.preflight",
+              # each family's cost terms, TP plan and layout checks (and, through their package, its SPECS)
+              *[m for m in MODULES if m.startswith("megatron_taper.models.") and m.endswith((".cost", ".parallel"))],
+              "megatron_taper.train", "megatron_taper.console",
               "megatron_taper.launch_check",
               *[m for m in MODULES if m.startswith("megatron_taper.cost")]]
 
@@ -77,15 +79,17 @@ FLOORS = {
     "megatron_taper.models.spec": 0, "megatron_taper.models.cards": 0,  # the torch-free half of the families
     "megatron_taper.config": 1, "megatron_taper.cli": 1, "megatron_taper.models": 1,  # the registry
     "megatron_taper.cost": 2, "megatron_taper.training.metrics": 2,
+    # each family's torch-free half: its cost terms, TP plan and layout checks
+    **{m: 2 for m in MODULES if m.startswith("megatron_taper.models.") and m.endswith((".cost", ".parallel"))},
     "megatron_taper.models.*": 3, "megatron_taper.checkpoint.files": 3,  # family code; the checkpoint format
     "megatron_taper.parallel": 4, "megatron_taper.data": 4, "megatron_taper.training.optim": 4,
-    "megatron_taper.checkpoint": 5, "megatron_taper.preflight": 5, "megatron_taper.console": 5,
+    "megatron_taper.checkpoint": 5, "megatron_taper.console": 5,
     "megatron_taper.fault": 5,
     "megatron_taper.launch_check": 6,
     "megatron_taper.training.build": 6, "megatron_taper.training.held_out": 6, "megatron_taper.training.carried": 6,
-    "megatron_taper.training.run_lock": 6, "megatron_taper.training.stop": 6, "megatron_taper.training.health": 6,
-    "megatron_taper.training.run_folder": 6,
-    "megatron_taper.plan": 6,
+    "megatron_taper.training.run_lock": 6, "megatron_taper.training.stop": 6, "megatron_taper.training.state": 6,
+    "megatron_taper.training.run_folder": 6, "megatron_taper.training.step_log": 6,
+    "megatron_taper.training.checkpointing": 6,
     "megatron_taper.training.trainer": 7, "megatron_taper.train": 8,
     "megatron_taper.inference": 9, "megatron_taper.sweep": 9,
 }

@@ -24,7 +24,7 @@ Parameters + gradients are compared exactly.
 Saved tensors: the elements each family's cost function says a block keeps for backward are
 compared with the storages torch's autograd actually saves (saved_tensors_hooks), fp32: the
 families counted op by op within 1% (the RoPE tables are not counted), online Hope levels within
-2% (the factors their scan keeps, hope_attention.online_level_act) and Titans within 10% (counted
+2% (the factors their scan keeps, hope_attention/cost.py online_level_act) and Titans within 10% (counted
 by constants fitted on saved tensors, see its file).
 """
 from __future__ import annotations
@@ -48,10 +48,10 @@ from megatron_taper.cost.memory import (
     model_memory,
     piece_memory,
 )
+from megatron_taper.cost.partition import evaluate, partition
 from megatron_taper.cost.stage_memory import MemoryModel, deepspeed_buffers, pipeline_buffers
 from megatron_taper.models import build_model
 from megatron_taper.models.layers import rope_tables
-from megatron_taper.parallel.partition import evaluate, partition
 from tests.helpers.families import family_cases
 from tests.helpers.runner import REPO, saved_elements
 
@@ -340,7 +340,7 @@ def test_last_pipeline_stage_keeps_its_logits_per_micro_batch_in_flight():
 def test_interleaved_ranks_book_the_head_chunk_at_one_micro_batch():
     """partition.interleaved_activations by hand: chunks keeping 10 and 50 (the head's) per
     micro-batch, backward moments 15 and 80, 3 micro-batches in flight."""
-    from megatron_taper.parallel.partition import interleaved_activations
+    from megatron_taper.cost.partition import interleaved_activations
 
     assert interleaved_activations([10, 50], [15, 80], 3, last=1) == max(2 * 10 + 80, 1 * 10 + 50 + 15)
     assert interleaved_activations([10, 50], [15, 80], 3, last=None) == 2 * 50 + 80

@@ -10,8 +10,8 @@ import torch
 from megatron_taper.config import load_config
 from megatron_taper.cost.devices import profiles
 from megatron_taper.cost.op_count import count_ops, dispatched_ops, narrowed
+from megatron_taper.cost.plan import Predictor
 from megatron_taper.cost.step_time import RankWork, StepLayout, step_time
-from megatron_taper.plan import Predictor
 
 
 @pytest.mark.parametrize("recipe", ["tiny_taper", "tiny_titans", "tiny_bridge"])
@@ -86,7 +86,7 @@ def test_op_checkpointing_pays_the_policy_per_forward_operator_in_series():
     """activation_checkpointing=op: each micro-batch pays its blocks' forward operators x
     op_checkpoint_overhead_us in series (cost/step_time.py); on a GPU the recomputed elementwise
     bytes hide, for this tiny model, under its operators' issue time."""
-    from megatron_taper.preflight import step_split
+    from megatron_taper.cost.preflight import step_split
 
     cfg = load_config("configs/tiny_taper.yaml", ["train.precision=bf16"])
     op_cfg = load_config("configs/tiny_taper.yaml", ["train.precision=bf16", "train.activation_checkpointing=op"])

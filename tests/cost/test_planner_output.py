@@ -1,4 +1,4 @@
-"""What the layout planner prints (megatron_taper/plan.py, tools/plan_layout.py, train.sbatch --dry-run):
+"""What the layout planner prints (megatron_taper/cost/plan.py, tools/plan_layout.py, train.sbatch --dry-run):
 a row's micro-batch and its overrides agree (at pp > 1 parallel.microbatches sets the split, and the
 row's train.micro_batch is that split's); dropped layouts are counted by kind and printed with the
 real values of one refusal; the device is a flag (--device, --gpus-per-node, --nodes) and the output
@@ -12,8 +12,8 @@ import sys
 
 from megatron_taper.config import load_config
 from megatron_taper.cost.devices import profiles
-from megatron_taper.plan import search, with_values
-from megatron_taper.preflight import preflight, step_split
+from megatron_taper.cost.plan import search, with_values
+from megatron_taper.cost.preflight import preflight, step_split
 from tests.helpers.runner import REPO
 
 SPACE = (("parallel.pp", (1, 2)), ("parallel.zero", ("none",)), ("train.micro_batch", (1, 2, 4, 8)),

@@ -104,7 +104,7 @@ def test_the_planner_charges_each_family_its_own_cp_messages():
     """Predictor: the Transformer's cp term is its K / V all-gather (the default), a Titans model's
     its chain of memory state (cost/cp.py), with the chain's wavefront wait."""
     from megatron_taper.config import load_config
-    from megatron_taper.plan import Predictor
+    from megatron_taper.cost.plan import Predictor
 
     h100 = profiles()["h100"]
     for arch in ("transformer", "titans"):

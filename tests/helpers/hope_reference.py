@@ -1,4 +1,4 @@
-"""Token-by-token reference of an online CMS level (megatron_taper/models/hope_attention.py).
+"""Token-by-token reference of an online CMS level (megatron_taper/models/hope_attention/).
 
 Tokens are processed one at a time, every sequence with its own copy of the level's weights
 (w1, w3 [W, D], w2 [D, W]). Token t's output is read with the current weights; for every token
@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from megatron_taper.models.hope_attention import STEP_EPS
+from megatron_taper.models.hope_attention.online import STEP_EPS
 
 
 def read(weights: list[torch.Tensor], x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,7 +59,7 @@ def chunked_reference_level(w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor
                             w2_start: torch.Tensor | None = None, end_update: bool = False
                             ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The definition of an online level's math: ContinuumLevel.online as it was before its scan
-    (models/hope_online.py), one loop iteration per chunk on materialised [B, 2W, D] and [B, D, W]
+    (models/hope_attention/online.py), one loop iteration per chunk on materialised [B, 2W, D] and [B, D, W]
     fast weights, autograd through everything. On one device (no tensor parallelism).
 
     Chunk c of `period` tokens n_c [B, C, D] is read with the weights theta^(c) = ([w1; w3], w2)

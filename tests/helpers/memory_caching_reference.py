@@ -2,14 +2,14 @@
 a time (the linear memory's S_t = a_t S_{t-1} + b_t k_t v_t^T; the deep memory's Titans update with
 autograd gradients through torch.func), the state cached at every segment end, and each token's
 read combined from the online and cached states by the variant's rule, with the soup's memories
-mixed as parameters. The oracle of models/memory_caching.py's chunked form; test code only."""
+mixed as parameters. The oracle of models/memory_caching/'s chunked form; test code only."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from megatron_taper.models.memory_caching import MemoryCachingMixer
-from megatron_taper.models.titans import NeuralMemory
+from megatron_taper.models.memory_caching.model import MemoryCachingMixer
+from megatron_taper.models.titans.neural_memory import NeuralMemory
 from tests.helpers.titans_reference import reference_features, reference_heads
 
 
@@ -25,7 +25,7 @@ def mlp_read(weights: list[torch.Tensor], q: torch.Tensor) -> torch.Tensor:
 def deep_step(weights, surprise, initial, k, v, theta, eta, keep):
     """One Titans write at one token (k, v [B, H, E]; gates [B, H]; `initial` the memory's M_0 [H, i, o]):
     the residual memory k + f(k), the step normalised by its layers' summed squared input norms, the
-    forgetting toward M_0 (models/titans.py)."""
+    forgetting toward M_0 (models/titans/neural_memory.py)."""
     from torch.func import grad, vmap
 
     def loss(ws, key, value):
@@ -107,7 +107,7 @@ def reference_reads(mixer: MemoryCachingMixer, x: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------
-# The chunk and segment loops models/memory_caching.py and models/linear_memory.py ran until the
+# The chunk and segment loops models/memory_caching/model.py and linear_memory.py ran until the
 # loop-free forms replaced them (one Python iteration per chunk and per segment): the definition
 # of the chunked math the loop-free forms are tested against, in float64 to 1e-10.
 
@@ -165,7 +165,7 @@ def loop_soup_mix(gamma, finals):
 def loop_reads(mixer: MemoryCachingMixer, x: torch.Tensor) -> torch.Tensor:
     """MemoryCachingMixer.reads (one process) as a loop over segments, each scanned chunk by chunk
     (the linear memory through loop_linear_scan, the deep one through its own scan_features)."""
-    from megatron_taper.models.memory_caching import segment_slices
+    from megatron_taper.models.memory_caching.cost import segment_slices
 
     memory, batch = mixer.memory, x.shape[0]
     deep = isinstance(memory, NeuralMemory)

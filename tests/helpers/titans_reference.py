@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron_taper.models.titans import Features, NeuralMemory, ReadMix, State
+from megatron_taper.models.titans.neural_memory import Features, NeuralMemory, ReadMix, State
 
 
 def reference_heads(memory: NeuralMemory, proj: nn.Linear, conv: torch.Tensor | None,

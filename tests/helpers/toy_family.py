@@ -15,7 +15,7 @@ from torch import nn
 
 from megatron_taper.cost.block import Cost, attention_cost
 from megatron_taper.models.spec import FamilyCard, FamilySpec
-from megatron_taper.models.transformer import Transformer, TransformerBlock
+from megatron_taper.models.transformer.model import Transformer, TransformerBlock
 from megatron_taper.validation import ConfigError
 
 

@@ -66,7 +66,7 @@ def test_toy_family_options_and_costs():
         "except ValueError as e:\n"
         "    print(e)\n"
         "try:\n"
-        "    from megatron_taper.preflight import preflight\n"
+        "    from megatron_taper.cost.preflight import preflight\n"
         "    preflight(load_config(None, ['model.arch=toy', 'parallel.tp=4', 'model.n_heads=4']), 4)\n"
         "except ValueError as e:\n"
         "    print(e)\n")
@@ -91,7 +91,7 @@ def test_family_without_context_parallelism_is_refused_at_cp2():
     """A family whose spec does not say context_parallel (every built-in one does) gets one error."""
     out = _python(
         "from megatron_taper.config import load_config\n"
-        "from megatron_taper.preflight import preflight\n"
+        "from megatron_taper.cost.preflight import preflight\n"
         "from megatron_taper.validation import ConfigError\n"
         "cfg = load_config('configs/tiny_taper.yaml', ['model.arch=toy', 'parallel.cp=2'])\n"
         "try:\n"
@@ -100,3 +100,27 @@ def test_family_without_context_parallelism_is_refused_at_cp2():
         "    print(e)\n")
     assert "parallel.cp=2: model.arch='toy' does not support context parallelism yet" in out, out
     assert "transformer" in out and "use parallel.cp=1" in out, out
+
+
+def test_built_in_families_plan_without_torch():
+    """A built-in family's SPECS name its model code through models.spec.lazy: every family's cost
+    model, TP plan and layout checks (preflight) run without importing torch, and the model is
+    imported when it is first built."""
+    code = ("import sys\n"
+            "from megatron_taper.config import load_config\n"
+            "from megatron_taper.cost.flops import model_costs\n"
+            "from megatron_taper.cost.preflight import preflight\n"
+            "from megatron_taper.models import build_model, family\n"
+            "from tests.helpers.families import family_cases\n"
+            "for case, overrides in family_cases().items():\n"
+            "    cfg = load_config('configs/tiny_taper.yaml', overrides)\n"
+            "    preflight(cfg, 1)\n"
+            "    assert model_costs(cfg.model).total_params > 0 and family(cfg.model.arch).tp_block_plan, case\n"
+            "print(len(family_cases()), sorted(m for m in sys.modules if m.split('.')[0] == 'torch')[:3])\n"
+            "print(type(build_model(cfg.model)).__name__, 'torch' in sys.modules)\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": ENV["PYTHONPATH"], "MEGATRON_TAPER_FAMILIES": ""})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    cases, built = proc.stdout.splitlines()
+    assert cases.endswith(" []") and int(cases.split()[0]) >= 8, cases
+    assert built == "DeepMemoryLM True", built

@@ -18,7 +18,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from megatron_taper.config import load_config
 from megatron_taper.cost.flops import model_costs
 from megatron_taper.models import build_model
-from megatron_taper.models.hope_attention import ContinuumLevel
+from megatron_taper.models.hope_attention.model import ContinuumLevel
 from tests.helpers.hope_reference import reference_level
 
 TOL = 1e-5

@@ -1,4 +1,4 @@
-"""The online CMS level's scan (models/hope_online.py: dual form, hand-written backward) against
+"""The online CMS level's scan (models/hope_attention/online.py: dual form, hand-written backward) against
 the definition of its math, tests/helpers/hope_reference.py's chunked_reference_level (the
 per-chunk loop on materialised fast weights, autograd through it).
 
@@ -23,9 +23,10 @@ import torch
 import torch.nn.functional as F
 
 from megatron_taper.config import load_config
-from megatron_taper.models import build_model, hope_online
-from megatron_taper.models.hope_attention import ContinuumLevel
-from megatron_taper.models.hope_online import online_scan
+from megatron_taper.models import build_model
+from megatron_taper.models.hope_attention import cost as hope_cost
+from megatron_taper.models.hope_attention.model import ContinuumLevel
+from megatron_taper.models.hope_attention.online import online_scan
 from tests.helpers.hope_reference import chunked_reference_level
 
 TOL64, FP32_TOL = 1e-10, 1e-5
@@ -77,7 +78,7 @@ CASES = {  # seq, period, group tokens, send_end, batched start weights
 @pytest.mark.parametrize("case", CASES)
 def test_scan_matches_the_chunked_definition_float64(case, monkeypatch):
     seq, period, group, send_end, batched = CASES[case]
-    monkeypatch.setattr(hope_online, "GROUP_TOKENS", group)
+    monkeypatch.setattr(hope_cost, "GROUP_TOKENS", group)
     inputs = _case(2, seq, batched=batched)
     got, ref = _scan(*inputs, period, send_end), _reference(*inputs, period, send_end)
     errors = {f"out{i}": _relative(a, b) for i, (a, b) in enumerate(zip(got, ref))}
@@ -91,7 +92,7 @@ def test_tensor_parallel_path_float64(monkeypatch):
     """Two width shards, one thread each, their per-chunk all-reduces summing over both: the
     shards' outputs are the whole level's, their weight gradients its slices, and the input and
     step gradients (summed over ranks where they enter, as tp's f does) its gradients."""
-    monkeypatch.setattr(hope_online, "GROUP_TOKENS", 8)
+    monkeypatch.setattr(hope_cost, "GROUP_TOKENS", 8)
     period, send_end = 4, False
     w1, w3, w2, raw, n = _case(2, 23)
     ref = _reference(w1, w3, w2, raw, n, period)
@@ -164,7 +165,7 @@ def _reference_online(self, n, weights):
 def test_model_forward_backward_matches_the_definition(chunks, group, monkeypatch):
     """HopeAttention over 30 tokens (levels of 3 and 9 or 4 and 8 tokens per chunk) in float64 with
     its levels' scans, and with ContinuumLevel.online replaced by the chunked definition."""
-    monkeypatch.setattr(hope_online, "GROUP_TOKENS", group)
+    monkeypatch.setattr(hope_cost, "GROUP_TOKENS", group)
     model = build_model(_model_config(*chunks)).double()
     model.init_weights(0)
     with torch.no_grad():

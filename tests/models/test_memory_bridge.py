@@ -18,9 +18,9 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from megatron_taper.config import load_config
 from megatron_taper.cost.flops import model_costs
+from megatron_taper.cost.preflight import preflight
 from megatron_taper.models import build_model
 from megatron_taper.models.layers import cross_entropy
-from megatron_taper.preflight import preflight
 from megatron_taper.validation import ConfigError
 from tests.helpers.datahelpers import corpus, dataset, tokenizer_model  # noqa: F401
 from tests.helpers.runner import TINY, assert_resumes_exactly, losses, train_in_process

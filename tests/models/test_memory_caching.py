@@ -1,4 +1,4 @@
-"""Memory Caching (models/memory_caching.py) over the linear and the deep memory: the chunked form
+"""Memory Caching (models/memory_caching/) over the linear and the deep memory: the chunked form
 against the token-by-token reference for every variant and write mode, reduction to the base with
 one segment, soup = GRM for a linear memory, causality, the cost model against torch's FLOP
 counter and the module, the activation estimate, option validation."""
@@ -139,7 +139,7 @@ def test_cached_reads_grow_as_length_squared_over_segment():
         assert grm - base == pytest.approx(expected, rel=1e-12)
 
 
-# the estimate's constants are fitted (models/memory_caching.py mixer_act); measured within 6% of
+# the estimate's constants are fitted (models/memory_caching/cost.py mixer_act); measured within 6% of
 # torch's saved tensors over both bases, every variant, both write modes, E 16-32, L 64-128
 @pytest.mark.parametrize("arch, variant, write_mode", [
     ("linear_memory", "grm", "checkpoint"), ("linear_memory", "soup", "independent"),

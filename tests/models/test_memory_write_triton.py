@@ -1,5 +1,5 @@
 """The Triton kernels of the Titans / deep-memory write loop (models/kernels/memory_write_triton.py)
-against the torch loops (models/neural_memory.py write_loop_torch, reverse_loop), on CPU under
+against the torch loops (models/titans/neural_memory.py write_loop_torch, reverse_loop), on CPU under
 TRITON_INTERPRET=1.
 
 Triton reads TRITON_INTERPRET when a kernel is decorated, i.e. when the module is first imported,
@@ -48,7 +48,8 @@ INTERPRETED = """
 import json, os, time
 import torch
 from megatron_taper.config import load_config
-from megatron_taper.models import build_model, neural_memory as nm
+from megatron_taper.models import build_model
+from megatron_taper.models.titans import neural_memory as nm
 from megatron_taper.models.kernels import memory_write_triton as mwt
 from megatron_taper.models.kernels.state_passing import KERNELS_ENV
 from tests.models.test_titans_scan import BASE, case, memory, outputs_and_grads

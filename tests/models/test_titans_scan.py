@@ -1,4 +1,4 @@
-"""NeuralMemory.scan_features (the chunk loop batched over chunks, models/neural_memory.py) against
+"""NeuralMemory.scan_features (the chunk loop batched over chunks, models/titans/neural_memory.py) against
 the chunk-at-a-time loop it replaced (tests/helpers/titans_reference.py reference_chunked_scan, the
 definition of the chunked math).
 
@@ -16,7 +16,7 @@ import torch
 
 from megatron_taper.config import load_config
 from megatron_taper.models import build_model
-from megatron_taper.models.titans import NeuralMemory
+from megatron_taper.models.titans.neural_memory import NeuralMemory
 from tests.helpers.titans_reference import reference_chunked_scan
 
 TOL = 1e-10

@@ -1,4 +1,4 @@
-"""Balanced-tree single-layer LM (models/tree_lm.py) and the ALiBi position option.
+"""Balanced-tree single-layer LM (models/tree/) and the ALiBi position option.
 
 Tree: the batched up-/down-sweep against a direct fold of every prefix, causality, the counted
 levels and cell applications, the cost model against the module, torch's FLOP counter and
@@ -14,10 +14,11 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from megatron_taper.config import load_config
 from megatron_taper.cost.flops import model_costs
+from megatron_taper.cost.preflight import preflight
 from megatron_taper.models import build_model
 from megatron_taper.models.layers import Attention, alibi_bias, alibi_slopes
-from megatron_taper.models.tree_lm import SweepCount, tree_depth, tree_prefixes
-from megatron_taper.preflight import preflight
+from megatron_taper.models.tree.cost import SweepCount, tree_depth
+from megatron_taper.models.tree.sweeps import tree_prefixes
 from megatron_taper.validation import ConfigError
 from tests.helpers.runner import TINY, assert_resumes_exactly, saved_elements
 

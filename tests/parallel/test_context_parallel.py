@@ -25,9 +25,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron_taper.config import load_config
+from megatron_taper.cost.preflight import preflight
 from megatron_taper.models.layers import alibi_slopes, causal_mask_at
 from megatron_taper.parallel.context_parallel import SequenceSplit
-from megatron_taper.preflight import preflight
 from megatron_taper.validation import ConfigError
 from tests.helpers.cp_harness import Tolerances, compare, reference, worker
 from tests.helpers.harness import run_distributed

@@ -23,9 +23,11 @@ import pytest
 import torch
 
 from megatron_taper.config import load_config
+from megatron_taper.cost.preflight import preflight
 from megatron_taper.models import build_model
-from megatron_taper.models.tree_lm import SweepCount, prefixes_after, tree_prefixes, up_sweep
-from megatron_taper.preflight import preflight
+from megatron_taper.models.tree.cost import SweepCount
+from megatron_taper.models.tree.cp import prefixes_after
+from megatron_taper.models.tree.sweeps import tree_prefixes, up_sweep
 from megatron_taper.training.build import build_run
 from megatron_taper.validation import ConfigError
 from tests.helpers.cp_harness import Tolerances, compare, reference, train

@@ -1,5 +1,5 @@
 """Memory Caching (linear and deep memory, every caching variant) under context parallelism
-(models/memory_caching_cp.py) against one process.
+(models/memory_caching/cp.py) against one process.
 
 Model: 2 layers, d=64, 4 heads of 16, vocab 101, seq_len 64 in segments of 16: at cp=2 rank 0
 holds segments 0-1 and rank 1 segments 2-3, which read the 2 and 3 end states cached before them
@@ -31,9 +31,9 @@ import torch
 import torch.distributed as dist
 
 from megatron_taper.config import load_config
+from megatron_taper.cost.preflight import preflight
 from megatron_taper.models import build_model
 from megatron_taper.parallel.context_parallel import SequenceSplit, apply_context_parallel
-from megatron_taper.preflight import preflight
 from megatron_taper.validation import ConfigError
 from tests.helpers.cp_harness import Tolerances, compare, reference, worker
 from tests.helpers.harness import run_distributed

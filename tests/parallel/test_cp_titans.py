@@ -1,4 +1,4 @@
-"""Titans under context parallelism (models/titans_cp.py) against one process.
+"""Titans under context parallelism (models/titans/cp.py) against one process.
 
 Model: 2 layers, d=32, 2 query heads over 1 kv head, vocab 101, seq_len 64 (32 tokens per cp rank),
 sliding window / MAC segment 8, memory chunks of 16 rows behind P=4 persistent tokens: rank 1's
@@ -32,7 +32,7 @@ import re
 import pytest
 
 from megatron_taper.config import load_config
-from megatron_taper.preflight import preflight
+from megatron_taper.cost.preflight import preflight
 from megatron_taper.validation import ConfigError
 from tests.helpers.cp_harness import Tolerances, compare, reference, worker
 from tests.helpers.harness import run_distributed

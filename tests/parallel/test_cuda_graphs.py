@@ -4,11 +4,11 @@ options."""
 import pytest
 
 from megatron_taper.config import ConfigError, load_config
+from megatron_taper.cost.preflight import preflight
 from megatron_taper.models import build_model
 from megatron_taper.parallel.block_options import apply_block_options
 from megatron_taper.parallel.context import init_parallel
 from megatron_taper.parallel.parallelize import parallelize
-from megatron_taper.preflight import preflight
 
 TINY = ["model.n_layers=2", "model.d_model=32", "model.n_heads=2", "model.mlp_width=64", "model.taper.multiple=8",
         "model.vocab_size=64", "model.seq_len=16", "train.global_batch=2", "train.micro_batch=1"]
@@ -48,7 +48,7 @@ def test_cpu_rank_refuses_and_blocks_record_the_option():
 
 def test_planner_counts_a_graph_launch_per_block_instead_of_its_operators():
     from megatron_taper.cost.devices import profiles
-    from megatron_taper.plan import GRAPH_LAUNCHES_PER_BLOCK, Predictor
+    from megatron_taper.cost.plan import GRAPH_LAUNCHES_PER_BLOCK, Predictor
 
     h100 = profiles()["h100"]
     titans = TINY + ["model.arch=titans", "model.seq_len=64", "train.compile=true"]
@@ -63,8 +63,8 @@ def test_planner_counts_a_graph_launch_per_block_instead_of_its_operators():
 
 def test_planner_counts_the_write_kernels_where_a_gpu_run_selects_them(monkeypatch):
     from megatron_taper.cost.devices import profiles
+    from megatron_taper.cost.plan import Predictor
     from megatron_taper.models.kernels.state_passing import KERNELS_ENV
-    from megatron_taper.plan import Predictor
 
     cfg = load_config(None, TINY + ["model.arch=titans", "model.seq_len=64"])
     counts = {}

@@ -32,8 +32,8 @@ import pytest
 import torch
 
 from megatron_taper.config import load_config
+from megatron_taper.cost.preflight import preflight
 from megatron_taper.parallel.context import ParallelContext
-from megatron_taper.preflight import preflight
 from megatron_taper.training.build import build_run
 from megatron_taper.validation import ConfigError
 from tests.helpers.harness import run_distributed

@@ -16,7 +16,7 @@ import torch
 
 from megatron_taper.checkpoint.files import CheckpointReader, iter_full_tensors
 from megatron_taper.config import load_config
-from megatron_taper.preflight import preflight
+from megatron_taper.cost.preflight import preflight
 from megatron_taper.validation import ConfigError
 from tests.helpers.harness import run_distributed
 from tests.parallel.test_zero import MODEL, TOL, TRAIN, _losses, _max_diff, _run

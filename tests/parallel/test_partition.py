@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_taper.config import load_config
-from megatron_taper.parallel.partition import (
+from megatron_taper.cost.partition import (
     MemoryModel,
     evaluate,
     in_flight_microbatches,
@@ -176,7 +176,7 @@ def test_interleaved_in_flight_follows_torch_schedule():
 
     from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, _ComputationType
 
-    from megatron_taper.parallel.partition import interleaved_in_flight
+    from megatron_taper.cost.partition import interleaved_in_flight
 
     for pp, v, m in [(2, 2, 4), (2, 2, 2), (4, 2, 8), (4, 3, 4), (2, 4, 6)]:
         rounds = max(1, m // pp)

@@ -1,4 +1,4 @@
-"""The layout planner (megatron_taper/plan.py, cost/step_time.py, tools/plan_layout.py): the
+"""The layout planner (megatron_taper/cost/plan.py, cost/step_time.py, tools/plan_layout.py): the
 70B recipe at 512 x 80 GiB and a 1.3B recipe at 8 GPUs plan, their best layout is one the
 trainer accepts and fits its own predicted memory, which is the trainer's pipeline planner's;
 a model that cannot fit is one error naming the nearest layout."""
@@ -13,11 +13,11 @@ import pytest
 from megatron_taper.config import load_config
 from megatron_taper.cost.devices import profiles
 from megatron_taper.cost.memory import GIB
+from megatron_taper.cost.partition import split_backward_activations, zbv_actions
+from megatron_taper.cost.plan import SEARCH_SPACE, USABLE_FRACTION, Predictor, reason, with_values
+from megatron_taper.cost.preflight import preflight
 from megatron_taper.cost.step_time import RankWork, StepLayout, bandwidth, bubble_fraction, ring_seconds, step_time
-from megatron_taper.parallel.partition import split_backward_activations, zbv_actions
 from megatron_taper.parallel.pipeline import plan_stages
-from megatron_taper.plan import SEARCH_SPACE, USABLE_FRACTION, Predictor, reason, with_values
-from megatron_taper.preflight import preflight
 from megatron_taper.validation import ConfigError
 from tests.helpers.runner import REPO
 
@@ -84,7 +84,7 @@ def test_a_measured_profile_is_what_the_plan_predicts_with(capsys, tmp_path):
     assert _tool("plan_layout").main([*recipe, "--measured-profile", str(bad)]) == 2
     assert capsys.readouterr().err.strip() == (f"error: measured device profile {bad}: devices.h100.mfu: no "
                                                "sources.mfu saying where it was measured")
-    from megatron_taper.plan import choose_layout
+    from megatron_taper.cost.auto_layout import choose_layout
 
     cfg = load_config(None, ["model.n_layers=2", "model.d_model=64", "model.n_heads=4", "model.vocab_size=256",
                              "model.seq_len=32", "parallel.layout=auto", f"parallel.layout_profile={bad}"])
@@ -151,8 +151,9 @@ def test_memory_aware_partition_counts_tp_and_zero_sharding():
 def test_search_computes_the_layer_widths_once(monkeypatch):
     """The widths are per model, not per layout: a search computes them once and hands them to
     preflight, which then does not recompute them (it did twice per candidate at tp > 1)."""
-    from megatron_taper import plan, taper
-    from megatron_taper import preflight as preflight_module
+    from megatron_taper import taper
+    from megatron_taper.cost import plan
+    from megatron_taper.cost import preflight as preflight_module
 
     calls = []
 
@@ -173,7 +174,7 @@ def test_a_long_sequence_fits_only_with_context_parallelism():
     context parallelism fits (one sequence's activations at tp = 8 with sequence parallelism,
     full checkpointing and fsdp2 alone exceed the device: 27.8 GiB), so the best is one with
     cp > 1; its cp is legal by preflight and its step time counts cp's messages."""
-    from megatron_taper import plan
+    from megatron_taper.cost import plan
 
     cfg = load_config(str(REPO / "configs" / "transformer_70b_taper.yaml"), [
         "model.n_layers=32", "model.d_model=4096", "model.n_heads=32", "model.n_kv_heads=8",
@@ -198,7 +199,7 @@ def test_refusals_skipped_at_other_train_values_are_the_ones_preflight_gives():
     import itertools
     import warnings
 
-    from megatron_taper import plan
+    from megatron_taper.cost import plan
 
     cfg = load_config(None, ["model.n_layers=4", "model.d_model=64", "model.n_heads=4", "train.global_batch=16"])
     space = (("parallel.tp", (1, 2)), ("parallel.pp", (1, 2, 4)), ("parallel.pp_schedule", ("1f1b", "dualpipev")),

@@ -7,7 +7,7 @@ import json
 from megatron_taper_tools.plan_pipeline import main as plan_main
 
 from megatron_taper.config import load_config
-from megatron_taper.preflight import preflight, step_split
+from megatron_taper.cost.preflight import preflight, step_split
 from megatron_taper.train import main as train_main
 from tests.helpers.runner import REPO, TINY
 

@@ -1,5 +1,5 @@
 """parallel.layout=auto (2 processes; 4 marked slow): the trainer picks the fastest predicted
-layout that fits the memory per rank it finds (megatron_taper/plan.py choose_layout), says why,
+layout that fits the memory per rank it finds (megatron_taper/cost/auto_layout.py choose_layout), says why,
 and trains; a model that cannot fit is refused before any process group with one error naming
 the nearest layout; ranks that chose differently (nodes with other memory) stop alike before the
 mesh is built."""

@@ -5,7 +5,7 @@ import warnings
 import pytest
 
 from megatron_taper.config import ConfigError, load_config
-from megatron_taper.preflight import preflight
+from megatron_taper.cost.preflight import preflight
 
 # widths 45/30/15 at multiple 5 (3 layers, cosine 1.5 -> 0.5 of 30)
 TINY = ["model.n_layers=3", "model.d_model=64", "model.n_heads=4", "model.n_kv_heads=2", "model.mlp_width=75",

@@ -126,7 +126,7 @@ def test_a_global_batch_change_on_resume_warns_and_counts_tokens(byte_tokens, tm
 
 
 def test_preflight_runs_once_per_process(byte_tokens, tmp_path, monkeypatch):
-    from megatron_taper import preflight as checks
+    from megatron_taper.cost import preflight as checks
     from megatron_taper.training import build, trainer
 
     calls = []

@@ -43,7 +43,7 @@ def test_tokenizer_against_vocab_size(byte_tokens, tokenizer_512, tmp_path, caps
     assert err.startswith(f"error: data.tokenizer: {jsonl} is not a sentencepiece model (") and \
         err.endswith("pass the PREFIX.model file written by tools/train_tokenizer.py")
     from megatron_taper.config import load_config
-    from megatron_taper.preflight import check_data
+    from megatron_taper.data.checks import check_data
 
     cfg = load_config("configs/tiny_taper.yaml", [*TINY, f"data.path={byte_tokens}", "model.vocab_size=640",
                                                   f"data.tokenizer={tokenizer_512}"])
@@ -55,7 +55,7 @@ def test_tokenizer_against_vocab_size(byte_tokens, tokenizer_512, tmp_path, caps
 def test_token_file_ids_are_checked_against_vocab_size(tmp_path, capsys, monkeypatch):
     import numpy as np
 
-    from megatron_taper import preflight
+    from megatron_taper.data import checks as preflight
 
     monkeypatch.setattr(preflight, "TOKEN_SCAN_ELEMENTS", 1000)  # the bad id sits in the third slice
     ids = np.arange(5000, dtype=np.uint16) % 250

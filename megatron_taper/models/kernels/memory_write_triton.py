@@ -1,4 +1,4 @@
-"""Triton kernels for the chunk loops of the Titans / deep-memory write loop (models/neural_memory.py
+"""Triton kernels for the chunk loops of the Titans / deep-memory write loop (models/titans/neural_memory.py
 WriteLoop), for memories of depth 1 and 2 (CUDA, or CPU under TRITON_INTERPRET=1).
 
 Forward: one program per (batch x head) row loops over the N chunks, as flash-linear-attention's

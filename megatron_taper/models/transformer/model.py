@@ -21,18 +21,13 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from megatron_taper.cost.block import Cost, attention_cost, swiglu_cost
-from megatron_taper.models.cards import TRANSFORMER
 from megatron_taper.models.decoding import kv_decoder
-from megatron_taper.models.hf_llama import LLAMA
 from megatron_taper.models.init import init_parameters, init_tensor
 from megatron_taper.models.layers import Attention, RMSNorm, SwiGLU, rope_tables, rope_tables_at
-from megatron_taper.models.spec import FamilySpec
 from megatron_taper.taper import layer_widths
 
 if TYPE_CHECKING:
     from megatron_taper.config import ModelConfig
-    from megatron_taper.parallel.tp_plan import TPBuilder
 
 
 class TransformerBlock(nn.Module):
@@ -100,20 +95,4 @@ class Transformer(nn.Module):
         return h
 
 
-def transformer_layer_cost(cfg: ModelConfig, width: int, causal: bool = True) -> Cost:
-    return attention_cost(cfg, causal) + swiglu_cost(cfg, width)
-
-
-def tp_plan_transformer_block(block: TransformerBlock, prefix: str, cfg: ModelConfig, tp: TPBuilder) -> None:
-    """Norms replicated; attention split by heads; the MLP's width split in units of
-    model.taper.multiple (uneven when the width does not divide)."""
-    tp.replicated(block.attn_norm, f"{prefix}.attn_norm")
-    tp.replicated(block.mlp_norm, f"{prefix}.mlp_norm")
-    tp.attention(block.attn, f"{prefix}.attn", cfg.n_heads, cfg.kv_heads, cfg.rope_theta)
-    block.attn.first_head = tp.rank * (cfg.n_heads // tp.tp)  # ALiBi slopes follow the global head index
-    tp.swiglu(block.mlp, f"{prefix}.mlp", cfg.taper.multiple)
-
-
-SPECS = (FamilySpec(card=TRANSFORMER, build=Transformer, layer_cost=transformer_layer_cost,
-                    tp_block_plan=tp_plan_transformer_block, context_parallel=True,
-                    decoder=functools.partial(kv_decoder, block_class=TransformerBlock), hf=LLAMA),)
+decoder = functools.partial(kv_decoder, block_class=TransformerBlock)

@@ -1,4 +1,4 @@
-"""An online CMS level (models/hope_attention.py) as one scan over its chunks with a hand-written
+"""An online CMS level (hope_attention/model.py) as one scan over its chunks with a hand-written
 backward: a few dozen operators per chunk instead of a loop of autograd'd weight updates, and
 backward keeps low-rank factors, never a fast weight of any update.
 
@@ -34,7 +34,7 @@ partial, summed where its input enters the shard.
 
 Cost on one device: 14 operators per updated chunk forward and 18 backward, about 20 and 150 per
 group (cost/op_count.py counts them); forward FLOPs per updated token about 14 W D + 4 W L + 2 D L
-with L = K C (scan_flops), against 14 W D for a loop that materialises every update. Under
+with L = K C (cost.py scan_flops), against 14 W D for a loop that materialises every update. Under
 torch.compile the writes into strided buffer views become copies (`_into`).
 """
 from __future__ import annotations
@@ -44,19 +44,11 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from megatron_taper.models.hope_attention.cost import scan_groups
+
 STEP_EPS = 1e-6  # keeps a normalised step finite for a chunk whose inputs vanish
-GROUP_TOKENS = 1024  # tokens per group of chunks read through factors between materialised weights
 
 SumPartial = Callable[[torch.Tensor], torch.Tensor] | None  # tensor parallelism's all-reduce, None on one device
-
-
-def scan_groups(seq: int, period: int, updates: int) -> list[tuple[int, int]]:
-    """[first, end) chunk ranges of the groups: K = GROUP_TOKENS / C update chunks each, the
-    sequence's read-only last chunk (if any) in the last group."""
-    per = max(1, GROUP_TOKENS // period)
-    groups = [[first, min(first + per, updates)] for first in range(0, updates, per)]
-    groups[-1][1] = -(-seq // period)
-    return [tuple(g) for g in groups]
 
 
 def online_scan(n: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, step: torch.Tensor, period: int,
@@ -65,27 +57,6 @@ def online_scan(n: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, step: torc
     [D, W] (or [B, ...]), step [1]; with `send_end` also the end weights ([B, 2W, D], [B, D, W]).
     At least one chunk must update (S > period, or send_end)."""
     return _OnlineScan.apply(n, w13, w2, step, period, sum_partial, send_end)
-
-
-def scan_flops(seq: int, period: int, d: int, width: int, send_end: bool = False) -> float:
-    """Forward matmul FLOPs of online_scan on one sequence (what torch's FLOP counter sees): per
-    group the reads of n by its start w13 and n n_u^T, per chunk [a, g] through G_u, y and dh
-    through w2^(c), ||h||^2 and w2's update; per group but the last, the next start w13."""
-    chunks = -(-seq // period)
-    updates = chunks if send_end else chunks - 1
-    groups = scan_groups(seq, period, updates)
-    total = 0.0
-    for index, (first, end) in enumerate(groups):
-        t0, t1 = first * period, min(end * period, seq)
-        lu = (min(end, updates) - first) * period
-        total += 2 * (t1 - t0) * d * 2 * width + (2 * (t1 - t0) * d * lu if end - first > 1 else 0)
-        for j in range(end - first):
-            rows = min(period, t1 - t0 - j * period)
-            total += 2 * rows * lu * 2 * width if j else 0
-            total += 2 * rows * width * (3 * d + 1) if first + j < updates else 2 * rows * width * d
-        if lu and (index < len(groups) - 1 or send_end):
-            total += 2 * 2 * width * lu * d
-    return total
 
 
 def _into(out: torch.Tensor, op: Callable, *args, **kwargs) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Memory Caching (models/memory_caching.py) under context parallelism (parallel.cp): what a slice
+"""Memory Caching (memory_caching/model.py) under context parallelism (parallel.cp): what a slice
 of a sequence receives from the slices before it (parallel/cp_state.py).
 
 Split: contiguous (rank r holds tokens [r S / cp, (r + 1) S / cp)), and every slice is whole
@@ -35,8 +35,8 @@ chain carries the cache for every variant (one code path). The handover travels 
 the base's initial state (fp32 parameters) and of the keys, which are those of one process's end
 states and mean keys also under bf16 autocast (the states stay fp32, the keys are bf16).
 
-halo_bytes, handover_sizes and summary_sizes count these messages (benchmarks/cp_memory_caching.py
-compares them with the c10d calls it records).
+memory_caching/cost.py's halo_bytes, handover_sizes and summary_sizes count these messages
+(benchmarks/cp_memory_caching.py compares them with the c10d calls it records).
 
 Convolutions on q, k, v (K taps) read the last K - 1 projected inputs of the slice before:
 previous_rows of the mixer's input x [B, K - 1, D] (halo, bytes B x (K - 1) x D x 4 per layer
@@ -50,13 +50,10 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from megatron_taper.cost.cp import ALLGATHER, CHAIN, HALO, CPMessage
-from megatron_taper.models.titans import ConvPast, State, memory_dims
-from megatron_taper.validation import ConfigError
+from megatron_taper.models.titans.neural_memory import ConvPast, State
 
 if TYPE_CHECKING:
-    from megatron_taper.config import ModelConfig, ParallelConfig
-    from megatron_taper.models.memory_caching import MemoryCachingMixer
+    from megatron_taper.models.memory_caching.model import MemoryCachingMixer
 
 
 class Handover(NamedTuple):
@@ -137,7 +134,7 @@ def linear_summary(features: tuple, segments: list[slice], pooled: torch.Tensor 
     """What each segment does to a linear memory's state (module doc): log a [B, H, n], U
     [B, H, n, E, E], and the segments' mean keys [B, H, n, E] when given; all segments at once
     (the last, if shorter, padded with tokens that neither write nor decay)."""
-    from megatron_taper.models.linear_memory import chunk_writes, time_blocks
+    from megatron_taper.models.memory_caching.linear_memory import chunk_writes, time_blocks
 
     k, v, log_a, b = (time_blocks(features[i], segments[0].stop) for i in (0, 1, 3, 4))  # [B, H, n, L, ...]
     lb, updates = chunk_writes(k, v, log_a, b)
@@ -178,79 +175,3 @@ def _prefix(mixer: MemoryCachingMixer, features: tuple, segments: list[slice], p
     start = ([state[0]], []) if mixer.continues else memory.init_state(batch)
     cache = [state[1]] if mixer.caches else []
     return Handover(start, cache, state[-1] if pooled is not None else None, tuple(state))
-
-
-def check_cp_layout(mcfg: ModelConfig, pcfg: ParallelConfig) -> None:
-    """parallel.cp > 1: slices of whole segments (whole chunks for the deep memory without
-    caching), and convolution taps that reach no further back than the slice before."""
-    cp, seq, mc = pcfg.cp, mcfg.seq_len, mcfg.memory_caching
-    if cp == 1:
-        return
-    local = seq // cp
-    if mc.variant != "none" and local % mc.segment:
-        raise ConfigError(f"parallel.cp={cp} splits model.seq_len={seq} into slices of {local} tokens, which "
-                          f"model.memory_caching.segment={mc.segment} does not divide (a cached segment must not "
-                          f"straddle two slices); choose a segment that divides {local}, or another parallel.cp")
-    deep = mcfg.arch == "deep_memory"
-    if deep and mc.variant == "none" and local % mcfg.titans.chunk_size:
-        raise ConfigError(f"parallel.cp={cp} splits model.seq_len={seq} into slices of {local} tokens, which "
-                          f"model.titans.chunk_size={mcfg.titans.chunk_size} does not divide (the deep memory's "
-                          f"chunks take their gradients at the chunk's start, so chunks must not straddle slices)")
-    key = "titans.conv_kernel" if deep else "memory_caching.linear_conv_kernel"
-    taps = mcfg.titans.conv_kernel if deep else mc.linear_conv_kernel
-    if taps - 1 > local:
-        raise ConfigError(f"parallel.cp={cp}: model.{key}={taps} reaches {taps - 1} tokens back, past the slice of "
-                          f"{local} tokens before (model.seq_len={seq} / parallel.cp); use fewer taps or a smaller cp")
-
-
-def _sizes(mcfg: ModelConfig) -> tuple[bool, bool, bool, int, int]:
-    """(deep, continues, gated, convolution taps, P = sum of the memory layers' i x o)."""
-    mc, deep = mcfg.memory_caching, mcfg.arch == "deep_memory"
-    dims = memory_dims(mcfg.head_dim, mcfg.titans.memory_depth, mcfg.titans.memory_expansion) if deep else [
-        mcfg.head_dim] * 2
-    p = sum(i * o for i, o in zip(dims[:-1], dims[1:]))
-    taps = mcfg.titans.conv_kernel if deep else mc.linear_conv_kernel
-    return deep, mc.continues, mc.variant in ("grm", "soup", "ssc"), taps, p
-
-
-def segments_per_slice(mcfg: ModelConfig, cp: int) -> int:
-    mc = mcfg.memory_caching
-    return 1 if mc.variant == "none" else mcfg.seq_len // (cp * mc.segment)
-
-
-def halo_bytes(mcfg: ModelConfig, micro_batch: int, elem: int = 4) -> int:
-    """One layer's halo, sent rank r -> r + 1 forward and its gradient back (module doc)."""
-    return elem * micro_batch * max(_sizes(mcfg)[3] - 1, 0) * mcfg.d_model
-
-
-def handover_sizes(mcfg: ModelConfig, micro_batch: int, before: int, elem: int = 4) -> tuple[int, int]:
-    """(tensors, bytes) of one layer's deep-memory handover after `before` segments (the chain's
-    message, module doc; the same again for its gradient); fp32."""
-    deep, continues, gated, _, p = _sizes(mcfg)
-    caches = mcfg.memory_caching.variant != "none"
-    depth = mcfg.titans.memory_depth
-    tensors = 2 * depth * continues + depth * caches + gated
-    per_head = 2 * p * continues + before * p * caches + before * mcfg.head_dim * gated
-    return tensors, elem * micro_batch * mcfg.n_heads * per_head
-
-
-def cp_messages(mcfg: ModelConfig, layer: int, width: int, micro_batch: int, cp: int, act_bytes: int = 4,
-                ring: bool = False) -> tuple[CPMessage, ...]:
-    """FamilySpec.cp_messages of both families: the convolution halo (halo_bytes, the mixer's input
-    rows in the activations' dtype) and the deep memory's chain, its largest hop (the handover into
-    the last rank, which carries the cache of the (cp - 1) n segments before it: handover_sizes),
-    or the linear memory's prefix all-gather (summary_sizes)."""
-    halo = halo_bytes(mcfg, micro_batch, act_bytes)
-    out = (CPMessage(HALO, halo, "rows"),) if halo else ()
-    if mcfg.arch == "deep_memory":
-        before = (cp - 1) * segments_per_slice(mcfg, cp)
-        return out + (CPMessage(CHAIN, handover_sizes(mcfg, micro_batch, before)[1]),)
-    return out + (CPMessage(ALLGATHER, summary_sizes(mcfg, cp, micro_batch)[1], "summary"),)
-
-
-def summary_sizes(mcfg: ModelConfig, cp: int, micro_batch: int, elem: int = 4) -> tuple[int, int]:
-    """(all-gathers, bytes of their gathered buffers) of one layer's linear-memory prefix (module
-    doc; backward reduce-scatters the same)."""
-    gated, e = _sizes(mcfg)[2], mcfg.head_dim
-    n = segments_per_slice(mcfg, cp)
-    return 2 + gated, elem * cp * n * micro_batch * mcfg.n_heads * (1 + e * e + e * gated)

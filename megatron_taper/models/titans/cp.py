@@ -47,69 +47,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from megatron_taper.cost.cp import CHAIN, CPMessage
-from megatron_taper.validation import ConfigError
+from megatron_taper.models.titans.cost import conv_rows, tail_rows
 
 if TYPE_CHECKING:
-    from megatron_taper.config import ModelConfig, ParallelConfig
-    from megatron_taper.models.titans import MACBlock, MAGBlock, MALBlock, TitansBlock
-
-MESSAGE_TENSORS = 64  # parallel/cp_state.py: at most this many tensors in one message
-
-
-def conv_rows(kernel: int) -> int:
-    """Rows of a causal convolution's past: K - 1 (0 without a convolution)."""
-    return max(kernel - 1, 0)
+    from megatron_taper.models.titans.model import MACBlock, MAGBlock, MALBlock, TitansBlock
 
 
 def conv_kernel(block: TitansBlock) -> int:
     return 0 if block.memory.conv_k is None else block.memory.conv_k.shape[1]
-
-
-def tail_rows(persistent: int, chunk: int, kernel: int, window: int, rank: int, local: int) -> tuple[int, int]:
-    """(memory-input rows, attention rows) cp rank `rank` receives in MAG / MAL (module doc)."""
-    pending = (persistent + rank * local) % chunk if rank else 0
-    return pending + conv_rows(kernel), min(window - 1, rank * local)
-
-
-def check_cp_layout(mcfg: ModelConfig, pcfg: ParallelConfig) -> None:
-    """Refuse the cp layouts Titans cannot split (one ConfigError naming the fields)."""
-    cp, t = pcfg.cp, mcfg.titans
-    if cp == 1:
-        return
-    local = mcfg.seq_len // cp
-    if t.variant == "mac" and local % t.window:
-        raise ConfigError(f"model.titans.variant='mac' at parallel.cp={cp}: each cp rank's slice, model.seq_len / "
-                          f"parallel.cp = {mcfg.seq_len} / {cp} = {local} tokens, must hold whole segments of "
-                          f"model.titans.window={t.window} tokens (a segment's attention and memory read cannot "
-                          f"span two ranks); choose model.seq_len a multiple of {cp * t.window}")
-    if 2 * t.memory_depth + 4 > MESSAGE_TENSORS:
-        raise ConfigError(f"model.titans.memory_depth={t.memory_depth} at parallel.cp={cp}: a block's state message "
-                          f"would hold more than {MESSAGE_TENSORS} tensors; use memory_depth <= "
-                          f"{(MESSAGE_TENSORS - 4) // 2}")
-
-
-def cp_state_bytes(cfg: ModelConfig, rank: int, cp: int, batch: int, act_bytes: int = 4) -> int:
-    """Bytes cp rank `rank` receives per block in forward (its gradient goes back in backward)
-    for micro-batches of `batch` sequences (module doc); 0 on rank 0."""
-    t, h, e, d = cfg.titans, cfg.n_heads, cfg.head_dim, cfg.d_model
-    if rank == 0:
-        return 0
-    dims = [e] + [t.memory_expansion * e] * (t.memory_depth - 1) + [e]
-    state = 2 * batch * h * sum(i * o for i, o in zip(dims[:-1], dims[1:])) * 4
-    local = cfg.seq_len // cp
-    if t.variant == "mac":
-        return state + 4 * act_bytes * batch * conv_rows(t.conv_kernel) * h * e
-    mem, attn = tail_rows(t.persistent_tokens, t.chunk_size, t.conv_kernel, t.window, rank, local)
-    return state + act_bytes * batch * d * (mem + attn)
-
-
-def cp_messages(cfg: ModelConfig, layer: int, width: int, micro_batch: int, cp: int, act_bytes: int = 4,
-                ring: bool = False) -> tuple[CPMessage, ...]:
-    """FamilySpec.cp_messages: every block's chain message (cp_state_bytes), the largest hop's (the
-    attention tail grows with the rank up to W - 1 rows); Titans' attention is local, nothing is
-    all-gathered."""
-    return (CPMessage(CHAIN, max(cp_state_bytes(cfg, rank, cp, micro_batch, act_bytes) for rank in range(1, cp))),)
 
 
 def _receive(block: TitansBlock, initial: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -201,9 +146,3 @@ def mac_mix(block: MACBlock, xn: torch.Tensor) -> torch.Tensor:
                                                   tuple(pasts[1:]) if rows else None)
     ends = [*state[0], *state[1], *((query_past, *past) if rows else ())]
     return _send(block, out, ends, initial)
-
-
-def wavefront_ratio(n_layers: int, cp: int) -> float:
-    """Step time at cp over the one-process step time, from the wavefront alone (module doc):
-    (L + cp - 1) block-slices of S / cp tokens against L blocks of S tokens."""
-    return (n_layers + cp - 1) / (n_layers * cp)

@@ -1,5 +1,5 @@
 """Titans' neural long-term memory (Behrouz et al. 2024, arXiv 2501.00663), the mixer of the Titans
-blocks (models/titans.py) and the base of the deep Memory Caching family (models/memory_caching.py).
+blocks (titans/model.py) and the base of the deep Memory Caching family (models/memory_caching/).
 
 Per head (H heads of size E), for tokens t = 1..T:
     k_t = l2norm(silu(conv_k(W_k x)_t)), likewise v_t (conv_v, W_v) and q_t (conv_q, W_q)
@@ -68,6 +68,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_taper.models.kernels import state_passing
+from megatron_taper.models.titans.cost import memory_dims
 
 if TYPE_CHECKING:
     from megatron_taper.config import ModelConfig
@@ -80,10 +81,6 @@ ConvPast = tuple[torch.Tensor, ...] | None  # per convolved projection (k, v, q)
 # (layer, that layer's input r [B, H, C, i], its read r M_t [B, H, C, o], positions=slice of the C tokens in
 # the scan) -> the pre-activation that continues the read; Memory Caching's soup mixes cached memories in here
 ReadMix = Callable[..., torch.Tensor]
-
-
-def memory_dims(head_dim: int, depth: int, expansion: int) -> list[int]:
-    return [head_dim] + [expansion * head_dim] * (depth - 1) + [head_dim]
 
 
 def mlp_read(q: torch.Tensor, state: State) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """Persistent GRU memory bridge: our reading of a seed abstract (no public paper or code matches
 it; docs/memory_bridge.md lists what we chose where the abstract is silent).
 
-A tapered Transformer (models/transformer.py's blocks) with a state of m slots (d_model each)
+A tapered Transformer (models/transformer/'s blocks) with a state of m slots (d_model each)
 between its lower and upper halves. The block at index L//2 (the first of the upper half) holds
 the bridge and runs it on its input x, the hidden states after the lower L//2 blocks:
 
@@ -65,33 +65,24 @@ rank's share of the whole sequence's mean. Attention makes every cp rank meet in
 bridge's writes run in turn: cp times one slice's. With `carry_state` S_n is the last cp rank's;
 `take_state` broadcasts it over the cp group (B m D once per micro-batch), so cp rank 0 starts the
 row's next window from it and every rank saves the same state in its checkpoint.
+The chain and the broadcast: bridge/cp.py. Cost terms: bridge/cost.py.
 """
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from megatron_taper.cost.block import Cost
-from megatron_taper.cost.cp import CHAIN, CPMessage, attention_messages
-from megatron_taper.models.cards import BRIDGE
+from megatron_taper.models.bridge import cp as bridge_cp
+from megatron_taper.models.bridge.cost import bridge_layer, segment_bounds
 from megatron_taper.models.init import init_tensor
 from megatron_taper.models.layers import RMSNorm, rope_tables
-from megatron_taper.models.spec import CarriedState, FamilySpec
-from megatron_taper.models.transformer import (
-    Transformer,
-    TransformerBlock,
-    tp_plan_transformer_block,
-    transformer_layer_cost,
-)
-from megatron_taper.validation import ConfigError
+from megatron_taper.models.transformer.model import Transformer, TransformerBlock
 
 if TYPE_CHECKING:
-    from megatron_taper.config import ModelConfig, ParallelConfig
-    from megatron_taper.parallel.tp_plan import TPBuilder
+    from megatron_taper.config import ModelConfig
 
 RANDOM_TARGET_SEED = 20_240_917  # the fixed random targets of aux_target=random
 
@@ -131,10 +122,6 @@ class AuxLossCarrier(torch.autograd.Function):
         return grad, torch.full((), ctx.weight, device=grad.device, dtype=torch.float32), None
 
 
-def segment_bounds(seq_len: int, segment: int) -> list[tuple[int, int]]:
-    return [(start, min(start + segment, seq_len)) for start in range(0, seq_len, segment)]
-
-
 class MemoryBridge(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -155,7 +142,7 @@ class MemoryBridge(nn.Module):
         self.carry_state = b.carry_state
         self.carry_in: tuple[torch.Tensor | None, torch.Tensor] | None = None  # (previous S_n, continues)
         self.carry_out: torch.Tensor | None = None  # S_n of the last forward [B, m, D], detached
-        self.context = None  # a contiguous context-parallel split (module doc), or None
+        self.context = None  # a contiguous context-parallel split (bridge/cp.py), or None
 
     def initial_state(self, x: torch.Tensor) -> torch.Tensor:
         """S_0 [B, m, D] in x's dtype: the carried state where a row continues, else init_state (a copy:
@@ -176,8 +163,7 @@ class MemoryBridge(nn.Module):
         state = self.initial_state(x)  # [B, m, D]
         split = self.split()
         if split is not None and split.rank > 0:  # the state rank r - 1's slice ended with [B, m, D]
-            from megatron_taper.parallel.cp_state import receive_state  # the model file stays single-device
-            (state,) = receive_state(split, self.context_tag, (state,))
+            state = bridge_cp.receive(self, state)
         out = [state]
         for start, end in bounds[: len(bounds) if last else len(bounds) - 1]:
             q = self.write.heads(self.write.wq(self.write_state_norm(state)))  # [B, H, m, E]
@@ -217,12 +203,7 @@ class MemoryBridge(nn.Module):
         if self.aux_head is not None and self.training and torch.is_grad_enabled() and n * cp > 1:
             out = AuxLossCarrier.apply(out, self.aux_loss(x, states), self.aux_weight)
         if split is not None:
-            from megatron_taper.parallel.cp_state import send_state, tie  # the model file stays single-device
-            if end is None and n == 1:  # a last slice of one segment writes nothing: zero gradients (DDP)
-                out = tie(out, *(p for m in (self.write_input_norm, self.write_state_norm, self.write, self.gru)
-                                 for p in m.parameters()))
-            if sends:  # rank r + 1 starts from this slice's end state
-                out = send_state(split, self.context_tag, out, (end,))
+            out = bridge_cp.send(self, out, end, n, sends)
         return out
 
     def aux_loss(self, x: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
@@ -262,11 +243,6 @@ class BridgeBlock(TransformerBlock):
         return super().forward(x, cos, sin)
 
 
-def bridge_layer(cfg: ModelConfig) -> int:
-    """The index of the block that holds the bridge: the first of the upper half."""
-    return cfg.n_layers // 2
-
-
 class MemoryBridgeLM(Transformer):
     block_class = BridgeBlock
 
@@ -294,88 +270,6 @@ class MemoryBridgeLM(Transformer):
         return h
 
 
-# ---------------------------------------------------------------------------------------------
-# Cost model: forward FLOPs per token of exactly the matmuls above (2 per multiply-add)
-
-
-def bridge_params(cfg: ModelConfig) -> int:
-    d, h, e, b = cfg.d_model, cfg.n_heads, cfg.head_dim, cfg.bridge
-    attention = 4 * d * h * e
-    gru = 2 * 3 * d * d + 2 * 3 * d
-    aux = d * d if b.aux_weight > 0 else 0
-    return b.slots * d + 4 * d + 2 * attention + gru + d * d + d + aux
-
-
-def bridge_flops(cfg: ModelConfig) -> float:
-    """The bridge's forward FLOPs over one sequence of model.seq_len tokens (evaluation: the
-    auxiliary head, training only, adds 2 D^2 per segment and is not counted). The last segment's
-    write is counted with carry_state only (otherwise it is not computed)."""
-    d, h, e, s, m, t = cfg.d_model, cfg.n_heads, cfg.head_dim, cfg.seq_len, cfg.bridge.slots, cfg.bridge.segment
-    n = -(-s // t)
-    write = 2 * 2 * d * h * e * s  # wk, wv on every token
-    bounds = segment_bounds(s, t)
-    for start, end in bounds if cfg.bridge.carry_state else bounds[:-1]:
-        write += m * (2 * d * h * e + 2 * h * e * d + 2 * 6 * d * d)  # wq, wo, the GRU's two [3D, D] maps
-        write += 4 * h * e * m * (end - start)  # scores and values
-    read = s * (2 * d * h * e + 2 * d * d)  # wq, gate
-    read += n * m * 2 * 2 * d * h * e  # wk, wv on the states
-    read += n * t * (4 * h * e * m + 2 * h * e * d)  # scores, values, wo: padded rows of the last segment included
-    return write + read
-
-
-def bridge_block_cost(cfg: ModelConfig, index: int, causal: bool = True) -> Cost:
-    """The bridge, counted with the block that holds it. Its activation memory is not modelled."""
-    if not cfg.bridge.slots or index != bridge_layer(cfg):
-        return Cost(0, 0.0)
-    return Cost(bridge_params(cfg), bridge_flops(cfg) / cfg.seq_len)
-
-
-def cp_state_bytes(cfg: ModelConfig, micro_batch: int, dtype_bytes: int = 4) -> int:
-    """Bytes a cp rank sends to the next per micro-batch forward (and the same back, their
-    gradient): the bridge state [B, m, D], once (one bridge per model)."""
-    return micro_batch * cfg.bridge.slots * cfg.d_model * dtype_bytes
-
-
-def bridge_cp_messages(cfg: ModelConfig, layer: int, width: int, micro_batch: int, cp: int, act_bytes: int = 4,
-                       ring: bool = False) -> tuple[CPMessage, ...]:
-    """FamilySpec.cp_messages: the Transformer's attention in every block, and on the block that
-    holds the bridge (bridge_layer) the chain of its state (cp_state_bytes)."""
-    state = cp_state_bytes(cfg, micro_batch, act_bytes) if layer == bridge_layer(cfg) else 0
-    chain = (CPMessage(CHAIN, state),) if state else ()
-    return attention_messages(cfg, micro_batch, cp, act_bytes, ring) + chain
-
-
-def tp_plan_bridge_block(block: BridgeBlock, prefix: str, cfg: ModelConfig, tp: TPBuilder) -> None:
-    """The Transformer's plan; the bridge replicated (its input, the residual stream, is whole on
-    every tp rank without sequence parallelism, which check_bridge_layout refuses)."""
-    tp_plan_transformer_block(block, prefix, cfg, tp)
-    if block.bridge is not None:
-        tp.replicated(block.bridge, f"{prefix}.bridge")
-
-
-def check_bridge_layout(mcfg: ModelConfig, pcfg: ParallelConfig) -> None:
-    if mcfg.n_layers < 2:
-        raise ConfigError(f"model.n_layers={mcfg.n_layers}: model.arch='bridge' needs at least 2 layers (a lower "
-                          f"and an upper half)")
-    if mcfg.bridge.slots and mcfg.seq_len <= mcfg.bridge.segment:
-        raise ConfigError(f"model.bridge.segment={mcfg.bridge.segment} must be smaller than model.seq_len="
-                          f"{mcfg.seq_len}: with one segment nothing is ever read from the state")
-    if pcfg.tp > 1 and pcfg.sequence_parallel and mcfg.bridge.slots:
-        raise ConfigError("parallel.sequence_parallel is not supported for model.arch='bridge' (the bridge reads "
-                          "and writes whole segments, which sequence parallelism splits over the tp ranks); set "
-                          "it to false")
-    if pcfg.cp > 1 and mcfg.bridge.slots and (mcfg.seq_len // pcfg.cp) % mcfg.bridge.segment:
-        raise ConfigError(f"parallel.cp={pcfg.cp}: each rank's slice of model.seq_len={mcfg.seq_len} "
-                          f"({mcfg.seq_len // pcfg.cp} tokens) must hold whole segments of model.bridge.segment="
-                          f"{mcfg.bridge.segment} (the bridge state passes from slice to slice at segment ends); "
-                          f"choose model.seq_len / parallel.cp divisible by the segment")
-    if mcfg.bridge.carry_state and (pcfg.pp > 1 or pcfg.zero == "deepspeed"):
-        raise ConfigError(f"model.bridge.carry_state=true is supported with parallel.pp=1 and parallel.zero none "
-                          f"or fsdp2 (the trainer hands the carried state to one whole model per micro-batch, "
-                          f"which the pipeline schedule and DeepSpeed's engine do not); got pp={pcfg.pp}, "
-                          f"zero={pcfg.zero}: set model.bridge.carry_state=false or change the layout")
-
-
 def put_state(model: MemoryBridgeLM, state: torch.Tensor | None, continues: torch.Tensor) -> None:
     model.bridge.carry_in = (state, continues)
 
@@ -385,14 +279,5 @@ def take_state(model: MemoryBridgeLM) -> torch.Tensor:
     state, bridge.carry_in, bridge.carry_out = bridge.carry_out, None, None
     split = bridge.split()
     if split is not None:  # S_n is the last cp rank's: every cp rank holds it (cp rank 0 starts the next window)
-        state = state.contiguous()
-        dist.broadcast(state, src=dist.get_process_group_ranks(split.group)[-1], group=split.group)
+        state = bridge_cp.from_last_rank(state, split)
     return state
-
-
-SPECS = (FamilySpec(card=BRIDGE, build=MemoryBridgeLM, layer_cost=transformer_layer_cost,
-                    block_extra_cost=bridge_block_cost, tp_block_plan=tp_plan_bridge_block,
-                    check_layout=check_bridge_layout, context_parallel=True, cp_balanced=False,
-                    cp_messages=bridge_cp_messages,
-                    carried_state=CarriedState(enabled=lambda cfg: cfg.bridge.slots > 0 and cfg.bridge.carry_state,
-                                               put=put_state, take=take_state)),)

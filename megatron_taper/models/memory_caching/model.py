@@ -3,8 +3,8 @@ with the sequence by caching the memory state at the end of every segment.
 
 Two families, each a stack of blocks `x = x + MC(norm(x)); x = x + SwiGLU_w(norm(x))` (the MLP
 has this layer's tapered width w):
-    linear_memory   base = LinearMemory (models/linear_memory.py, gated linear attention)
-    deep_memory     base = Titans' NeuralMemory (models/titans.py; its options in model.titans)
+    linear_memory   base = LinearMemory (memory_caching/linear_memory.py, gated linear attention)
+    deep_memory     base = Titans' NeuralMemory (models/titans/; its options in model.titans)
 
 Memory Caching over a base (options in model.memory_caching): the sequence is cut into segments
 of `segment` tokens (S); the base recurrence runs inside each segment (chunked as the base is);
@@ -32,13 +32,14 @@ independent ones folded into the batch (soup over the deep memory, which mixes t
 into each segment's reads, and segments that are not whole chunks still run one by one); every
 token's weights and its reads of every cached state are computed at once, a state the token may
 not read yet weighted 0. So cached reads cost O(L^2 / S) per sequence, twice the triangle's
-(every token reads the n - 1 cached states); the cost model (`memory_caching_layer_cost`) counts
-exactly the matmuls below.
+(every token reads the n - 1 cached states); the cost model (memory_caching/cost.py
+`memory_caching_layer_cost`) counts exactly the matmuls of model.py.
 
 Tensor parallelism splits everything by head (scores, gammas and reads are per head), through
-Titans' `tp_plan_memory`; W_u is column-parallel like wq. Context parallelism (the mixer's
-`context`): each rank's slice is whole segments and starts from the state the slices before it
-hand over (models/memory_caching_cp.py: a prefix for the linear memory, a chain for the deep one).
+Titans' `tp_plan_memory` (memory_caching/parallel.py); W_u is column-parallel like wq. Context
+parallelism (the mixer's `context`): each rank's slice is whole segments and starts from the state
+the slices before it hand over (memory_caching/cp.py: a prefix for the linear memory, a chain for
+the deep one).
 """
 from __future__ import annotations
 
@@ -48,41 +49,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron_taper.cost.block import Cost, Split, attention_cost, norm_act, swiglu_cost
-from megatron_taper.models import memory_caching_cp as cp
-from megatron_taper.models.cards import DEEP_MEMORY, LINEAR_MEMORY
 from megatron_taper.models.layers import RMSNorm, SwiGLU
-from megatron_taper.models.linear_memory import (
-    LinearMemory,
-    linear_memory_params,
-    linear_projection_flops,
-    linear_segments_flops,
-    time_blocks,
-)
-from megatron_taper.models.spec import FamilySpec
-from megatron_taper.models.titans import (
-    NeuralMemory,
-    State,
-    Titans,
-    memory_dims,
-    memory_params,
-    scan_act_per_row,
-    scan_flops,
-    tp_plan_memory,
-)
-from megatron_taper.models.transformer import Transformer
-from megatron_taper.validation import ConfigError
+from megatron_taper.models.memory_caching import cp
+from megatron_taper.models.memory_caching.cost import GATED, deep_scan_plan, segment_slices
+from megatron_taper.models.memory_caching.linear_memory import LinearMemory, time_blocks
+from megatron_taper.models.titans.model import Titans
+from megatron_taper.models.titans.neural_memory import NeuralMemory, State
+from megatron_taper.models.transformer.model import Transformer
 
 if TYPE_CHECKING:
-    from megatron_taper.config import ModelConfig, ParallelConfig
-    from megatron_taper.parallel.tp_plan import TPBuilder
-
-GATED = ("grm", "soup", "ssc")  # variants with W_u and the softmax weights
-
-
-def segment_slices(seq: int, segment: int, variant: str) -> list[slice]:
-    size = seq if variant == "none" else segment
-    return [slice(s, min(s + size, seq)) for s in range(0, seq, size)]
+    from megatron_taper.config import ModelConfig
 
 
 class MemoryCachingMixer(nn.Module):
@@ -95,7 +71,7 @@ class MemoryCachingMixer(nn.Module):
         self.variant, self.segment, self.top_k = mc.variant, mc.segment, mc.top_k
         self.head_dim = cfg.head_dim
         self.wu = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=False) if mc.variant in GATED else None
-        # context parallelism (models/memory_caching_cp.py): the sequence split, or None
+        # context parallelism (memory_caching/cp.py): the sequence split, or None
         self.context = None
         self.linear = isinstance(memory, LinearMemory)
         self.continues = mc.continues  # a slice starts from the last one's state
@@ -216,19 +192,6 @@ class MemoryCachingMixer(nn.Module):
         return mix
 
 
-def deep_scan_plan(variant: str, continues: bool, chunk_size: int, total: int, length: int) -> str:
-    """How the deep memory scans `total` tokens in segments of `length` (MemoryCachingMixer.
-    scan_segments; the activation model counts the same): "one" scan when continuing segments are
-    whole chunks (their ends are chunk boundaries), "folded" into the batch when independent
-    segments are whole, else "segments" one by one (also soup, which mixes the cached states into
-    each segment's reads)."""
-    if variant != "soup" and continues and length % min(chunk_size, length) == 0:
-        return "one"
-    if variant != "soup" and not continues and total % length == 0:
-        return "folded"
-    return "segments"
-
-
 def cached_reads(q: torch.Tensor, cache: list[torch.Tensor], residual: bool) -> torch.Tensor:
     """Every query's reads of every cached memory: q [B, H, T, E], cache per memory layer
     [B, H, M, i, o] -> [B, H, T, M, E]: f(q) (SiLU between layers), plus q when `residual` (the
@@ -287,124 +250,3 @@ class LinearMemoryLM(Transformer):
 
 class DeepMemoryLM(LinearMemoryLM):
     block_class = DeepMemoryBlock
-
-
-# ---------------------------------------------------------------------------------------------
-# Cost model: counts exactly the matmuls above (FLOPs per token, 2 per multiply-add). `causal`
-# changes nothing: the recurrence computes only causal work.
-
-
-def memory_caching_layer_cost(cfg: ModelConfig, width: int, deep: bool) -> Cost:
-    d, h, e, seq, mc = cfg.d_model, cfg.n_heads, cfg.head_dim, cfg.seq_len, cfg.memory_caching
-    gated = mc.variant in GATED
-    if deep:
-        dims = memory_dims(e, cfg.titans.memory_depth, cfg.titans.memory_expansion)
-        io, mem_params = [i * o for i, o in zip(dims[:-1], dims[1:])], memory_params(cfg)
-    else:
-        io, mem_params = [e * e], linear_memory_params(cfg)
-    segments = [s.stop - s.start for s in segment_slices(seq, mc.segment, mc.variant)]
-    if deep:  # projections and read-out of every token, chunks restarting at every segment
-        flops = sum(scan_flops(cfg, t) for t in segments)
-    else:
-        flops = seq * linear_projection_flops(cfg) + linear_segments_flops(cfg, seq, segments[0], mc.continues)
-    flops += 2 * d * h * e * seq if gated else 0  # W_u
-    reachable = len(segments) - 1  # cached states some token reads; every token reads all, masked
-    if mc.variant == "none" or not reachable:
-        pass  # no cached reads
-    elif mc.variant == "soup" and deep:  # scores; per segment the cached memories mixed per token, the mixed read
-        flops += h * 2 * seq * reachable * e
-        flops += h * sum(sum(2 * t * n * x + 2 * t * x for x in io) for n, t in enumerate(segments) if n)
-    else:  # every token's reads of every cached state and their weighted sum [, the scores]
-        flops += h * seq * reachable * (sum(2 * x for x in io) + 2 * e + (2 * e if gated else 0))
-    mixer_params = mem_params + (d * h * e if gated else 0)
-    mlp = swiglu_cost(cfg, width)
-    tp_params = Split(whole=d, heads=mixer_params) + mlp.params_split
-    act = mixer_act(cfg, io, deep) + mlp.act
-    backward = attention_cost(cfg).backward + mlp.backward
-    return Cost(mixer_params + d + mlp.params, flops / seq + mlp.flops, tp_params=tp_params, act=act,
-                backward=backward)
-
-
-def mixer_act(cfg: ModelConfig, io: list[int], deep: bool) -> Split:
-    """Elements per token the mixer keeps for backward, counted from torch's saved tensors (tests/
-    models/test_memory_caching.py checks it within 10%): the norm and its output; per head the
-    base's scan and the cached reads. Linear base: its projections, convolutions and read-out
-    (9 E + 9 + 3 E with taps), per padded token the chunk's vectors (5 E, and 3 E more that matmul
-    copies when the features are scanned in place) and [C, C] products (4 C + 4), the states before every chunk
-    twice (the transfer product's input and the reads' copy) and the [N + 1, N + 1] transfer of
-    every scan. Deep base: Titans' scan_act_per_row of each scan it runs and 8 head vectors. With caching, every token
-    reads every cached state M (masked): the queries and the cached weights side by side (E + M P /
-    L), for the gated variants also u, the running mean keys, the scores and weights (6 E + M + 2),
-    the online read and the M cached reads they weigh (M E), and for the deep memory each cached
-    read's hidden activations; soup over the deep memory its per-token mixed memories and
-    per-segment stacks of the cached ones. The deep constants are fitted to the measured counts."""
-    d, e, seq, mc = cfg.d_model, cfg.head_dim, cfg.seq_len, cfg.memory_caching
-    segments = segment_slices(seq, mc.segment, mc.variant)
-    n, length = len(segments), segments[0].stop
-    continues = mc.continues
-    if deep:  # the scans MemoryCachingMixer.scan_segments runs, and 8 head vectors
-        size = min(cfg.titans.chunk_size, length)
-        plan = deep_scan_plan(mc.variant, continues, cfg.titans.chunk_size, seq, length)
-        if plan == "one":  # chunks ending at segment ends
-            scans = [(seq, size)]
-        elif plan == "folded":
-            scans = [(length, size)] * n
-        else:  # segment by segment
-            scans = [(s.stop - s.start, min(size, s.stop - s.start)) for s in segments]
-        per_head = sum(scan_act_per_row(cfg, rows, c) * rows for rows, c in scans) / seq + 8 * e
-        hidden = sum(memory_dims(e, cfg.titans.memory_depth, cfg.titans.memory_expansion)[1:-1])
-    else:
-        size = min(mc.linear_chunk, length)
-        padded = -(-length // size) * size
-        scans, chunks = (1 if continues else n), n * padded // size
-        taps = mc.linear_conv_kernel
-        per_head = 9 * e + 9 + (3 * e * (1 + (taps - 1) / seq) if taps else 0)
-        stretch = n * padded / seq  # padded tokens per token
-        aligned = continues and stretch == 1  # the features are scanned in place: matmul copies 3 of them
-        per_head += stretch * (5 * e + 4 * size + 4) + (3 * e if aligned else 0)
-        per_head += ((2 * chunks + scans) * e * e + scans * (chunks // scans + 1) ** 2) / seq
-        hidden = 0
-    reachable = n - 1 if mc.variant != "none" else 0  # cached states every token reads (masked)
-    if mc.variant == "soup" and deep:
-        cached = sum(i * (s.stop - s.start) for i, s in enumerate(segments)) / seq  # mean cached states per token
-        with_cache = (seq - segments[0].stop) / seq  # tokens that mix cached memories
-        per_head += sum(io) * (with_cache + n * (n - 1) / (2 * seq)) + 2 * e + 4 * (1 + cached)
-    elif reachable:
-        per_head += e + reachable * sum(io) / seq + 2 * hidden * reachable
-        if mc.variant in GATED:
-            per_head += (4 + 2 * (1 if deep else stretch)) * e + reachable * (e + 1) + 2
-    return norm_act(d) + Split(whole=d, heads=cfg.n_heads * per_head)
-
-
-def linear_memory_layer_cost(cfg: ModelConfig, width: int, causal: bool = True) -> Cost:
-    return memory_caching_layer_cost(cfg, width, deep=False)
-
-
-def deep_memory_layer_cost(cfg: ModelConfig, width: int, causal: bool = True) -> Cost:
-    return memory_caching_layer_cost(cfg, width, deep=True)
-
-
-def tp_plan_memory_caching_block(block: MemoryCachingBlock, prefix: str, cfg: ModelConfig, tp: TPBuilder) -> None:
-    """Norms replicated; the memory and W_u split by head; the MLP's width split in units of
-    model.taper.multiple (uneven when the width does not divide)."""
-    tp.replicated(block.mixer_norm, f"{prefix}.mixer_norm")
-    tp.replicated(block.mlp_norm, f"{prefix}.mlp_norm")
-    tp_plan_memory(block.mixer.memory, f"{prefix}.mixer.memory", cfg, tp)
-    if block.mixer.wu is not None:
-        tp.column(block.mixer, "wu", f"{prefix}.mixer", tp.head_rows(cfg.n_heads, cfg.head_dim), input_mode="copy")
-    tp.swiglu(block.mlp, f"{prefix}.mlp", cfg.taper.multiple)
-
-
-def check_memory_caching_layout(mcfg: ModelConfig, pcfg: ParallelConfig) -> None:
-    if pcfg.tp > 1 and pcfg.sequence_parallel:
-        raise ConfigError(f"parallel.sequence_parallel is not supported for model.arch={mcfg.arch!r} (the "
-                          "memory reads the whole sequence); set it to false")
-    cp.check_cp_layout(mcfg, pcfg)
-
-
-SPECS = (FamilySpec(card=LINEAR_MEMORY, build=LinearMemoryLM, layer_cost=linear_memory_layer_cost,
-                    tp_block_plan=tp_plan_memory_caching_block, check_layout=check_memory_caching_layout,
-                    context_parallel=True, cp_balanced=False, cp_messages=cp.cp_messages),
-         FamilySpec(card=DEEP_MEMORY, build=DeepMemoryLM, layer_cost=deep_memory_layer_cost,
-                    tp_block_plan=tp_plan_memory_caching_block, check_layout=check_memory_caching_layout,
-                    context_parallel=True, cp_balanced=False, cp_messages=cp.cp_messages))

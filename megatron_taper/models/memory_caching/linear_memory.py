@@ -1,5 +1,5 @@
 """A linear recurrent memory (gated linear attention with a data-dependent scalar decay per head),
-the linear base of Memory Caching (models/memory_caching.py).
+the linear base of Memory Caching (memory_caching/model.py; its cost terms in memory_caching/cost.py).
 
 Per head (H heads of size E), for tokens t = 1..T, with the state S_t [E, E] (S = M^T of the
 paper's notation M_t = a_t M_{t-1} + b_t v_t k_t^T, y_t = M_t q_t):
@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_taper.models.kernels.state_passing import chunk_states
-from megatron_taper.models.titans import ConvPast, NeuralMemory, ReadMix, State, mlp_read
+from megatron_taper.models.titans.neural_memory import ConvPast, NeuralMemory, ReadMix, State, mlp_read
 
 if TYPE_CHECKING:
     from megatron_taper.config import ModelConfig
@@ -161,35 +161,3 @@ def chunked_scan(features: LinearFeatures, initial: torch.Tensor, size: int) -> 
     states = chunk_states(updates, lb[..., -1], initial)  # [B, H, N + 1, E, E]
     reads = scores @ v + lb.exp()[..., None] * (q @ states[:, :, :-1])
     return reads.flatten(2, 3)[:, :, :total], states
-
-
-def linear_memory_params(cfg: ModelConfig) -> int:
-    d, h, e, kernel = cfg.d_model, cfg.n_heads, cfg.head_dim, cfg.memory_caching.linear_conv_kernel
-    return 4 * d * h * e + 2 * d * h + 2 * h + h * e + 3 * h * e * kernel
-
-
-def linear_scan_flops(cfg: ModelConfig, tokens: int, size: int | None = None) -> float:
-    """chunked_scan of one sequence of `tokens` tokens from a state, in chunks of `size` (default
-    model.memory_caching.linear_chunk), padded to whole chunks (projections excluded): per chunk
-    and head q k^T and scores v (2 C^2 E each), the chunk's writes and q S (2 C E^2 each); per
-    head the state passing's [N + 1, N + 1] transfer product (2 (N + 1)^2 E^2)."""
-    h, e = cfg.n_heads, cfg.head_dim
-    size = size or cfg.memory_caching.linear_chunk
-    chunks = -(-tokens // size)
-    return h * (chunks * (4 * size * size * e + 4 * size * e * e) + 2 * (chunks + 1) ** 2 * e * e)
-
-
-def linear_segments_flops(cfg: ModelConfig, tokens: int, length: int, continues: bool) -> float:
-    """LinearMemory.scan_segments over `tokens` tokens in segments of `length`: each padded to whole
-    chunks of min(linear_chunk, length); one scan (continues) or one per segment."""
-    size = min(cfg.memory_caching.linear_chunk, length)
-    segments, padded = -(-tokens // length), -(-length // size) * size
-    if continues:
-        return linear_scan_flops(cfg, segments * padded, size)
-    return segments * linear_scan_flops(cfg, padded, size)
-
-
-def linear_projection_flops(cfg: ModelConfig) -> float:
-    """Per token: wq, wk, wv, wo, the gates and the convolutions."""
-    d, h, e, kernel = cfg.d_model, cfg.n_heads, cfg.head_dim, cfg.memory_caching.linear_conv_kernel
-    return 2 * (4 * d * h * e + 2 * d * h + 3 * h * e * kernel)

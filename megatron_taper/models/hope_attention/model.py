@@ -23,7 +23,7 @@ The gradient is written in closed form from the chunk's activations (e = (y - n)
 grad w2 = e^T h, dh = e w2, grad w1 = (dh * w3 n * silu'(w1 n))^T n, grad w3 =
 (dh * silu(w1 n))^T n); the updates are differentiable functions of the parameters, so the outer
 gradient flows through them. Every update is low rank (C_l rows), so the level runs as one scan
-(models/hope_online.py): chunk c reads w13^(c) as the w13 materialised at the start of its group
+(hope_attention/online.py): chunk c reads w13^(c) as the w13 materialised at the start of its group
 of chunks plus products against the earlier chunks' factors (computed for all chunks at once where
 they do not depend on the recurrence), w2 is updated in place, and a hand-written backward keeps
 n and 3 W + D factor values per updated token, never a [2W, D] or [D, W] fast weight per update.
@@ -34,20 +34,8 @@ per chunk on materialised [B, ...] fast weights) and a token-by-token autograd r
 with the outer optimizer. The taper applies to the CMS widths: every level of block i has width
 w_i, so tapered and uniform twins have equal parameter counts and FLOPs.
 
-Tensor parallelism splits every level's width like a SwiGLU's (w1, w3 by rows, w2 by columns).
-A shard's update needs the whole output error: each chunk's partial outputs (with the partial
-||h_t||^2) are all-reduced once in the scan's forward, and once more in its backward (the sum's
-reuse by the shard's update: f, identity forward, all-reduce backward); eta enters through f;
-everything else in the update stays on its shard.
-
-Context parallelism (contiguous split, parallel/cp_state.py): attention is the Transformer's
-(all-gather or ring over the whole sequence); each online level whose period C_l is shorter
-than the sequence (`chained_levels`) starts cp rank r's slice from the fast weights rank r - 1's
-slice ended with (receive_state; [B, 2W, D] and [B, D, W]), makes the update at its slice's last
-chunk unless it is the sequence's last, and hands the weights on (send_state), gradients flowing
-back the same way: cp_state_bytes per layer and direction. The slice must hold whole chunks of
-every chained level (check_hope_layout). Because attention makes every cp rank meet in each
-layer, the chain is serial per layer: the CMS part of a layer takes cp times its one-slice time.
+Cost terms: hope_attention/cost.py; tensor-parallel plan: hope_attention/parallel.py; context
+parallelism: hope_attention/cp.py.
 """
 from __future__ import annotations
 
@@ -60,26 +48,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron_taper.cost.block import Cost, Split, attention_cost, swiglu_cost
-from megatron_taper.cost.cp import CHAIN, CPMessage, attention_messages
-from megatron_taper.models.cards import HOPE_ATTENTION
 from megatron_taper.models.decoding import kv_decoder
-from megatron_taper.models.hope_online import STEP_EPS, online_scan, scan_flops
+from megatron_taper.models.hope_attention import cp as hope_cp
+from megatron_taper.models.hope_attention.cost import level_period
+from megatron_taper.models.hope_attention.online import STEP_EPS, online_scan
 from megatron_taper.models.init import RESIDUAL_OUT, init_tensor
 from megatron_taper.models.layers import RMSNorm
-from megatron_taper.models.spec import FamilySpec
-from megatron_taper.models.transformer import Transformer, TransformerBlock
-from megatron_taper.validation import ConfigError
+from megatron_taper.models.transformer.model import Transformer, TransformerBlock
 
 if TYPE_CHECKING:
-    from megatron_taper.config import ModelConfig, ParallelConfig
-    from megatron_taper.models.cards import HopeConfig
-    from megatron_taper.parallel.tp_plan import TPBuilder
-
-
-def level_period(hope: HopeConfig, level: int) -> int:
-    """C_l: the tokens per update of CMS level `level`."""
-    return hope.chunk_size * hope.chunk_growth**level
+    from megatron_taper.config import ModelConfig
 
 
 def identity(x: torch.Tensor) -> torch.Tensor:
@@ -148,7 +126,7 @@ class ContinuumLevel(nn.Module):
         # eta = softplus(raw_step): the learnable step size of the online updates
         self.raw_step = nn.Parameter(torch.empty(1)) if period else None
         self.comm = LevelComm()
-        self.context = None  # a contiguous context-parallel split (module doc), or None
+        self.context = None  # a contiguous context-parallel split (hope_attention/cp.py), or None
 
     def forward(self, n: torch.Tensor) -> torch.Tensor:
         """n: the level's normalised input [B, S, D] -> its output [B, S, D]."""
@@ -162,11 +140,9 @@ class ContinuumLevel(nn.Module):
         context parallelism the slice starts from the weights the slice before it ended with."""
         step = self.comm.reenter(F.softplus(self.raw_step))
         split = self.context
-        chained = split is not None and split.cp > 1 and n.shape[1] * split.cp > self.period
-        if chained:  # the model file stays single-device until context parallelism is applied
-            from megatron_taper.parallel.cp_state import receive_state, send_state
+        chained = hope_cp.chained(self, n)
         if chained and split.rank > 0:  # the fast weights of rank r - 1's end: [B, 2W, D], [B, D, W]
-            weights = receive_state(split, self.context_tag, tuple(w.expand(n.shape[0], *w.shape) for w in weights))
+            weights = hope_cp.receive_weights(self, weights, n.shape[0])
         # the sequence's last chunk makes no update (nothing reads it); a slice before the last ends with one
         last_updates = chained and split.rank < split.cp - 1
         if n.shape[1] <= self.period and not last_updates:  # one chunk, no update
@@ -176,7 +152,7 @@ class ContinuumLevel(nn.Module):
         sum_partial = None if self.comm.sum_partial is identity else self.comm.sum_partial
         out = online_scan(n, *weights, step, self.period, sum_partial, last_updates)
         if last_updates:  # rank r + 1 starts from these weights (cp_state.py's chain)
-            return send_state(split, self.context_tag, out[0], tuple(out[1:]))
+            return hope_cp.send_weights(self, out)
         return out
 
 
@@ -207,83 +183,6 @@ class HopeAttention(Transformer):
             eta = self.cfg.hope.online_lr
             return torch.full(shape, eta + math.log(-math.expm1(-eta)))  # log(exp(eta) - 1), stably
         return init_tensor(name, shape, seed, self.cfg.init_std, self.cfg.n_layers, RESIDUAL_OUT + (".w2",))
-
-
-def hope_attention_layer_cost(cfg: ModelConfig, width: int, causal: bool = True) -> Cost:
-    attn = attention_cost(cfg, causal)
-    mlp = swiglu_cost(cfg, width)
-    levels = cfg.hope.levels
-    flops = attn.flops + levels * mlp.flops
-    if cfg.hope.online:  # the inner updates' closed-form gradients
-        flops += sum(online_update_flops(cfg, width, level) for level in range(levels))
-    memory = attn + mlp.repeated(levels)
-    act, per_batch = memory.act, Split()
-    if cfg.hope.online:
-        for level in range(levels):
-            act = act + online_level_act(cfg, width, level)
-        per_batch = Split(width=levels * 2 * width * cfg.d_model)  # [w1; w3] concatenated by each forward
-    steps = levels if cfg.hope.online else 0  # one learnable step size (raw_step) per online level
-    return Cost(attn.params + levels * mlp.params + steps, flops, tp_params=memory.params_split + Split(whole=steps),
-                act=act, backward=memory.backward, per_batch=per_batch)
-
-
-def online_update_flops(cfg: ModelConfig, width: int, level: int) -> float:
-    """Forward FLOPs per token (over the sequence) of a level's inner updates beyond a plain
-    SwiGLU's 6 W D: its scan's (hope_online.scan_flops) reads through the low-rank factors and
-    materialised start weights, less the plain read. Zero for a level with one chunk."""
-    period = level_period(cfg.hope, level)
-    if cfg.seq_len <= period:
-        return 0.0
-    return scan_flops(cfg.seq_len, period, cfg.d_model, width) / cfg.seq_len - 6 * width * cfg.d_model
-
-
-def online_level_act(cfg: ModelConfig, width: int, level: int) -> Split:
-    """Elements per token an online level keeps for backward besides a plain SwiGLU's, as counted
-    from the tensors autograd saves (tests/cost/test_memory_model.py): its scan keeps n (as the
-    SwiGLU does, in one copy) and per updated token the factors G [2W], H [W] and E [D], not the
-    SwiGLU's 4 W activations."""
-    period = level_period(cfg.hope, level)
-    updates = -(-cfg.seq_len // period) - 1
-    if not updates:  # one chunk: the SwiGLU's read as SwiGLUActivations, 4 more W-wide activations
-        return Split(width=4 * width)
-    plain = Split(width=-4 * width, input_copies=-cfg.d_model)
-    return plain + Split(whole=cfg.d_model, width=3 * width).scaled(updates * period / cfg.seq_len)
-
-
-def tp_plan_hope_attention_block(block: HopeAttentionBlock, prefix: str, cfg: ModelConfig, tp: TPBuilder) -> None:
-    """Attention as in the Transformer; every CMS level's width split like a SwiGLU's (w1, w3 by
-    rows, w2 by columns, in units of model.taper.multiple, uneven when it does not divide), with
-    the level's collectives in place. raw_step stays whole: it enters the shards through f, whose
-    backward already sums its gradient over the tp ranks (also under sequence parallelism)."""
-    tp.replicated(block.attn_norm, f"{prefix}.attn_norm")
-    tp.attention(block.attn, f"{prefix}.attn", cfg.n_heads, cfg.kv_heads, cfg.rope_theta)
-    for index, (norm, level) in enumerate(zip(block.cms_norms, block.cms)):
-        tp.replicated(norm, f"{prefix}.cms_norms.{index}")
-        name = f"{prefix}.cms.{index}"
-        rows, columns = tp.width_specs(level.w1.shape[0], cfg.taper.multiple, name)
-        tp.shard_parameter(level, "w1", name, rows)
-        tp.shard_parameter(level, "w3", name, rows)
-        tp.shard_parameter(level, "w2", name, columns)
-        level.comm = tensor_parallel_comm(tp.group, tp.sequence_parallel, matmuls_only=level.period is None)
-
-
-def tensor_parallel_comm(group, sequence_parallel: bool, matmuls_only: bool) -> LevelComm:
-    """A level's collectives over the tp group: f at the input (all-gather of the sequence under
-    SP; `matmuls_only`: only matmuls read it, not an online level's update), an all-reduce of
-    partial outputs, f for the sum's reuse in the update; the output back to the block's layout
-    (SP: this rank's sequence chunk)."""
-    from megatron_taper.parallel import tensor as ops  # the model file stays single-device until a plan runs
-
-    def on_group(op):
-        return functools.partial(op, group=group)
-
-    return LevelComm(
-        enter=functools.partial(ops.enter_tp_region, group=group, sequence_parallel=sequence_parallel,
-                                matmuls_only=matmuls_only),
-        sum_partial=on_group(ops.reduce_from_tp_region),
-        reenter=on_group(ops.copy_to_tp_region),
-        leave=on_group(ops.scatter_to_seq_region) if sequence_parallel else identity,
-        leave_partial=on_group(ops.reduce_scatter_to_seq_region if sequence_parallel else ops.reduce_from_tp_region))
 
 
 @dataclass
@@ -334,43 +233,5 @@ def cms_feedforward(block: HopeAttentionBlock, h: torch.Tensor, states: list[Onl
     return h
 
 
-def chained_levels(cfg: ModelConfig, cp: int) -> list[int]:
-    """The online levels whose fast weights pass from cp slice to slice: those updated within the
-    sequence (C_l < seq_len); the others read their outer weights on every rank."""
-    if not cfg.hope.online or cp == 1:
-        return []
-    return [level for level in range(cfg.hope.levels) if level_period(cfg.hope, level) < cfg.seq_len]
-
-
-def cp_state_bytes(cfg: ModelConfig, width: int, micro_batch: int, dtype_bytes: int = 4) -> int:
-    """Bytes one rank sends to the next per layer and micro-batch, forward (and the same back,
-    their gradient): the fast weights [B, 2W, D] and [B, D, W] of every chained level."""
-    return len(chained_levels(cfg, 2)) * micro_batch * 3 * width * cfg.d_model * dtype_bytes
-
-
-def hope_cp_messages(cfg: ModelConfig, layer: int, width: int, micro_batch: int, cp: int, act_bytes: int = 4,
-                     ring: bool = False) -> tuple[CPMessage, ...]:
-    """FamilySpec.cp_messages: the Transformer's attention, and the chain of the chained levels'
-    fast weights (cp_state_bytes, fp32 like the weights they start from) where there are any."""
-    state = cp_state_bytes(cfg, width, micro_batch)
-    return attention_messages(cfg, micro_batch, cp, act_bytes, ring) + ((CPMessage(CHAIN, state),) if state else ())
-
-
-def check_hope_layout(m: ModelConfig, p: ParallelConfig) -> None:
-    if p.cp == 1:
-        return
-    local = m.seq_len // p.cp
-    for level in chained_levels(m, p.cp):
-        period = level_period(m.hope, level)
-        if local % period:
-            raise ConfigError(f"parallel.cp={p.cp}: each rank's slice of model.seq_len={m.seq_len} ({local} tokens) "
-                              f"must hold whole chunks of CMS level {level} (C_{level} = model.hope.chunk_size x "
-                              f"model.hope.chunk_growth^{level} = {period} tokens), whose fast weights pass from "
-                              f"slice to slice; choose model.seq_len / parallel.cp divisible by {period}")
-
-
-SPECS = (FamilySpec(card=HOPE_ATTENTION, build=HopeAttention, layer_cost=hope_attention_layer_cost,
-                    tp_block_plan=tp_plan_hope_attention_block, check_layout=check_hope_layout,
-                    context_parallel=True, cp_balanced=False, cp_messages=hope_cp_messages,
-                    decoder=functools.partial(kv_decoder, block_class=HopeAttentionBlock, feedforward=cms_feedforward,
-                                              block_state=online_level_states)),)
+decoder = functools.partial(kv_decoder, block_class=HopeAttentionBlock, feedforward=cms_feedforward,
+                            block_state=online_level_states)
