@@ -34,6 +34,7 @@ from megatron_taper.config import load_config
 from megatron_taper.data.corpus import embedded_files
 from megatron_taper.models import build_model
 from megatron_taper.models.layers import cross_entropy
+from megatron_taper.training.held_out import dp_mean
 from megatron_taper.training.optim import build_optimizer, lr_at
 from megatron_taper.training.trainer import Trainer
 
@@ -68,14 +69,14 @@ class SyncingTrainer(Trainer):
         for group in self.optimizer.param_groups:
             group["lr"] = lr_at(self.step, self.cfg.train)
         micro_batches = [self.train_source.next_batch() for _ in range(self.accum)]
-        loss = self._dp_mean(self.pm.forward_backward(micro_batches, self.autocast))
+        loss = dp_mean(self.ctx, self.pm.forward_backward(micro_batches, self.autocast))
         loss_value = float(loss)
         grad_norm, stepped = self.pm.optimizer_step(self.optimizer, self.cfg.train.grad_clip,
                                                     math.isfinite(loss_value))
         norm_value = float(grad_norm)
-        self.health.update(stepped, self.step + 1, self.cfg.train.max_nonfinite)
-        self.health.breach_step()
-        self.step += 1
+        self.recovery.health.update(stepped, self.step + 1, self.cfg.train.max_nonfinite)
+        self.recovery.health.breach_step()
+        self.state.advance(self.cfg.train.global_batch * self.cfg.model.seq_len)
         bool(torch.tensor([1.0 if self.stop.received else 0.0]).item())  # the stop flag, read every step
         return {"loss": loss_value, "grad_norm": norm_value}
 
@@ -135,10 +136,7 @@ def trainer_loop(cfg, steps: int, cls=Trainer, delay_s: float = 0.0) -> tuple[fl
                 trainer.check_health()
                 _ = {k: float(v) for k, v in record.items() if isinstance(v, (torch.Tensor, float))}
     elapsed = time.perf_counter() - start
-    if trainer.prefetch is not None:
-        trainer.prefetch.close()
-    trainer.metrics.close()
-    trainer.run_lock.release()
+    trainer.close()
     return elapsed, reads.count / steps
 
 
@@ -156,8 +154,7 @@ def main() -> None:
         cfg = load_config("configs/tiny_taper.yaml", overrides)
         probe = Trainer(cfg)
         batches = [[probe.train_source.next_batch() for _ in range(probe.accum)] for _ in range(args.steps)]
-        probe.metrics.close()
-        probe.run_lock.release()  # (fit releases it; these Trainers never fit)
+        probe.close()  # (fit closes it; these Trainers never fit)
         tokens = args.steps * cfg.train.global_batch * cfg.model.seq_len
         bare_loop(cfg, batches[:2])  # warm-up
         bare, ours, before = [], [], []

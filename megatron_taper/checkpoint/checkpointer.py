@@ -20,10 +20,10 @@ config.yaml) and checkpoints beyond `checkpoint.keep` (except the multiples of
 step leaves a branch behind: at its first save, checkpoints of later steps are renamed
 `abandoned-step-N` with a warning (never resumed from, never pruned, never deleted by us).
 With `checkpoint.async_save`, the writing runs in a background thread after the copy (from a GPU:
-non-blocking copies into pinned buffers kept for the next save, ParallelModel.checkpoint_pieces); the
-Trainer calls `poll()` every step, and once every rank has finished, the folder is renamed. A
-kill before that leaves only a `.tmp-` folder, which is never loaded (and removed after the next
-save); the previous checkpoint stays the newest.
+non-blocking copies into pinned buffers kept for the next save, ParallelModel.checkpoint_pieces);
+once the Trainer's per-step vote (training/stop.py) says every rank has written, `finalise` renames
+the folder. A kill before that leaves only a `.tmp-` folder, which is never loaded (and removed
+after the next save); the previous checkpoint stays the newest.
 
 Loading: every rank reads from the records only the boxes of its own parameters and state
 (`CheckpointReader`, each record's sha256 checked as it is read), so a resume reads about the rank's
@@ -162,15 +162,14 @@ class Checkpointer:
         if not self.options.async_save:
             self.wait()
 
-    def poll(self) -> None:
-        """Finalise a background save once every rank has written its part (a tiny all-reduce
-        per call while one is pending; nothing otherwise)."""
-        if self.pending is None:
-            return
-        done = torch.tensor([0.0 if self.pending.thread.is_alive() else 1.0], device=self.ctx.device)
-        if self.ctx.mesh is not None:
-            dist.all_reduce(done, op=dist.ReduceOp.MIN)
-        if done.item() == 1.0:
+    def saving(self) -> tuple[int, bool] | None:
+        """(step, written by this rank) of the pending background save; None when none is pending."""
+        return None if self.pending is None else (self.pending.step, not self.pending.thread.is_alive())
+
+    def finalise(self, step: int) -> None:
+        """Complete the background save of `step`, which every rank has written (the Trainer's vote
+        says so, training/stop.py); nothing when a later save or a rollback already waited for it."""
+        if self.pending is not None and self.pending.step == step:
             self._finalise()
 
     def wait(self) -> None:

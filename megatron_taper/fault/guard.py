@@ -1,6 +1,7 @@
-"""FaultGuard: the one object the Trainer calls for fault handling: section changes for the hang
-watchdog and the points where an injected fault (MEGATRON_TAPER_FAULT) fires. Either part may be
-off (fault.watchdog=false; the variable unset): its calls then do nothing."""
+"""FaultGuard: the one object the Trainer calls for the hang watchdog and injected faults: section
+changes for the watchdog and the points where an injected fault (MEGATRON_TAPER_FAULT) fires
+(bad steps are fault/recovery.py's). Either part may be off (fault.watchdog=false; the variable
+unset): its calls then do nothing."""
 from __future__ import annotations
 
 import contextlib

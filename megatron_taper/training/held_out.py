@@ -3,9 +3,10 @@ evaluation (inference/evaluate.py).
 
 `evaluate_source(pm, source, batches, autocast)`: `batches` micro-batches of this data-parallel
 rank through `ParallelModel.evaluate` (which handles tp, pp and ZeRO), the mean loss averaged over
-the dp group (every micro-batch has the same number of tokens, so this is the mean over all tokens
-seen). `evaluate_held_out` runs it on a fresh source of each held-out set; `combined_loss` weights
-the per-source losses by their mixture shares.
+the dp group (`dp_mean`; every micro-batch has the same number of tokens, so this is the mean over
+all tokens seen). `evaluate_held_out` runs it on a fresh source of each held-out set; `combined_loss`
+weights the per-source losses by their mixture shares; `held_out_losses` is the Trainer's record of
+both.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from megatron_taper.training.metrics import perplexity
 if TYPE_CHECKING:
     from megatron_taper.data import BatchSource
     from megatron_taper.data.sources import HeldOut
+    from megatron_taper.parallel.context import ParallelContext
     from megatron_taper.parallel.model import ParallelModel
 
 
@@ -50,16 +52,32 @@ def evaluate_source(pm: ParallelModel, source: BatchSource, batches: int,
             tokens += batch[:, 1:].numel()
     finally:
         pm.module.train()
-    loss = torch.stack(losses).mean().float()
-    if ctx.dp > 1:
-        dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=ctx.dp_group)
+    loss = dp_mean(ctx, torch.stack(losses).mean().float())
     return EvalResult(float(loss), tokens * ctx.dp, batches)
+
+
+def dp_mean(ctx: ParallelContext, value: torch.Tensor) -> torch.Tensor:
+    """The mean of `value` over the data-parallel group (an all-reduce into a copy when dp > 1)."""
+    if ctx.dp > 1:
+        value = value.clone()
+        dist.all_reduce(value, op=dist.ReduceOp.AVG, group=ctx.dp_group)
+    return value
 
 
 def evaluate_held_out(pm: ParallelModel, held_out: list[HeldOut], batches: int,
                       autocast: Callable = contextlib.nullcontext) -> dict[str, EvalResult]:
     """evaluate_source on a fresh source of each held-out set (data.mix: one per source), by name."""
     return {h.name: evaluate_source(pm, h.make(), batches, autocast) for h in held_out}
+
+
+def held_out_losses(pm: ParallelModel, held_out: list[HeldOut], batches: int,
+                    autocast: Callable = contextlib.nullcontext) -> dict[str, float] | None:
+    """The Trainer's evaluation: "" the held-out loss (data.mix: the sources' losses weighted by the
+    mixture), and under data.mix each source's own loss by its name; None without held-out data."""
+    if not held_out:
+        return None
+    results = evaluate_held_out(pm, held_out, batches, autocast)
+    return {"": combined_loss(results, held_out), **{h.name: results[h.name].loss for h in held_out if h.name}}
 
 
 def combined_loss(results: dict[str, EvalResult], held_out: list[HeldOut]) -> float:

@@ -6,7 +6,7 @@ sections, a metrics.jsonl whose first record has a step, a checkpoints/ holding 
 folders), or nothing but the other files a run writes (a run that failed before writing
 config.yaml, or a folder prepared with data_skips.json). Any other folder is refused with one
 line naming it, before anything is written there (its config.yaml would be replaced, its
-metrics.jsonl truncated).
+metrics.jsonl truncated); `lock_run_folder` checks it on the main rank and takes the run's lock.
 
 A resume compares the checkpoint's train section with this run's: train.steps warns (the
 learning-rate schedule changes), train.global_batch warns, or refuses where the data would not
@@ -21,8 +21,9 @@ import re
 
 import yaml
 
-from megatron_taper.checkpoint.checkpointer import LEFTOVER, STEP_DIR
+from megatron_taper.checkpoint.checkpointer import LEFTOVER, STEP_DIR, broadcast_from_main
 from megatron_taper.config import Config
+from megatron_taper.training.run_lock import RunLock
 from megatron_taper.validation import ConfigError
 
 MARKERS = ("config.yaml", "metrics.jsonl", "checkpoints")
@@ -53,6 +54,22 @@ def check_run_folder(run_dir: str) -> None:
         listed = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
         raise NotARunFolder(f"run.dir={run_dir} is not a run folder (it holds {listed}, which no run wrote); nothing "
                             f"was written there: give a new or empty folder, or the folder of a run to resume")
+
+
+def lock_run_folder(ctx, run_dir: str) -> RunLock | None:
+    """Refuse a run.dir that is not a run folder, then lock it: the main rank's RunLock (None on
+    the other ranks); every rank raises when another job holds it."""
+    refused, not_a_run, lock = "", False, None
+    if ctx.is_main:
+        try:
+            check_run_folder(run_dir)
+            lock = RunLock(run_dir)
+        except ConfigError as e:
+            refused, not_a_run = str(e), isinstance(e, NotARunFolder)
+    refused, not_a_run = broadcast_from_main(ctx, (refused, not_a_run))
+    if refused:
+        raise (NotARunFolder if not_a_run else ConfigError)(refused)
+    return lock
 
 
 def _ours(path: str) -> bool:

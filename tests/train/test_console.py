@@ -147,6 +147,12 @@ def test_unexpected_error_in_the_trainer_is_one_line(byte_tokens, tmp_path, caps
     monkeypatch.delenv(DEBUG_ENV, raising=False)
     blocker = tmp_path / "a_file"
     blocker.write_text("not a folder")
-    assert main(_args(byte_tokens, blocker / "run", "train.steps=1")) == 1  # a folder inside a file
+    assert main(_args(byte_tokens, blocker / "run", "train.steps=1")) == 2  # a folder inside a file: bad input
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: run.dir=") and "(not a folder)" in err, err
+    import megatron_taper.training.trainer as trainer  # the run-folder check skipped: makedirs fails, unexpected
+
+    monkeypatch.setattr(trainer, "check_run_dir", lambda run_dir: None)
+    assert main(_args(byte_tokens, blocker / "run", "train.steps=1")) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: NotADirectoryError") and DEBUG_ENV in err, err

@@ -153,6 +153,50 @@ def test_what_ended_the_previous_attempt(tmp_path, monkeypatch):
         f"on a hang reported by rank 1 (stacks in {logs}/stacks-rank*.txt)")
 
 
+class _PendingSave:
+    """A Checkpointer's side of the vote: the background save of step 2 is pending from the start,
+    written by this rank from the end of step `written_at` on."""
+
+    def __init__(self, written_at: int):
+        self.written_at, self.now, self.pending, self.finalised_at = written_at, 0, 2, None
+
+    def saving(self):
+        return None if self.pending is None else (self.pending, self.now >= self.written_at)
+
+    def finalise(self, step: int) -> None:
+        if self.pending == step:
+            self.pending, self.finalised_at = None, self.now
+
+
+def _vote_with_a_pending_save() -> tuple:
+    import torch
+    import torch.distributed as dist
+
+    from megatron_taper.training.stop import StopSignal, StopVote
+
+    rank = dist.get_rank()
+    ctx = type("Ctx", (), {"mesh": "all ranks", "device": torch.device("cpu")})()
+    stop, save = StopSignal(), _PendingSave(written_at=2 if rank == 0 else 4)
+    vote, agreed = StopVote(ctx, stop, save), None
+    for step in range(1, 9):
+        save.now = step
+        if step == 6 and rank == 0:
+            stop.received = signal.SIGTERM
+        agreed = vote.at_step_end(step)
+        if agreed:
+            return save.finalised_at, step, agreed.name, agreed.seen_at
+    return save.finalised_at, None
+
+
+def test_the_stop_vote_completes_a_background_save_when_every_rank_has_written():
+    """Rank 0 has written its part at step 2, rank 1 at step 4: the vote of step 4 says so, read at
+    step 5, where both ranks finalise the save (the same step, with no collective of its own); the
+    stop seen by rank 0 at step 6 is still agreed at step 7 on both."""
+    from tests.helpers.harness import run_distributed
+
+    assert run_distributed(_vote_with_a_pending_save, 2, timeout=60) == [(5, 7, "SIGTERM", 6)] * 2
+
+
 def _vote_on_cuda() -> None:
     """One NCCL rank: steps of device work, the vote at each end, under CUDA's sync debug mode
     "error" (an implicit host sync raises); a stop seen at the end of step 5 is agreed at step 6."""

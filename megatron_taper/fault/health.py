@@ -1,6 +1,6 @@
 """The non-finite policy's counters (train.max_nonfinite), kept on the device so that a step never
-waits for the host; read at log intervals and before saves, where the Trainer also prints one
-line naming the steps skipped since the last read."""
+waits for the host; read at log intervals and before saves, where the recovery policy
+(fault/recovery.py) also prints one line naming the steps skipped since the last read."""
 from __future__ import annotations
 
 import torch
