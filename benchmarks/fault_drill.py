@@ -12,7 +12,8 @@ slurm script's requeue would.
 
 Prints one JSON object: {"config": ..., "rows": [one per fault]}, each row: fault, rank, step,
 finished (the run reached train.steps), bitwise_equal (every step's loss and grad norm and every
-checkpoint record's sha256 equal to the uninterrupted run's; for nan and spike, to a run that
+checkpoint record's sha256 equal to the uninterrupted run's, extra_checkpoints: those it wrote
+besides, e.g. a stop's own at the step it stopped; for nan and spike, to a run that
 skipped the same data window from the start), seconds_to_training (the fault firing to the first
 step after it, from RUN/logs/faults.jsonl; null where no restart or rollback happens), restarts,
 and console: the lines the run printed about it (hang, rollback, spike, straggler, error,
@@ -60,6 +61,14 @@ def records(run_dir: Path) -> dict:
         meta = json.loads((run_dir / "checkpoints" / name / "meta.json").read_text())
         shas[name] = {k: [rec["sha256"] for rec in e["records"]] for k, e in meta["tensors"].items()}
     return {"metrics": sorted(latest.items()), "checkpoints": shas}
+
+
+def same_run(got: dict, expected: dict) -> bool:
+    """Every step's loss and grad norm equal, and every checkpoint of the expected run present with
+    the same sha256s; a stop's own checkpoint (at a step between checkpoint.interval's) is extra,
+    listed in the row's extra_checkpoints."""
+    mine = got.get("checkpoints", {})
+    return got["metrics"] == expected["metrics"] and all(mine.get(k) == v for k, v in expected["checkpoints"].items())
 
 
 def events(run_dir: Path) -> list[dict]:
@@ -113,7 +122,8 @@ def main() -> None:
         rows.append({
             "fault": kind, "rank": opts.rank, "step": opts.step,
             "finished": proc.returncode == 0 and [s for s, _ in got["metrics"]][-1:] == [steps],
-            "bitwise_equal": got == expected, "seconds_to_training": seconds,
+            "bitwise_equal": same_run(got, expected), "seconds_to_training": seconds,
+            "extra_checkpoints": sorted(set(got.get("checkpoints", {})) - set(expected["checkpoints"])),
             "restarts": len(after), "rolled_back": bool(rollback), "wall_s": round(time.time() - t0, 1),
             "console": [line[:300] for line in said.splitlines() if any(s in line for s in SAID)][:8],
         })
