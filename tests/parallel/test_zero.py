@@ -133,7 +133,10 @@ def test_fsdp2_sigkill_and_resume_is_bitwise(runs, tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
            "-m", "megatron_taper.train", *_args(run_dir, runs["data"], "parallel.zero=fsdp2")]
     env = {**os.environ, "OMP_NUM_THREADS": "1", **ENV}
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    # both ranks park for 60 s before step 8 (fault injection), so the kill lands after step 7 and
+    # before step 10's checkpoint however loaded the machine is; the resumed run has no fault
+    parked = {**env, "MEGATRON_TAPER_FAULT": "sleep:0:8:60,sleep:1:8:60"}
+    proc = subprocess.Popen(cmd, cwd=REPO, env=parked, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
     deadline = time.time() + 240
     killed = False
