@@ -108,7 +108,7 @@ def parity(folder: str, device: str, steps: int, precision: str = "fp32",
     """The same `steps` Trainer steps of `config` on the CPU and on `device`, from the same weights and
     batches (byte tokens), in `precision` (bf16: autocast on both, the CPU's through oneDNN)."""
     common = ["model.vocab_size=256", f"data.path={byte_tokens(folder)}", "run.tensorboard=false",
-              f"train.precision={precision}", "train.log_interval=1000", *extra]
+              f"train.precision={precision}", "train.log_interval=1000", "train.compile=false", *extra]
     name = f"{Path(config).stem}_{precision}"
     cpu = losses([*common, "train.device=cpu", f"run.dir={folder}/parity_cpu_{name}"], steps, config)
     dev = losses([*common, f"train.device={device}", f"run.dir={folder}/parity_dev_{name}"], steps, config)
@@ -249,7 +249,7 @@ def _collectives_rank(folder: str, device: str) -> dict:
     cfg = load_config("configs/tiny_taper.yaml", [
         "model.vocab_size=256", f"data.path={byte_tokens(folder)}", f"run.dir={folder}/collectives",
         "run.tensorboard=false", f"train.device={device}", "train.steps=2", "train.log_interval=1",
-        "checkpoint.interval=1", "parallel.zero=fsdp2"])
+        "checkpoint.interval=1", "parallel.zero=fsdp2", "train.compile=false"])
     code = Trainer(cfg).fit()
     saved = sorted(os.listdir(os.path.join(folder, "collectives", "checkpoints")))
     return {"backend": backend, "world_size": dist.get_world_size(), "collectives_ok": ok,

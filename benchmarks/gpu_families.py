@@ -378,7 +378,7 @@ def resume(folder: str, device: str, config: str, extra: list[str], steps: int) 
 
     common = ["--config", f"configs/{config}.yaml", "model.vocab_size=256", f"data.path={byte_tokens(folder)}",
               "run.tensorboard=false", f"train.device={device}", f"train.steps={steps}", "train.log_interval=1",
-              f"checkpoint.interval={steps // 2}", *extra]
+              f"checkpoint.interval={steps // 2}", "train.compile=false", *extra]
     if device == "cuda":
         common.append("train.precision=bf16")
 

@@ -21,6 +21,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpu_check import SHAPE, predict, run_config  # noqa: E402
 from gpu_families import SIZED, SIZED_VARIANT, sized_shape  # noqa: E402
 
+# the recorded runs (2026-12-04) predate the GPU recipes' taper unit of 128: their widths were in units of 64
+RECORDED_UNIT = ["model.taper.multiple=64"]
 VARIANT_KEYS = ("activation_checkpointing", "compile", "float8", "loss_chunk", "overrides")
 
 
@@ -31,11 +33,13 @@ def rows(report: dict) -> list[tuple[str, list[str], dict, str, dict]]:
     for row in report.get("throughput", []):
         if "step_s" in row:
             variant = {k: row[k] for k in VARIANT_KEYS if k in row}
-            out.append(("configs/transformer_1.3b_taper.yaml", [*SHAPE, "train.precision=bf16"], variant, "fsdp2", row))
+            shape = [*SHAPE, "train.precision=bf16", *RECORDED_UNIT]
+            out.append(("configs/transformer_1.3b_taper.yaml", shape, variant, "fsdp2", row))
     for row in report.get("sized", []):
         if "step_s" in row:
             recipe, micro = SIZED[row["family"]]
-            out.append((f"configs/{recipe}.yaml", sized_shape(row["family"], micro, True), SIZED_VARIANT, "none", row))
+            out.append((f"configs/{recipe}.yaml", [*sized_shape(row["family"], micro, True), *RECORDED_UNIT],
+                        SIZED_VARIANT, "none", row))
     return out
 
 

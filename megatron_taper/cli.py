@@ -20,7 +20,7 @@ from typing import Any
 
 import yaml
 
-from megatron_taper.config import Config, ConfigError, load_config
+from megatron_taper.config import SWITCH_KEYS, Config, ConfigError, load_config
 
 OVERRIDES_HELP = ("config overrides, as key=value, --key=value or --key value "
                   "(e.g. train.steps=100 --train.lr=3e-4 --run.dir runs/a); see --list-keys")
@@ -67,8 +67,8 @@ def normalise_overrides(tokens: list[str]) -> list[str]:
             continue
         key = body
         has_next = i < len(tokens) and not tokens[i].startswith("--")
-        if types.get(key) is bool:
-            if has_next and tokens[i].lower() in _BOOL_WORDS:
+        if types.get(key) is bool or key in SWITCH_KEYS:
+            if has_next and (tokens[i].lower() in _BOOL_WORDS or key in SWITCH_KEYS and tokens[i].lower() == "auto"):
                 out.append(f"{key}={tokens[i]}")
                 i += 1
             else:

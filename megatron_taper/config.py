@@ -43,6 +43,9 @@ class TaperConfig:
         check_range(f"{prefix}.sigmoid_sharpness", self.sigmoid_sharpness, 0.0, None, open_low=True)
 
 
+FUSED_SWIGLU_ARCHS = ("transformer", "gated_attention")  # families whose blocks build SwiGLU(fused=...)
+
+
 @dataclass
 class _ModelOptions:
     """model: the options every family shares; ModelConfig below adds one section per family."""
@@ -61,13 +64,19 @@ class _ModelOptions:
     position: str = ""
     norm_eps: float = 1e-5
     init_std: float = 0.02
+    # SwiGLU's gate and up projections as one [2W, D] weight, one GEMM (models/layers.py SwiGLU); the
+    # same function and initial values, another parameter layout: checkpoints read in either layout
+    # (checkpoint/files.py), so it is no architecture key. Transformer and gated_attention only
+    fused_swiglu: bool = False
     taper: TaperConfig = field(default_factory=TaperConfig)
 
     def architecture_dict(self) -> dict[str, Any]:
-        """The keys that shape this architecture: the other families' sections are left out."""
+        """The keys that shape this architecture: the other families' sections and the parameter
+        layout (fused_swiglu) are left out."""
         registered = cards()
         others = {c.section for c in registered.values() if c.section and c.name != self.arch}
         others -= set(registered[self.arch].reads_sections) if self.arch in registered else set()
+        others.add("fused_swiglu")
         return {k: v for k, v in dataclasses.asdict(self).items() if k not in others}
 
     @property
@@ -102,6 +111,9 @@ class _ModelOptions:
         check_range(f"{prefix}.init_std", self.init_std, 0.0, None, open_low=True)
         check_range(f"{prefix}.norm_eps", self.norm_eps, 0.0, None, open_low=True)
         self.taper.validate(f"{prefix}.taper")
+        if self.fused_swiglu and self.arch not in FUSED_SWIGLU_ARCHS:
+            raise ConfigError(f"{prefix}.fused_swiglu=true: model.arch={self.arch!r} keeps its MLP unfused (fused: "
+                              f"{', '.join(FUSED_SWIGLU_ARCHS)}); use {prefix}.fused_swiglu=false")
         for card in cards().values():
             if card.section:
                 getattr(self, card.section).validate(f"{prefix}.{card.section}")
@@ -241,7 +253,9 @@ class TrainConfig:
     # tokens per chunk of the cross entropy (parallel/loss.py): at most this many tokens' logits
     # in fp32 at once; 0 = the whole micro-batch at once (fp32 copies of all its logits)
     loss_chunk: int = 0
-    compile: bool = False  # torch.compile each block (see parallel/block_options.py)
+    # torch.compile each block, static shapes (parallel/block_options.py): auto | true | false; auto = on
+    # where the device is CUDA (compiles())
+    compile: str = "auto"
     # with compile, on CUDA: replay each compiled block as CUDA graphs (inductor's cudagraph trees, what
     # torch.compile's mode="reduce-overhead" does), removing the host's per-kernel launch cost
     cuda_graphs: bool = False
@@ -265,14 +279,25 @@ class TrainConfig:
         check_choice(f"{prefix}.activation_checkpointing", self.activation_checkpointing,
                      ("none", "full", "selective", "op"))
         check_range(f"{prefix}.ac_every", self.ac_every, 1, None)
-        if self.cuda_graphs and not self.compile:
-            raise ConfigError(f"{prefix}.cuda_graphs=true needs {prefix}.compile=true (the graphs are captured from "
-                              f"the compiled blocks)")
+        self.compile = _switch(f"{prefix}.compile", self.compile)
+        if self.cuda_graphs and self.compile == "false":
+            raise ConfigError(f"{prefix}.cuda_graphs=true needs {prefix}.compile=true or auto (the graphs are captured "
+                              f"from the compiled blocks)")
         if self.cuda_graphs and self.device == "cpu":
             raise ConfigError(f"{prefix}.cuda_graphs=true needs a CUDA device ({prefix}.device=cpu)")
         if self.global_batch % self.micro_batch:
             raise ConfigError(f"{prefix}.micro_batch={self.micro_batch} must divide "
                               f"{prefix}.global_batch={self.global_batch}")
+
+    @property
+    def compile_setting(self) -> str:
+        """`compile` as auto | true | false (a program may have set a bool)."""
+        return _switch("train.compile", self.compile)
+
+    def compiles(self, device_type: str) -> bool:
+        """The compile rule: `compile` true, or auto on a CUDA device (the runtime passes its device's
+        type, the planner "cuda" for a GPU profile)."""
+        return self.compile_setting == "true" or (self.compile_setting == "auto" and device_type == "cuda")
 
     def uses_bf16(self, device_has_bf16: bool) -> bool:
         """The precision rule: bf16 autocast when `precision` is bf16, or auto on a device with bf16
@@ -499,6 +524,20 @@ def save_config(cfg: Config, path: str) -> None:
     with open(tmp, "w") as f:
         yaml.safe_dump(cfg.to_dict(), f, sort_keys=False)
     os.replace(tmp, path)
+
+
+# keys of type str that take auto | true | false (a bare --key on the command line means true: cli.py)
+SWITCH_KEYS = ("train.compile",)
+
+
+def _switch(key: str, value: Any) -> str:
+    """auto | true | false from a switch key's value: a bool (a program, an older saved config), or
+    those words and YAML's other boolean words in any case (YAML's true arrives as "True")."""
+    words = {"auto": "auto", "true": "true", "yes": "true", "1": "true", "false": "false", "no": "false", "0": "false"}
+    word = words.get(str(value).lower())
+    if word is None:
+        raise ConfigError(f"{key} must be auto, true or false, got {value!r}")
+    return word
 
 
 # keys that existed once: a saved config (a checkpoint's meta.json, an old run's config.yaml)

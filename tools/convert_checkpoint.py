@@ -3,6 +3,7 @@ from Hugging Face transformers folders.
 
     python tools/convert_checkpoint.py runs/X/checkpoints/step-N --output exported/ [--source auto]
     python tools/convert_checkpoint.py runs/X --output exported/      (a run folder: its newest checkpoint)
+    python tools/convert_checkpoint.py CKPT --output exported/ --swiglu unfused   (or fused: the layout)
     python tools/convert_checkpoint.py CKPT --to hf --output hf_dir/ [--dtype bf16] [--tokenizer X.model]
     python tools/convert_checkpoint.py HF_DIR --from hf --output runs/Y [--config RECIPE] [key=value ...]
 
@@ -18,6 +19,9 @@ deepspeed, any pp/dp/tp layout), then
 Writes OUTPUT/model.safetensors (fp32 unless --dtype, full logical tensors keyed by parameter
 name, metadata: step, source; peak memory about one tensor for format 2), OUTPUT/config.yaml
 (the run's resolved config) and prints one JSON line: path, tensors, parameters, step, source.
+--swiglu fused | unfused writes SwiGLU's gate and up weights in that layout (model.fused_swiglu:
+one mlp.w13 of rows interleaved per hidden unit, or mlp.w1 and mlp.w3) and sets model.fused_swiglu
+in config.yaml to match; stored (default) keeps the checkpoint's.
 Writing goes through a temporary name + rename. A new run starts from such a folder's weights
 (or any checkpoint's) with `run.init_from=exported/`.
 
@@ -47,13 +51,16 @@ from megatron_taper.checkpoint.checkpointer import (
 from megatron_taper.checkpoint.files import (
     CheckpointReader,
     deepspeed_loads_allowlisted,
-    iter_full_tensors,
+    gate_up_aliases,
+    swiglu_layout,
     write_safetensors_streaming,
 )
 from megatron_taper.cli import OVERRIDES_HELP, parse_with_overrides
 from megatron_taper.config import from_dict, save_config
+from megatron_taper.models.layers import fuse_gate_up, split_gate_up
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+SWIGLU_LAYOUTS = ("stored", "fused", "unfused")
 
 
 def _read_meta(path: str) -> dict:
@@ -98,9 +105,11 @@ def checkpoint_folder(path: str) -> str:
     return found[-1][1]
 
 
-def convert(path: str, output: str, source: str = "auto", dtype: str = "fp32") -> dict:
+def convert(path: str, output: str, source: str = "auto", dtype: str = "fp32", swiglu: str = "stored") -> dict:
     if source not in ("auto", "logical", "deepspeed"):
         raise ValueError(f"--source={source!r} is not one of: auto, logical, deepspeed")
+    if swiglu not in SWIGLU_LAYOUTS:
+        raise ValueError(f"--swiglu={swiglu!r} is not one of: {', '.join(SWIGLU_LAYOUTS)}")
     path = checkpoint_folder(path)
     meta = _read_meta(path)
     sharded = meta.get("format", 1) >= 2
@@ -112,22 +121,47 @@ def convert(path: str, output: str, source: str = "auto", dtype: str = "fp32") -
     target = os.path.join(output, "model.safetensors")
     out_dtype = DTYPES[dtype]
     name = str(out_dtype).removeprefix("torch.")
+    cfg = from_dict(meta["config"], source=os.path.join(path, "meta.json"))
     if used == "logical" and sharded:
         reader = CheckpointReader(path, meta["tensors"], meta["files"])
-        shapes = {k[len("model/"):]: (tuple(e["shape"]), name) for k, e in meta["tensors"].items()
-                  if k.startswith("model/")}
-        tensors = ((n, t.to(out_dtype)) for n, t in iter_full_tensors(reader))
+        if swiglu == "stored":
+            keys = [k for k in reader.keys("model/") if k not in reader.aliases]
+        else:
+            keys = swiglu_layout(reader.keys("model/"), fused=swiglu == "fused")
+        shapes = {k[len("model/"):]: (tuple(reader.index[k]["shape"]), name) for k in keys}
+        tensors = ((k[len("model/"):], reader.read(k, (0,) * len(reader.index[k]["shape"]),
+                                                   tuple(reader.index[k]["shape"])).to(out_dtype))
+                   for k in sorted(keys))
     else:
         state, meta, used = consolidated_state(path, used)
+        if swiglu != "stored":
+            state = _swiglu_state(state, fused=swiglu == "fused")
         shapes = {k: (tuple(v.shape), name) for k, v in state.items()}
         tensors = ((k, state[k].detach().to(out_dtype)) for k in sorted(state))
     write_safetensors_streaming(target + ".tmp", shapes, tensors,
                                 {"format": "pt", "step": str(meta["step"]), "source": used})
     os.replace(target + ".tmp", target)
-    cfg = from_dict(meta["config"], source=os.path.join(path, "meta.json"))
+    if swiglu != "stored":
+        cfg.model.fused_swiglu = swiglu == "fused"
     save_config(cfg, os.path.join(output, "config.yaml"))
     return {"path": target, "tensors": len(shapes), "parameters": sum(_numel(s) for s, _ in shapes.values()),
             "step": meta["step"], "source": used}
+
+
+def _swiglu_state(state: dict[str, torch.Tensor], fused: bool) -> dict[str, torch.Tensor]:
+    """`state` with SwiGLU's gate and up weights in one layout (checkpoint/files.py aliases)."""
+    index = {f"model/{k}": {"shape": list(v.shape)} for k, v in state.items()}
+    aliases = gate_up_aliases(index)
+    out = {}
+    for key in swiglu_layout([*index, *aliases], fused):
+        name = key[len("model/"):]
+        if key in index:
+            out[name] = state[name]
+            continue
+        kind, *stored, _ = aliases[key]
+        tensors = [state[k[len("model/"):]] for k in stored]
+        out[name] = fuse_gate_up(*tensors) if kind == "fused" else split_gate_up(tensors[0])[kind == "up"]
+    return out
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -150,6 +184,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="hf: import a Hugging Face Llama folder into a run folder")
     parser.add_argument("--source", default="auto", choices=("auto", "logical", "deepspeed"))
     parser.add_argument("--dtype", default="fp32", choices=tuple(DTYPES))
+    parser.add_argument("--swiglu", default="stored", choices=SWIGLU_LAYOUTS,
+                        help="default mode: SwiGLU's gate/up weights as stored, or fused (mlp.w13) or unfused "
+                             "(mlp.w1, mlp.w3); config.yaml's model.fused_swiglu follows")
     parser.add_argument("--tokenizer", default="", help="--to hf: sentencepiece model to include")
     parser.add_argument("--config", default=None, help="--from hf: recipe for the non-model sections")
     args, overrides = parse_with_overrides(parser, argv)
@@ -167,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
 
             info = export_hf(args.checkpoint, args.output, args.dtype, args.tokenizer)
         else:
-            info = convert(args.checkpoint, args.output, args.source, args.dtype)
+            info = convert(args.checkpoint, args.output, args.source, args.dtype, args.swiglu)
         print(json.dumps(info))
     except (CheckpointError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -12,6 +12,12 @@ Reading a box (a rank's local piece under any layout) loads only the records tha
 exactly the box is read straight into the destination), checks each record's sha256 and copies
 the overlap. At the same layout a rank reads exactly its own records; at another, the records that
 intersect its piece. `CheckpointReader.bytes_read` counts what was read.
+
+SwiGLU's two parameter layouts (model.fused_swiglu, models/layers.py) read from either: a reader
+also serves, for every stored pair `...w1.weight` / `...w3.weight` (and their AdamW states), the
+fused `...w13.weight` (rows interleaved: gate row i at 2i, up row i at 2i + 1), and for every stored
+`...w13.weight` the pair, assembled from the stored records (gate_up_aliases). So a checkpoint of
+one layout resumes, initialises or evaluates a model of the other, at any tp or dp layout.
 """
 from __future__ import annotations
 
@@ -21,6 +27,7 @@ import importlib
 import json
 import os
 import pickle
+import re
 import struct
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -105,7 +112,17 @@ class CheckpointReader:
     bytes_read: int = 0
     _open: dict = field(default_factory=dict, repr=False)  # file -> its safetensors header
 
+    aliases: dict[str, tuple] = field(default_factory=dict, repr=False)  # key -> how to read it (gate_up_aliases)
+
+    def __post_init__(self) -> None:
+        self.aliases = gate_up_aliases(self.index)
+        if self.aliases:
+            # an alias's records: those of the first tensor it is read from (where its data lies)
+            self.index = {**self.index, **{key: {**self.index[alias[1]], "shape": alias[-1], "alias": True}
+                                           for key, alias in self.aliases.items()}}
+
     def keys(self, prefix: str) -> list[str]:
+        """The keys under `prefix`, stored ones and the other SwiGLU layout's (module doc)."""
         return [k for k in self.index if k.startswith(prefix)]
 
     def read(self, key: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
@@ -117,6 +134,8 @@ class CheckpointReader:
         """Fill `out` (any dtype, on the CPU) with the box of `key` at `offsets` of out's shape,
         record by record: no copy of the whole box is made."""
         entry, sizes = self._entry(key), tuple(out.shape)
+        if key in self.aliases:
+            return self._read_alias(key, offsets, out)
         if len(sizes) != len(entry["shape"]) or any(o + s > n for o, s, n in zip(offsets, sizes, entry["shape"])):
             raise CheckpointError(f"{self.folder}: {key} has shape {entry['shape']}, cannot read the box at "
                                   f"{list(offsets)} of size {list(sizes)} (was it written for another model?)")
@@ -137,6 +156,23 @@ class CheckpointReader:
             filled += src.numel()
             del data, src
         assert filled == out.numel(), f"{key}: the records cover {filled} of {out.numel()} elements of the box"
+        return out
+
+    def _read_alias(self, key: str, offsets: tuple[int, ...], out: torch.Tensor) -> torch.Tensor:
+        """A box of the other SwiGLU layout's tensor `key`: fused rows [o, o + s) from the gate (even
+        rows) and up (odd rows) tensors, or gate / up rows from the fused tensor's even / odd rows."""
+        kind, *stored, _ = self.aliases[key]
+        if out.dim() == 0:  # a scalar state (AdamW's step): the same in either layout
+            return self.read_into(stored[0], (), out)
+        o, s = offsets[0], out.shape[0]
+        if kind == "fused":
+            first = o % 2  # the first row of the box at an even (gate) index, or odd
+            self.read_into(stored[0], ((o + 1) // 2, *offsets[1:]), out[first::2])
+            self.read_into(stored[1], (o // 2, *offsets[1:]), out[1 - first::2])
+            return out
+        parity = 0 if kind == "gate" else 1
+        both = self.read(stored[0], (2 * o, *offsets[1:]), (2 * s, *out.shape[1:]))
+        out.copy_(both[parity::2])
         return out
 
     def _entry(self, key: str) -> dict:
@@ -188,9 +224,51 @@ class CheckpointReader:
         return header
 
 
+_GATE_UP_KEY = re.compile(r"^(model/|optim/)(.*)(w1|w3|w13)\.weight(/[^/]+)?$")
+
+
+def gate_up_aliases(index: dict[str, dict]) -> dict[str, tuple]:
+    """For the index of a checkpoint, the keys of the other SwiGLU layout (module doc) and how each
+    is read, with its shape: {fused key: ("fused", gate key, up key, shape)} for each stored
+    gate/up pair of equal shapes; {gate key: ("gate", fused key, shape), up key: ("up", fused key,
+    shape)} for each stored fused tensor of an even number of rows."""
+    out: dict[str, tuple] = {}
+    for key, entry in index.items():
+        match = _GATE_UP_KEY.match(key)
+        if match is None:
+            continue
+        head, base, which, state = match.group(1), match.group(2), match.group(3), match.group(4) or ""
+        name = {part: f"{head}{base}{part}.weight{state}" for part in ("w1", "w3", "w13")}
+        shape = list(entry["shape"])
+        if which == "w1" and name["w13"] not in index and index.get(name["w3"], {}).get("shape") == shape:
+            out[name["w13"]] = ("fused", key, name["w3"], [2 * shape[0], *shape[1:]] if shape else [])
+        elif which == "w13" and name["w1"] not in index and name["w3"] not in index and (
+                not shape or shape[0] % 2 == 0):
+            half = [shape[0] // 2, *shape[1:]] if shape else []
+            out[name["w1"]], out[name["w3"]] = ("gate", key, half), ("up", key, half)
+    return out
+
+
+def swiglu_layout(keys: list[str], fused: bool) -> list[str]:
+    """Of `keys` that hold both SwiGLU layouts (a reader's: stored ones and aliases), those of one:
+    `fused` drops the gate/up keys that have a fused key among them, else the fused keys that have
+    their gate/up pair."""
+    present, out = set(keys), []
+    for key in keys:
+        match = _GATE_UP_KEY.match(key)
+        if match is not None:
+            head, base, which, state = match.group(1), match.group(2), match.group(3), match.group(4) or ""
+            other = [f"{head}{base}{part}.weight{state}" for part in (("w13",) if which != "w13" else ("w1", "w3"))]
+            if fused == (which != "w13") and all(k in present for k in other):
+                continue
+        out.append(key)
+    return out
+
+
 def iter_full_tensors(reader: CheckpointReader, prefix: str = "model/") -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, full logical tensor) for every key under `prefix`, one tensor in memory at a time."""
-    for key in sorted(reader.keys(prefix)):
+    """(name, full logical tensor) for every stored key under `prefix` (not the other SwiGLU
+    layout's aliases), one tensor in memory at a time."""
+    for key in sorted(k for k in reader.keys(prefix) if k not in reader.aliases):
         shape = tuple(reader.index[key]["shape"])
         yield key[len(prefix):], reader.read(key, (0,) * len(shape), shape)
 

@@ -47,7 +47,7 @@ from megatron_taper.cost.partition import (
     multi_chunk_activations,
     partition,
 )
-from megatron_taper.cost.preflight import preflight, step_split
+from megatron_taper.cost.preflight import compiles, preflight, step_split
 from megatron_taper.cost.stage_memory import to_memory_model
 from megatron_taper.cost.step_time import RankWork, StepLayout, StepTime, step_time
 from megatron_taper.taper import layer_widths
@@ -151,6 +151,7 @@ class Prediction:
     tokens_per_s: float  # whole run
     mfu: float  # of the device's bf16 (fp32) peak
     fits: bool
+    compiled: bool = False  # train.compile resolved for the device (cost/preflight.py compiles)
 
     @property
     def peak(self) -> float:
@@ -169,6 +170,8 @@ class Prediction:
                  f"checkpointing={v.get('train.activation_checkpointing')}"]
         if v.get("train.float8"):
             parts.append("float8")
+        if self.compiled:
+            parts.append("compiled")
         return " ".join(parts)
 
 
@@ -371,6 +374,7 @@ class Predictor:
         """The prediction for `cfg` (legal: preflight accepted it) at data-parallel size `dp`."""
         p, t = cfg.parallel, cfg.train
         bf16 = t.uses_bf16(self.device.bf16_tflops > 0)
+        compiled = compiles(cfg.model, p, t, "cpu" if self.device.profile == "cpu" else "cuda")
         _check_peak(self.device, bf16, t.float8)
         micro_batch, m = step_split(p, t, dp)
         setup = MemorySetup.from_config(p, t, dp, bf16, micro_batch=micro_batch, microbatches=m)
@@ -387,7 +391,7 @@ class Predictor:
                     for w, b in zip(work, self.op_recompute_bytes(setup, p.pp, virtual, p.pp_schedule))]
         if self.device.op_overhead_us > 0 or op_level:
             ops = self.rank_ops(p.pp, virtual, p.pp_schedule, [w.recomputed_blocks for w in work], setup.cp,
-                                graphs=t.cuda_graphs)
+                                graphs=t.cuda_graphs and compiled)
             forward = self.op_counts(setup.cp).block_forward if op_level else 0.0
             work = [dataclasses.replace(w, ops=n, op_checkpointed_ops=forward * w.blocks) for w, n in zip(work, ops)]
         layout = StepLayout(tp=p.tp, pp=p.pp, dp=dp, virtual=virtual, schedule=p.pp_schedule, zero=p.zero,
@@ -402,7 +406,7 @@ class Predictor:
         peak = self.device.bf16_tflops if bf16 else self.device.fp32_tflops
         mfu = 3.0 * self.costs.total_flops * tokens / (gpus * peak * 1e12)
         values = {key: _get(cfg, key) for key, _ in SEARCH_SPACE}
-        return Prediction(values, layout, peaks, step, tokens, mfu, max(peaks) <= memory_limit)
+        return Prediction(values, layout, peaks, step, tokens, mfu, max(peaks) <= memory_limit, compiled)
 
 
 def _check_peak(device: DeviceProfile, bf16: bool, float8: bool) -> None:

@@ -48,6 +48,8 @@ def preflight(cfg: Config, world_size: int, widths: Sequence[int] | None = None)
         widths = layer_widths(m)  # a taper that leaves a layer below one alignment unit names model.taper
     if p.tp > 1:
         _check_tensor_parallel(m, p, widths)
+    if t.device == "cuda" and (message := width_alignment_warning(m, widths, t.device)):
+        warnings.warn(message, stacklevel=2)
     spec = family(m.arch)
     if p.cp > 1:
         _check_context_parallel(m, p, t)
@@ -65,6 +67,30 @@ def preflight(cfg: Config, world_size: int, widths: Sequence[int] | None = None)
     accumulation = _check_batch(t, dp)
     n_micro = _check_pipeline(m, p, t, dp) if p.pp > 1 else 0
     return Layout(p.pp, dp, p.tp, accumulation, n_micro, p.cp)
+
+
+TENSOR_CORE_UNIT = 128  # CUDA: matmul dimensions in multiples of this fill the tensor cores' tiles
+
+
+def width_alignment_warning(m: ModelConfig, widths: Sequence[int], device_type: str) -> str | None:
+    """The warning for MLP widths that are not multiples of TENSOR_CORE_UNIT on a CUDA device
+    (train.device=cuda here; parallelize() for auto on CUDA), else None."""
+    off = [w for w in widths if w % TENSOR_CORE_UNIT]
+    if device_type != "cuda" or not off:
+        return None
+    return (f"{len(off)} of the {len(widths)} MLP widths are not multiples of {TENSOR_CORE_UNIT} (e.g. {off[0]}; "
+            f"model.taper.multiple={m.taper.multiple}), which wastes tensor-core tiles on CUDA; set "
+            f"model.taper.multiple={TENSOR_CORE_UNIT} (the budget stays exact when model.n_layers x model.mlp_width "
+            f"is a multiple of it)")
+
+
+def compiles(m: ModelConfig, p: ParallelConfig, t: TrainConfig, device_type: str) -> bool:
+    """Whether the blocks are compiled (train.compile resolved): true, or auto on a CUDA device
+    (TrainConfig.compiles) where the layout supports it: not under context parallelism for a family
+    whose state passes from slice to slice (_check_context_parallel refuses that with true)."""
+    if not t.compiles(device_type):
+        return False
+    return t.compile_setting == "true" or p.cp == 1 or family(m.arch).cp_balanced
 
 
 def _check_cuda_graphs(p: ParallelConfig) -> None:
@@ -93,7 +119,7 @@ def _check_context_parallel(m: ModelConfig, p: ParallelConfig, t: TrainConfig) -
     if m.seq_len % (2 * cp):
         raise ConfigError(f"parallel.cp={cp} needs model.seq_len={m.seq_len} divisible by 2 x parallel.cp = {2 * cp} "
                           f"(the load-balanced causal split gives each rank 2 equal chunks of the sequence)")
-    if not family(m.arch).cp_balanced and (p.pp > 1 or t.compile):
+    if not family(m.arch).cp_balanced and (p.pp > 1 or t.compile_setting == "true"):
         key = f"parallel.pp={p.pp}" if p.pp > 1 else "train.compile=true"
         raise ConfigError(f"parallel.cp={cp} with {key} is not supported for model.arch={m.arch!r} yet (its state "
                           f"passes from slice to slice, parallel/cp_state.py, which is untested under pipelining and "

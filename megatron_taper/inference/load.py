@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from megatron_taper.checkpoint.checkpointer import CheckpointError, checkpoint_root, list_checkpoints, load_logical
-from megatron_taper.checkpoint.files import CheckpointReader
+from megatron_taper.checkpoint.files import CheckpointReader, swiglu_layout
 from megatron_taper.config import Config, ConfigError, from_dict, load_config
 from megatron_taper.data import is_remote
 from megatron_taper.models import build_model
@@ -58,8 +58,8 @@ class CheckpointRef:
 
     def names(self) -> list[str]:
         """Parameter names, sorted."""
-        if self.kind == "sharded":
-            return sorted(k[len("model/"):] for k in self.meta["tensors"] if k.startswith("model/"))
+        if self.kind == "sharded":  # SwiGLU's gate and up unfused (checkpoint/files.py), as exports name them
+            return sorted(k[len("model/"):] for k in swiglu_layout(self.reader().keys("model/"), fused=False))
         if self.kind == "exported":
             from safetensors import safe_open
 
@@ -106,7 +106,7 @@ class CheckpointRef:
         return self._reader
 
     def _entry(self, name: str) -> dict:
-        entry = self.meta["tensors"].get(f"model/{name}")
+        entry = self.reader().index.get(f"model/{name}")  # stored, or the other SwiGLU layout's
         if entry is None:
             raise CheckpointError(f"{self.path}: no tensor for parameter {name!r}")
         return entry

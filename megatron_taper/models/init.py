@@ -22,6 +22,8 @@ from typing import Callable
 import torch
 from torch import nn
 
+from megatron_taper.models.layers import FUSED_GATE_UP, GATE_UP, fuse_gate_up
+
 RESIDUAL_OUT = ("wo.weight", "w2.weight")
 
 # (parameter name, full shape, seed) -> the logical initial value, CPU float32
@@ -40,7 +42,12 @@ def init_parameters(model: nn.Module, seed: int, init_value: InitValue | None = 
 
 def init_tensor(name: str, shape: tuple[int, ...], seed: int, std: float, n_layers: int,
                 residual_out: tuple[str, ...] = RESIDUAL_OUT) -> torch.Tensor:
-    """The initial value of parameter `name` (unsharded), on the CPU in float32."""
+    """The initial value of parameter `name` (unsharded), on the CPU in float32. A fused SwiGLU
+    weight (`...w13.weight`, models/layers.py) is its gate and up weights' values interleaved, so
+    the fused and the unfused model start from the same function."""
+    if name.endswith(FUSED_GATE_UP):
+        base, half = name[: -len(FUSED_GATE_UP)], (shape[0] // 2, *shape[1:])
+        return fuse_gate_up(*(init_tensor(base + part, half, seed, std, n_layers, residual_out) for part in GATE_UP))
     if "norm" in name and name.endswith("weight") and len(shape) == 1:
         return torch.ones(shape)
     if name.endswith("bias"):

@@ -122,16 +122,43 @@ class Attention(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    """w2(silu(w1 x) * w3 x) with hidden width W (this layer's tapered width)."""
+    """w2(silu(w1 x) * w3 x) with hidden width W (this layer's tapered width).
 
-    def __init__(self, d_model: int, width: int):
+    `fused` (model.fused_swiglu): the gate and up projections as one [2W, D] weight `w13` (one
+    GEMM), its rows interleaved per hidden unit: rows 2i and 2i + 1 are w1's and w3's row i
+    (fuse_gate_up). So any contiguous range of hidden units is a contiguous range of rows, and a
+    tensor-parallel rank's slice holds the gate and up rows of the same units at every tp size.
+    """
+
+    def __init__(self, d_model: int, width: int, fused: bool = False):
         super().__init__()
-        self.w1 = nn.Linear(d_model, width, bias=False)
-        self.w3 = nn.Linear(d_model, width, bias=False)
+        if fused:
+            self.w13 = nn.Linear(d_model, 2 * width, bias=False)
+        else:
+            self.w1 = nn.Linear(d_model, width, bias=False)
+            self.w3 = nn.Linear(d_model, width, bias=False)
         self.w2 = nn.Linear(width, d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if hasattr(self, "w13"):
+            gate, up = self.w13(x).unflatten(-1, (-1, 2)).unbind(-1)  # [..., 2W] -> 2 x [..., W]
+            return self.w2(F.silu(gate) * up)
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+FUSED_GATE_UP = "w13.weight"  # SwiGLU's fused weight; its unfused pair is GATE_UP
+GATE_UP = ("w1.weight", "w3.weight")
+
+
+def fuse_gate_up(w1: torch.Tensor, w3: torch.Tensor) -> torch.Tensor:
+    """[W, ...] gate and up rows -> the fused [2W, ...] weight (rows interleaved: w1[i], w3[i])."""
+    return torch.stack((w1, w3), dim=1).flatten(0, 1)
+
+
+def split_gate_up(w13: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of fuse_gate_up: (w1, w3), each [W, ...]."""
+    w1, w3 = w13.unflatten(0, (-1, 2)).unbind(1)
+    return w1.contiguous(), w3.contiguous()
 
 
 IGNORE_INDEX = -100  # a target with this id adds no loss and no gradient (F.cross_entropy's default)

@@ -19,12 +19,16 @@ train.activation_checkpointing
                collectives) is recomputed in backward. Costs the elementwise work of one forward
                and no matmul FLOPs.
 
-train.compile
+train.compile (auto | true | false; auto = on where the device is CUDA: TrainConfig.compiles)
     torch.compile (inductor) of each block's forward, after checkpointing (the recompute is then
-    part of the compiled region); module hooks (FSDP2's gathers) stay outside it. Blocks of
-    different MLP width share one code object: dynamo compiles the first width statically, and
-    on the second marks the changed sizes dynamic, so a tapered stack compiles twice rather than
-    once per width (measured: 2 graphs for 8 blocks of 6 widths). Collectives inside a block
+    part of the compiled region); module hooks (FSDP2's gathers) stay outside it. Static shapes
+    only (dynamic=False): the blocks are grouped by their signature (block_signature: the class,
+    its options, and the name, shape and dtype of every parameter and buffer), and each group gets
+    its own torch.compile region (isolate_recompiles=True), so a tapered stack compiles one graph
+    per distinct MLP width rather than falling back to dynamic shapes, and no group's compiles count
+    against another's recompile limit. Blocks of one group share the graph (parameters are graph
+    inputs). Each region may compile RECOMPILES_PER_SHAPE graphs: the training step's, and the
+    evaluation's (grad mode off is a guard); past that it runs eager. Collectives inside a block
     (tp) are graph breaks: compiled regions lie between them.
 
 train.cuda_graphs (with compile, CUDA only; preflight refuses it with ZeRO, pipelining or cp)
@@ -39,6 +43,7 @@ train.cuda_graphs (with compile, CUDA only; preflight refuses it with ZeRO, pipe
 from __future__ import annotations
 
 import functools
+from typing import Callable
 
 import torch
 from torch import nn
@@ -46,12 +51,15 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from megatron_taper.cost.memory import checkpointed_blocks
 
+RECOMPILES_PER_SHAPE = 2  # graphs one compile region may hold: training (grad on) and evaluation (grad off)
+
 
 def apply_block_options(model: nn.Module, activation_checkpointing: str, ac_every: int, compile_blocks: bool,
-                        cuda_graphs: bool = False) -> None:
+                        cuda_graphs: bool = False) -> int:
     """In place on `model.layers`: recompute (see module doc), then compile, as CUDA graphs when
     `cuda_graphs`. Each block records what it got in `block.options` (a tuple of "recompute",
-    "compile", "cuda_graphs")."""
+    "compile", "cuda_graphs"). Returns the number of compile regions (distinct block signatures;
+    one static graph each per grad mode), 0 without compile."""
     layers = model.layers
     for block in layers.values():
         block.options = ()
@@ -60,11 +68,27 @@ def apply_block_options(model: nn.Module, activation_checkpointing: str, ac_ever
         block = layers[name]
         block.forward = functools.partial(recompute, block.forward)
         block.options += ("recompute",)
-    if compile_blocks:
-        mode = "reduce-overhead" if cuda_graphs else None
-        for block in layers.values():
-            block.forward = functools.partial(_compiled, torch.compile(block.forward, mode=mode))
-            block.options += ("compile", "cuda_graphs") if cuda_graphs else ("compile",)
+    if not compile_blocks:
+        return 0
+    mode = "reduce-overhead" if cuda_graphs else None
+    regions: dict[tuple, Callable] = {}
+    for block in layers.values():
+        signature = block_signature(block)
+        if signature not in regions:
+            regions[signature] = torch.compile(_run, mode=mode, dynamic=False, isolate_recompiles=True,
+                                               recompile_limit=RECOMPILES_PER_SHAPE)
+        block.forward = functools.partial(regions[signature], block.forward)
+        block.options += ("compile", "cuda_graphs") if cuda_graphs else ("compile",)
+    return len(regions)
+
+
+def block_signature(block: nn.Module) -> tuple:
+    """What a compiled block's graph depends on besides its inputs: its options so far (recompute),
+    the class of each of its modules (float8 swaps some linears), and the name, shape and dtype of
+    each parameter and buffer (local shards under tp; shapes are read on meta tensors too)."""
+    tensors = [*block.named_parameters(), *block.named_buffers()]
+    return (block.options, tuple(type(m) for m in block.modules()),
+            tuple((name, tuple(t.shape), t.dtype) for name, t in tensors))
 
 
 def _recomputed(forward, *args, **kwargs) -> torch.Tensor:
@@ -92,10 +116,7 @@ def _op_recomputed(forward, *args, **kwargs) -> torch.Tensor:
                       context_fn=functools.partial(create_selective_checkpoint_contexts, policy), **kwargs)
 
 
-def _compiled(compiled_forward, *args, **kwargs) -> torch.Tensor:
-    # dynamo keeps parameter (and module attribute) shapes static by default, which would compile
-    # once per MLP width and fall back to eager past its recompile limit; letting them become
-    # dynamic keeps a tapered stack at two compilations. Read while tracing, inside this call.
-    with torch._dynamo.config.patch(force_parameter_static_shapes=False,
-                                    force_nn_module_property_static_shapes=False):
-        return compiled_forward(*args, **kwargs)
+def _run(forward: Callable, *args, **kwargs) -> torch.Tensor:
+    # the frame each compile region traces; `forward` (the block's bound forward, or its recompute
+    # wrapper) is inlined, the block's parameters becoming inputs of the graph
+    return forward(*args, **kwargs)

@@ -6,8 +6,9 @@ initialised and identical on every rank.
 
 Order: pipeline split -> tensor parallel -> context parallel (context_parallel.py: the sequence
 split handed to the attention, the loss share) -> float8 linears (float8.py) -> per-block options
-(activation checkpointing, compile: block_options.py) -> ZeRO (fsdp2 | deepspeed). Plain data
-parallelism (DDP, data_parallel.py) comes after materialisation, in build.py. With pp > 1 the
+(activation checkpointing, compile: block_options.py; the main rank prints how many static graphs
+the compile makes) -> ZeRO (fsdp2 | deepspeed). Plain data parallelism (DDP, data_parallel.py)
+comes after materialisation, in build.py. With pp > 1 the
 model is first cut to this rank's pipeline stage (pipeline.py), which then calls back here with
 `whole_model=False` for the rest of the chain on that stage. The layout was checked by
 cost/preflight.py before any process group existed.
@@ -22,6 +23,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from megatron_taper.config import ConfigError
+from megatron_taper.cost.preflight import compiles, width_alignment_warning
 from megatron_taper.models import family
 from megatron_taper.parallel.block_options import apply_block_options
 from megatron_taper.parallel.context import ParallelContext
@@ -35,6 +37,7 @@ from megatron_taper.parallel.pipeline import build_pipeline
 from megatron_taper.parallel.tensor import ShardSpec, sum_replicas_
 from megatron_taper.parallel.tp_plan import apply_tp
 from megatron_taper.parallel.zero import apply_zero
+from megatron_taper.taper import layer_widths
 
 if TYPE_CHECKING:
     from megatron_taper.config import ModelConfig, ParallelConfig, TrainConfig
@@ -45,6 +48,10 @@ def parallelize(model: nn.Module, ctx: ParallelContext, model_cfg: ModelConfig, 
     """Apply `parallel`'s layout to `model` (on meta, or initialised and identical on every rank).
     `train` gives the batch shape the pipeline splits into micro-batches, and the precision and
     clipping ZeRO engines need."""
+    if whole_model and train.device == "auto" and ctx.is_main:  # train.device=cuda: preflight warned already
+        message = width_alignment_warning(model_cfg, layer_widths(model_cfg), ctx.device.type)
+        if message:
+            print(f"warning: {message}", flush=True)
     if ctx.pp > 1 and whole_model:
         stage = functools.partial(parallelize, model_cfg=model_cfg, parallel=parallel, train=train,
                                   whole_model=False)
@@ -67,8 +74,14 @@ def parallelize(model: nn.Module, ctx: ParallelContext, model_cfg: ModelConfig, 
                      fsdp_all_gather=parallel.zero == "fsdp2" and ctx.dp > 1 and ctx.device.type == "cuda")
     if train.cuda_graphs and ctx.device.type != "cuda":
         raise ConfigError(f"train.cuda_graphs=true needs a CUDA device (this rank runs on {ctx.device.type})")
-    apply_block_options(pm.module, train.activation_checkpointing, train.ac_every, train.compile, train.cuda_graphs)
-    pm.cuda_graphs = train.cuda_graphs
+    compile_blocks = compiles(model_cfg, parallel, train, ctx.device.type)
+    regions = apply_block_options(pm.module, train.activation_checkpointing, train.ac_every, compile_blocks,
+                                  train.cuda_graphs)
+    if compile_blocks and ctx.is_main:
+        print(f"compile: {regions} static graph(s) for the {len(pm.module.layers)} blocks of this rank, one per "
+              f"distinct block shape (train.compile={train.compile_setting}; evaluation compiles each once more, "
+              f"with grad off)", flush=True)
+    pm.cuda_graphs = train.cuda_graphs and compile_blocks
     if not whole_model:
         return pm  # build_pipeline applies ZeRO once the stage's chunks exist (an FSDP root per chunk)
     return apply_zero(pm, parallel, train)

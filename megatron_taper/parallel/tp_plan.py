@@ -159,10 +159,16 @@ class TPBuilder:
         return ShardSpec.split(0, sizes), ShardSpec.split(1, sizes)
 
     def swiglu(self, mlp: nn.Module, prefix: str, unit: int) -> None:
-        """SwiGLU with w1/w3 (column) and w2 (row); the width splits in units of `unit`."""
-        rows, cols = self.width_specs(mlp.w1.weight.shape[0], unit, prefix)
-        self.column(mlp, "w1", prefix, rows)
-        self.column(mlp, "w3", prefix, rows)
+        """SwiGLU with w1/w3 (column) and w2 (row); the width splits in units of `unit`. Fused
+        (w13, rows interleaved per hidden unit: models/layers.py): each rank's rows are the gate and
+        up rows of its hidden units, a contiguous range of twice their count."""
+        rows, cols = self.width_specs(mlp.w2.weight.shape[1], unit, prefix)
+        if hasattr(mlp, "w13"):
+            self.column(mlp, "w13", prefix, ShardSpec(0, 2 * rows.full, tuple(2 * s for s in rows.starts),
+                                                      tuple(2 * n for n in rows.sizes)))
+        else:
+            self.column(mlp, "w1", prefix, rows)
+            self.column(mlp, "w3", prefix, rows)
         self.row(mlp, "w2", prefix, cols)
         self.enter_region_at_input(mlp)
 

@@ -26,7 +26,7 @@ def test_the_three_override_forms_mean_the_same():
     for tokens in forms:
         assert sorted(normalise_overrides(tokens)) == sorted(expected), tokens
     cfg = load_config("configs/tiny_taper.yaml", normalise_overrides(forms[2]))
-    assert (cfg.train.steps, cfg.model.taper.start, cfg.train.compile, cfg.run.dir) == (100, 1.2, True, "runs/a")
+    assert (cfg.train.steps, cfg.model.taper.start, cfg.train.compile, cfg.run.dir) == (100, 1.2, "true", "runs/a")
     # a negative number is a value, a JSON list too
     assert normalise_overrides(["--train.lr", "-1e-3"]) == ["train.lr=-1e-3"]
     assert normalise_overrides(["--train.compile", "--train.steps", "5"]) == ["train.compile=true", "train.steps=5"]
@@ -65,7 +65,7 @@ def test_list_keys_shows_every_key_with_type_and_default(capsys):
     assert rows["train.steps"] == ["int", "1000"]
     assert rows["model.taper.schedule"] == ["str", "cosine"]
     assert rows["run.wandb.mode"] == ["str", "online"]
-    assert rows["train.compile"] == ["bool", "false"]
+    assert rows["train.compile"] == ["str", "auto"]
     assert {t.__name__ for t in key_types().values()} >= {"int", "float", "str", "bool"}
 
 

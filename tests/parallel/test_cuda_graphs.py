@@ -15,7 +15,7 @@ TINY = ["model.n_layers=2", "model.d_model=32", "model.n_heads=2", "model.mlp_wi
 
 
 @pytest.mark.parametrize("overrides, fragment", [
-    (["train.cuda_graphs=true"], "train.cuda_graphs=true needs train.compile=true"),
+    (["train.cuda_graphs=true", "train.compile=false"], "train.cuda_graphs=true needs train.compile=true or auto"),
     (["train.cuda_graphs=true", "train.compile=true", "train.device=cpu"], "needs a CUDA device"),
 ])
 def test_config_refuses_cuda_graphs_without_compile_or_on_cpu(overrides, fragment):

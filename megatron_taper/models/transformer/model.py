@@ -36,7 +36,7 @@ class TransformerBlock(nn.Module):
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attn = self.build_attention(cfg)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.mlp = SwiGLU(cfg.d_model, mlp_width)
+        self.mlp = SwiGLU(cfg.d_model, mlp_width, fused=cfg.fused_swiglu)
 
     def build_attention(self, cfg: ModelConfig) -> nn.Module:
         return Attention(cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_dim, cfg.position_encoding)
