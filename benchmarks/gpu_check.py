@@ -298,7 +298,8 @@ def main() -> int:
                     "torch": torch.__version__, "cuda": torch.version.cuda, "smoke": args.smoke}
     if args.smoke:  # a 2-layer toy of the same recipe, 2 steps
         shape = ["model.n_layers=2", "model.d_model=64", "model.n_heads=4", "model.mlp_width=128",
-                 "model.vocab_size=512", "model.seq_len=32", "train.global_batch=2", "train.micro_batch=2"]
+                 "model.taper.multiple=64", "model.vocab_size=512", "model.seq_len=32", "train.global_batch=2",
+                 "train.micro_batch=2"]
         steps, warmup, parity_steps = 2, 1, 2
         # compile is covered by tests/parallel/test_step_engines.py; "bogus" fails on purpose
         variants = [{"activation_checkpointing": "none", "compile": False},
