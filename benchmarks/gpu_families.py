@@ -29,7 +29,7 @@ A budget (--budget-s, 480 s for the whole script): speed rows start until --budg
 Every row and part runs in its own try and the JSON is rewritten after each (gpu_check.attempt);
 an out-of-memory row is recorded (`oom`) and the run goes on. Exit 1 when a parity or a resume is
 off or a row or part failed other than by running out of memory. `--smoke` runs the same code on
-the CPU: speed rows for the Transformer and linear memory caching at their tiny recipes, micro-batch
+the CPU: speed rows for the Transformer and linear memory caching at their tiny recipes (2 blocks), micro-batch
 2, 2 steps, eager for both and compiled for the Transformer only (a CPU compile takes 20-40 s); fp32
 parity for SMOKE's tiny recipes; the first resume (tests/launch/test_gpu_check.py).
 
@@ -95,6 +95,8 @@ IMPORTANCE = ("transformer", "linear_memory", "titans", "deep_memory", "hope_att
               "bridge", "tree")
 SMOKE_SPEED = ("transformer", "linear_memory")
 SMOKE_COMPILED = "transformer"  # --smoke compiles this family's row only (the reference of the others)
+# --smoke's recipes at 2 blocks: a compiled row compiles one static graph per distinct block width
+SMOKE_OVERRIDES = ("model.n_layers=2",)
 # variant -> (train.compile, MEGATRON_TAPER_KERNELS, CUDA graphs)
 VARIANTS = {"eager": (False, "torch", False), "compiled": (True, "torch", False),
             "compiled_kernels": (True, "triton", False), "compiled_graphs": (True, "torch", True)}
@@ -164,8 +166,10 @@ def plan(families: list[str], micro_batches: list[int], smoke: bool, cuda: bool)
             if recipe is None:
                 rows.append({"label": {"family": arch, "micro_batch": micro}, "skip": "no recipe in configs/"})
                 continue
-            overrides = EXTRA.get(arch, ())
+            extra = SMOKE_OVERRIDES if smoke else ()
+            overrides = (*EXTRA.get(arch, ()), *extra)
             reference = reference_of(arch, recipe, load_config(f"configs/{recipe}.yaml", []).model.seq_len)
+            reference = reference and (reference[0], (*reference[1], *extra))
             if reference == (recipe, overrides):  # the family is its own reference (the Transformer)
                 planned.add((reference, micro))
             elif reference is not None and (reference, micro) not in planned:

@@ -50,21 +50,21 @@ def test_block_compiles_whole_and_equals_eager_in_float64(family):
 
 @pytest.mark.parametrize("family", list(RECIPES))
 def test_per_block_compile_is_one_static_graph_per_block_shape_without_breaks(family, monkeypatch):
-    """`train.compile` (parallel/block_options.py) over a tapered stack of 4 blocks of 4 widths:
-    one static graph per distinct block shape, as for the Transformer (4; the bridge's model has
-    its own bridge block among them); no graph break in the scans (dynamo's counters, the `eager`
+    """`train.compile` (parallel/block_options.py) over a tapered stack of 2 blocks of 2 widths:
+    one static graph per distinct block shape, as for the Transformer (the bridge's model has its
+    own bridge block among them); no graph break in the scans (dynamo's counters, the `eager`
     backend standing in for inductor, whose code generation is not what is counted)."""
     from torch._dynamo.utils import counters
 
     from megatron_taper.parallel.block_options import apply_block_options, block_signature
 
     monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
-    cfg = load_config(str(REPO / f"configs/tiny_{family}.yaml"), SMALL + RECIPES[family] + ["model.n_layers=4"]).model
+    cfg = load_config(str(REPO / f"configs/tiny_{family}.yaml"), SMALL + RECIPES[family]).model
     model = build_model(cfg)
     model.init_weights(0)
-    assert len(set(model.mlp_widths)) == 4
+    assert len(set(model.mlp_widths)) == 2
     shapes = apply_block_options(model, "none", 1, True)
-    assert shapes == len({block_signature(b) for b in model.layers.values()}) == 4
+    assert shapes == len({block_signature(b) for b in model.layers.values()}) == 2
     torch._dynamo.reset()
     counters.clear()
     out = model(torch.randint(0, cfg.vocab_size, (2, cfg.seq_len)))
