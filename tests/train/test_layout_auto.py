@@ -15,11 +15,10 @@ from tests.helpers.runner import TINY, read_metrics, run_train, train_in_process
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("nproc", [2, pytest.param(4, marks=pytest.mark.slow)])
-def test_layout_auto_picks_a_layout_and_trains(tmp_path, byte_tokens, nproc):
+def test_layout_auto_picks_a_layout_and_trains(tmp_path, byte_tokens):
     run = tmp_path / "run"
     proc = run_train([*TINY, f"data.path={byte_tokens}", "parallel.layout=auto", "train.steps=2",
-                      f"run.dir={run}", "checkpoint.interval=0"], nproc=nproc)
+                      f"run.dir={run}", "checkpoint.interval=0"], nproc=2)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("layout auto: ")]
     assert len(lines) == 1, proc.stdout[-2000:]
     chosen = dict(kv.split("=", 1) for kv in re.search(r"\(([^()]*)\): the fastest", lines[0]).group(1).split())
