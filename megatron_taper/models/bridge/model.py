@@ -58,14 +58,8 @@ checkpointing applies as to the Transformer; ZeRO and torch.compile take its cod
 not tested with the bridge; data and tensor parallelism are tested with `carry_state` (dp=2, tp=2
 against one process), which is refused with pp > 1 and DeepSpeed (check_bridge_layout).
 
-Context parallelism (contiguous split; slices of whole segments, check_bridge_layout): cp rank r's
-slice starts from the state rank r - 1's slice ended with and hands its own end state on
-(parallel/cp_state.py's chain: [B, m, D] once per window and direction); the auxiliary loss is each
-rank's share of the whole sequence's mean. Attention makes every cp rank meet in each block, so the
-bridge's writes run in turn: cp times one slice's. With `carry_state` S_n is the last cp rank's;
-`take_state` broadcasts it over the cp group (B m D once per micro-batch), so cp rank 0 starts the
-row's next window from it and every rank saves the same state in its checkpoint.
-The chain and the broadcast: bridge/cp.py. Cost terms: bridge/cost.py.
+Context parallelism: a chain of the state from slice to slice, and a broadcast of the carried
+state (bridge/cp.py, which says how). Cost terms: bridge/cost.py.
 """
 from __future__ import annotations
 
