@@ -382,7 +382,7 @@ class FaultConfig:
 
     watchdog: bool = True
     startup_timeout_s: float = 900.0  # process start to the first step: joining, building, loading
-    step_timeout_s: float = 0.0  # one step (and the log line, the poll of an async save); 0 = auto
+    step_timeout_s: float = 0.0  # one step (and its log line and stop vote); 0 = auto
     save_timeout_s: float = 0.0  # a checkpoint save; 0 = auto
     eval_timeout_s: float = 0.0  # an evaluation; 0 = auto
     timeout_factor: float = 20.0
