@@ -5,7 +5,7 @@ Errors: the main rank prints one line (`error: ...`); every rank writes its erro
 traceback to RUN/logs/rank-N.log when the run folder exists, after a header line naming the time
 and torchrun's restart count; MEGATRON_TAPER_DEBUG=1 prints the full traceback on the main rank's
 console as well. After an in-job restart the main rank says so in one line (`restart_line`), with
-the first error the previous attempt recorded (those headers, or RUN/logs/hang.json of a hang).
+the first error the previous attempt recorded (those headers, or RUN/logs/ended.json of a hang).
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from megatron_taper.cost.flops import device_name, model_costs
 from megatron_taper.cost.preflight import step_split
+from megatron_taper.fault.watchdog import ENDED_FILE, EXIT_HANG
 from megatron_taper.taper import layer_widths
 
 if TYPE_CHECKING:
@@ -156,11 +157,11 @@ def _attempt(restart: int | None = None) -> str:
 
 def previous_attempt_end(log_dir: str, attempt: str, since: float = 0.0) -> str:
     """How `attempt` (`_attempt`'s words) ended, from records written after `since`: a hang a
-    watchdog reported (RUN/logs/hang.json), else the first error a rank logged, else unknown."""
+    watchdog reported (RUN/logs/ended.json), else the first error a rank logged, else unknown."""
     try:
-        with open(os.path.join(log_dir, "hang.json")) as f:
+        with open(os.path.join(log_dir, ENDED_FILE)) as f:
             hang = json.load(f)
-        if _attempt_of(hang) == attempt and hang.get("time", 0) >= since:
+        if _attempt_of(hang) == attempt and hang.get("time", 0) >= since and hang.get("code", EXIT_HANG) == EXIT_HANG:
             return f"on a hang reported by rank {hang.get('rank')} (stacks in {log_dir}/stacks-rank*.txt)"
     except (OSError, ValueError, AttributeError, TypeError):
         pass

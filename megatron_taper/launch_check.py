@@ -26,11 +26,13 @@ import warnings
 
 from megatron_taper.cli import add_config_arguments, parse_with_overrides
 
+WRITE_PROBE = ".write-check-"  # the prefix of _cannot_write's file (run_folder lets another rank's be)
+
 
 def _cannot_write(folder: str) -> str:
     """Why no file can be created in `folder` ('' when one can): creates and removes one empty file."""
     try:
-        fd, probe = tempfile.mkstemp(prefix=".write-check-", dir=folder)
+        fd, probe = tempfile.mkstemp(prefix=WRITE_PROBE, dir=folder)
     except OSError as e:
         return e.strerror or str(e)
     os.close(fd)

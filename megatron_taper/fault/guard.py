@@ -40,6 +40,12 @@ class FaultGuard:
         if self.watchdog is not None:
             self.watchdog.stop()
 
+    def report_end(self, code: int, what: str) -> None:
+        """This rank ends the attempt with exit `code` on its own (bad input): the other ranks' watchdogs
+        end theirs with the same code instead of waiting for it (Watchdog.report_end)."""
+        if self.watchdog is not None:
+            self.watchdog.report_end(code, what)
+
     def enter(self, section: str, step: int) -> None:
         if self.watchdog is not None:
             self.watchdog.enter(section, step)

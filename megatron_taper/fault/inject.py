@@ -7,6 +7,7 @@ variable.
     stop        ... SIGSTOP (a hang: the process is frozen, threads included)
     term        ... SIGTERM (the trainer checkpoints and exits 3, as on a slurm warning)
     raise       ... raises InjectedFault (an exception on one rank)
+    bad_input   ... raises ConfigError (bad input found by one rank alone, e.g. in its shard: exit 2)
     nan         the loss of step STEP on rank RANK is NaN (the step is skipped everywhere)
     spike       the loss of step STEP on rank RANK is multiplied by ARG (default 10); gradients unchanged
     sleep       rank RANK sleeps ARG seconds (default 0.5) before every step from STEP on (a slow rank)
@@ -29,7 +30,7 @@ from dataclasses import dataclass
 from megatron_taper.validation import ConfigError
 
 FAULT_ENV = "MEGATRON_TAPER_FAULT"
-KINDS = ("kill", "stop", "term", "raise", "nan", "spike", "sleep", "write_fail")
+KINDS = ("kill", "stop", "term", "raise", "bad_input", "nan", "spike", "sleep", "write_fail")
 DEFAULT_ARG = {"spike": 10.0, "sleep": 0.5}
 EVENTS_FILE = "faults.jsonl"  # under RUN/logs
 
@@ -95,9 +96,11 @@ class Injector:
         for p in self.plans:
             if p.kind == "sleep" and step >= p.step:
                 time.sleep(p.arg)
-            elif step == p.step and p.kind in ("kill", "stop", "term", "raise") and self._fire(p, step):
+            elif step == p.step and p.kind in ("kill", "stop", "term", "raise", "bad_input") and self._fire(p, step):
                 if p.kind == "raise":
                     raise InjectedFault(f"{FAULT_ENV}: injected exception on rank {p.rank} before step {step}")
+                if p.kind == "bad_input":
+                    raise ConfigError(f"{FAULT_ENV}: injected bad input on rank {p.rank} before step {step}")
                 os.kill(os.getpid(), {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "term": signal.SIGTERM}[p.kind])
 
     def loss(self, loss, step: int):

@@ -6,11 +6,15 @@ no I/O, no synchronisation). The watchdog thread, every POLL_S:
 - writes this rank's heartbeat, RUN/logs/heartbeat-rank{r}.json (rank, pid, host, step, section,
   when the section began, when the heartbeat was written, torchrun's run id and restart count);
 - on expiry of the current section's timeout, or when another rank of the same attempt has
-  reported a hang (RUN/logs/hang.json): writes every Python thread's stack (faulthandler) and the
-  last collectives this rank issued (torch's flight recorder; FaultGuard turns it on with
-  TORCH_FR_BUFFER_SIZE unless set) to RUN/logs/stacks-rank{r}.txt, prints one line naming the
-  rank(s) that stopped first, and exits the process with EXIT_HANG (launch/torchrun.sh restarts
-  the workers, which resume from the last checkpoint).
+  reported a hang (RUN/logs/ended.json with code EXIT_HANG): writes every Python thread's stack
+  (faulthandler) and the last collectives this rank issued (torch's flight recorder; FaultGuard
+  turns it on with TORCH_FR_BUFFER_SIZE unless set) to RUN/logs/stacks-rank{r}.txt, prints one
+  line naming the rank(s) that stopped first, and exits the process with EXIT_HANG
+  (launch/torchrun.sh restarts the workers, which resume from the last checkpoint);
+- when another rank of the same attempt has ended on bad input (`report_end`: ended.json with
+  code 2, which torchrun counts as success and so would leave this rank waiting for it in a
+  collective until a timeout): exits with the same code, rank 0 printing that rank's error.
+One file for both, so a poll reads one small file whatever the number of ranks.
 
 "Stopped first", from the heartbeats of the same attempt: the ranks whose heartbeat is no longer
 written (frozen or dead: SIGSTOP, a lost node), else the ranks furthest behind (step, then
@@ -49,7 +53,7 @@ FROZEN_AFTER_S = 3.0  # a heartbeat older than this: the rank's process is not r
 # one attempt start within seconds of each other; hosts' clocks may differ a little)
 FRESH_SLACK_S = 60.0
 ORDER = {"startup": 0, "step": 1, "eval": 2, "save": 3, "finish": 4}  # within one step number
-HANG_FILE = "hang.json"
+ENDED_FILE = "ended.json"  # the first rank to end this attempt on its own: a hang or bad input
 
 
 def _attempt(environ: dict | os._Environ = os.environ) -> tuple[str, str, str]:
@@ -214,17 +218,36 @@ class Watchdog:
             waited = time.time() - began
             limit = self.timeout(section)
             if waited > limit:
-                with contextlib.suppress(OSError):
-                    _write_json(os.path.join(self.log_dir, HANG_FILE), {
-                        "rank": self.rank, "run_id": self.attempt[0], "restart": self.attempt[1],
-                        "store": self.attempt[2], "time": time.time()})
+                self.report_end(EXIT_HANG, f"no progress in section {section} of step {step}")
                 self._expire(f"rank {self.rank}: no progress for {waited:.1f} s in section {section} of step {step} "
                              f"(fault.{self._key(section)}: {limit:g} s)")
-            other = _read_json(os.path.join(self.log_dir, HANG_FILE))
-            if (other and _of_attempt(other) == self.attempt
+            other = _read_json(os.path.join(self.log_dir, ENDED_FILE))
+            if (isinstance(other, dict) and _of_attempt(other) == self.attempt
                     and other.get("time", 0) >= self.started and other.get("rank") != self.rank):
-                self._expire(f"rank {self.rank}: rank {other['rank']} reported a hang; this rank was "
-                             f"{waited:.1f} s into section {section} of step {step}")
+                where = f"this rank was {waited:.1f} s into section {section} of step {step}"
+                if other.get("code") == EXIT_HANG:
+                    self._expire(f"rank {self.rank}: rank {other['rank']} reported a hang; {where}")
+                self._follow(other, where)
+
+    def report_end(self, code: int, what: str) -> None:
+        """Record that this rank ends the attempt with exit `code` (EXIT_HANG, or 2: bad input) for
+        the other ranks' watchdogs (RUN/logs/ended.json; skipped when it cannot be written)."""
+        with contextlib.suppress(OSError):
+            os.makedirs(self.log_dir, exist_ok=True)
+            _write_json(os.path.join(self.log_dir, ENDED_FILE), {
+                "rank": self.rank, "run_id": self.attempt[0], "restart": self.attempt[1], "store": self.attempt[2],
+                "time": time.time(), "code": code, "what": what[:2000]})
+
+    def _follow(self, other: dict, where: str) -> None:
+        """Another rank ended the attempt with bad input: end this rank with its code, rank 0 saying why."""
+        code = other.get("code")
+        if not isinstance(code, int) or code in (0, EXIT_HANG):
+            return
+        if self.rank == 0:
+            sys.stdout.flush()
+            print(f"error: rank {other['rank']}: {other.get('what', '(no message)')} (every rank exits with {code}; "
+                  f"{where})", file=sys.stderr, flush=True)
+        os._exit(code)
 
     def _expire(self, what: str) -> None:
         stacks = os.path.join(self.log_dir, f"stacks-rank{self.rank}.txt")

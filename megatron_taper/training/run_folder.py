@@ -23,6 +23,7 @@ import yaml
 
 from megatron_taper.checkpoint.checkpointer import LEFTOVER, STEP_DIR, broadcast_from_main
 from megatron_taper.config import Config
+from megatron_taper.launch_check import WRITE_PROBE
 from megatron_taper.training.run_lock import RunLock
 from megatron_taper.validation import ConfigError
 
@@ -49,7 +50,8 @@ def check_run_folder(run_dir: str) -> None:
     if not foreign and any(name in entries for name in MARKERS):
         return
     if not foreign:
-        foreign = [name for name in entries if name not in RUN_FILES]
+        # every rank checks run.dir before joining; another rank's write check may be there meanwhile
+        foreign = [name for name in entries if name not in RUN_FILES and not name.startswith(WRITE_PROBE)]
     if foreign:
         listed = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
         raise NotARunFolder(f"run.dir={run_dir} is not a run folder (it holds {listed}, which no run wrote); nothing "

@@ -306,17 +306,21 @@ def run(recipe: str | None, overrides: list[str]) -> int:
         clean = True
         return code
     except Exception as e:  # noqa: BLE001 - reported once (main rank) and logged per rank below
-        if guard is not None:  # before a fresh run folder is removed below
-            guard.stop()
         expected = isinstance(e, (ConfigError, ValueError, NonFiniteLossError))
+        code = EXIT_BAD_INPUT if expected and not isinstance(e, NonFiniteLossError) else 1
+        alone = guard is not None and world_size() > 1  # the error may be this rank's only: the others are told
+        if guard is not None:  # before a fresh run folder is removed below
+            if code == EXIT_BAD_INPUT:
+                guard.report_end(code, str(e).splitlines()[0] if str(e) else type(e).__name__)
+            guard.stop()
         rank = ctx.rank if ctx is not None else int(os.environ.get("RANK", "0"))
         log_dir = cfg.run.dir if cfg is not None and not isinstance(e, NotARunFolder) else None
-        if expected and created_run_dir:  # a fresh run folder that never started training goes again
+        if expected and created_run_dir and not alone:  # a fresh run folder that never started training goes again
             log_dir = None
             if os.path.isdir(created_run_dir) and (ctx is None or ctx.is_main):
                 shutil.rmtree(created_run_dir, ignore_errors=True)
         report_error(e, rank, log_dir, expected)
-        return EXIT_BAD_INPUT if expected and not isinstance(e, NonFiniteLossError) else 1
+        return code
     finally:
         if ctx is not None:
             with contextlib.suppress(Exception):

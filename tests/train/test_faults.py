@@ -53,7 +53,7 @@ def test_malformed_fault_settings_are_one_error(byte_tokens, tmp_path, monkeypat
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         "error: MEGATRON_TAPER_FAULT='kill:zero:3': 'kill:zero:3' must be KIND:RANK:STEP[:ARG] with KIND one of "
-        "kill, stop, term, raise, nan, spike, sleep, write_fail, RANK >= 0, STEP >= 1 and ARG a number > 0 "
+        "kill, stop, term, raise, bad_input, nan, spike, sleep, write_fail, RANK >= 0, STEP >= 1 and ARG a number > 0 "
         "(spike: loss factor, sleep: seconds)"]
     assert not run.exists()
     monkeypatch.delenv("MEGATRON_TAPER_FAULT")
@@ -115,6 +115,25 @@ def test_hang_dead_worker_nan_and_slow_rank_under_torchrun_bitwise(byte_tokens, 
     want = _records(straight)
     assert [m[0] for m in want["metrics"]] == list(range(1, STEPS + 1))
     assert _records(faulty) == want
+
+
+def test_bad_input_on_one_rank_ends_every_rank_at_once(byte_tokens, tmp_path):
+    """A rank that ends on bad input alone (exit 2, which launch/torchrun.sh reports to torchrun as
+    success so that it does not restart) used to leave the others waiting for it in a collective
+    until fault.step_timeout_s (or, at startup, fault.startup_timeout_s: 15 minutes); now its
+    watchdog record (RUN/logs/ended.json) ends them with 2 at their next poll, rank 0 naming it."""
+    run = tmp_path / "run"
+    # timeouts far beyond the test's wait: only the record can end rank 0 in time
+    proc = _torchrun_sh([*TINY, f"data.path={byte_tokens}", f"run.dir={run}", "fault.step_timeout_s=600"],
+                        fault="bad_input:1:3")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out[-4000:]
+    assert ("error: rank 1: MEGATRON_TAPER_FAULT: injected bad input on rank 1 before step 3 (every rank exits "
+            "with 2; this rank was ") in out, out[-4000:]
+    ended = json.loads((run / "logs" / "ended.json").read_text())
+    assert (ended["rank"], ended["code"]) == (1, 2)
+    log = (run / "logs" / "rank-1.log").read_text()
+    assert "ConfigError: MEGATRON_TAPER_FAULT: injected bad input on rank 1" in log
 
 
 def test_nan_and_spike_roll_back_and_skip_their_data_bitwise(byte_tokens, tmp_path, monkeypatch):

@@ -65,6 +65,9 @@ def test_which_folders_are_run_folders(tmp_path):
         "empty": ({}, True),
         "failed_start": ({"logs/rank-0.log": "x", ".lock": ""}, True),
         "skips_prepared": ({"data_skips.json": '{"windows": [[7, 7]]}'}, True),
+        # every rank checks run.dir before joining while another rank's write check (launch_check's
+        # probe file) may be there: refused, the rank exited alone and its peer waited (issue 41's drill hang)
+        "skips_and_a_peers_write_check": ({"data_skips.json": "{}", ".write-check-k2j4x_9a": ""}, True),
         "run_with_notes": ({"config.yaml": "model: {d_model: 64}\ntrain: {steps: 2}\n", "notes.txt": "mine"}, True),
         "run_metrics": ({"metrics.jsonl": '{"step": 1, "loss": 5.0}\n'}, True),
         "run_checkpoints": ({"checkpoints/step-2/meta.json": "{}", "checkpoints/.tmp-step-4/x": "",

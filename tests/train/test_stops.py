@@ -148,7 +148,7 @@ def test_what_ended_the_previous_attempt(tmp_path, monkeypatch):
     for other in ("run job-a, restart 1", "run job-b, restart 0"):
         assert previous_attempt_end(str(logs), other).startswith("without a recorded error"), other
     assert previous_attempt_end(str(logs), "run job-a, restart 0", since=time.time() + 1).startswith("without")
-    (logs / "hang.json").write_text('{"rank": 1, "run_id": "job-a", "restart": "0", "time": 1e12}')
+    (logs / "ended.json").write_text('{"rank": 1, "run_id": "job-a", "restart": "0", "time": 1e12}')
     assert previous_attempt_end(str(logs), "run job-a, restart 0") == (
         f"on a hang reported by rank 1 (stacks in {logs}/stacks-rank*.txt)")
 
