@@ -212,7 +212,7 @@ def pipeline_stage(cfg, which: str, n_layers: int, in_flight: int, meter_kind: s
     from megatron_taper.models import build_model
     from megatron_taper.parallel.block_options import apply_block_options
     from megatron_taper.parallel.loss import loss_function
-    from megatron_taper.parallel.pipeline import strip_model
+    from megatron_taper.parallel.pp.schedule import strip_model
 
     meter = make_meter(meter_kind, torch.device("cpu"))
     m, last = cfg.model, which == "last"

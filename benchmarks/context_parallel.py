@@ -1,5 +1,5 @@
 """Context parallelism: per-rank memory, step time and communication vs sequence length, beside
-the memory model (cost/memory.py) and the communication theory (parallel/context_parallel.py).
+the memory model (cost/memory.py) and the communication theory (parallel/cp/split.py).
 
     python benchmarks/context_parallel.py [--seq-lens 1024,2048,4096,8192] [--cps 1,2,4]
                                           [--attentions allgather,ring] [--steps 2] [key=value ...]

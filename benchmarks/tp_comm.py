@@ -132,7 +132,7 @@ def region_seconds(ctx, cfg, autocast, dtype: torch.dtype, reps: int) -> dict:
     [b, S, d] activations: f (`enter_tp_region` of the fp32 norm output: identity / all-gather
     forward, all-reduce / reduce-scatter of its gradient) and g (sum of a partial output in the
     compute dtype: all-reduce / reduce-scatter forward, identity / all-gather backward)."""
-    from megatron_taper.parallel import tensor
+    from megatron_taper.parallel.tp import layers as tensor
 
     sp, group = cfg.parallel.sequence_parallel, ctx.tp_group
     b, s, d = cfg.train.micro_batch, cfg.model.seq_len, cfg.model.d_model

@@ -152,7 +152,7 @@ class DeepSpeedConfig:
 
 
 PP_BALANCE_MODES = ("flops", "uniform", "params", "profile")  # parallel.pp_balance (cost/partition.py)
-# parallel.pp_schedule (parallel/pipeline.py); the zero-bubble ones split backward into input and
+# parallel.pp_schedule (parallel/pp/schedule.py); the zero-bubble ones split backward into input and
 # weight gradients; zbv and dualpipev place 2 chunks per rank in a V (rank r: chunks r, 2 pp - 1 - r)
 PP_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b", "interleaved_zero_bubble", "zbv", "dualpipev")
 INTERLEAVED_SCHEDULES = ("interleaved_1f1b", "interleaved_zero_bubble")  # pp_virtual chunks, looped
@@ -164,7 +164,7 @@ ZERO_BUBBLE_SCHEDULES = ("interleaved_zero_bubble", *V_SCHEDULES)
 class ParallelConfig:
     tp: int = 1
     pp: int = 1
-    # context parallelism: each sequence split over this many ranks (parallel/context_parallel.py)
+    # context parallelism: each sequence split over this many ranks (parallel/cp/split.py)
     cp: int = 1
     # how attention sees the other cp ranks' keys: allgather (K and V of the whole sequence) | ring
     cp_attention: str = "allgather"
@@ -180,7 +180,7 @@ class ParallelConfig:
     dp_replicate: int = 1
     dp_shard: int = 0
     # zero=none, dp > 1: gradient all-reduce bucket size (torch DDP); 0 = scaled with the model and
-    # dp (parallel/data_parallel.py bucket_mb)
+    # dp (parallel/dp/ddp.py bucket_mb)
     ddp_bucket_mb: float = 0.0
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
     # manual | auto: at start the layout planner (megatron_taper/cost/plan.py) sets tp, pp, schedule, zero,

@@ -87,7 +87,7 @@ def consolidated_state(path: str, source: str = "auto") -> tuple[dict[str, torch
     os.environ.setdefault("DS_ACCELERATOR", "cpu" if not torch.cuda.is_available() else "cuda")
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    from megatron_taper.parallel.zero_deepspeed import NATIVE_TAG
+    from megatron_taper.parallel.dp.zero_deepspeed import NATIVE_TAG
 
     with deepspeed_loads_allowlisted():  # zero_to_fp32 unpickles with weights_only=False: allow-listed here
         state = get_fp32_state_dict_from_zero_checkpoint(native, tag=NATIVE_TAG)

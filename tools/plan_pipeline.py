@@ -40,8 +40,8 @@ from megatron_taper.cost.partition import PipelinePlan
 from megatron_taper.cost.preflight import preflight
 from megatron_taper.models import build_model
 from megatron_taper.parallel.context import choose_device
-from megatron_taper.parallel.pipeline import plan_stages
-from megatron_taper.parallel.profile import profile_layer_times
+from megatron_taper.parallel.pp.profile import profile_layer_times
+from megatron_taper.parallel.pp.schedule import plan_stages
 
 
 def default_dp(cfg) -> int:

@@ -348,7 +348,7 @@ def load_deepspeed_file(path, map_location=None, **kwargs):
 def deepspeed_loads_allowlisted():
     """Inside: every torch.load (DeepSpeed's zero_to_fp32 calls it with weights_only=False) goes
     through load_deepspeed_file: around DeepSpeed's own readers (the engine's load_checkpoint in
-    parallel/zero_deepspeed.py, zero_to_fp32 in tools/convert_checkpoint.py)."""
+    parallel/dp/zero_deepspeed.py, zero_to_fp32 in tools/convert_checkpoint.py)."""
     real = torch.load
 
     def load(f, map_location=None, **kwargs):

@@ -49,7 +49,7 @@ class Split:
     # activations: copies of a projection input shared by several projections, beyond the one
     # storage counted in `whole`: each projection keeps its own copy under bf16 autocast at
     # tp = 1 (each casts the fp32 norm output itself); at tp > 1 the input enters the tp region
-    # cast once (parallel/tensor.py enter_tp_region), so the projections share it
+    # cast once (parallel/tp/layers.py enter_tp_region), so the projections share it
     input_copies: float = 0.0
     # activations: split with the vocabulary like `vocab`, but in the compute dtype (the logits
     # a chunked loss keeps, and their gradient)

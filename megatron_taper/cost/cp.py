@@ -4,7 +4,7 @@
 makes the cp ranks exchange, each a `CPMessage(kind, bytes, what)`:
 
     chain      point-to-point rank r -> r + 1 of the state rank r's slice ends with
-               (parallel/cp_state.py receive_state / send_state); rank r + 1 waits for it, so the
+               (parallel/cp/state.py receive_state / send_state); rank r + 1 waits for it, so the
                hops run one after another across the cp ranks (serial). `bytes`: the largest hop
                (the one into the last rank where the message grows with the rank), one direction;
                backward sends its gradient back, as many bytes.
@@ -47,7 +47,7 @@ class CPMessage(NamedTuple):
 
 def attention_messages(cfg: ModelConfig, micro_batch: int, cp: int, act_bytes: int = 4,
                        ring: bool = False) -> tuple[CPMessage, ...]:
-    """One attention layer over the whole sequence (parallel/context_parallel.py): the all-gather
+    """One attention layer over the whole sequence (parallel/cp/split.py): the all-gather
     of K and V, [b, S, K, E] each, or under the ring one slice's K and V per pass."""
     kv = 2 * micro_batch * cfg.seq_len * cfg.kv_heads * cfg.head_dim * act_bytes
     return (CPMessage(RING, kv / cp, "kv"),) if ring else (CPMessage(ALLGATHER, kv, "kv"),)
@@ -76,7 +76,7 @@ def block_messages(cfg: ModelConfig, widths: list[int], micro_batch: int, cp: in
 def received_bytes(messages: tuple[CPMessage, ...]) -> float:
     """Bytes the receiving rank keeps for backward from a block's messages besides attention's K
     and V (which memory.py counts as kv elements): what a chain or halo hands it (the scan's
-    starting state and the rows its first outputs read; parallel/cp_state.py also keeps them for
+    starting state and the rows its first outputs read; parallel/cp/state.py also keeps them for
     a recompute) and the gathered buffers of other all-gathers; its backward holds their gradient,
     as many bytes, before sending it back."""
     return sum(m.bytes for m in messages if m.what != "kv" and m.kind != RING)

@@ -39,7 +39,7 @@ top      the largest moment of the backward of the micro-batch being processed: 
          K + its loss buffers (train.loss_chunk: the logits' gradient in the compute dtype and
          one chunk's fp32 softmax, two under bf16, instead of [tokens, V] fp32 buffers; fsdp2
          without pipelining: + the last FSDP unit's gathered weights, which stay gathered from its
-         forward to its backward, parallel/zero.py); where gradients accumulate (pipelining,
+         forward to its backward, parallel/dp/fsdp2.py); where gradients accumulate (pipelining,
          gradient accumulation) at least K + the logits' gradient + the head's new fp32 weight
          gradient [V / tp, d] before it is added to the accumulated one (the larger moment with
          the chunked loss unless loss_chunk is large against d_model); at
@@ -73,7 +73,7 @@ parallelism. Bytes: `seq` and `vocab` (the unchunked loss) in fp32, the rest (th
 `logits` too) in the compute dtype (bf16 under autocast, else fp32); a recomputed block's input
 in fp32.
 
-Context parallelism (parallel.cp, parallel/context_parallel.py): a rank holds micro_batch x
+Context parallelism (parallel.cp, parallel/cp/split.py): a rank holds micro_batch x
 seq_len / cp tokens, so every per-token activation divides by cp; but each attention layer keeps
 the K and V of the whole sequence it all-gathered ([b, K, S, E] each, in the compute dtype) instead
 of its own slice, and its backward holds their gradients at that size before the reduce-scatter:
@@ -113,7 +113,7 @@ if TYPE_CHECKING:
     from megatron_taper.config import ModelConfig, ParallelConfig, TrainConfig
 
 ADAMW_BYTES = 8.0  # exp_avg + exp_avg_sq in fp32, per parameter
-CP_RING_TILE = 512  # query rows per piece of ring attention (parallel/context_parallel.py)
+CP_RING_TILE = 512  # query rows per piece of ring attention (parallel/cp/split.py)
 GIB = 2**30
 
 
@@ -279,7 +279,7 @@ def fsdp_units(block_params: Sequence[float], dp_shard: int) -> list[list[int]]:
     min(FSDP_UNIT_PER_RANK x dp_shard, FSDP_UNIT_CAP) elements (each rank's share of the unit's
     all-gather and reduce-scatter at least 1M elements, so they run at bandwidth rather than
     latency, while what is gathered at once stays bounded); a block at least that large is a unit
-    alone; the last unit takes the blocks left over. parallel/zero.py applies it."""
+    alone; the last unit takes the blocks left over. parallel/dp/fsdp2.py applies it."""
     target = min(FSDP_UNIT_PER_RANK * dp_shard, FSDP_UNIT_CAP)
     units: list[list[int]] = [[]]
     size = 0.0
@@ -341,7 +341,7 @@ def piece_memory(cost: Cost, shares: Split, setup: MemorySetup, tokens: int, rec
     parameters are matmul weights (not an embedding). A recomputed piece keeps its input, and
     under activation_checkpointing=op also its `op_act` (all of `act` where that is unknown).
     `received`: bytes per micro-batch the block was handed under context parallelism besides K and
-    V (cost/cp.py received_bytes), kept also when it recomputes (parallel/cp_state.py keeps what a
+    V (cost/cp.py received_bytes), kept also when it recomputes (parallel/cp/state.py keeps what a
     forward received for the recompute), and their gradient in its backward."""
     params = local_params(cost, shares)
     # float8: torchao's matmul saves the blocks' fp32 weights uncast (no bf16 copy; measured)

@@ -110,7 +110,7 @@ def _check_cuda_graphs(p: ParallelConfig) -> None:
 
 
 def _check_context_parallel(m: ModelConfig, p: ParallelConfig, t: TrainConfig) -> None:
-    """parallel.cp > 1 (parallel/context_parallel.py): what the sequence split supports today."""
+    """parallel.cp > 1 (parallel/cp/split.py): what the sequence split supports today."""
     cp = p.cp
     if not family(m.arch).context_parallel:
         supported = ", ".join(name for name in cards() if family(name).context_parallel)
@@ -122,7 +122,7 @@ def _check_context_parallel(m: ModelConfig, p: ParallelConfig, t: TrainConfig) -
     if not family(m.arch).cp_balanced and (p.pp > 1 or t.compile_setting == "true"):
         key = f"parallel.pp={p.pp}" if p.pp > 1 else "train.compile=true"
         raise ConfigError(f"parallel.cp={cp} with {key} is not supported for model.arch={m.arch!r} yet (its state "
-                          f"passes from slice to slice, parallel/cp_state.py, which is untested under pipelining and "
+                          f"passes from slice to slice, parallel/cp/state.py, which is untested under pipelining and "
                           f"compile); use {'parallel.pp=1' if p.pp > 1 else 'train.compile=false'}")
     if p.zero == "fsdp2" and p.dp_replicate > 1:
         raise ConfigError(f"parallel.cp={cp} with parallel.dp_replicate={p.dp_replicate} (HSDP) is not supported; "

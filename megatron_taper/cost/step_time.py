@@ -52,7 +52,7 @@ Per pipeline rank r, for one micro-batch of b x S tokens on one tp rank:
     optimizer   AdamW over the rank's shard of fp32 state at the device's memory bandwidth
                 (32 bytes read or written per parameter)
 
-Context parallelism (parallel.cp, parallel/context_parallel.py): every rank holds b x S / cp
+Context parallelism (parallel.cp, parallel/cp/split.py): every rank holds b x S / cp
 tokens of each micro-batch and does 1 / cp of its work (the load-balanced causal split; the
 contiguous split of the state-passing families too), so the compute, tp and pp terms above are
 those of S / cp tokens. Besides, per block and micro-batch, its messages (RankWork.cp_messages,
@@ -76,7 +76,7 @@ all-reduce). Every collective call (and point-to-point message) also costs the d
 `collective_latency_us` (the CPU's is measured between ranks that compute between collectives, the
 way a step's collectives run; 0 on the GPU profiles: not measured, not modelled). Calls counted: tp
 one per collective above; pp 2 per micro-batch; cp one per message, ring step or hop; DDP one per
-gradient bucket (`ddp_bucket_elements`, the rule parallel/data_parallel.py buckets with); fsdp2 and
+gradient bucket (`ddp_bucket_elements`, the rule parallel/dp/ddp.py buckets with); fsdp2 and
 DeepSpeed one per ZeRO unit (each block and the root) and collective (gathers, reduce-scatter and
 the replicas' all-reduce).
 """

@@ -70,7 +70,7 @@ class Attention(nn.Module):
     `position`: rope (q and k rotated by the cos/sin tables forward receives) or alibi (no
     rotation; an additive bias -slope_h * distance per head, slopes of the *global* head index:
     a tensor-parallel plan sets `first_head` to the first head this rank holds).
-    `context`: None, or the sequence split of context parallelism (parallel/context_parallel.py
+    `context`: None, or the sequence split of context parallelism (parallel/cp/split.py
     sets it): this rank holds a slice of the sequence at the positions the split names, and the
     split's `attend(q, k, v, slopes)` attends over the whole sequence.
     """

@@ -8,7 +8,7 @@ code): config.py, `--print-config` and every config error read only cards. Its `
 does); `models/__init__.py` imports that module only when the spec is first asked for. A
 built-in family's SPECS load no torch: they name the model code through `lazy` (imported on first
 call), and the cost terms, TP plan and layout checks they hold directly are torch-free modules.
-cost/flops.py (per-layer costs), parallel/tp_plan.py (tensor-parallel plan), preflight.py (layout
+cost/flops.py (per-layer costs), parallel/tp/plan.py (tensor-parallel plan), preflight.py (layout
 preconditions), inference/generation.py (decoding state) and inference/hf.py (Hugging Face
 adapter) read the spec; none of them names a family class.
 
@@ -18,7 +18,7 @@ options, code and SPECS, named in MEGATRON_TAPER_FAMILIES (tests/helpers/toy_fam
 
 The TP plan is a description, not parallel code: a function that names, for one block, which
 linears split by columns or rows and which parameters are replicated, through the `TPBuilder`
-it is handed (parallel/tp_plan.py); the model classes themselves stay single-device code.
+it is handed (parallel/tp/plan.py); the model classes themselves stay single-device code.
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from megatron_taper.config import ModelConfig, ParallelConfig
     from megatron_taper.cost.block import Cost
     from megatron_taper.cost.cp import CPMessage
-    from megatron_taper.parallel.tp_plan import TPBuilder
+    from megatron_taper.parallel.tp.plan import TPBuilder
 
 
 def lazy(module: str, name: str) -> Callable[..., Any]:
@@ -129,10 +129,10 @@ class FamilySpec:
     hf: HFAdapter | None = None  # None = no Hugging Face export / import
     carried_state: CarriedState | None = None  # None = every window starts from the model's initial state
     # whether the model splits a sequence over parallel.cp ranks: its modules with a `context`
-    # attribute take a parallel/context_parallel.py SequenceSplit; False = refused
+    # attribute take a parallel/cp/split.py SequenceSplit; False = refused
     context_parallel: bool = False
     # the split: True = load-balanced causal (attention only), False = contiguous, for families whose
-    # state passes from one slice to the next in sequence order (parallel/cp_state.py)
+    # state passes from one slice to the next in sequence order (parallel/cp/state.py)
     cp_balanced: bool = True
     # (cfg, block index, its MLP width, micro_batch, cp, activation dtype bytes, ring attention) -> the
     # messages that block exchanges per micro-batch under context parallelism (cost/cp.py CPMessage,

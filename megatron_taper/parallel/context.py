@@ -3,7 +3,7 @@
 Built once at start and passed explicitly to whatever needs it; nothing here is global.
 Rank layout (tp fastest, then cp, then dp, pp slowest, as in Megatron):
 rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank.
-The ranks of a cp group hold slices of the same sequences (parallel/context_parallel.py); gradients
+The ranks of a cp group hold slices of the same sequences (parallel/cp/split.py); gradients
 are averaged over the flattened dp x cp group (`grad_group`).
 
 HSDP (parallel.zero=fsdp2 with parallel.dp_replicate > 1): the dp ranks of a (pp, cp, tp)

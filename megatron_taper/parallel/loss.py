@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_taper.models.layers import IGNORE_INDEX, cross_entropy
-from megatron_taper.parallel.tensor import vocab_parallel_cross_entropy
+from megatron_taper.parallel.tp.layers import vocab_parallel_cross_entropy
 
 Group = dist.ProcessGroup
 

@@ -21,9 +21,9 @@ from torch.distributed.tensor import DTensor
 from megatron_taper.checkpoint.files import CheckpointReader, Piece
 from megatron_taper.models.layers import cross_entropy
 from megatron_taper.parallel.context import ParallelContext
-from megatron_taper.parallel.context_parallel import SequenceSplit, cp_mean, split_batch
-from megatron_taper.parallel.data_parallel import wrap_ddp
-from megatron_taper.parallel.tensor import ShardSpec
+from megatron_taper.parallel.cp.split import SequenceSplit, cp_mean, split_batch
+from megatron_taper.parallel.dp.ddp import wrap_ddp
+from megatron_taper.parallel.tp.layers import ShardSpec
 from megatron_taper.training.optim import build_optimizer
 
 if TYPE_CHECKING:
@@ -45,7 +45,7 @@ class ParallelModel:
     # run in reduce_gradients before the dp average: tp-level sums of partial gradients
     # (parameters looked up by name at call time, so later wrappers may replace them)
     tp_grad_syncs: list[Callable[[nn.Module], None]] = field(default_factory=list)
-    # set by ZeRO (parallel/zero.py): parameters, gradients and optimizer state are DTensors
+    # set by ZeRO (parallel/dp/fsdp2.py): parameters, gradients and optimizer state are DTensors
     # sharded over the dp group; `dp_shard` turns a tp-local tensor into this rank's dp shard
     dp_sharded: bool = False
     dp_shard: Callable[[torch.Tensor], torch.Tensor] | None = None
@@ -58,7 +58,7 @@ class ParallelModel:
     # CUDA: pinned host buffers an async save stages its device-to-host copies into, by key
     # (reused from save to save; the previous save's writer has finished before the next copy)
     pinned: dict[str, torch.Tensor] = field(default_factory=dict)
-    # parallel.cp > 1: each sequence split over the cp group (parallel/context_parallel.py); the
+    # parallel.cp > 1: each sequence split over the cp group (parallel/cp/split.py); the
     # batches stay whole sequences and are sliced here, and loss_fn gives this rank's share
     split: SequenceSplit | None = None
     # train.cuda_graphs: the blocks replay CUDA graphs; each step and evaluation batch starts a new

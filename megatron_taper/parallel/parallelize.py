@@ -27,16 +27,16 @@ from megatron_taper.cost.preflight import compiles, width_alignment_warning
 from megatron_taper.models import family
 from megatron_taper.parallel.block_options import apply_block_options
 from megatron_taper.parallel.context import ParallelContext
-from megatron_taper.parallel.context_parallel import SequenceSplit, apply_context_parallel, split_loss
-from megatron_taper.parallel.data_parallel import all_reduce_flat_, bucket_mb
+from megatron_taper.parallel.cp.split import SequenceSplit, apply_context_parallel, split_loss
+from megatron_taper.parallel.dp.ddp import all_reduce_flat_, bucket_mb
+from megatron_taper.parallel.dp.fsdp2 import apply_zero
 from megatron_taper.parallel.float8 import apply_float8
 from megatron_taper.parallel.loss import loss_function
 from megatron_taper.parallel.meta_init import is_meta
 from megatron_taper.parallel.model import ParallelModel, local_part
-from megatron_taper.parallel.pipeline import build_pipeline
-from megatron_taper.parallel.tensor import ShardSpec, sum_replicas_
-from megatron_taper.parallel.tp_plan import apply_tp
-from megatron_taper.parallel.zero import apply_zero
+from megatron_taper.parallel.pp.schedule import build_pipeline
+from megatron_taper.parallel.tp.layers import ShardSpec, sum_replicas_
+from megatron_taper.parallel.tp.plan import apply_tp
 from megatron_taper.taper import layer_widths
 
 if TYPE_CHECKING:

@@ -9,7 +9,7 @@
                                         (checkpointing, compile) -> ZeRO, on meta
     -> materialise                      this rank's parameters on its device, each set to its part
                                         of the family's init_value (parallel/meta_init.py)
-    -> attach_data_parallel             zero=none, dp x cp > 1: torch DDP (parallel/data_parallel.py)
+    -> attach_data_parallel             zero=none, dp x cp > 1: torch DDP (parallel/dp/ddp.py)
     -> build_optimizer                  AdamW (or the engine's, e.g. DeepSpeed's)
 
 Each rank allocates only its pipeline stage and its tp / fsdp2 shards, plus one full parameter at
@@ -18,7 +18,7 @@ layout. Where meta is not used:
 - parallel.zero=deepspeed: materialised before deepspeed.initialize (at build_optimizer), which
   partitions real tensors, so each rank briefly holds its whole tp-local stage (full / tp) in fp32.
 - parallel.pp_balance=profile: rank 0's tp group materialises one piece (a block, the embedding,
-  the head) at a time, its own tp shard of it, to time it (parallel/pipeline.py make_plan), and
+  the head) at a time, its own tp shard of it, to time it (parallel/pp/schedule.py make_plan), and
   frees it before the next piece and before its stage is materialised.
 - a model that registers buffers (none here): to_empty cannot recreate their values, so such a model
   is built and initialised whole on every rank, then parallelised.

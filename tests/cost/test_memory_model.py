@@ -266,7 +266,7 @@ def test_every_knob_moves_the_prediction_the_right_way():
     assert _whole(cfg, tp=2) < none
     assert _whole(cfg, 1, tp=2, sequence_parallel=True) < _whole(cfg, 1, tp=2)
     # also with several sequences per micro-batch: the gathered input is contiguous and shared by
-    # the projections (parallel/tensor.py enter_tp_region), as is the bf16 cast at tp > 1
+    # the projections (parallel/tp/layers.py enter_tp_region), as is the bf16 cast at tp > 1
     assert _whole(cfg, tp=2, sequence_parallel=True) < _whole(cfg, tp=2)
     assert _whole(cfg, tp=2, bf16=True) < _whole(cfg, bf16=True)
     assert _whole(cfg, bf16=True) < none

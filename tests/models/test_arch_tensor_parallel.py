@@ -4,7 +4,7 @@ heads' slopes), Gated Attention, Titans (MAG, MAL, MAC), Hope-attention, the tre
 split), the memory bridge (blocks as the Transformer's, the bridge replicated; auxiliary loss on),
 the linear and deep memories with Memory Caching; and any family MEGATRON_TAPER_FAMILIES adds).
 
-Plans under test (megatron_taper/parallel/tp_plan.py): attention and every MLP / CMS level
+Plans under test (megatron_taper/parallel/tp/plan.py): attention and every MLP / CMS level
 sharded as in the Transformer (uneven MLP shards: widths are odd multiples of 5); the gate of
 Gated Attention split by head; the Titans neural memory split by head (wq/wk/wv/gates
 column-parallel, M_0 and the read-norm gains sliced by head, wo row-parallel), persistent tokens

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from megatron_taper.models.layers import IGNORE_INDEX
 from megatron_taper.parallel.loss import chunked_cross_entropy, loss_function
-from megatron_taper.parallel.tensor import split_sizes
+from megatron_taper.parallel.tp.layers import split_sizes
 from tests.helpers.harness import run_distributed
 
 VOCAB, CHUNK = 11, 4  # 15 tokens: chunks of 4, 4, 4, 3

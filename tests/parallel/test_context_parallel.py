@@ -1,4 +1,4 @@
-"""Context parallelism (parallel/context_parallel.py) against one process.
+"""Context parallelism (parallel/cp/split.py) against one process.
 
 Model: 2 layers, d=64, 4 query heads over 2 kv heads (GQA), tapered MLP, vocab 101, seq_len 64
 (chunks of 16 at cp=2): the load-balanced split puts positions 0-15 and 48-63 on cp rank 0 and
@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from megatron_taper.config import load_config
 from megatron_taper.cost.preflight import preflight
 from megatron_taper.models.layers import alibi_slopes, causal_mask_at
-from megatron_taper.parallel.context_parallel import SequenceSplit
+from megatron_taper.parallel.cp.split import SequenceSplit
 from megatron_taper.validation import ConfigError
 from tests.helpers.cp_harness import Tolerances, compare, reference, worker
 from tests.helpers.harness import run_distributed

@@ -44,7 +44,7 @@ def test_cp2_with_pp2_and_with_fsdp2_over_dp_x_cp():
 
 def test_cp2_with_fsdp2_at_dp1():
     """2 processes: cp=2 x dp=1 with fsdp2, which shards over the cp group (dp x cp = 2): the
-    Transformer, and Titans (its memory state passed between the slices, parallel/cp_state.py;
+    Transformer, and Titans (its memory state passed between the slices, parallel/cp/state.py;
     test_cp_titans.py's model and tolerances)."""
     from tests.parallel.test_cp_titans import MODEL as TITANS
     from tests.parallel.test_cp_titans import TOLERANCES as TITANS_TOLERANCES
@@ -71,7 +71,7 @@ def test_memory_model_and_partition_shard_the_state_over_dp_x_cp():
     (ring: no K/V of the whole sequence)."""
     from megatron_taper.config import load_config
     from megatron_taper.cost.memory import MemorySetup, model_memory
-    from megatron_taper.parallel.pipeline import plan_stages
+    from megatron_taper.parallel.pp.schedule import plan_stages
 
     def cfg(overrides):
         return load_config(None, MODEL + ["parallel.zero=fsdp2", "train.device=cpu", *overrides])

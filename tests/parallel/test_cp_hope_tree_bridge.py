@@ -1,4 +1,4 @@
-"""Context parallelism (contiguous split, parallel/cp_state.py) for Hope-attention, the tree LM and
+"""Context parallelism (contiguous split, parallel/cp/state.py) for Hope-attention, the tree LM and
 the memory bridge, against one process.
 
 Models: 2 layers (the tree: 1), d=64, 4 query heads over 2 kv heads, vocab 101, seq_len 64, so

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from megatron_taper.config import load_config
 from megatron_taper.cost.preflight import preflight
 from megatron_taper.models import build_model
-from megatron_taper.parallel.context_parallel import SequenceSplit, apply_context_parallel
+from megatron_taper.parallel.cp.split import SequenceSplit, apply_context_parallel
 from megatron_taper.validation import ConfigError
 from tests.helpers.cp_harness import Tolerances, compare, reference, worker
 from tests.helpers.harness import run_distributed

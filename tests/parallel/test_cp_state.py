@@ -1,4 +1,4 @@
-"""State passing between context-parallel slices (parallel/cp_state.py) against one process.
+"""State passing between context-parallel slices (parallel/cp/state.py) against one process.
 
 A toy three-layer recurrent model over a [B=2, S=12, D=4] sequence, split contiguously over cp=3
 ranks (4 tokens each, so the middle rank both receives and sends): a tanh RNN passed by the chain,
@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
-from megatron_taper.parallel.context_parallel import SequenceSplit
-from megatron_taper.parallel.cp_state import prefix_state, previous_rows, receive_state, send_state
+from megatron_taper.parallel.cp.split import SequenceSplit
+from megatron_taper.parallel.cp.state import prefix_state, previous_rows, receive_state, send_state
 from tests.helpers.harness import run_distributed
 
 pytestmark = pytest.mark.multiprocess

@@ -1,11 +1,11 @@
-"""The DDP bucket-size rule (parallel/data_parallel.py bucket_mb): a configured size wins; 0 scales
+"""The DDP bucket-size rule (parallel/dp/ddp.py bucket_mb): a configured size wins; 0 scales
 with dp (Megatron-LM's max(40M, 1M x dp) elements) and is capped by the module's size. The DDP
 runs that use it are tests/parallel/test_step_engines.py::test_ddp_matches_one_process."""
 import torch
 from torch import nn
 
 from megatron_taper.cost.step_time import DDP_MIN_BUCKET_ELEMENTS as MIN_BUCKET_ELEMENTS
-from megatron_taper.parallel.data_parallel import bucket_mb
+from megatron_taper.parallel.dp.ddp import bucket_mb
 
 MIB = 2**20
 

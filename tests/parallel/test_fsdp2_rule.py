@@ -1,4 +1,4 @@
-"""The fsdp2 unit / reshard / prefetch rule (parallel/zero.py, cost/memory.py fsdp_units,
+"""The fsdp2 unit / reshard / prefetch rule (parallel/dp/fsdp2.py, cost/memory.py fsdp_units,
 docs/zero.md): the grouping arithmetic, and the rule observed on 2 gloo processes through what
 FSDP2 exposes: which blocks' parameters are sharded DTensors after a forward, and the profiler's
 `FSDP::forward_prefetch for <unit>` records (torch's names for the all-gathers it issues ahead).

@@ -171,7 +171,7 @@ def test_profile_of_a_meta_model_materialises_one_piece_at_a_time():
     each materialised alone (the model itself stays on the meta device throughout)."""
     from megatron_taper.models import build_model
     from megatron_taper.parallel.meta_init import is_meta
-    from megatron_taper.parallel.profile import profile_meta_layer_times
+    from megatron_taper.parallel.pp.profile import profile_meta_layer_times
 
     cfg = load_config(None, ["model.n_layers=3", "model.d_model=32", "model.n_heads=2", "model.vocab_size=128",
                              "model.seq_len=16"])

@@ -154,7 +154,7 @@ def test_plan_profile_uses_measured_times():
     import torch
 
     from megatron_taper.models import build_model
-    from megatron_taper.parallel.profile import profile_layer_times
+    from megatron_taper.parallel.pp.profile import profile_layer_times
 
     cfg = _model(**{"model.n_layers": 4, "model.d_model": 64, "model.n_heads": 2, "model.mlp_width": 128,
                     "model.seq_len": 16})

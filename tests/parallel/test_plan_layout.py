@@ -17,7 +17,7 @@ from megatron_taper.cost.partition import split_backward_activations, zbv_action
 from megatron_taper.cost.plan import SEARCH_SPACE, USABLE_FRACTION, Predictor, reason, with_values
 from megatron_taper.cost.preflight import preflight
 from megatron_taper.cost.step_time import RankWork, StepLayout, bandwidth, bubble_fraction, ring_seconds, step_time
-from megatron_taper.parallel.pipeline import plan_stages
+from megatron_taper.parallel.pp.schedule import plan_stages
 from megatron_taper.validation import ConfigError
 from tests.helpers.runner import REPO
 

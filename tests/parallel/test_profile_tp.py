@@ -30,8 +30,9 @@ def _profile_plan(overrides: list[str]) -> dict:
     """make_plan's stage layers, the measured times it used, and what each timed block held (its
     local parameter elements, its parallel linears, its input's sequence length)."""
     from megatron_taper.models import build_model
-    from megatron_taper.parallel import pipeline, profile
     from megatron_taper.parallel.context import init_parallel
+    from megatron_taper.parallel.pp import profile
+    from megatron_taper.parallel.pp import schedule as pipeline
 
     cfg = load_config(None, MODEL + overrides)
     ctx = init_parallel(load_config(None, MODEL + ["parallel.tp=2"]).parallel, "cpu")

@@ -17,7 +17,7 @@ import torch
 
 from megatron_taper.config import load_config
 from megatron_taper.parallel.context import ParallelContext
-from megatron_taper.parallel.tensor import split_sizes
+from megatron_taper.parallel.tp.layers import split_sizes
 from megatron_taper.taper import layer_widths
 from megatron_taper.training.build import build_run
 from tests.helpers.harness import run_distributed
@@ -142,7 +142,7 @@ def test_split_sizes_refuses_fewer_units_than_ranks():
 def _layers_worker():
     import torch.distributed as dist
 
-    from megatron_taper.parallel.tensor import (
+    from megatron_taper.parallel.tp.layers import (
         ColumnParallelLinear,
         RowParallelLinear,
         ShardSpec,
@@ -193,7 +193,7 @@ def _cross_entropy_worker():
     import torch.nn.functional as F
 
     from megatron_taper.models.layers import IGNORE_INDEX
-    from megatron_taper.parallel.tensor import vocab_parallel_cross_entropy
+    from megatron_taper.parallel.tp.layers import vocab_parallel_cross_entropy
 
     group, rank = dist.group.WORLD, dist.get_rank()
     sizes = split_sizes(11, 2, 1)  # [6, 5]: uneven vocabulary shards
@@ -281,7 +281,7 @@ def test_bf16_activation_collectives_move_bf16(sp):
 def _in_place_sum_worker():
     import torch.distributed as dist
 
-    from megatron_taper.parallel.tensor import reduce_from_tp_region
+    from megatron_taper.parallel.tp.layers import reduce_from_tp_region
 
     group, out = dist.group.WORLD, {}
     w = torch.full((3, 3), 0.5, requires_grad=True)

@@ -13,7 +13,7 @@ checkpoint continues at dp=1 and at tp=2 with that run's losses (TOL); a dp=2 ru
 after step 5 and resumed at dp=2 repeats them bitwise; tools/convert_checkpoint.py exports the
 one-process run's and the fsdp2 run's logical files to the same tensors (within 1e-4).
 
-C++ ops DeepSpeed JIT-builds (none on these layouts: parallel/zero_deepspeed.py keeps its
+C++ ops DeepSpeed JIT-builds (none on these layouts: parallel/dp/zero_deepspeed.py keeps its
 shared-memory all-reduce op from being built) are cached in TORCH_EXTENSIONS_DIR, which
 tests/run.sh sets to .cache/torch_extensions in the repository, and this module too when run
 directly.

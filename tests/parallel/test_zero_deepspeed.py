@@ -244,4 +244,4 @@ def test_deepspeed_skips_a_step_whose_loss_is_non_finite(runs, tmp_path):
     for r in out:
         assert r["skipped"] == 1 and r["engine_skipped"] == 1, r
         assert r["stepped_losses"][1] == float("inf") and all(map(math.isfinite, r["stepped_losses"][::2]))
-        assert not r["shm_comm_op_built"]  # parallel/zero_deepspeed.py skip_shm_comm_build
+        assert not r["shm_comm_op_built"]  # parallel/dp/zero_deepspeed.py skip_shm_comm_build

@@ -1,4 +1,4 @@
-"""Gated Attention's block tensor-parallel plan (parallel/tp_plan.py runs it). Torch-free at module level."""
+"""Gated Attention's block tensor-parallel plan (parallel/tp/plan.py runs it). Torch-free at module level."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -8,7 +8,7 @@ from megatron_taper.models.transformer.parallel import tp_plan_transformer_block
 if TYPE_CHECKING:
     from megatron_taper.config import ModelConfig
     from megatron_taper.models.gated_attention.model import GatedAttentionBlock
-    from megatron_taper.parallel.tp_plan import TPBuilder
+    from megatron_taper.parallel.tp.plan import TPBuilder
 
 
 def tp_plan_gated_attention_block(block: GatedAttentionBlock, prefix: str, cfg: ModelConfig, tp: TPBuilder) -> None:

@@ -1,6 +1,6 @@
 """Hope-attention under context parallelism: the chain of the online CMS levels' fast weights.
 
-Context parallelism (contiguous split, parallel/cp_state.py): attention is the Transformer's
+Context parallelism (contiguous split, parallel/cp/state.py): attention is the Transformer's
 (all-gather or ring over the whole sequence); each online level whose period C_l is shorter
 than the sequence (`chained_levels`) starts cp rank r's slice from the fast weights rank r - 1's
 slice ended with (receive_state; [B, 2W, D] and [B, D, W]), makes the update at its slice's last
@@ -31,13 +31,13 @@ def chained(level: ContinuumLevel, n: torch.Tensor) -> bool:
 
 def receive_weights(level: ContinuumLevel, weights: Weights, batch: int) -> Weights:
     """The fast weights rank r - 1's slice ended with: [B, 2W, D], [B, D, W] (cp rank r > 0)."""
-    from megatron_taper.parallel.cp_state import receive_state  # the model stays single-device until cp is applied
+    from megatron_taper.parallel.cp.state import receive_state  # the model stays single-device until cp is applied
 
     return receive_state(level.context, level.context_tag, tuple(w.expand(batch, *w.shape) for w in weights))
 
 
 def send_weights(level: ContinuumLevel, out: tuple[torch.Tensor, ...]) -> torch.Tensor:
     """Hand the end weights out[1:] to cp rank r + 1 (cp_state.py's chain); returns the outputs out[0]."""
-    from megatron_taper.parallel.cp_state import send_state
+    from megatron_taper.parallel.cp.state import send_state
 
     return send_state(level.context, level.context_tag, out[0], tuple(out[1:]))

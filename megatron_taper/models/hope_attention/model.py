@@ -67,7 +67,7 @@ def identity(x: torch.Tensor) -> torch.Tensor:
 @dataclass(frozen=True)
 class LevelComm:
     """Where a CMS level meets the other tensor-parallel ranks: the identity on one device; a tp
-    plan (tp_plan_hope_attention_block) puts the collectives of parallel/tensor.py in place."""
+    plan (tp_plan_hope_attention_block) puts the collectives of parallel/tp/layers.py in place."""
 
     enter: Callable[[torch.Tensor], torch.Tensor] = identity  # block input -> the shard's input (f)
     sum_partial: Callable[[torch.Tensor], torch.Tensor] = identity  # partial sums -> whole (all-reduce)

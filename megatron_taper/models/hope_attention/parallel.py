@@ -1,4 +1,4 @@
-"""Hope-attention's tensor-parallel plan (parallel/tp_plan.py runs it) and layout checks; torch-free
+"""Hope-attention's tensor-parallel plan (parallel/tp/plan.py runs it) and layout checks; torch-free
 at module level.
 
 Tensor parallelism splits every level's width like a SwiGLU's (w1, w3 by rows, w2 by columns).
@@ -18,7 +18,7 @@ from megatron_taper.validation import ConfigError
 if TYPE_CHECKING:
     from megatron_taper.config import ModelConfig, ParallelConfig
     from megatron_taper.models.hope_attention.model import HopeAttentionBlock, LevelComm
-    from megatron_taper.parallel.tp_plan import TPBuilder
+    from megatron_taper.parallel.tp.plan import TPBuilder
 
 
 def tp_plan_hope_attention_block(block: HopeAttentionBlock, prefix: str, cfg: ModelConfig, tp: TPBuilder) -> None:
@@ -44,7 +44,7 @@ def tensor_parallel_comm(group, sequence_parallel: bool, matmuls_only: bool) -> 
     partial outputs, f for the sum's reuse in the update; the output back to the block's layout
     (SP: this rank's sequence chunk)."""
     from megatron_taper.models.hope_attention.model import LevelComm, identity
-    from megatron_taper.parallel import tensor as ops  # the model file stays single-device until a plan runs
+    from megatron_taper.parallel.tp import layers as ops  # the model file stays single-device until a plan runs
 
     def on_group(op):
         return functools.partial(op, group=group)

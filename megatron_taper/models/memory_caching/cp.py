@@ -1,5 +1,5 @@
 """Memory Caching (memory_caching/model.py) under context parallelism (parallel.cp): what a slice
-of a sequence receives from the slices before it (parallel/cp_state.py).
+of a sequence receives from the slices before it (parallel/cp/state.py).
 
 Split: contiguous (rank r holds tokens [r S / cp, (r + 1) S / cp)), and every slice is whole
 segments (`check_cp_layout`): rank r's n = S / (cp x segment) segments are the sequence's segments
@@ -68,7 +68,7 @@ def conv_past(mixer: MemoryCachingMixer, x: torch.Tensor) -> ConvPast:
     memory, split = mixer.memory, mixer.context
     if split is None or memory.conv_q is None or memory.conv_q.shape[1] < 2:
         return None
-    from megatron_taper.parallel.cp_state import previous_rows
+    from megatron_taper.parallel.cp.state import previous_rows
 
     before = previous_rows(split, mixer.context_tag, x, memory.conv_q.shape[1] - 1)  # [B, K - 1, D]
     return tuple(proj(before) for proj in (memory.wk, memory.wv, memory.wq))
@@ -92,7 +92,7 @@ def send(mixer: MemoryCachingMixer, y: torch.Tensor, state: State, finals: list[
     split = mixer.context
     if split is None:
         return y
-    from megatron_taper.parallel.cp_state import send_state, tie
+    from megatron_taper.parallel.cp.state import send_state, tie
 
     if mixer.linear:
         return tie(y, *handover.received)
@@ -119,7 +119,7 @@ def _chain_initial(mixer: MemoryCachingMixer, before: int, keys: torch.Tensor | 
 
 
 def _chain_in(mixer: MemoryCachingMixer, before: int, k: torch.Tensor, batch: int) -> Handover:
-    from megatron_taper.parallel.cp_state import receive_state
+    from megatron_taper.parallel.cp.state import receive_state
 
     keys = k if mixer.wu is not None else None
     flat = list(receive_state(mixer.context, mixer.context_tag, _chain_initial(mixer, before, keys, batch)))
@@ -161,7 +161,7 @@ def fold(continues: bool, caches: bool, state: tuple[torch.Tensor, ...],
 
 def _prefix(mixer: MemoryCachingMixer, features: tuple, segments: list[slice], pooled: torch.Tensor | None,
             batch: int) -> Handover:
-    from megatron_taper.parallel.cp_state import prefix_state
+    from megatron_taper.parallel.cp.state import prefix_state
 
     memory = mixer.memory
     zero = memory.init_state(batch)[0][0]  # [B, H, E, E]

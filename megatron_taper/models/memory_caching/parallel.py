@@ -1,4 +1,4 @@
-"""Memory Caching's tensor-parallel plan (parallel/tp_plan.py runs it) and layout checks; torch-free
+"""Memory Caching's tensor-parallel plan (parallel/tp/plan.py runs it) and layout checks; torch-free
 at module level."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from megatron_taper.validation import ConfigError
 if TYPE_CHECKING:
     from megatron_taper.config import ModelConfig, ParallelConfig
     from megatron_taper.models.memory_caching.model import MemoryCachingBlock
-    from megatron_taper.parallel.tp_plan import TPBuilder
+    from megatron_taper.parallel.tp.plan import TPBuilder
 
 
 def tp_plan_memory_caching_block(block: MemoryCachingBlock, prefix: str, cfg: ModelConfig, tp: TPBuilder) -> None:

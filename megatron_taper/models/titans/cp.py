@@ -3,7 +3,7 @@
 The split is the contiguous one (SequenceSplit balanced=False): cp rank r holds tokens
 [r s, (r + 1) s), s = S / cp. The neural memory's update is not associative (a deep memory's
 gradient step depends on the weights it starts from), so every block hands its state along the
-cp chain (parallel/cp_state.py receive_state / send_state): rank r starts each block from what
+cp chain (parallel/cp/state.py receive_state / send_state): rank r starts each block from what
 rank r - 1 reached at the end of its slice, and sends back the gradient of it. One message per
 block and direction carries everything a slice needs from the slices before it:
 
@@ -59,7 +59,7 @@ def conv_kernel(block: TitansBlock) -> int:
 
 def _receive(block: TitansBlock, initial: list[torch.Tensor]) -> list[torch.Tensor]:
     """`initial` on cp rank 0, else what rank r - 1 sent (empty tensors are not sent)."""
-    from megatron_taper.parallel.cp_state import receive_state
+    from megatron_taper.parallel.cp.state import receive_state
 
     sent = [t for t in initial if t.numel()]
     got = iter(receive_state(block.context, block.context_tag, sent) if sent else ())
@@ -68,7 +68,7 @@ def _receive(block: TitansBlock, initial: list[torch.Tensor]) -> list[torch.Tens
 
 def _send(block: TitansBlock, y: torch.Tensor, ends: list[torch.Tensor], like: list[torch.Tensor]) -> torch.Tensor:
     """Hand `ends` (shaped as cp rank r + 1's initial state `like`) to rank r + 1; returns y."""
-    from megatron_taper.parallel.cp_state import send_state
+    from megatron_taper.parallel.cp.state import send_state
 
     assert [t.shape for t in ends] == [t.shape for t in like], ([t.shape for t in ends], [t.shape for t in like])
     sent = [t.to(m.dtype) for t, m in zip(ends, like) if m.numel()]

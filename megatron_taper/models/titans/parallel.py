@@ -1,4 +1,4 @@
-"""Titans' tensor-parallel plan (parallel/tp_plan.py runs it) and its layout checks; torch-free
+"""Titans' tensor-parallel plan (parallel/tp/plan.py runs it) and its layout checks; torch-free
 at module level.
 
 Tensor parallelism: attention and MLP as in the Transformer; the neural memory is split by head
@@ -18,9 +18,9 @@ if TYPE_CHECKING:
 
     from megatron_taper.config import ModelConfig, ParallelConfig
     from megatron_taper.models.titans.model import TitansBlock
-    from megatron_taper.parallel.tp_plan import TPBuilder
+    from megatron_taper.parallel.tp.plan import TPBuilder
 
-MESSAGE_TENSORS = 64  # parallel/cp_state.py: at most this many tensors in one message
+MESSAGE_TENSORS = 64  # parallel/cp/state.py: at most this many tensors in one message
 
 
 def tp_plan_titans_block(block: TitansBlock, prefix: str, cfg: ModelConfig, tp: TPBuilder) -> None:

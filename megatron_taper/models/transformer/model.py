@@ -53,7 +53,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.mlp_widths = layer_widths(cfg)
-        self.context = None  # a context-parallel sequence split (parallel/context_parallel.py), or None
+        self.context = None  # a context-parallel sequence split (parallel/cp/split.py), or None
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.layers = nn.ModuleDict(
             {str(i): self.block_class(cfg, width) for i, width in enumerate(self.mlp_widths)}

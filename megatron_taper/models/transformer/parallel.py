@@ -1,4 +1,4 @@
-"""The Transformer block's tensor-parallel plan (parallel/tp_plan.py runs it). Torch-free at module level."""
+"""The Transformer block's tensor-parallel plan (parallel/tp/plan.py runs it). Torch-free at module level."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from megatron_taper.config import ModelConfig
     from megatron_taper.models.transformer.model import TransformerBlock
-    from megatron_taper.parallel.tp_plan import TPBuilder
+    from megatron_taper.parallel.tp.plan import TPBuilder
 
 
 def tp_plan_transformer_block(block: TransformerBlock, prefix: str, cfg: ModelConfig, tp: TPBuilder) -> None:

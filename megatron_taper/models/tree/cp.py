@@ -24,7 +24,7 @@ def tree_slice_prefixes(compose: Callable[[torch.Tensor], torch.Tensor], leaves:
     """This cp rank's prefix states [B, s, D] of the whole sequence's tree, for its contiguous slice
     leaves [B, s, D] (s = S / cp a power of two, so the slice is one aligned block of the tree:
     this module's doc). The slices' roots are all-gathered ([cp, B, D], backward: reduce-scatter)."""
-    from megatron_taper.parallel.cp_state import gather_states, tie  # the model file stays single-device
+    from megatron_taper.parallel.cp.state import gather_states, tie  # the model file stays single-device
 
     nodes = up_sweep(compose, leaves, count)
     roots = gather_states(split, nodes[-1][:, 0])  # [cp, B, D]: the root of every slice

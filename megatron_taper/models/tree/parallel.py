@@ -1,4 +1,4 @@
-"""The tree LM's tensor-parallel plan (parallel/tp_plan.py runs it) and model and layout checks;
+"""The tree LM's tensor-parallel plan (parallel/tp/plan.py runs it) and model and layout checks;
 torch-free at module level.
 
 Parallelism: tensor parallelism splits the cell's hidden width C like an MLP (W_in column-
@@ -16,7 +16,7 @@ from megatron_taper.validation import ConfigError
 if TYPE_CHECKING:
     from megatron_taper.config import ModelConfig, ParallelConfig
     from megatron_taper.models.tree.model import TreeLayer
-    from megatron_taper.parallel.tp_plan import TPBuilder
+    from megatron_taper.parallel.tp.plan import TPBuilder
 
 
 def check_tree_model(cfg: ModelConfig) -> None:

@@ -22,7 +22,7 @@ from torch import nn
 
 from megatron_taper.models import family
 from megatron_taper.models.layers import rope_tables, rope_tables_at
-from megatron_taper.parallel.tensor import (
+from megatron_taper.parallel.tp.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     ShardSpec,

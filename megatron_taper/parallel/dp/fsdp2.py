@@ -87,7 +87,7 @@ def apply_zero(pm: ParallelModel, parallel: ParallelConfig, train: TrainConfig,
     if engine == "fsdp2":
         return _fsdp2(pm, train.uses_bf16(has_bf16(pm.ctx.device)), chunks)
     assert engine == "deepspeed" and chunks is None, engine
-    from megatron_taper.parallel.zero_deepspeed import DeepSpeedParallelModel  # imports deepspeed
+    from megatron_taper.parallel.dp.zero_deepspeed import DeepSpeedParallelModel  # imports deepspeed
 
     return DeepSpeedParallelModel.wrap(pm, parallel.deepspeed)
 
@@ -148,7 +148,7 @@ def matmul_only_layers(unit: nn.Module) -> list[nn.Module]:
     any other module (a tied embedding) keeps them out."""
     from torch.distributed.fsdp import FSDPModule
 
-    from megatron_taper.parallel.tensor import ColumnParallelLinear, RowParallelLinear
+    from megatron_taper.parallel.tp.layers import ColumnParallelLinear, RowParallelLinear
 
     def matmul_only(m: nn.Module) -> bool:
         return (isinstance(m, (nn.Linear, ColumnParallelLinear))

@@ -5,7 +5,7 @@ rank) and keeps its slice of each sequence, with the load-balanced causal split 
 and torchtitan: the S tokens are cut into 2 cp chunks of c = S / (2 cp) and cp rank r holds chunks
 r and 2 cp - 1 - r, so every rank does the same causal attention work (an early chunk attends to
 few keys, a late one to many). Families whose state passes along the sequence (the recurrent
-memories: parallel/cp_state.py) take the contiguous split instead (`balanced=False`: rank r holds
+memories: parallel/cp/state.py) take the contiguous split instead (`balanced=False`: rank r holds
 chunks 2 r and 2 r + 1, tokens [r S / cp, (r + 1) S / cp)); attention over it is computed by the
 same code, with rank r doing r + 1/2 of rank 0's causal work.
 
@@ -69,7 +69,7 @@ from torch import nn
 
 from megatron_taper.cost.memory import CP_RING_TILE
 from megatron_taper.models.layers import IGNORE_INDEX, Attention, causal_mask_at
-from megatron_taper.parallel.tensor import gather_from_seq_region
+from megatron_taper.parallel.tp.layers import gather_from_seq_region
 
 
 @dataclass(frozen=True)
@@ -83,9 +83,9 @@ class SequenceSplit:
     tile: int = CP_RING_TILE  # ring: query rows per piece of a block's attention ([B, H, rows, C] scores)
     # True: the load-balanced causal split (chunks r and 2 cp - 1 - r); False: contiguous (chunks 2 r
     # and 2 r + 1, i.e. rank r holds tokens [r S / cp, (r + 1) S / cp)), for the families whose state
-    # passes from one slice to the next in sequence order (parallel/cp_state.py)
+    # passes from one slice to the next in sequence order (parallel/cp/state.py)
     balanced: bool = True
-    # parallel/cp_state.py: what each (kind, tag) received in forwards whose backward has not run
+    # parallel/cp/state.py: what each (kind, tag) received in forwards whose backward has not run
     # yet, oldest first, for the forward that activation checkpointing recomputes inside backward
     received: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -246,7 +246,7 @@ class _RingAttention(torch.autograd.Function):
 
 def apply_context_parallel(model: nn.Module, split: SequenceSplit) -> None:
     """Hand `split` to the model and to each of its modules that has a `context` attribute (the
-    attention modules, and the family modules that pass state between slices, parallel/cp_state.py),
+    attention modules, and the family modules that pass state between slices, parallel/cp/state.py),
     and give each of those a `context_tag`: its index among them, which tells its messages apart
     from other layers' messages in flight at the same time."""
     model.context = split

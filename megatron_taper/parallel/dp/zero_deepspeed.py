@@ -55,7 +55,7 @@ from megatron_taper.checkpoint.files import (
     shard_file,
 )
 from megatron_taper.parallel.context import ParallelContext
-from megatron_taper.parallel.context_parallel import cp_mean, split_batch
+from megatron_taper.parallel.cp.split import cp_mean, split_batch
 from megatron_taper.parallel.model import ParallelModel
 from megatron_taper.training.optim import build_optimizer
 from megatron_taper.validation import ConfigError

@@ -15,8 +15,8 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron_taper.models.layers import cross_entropy
-from megatron_taper.parallel.tensor import vocab_parallel_cross_entropy
-from megatron_taper.parallel.tp_plan import apply_tp
+from megatron_taper.parallel.tp.layers import vocab_parallel_cross_entropy
+from megatron_taper.parallel.tp.plan import apply_tp
 
 
 def _record_block_inputs(model: nn.Module, tokens: torch.Tensor, keep: Callable[[torch.Tensor], Any],
@@ -134,7 +134,7 @@ def profile_meta_layer_times(model: nn.Module, micro_batch: int, seq_len: int, d
     the peak is one piece, not the model. Pieces are timed one after the other (not in rounds).
 
     With `tp`, every rank of tp.group calls this: a meta copy of the model is sharded by the
-    family's tp plan (parallel/tp_plan.py apply_tp), so each rank times its own shard of each piece
+    family's tp plan (parallel/tp/plan.py apply_tp), so each rank times its own shard of each piece
     with the run's tp collectives (sequence parallel: block inputs of seq_len / tp positions; head
     loss: the vocab-parallel cross-entropy); each piece's time is the maximum over the tp ranks."""
     autocast = autocast or contextlib.nullcontext

@@ -48,13 +48,13 @@ from torch import nn
 from megatron_taper.config import V_SCHEDULES
 from megatron_taper.cost.partition import PipelinePlan, chunk_rank, plan_pipeline
 from megatron_taper.parallel.context import ParallelContext, has_bf16
-from megatron_taper.parallel.context_parallel import cp_mean, split_batch
-from megatron_taper.parallel.data_parallel import average_gradients
-from megatron_taper.parallel.data_parallel import bucket_mb as dp_bucket_mb
+from megatron_taper.parallel.cp.split import cp_mean, split_batch
+from megatron_taper.parallel.dp.ddp import average_gradients
+from megatron_taper.parallel.dp.ddp import bucket_mb as dp_bucket_mb
+from megatron_taper.parallel.dp.fsdp2 import apply_zero
 from megatron_taper.parallel.meta_init import is_meta
 from megatron_taper.parallel.model import ParallelModel
-from megatron_taper.parallel.profile import TPShard, profile_layer_times, profile_meta_layer_times
-from megatron_taper.parallel.zero import apply_zero
+from megatron_taper.parallel.pp.profile import TPShard, profile_layer_times, profile_meta_layer_times
 
 if TYPE_CHECKING:
     from megatron_taper.config import ModelConfig, ParallelConfig, TrainConfig

@@ -61,8 +61,8 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_taper.parallel.context_parallel import SequenceSplit
-from megatron_taper.parallel.tensor import gather_from_seq_region
+from megatron_taper.parallel.cp.split import SequenceSplit
+from megatron_taper.parallel.tp.layers import gather_from_seq_region
 
 _STATE_TAGS, _GRAD_TAGS, _HALO_TAGS, _HALO_GRAD_TAGS = 1 << 16, 2 << 16, 3 << 16, 4 << 16
 
