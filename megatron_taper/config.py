@@ -13,15 +13,13 @@ import dataclasses
 import difflib
 import importlib.util
 import os
-import typing
-import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
 import yaml
 
 from megatron_taper.models import cards, family_card
-from megatron_taper.recipe import read_recipe
+from megatron_taper.recipe import apply_key_value, dataclass_keys, merge_mapping, read_recipe
 from megatron_taper.taper import TAPER_SCHEDULES
 from megatron_taper.validation import ConfigError, check_choice, check_range
 
@@ -487,36 +485,16 @@ def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] 
 
 def from_dict(data: dict[str, Any], source: str = "config") -> Config:
     cfg = Config()
-    _merge(cfg, data, prefix="", source=source)
+    merge_mapping(cfg, data, source, removed=REMOVED_KEYS)
     return cfg
 
 
 def apply_override(cfg: Config, item: str) -> None:
-    if "=" not in item:
-        raise ConfigError(f"override {item!r} is not of the form key=value")
-    key, raw = item.split("=", 1)
-    key = key.strip().lstrip("-")
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError:
-        value = raw
-    parts = key.split(".")
-    target: Any = cfg
-    for i, part in enumerate(parts[:-1]):
-        target = _child(target, part, ".".join(parts[: i + 1]), suggest_for=key)
-        if not dataclasses.is_dataclass(target):
-            raise ConfigError(f"unknown key {key!r}{_suggest(key)}")
-    _set(target, parts[-1], value, key, source="command line")
+    apply_key_value(cfg, item)
 
 
 def all_keys(obj: Any = None, prefix: str = "") -> list[str]:
-    obj = Config() if obj is None else obj
-    keys = []
-    for f in dataclasses.fields(obj):
-        value = getattr(obj, f.name)
-        name = f"{prefix}{f.name}"
-        keys += all_keys(value, name + ".") if dataclasses.is_dataclass(value) else [name]
-    return keys
+    return dataclass_keys(Config() if obj is None else obj, prefix)
 
 
 def save_config(cfg: Config, path: str) -> None:
@@ -545,78 +523,3 @@ def _switch(key: str, value: Any) -> str:
 REMOVED_KEYS = {
     "data.num_workers": "batches are packed in the training process (measured: ~1% of a step)",
 }
-
-
-def _merge(obj: Any, data: dict[str, Any], prefix: str, source: str) -> None:
-    if not isinstance(data, dict):
-        raise ConfigError(f"{source}: section {prefix.rstrip('.') or 'top level'} must be a mapping")
-    for name, value in data.items():
-        key = f"{prefix}{name}"
-        if key in REMOVED_KEYS:
-            warnings.warn(f"{source}: {key} is no longer a setting ({REMOVED_KEYS[key]}); ignored", stacklevel=2)
-            continue
-        current = _child(obj, str(name), key)
-        if dataclasses.is_dataclass(current):
-            _merge(current, value, key + ".", source)
-        else:
-            _set(obj, str(name), value, key, source)
-
-
-def _child(obj: Any, name: str, key: str, suggest_for: str | None = None) -> Any:
-    names = {f.name for f in dataclasses.fields(obj)}
-    if name not in names:
-        raise ConfigError(f"unknown key {key!r}{_suggest(suggest_for or key)}")
-    return getattr(obj, name)
-
-
-def _set(obj: Any, name: str, value: Any, key: str, source: str) -> None:
-    fields = {f.name: f for f in dataclasses.fields(obj)}
-    if name not in fields:
-        raise ConfigError(f"unknown key {key!r}{_suggest(key)}")
-    hint = typing.get_type_hints(type(obj))[name]
-    if dataclasses.is_dataclass(hint):
-        raise ConfigError(f"{source}: {key} is a section; set its keys ({key}.<name>=...)")
-    setattr(obj, name, _coerce(value, hint, key))
-
-
-def _coerce(value: Any, hint: Any, key: str) -> Any:
-    if hint is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
-            return value.lower() in ("true", "yes", "1")
-        raise ConfigError(f"{key} must be a boolean (true/false), got {value!r}")
-    if isinstance(value, str) and hint in (int, float):
-        try:  # YAML 1.1 reads "2e-4" (no dot) as a string
-            value = float(value) if hint is float else int(value)
-        except ValueError:
-            pass
-    if hint is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            if isinstance(value, float) and value.is_integer():
-                return int(value)
-            raise ConfigError(f"{key} must be an integer, got {value!r}")
-        return value
-    if hint is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{key} must be a number, got {value!r}")
-        return float(value)
-    if hint is str:
-        if isinstance(value, (dict, list)):
-            raise ConfigError(f"{key} must be a string, got {value!r}")
-        return "" if value is None else str(value)
-    if hint is list:
-        if value is None or value == "":
-            return []
-        if not isinstance(value, list):
-            raise ConfigError(f"{key} must be a list (YAML, or JSON on the command line), got {value!r}")
-        return list(value)
-    raise AssertionError(f"unsupported config type {hint} for {key}")
-
-
-def _suggest(key: str) -> str:
-    close = difflib.get_close_matches(key, all_keys(), n=1, cutoff=0.5)
-    if not close:
-        leaf = key.rsplit(".", 1)[-1]
-        close = [k for k in all_keys() if k.rsplit(".", 1)[-1] == leaf][:1]
-    return f"; did you mean {close[0]!r}?" if close else ""
