@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         nproc, extra = LAYOUTS[name]
         folder = tempfile.mkdtemp(prefix=f"scale_memory_{name}_")
         out = os.path.join(folder, "rows.json")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+        cmd = [sys.executable, "-m", "megatron_taper.torchrun", "--standalone", "--nproc-per-node", str(nproc),
                os.path.abspath(__file__), "--worker", "--folder", folder, "--out", out, *model, *extra,
                *args.overrides]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -243,7 +243,7 @@ def main() -> None:
     if "WORLD_SIZE" not in os.environ:
         from activation_memory import MMAP_THRESHOLD
 
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.tp),
+        cmd = [sys.executable, "-m", "megatron_taper.torchrun", "--standalone", "--nproc-per-node", str(args.tp),
                __file__, "--tp", str(args.tp), "--steps", str(args.steps), "--config", args.config, *args.overrides]
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
                "MALLOC_MMAP_THRESHOLD_": MMAP_THRESHOLD}

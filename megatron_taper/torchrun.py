@@ -8,7 +8,8 @@ share), neither authenticated: anyone who reaches the machine can join or set ke
 starts one store instead, on a socket bound to 127.0.0.1 before the store takes it over (TCPStore's
 master_listen_fd); the agent and its workers share it (MASTER_ADDR=127.0.0.1), as with torchrun's static
 backend. Every other option, multi-node rendezvous included (--rdzv-backend=c10d ...), goes to torchrun
-unchanged.
+unchanged. A SIGINT or SIGTERM to torchrun ends it with one line (and exit 128 + the signal) instead of
+its traceback, after it has stopped the workers.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import uuid
 from datetime import timedelta
 
 from torch.distributed import PrefixStore, TCPStore
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.elastic.rendezvous import (
     RendezvousHandler,
@@ -86,7 +88,11 @@ def main(argv: list[str] | None = None) -> None:
         args.rdzv_id = str(uuid.uuid4())
     if args.rdzv_backend == BACKEND:
         rendezvous_handler_registry.register(BACKEND, _create_handler)
-    run(args)
+    try:
+        run(args)
+    except SignalException as e:  # Ctrl-C or a TERM: torchrun has stopped the workers (they saved, see above)
+        print(f"torchrun: stopped by {e.sigval.name}; the workers were stopped", file=sys.stderr, flush=True)
+        sys.exit(128 + e.sigval)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ def run_train(args: list[str], nproc: int = 1, check: bool = True, timeout: floa
               env: dict | None = None) -> subprocess.CompletedProcess:
     """Run the Trainer in a fresh process (torchrun when nproc > 1)."""
     if nproc > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+        cmd = [sys.executable, "-m", "megatron_taper.torchrun", "--nproc-per-node", str(nproc),
                "--standalone", "-m", "megatron_taper.train", *args]
     else:
         cmd = [sys.executable, "-m", "megatron_taper.train", *args]

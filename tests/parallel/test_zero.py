@@ -130,7 +130,7 @@ def test_fsdp2_checkpoint_resumes_on_another_layout(runs, tmp_path, nproc, extra
 @pytest.mark.slow  # over ~20 s alone
 def test_fsdp2_sigkill_and_resume_is_bitwise(runs, tmp_path):
     run_dir = tmp_path / "killed"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+    cmd = [sys.executable, "-m", "megatron_taper.torchrun", "--nproc-per-node", "2", "--standalone",
            "-m", "megatron_taper.train", *_args(run_dir, runs["data"], "parallel.zero=fsdp2")]
     env = {**os.environ, "OMP_NUM_THREADS": "1", **ENV}
     # both ranks park for 60 s before step 8 (fault injection), so the kill lands after step 7 and
