@@ -370,7 +370,9 @@ def measure(overrides: list[str], mode: str, nproc: int = 1, steps: int = 1, sta
         worker = [os.path.abspath(__file__), "--worker", "--out", tmp, "--mode", mode, "--steps", str(steps),
                   "--stage", stage, "--stage-layers", str(stage_layers), "--in-flight", str(in_flight),
                   "--loss-chunk", str(loss_chunk), "--meter", meter, *(["--full-step"] if full else []), *overrides]
-        launcher = ["-m", "megatron_taper.torchrun", "--standalone", "--nproc-per-node", str(nproc)] if nproc > 1 else []
+        launcher = []
+        if nproc > 1:
+            launcher = ["-m", "megatron_taper.torchrun", "--standalone", "--nproc-per-node", str(nproc)]
         env = {**os.environ, "PYTHONPATH": REPO, **({} if timing else {"MALLOC_MMAP_THRESHOLD_": MMAP_THRESHOLD})}
         env.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(REPO, ".cache", "torch_extensions"))
         if nproc > 1:
