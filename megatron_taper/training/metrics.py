@@ -70,13 +70,11 @@ class MetricsLogger:
         self.path = os.path.join(run_dir, "metrics.jsonl")
         self._file = None
         self._tb = None
+        # created at the first record, so a run refused before training (a refused resume) leaves no event file
+        self._tb_dir = os.path.join(run_dir, "tb") if enabled and tensorboard else None
         self._wandb = None
         if not enabled:
             return
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tb = SummaryWriter(os.path.join(run_dir, "tb"))
         if wandb is not None and wandb.enabled:
             self._wandb = start_wandb(wandb, run_dir, config or {})
 
@@ -97,7 +95,7 @@ class MetricsLogger:
         with open(tmp, "w") as f:
             f.writelines(kept)
         os.replace(tmp, self.path)
-        if self._tb is not None:
+        if self._tensorboard() is not None:
             self._tb.add_text("resume", f"resumed after step {step}", step)
 
     def log(self, record: dict[str, Any], console: str | None = None) -> None:
@@ -109,7 +107,7 @@ class MetricsLogger:
         self._file.write(json.dumps(record, allow_nan=True) + "\n")
         self._file.flush()
         values = scalars(record)
-        if self._tb is not None:
+        if self._tensorboard() is not None:
             for tag, value in values.items():
                 self._tb.add_scalar(tag, value, record["step"])
         if self._wandb is not None and values:
@@ -117,7 +115,16 @@ class MetricsLogger:
         if console:
             print(f"{timestamp()} {console}", flush=True)
 
+    def _tensorboard(self):
+        """The tensorboard writer (None when off), created on first use."""
+        if self._tb is None and self._tb_dir is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(self._tb_dir)
+        return self._tb
+
     def close(self) -> None:
+        self._tb_dir = None  # a closed logger writes nothing more
         if self._file is not None:
             self._file.close()
             self._file = None

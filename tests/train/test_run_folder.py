@@ -94,11 +94,14 @@ def test_which_folders_are_run_folders(tmp_path):
 
 def test_a_refused_resume_keeps_config_yaml(byte_tokens, tmp_path, capsys):
     run = tmp_path / "run"
-    train_in_process(args(byte_tokens, run, "train.steps=2"))
+    train_in_process(args(byte_tokens, run, "train.steps=2", "run.tensorboard=true"))
     config = (run / "config.yaml").read_text()
-    assert main(args(byte_tokens, run, "train.steps=4", "model.d_model=128")) == 2
+    events = sorted(p.name for p in (run / "tb").iterdir())
+    assert len(events) == 1
+    assert main(args(byte_tokens, run, "train.steps=4", "model.d_model=128", "run.tensorboard=true")) == 2
     assert "was written for another model" in capsys.readouterr().err
     assert (run / "config.yaml").read_text() == config
+    assert sorted(p.name for p in (run / "tb").iterdir()) == events  # the event file is opened at the first record
 
 
 def test_leftovers_are_removed_only_in_a_runs_checkpoints_folder(tmp_path):
