@@ -21,17 +21,18 @@ DOCUMENTS = ["data.document_mask=true"]
 STEPS = 2
 
 
-def test_document_mask_at_cp2_pp2_and_tp2_matches_one_process():
+def test_document_mask_at_cp2_pp2_tp2_and_fsdp2_matches_one_process():
     """2 processes, one launch, 2 steps: cp=2 with the all-gather (RoPE) and with the ring (Gated
-    Attention), pp=2 under 1F1B (doc_start cut into micro-batches and handed to both stages) and
-    tp=2 with sequence parallelism (attention gathers the sequence; the mask is the whole window's).
-    DDP, FSDP2 and DeepSpeed hand doc_start to the model as a keyword like the plain forward
-    (ParallelModel.batch_inputs); test_trainer_document_mask.py runs the plain one."""
+    Attention), pp=2 under 1F1B (doc_start cut into micro-batches and handed to both stages),
+    tp=2 with sequence parallelism (attention gathers the sequence; the mask is the whole window's)
+    and dp=2 with fsdp2 (each rank its own rows and their doc_start). DDP and DeepSpeed hand
+    doc_start to the model as the same keyword (ParallelModel.batch_inputs) and are not run here."""
     layouts = {"cp=2 allgather rope": ["parallel.cp=2"],
                "cp=2 ring gated_attention": ["parallel.cp=2", "parallel.cp_attention=ring",
                                              "model.arch=gated_attention"],
                "pp=2 1f1b": ["parallel.pp=2"],
-               "tp=2 sequence parallel": ["parallel.tp=2", "parallel.sequence_parallel=true"]}
+               "tp=2 sequence parallel": ["parallel.tp=2", "parallel.sequence_parallel=true"],
+               "dp=2 fsdp2": ["parallel.zero=fsdp2"]}
     got = merge_stages(run_distributed(stage_worker, 2, [MODEL + DOCUMENTS + o for o in layouts.values()], STEPS,
                                        timeout=240))
     for (label, overrides), rec in zip(layouts.items(), got):
