@@ -138,9 +138,11 @@ class Attention(nn.Module):
         if doc_start is not None:
             if mask is None and self.position == "rope" and q.is_cuda and flex_attention_available():
                 return flex_document_attention(q, k, v, document_ids(doc_start)).transpose(1, 2)
-            ids = document_ids(doc_start)
-            pos = torch.arange(seq, device=x.device)
-            mask = same_document(ids, ids) & (causal_mask_at(pos, pos) if mask is None else mask)  # [B, 1, S, S]
+            if mask is None:
+                mask = document_mask(doc_start)  # [B, 1, S, S]
+            else:
+                ids = document_ids(doc_start)
+                mask = same_document(ids, ids) & mask
         if self.position == "alibi":
             bias = alibi_bias(alibi_slopes(self.total_heads, self.first_head, q.shape[1], x.device), seq)
             if mask is not None:
