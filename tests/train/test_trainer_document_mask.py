@@ -28,7 +28,8 @@ def test_document_masked_run_resumes_bitwise(dataset, tmp_path):  # noqa: F811
     cfg = load_config(None, ["data.document_mask=true", f"data.path={dataset}", f"model.vocab_size={VOCAB}"])
     assert document_end_id(cfg.data, VOCAB) == eos
     straight, split = tmp_path / "straight", tmp_path / "split"
-    train_in_process(args(dataset, straight))
+    console = train_in_process(args(dataset, straight)).stdout
+    assert f"attention inside documents (ended by token {eos})" in console
     train_in_process(args(dataset, split, "train.exit_after=3"))
     assert len(losses(split)) == 3
     train_in_process(args(dataset, split))
