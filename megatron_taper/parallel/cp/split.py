@@ -186,7 +186,8 @@ def _within_documents(mask: torch.Tensor, ids: torch.Tensor | None, q_pos: torch
 
 def _block_scores(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """Scaled scores [B, H, s, t] in fp32 of q [B, H, s, E] over k [B, H, t, E]; `mask`: None (all
-    visible), boolean (True = may attend) or an additive bias, [s, t] or [H, s, t]."""
+    visible), boolean (True = may attend) or an additive bias, [s, t], [H, s, t] or (documents)
+    [B, 1 or H, s, t]."""
     scores = (q.float() @ k.float().transpose(-1, -2)) * q.shape[-1] ** -0.5
     if mask is None:
         return scores
