@@ -317,6 +317,10 @@ class DataConfig:
     # remote MDS data: one attempt at fetching one shard (3 attempts); the training thread waits at most
     # 3 x this for a shard, then this rank stops naming it (keep it well under the 600 s collective timeout)
     download_timeout_s: float = 60.0
+    # packed documents: each token attends only inside its own document (the windows' documents are
+    # found from the end-of-document id the data records; data/sources.py document_end_id); the
+    # attention families only, for now
+    document_mask: bool = False
 
     MIX_KEYS = ("path", "weight", "name")
 
@@ -327,6 +331,10 @@ class DataConfig:
     def validate(self, prefix: str) -> None:
         check_range(f"{prefix}.eval_fraction", self.eval_fraction, 0.0, 0.5)
         check_range(f"{prefix}.download_timeout_s", self.download_timeout_s, 1.0, None)
+        if self.document_mask and self.path.endswith(".npy"):
+            raise ConfigError(f"{prefix}.document_mask=true needs the data's end-of-document id, which the .npy "
+                              f"token file {prefix}.path={self.path!r} does not record; use an MDS folder written by "
+                              f"tools/preprocess_data.py (or the built-in corpus), or {prefix}.document_mask=false")
         for i, entry in enumerate(self.mix):
             key = f"{prefix}.mix[{i}]"
             if not isinstance(entry, dict):

@@ -63,6 +63,8 @@ def summary_lines(cfg: Config, ctx: ParallelContext, pm: ParallelModel, train_so
                             for c, stage in enumerate(plan.stages))
         lines.append(f"pipeline ({p.pp_schedule}, balance {p.pp_balance}): {stages}")
     held_out = f"held-out: {'yes' if has_eval else 'none'}"
+    if getattr(pm, "document_end", None) is not None:  # data.document_mask
+        held_out += f"; attention inside documents (ended by token {pm.document_end})"
     parts = getattr(train_source, "sources", None)  # data.mix: MixtureSource
     if parts is None:
         lines.append(f"data: {describe_source(train_source)}; {held_out}")

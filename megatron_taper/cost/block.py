@@ -3,7 +3,12 @@
 FLOPs are forward FLOPs per token (one multiply-add = 2 FLOPs); a training step costs about 3x
 (backward = 2x forward). Attention scores and values cost 2 * 2 * H * E * C per token, where the
 context C is (S + 1) / 2 on average under a causal mask (S when `causal=False`, which is what
-`torch.utils.flop_counter` counts for SDPA). Elementwise work (norms, RoPE, activations, softmax)
+`torch.utils.flop_counter` counts for SDPA). With data.document_mask each token attends only within
+its document, so a window of documents of L_1..L_n tokens has sum L_i (L_i + 1) / 2 useful pairs,
+not S (S + 1) / 2; that depends on the data, which the cost model does not read, so it counts the
+causal upper bound (MFU and the planner's step times then overstate masked attention's work; the
+CPU's SDPA path computes every S x S score anyway, FlexAttention on CUDA skips the blocks outside
+the documents). Elementwise work (norms, RoPE, activations, softmax)
 is not counted, as in the usual 6N accounting. Each family's `layer_cost` (its FamilySpec) is
 built from these; flops.py adds embedding and head and sums over the model.
 

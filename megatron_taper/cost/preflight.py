@@ -55,6 +55,10 @@ def preflight(cfg: Config, world_size: int, widths: Sequence[int] | None = None)
         _check_context_parallel(m, p, t)
     if spec.check_layout is not None:
         spec.check_layout(m, p)
+    if cfg.data.document_mask and not spec.document_mask:
+        supported = ", ".join(name for name in cards() if family(name).document_mask)
+        raise ConfigError(f"data.document_mask=true: model.arch={m.arch!r} does not keep tokens inside their "
+                          f"documents yet (families that do: {supported}); use data.document_mask=false")
     _check_zero(m, p, world_size, dp)
     _check_hsdp(p, dp)
     if t.float8:

@@ -103,6 +103,47 @@ def _mds_dataset(data: DataConfig, path: str, key: str,
     return make, has_val
 
 
+def document_end_id(data: DataConfig, vocab_size: int) -> int:
+    """The token id that ends every document of the run's data (data.document_mask: the model's
+    doc_start marks the positions right after it, models/documents.py). tools/preprocess_data.py
+    writes each document as its tokens followed by the tokenizer's EOS and records that id as
+    `eos_id` in the folder's stats.json (the built-in corpus is such a folder; a remote one's
+    stats.json is read from its cache); every data.mix folder must record the same id. ConfigError
+    naming the key for a folder whose stats.json records none, or mixture folders that disagree (a
+    .npy token file, which records none, is refused by DataConfig.validate)."""
+    from megatron_taper.data.streaming import STATS_FILE, cache_folder
+    from megatron_taper.validation import ConfigError
+
+    found: dict[str, int] = {}
+    for i, entry in enumerate(data.mix or [{"path": data.path}]):
+        path, key = entry["path"], f"data.mix[{i}].path" if data.mix else "data.path"
+        if not path:
+            from megatron_taper.data.builtin import prepare_builtin_data
+
+            path = prepare_builtin_data(os.path.join(default_cache_dir(data), "builtin"), vocab_size)
+        if is_remote(path):
+            cache = os.path.join(default_cache_dir(data), "streaming")
+            remote_splits(path, cache, key, data.download_timeout_s)  # copies stats.json into the cache
+            stats_file = os.path.join(cache_folder(cache, path), STATS_FILE)
+        else:
+            stats_file = os.path.join(path, STATS_FILE)
+        try:
+            with open(stats_file) as f:
+                stats = json.load(f)
+        except (OSError, ValueError):
+            stats = None
+        eos = stats.get("eos_id") if isinstance(stats, dict) else None
+        if isinstance(eos, bool) or not isinstance(eos, int):
+            raise ConfigError(f"data.document_mask=true: {key}={path} records no end-of-document id (eos_id in "
+                              f"{stats_file}); write the folder again with tools/preprocess_data.py, or "
+                              f"data.document_mask=false")
+        found[key] = eos
+    if len(set(found.values())) > 1:
+        raise ConfigError("data.document_mask=true needs one end-of-document id, but the data.mix folders record "
+                          + ", ".join(f"{key}: {eos}" for key, eos in found.items()))
+    return next(iter(found.values()))
+
+
 def check_local_dataset(path: str, key: str = "data.path") -> None:
     """ValueError with the fix when a local `path` is not an MDS folder written by
     tools/preprocess_data.py (missing; a raw input file; its train/ or val/ split; no train/)."""

@@ -8,7 +8,8 @@ config, build the model at the layout given by the overrides (`parallel.*`; defa
 no ZeRO) through `build.build_run`, load only the model weights of this rank's pieces (no
 optimizer state), evaluate, and return one JSON-ready object. RoPE tables are computed for any
 length, so lengths beyond the training `model.seq_len` are allowed (that measures length
-extrapolation).
+extrapolation). A run trained with data.document_mask is evaluated with it (attention inside each
+document of the held-out windows; `data.document_mask=false` overrides it).
 """
 from __future__ import annotations
 
@@ -110,6 +111,10 @@ def evaluate_checkpoint(checkpoint: str, overrides: list[str] = (), seq_lens: li
     ok = False
     try:
         run = build_run(cfg, ctx)
+        if cfg.data.document_mask:  # as the run trained: attention inside each document
+            from megatron_taper.data.sources import document_end_id
+
+            run.model.document_end = document_end_id(cfg.data, cfg.model.vocab_size)
         load_parallel_weights(run.model, ref)
         lengths = seq_lens or [cfg.model.seq_len]
         results = evaluate_lengths(run.model, cfg, lengths, batch_size, batches or cfg.train.eval_batches,

@@ -1,4 +1,5 @@
-"""Building blocks shared by every family: RMSNorm, RoPE, ALiBi, causal attention, SwiGLU MLP.
+"""Building blocks shared by every family: RMSNorm, RoPE, ALiBi, causal attention (optionally
+restricted to the documents of a packed window), SwiGLU MLP.
 
 Shapes: B batch, S sequence, D d_model, H query heads (local to this rank when tensor-parallel
 plans replace the projections), K key/value heads, E head_dim, W MLP width.
@@ -10,6 +11,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from megatron_taper.models.documents import flex_document_attention
+from megatron_taper.models.local_attention import flex_attention_available
 
 
 class RMSNorm(nn.Module):
@@ -64,6 +68,27 @@ def causal_mask_at(q_pos: torch.Tensor, k_pos: torch.Tensor, slopes: torch.Tenso
     return (-slopes[:, None, None] * distance).masked_fill(distance < 0, float("-inf"))
 
 
+def document_ids(doc_start: torch.Tensor) -> torch.Tensor:
+    """doc_start [B, S] bool (True where a document begins) -> [B, S] int32: each token's document
+    index in the window (cumulative count of starts; 0 before the first start). Tokens with equal
+    ids are one document; what precedes position 0 counts as position 0's document."""
+    return doc_start.cumsum(1, dtype=torch.int32)
+
+
+def same_document(q_ids: torch.Tensor, k_ids: torch.Tensor) -> torch.Tensor:
+    """Boolean [B, 1, Sq, Sk] (True = the same document) of queries with document ids q_ids [B, Sq]
+    over keys with ids k_ids [B, Sk]; broadcasts over the heads."""
+    return (q_ids[:, :, None] == k_ids[:, None, :])[:, None]
+
+
+def document_mask(doc_start: torch.Tensor) -> torch.Tensor:
+    """The causal mask restricted to documents: boolean [B, 1, S, S] (True = may attend: key j <=
+    query i and both in one document) of doc_start [B, S]."""
+    ids = document_ids(doc_start)
+    pos = torch.arange(doc_start.shape[1], device=doc_start.device)
+    return same_document(ids, ids) & causal_mask_at(pos, pos)
+
+
 class Attention(nn.Module):
     """Causal self-attention through SDPA, with grouped-query attention when K < H.
 
@@ -72,7 +97,12 @@ class Attention(nn.Module):
     a tensor-parallel plan sets `first_head` to the first head this rank holds).
     `context`: None, or the sequence split of context parallelism (parallel/cp/split.py
     sets it): this rank holds a slice of the sequence at the positions the split names, and the
-    split's `attend(q, k, v, slopes)` attends over the whole sequence.
+    split's `attend(q, k, v, slopes, doc_start)` attends over the whole sequence.
+    `doc_start` (data.document_mask; [B, S] bool, True where a document begins): each query sees
+    only the keys of its own document (document_ids). RoPE on CUDA with FlexAttention: a block
+    mask built from the document ids (models/documents.py), so fully masked key blocks are
+    skipped; otherwise SDPA under the boolean mask [B, 1, S, S] (document_mask), ALiBi's bias
+    masked alike. doc_start=None is the plain causal path, unchanged.
     """
 
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, head_dim: int, position: str = "rope"):
@@ -88,10 +118,11 @@ class Attention(nn.Module):
         self.wv = nn.Linear(d_model, n_kv_heads * head_dim, bias=False)
         self.wo = nn.Linear(n_heads * head_dim, d_model, bias=False)
 
-    def attend(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               mask: torch.Tensor | None = None) -> torch.Tensor:
+    def attend(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None,
+               doc_start: torch.Tensor | None = None) -> torch.Tensor:
         """Per-head outputs before the output projection: [B, S, H, E]. Causal, or under a boolean
-        mask [S, S] (True = may attend) when one is given."""
+        mask [S, S] (True = may attend) when one is given; with doc_start [B, S] also only within
+        each query's document."""
         bsz, seq, _ = x.shape
         q = self.wq(x).view(bsz, seq, -1, self.head_dim)
         k = self.wk(x).view(bsz, seq, -1, self.head_dim)
@@ -103,12 +134,20 @@ class Attention(nn.Module):
             assert mask is None, "context parallelism splits causal attention only"
             slopes = (alibi_slopes(self.total_heads, self.first_head, q.shape[1], x.device)
                       if self.position == "alibi" else None)
-            return self.context.attend(q, k, v, slopes).transpose(1, 2)
+            return self.context.attend(q, k, v, slopes, doc_start).transpose(1, 2)
+        if doc_start is not None:
+            if mask is None and self.position == "rope" and q.is_cuda and flex_attention_available():
+                return flex_document_attention(q, k, v, document_ids(doc_start)).transpose(1, 2)
+            if mask is None:
+                mask = document_mask(doc_start)  # [B, 1, S, S]
+            else:
+                ids = document_ids(doc_start)
+                mask = same_document(ids, ids) & mask
         if self.position == "alibi":
             bias = alibi_bias(alibi_slopes(self.total_heads, self.first_head, q.shape[1], x.device), seq)
             if mask is not None:
                 bias = bias.masked_fill(~mask, float("-inf"))
-            mask = bias.to(q.dtype)  # [H, S, S], broadcast over the batch
+            mask = bias.to(q.dtype)  # [H, S, S] (or [B, H, S, S] with documents), broadcast over the batch
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                            enable_gqa=q.shape[1] != k.shape[1])
         return y.transpose(1, 2)
@@ -117,8 +156,9 @@ class Attention(nn.Module):
         """The output projection of the per-head outputs y [B, S, H, E] of the block input x [B, S, D]."""
         return self.wo(y.flatten(2))
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        return self.project_out(self.attend(x, cos, sin), x)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                doc_start: torch.Tensor | None = None) -> torch.Tensor:
+        return self.project_out(self.attend(x, cos, sin, doc_start=doc_start), x)
 
 
 class SwiGLU(nn.Module):

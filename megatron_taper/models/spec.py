@@ -139,6 +139,9 @@ class FamilySpec:
     # from the same counting functions the family's cp code is checked against); None = the
     # Transformer's attention (its K and V all-gathered, or passed around the ring)
     cp_messages: Callable[[ModelConfig, int, int, int, int, int, bool], tuple[CPMessage, ...]] | None = None
+    # data.document_mask: the model's forward takes doc_start ([B, S] bool, True where a document of a
+    # packed window begins) and keeps every token inside its document; False = refused by preflight
+    document_mask: bool = False
 
     @property
     def name(self) -> str:

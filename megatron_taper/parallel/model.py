@@ -19,6 +19,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from megatron_taper.checkpoint.files import CheckpointReader, Piece
+from megatron_taper.models.documents import document_starts
 from megatron_taper.models.layers import cross_entropy
 from megatron_taper.parallel.context import ParallelContext
 from megatron_taper.parallel.cp.split import SequenceSplit, cp_mean, split_batch
@@ -61,6 +62,9 @@ class ParallelModel:
     # parallel.cp > 1: each sequence split over the cp group (parallel/cp/split.py); the
     # batches stay whole sequences and are sliced here, and loss_fn gives this rank's share
     split: SequenceSplit | None = None
+    # data.document_mask: the id that ends every document in the data (its stats.json's eos_id);
+    # each batch's doc_start is derived from it and passed to the model (`batch_inputs`); None = off
+    document_end: int | None = None
     # train.cuda_graphs: the blocks replay CUDA graphs; each step and evaluation batch starts a new
     # generation of them (torch.compiler.cudagraph_mark_step_begin)
     cuda_graphs: bool = False
@@ -271,9 +275,9 @@ class ParallelModel:
             # DDP reduces in the last micro-batch's backward only (gradients accumulate before)
             last = i == len(micro_batches) - 1
             with contextlib.nullcontext() if last or self.dp_module is None else self.dp_module.no_sync():
-                inputs, targets = split_batch(self.split, tokens)
+                inputs, targets, documents = self.batch_inputs(tokens)
                 with autocast():
-                    loss = self.loss_fn(runner(inputs), targets)
+                    loss = self.loss_fn(runner(inputs, **documents), targets)
                 (loss / len(micro_batches)).backward()
             if carry is not None:
                 carry.after(i)
@@ -284,11 +288,22 @@ class ParallelModel:
     def evaluate(self, tokens: torch.Tensor, autocast: Callable) -> torch.Tensor:
         """Mean loss of one micro-batch without gradients (float32 scalar, same on every rank)."""
         tokens = tokens.to(self.ctx.device, non_blocking=True)
-        inputs, targets = split_batch(self.split, tokens)
+        inputs, targets, documents = self.batch_inputs(tokens)
         if self.cuda_graphs:
             torch.compiler.cudagraph_mark_step_begin()
         with autocast():
-            return cp_mean(self.loss_fn(self.module(inputs), targets).float(), self.split)
+            return cp_mean(self.loss_fn(self.module(inputs, **documents), targets).float(), self.split)
+
+    def batch_inputs(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """(inputs, targets, the model's keyword inputs) of tokens [b, S + 1] on the device: this
+        rank's slices under cp; with `document_end` set, {"doc_start": [b, S] (or its slice)} marking
+        the positions right after each end-of-document token of the inputs
+        (models/documents.py document_starts), else {} (the model is called as without documents)."""
+        inputs, targets = split_batch(self.split, tokens)
+        if self.document_end is None:
+            return inputs, targets, {}
+        doc_start = document_starts(tokens[:, :-1], self.document_end)
+        return inputs, targets, {"doc_start": doc_start if self.split is None else self.split.split(doc_start)}
 
     def reduce_gradients(self) -> None:
         """Complete partial tp gradients. The dp average happened in backward: DDP's bucketed

@@ -24,7 +24,7 @@ from megatron_taper.console import report_error
 from megatron_taper.cost.preflight import Layout, preflight
 from megatron_taper.data.checks import check_data
 from megatron_taper.data.prefetch import Prefetcher
-from megatron_taper.data.sources import build_sources
+from megatron_taper.data.sources import build_sources, document_end_id
 from megatron_taper.fault.guard import FaultGuard
 from megatron_taper.fault.health import NonFiniteLossError
 from megatron_taper.fault.recovery import Recovery
@@ -88,6 +88,8 @@ class Trainer:
         self.train_source, self.held_out = build_sources(
             cfg.data, seq_len=m.seq_len, micro_batch=t.micro_batch, seed=t.seed, vocab_size=m.vocab_size,
             dp_rank=self.ctx.dp_rank, dp_size=self.ctx.dp, rows=t.global_batch if self.row_streams else 0)
+        if cfg.data.document_mask:  # every batch's doc_start comes from the tokens (ParallelModel.batch_inputs)
+            self.pm.document_end = document_end_id(cfg.data, m.vocab_size)
         self.prefetch = None
         self.data_state: dict | None = None  # the source's state after the last consumed step
         self.state = TrainState()

@@ -5,6 +5,9 @@ Every layout builds its model from the same seed (the weights are layout-free) a
 steps of 2 micro-batches on the same token rows at every step (so the loss must fall); `compare`
 checks the losses, every parameter's logical gradient at every step, the gradient norms and the
 final parameters against the one-process run. Each test module states why its tolerances hold.
+A layout with data.document_mask=true trains on rows that hold END_OF_DOCUMENT at fixed positions
+(documents that cross cp slices and micro-batch rows), and its ParallelModel derives doc_start
+from them, as the Trainer's does from the data's end-of-document id.
 """
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -19,6 +22,7 @@ from megatron_taper.training.build import build_run
 from megatron_taper.training.carried import CarriedRows
 
 STEPS = 3
+END_OF_DOCUMENT = 2  # data.document_mask layouts: the end-of-document id (the project's tokenizer's EOS)
 
 
 @dataclass(frozen=True)
@@ -35,7 +39,13 @@ class Tolerances:
 def batch(cfg, dp_rank=0, dp=1, rows=4):
     """[rows, S + 1] tokens, the same at every step; dp rank d trains rows d::dp."""
     g = torch.Generator().manual_seed(500)
-    return torch.randint(0, cfg.model.vocab_size, (rows, cfg.model.seq_len + 1), generator=g)[dp_rank::dp]
+    tokens = torch.randint(0, cfg.model.vocab_size, (rows, cfg.model.seq_len + 1), generator=g)
+    if cfg.data.document_mask:  # documents end at 5/16, 7/16 and 3/4 of even rows, 3/8 of odd ones
+        tokens[tokens == END_OF_DOCUMENT] = END_OF_DOCUMENT + 1
+        s = cfg.model.seq_len
+        tokens[0::2, [5 * s // 16, 7 * s // 16, 3 * s // 4]] = END_OF_DOCUMENT
+        tokens[1::2, 3 * s // 8] = END_OF_DOCUMENT
+    return tokens[dp_rank::dp]
 
 
 def train(run, rank0, steps=STEPS):
@@ -44,6 +54,8 @@ def train(run, rank0, steps=STEPS):
     A model that carries a state (models/spec.py CarriedState) carries it from each step's rows to
     the same rows at the next step, as the trainer does (carry.state_dict() after every step)."""
     pm, optimizer, ctx = run.model, run.optimizer, run.ctx
+    if run.cfg.data.document_mask:
+        pm.document_end = END_OF_DOCUMENT
     rec = {"loss": [], "norm": [], "grads": [], "carried": []}
     carried = family(run.cfg.model.arch).carried_state
     carry = (CarriedRows(carried, pm.module, 2, ctx.dp, ctx.dp_rank, ctx.device)

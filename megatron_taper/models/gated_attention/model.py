@@ -6,8 +6,8 @@
 
 `model.gated.gate`: elementwise (W_g: D -> H*E, one gate per head dimension) or headwise
 (W_g: D -> H, one gate per head). The gate has no bias. Everything else is the tapered
-Transformer; the gate's output dimension is head-major, so a tensor-parallel plan shards it by
-head exactly like `wq`.
+Transformer (with `doc_start`, attention restricted to each token's document: models/layers.py);
+the gate's output dimension is head-major, so a tensor-parallel plan shards it by head exactly like `wq`.
 """
 from __future__ import annotations
 

@@ -12,6 +12,8 @@ then takes hidden states [B, S, D] instead of tokens and returns hidden states w
 gone. This file is single-device code: parallelism is applied from outside. Context parallelism
 sets `context` (here and on every Attention) to a sequence split: the S tokens this module then
 sees are a slice of a longer sequence, and RoPE angles come from their true positions.
+Packed documents (data.document_mask): forward's `doc_start` restricts every block's attention to
+each token's document (models/layers.py Attention); without it, attention is causal over the window.
 """
 from __future__ import annotations
 
@@ -41,8 +43,9 @@ class TransformerBlock(nn.Module):
     def build_attention(self, cfg: ModelConfig) -> nn.Module:
         return Attention(cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_dim, cfg.position_encoding)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                doc_start: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, doc_start=doc_start)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -70,21 +73,24 @@ class Transformer(nn.Module):
         """Fill every parameter of this (materialised, unsharded) model through init_value."""
         init_parameters(self, seed)
 
-    def run_blocks(self, h: torch.Tensor) -> torch.Tensor:
-        """This module's blocks in order on hidden states [B, S, D]."""
+    def run_blocks(self, h: torch.Tensor, doc_start: torch.Tensor | None = None) -> torch.Tensor:
+        """This module's blocks in order on hidden states [B, S, D]; doc_start [B, S] (or None)
+        goes to every block as a keyword (a block without document support is never handed one)."""
         if self.context is None:
             cos, sin = rope_tables(h.shape[1], self.cfg.head_dim, self.cfg.rope_theta, h.device)
         else:
             cos, sin = rope_tables_at(self.context.positions(h.shape[1], h.device), self.cfg.head_dim,
                                       self.cfg.rope_theta)
         for block in self.layers.values():
-            h = block(h, cos, sin)
+            h = block(h, cos, sin) if doc_start is None else block(h, cos, sin, doc_start=doc_start)
         return h
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: tokens [B, S] (when this module holds the embedding) or hidden states [B, S, D]."""
+    def forward(self, x: torch.Tensor, doc_start: torch.Tensor | None = None) -> torch.Tensor:
+        """x: tokens [B, S] (when this module holds the embedding) or hidden states [B, S, D];
+        doc_start: None, or [B, S] bool, True where a document begins (data.document_mask: each
+        token attends only inside its document; models/documents.py)."""
         h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
-        h = self.run_blocks(h)
+        h = self.run_blocks(h) if doc_start is None else self.run_blocks(h, doc_start=doc_start)
         if self.norm is None:
             return h
         h = self.norm(h)

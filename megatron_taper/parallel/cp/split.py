@@ -48,6 +48,15 @@ not by a fused kernel: per (query tile of at most `tile` rows of one chunk, key 
 [B, H, tile, S / (2 cp)] scores at a time, masked by causal_mask_at where the pair needs it and
 skipped where every key lies after every query.
 
+Packed documents (data.document_mask: the model's doc_start, each rank its slice [B, S / cp]):
+attention keeps to each query's document in both modes. Each attention layer all-gathers the
+ranks' doc_start slices (uint8, B x S / cp bytes per rank, beside K/V's 2 x B x K x S / cp x E
+elements) and counts starts along the whole sequence (`document_ids`), so a document that spans
+slices has one id on every rank; the causal mask (the all-gather's, and each ring piece's) is
+ANDed with "same document" (ALiBi's bias set to -inf outside it). Every ring piece then carries a
+mask; pieces whose pairs are all in other documents are still computed (skipping them would need
+the ids on the host).
+
 train.compile=true (each block compiled, parallel/block_options.py): the all-gather traces into the
 block's graph (measured, torch 2.13: no graph break, one graph per block); the ring's
 batch_isend_irecv is a graph break (dynamo: "P2P compilation is disabled"), so the ring's steps run
@@ -68,7 +77,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_taper.cost.memory import CP_RING_TILE
-from megatron_taper.models.layers import IGNORE_INDEX, Attention, causal_mask_at
+from megatron_taper.models.layers import IGNORE_INDEX, Attention, causal_mask_at, document_ids, same_document
 from megatron_taper.parallel.tp.layers import gather_from_seq_region
 
 
@@ -129,26 +138,56 @@ class SequenceSplit:
             return received
         return wait
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               slopes: torch.Tensor | None = None) -> torch.Tensor:
+    def gathered_positions(self, local_len: int, device: torch.device) -> torch.Tensor:
+        """True positions [S] of the whole sequence in the order an all-gather over the cp group
+        lays it out (each rank's two chunks in rank order)."""
+        return torch.cat([self.positions_of(r, local_len, device) for r in range(self.cp)])
+
+    def document_ids(self, doc_start: torch.Tensor) -> torch.Tensor:
+        """Document ids [B, S] of the whole sequence, in position order, from this rank's doc_start
+        [B, s]: every rank's starts all-gathered (B x S bytes), then counted along the whole
+        sequence, so that ids agree across slices (models/layers.py document_ids)."""
+        s = doc_start.shape[1]
+        gathered = gather_from_seq_region(doc_start.to(torch.uint8), self.group)  # [B, S] in rank order
+        starts = torch.empty_like(gathered)
+        starts[:, self.gathered_positions(s, doc_start.device)] = gathered
+        return document_ids(starts.bool())
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: torch.Tensor | None = None,
+               doc_start: torch.Tensor | None = None) -> torch.Tensor:
         """Causal attention of this rank's queries over the whole sequence's keys: q [B, H, s, E],
-        k, v [B, K, s, E] at this rank's positions (s = S / cp); `slopes` [H]: ALiBi. -> [B, H, s, E]."""
+        k, v [B, K, s, E] at this rank's positions (s = S / cp); `slopes` [H]: ALiBi; `doc_start`
+        [B, s] (this rank's tokens): only keys of the query's document (ids over the whole
+        sequence: document_ids). -> [B, H, s, E]."""
+        ids = None if doc_start is None else self.document_ids(doc_start)
         if self.ring:
-            return _RingAttention.apply(q, k, v, slopes, self)
+            return _RingAttention.apply(q, k, v, slopes, self, ids)
         s = q.shape[2]
         # all-gather along the sequence (dim 1 of [B, s, K, E]); backward reduce-scatters
         k_all, v_all = (gather_from_seq_region(t.transpose(1, 2), self.group).transpose(1, 2) for t in (k, v))
         q_pos = self.positions(s, q.device)
-        k_pos = torch.cat([self.positions_of(r, s, q.device) for r in range(self.cp)])
-        mask = causal_mask_at(q_pos, k_pos, slopes)
+        k_pos = self.gathered_positions(s, q.device)
+        mask = _within_documents(causal_mask_at(q_pos, k_pos, slopes), ids, q_pos, k_pos)
         if slopes is not None:
             mask = mask.to(q.dtype)
         return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
 
 
+def _within_documents(mask: torch.Tensor, ids: torch.Tensor | None, q_pos: torch.Tensor,
+                      k_pos: torch.Tensor) -> torch.Tensor:
+    """`mask` (boolean [Sq, Sk] or ALiBi's additive [H, Sq, Sk]) of queries at q_pos over keys at
+    k_pos, restricted to pairs in one document when `ids` [B, S] (position order) is given:
+    [B, 1 or H, Sq, Sk]."""
+    if ids is None:
+        return mask
+    same = same_document(ids[:, q_pos], ids[:, k_pos])  # [B, 1, Sq, Sk]
+    return mask & same if mask.dtype == torch.bool else mask.masked_fill(~same, float("-inf"))
+
+
 def _block_scores(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """Scaled scores [B, H, s, t] in fp32 of q [B, H, s, E] over k [B, H, t, E]; `mask`: None (all
-    visible), boolean (True = may attend) or an additive bias, [s, t] or [H, s, t]."""
+    visible), boolean (True = may attend) or an additive bias, [s, t], [H, s, t] or (documents)
+    [B, 1 or H, s, t]."""
     scores = (q.float() @ k.float().transpose(-1, -2)) * q.shape[-1] ** -0.5
     if mask is None:
         return scores
@@ -167,10 +206,12 @@ def _fold(t: torch.Tensor, k: int) -> torch.Tensor:
     return t if t.shape[1] == k else t.unflatten(1, (k, -1)).sum(2)
 
 
-def _pieces(split: SequenceSplit, s: int, owner: int, slopes: torch.Tensor | None, device: torch.device):
+def _pieces(split: SequenceSplit, s: int, owner: int, slopes: torch.Tensor | None, device: torch.device,
+            ids: torch.Tensor | None = None):
     """The pieces of this rank's attention over the block of cp rank `owner`: (query rows, key rows,
     mask or None) per (query tile of at most split.tile rows of one chunk, key chunk), leaving out
-    the pairs where every key lies after every query (half of the diagonal blocks' work)."""
+    the pairs where every key lies after every query (half of the diagonal blocks' work). With
+    document ids [B, S] (position order) every piece is also masked to pairs in one document."""
     c = s // 2
     out = []
     for qi, q0 in enumerate(split.chunk_starts(split.rank, c)):
@@ -180,16 +221,16 @@ def _pieces(split: SequenceSplit, s: int, owner: int, slopes: torch.Tensor | Non
                 if k0 >= q0 + hi:
                     continue
                 mask = None
-                if slopes is not None or k0 + c - 1 > q0 + lo:
-                    mask = causal_mask_at(torch.arange(q0 + lo, q0 + hi, device=device),
-                                          torch.arange(k0, k0 + c, device=device), slopes)
+                q_pos, k_pos = torch.arange(q0 + lo, q0 + hi, device=device), torch.arange(k0, k0 + c, device=device)
+                if slopes is not None or k0 + c - 1 > q0 + lo or ids is not None:
+                    mask = _within_documents(causal_mask_at(q_pos, k_pos, slopes), ids, q_pos, k_pos)
                 out.append((slice(qi * c + lo, qi * c + hi), slice(ki * c, (ki + 1) * c), mask))
     return out
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, slopes, split):
+    def forward(ctx, q, k, v, slopes, split, ids):
         # q [B, H, s, E]; k, v [B, K, s, E] at this rank's positions
         h, s = q.shape[1], q.shape[2]
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -198,7 +239,7 @@ class _RingAttention(torch.autograd.Function):
         for step in range(split.cp):
             pending = split.pass_on(block) if step < split.cp - 1 else None
             kh, vh = _heads(block[0], h), _heads(block[1], h)
-            for rows, keys, mask in _pieces(split, s, (split.rank - step) % split.cp, slopes, q.device):
+            for rows, keys, mask in _pieces(split, s, (split.rank - step) % split.cp, slopes, q.device, ids):
                 scores = _block_scores(q[:, :, rows], kh[:, :, keys], mask)  # [B, H, tile, C]
                 old = lse[:, :, rows]
                 new = torch.logaddexp(old, scores.logsumexp(-1))
@@ -208,13 +249,13 @@ class _RingAttention(torch.autograd.Function):
                 lse[:, :, rows] = new
             if pending is not None:
                 block = pending()
-        ctx.save_for_backward(q, k, v, out, lse, slopes)
+        ctx.save_for_backward(q, k, v, out, lse, slopes, ids)
         ctx.split = split
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, grad):
-        q, k, v, out, lse, slopes = ctx.saved_tensors
+        q, k, v, out, lse, slopes, ids = ctx.saved_tensors
         split = ctx.split
         h, s, kv_heads = q.shape[1], q.shape[2], k.shape[1]
         grad = grad.float()
@@ -228,7 +269,7 @@ class _RingAttention(torch.autograd.Function):
             pending = split.pass_on(block) if step < split.cp - 1 else None
             kh, vh = _heads(block[0], h), _heads(block[1], h)
             dkh, dvh = torch.zeros_like(kh), torch.zeros_like(vh)
-            for rows, keys, mask in _pieces(split, s, (split.rank - step) % split.cp, slopes, q.device):
+            for rows, keys, mask in _pieces(split, s, (split.rank - step) % split.cp, slopes, q.device, ids):
                 p = (_block_scores(q[:, :, rows], kh[:, :, keys], mask) - safe[:, :, rows]).exp()  # [B, H, tile, C]
                 ds = p * (grad[:, :, rows] @ vh[:, :, keys].transpose(-1, -2) - delta[:, :, rows]) * scale
                 dq[:, :, rows] += ds @ kh[:, :, keys]
@@ -241,7 +282,7 @@ class _RingAttention(torch.autograd.Function):
             if pending is not None:
                 block = pending()
         # dblock now holds the gradients of this rank's own block (each ended one step past its owner)
-        return dq.to(q.dtype), dblock[0].to(k.dtype), dblock[1].to(v.dtype), None, None
+        return dq.to(q.dtype), dblock[0].to(k.dtype), dblock[1].to(v.dtype), None, None, None
 
 
 def apply_context_parallel(model: nn.Module, split: SequenceSplit) -> None:

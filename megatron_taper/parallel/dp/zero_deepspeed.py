@@ -26,7 +26,8 @@ non-finite policy) is given NaN gradients in its last backward, so DeepSpeed ski
 Context parallelism: DeepSpeed counts dp x cp data-parallel ranks (its train_batch_size is
 train.global_batch x cp: a cp group's ranks see the same sequences), averages gradients over
 them (the loss shares make that the whole-sequence gradient), and each rank feeds its slices
-(context_parallel.split_batch) and reports the mean of the shares over the cp group.
+(ParallelModel.batch_inputs, with doc_start under data.document_mask) and reports the mean of the
+shares over the cp group.
 Precision: DeepSpeed's `bf16` mode is off; its fp32 partitions run under the Trainer's bf16
 autocast (docs/precision.md).
 
@@ -55,7 +56,7 @@ from megatron_taper.checkpoint.files import (
     shard_file,
 )
 from megatron_taper.parallel.context import ParallelContext
-from megatron_taper.parallel.cp.split import cp_mean, split_batch
+from megatron_taper.parallel.cp.split import cp_mean
 from megatron_taper.parallel.model import ParallelModel
 from megatron_taper.training.optim import build_optimizer
 from megatron_taper.validation import ConfigError
@@ -264,9 +265,9 @@ class DeepSpeedParallelModel(ParallelModel):
                               f"for {engine.gradient_accumulation_steps()}")
         total = torch.zeros((), device=self.ctx.device)
         for i, tokens in enumerate(micro_batches):
-            inputs, targets = split_batch(self.split, tokens.to(self.ctx.device, non_blocking=True))
+            inputs, targets, documents = self.batch_inputs(tokens.to(self.ctx.device, non_blocking=True))
             with autocast():
-                loss = self.loss_fn(engine(inputs), targets)
+                loss = self.loss_fn(engine(inputs, **documents), targets)
             scaled = loss
             if i == len(micro_batches) - 1 and not self._finite_over_dp(total + loss.detach().float()):
                 # the non-finite policy: DeepSpeed skips a step only for a non-finite gradient

@@ -48,7 +48,7 @@ from torch import nn
 from megatron_taper.config import V_SCHEDULES
 from megatron_taper.cost.partition import PipelinePlan, chunk_rank, plan_pipeline
 from megatron_taper.parallel.context import ParallelContext, has_bf16
-from megatron_taper.parallel.cp.split import cp_mean, split_batch
+from megatron_taper.parallel.cp.split import cp_mean
 from megatron_taper.parallel.dp.ddp import average_gradients
 from megatron_taper.parallel.dp.ddp import bucket_mb as dp_bucket_mb
 from megatron_taper.parallel.dp.fsdp2 import apply_zero
@@ -126,12 +126,13 @@ class PipelineParallelModel(ParallelModel):
     def _step(self, schedule, tokens: torch.Tensor, losses: list, train: bool) -> None:
         run = schedule.step if train else schedule.eval
         first, last = 0 in self.chunk_ids, self.n_stages - 1 in self.chunk_ids
-        inputs, targets = split_batch(self.split, tokens)  # cp > 1: this rank's [B, S / cp] slices
+        inputs, targets, documents = self.batch_inputs(tokens)  # cp > 1: this rank's [B, S / cp] slices
         args = (inputs,) if first else ()
         kwargs = {"target": targets, "losses": losses} if last else {}
         # return_outputs=False: the last stage would keep every micro-batch's logits [b, S, V / tp]
-        # to the end of the step and then concatenate them (the losses are all that is used)
-        run(*args, return_outputs=False, **kwargs)
+        # to the end of the step and then concatenate them (the losses are all that is used);
+        # `documents` (doc_start) is cut into micro-batches like the inputs and reaches every stage
+        run(*args, return_outputs=False, **kwargs, **documents)
 
     def _mean_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
         if losses:
