@@ -199,13 +199,15 @@ class NeuralMemory(nn.Module):
         reads, state, _ = self.scan_with_starts(features, state, chunk_size, mix, whole_chunks, documents)
         return reads, state
 
-    def scan_segments(self, features: Features, start: State, length: int) -> tuple[torch.Tensor, list[torch.Tensor],
-                                                                                    State]:
+    def scan_segments(self, features: Features, start: State, length: int,
+                      documents: tuple[torch.Tensor, torch.Tensor] | None = None
+                      ) -> tuple[torch.Tensor, list[torch.Tensor], State]:
         """Memory Caching's continuing segments of `length` tokens (a multiple of the chunk; the
         last segment may be shorter) in one scan from `start`: the reads [B, H, T, E], every
-        segment's end weights per memory layer [B, H, n, i, o] and the state after the last."""
+        segment's end weights per memory layer [B, H, n, i, o] and the state after the last.
+        `documents`: as scan_features'."""
         size = min(self.chunk_size, length)  # the chunks a segment of its own would have
-        reads, state, starts = self.scan_with_starts(features, start, size)
+        reads, state, starts = self.scan_with_starts(features, start, size, documents=documents)
         every = length // size
         ends = [torch.cat((w[:, :, every::every], end.unsqueeze(2)), dim=2) for w, end in zip(starts[0], state[0])]
         return reads, ends, state
