@@ -64,6 +64,15 @@ def causal_mask_at(q_pos: torch.Tensor, k_pos: torch.Tensor, slopes: torch.Tenso
     return (-slopes[:, None, None] * distance).masked_fill(distance < 0, float("-inf"))
 
 
+def document_mask(doc_start: torch.Tensor) -> torch.Tensor:
+    """The causal mask within documents [B, 1, S, S] (True = may attend): query i sees key j <= i
+    of its own document; doc_start [B, S] is True where a new document begins (document ids:
+    cumsum of doc_start)."""
+    ids = doc_start.long().cumsum(dim=1)  # [B, S]
+    causal = torch.ones(doc_start.shape[1], doc_start.shape[1], dtype=torch.bool, device=doc_start.device).tril()
+    return ((ids[:, :, None] == ids[:, None, :]) & causal)[:, None]
+
+
 class Attention(nn.Module):
     """Causal self-attention through SDPA, with grouped-query attention when K < H.
 
@@ -91,7 +100,7 @@ class Attention(nn.Module):
     def attend(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                mask: torch.Tensor | None = None) -> torch.Tensor:
         """Per-head outputs before the output projection: [B, S, H, E]. Causal, or under a boolean
-        mask [S, S] (True = may attend) when one is given."""
+        mask [S, S] or [B, 1, S, S] (True = may attend) when one is given."""
         bsz, seq, _ = x.shape
         q = self.wq(x).view(bsz, seq, -1, self.head_dim)
         k = self.wk(x).view(bsz, seq, -1, self.head_dim)
