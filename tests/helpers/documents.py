@@ -7,6 +7,8 @@ every parameter's gradient (loss: a fixed random projection of the logits, summe
 """
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from megatron_taper.models.layers import rope_tables
@@ -14,8 +16,8 @@ from megatron_taper.models.layers import rope_tables
 
 def forward_with_documents(model, tokens: torch.Tensor, doc_start: torch.Tensor | None) -> torch.Tensor:
     h = model.tok_embeddings(tokens)
-    if hasattr(model, "run_blocks_with_documents"):
-        h = model.run_blocks_with_documents(h, doc_start)
+    if "doc_start" in inspect.signature(model.run_blocks).parameters:  # a family with its own run_blocks
+        h = model.run_blocks(h, doc_start=doc_start)
     else:
         cos, sin = rope_tables(h.shape[1], model.cfg.head_dim, model.cfg.rope_theta, h.device)
         for block in model.layers.values():

@@ -38,10 +38,10 @@ Documents (`doc_start` [B, S], True where a new document begins; context paralle
 attention sees the tokens of the query's own document (layers.py document_mask; RoPE and ALiBi
 depend on distances only, so positions need no restart), and every online level runs each
 document as a sequence of its own: the documents are folded into the batch (titans/documents.py
-`pack_documents` with the longest document as the row length: one row per document, padded at
-its end), so each starts from the level's parameters with its chunks counted from its first
-token. Folding costs the padding: R rows of the longest document's length for R documents (at
-most B documents per row times the batch). Offline levels (no updates) run unfolded.
+`fold_documents`: one row per document, as long as the longest, padded at its end), so each
+starts from the level's parameters with its chunks counted from its first token. Folding costs
+the padding: R rows of the longest document's length for R documents (at most B documents per
+row times the batch). Offline levels (no updates) run unfolded.
 
 Cost terms: hope_attention/cost.py; tensor-parallel plan: hope_attention/parallel.py; context
 parallelism: hope_attention/cp.py.
@@ -63,7 +63,7 @@ from megatron_taper.models.hope_attention.cost import level_period
 from megatron_taper.models.hope_attention.online import STEP_EPS, online_scan
 from megatron_taper.models.init import RESIDUAL_OUT, init_tensor
 from megatron_taper.models.layers import RMSNorm, document_mask
-from megatron_taper.models.titans.documents import document_positions, pack_documents, starts_inside
+from megatron_taper.models.titans.documents import fold_documents, starts_inside
 from megatron_taper.models.transformer.model import Transformer, TransformerBlock
 
 if TYPE_CHECKING:
@@ -186,14 +186,9 @@ class HopeAttentionBlock(TransformerBlock):
             return x
         xn = self.attn_norm(x)
         x = x + self.attn.project_out(self.attn.attend(xn, cos, sin, document_mask(doc_start)), xn)
-        length = int(document_positions(doc_start).max()) + 1  # the longest document
-        fold = pack_documents(doc_start, length)  # every document on [length] packed rows of its own
+        fold = fold_documents(doc_start)  # every document a row of its own
         for norm, level in zip(self.cms_norms, self.cms):
-            if not level.period:  # token by token: nothing to fold
-                x = x + level(norm(x))
-                continue
-            rows = fold.pack(norm(x)).unflatten(1, (-1, length)).flatten(0, 1)  # [R, length, D]
-            x = x + fold.unpack(level(rows).unflatten(0, (x.shape[0], -1)).flatten(1, 2))
+            x = x + (fold.unrows(level(fold.rows(norm(x)))) if level.period else level(norm(x)))
         return x
 
 

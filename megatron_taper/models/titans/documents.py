@@ -9,6 +9,11 @@ padding up to the next multiple of `align`]; rows are as long as the longest ([B
 documents * (P + align - 1)). Padding rows are zeros that the scans treat as no-ops (`valid`),
 and each document's first packed row is a reset (`resets`): the scan's state there is the
 initial one. Reads come back to the token rows with `unpack`.
+
+`fold_documents` packs with the longest document as `align`, so that every document fills one
+aligned block of its own: `rows` folds those blocks into the batch ([R, L, D], one row per
+document and per empty block), for a family that runs each document as a sequence of its own
+(Hope's online levels, the tree LM).
 """
 from __future__ import annotations
 
@@ -54,6 +59,7 @@ class Packing(NamedTuple):
     resets: torch.Tensor     # [B, S'] bool: a document's first packed row (its first prefix row, or token)
     positions: torch.Tensor  # [B, S'] long: the offset from the document's first packed row
     prefix: int
+    align: int
 
     def pack(self, x: torch.Tensor, prefix_rows: torch.Tensor | None = None) -> torch.Tensor:
         """x [B, S, D] (and the prefix rows [P, D]) -> the packed [B, S', D], zeros where padding."""
@@ -68,6 +74,14 @@ class Packing(NamedTuple):
         shape = list(y.shape)
         shape[dim] = seq
         return y.gather(dim, index.expand(shape))
+
+    def rows(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, S, D] -> its packed blocks of `align` rows folded into the batch: [B S' / align, align, D]."""
+        return self.pack(x).unflatten(1, (-1, self.align)).flatten(0, 1)
+
+    def unrows(self, y: torch.Tensor) -> torch.Tensor:
+        """The inverse of `rows` for the token rows: y [B S' / align, align, D] -> [B, S, D]."""
+        return self.unpack(y.unflatten(0, (self.dest.shape[0], -1)).flatten(1, 2))
 
 
 def pack_documents(doc_start: torch.Tensor, align: int, prefix: int = 0) -> Packing:
@@ -99,4 +113,9 @@ def pack_documents(doc_start: torch.Tensor, align: int, prefix: int = 0) -> Pack
     source, resets = source[:, :total], resets[:, :total]
     owner = (resets.long().cumsum(dim=1) - 1).clamp(min=0)  # [B, S'] the document each packed row belongs to
     positions = torch.arange(total, device=device) - base.gather(1, owner)
-    return Packing(dest, source, source < seq + prefix, resets, positions, prefix)
+    return Packing(dest, source, source < seq + prefix, resets, positions, prefix, align)
+
+
+def fold_documents(doc_start: torch.Tensor) -> Packing:
+    """pack_documents aligned to the longest document: one block of `align` rows per document."""
+    return pack_documents(doc_start, int(document_positions(doc_start).max()) + 1)
