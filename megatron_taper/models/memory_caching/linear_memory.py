@@ -172,6 +172,6 @@ def chunked_scan(features: LinearFeatures, initial: torch.Tensor, size: int,
     if carry is not None:
         updates = updates * carry[:, None, :, None, None]
         decays = decays.masked_fill(~carry[:, None], -math.inf)
-    states = chunk_states(updates, decays, initial)  # [B, H, N + 1, E, E]
+    states = chunk_states(updates, decays, initial, documents=carry is not None)  # [B, H, N + 1, E, E]
     reads = scores @ v + lb.exp()[..., None] * (q @ states[:, :, :-1])
     return reads.flatten(2, 3)[:, :, :total], states

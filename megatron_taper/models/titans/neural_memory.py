@@ -234,7 +234,7 @@ class NeuralMemory(nn.Module):
         surprise = [s.to(k.dtype).reshape(batch * heads, *s.shape[2:]) for s in state[1]]
         fused = not torch.is_autocast_enabled(k.device.type)  # else the state keeps its dtype
         last = count - 1 if whole_chunks and total % whole else count  # chunks that write
-        out = WriteLoop.apply(n, last, fused, *init, *weights, *surprise, *loop)
+        out = WriteLoop.apply(n, last, fused, documents is not None, *init, *weights, *surprise, *loop)
         starts, deltas, acts = out[:2 * n], out[2 * n:3 * n], out[3 * n:4 * n - 1]  # [B*H, N, ., .]
         ends = out[4 * n - 1:] if last == count else [t[:, last] for t in starts]
         out = read_chunks(init, starts, deltas, acts, reads, mix, batch, total)  # [B*H, T, E]
@@ -300,14 +300,15 @@ class WriteLoop(torch.autograd.Function):
     first `last` chunks writing) -> per layer the starting weights, then surprise, of every chunk
     [B*H, N, i, o], delta' [B*H, N, C, o], the hidden inputs a_l [B*H, N, C, i] and, when every
     chunk writes, the final weights and surprise [B*H, i, o], by write_loop_torch or the Triton
-    kernels (write_kernel_handles); backward a reverse loop over the chunks carrying the gradient of
-    the state (write_loop_backward)."""
+    kernels (write_kernel_handles; not over packed documents, `documents`: state_passing.kernel_choice);
+    backward a reverse loop over the chunks carrying the gradient of the state (write_loop_backward)."""
 
     @staticmethod
-    def forward(ctx, n: int, last: int, fused: bool, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(ctx, n: int, last: int, fused: bool, documents: bool,
+                *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         init, terms = list(tensors[:n]), tensors[3 * n:]
         weights, surprise = list(tensors[n:2 * n]), list(tensors[2 * n:3 * n])
-        ctx.kernel = write_kernel_handles(n) and state_passing.kernel_choice(terms[0]) == "triton"
+        ctx.kernel = write_kernel_handles(n) and state_passing.kernel_choice(terms[0], documents=documents) == "triton"
         if ctx.kernel:
             from megatron_taper.models.kernels.memory_write_triton import write_loop_triton
 
@@ -323,9 +324,9 @@ class WriteLoop(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         if ctx.fused:
-            return None, None, None, *write_loop_backward(ctx, grads)
+            return None, None, None, None, *write_loop_backward(ctx, grads)
         with torch.autocast(ctx.device, dtype=ctx.dtype):
-            return None, None, None, *write_loop_backward(ctx, grads)
+            return None, None, None, None, *write_loop_backward(ctx, grads)
 
 
 def write_kernel_handles(n: int) -> bool:
