@@ -7,11 +7,16 @@ a document's last chunk padded to C rows, the window attention runs blockwise ov
 they differ by rounding only: logits within 1e-4 and every parameter's gradient within 1e-4 of the
 largest gradient (measured: see each test's comment).
 """
+import warnings
+
 import pytest
 import torch
+import torch.nn.functional as F
 
 from megatron_taper.config import load_config
 from megatron_taper.models import build_model
+from megatron_taper.models.local_attention import blockwise_window_attention, flex_window_attention
+from megatron_taper.models.titans.documents import document_ids
 from tests.helpers.documents import forward_with_documents, none_is_today, packed_against_alone
 
 SEQ = 24
@@ -98,3 +103,31 @@ def test_bridge_resets_at_document_starts():
 # measured: logits <= 9e-8, gradients <= 1e-7 of the largest
 def test_tree_resets_at_document_starts():
     check_family(build("model.arch=tree", "model.tree.cell_width=48"))
+
+
+def dense_document_window(q, k, v, prefix: int, window: int, ids: torch.Tensor) -> torch.Tensor:
+    """The sliding window within documents from its definition: query i sees key row j < P, and
+    key row P + j when i - W < j <= i and ids[b, i] == ids[b, j]; one [B, 1, S, P + S] mask."""
+    seq = q.shape[2]
+    i = torch.arange(seq)[:, None]
+    j = torch.arange(prefix + seq)[None, :] - prefix
+    band = (j < 0) | ((i - j >= 0) & (i - j < window))
+    same = ids[:, :, None] == ids[:, None, :].expand(-1, seq, -1)  # [B, S, S]
+    mask = band & torch.cat((torch.ones(q.shape[0], seq, prefix, dtype=torch.bool), same), dim=2)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=True)
+
+
+# fp32, the same sums as the dense reference in another order: 1e-5 (test_titans_kernels' tolerance)
+@pytest.mark.parametrize("seq,prefix,window", [(24, 2, 8), (37, 0, 10), (20, 3, 64)])
+def test_window_kernels_stay_inside_documents(seq, prefix, window):
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 4, seq, 16, generator=g)
+    k, v = (torch.randn(2, 2, prefix + seq, 16, generator=g) for _ in range(2))
+    doc_start = torch.rand(2, seq, generator=g) < 0.2
+    ids = document_ids(doc_start)
+    ref = dense_document_window(q, k, v, prefix, window, ids)
+    torch.testing.assert_close(blockwise_window_attention(q, k, v, prefix, window, ids), ref, rtol=0, atol=1e-5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "flex_attention called without torch.compile()"
+        flex = flex_window_attention(q, k, v, prefix, window, compiled=False, doc_ids=ids)
+    torch.testing.assert_close(flex, ref, rtol=0, atol=1e-5)
