@@ -303,13 +303,11 @@ class BridgeBlock(TransformerBlock):
                 doc_start: torch.Tensor | None = None) -> torch.Tensor:
         """With `doc_start` [B, S] the bridge resets at document starts and attention stays inside the
         query's document (module docstring)."""
-        if doc_start is None:
-            if self.bridge is not None:
-                x = self.bridge(x)
-            return super().forward(x, cos, sin)
+        doc_start = starts_inside(doc_start, self.attn.context, "the memory bridge")
         if self.bridge is not None:
-            x = self.bridge(x, doc_start)
-        starts_inside(doc_start, self.attn.context, "the memory bridge")
+            x = self.bridge(x) if doc_start is None else self.bridge(x, doc_start)
+        if doc_start is None:
+            return super().forward(x, cos, sin)
         xn = self.attn_norm(x)
         x = x + self.attn.project_out(self.attn.attend(xn, cos, sin, document_mask(doc_start)), xn)
         return x + self.mlp(self.mlp_norm(x))
