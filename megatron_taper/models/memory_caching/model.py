@@ -174,9 +174,8 @@ class MemoryCachingMixer(nn.Module):
                 mix = self.soup_mix(gammas[:, :, seg, :1 + (cache[0].shape[2] if cache else 0)], cache)
             if packing is not None:
                 state = reset_state(memory.init_state(batch), state, packing.resets[:, start])
-            own_documents = None if documents is None else tuple(t[:, seg] for t in documents)
-            read, final = memory.scan_features(tuple(f[:, :, seg] for f in features), state, mix=mix,
-                                               documents=own_documents)
+            packed = {} if documents is None else {"documents": tuple(t[:, seg] for t in documents)}
+            read, final = memory.scan_features(tuple(f[:, :, seg] for f in features), state, mix=mix, **packed)
             onlines.append(read)
             own.append(final[0])
             if self.variant == "soup":
