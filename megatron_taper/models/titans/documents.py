@@ -54,17 +54,20 @@ class Packing(NamedTuple):
     """Where every token of a [B, S] window sits in the packed layout [B, S'] (module docstring)."""
     dest: torch.Tensor       # [B, S] long: the packed row of token t
     source: torch.Tensor     # [B, S'] long: the row each packed row copies from: 0..S-1 a token, S + j the
-    #                          prefix row j, S + P zeros (padding)
+    #                          prefix row j, S + P zeros (padding), S + P + 1 + i the carried row i
     valid: torch.Tensor      # [B, S'] bool: a token or a prefix row (not padding)
     resets: torch.Tensor     # [B, S'] bool: a document's first packed row (its first prefix row, or token)
     positions: torch.Tensor  # [B, S'] long: the offset from the document's first packed row
     prefix: int
     align: int
 
-    def pack(self, x: torch.Tensor, prefix_rows: torch.Tensor | None = None) -> torch.Tensor:
-        """x [B, S, D] (and the prefix rows [P, D]) -> the packed [B, S', D], zeros where padding."""
+    def pack(self, x: torch.Tensor, prefix_rows: torch.Tensor | None = None,
+             carried_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """x [B, S, D] (and the prefix rows [P, D], the carried rows [B, R, D]) -> the packed
+        [B, S', D], zeros where padding."""
         parts = [x] if prefix_rows is None else [x, prefix_rows.to(x.dtype).expand(x.shape[0], -1, -1)]
-        rows = torch.cat((*parts, x.new_zeros(x.shape[0], 1, x.shape[2])), dim=1)
+        parts.append(x.new_zeros(x.shape[0], 1, x.shape[2]))
+        rows = torch.cat((*parts, *(() if carried_rows is None else (carried_rows.to(x.dtype),))), dim=1)
         return rows.gather(1, self.source[..., None].expand(-1, -1, x.shape[2]))
 
     def unpack(self, y: torch.Tensor, dim: int = 1) -> torch.Tensor:
@@ -84,11 +87,17 @@ class Packing(NamedTuple):
         return self.unpack(y.unflatten(0, (self.dest.shape[0], -1)).flatten(1, 2))
 
 
-def pack_documents(doc_start: torch.Tensor, align: int, prefix: int = 0) -> Packing:
+def pack_documents(doc_start: torch.Tensor, align: int, prefix: int = 0, carried: torch.Tensor | None = None,
+                   offset: torch.Tensor | None = None, carried_rows: int = 0) -> Packing:
     """The packed layout (module docstring) of the documents of doc_start [B, S]; row 0 always starts
-    one (the window's first tokens are a sequence of their own)."""
+    one (the window's first tokens are a sequence of their own), unless `carried` [B] is given:
+    then a row whose first token does not start a document continues one (context parallelism):
+    its first document has no prefix rows but the last carried[b] of `carried_rows` rows handed
+    over (pack's `carried_rows`) in front of its tokens, does not reset, and its packed positions
+    start at offset[b]."""
     batch, seq = doc_start.shape
     device = doc_start.device
+    continues = torch.zeros(batch, dtype=torch.bool, device=device) if carried is None else ~doc_start[:, 0]
     starts = doc_start.clone()
     starts[:, 0] = True
     segment = starts.long().cumsum(dim=1) - 1  # [B, S]: the document of each token, from 0
@@ -96,24 +105,37 @@ def pack_documents(doc_start: torch.Tensor, align: int, prefix: int = 0) -> Pack
     lengths = torch.zeros(batch, count, dtype=torch.long, device=device).scatter_add_(
         1, segment, torch.ones_like(segment))  # [B, M]; 0 for documents a row does not have
     exists = lengths > 0
-    padded = torch.where(exists, -(-(lengths + prefix) // align) * align, 0)
+    first_continues = torch.zeros_like(exists)
+    first_continues[:, 0] = continues
+    lead = torch.where(first_continues, 0 if carried is None else carried[:, None], prefix * exists)  # rows before
+    padded = torch.where(exists, -(-(lengths + lead) // align) * align, 0)
     base = padded.cumsum(dim=1) - padded  # [B, M] each document's first packed row
     first = lengths.cumsum(dim=1) - lengths  # [B, M] each document's first token
     tokens = torch.arange(seq, device=device).expand(batch, -1)
-    dest = base.gather(1, segment) + prefix + tokens - first.gather(1, segment)  # [B, S]
+    dest = base.gather(1, segment) + lead.gather(1, segment) + tokens - first.gather(1, segment)  # [B, S]
     total = int(padded.sum(dim=1).max())
     sink = total  # one column past the end takes the writes of documents a row does not have
     source = torch.full((batch, total + 1), seq + prefix, dtype=torch.long, device=device)
     source.scatter_(1, dest, tokens)
     if prefix:
-        rows = torch.where(exists[..., None], base[..., None] + torch.arange(prefix, device=device), sink)
+        has_prefix = exists & ~first_continues
+        rows = torch.where(has_prefix[..., None], base[..., None] + torch.arange(prefix, device=device), sink)
         source.scatter_(1, rows.flatten(1), (seq + torch.arange(prefix, device=device)).repeat(count).expand(batch, -1))
+    if carried is not None:  # the continuing first document's carried rows: the last carried[b] of them
+        index = torch.arange(carried_rows, device=device)
+        take = continues[:, None] & (index >= carried_rows - carried[:, None])  # [B, R]
+        rows = torch.where(take, index - (carried_rows - carried[:, None]), sink)
+        source.scatter_(1, rows, (seq + prefix + 1 + index).expand(batch, -1))
     resets = torch.zeros(batch, total + 1, dtype=torch.bool, device=device)
-    resets.scatter_(1, torch.where(exists, base, sink), True)
+    resets.scatter_(1, torch.where(exists & ~first_continues, base, sink), True)
     source, resets = source[:, :total], resets[:, :total]
-    owner = (resets.long().cumsum(dim=1) - 1).clamp(min=0)  # [B, S'] the document each packed row belongs to
+    document = torch.zeros(batch, total + 1, dtype=torch.long, device=device)
+    document.scatter_(1, torch.where(exists, base, sink), 1)
+    owner = (document[:, :total].cumsum(dim=1) - 1).clamp(min=0)  # [B, S'] the document each packed row belongs to
     positions = torch.arange(total, device=device) - base.gather(1, owner)
-    return Packing(dest, source, source < seq + prefix, resets, positions, prefix, align)
+    if offset is not None:
+        positions = positions + torch.where((owner == 0) & continues[:, None], offset[:, None], 0)
+    return Packing(dest, source, source != seq + prefix, resets, positions, prefix, align)
 
 
 def fold_documents(doc_start: torch.Tensor) -> Packing:

@@ -25,7 +25,9 @@ segment boundary (MAC), its first chunk starting from M_0 with zero surprise, it
 seeing nothing before it; the chunk before it hands on M_0 (neural_memory.py reset_terms). The
 sliding window sees P and the tokens of its own document, RoPE positions restarting at P for each
 document's first token. MAC's segments follow the packed layout, so its retrieval, attention and
-writes restart at each document too. Context parallelism with documents is refused.
+writes restart at each document too. Context parallelism: MAG / MAL hand the state of the open
+chunk of the last document along the cp chain (titans/cp.py, Documents); MAC refuses a document
+start under context parallelism.
 
 Cost model: titans/cost.py. Context parallelism (`context` set on each block): titans/cp.py.
 """
@@ -122,14 +124,22 @@ class TitansBlock(TransformerBlock):
         prefix = self.persistent.shape[0]
         kernel = functools.partial(self.window_kernel, prefix=prefix, window=self.window)
         if doc_start is not None:
-            tokens = document_positions(doc_start)  # [B, S]
-            positions = torch.cat((torch.arange(prefix, device=xp.device).expand(xp.shape[0], -1), prefix + tokens), 1)
-            cos, sin = rope_tables_at(positions.flatten(), self.head_dim, self.rope_theta)
-            cos, sin = (t.view(*positions.shape, -1) for t in (cos, sin))  # [B, P + S, E/2]
-            return self.attn(xp, cos, sin, prefix, functools.partial(kernel, doc_ids=document_ids(doc_start)))
+            return self.document_window(xp, document_positions(doc_start), document_ids(doc_start))
         tokens = torch.arange(first - halo, first - halo + xp.shape[1] - prefix, device=xp.device)
         positions = torch.cat((torch.arange(prefix, device=xp.device), prefix + tokens))
         cos, sin = rope_tables_at(positions, self.head_dim, self.rope_theta)
+        return self.attn(xp, cos, sin, prefix, kernel)[:, halo:]
+
+    def document_window(self, xp: torch.Tensor, offsets: torch.Tensor, ids: torch.Tensor,
+                        halo: int = 0) -> torch.Tensor:
+        """Sliding-window attention over [P, x] ([B, P + S, D]) within documents: token offsets in
+        their documents and document ids [B, S] (rows of different ids do not see each other; RoPE
+        positions P + offset). Outputs of x but its first `halo` rows: [B, S - halo, D]."""
+        prefix = self.persistent.shape[0]
+        positions = torch.cat((torch.arange(prefix, device=xp.device).expand(xp.shape[0], -1), prefix + offsets), 1)
+        cos, sin = rope_tables_at(positions.flatten(), self.head_dim, self.rope_theta)
+        cos, sin = (t.view(*positions.shape, -1) for t in (cos, sin))  # [B, P + S, E/2]
+        kernel = functools.partial(self.window_kernel, prefix=prefix, window=self.window, doc_ids=ids)
         return self.attn(xp, cos, sin, prefix, kernel)[:, halo:]
 
     def memory_reads(self, xn: torch.Tensor, doc_start: torch.Tensor | None) -> torch.Tensor:
@@ -144,14 +154,15 @@ class TitansBlock(TransformerBlock):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 doc_start: torch.Tensor | None = None) -> torch.Tensor:
-        x = x + self.mix(self.attn_norm(x), starts_inside(doc_start, self.context, "Titans"))
+        x = x + self.mix(self.attn_norm(x), doc_start)
         return x + self.mlp(self.mlp_norm(x))
 
 
 class MAGBlock(TitansBlock):
     def mix(self, xn: torch.Tensor, doc_start: torch.Tensor | None = None) -> torch.Tensor:
         if self.context is not None:
-            return titans_cp.mag_mix(self, xn)
+            return titans_cp.mag_mix(self, xn) if doc_start is None else titans_cp.mag_documents(self, xn, doc_start)
+        doc_start = starts_inside(doc_start)
         if doc_start is not None:
             return self.window_attention(self.with_prefix(xn), doc_start=doc_start) * torch.sigmoid(
                 self.memory.output(self.memory_reads(xn, doc_start)))
@@ -167,6 +178,8 @@ class MALBlock(TitansBlock):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 doc_start: torch.Tensor | None = None) -> torch.Tensor:
+        if self.context is not None and doc_start is not None:
+            return titans_cp.mal_documents(self, x, doc_start)
         doc_start = starts_inside(doc_start, self.context, "Titans")
         if self.context is not None:
             return titans_cp.mal_forward(self, x)
@@ -177,6 +190,7 @@ class MALBlock(TitansBlock):
 
 class MACBlock(TitansBlock):
     def mix(self, xn: torch.Tensor, doc_start: torch.Tensor | None = None) -> torch.Tensor:
+        doc_start = starts_inside(doc_start, self.context, "Titans MAC")
         if doc_start is not None:
             packing = pack_documents(doc_start, self.window)
             out = self.segments(packing.pack(xn), self.memory.init_state(xn.shape[0]), packing=packing)[0]
