@@ -25,9 +25,11 @@ segment boundary (MAC), its first chunk starting from M_0 with zero surprise, it
 seeing nothing before it; the chunk before it hands on M_0 (neural_memory.py reset_terms). The
 sliding window sees P and the tokens of its own document, RoPE positions restarting at P for each
 document's first token. MAC's segments follow the packed layout, so its retrieval, attention and
-writes restart at each document too. Context parallelism: MAG / MAL hand the state of the open
-chunk of the last document along the cp chain (titans/cp.py, Documents); MAC refuses a document
-start under context parallelism.
+writes restart at each document too. Without context parallelism a doc_start with no start after
+a row's first token runs the code without documents. Under context parallelism MAG / MAL take the
+document path whenever doc_start is given (every rank must send the same message) and hand the
+state of the open chunk of the last document along the cp chain (titans/cp.py, Documents); MAC
+refuses a document start under context parallelism.
 
 Cost model: titans/cost.py. Context parallelism (`context` set on each block): titans/cp.py.
 """
@@ -121,13 +123,13 @@ class TitansBlock(TransformerBlock):
         first token is token `first` of the sequence; outputs of the slice only: [B, S - halo, D].
         With `doc_start` [B, S] (no context parallelism) each token sees P and its own document,
         the document's tokens at RoPE positions P, P + 1, ..."""
-        prefix = self.persistent.shape[0]
-        kernel = functools.partial(self.window_kernel, prefix=prefix, window=self.window)
         if doc_start is not None:
             return self.document_window(xp, document_positions(doc_start), document_ids(doc_start))
+        prefix = self.persistent.shape[0]
         tokens = torch.arange(first - halo, first - halo + xp.shape[1] - prefix, device=xp.device)
         positions = torch.cat((torch.arange(prefix, device=xp.device), prefix + tokens))
         cos, sin = rope_tables_at(positions, self.head_dim, self.rope_theta)
+        kernel = functools.partial(self.window_kernel, prefix=prefix, window=self.window)
         return self.attn(xp, cos, sin, prefix, kernel)[:, halo:]
 
     def document_window(self, xp: torch.Tensor, offsets: torch.Tensor, ids: torch.Tensor,
@@ -180,9 +182,9 @@ class MALBlock(TitansBlock):
                 doc_start: torch.Tensor | None = None) -> torch.Tensor:
         if self.context is not None and doc_start is not None:
             return titans_cp.mal_documents(self, x, doc_start)
-        doc_start = starts_inside(doc_start, self.context, "Titans")
         if self.context is not None:
             return titans_cp.mal_forward(self, x)
+        doc_start = starts_inside(doc_start)
         x = x + self.memory.output(self.memory_reads(self.mem_norm(x), doc_start))
         x = x + self.window_attention(self.with_prefix(self.attn_norm(x)), doc_start=doc_start)
         return x + self.mlp(self.mlp_norm(x))
