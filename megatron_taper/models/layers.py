@@ -121,8 +121,8 @@ class Attention(nn.Module):
     def attend(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None,
                doc_start: torch.Tensor | None = None) -> torch.Tensor:
         """Per-head outputs before the output projection: [B, S, H, E]. Causal, or under a boolean
-        mask [S, S] (True = may attend) when one is given; with doc_start [B, S] also only within
-        each query's document."""
+        mask [S, S] or [B, 1, S, S] (True = may attend) when one is given; with doc_start [B, S] also
+        only within each query's document."""
         bsz, seq, _ = x.shape
         q = self.wq(x).view(bsz, seq, -1, self.head_dim)
         k = self.wk(x).view(bsz, seq, -1, self.head_dim)

@@ -16,6 +16,11 @@ Two kernels, chosen at run time from the tensors (`sliding_window_attention`):
   block-sparse mask built directly from the band (`band_block_mask`: O((S / 128)^2) block
   indices, never an [S, S] mask), through a compiled flex_attention; it skips the kv blocks
   outside the window and applies the mask inside the partly visible ones only.
+
+Documents (`doc_ids` [B, S], equal ids = one document; titans/documents.py document_ids): token i
+then sees the persistent tokens and the tokens j of its own document with i - W < j <= i. The
+blockwise kernel adds the same-document test to each block's mask ([B (n-1), 1, W, P + 2W]); the
+FlexAttention one to its mask_mod, and visits the band's blocks as partly visible (none `full`).
 """
 from __future__ import annotations
 
@@ -41,24 +46,39 @@ def band_mask(prefix: int, rows: int, before: int, window: int, device: torch.de
 
 
 def blockwise_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int,
-                               window: int) -> torch.Tensor:
+                               window: int, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
     """The blockwise kernel (see the module docstring): [B, H, S, E]."""
     seq, gqa = q.shape[2], q.shape[1] != k.shape[1]
     block = min(window, seq)
     blocks = math.ceil(seq / block)
+    mask = band_mask(prefix, block, 0, window, q.device)
+    if doc_ids is not None:  # [B, 1, W, P + W]
+        mask = mask & same_document(doc_ids[:, :block], doc_ids[:, :block], prefix)[:, None]
     first = F.scaled_dot_product_attention(q[:, :, :block], k[:, :, :prefix + block], v[:, :, :prefix + block],
-                                           attn_mask=band_mask(prefix, block, 0, window, q.device), enable_gqa=gqa)
+                                           attn_mask=mask, enable_gqa=gqa)
     if blocks == 1:
         return first
     pad = blocks * block - seq
     batch = q.shape[0]
     rest_q = F.pad(q[:, :, block:], (0, 0, 0, pad)).unflatten(2, (blocks - 1, block)).transpose(1, 2)
     rest_k, rest_v = (band_keys(t, prefix, block, pad) for t in (k, v))
+    mask = band_mask(prefix, block, block, window, q.device)
+    if doc_ids is not None:  # [B (n-1), 1, W, P + 2W]; padding rows have id -1
+        ids = F.pad(doc_ids, (0, pad), value=-1).unflatten(1, (blocks, block))  # [B, n, W]
+        keys = torch.cat((ids[:, :-1], ids[:, 1:]), dim=2)  # [B, n-1, 2W]
+        mask = mask & same_document(ids[:, 1:], keys, prefix).flatten(0, 1)[:, None]
     # blocks folded into the batch: [B (n-1), H|K, W | P + 2W, E], 4-D and contiguous for SDPA's fused kernels
     rest = F.scaled_dot_product_attention(rest_q.flatten(0, 1), rest_k.flatten(0, 1), rest_v.flatten(0, 1),
-                                          attn_mask=band_mask(prefix, block, block, window, q.device), enable_gqa=gqa)
+                                          attn_mask=mask, enable_gqa=gqa)
     rest = rest.unflatten(0, (batch, blocks - 1)).transpose(1, 2).flatten(2, 3)  # [B, H, (n-1) W, E]
     return torch.cat((first, rest[:, :, :seq - block]), dim=2)
+
+
+def same_document(query_ids: torch.Tensor, key_ids: torch.Tensor, prefix: int) -> torch.Tensor:
+    """[..., Sq, P + Sk] boolean: key row P + j is in query i's document (query_ids [..., Sq], key_ids
+    [..., Sk]); the P persistent rows always are."""
+    same = query_ids[..., :, None] == key_ids[..., None, :]
+    return F.pad(same, (prefix, 0), value=True)
 
 
 def band_keys(t: torch.Tensor, prefix: int, block: int, pad: int) -> torch.Tensor:
@@ -69,19 +89,25 @@ def band_keys(t: torch.Tensor, prefix: int, block: int, pad: int) -> torch.Tenso
     return torch.cat((persistent, tokens[:, :-1], tokens[:, 1:]), dim=3)
 
 
-def window_visible(prefix: int, window: int) -> Callable:
-    """FlexAttention mask_mod of the pattern: query token q_idx, key row kv_idx of [P, x]."""
+def window_visible(prefix: int, window: int, doc_ids: torch.Tensor | None = None) -> Callable:
+    """FlexAttention mask_mod of the pattern: query token q_idx, key row kv_idx of [P, x] (of batch
+    row b's documents when doc_ids [B, S] is given)."""
     def visible(b, h, q_idx, kv_idx):
         dist = q_idx + prefix - kv_idx
         return (kv_idx < prefix) | ((dist >= 0) & (dist < window))
-    return visible
+
+    def visible_in_document(b, h, q_idx, kv_idx):
+        token = (kv_idx - prefix).clamp(min=0)
+        return visible(b, h, q_idx, kv_idx) & ((kv_idx < prefix) | (doc_ids[b, q_idx] == doc_ids[b, token]))
+    return visible if doc_ids is None else visible_in_document
 
 
 def band_block_mask(seq: int, prefix: int, window: int, device: torch.device,
-                    block: int = FLEX_BLOCK) -> BlockMask:
+                    block: int = FLEX_BLOCK, doc_ids: torch.Tensor | None = None) -> BlockMask:
     """FlexAttention BlockMask of the pattern for S queries over P + S keys, built from the band's
     geometry: a kv block is visited when it holds a persistent token or a key some query of the
-    q block sees, and is `full` (no mask applied) when every valid pair in it is visible."""
+    q block sees, and is `full` (no mask applied) when every valid pair in it is visible (never
+    with `doc_ids`: a document start may cut any block)."""
     from torch.nn.attention.flex_attention import BlockMask
 
     keys = prefix + seq
@@ -93,6 +119,8 @@ def band_block_mask(seq: int, prefix: int, window: int, device: torch.device,
     band_lo, band_hi = (prefix + q_first - window + 1).clamp(min=prefix), prefix + q_last
     visited = (kv_first < prefix) | ((kv_first <= band_hi) & (kv_last >= band_lo))
     full = (kv_last < prefix) | ((kv_first >= prefix + q_last - window + 1) & (kv_last <= prefix + q_first))
+    if doc_ids is not None:
+        full = torch.zeros_like(full)
     partial = visited & ~full
 
     def indices(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,7 +128,7 @@ def band_block_mask(seq: int, prefix: int, window: int, device: torch.device,
         return blocks.sum(-1).to(torch.int32)[None, None], order.to(torch.int32)[None, None]
 
     return BlockMask.from_kv_blocks(*indices(partial), *indices(full), BLOCK_SIZE=block,
-                                    mask_mod=window_visible(prefix, window), seq_lengths=(seq, keys))
+                                    mask_mod=window_visible(prefix, window, doc_ids), seq_lengths=(seq, keys))
 
 
 @functools.cache
@@ -112,12 +140,12 @@ def compiled_flex_attention() -> Callable:
 
 
 def flex_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int, window: int,
-                          compiled: bool = True) -> torch.Tensor:
+                          compiled: bool = True, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
     """The FlexAttention kernel (see the module docstring): [B, H, S, E]. `compiled=False` runs
     flex_attention eagerly (its unfused reference: what tests use on CPU)."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    mask = band_block_mask(q.shape[2], prefix, window, q.device)
+    mask = band_block_mask(q.shape[2], prefix, window, q.device, doc_ids=doc_ids)
     attend = compiled_flex_attention() if compiled else flex_attention
     return attend(q, k, v, block_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
 
@@ -131,8 +159,9 @@ def flex_attention_available() -> bool:
 
 
 def sliding_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int,
-                             window: int) -> torch.Tensor:
-    """FlexAttention on CUDA when it imports, else the blockwise kernel: [B, H, S, E]."""
+                             window: int, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """FlexAttention on CUDA when it imports, else the blockwise kernel: [B, H, S, E] (within the
+    documents of doc_ids [B, S] when given)."""
     if q.is_cuda and flex_attention_available():
-        return flex_window_attention(q, k, v, prefix, window)
-    return blockwise_window_attention(q, k, v, prefix, window)
+        return flex_window_attention(q, k, v, prefix, window, doc_ids=doc_ids)
+    return blockwise_window_attention(q, k, v, prefix, window, doc_ids)

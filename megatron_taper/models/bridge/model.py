@@ -58,6 +58,15 @@ checkpointing applies as to the Transformer; ZeRO and torch.compile take its cod
 not tested with the bridge; data and tensor parallelism are tested with `carry_state` (dp=2, tp=2
 against one process), which is refused with pp > 1 and DeepSpeed (check_bridge_layout).
 
+Documents (`doc_start` [B, S], True where a new document begins; context parallelism refused):
+the blocks' attention sees the query's own document (layers.py document_mask), and the bridge
+runs on the documents packed (titans/documents.py), each moved to a segment boundary so that its
+segments are those it has alone: a segment that starts a document starts from init_state (or,
+for a row's first document when it continues the previous window, the carried state), the write
+attends to the real tokens of its segment only, a segment of padding alone leaves the state as
+it is (so `carry_out` is the state after the row's last real segment). The auxiliary loss is
+the mean over every segment but a document's first (whose state read nothing) of real tokens.
+
 Context parallelism: a chain of the state from slice to slice, and a broadcast of the carried
 state (bridge/cp.py, which says how). Cost terms: bridge/cost.py.
 """
@@ -72,7 +81,8 @@ from torch import nn
 from megatron_taper.models.bridge import cp as bridge_cp
 from megatron_taper.models.bridge.cost import bridge_layer, segment_bounds
 from megatron_taper.models.init import init_tensor
-from megatron_taper.models.layers import RMSNorm, rope_tables
+from megatron_taper.models.layers import RMSNorm, document_mask, rope_tables
+from megatron_taper.models.titans.documents import Packing, pack_documents, starts_inside
 from megatron_taper.models.transformer.model import Transformer, TransformerBlock
 
 if TYPE_CHECKING:
@@ -96,9 +106,11 @@ class CrossAttention(nn.Module):
         """[..., N, H*E] -> [..., H, N, E]"""
         return x.unflatten(-1, (-1, self.head_dim)).transpose(-3, -2)
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [..., H, N, E], k, v [..., H, M, E] -> wo(attention) [..., N, D]"""
-        y = F.scaled_dot_product_attention(q, k, v)
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               mask: torch.Tensor | None = None) -> torch.Tensor:
+        """q [..., H, N, E], k, v [..., H, M, E] -> wo(attention) [..., N, D]; mask: the keys that
+        may be attended [..., 1, 1, M] (bool), or None for all."""
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.wo(y.transpose(-3, -2).flatten(-2))
 
 
@@ -138,32 +150,46 @@ class MemoryBridge(nn.Module):
         self.carry_out: torch.Tensor | None = None  # S_n of the last forward [B, m, D], detached
         self.context = None  # a contiguous context-parallel split (bridge/cp.py), or None
 
-    def initial_state(self, x: torch.Tensor) -> torch.Tensor:
-        """S_0 [B, m, D] in x's dtype: the carried state where a row continues, else init_state (a copy:
-        a view of a parameter keeps requires_grad under no_grad, which torch's module tracker rejects)."""
+    def initial_state(self, x: torch.Tensor, starts: torch.Tensor | None = None) -> torch.Tensor:
+        """S_0 [B, m, D] in x's dtype: the carried state where a row continues (and, with `starts`
+        [B], does not start a document), else init_state (a copy: a view of a parameter keeps
+        requires_grad under no_grad, which torch's module tracker rejects)."""
         state = self.init_state.to(x.dtype).repeat(x.shape[0], 1, 1)
         carried, continues = self.carry_in if self.carry_in is not None else (None, None)
         if carried is not None:
-            state = torch.where(continues.to(x.device)[:, None, None], carried.to(x.device, x.dtype), state)
+            continues = continues.to(x.device) if starts is None else continues.to(x.device) & ~starts
+            state = torch.where(continues[:, None, None], carried.to(x.device, x.dtype), state)
         return state
 
-    def states(self, x: torch.Tensor, last: bool = False) -> torch.Tensor:
+    def states(self, x: torch.Tensor, last: bool = False, packing: Packing | None = None,
+               starts: torch.Tensor | None = None) -> torch.Tensor:
         """S_0 .. S_{n-1} ([B, n, m, D]) for x [B, S, D]; with `last` also S_n (after the final
-        segment): [B, n+1, m, D]."""
+        segment): [B, n+1, m, D]. `packing`: x is packed documents (module docstring) and `starts`
+        [B] whether each row's first token starts a document."""
         seq = x.shape[1]
         bounds = segment_bounds(seq, self.segment)
         normed = self.write_input_norm(x)
         k, v = self.write.heads(self.write.wk(normed)), self.write.heads(self.write.wv(normed))  # [B, H, S, E]
-        state = self.initial_state(x)  # [B, m, D]
+        state = self.initial_state(x, starts)  # [B, m, D]
         split = self.split()
         if split is not None and split.rank > 0:  # the state rank r - 1's slice ended with [B, m, D]
             state = bridge_cp.receive(self, state)
         out = [state]
         for start, end in bounds[: len(bounds) if last else len(bounds) - 1]:
             q = self.write.heads(self.write.wq(self.write_state_norm(state)))  # [B, H, m, E]
-            u = self.write.attend(q, k[:, :, start:end], v[:, :, start:end])  # [B, m, D]
+            mask = real = None
+            if packing is not None:  # the segment's real tokens; a segment of padding alone attends to all
+                real = packing.valid[:, start:end]
+                mask = (real | ~real.any(1, keepdim=True))[:, None, None]  # [B, 1, 1, T]
+            u = self.write.attend(q, k[:, :, start:end], v[:, :, start:end], mask)  # [B, m, D]
             # the state stays in x's dtype (fp32 under autocast, where the GRU computes in bf16)
-            state = self.gru(u.flatten(0, 1), state.flatten(0, 1)).view_as(state).to(x.dtype)
+            written = self.gru(u.flatten(0, 1), state.flatten(0, 1)).view_as(state).to(x.dtype)
+            if packing is None:
+                state = written
+            else:  # a segment of padding alone keeps the state; the next starts a document: init_state
+                state = torch.where(real.any(1)[:, None, None], written, state)
+                if end < seq:
+                    state = torch.where(packing.resets[:, end, None, None], self.init_state.to(x.dtype), state)
             out.append(state)
         return torch.stack(out, dim=1)
 
@@ -172,10 +198,14 @@ class MemoryBridge(nn.Module):
         segments: check_bridge_layout), or None."""
         return self.context if self.context is not None and self.context.cp > 1 else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, doc_start: torch.Tensor | None = None) -> torch.Tensor:
         """x [B, S, D] -> x plus the gated read of each segment's state. Under context
         parallelism x is this rank's slice: it starts from the state rank r - 1's slice ended
-        with, and hands its own end state to rank r + 1 (cp_state.py's chain)."""
+        with, and hands its own end state to rank r + 1 (cp_state.py's chain). `doc_start` [B, S]:
+        documents (module docstring)."""
+        doc_start = starts_inside(doc_start, self.split(), "the memory bridge")
+        if doc_start is not None:
+            return self.forward_documents(x, doc_start)
         bsz, seq, dim = x.shape
         split = self.split()
         sends = split is not None and split.rank < split.cp - 1
@@ -185,20 +215,58 @@ class MemoryBridge(nn.Module):
             states = states[:, :-1]
         if self.carry_state:  # under cp: the last rank's is S_n (take_state hands it to every cp rank)
             self.carry_out = end.detach()
-        n, t = states.shape[1], self.segment
+        n = states.shape[1]
         normed = self.read_norm(x)
-        q = F.pad(self.read.wq(normed), (0, 0, 0, n * t - seq))  # [B, n*T, H*E], zero rows pad the last segment
-        q = self.read.heads(q.view(bsz, n, t, -1))  # [B, n, H, T, E]
-        s = self.read_state_norm(states)
-        k, v = self.read.heads(self.read.wk(s)), self.read.heads(self.read.wv(s))  # [B, n, H, m, E]
-        r = self.read.attend(q, k, v).view(bsz, n * t, dim)[:, :seq]  # [B, S, D]
-        out = x + torch.sigmoid(self.gate(normed)) * r
+        out = x + torch.sigmoid(self.gate(normed)) * self.read_states(normed, states)
         cp = 1 if split is None else split.cp
         if self.aux_head is not None and self.training and torch.is_grad_enabled() and n * cp > 1:
             out = AuxLossCarrier.apply(out, self.aux_loss(x, states), self.aux_weight)
         if split is not None:
             out = bridge_cp.send(self, out, end, n, sends)
         return out
+
+    def read_states(self, normed: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
+        """The reads r [B, S, D] of the tokens normed [B, S, D] (read_norm(x)) of each segment from
+        its state (states [B, n, m, D])."""
+        bsz, seq, dim = normed.shape
+        n, t = states.shape[1], self.segment
+        q = F.pad(self.read.wq(normed), (0, 0, 0, n * t - seq))  # [B, n*T, H*E], zero rows pad the last segment
+        q = self.read.heads(q.view(bsz, n, t, -1))  # [B, n, H, T, E]
+        s = self.read_state_norm(states)
+        k, v = self.read.heads(self.read.wk(s)), self.read.heads(self.read.wv(s))  # [B, n, H, m, E]
+        return self.read.attend(q, k, v).view(bsz, n * t, dim)[:, :seq]  # [B, S, D]
+
+    def forward_documents(self, x: torch.Tensor, doc_start: torch.Tensor) -> torch.Tensor:
+        """forward over the documents of doc_start (module docstring; no context parallelism)."""
+        packing = pack_documents(doc_start, self.segment)
+        xp = packing.pack(x)  # [B, n T, D]
+        states = self.states(xp, last=self.carry_state, packing=packing, starts=doc_start[:, 0])
+        if self.carry_state:
+            self.carry_out, states = states[:, -1].detach(), states[:, :-1]
+        normed = self.read_norm(x)
+        out = x + torch.sigmoid(self.gate(normed)) * packing.unpack(self.read_states(self.read_norm(xp), states))
+        if self.aux_head is not None and self.training and torch.is_grad_enabled():
+            out = AuxLossCarrier.apply(out, self.aux_loss_documents(xp, states, packing), self.aux_weight)
+        return out
+
+    def aux_loss_documents(self, xp: torch.Tensor, states: torch.Tensor, packing: Packing) -> torch.Tensor:
+        """aux_loss over packed documents xp [B, n T, D]: the mean over every segment that holds real
+        tokens and does not start a document, of the error of its state's prediction of the mean
+        of its real tokens (or of the random target of its index in its document)."""
+        bsz, n, t = xp.shape[0], states.shape[1], self.segment
+        valid = packing.valid.view(bsz, n, t)
+        counts = valid.sum(-1)  # [B, n]
+        keep = (counts > 0) & ~packing.resets[:, ::t]  # [B, n]
+        pred = self.aux_head(states.mean(2))  # [B, n, D]
+        if self.aux_target == "random":
+            generator = torch.Generator().manual_seed(RANDOM_TARGET_SEED)
+            table = torch.randn(n, xp.shape[-1], generator=generator).to(xp.device, xp.dtype)
+            target = table[packing.positions[:, ::t] // t]  # [B, n, D]
+        else:
+            sums = (xp.view(bsz, n, t, -1) * valid[..., None]).sum(2)
+            target = F.rms_norm((sums / counts.clamp(min=1)[..., None]).detach(), (xp.shape[-1],))
+        errors = (pred.float() - target.float()).square() * keep[..., None]
+        return errors.sum() / (keep.sum().clamp(min=1) * errors.shape[-1])
 
     def aux_loss(self, x: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
         """x: the bridge's input [B, S, D]; states: S_0 .. S_{n-1}. The mean squared error of the
@@ -231,10 +299,18 @@ class BridgeBlock(TransformerBlock):
         super().__init__(cfg, mlp_width)
         self.bridge: MemoryBridge | None = None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                doc_start: torch.Tensor | None = None) -> torch.Tensor:
+        """With `doc_start` [B, S] the bridge resets at document starts and attention stays inside the
+        query's document (module docstring)."""
+        doc_start = starts_inside(doc_start, self.attn.context, "the memory bridge")
         if self.bridge is not None:
-            x = self.bridge(x)
-        return super().forward(x, cos, sin)
+            x = self.bridge(x) if doc_start is None else self.bridge(x, doc_start)
+        if doc_start is None:
+            return super().forward(x, cos, sin)
+        xn = self.attn_norm(x)
+        x = x + self.attn.project_out(self.attn.attend(xn, cos, sin, document_mask(doc_start)), xn)
+        return x + self.mlp(self.mlp_norm(x))
 
 
 class MemoryBridgeLM(Transformer):

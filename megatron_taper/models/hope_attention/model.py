@@ -34,6 +34,15 @@ per chunk on materialised [B, ...] fast weights) and a token-by-token autograd r
 with the outer optimizer. The taper applies to the CMS widths: every level of block i has width
 w_i, so tapered and uniform twins have equal parameter counts and FLOPs.
 
+Documents (`doc_start` [B, S], True where a new document begins; context parallelism refused):
+attention sees the tokens of the query's own document (layers.py document_mask; RoPE and ALiBi
+depend on distances only, so positions need no restart), and every online level runs each
+document as a sequence of its own: the documents are folded into the batch (titans/documents.py
+`fold_documents`: one row per document, as long as the longest, padded at its end), so each
+starts from the level's parameters with its chunks counted from its first token. Folding costs
+the padding: R rows of the longest document's length for R documents (at most B documents per
+row times the batch). Offline levels (no updates) run unfolded.
+
 Cost terms: hope_attention/cost.py; tensor-parallel plan: hope_attention/parallel.py; context
 parallelism: hope_attention/cp.py.
 """
@@ -53,7 +62,8 @@ from megatron_taper.models.hope_attention import cp as hope_cp
 from megatron_taper.models.hope_attention.cost import level_period
 from megatron_taper.models.hope_attention.online import STEP_EPS, online_scan
 from megatron_taper.models.init import RESIDUAL_OUT, init_tensor
-from megatron_taper.models.layers import RMSNorm
+from megatron_taper.models.layers import RMSNorm, document_mask
+from megatron_taper.models.titans.documents import fold_documents, starts_inside
 from megatron_taper.models.transformer.model import Transformer, TransformerBlock
 
 if TYPE_CHECKING:
@@ -166,10 +176,19 @@ class HopeAttentionBlock(TransformerBlock):
             ContinuumLevel(cfg.d_model, mlp_width, level_period(hope, level) if hope.online else None)
             for level in range(hope.levels))
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                doc_start: torch.Tensor | None = None) -> torch.Tensor:
+        doc_start = starts_inside(doc_start, self.attn.context, "Hope-attention")
+        if doc_start is None:
+            x = x + self.attn(self.attn_norm(x), cos, sin)
+            for norm, level in zip(self.cms_norms, self.cms):
+                x = x + level(norm(x))
+            return x
+        xn = self.attn_norm(x)
+        x = x + self.attn.project_out(self.attn.attend(xn, cos, sin, document_mask(doc_start)), xn)
+        fold = fold_documents(doc_start)  # every document a row of its own
         for norm, level in zip(self.cms_norms, self.cms):
-            x = x + level(norm(x))
+            x = x + (fold.unrows(level(fold.rows(norm(x)))) if level.period else level(norm(x)))
         return x
 
 

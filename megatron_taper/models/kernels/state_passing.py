@@ -19,6 +19,8 @@ variable MEGATRON_TAPER_KERNELS (read at every call):
     torch   always the torch form
     triton  always the Triton kernels: CUDA tensors, or CPU tensors under TRITON_INTERPRET=1 (set
             before triton is first imported; this is how the tests run the kernels without a GPU)
+A scan over packed documents (`documents`: a chunk may hand on the initial state, titans/documents.py)
+always takes the torch form: the Triton kernels have not been run with such resets.
 """
 from __future__ import annotations
 
@@ -45,24 +47,27 @@ def segment_sums(log_decays: torch.Tensor) -> torch.Tensor:
 
 
 def chunk_states(updates: torch.Tensor, log_decays: torch.Tensor, initial: torch.Tensor,
-                 kernel: str | None = None) -> torch.Tensor:
+                 kernel: str | None = None, documents: bool = False) -> torch.Tensor:
     """updates [B, H, N, E, F], log_decays [B, H, N], initial [B, H, E, F] -> the states before
     every chunk and after the last, [B, H, N+1, E, F] (index 0 is `initial`). `kernel`: auto |
-    torch | triton (None: $MEGATRON_TAPER_KERNELS, else auto; see the module docstring)."""
-    if kernel_choice(updates, kernel) == "triton":
+    torch | triton (None: $MEGATRON_TAPER_KERNELS, else auto; see the module docstring);
+    `documents`: log decays of -inf reset the state (the torch form)."""
+    if kernel_choice(updates, kernel, documents) == "triton":
         from megatron_taper.models.kernels.state_passing_triton import chunk_states_triton
 
         return chunk_states_triton(updates, log_decays, initial)
     return chunk_states_torch(updates, log_decays, initial)
 
 
-def kernel_choice(tensor: torch.Tensor, kernel: str | None = None) -> str:
+def kernel_choice(tensor: torch.Tensor, kernel: str | None = None, documents: bool = False) -> str:
     """'torch' or 'triton' for `tensor`'s device, from `kernel` or $MEGATRON_TAPER_KERNELS (auto when
-    neither is set)."""
+    neither is set); always 'torch' for a scan over packed documents (module docstring)."""
     choice = kernel if kernel is not None else (os.environ.get(KERNELS_ENV) or "auto")
     if choice not in KERNEL_CHOICES:
         source = "kernel" if kernel is not None else KERNELS_ENV
         raise ValueError(f"{source}={choice!r}: expected one of {', '.join(KERNEL_CHOICES)}")
+    if documents:
+        return "torch"
     if choice == "auto":
         return "triton" if KERNELS_CHECKED_ON_GPU and tensor.is_cuda and triton_importable() else "torch"
     if choice == "triton" and not tensor.is_cuda and os.environ.get("TRITON_INTERPRET", "0").lower() not in (

@@ -72,13 +72,14 @@ class LinearMemory(nn.Module):
         self.out_norm_weight = nn.Parameter(torch.ones(h * e))
         self.wo = nn.Linear(h * e, d, bias=False)
 
-    def project(self, x_kv: torch.Tensor, x_q: torch.Tensor, past: ConvPast = None) -> tuple[LinearFeatures, None]:
+    def project(self, x_kv: torch.Tensor, x_q: torch.Tensor, past: ConvPast = None,
+                positions: torch.Tensor | None = None) -> tuple[LinearFeatures, None]:
         """k, v, q, log a, b of x_kv / x_q [B, T, D], which continue the sequences whose convolution
-        inputs `past` holds (None = they start here)."""
+        inputs `past` holds (None = they start here); `positions` as NeuralMemory.project's."""
         pk, pv, pq = past or (None, None, None)
-        k = self.heads(self.wk, self.conv_k, x_kv, pk)[0]
-        v = self.heads(self.wv, self.conv_v, x_kv, pv)[0]
-        q = self.heads(self.wq, self.conv_q, x_q, pq)[0]
+        k = self.heads(self.wk, self.conv_k, x_kv, pk, positions)[0]
+        v = self.heads(self.wv, self.conv_v, x_kv, pv, positions)[0]
+        q = self.heads(self.wq, self.conv_q, x_q, pq, positions)[0]
         g = self.gates(x_kv).unflatten(-1, (-1, 2)).permute(3, 0, 2, 1)  # [2, B, H, T]
         return (k, v, q, F.logsigmoid(g[0] + self.decay_offset), torch.sigmoid(g[1])), None
 
@@ -96,12 +97,14 @@ class LinearMemory(nn.Module):
         return reads if mix is None else mix(0, q, reads, positions=slice(0, q.shape[2])), ([states[:, :, -1]], [])
 
     def scan_segments(self, features: LinearFeatures, start: torch.Tensor, length: int,
-                      continues: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                      continues: bool, resets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Memory Caching's segments of `length` tokens (the last may be shorter) in one scan: the
         online reads [B, H, T, E] and every segment's end state [B, H, n, E, E]. `continues`: a
         segment starts from the previous one's end state (the first from `start` [B, H, E, E]);
         else each starts from zero, folded into the batch. Each segment is padded to whole chunks
-        with tokens that neither write (b = 0) nor decay (log a = 0), so its end is a chunk's end."""
+        with tokens that neither write (b = 0) nor decay (log a = 0), so its end is a chunk's end.
+        `resets` [B, T] (packed documents, titans/documents.py; True only at chunk starts of the
+        padded segments): the chunk starting there starts from zero (chunked_scan's `carry`)."""
         total = features[0].shape[2]
         n = -(-total // length)
         size = min(self.chunk_size, length)
@@ -110,7 +113,11 @@ class LinearMemory(nn.Module):
         blocks = [pad_time(f, padded, dim=3) for f in blocks]  # [B, H, n, L', ...]
         if continues:
             flat = tuple(f.flatten(2, 3) for f in blocks)
-            reads, states = chunked_scan(flat, start, size)
+            carry = None
+            if resets is not None:  # per chunk of the flat padded segments: the next one continues
+                starts = pad_time(time_blocks(resets[:, None], length), padded, dim=3).flatten(2, 3)[:, 0, size::size]
+                carry = torch.cat((~starts, starts.new_ones(starts.shape[0], 1)), dim=1)  # [B, N]
+            reads, states = chunked_scan(flat, start, size, carry)
             ends = states[:, :, padded // size::padded // size]  # [B, H, n, E, E]
             reads = reads.unflatten(2, (n, padded))
         else:
@@ -147,10 +154,13 @@ def chunk_writes(k: torch.Tensor, v: torch.Tensor, log_a: torch.Tensor,
     return lb, (k * weight).transpose(-1, -2) @ v
 
 
-def chunked_scan(features: LinearFeatures, initial: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def chunked_scan(features: LinearFeatures, initial: torch.Tensor, size: int,
+                 carry: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The chunked form of the module docstring for every chunk at once: reads [B, H, T, E] and
     the states before every chunk and after the last [B, H, N + 1, E, E], from `initial`
-    [B, H, E, E]. T is padded to whole chunks of `size` (tokens that neither write nor decay)."""
+    [B, H, E, E]. T is padded to whole chunks of `size` (tokens that neither write nor decay).
+    `carry` [B, N] bool: False where a chunk hands on zero (the next starts a document): its
+    writes are dropped and its decay is exp(-inf) = 0."""
     k, v, q, log_a, b = features
     total = k.shape[2]
     k, v, q, log_a, b = (time_blocks(t, size) for t in (k, v, q, log_a, b))  # [B, H, N, C, E]; [B, H, N, C]
@@ -158,6 +168,10 @@ def chunked_scan(features: LinearFeatures, initial: torch.Tensor, size: int) -> 
     causal = torch.ones(size, size, dtype=torch.bool, device=k.device).tril()
     decay = (lb[..., :, None] - lb[..., None, :]).masked_fill(~causal, -math.inf).exp()  # [B, H, N, C, C]
     scores = (q @ k.transpose(-1, -2)) * decay * b[..., None, :]
-    states = chunk_states(updates, lb[..., -1], initial)  # [B, H, N + 1, E, E]
+    decays = lb[..., -1]  # [B, H, N]
+    if carry is not None:
+        updates = updates * carry[:, None, :, None, None]
+        decays = decays.masked_fill(~carry[:, None], -math.inf)
+    states = chunk_states(updates, decays, initial, documents=carry is not None)  # [B, H, N + 1, E, E]
     reads = scores @ v + lb.exp()[..., None] * (q @ states[:, :, :-1])
     return reads.flatten(2, 3)[:, :, :total], states

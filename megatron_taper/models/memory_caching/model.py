@@ -40,6 +40,15 @@ Titans' `tp_plan_memory` (memory_caching/parallel.py); W_u is column-parallel li
 parallelism (the mixer's `context`): each rank's slice is whole segments and starts from the state
 the slices before it hand over (memory_caching/cp.py: a prefix for the linear memory, a chain for
 the deep one).
+
+Documents (`doc_start` [B, S], True where a new document begins; context parallelism refused):
+the mixer runs on the documents packed (titans/documents.py), each moved to a segment boundary
+(a chunk boundary for `none`) with its last segment padded by rows that write nothing. A segment
+that starts a document starts from the base's initial state (the chunk before it hands on zero,
+or M_0 and zero surprise: linear_memory.py chunked_scan's `carry`, neural_memory.py reset_terms),
+its convolutions see nothing before it, and its tokens read and weigh only the cached states of
+their own document's segments (`first`: every other cached state gets weight 0 in residual and a
+score of -inf in grm / soup / ssc). So each document's reads equal those of the document alone.
 """
 from __future__ import annotations
 
@@ -53,8 +62,9 @@ from megatron_taper.models.layers import RMSNorm, SwiGLU
 from megatron_taper.models.memory_caching import cp
 from megatron_taper.models.memory_caching.cost import GATED, deep_scan_plan, segment_slices
 from megatron_taper.models.memory_caching.linear_memory import LinearMemory, time_blocks
+from megatron_taper.models.titans.documents import Packing, pack_documents, starts_inside
 from megatron_taper.models.titans.model import Titans
-from megatron_taper.models.titans.neural_memory import NeuralMemory, State
+from megatron_taper.models.titans.neural_memory import NeuralMemory, State, pad_features, reset_state
 from megatron_taper.models.transformer.model import Transformer
 
 if TYPE_CHECKING:
@@ -77,19 +87,31 @@ class MemoryCachingMixer(nn.Module):
         self.continues = mc.continues  # a slice starts from the last one's state
         self.caches = mc.variant != "none"
 
-    def forward(self, x: torch.Tensor, *_rope: torch.Tensor) -> torch.Tensor:
-        """x [B, S, D] (normalised) -> [B, S, D] (RoPE tables, if passed, are not used)."""
-        return self.memory.output(self.reads(x))
+    def forward(self, x: torch.Tensor, *_rope: torch.Tensor, doc_start: torch.Tensor | None = None) -> torch.Tensor:
+        """x [B, S, D] (normalised) -> [B, S, D] (RoPE tables, if passed, are not used); `doc_start`
+        [B, S]: documents (module docstring)."""
+        doc_start = starts_inside(doc_start, self.context, "Memory Caching")
+        if doc_start is None:
+            return self.memory.output(self.reads(x))
+        align = self.memory.chunk_size if self.variant == "none" else self.segment
+        packing = pack_documents(doc_start, align)
+        return self.memory.output(packing.unpack(self.reads(packing.pack(x), packing), dim=2))
 
-    def reads(self, x: torch.Tensor) -> torch.Tensor:
+    def reads(self, x: torch.Tensor, packing: Packing | None = None) -> torch.Tensor:
         """Per-head reads before the read-out: [B, H, S, E]. Under context parallelism x is a slice
         of whole segments, which starts from the state the slices before it hand over (`cp.receive`):
-        its segments' global indices start at N, the number of segments before it."""
+        its segments' global indices start at N, the number of segments before it. `packing`: x is
+        packed documents, each starting a segment (module docstring)."""
         memory, batch = self.memory, x.shape[0]
-        features = memory.project(x, x, cp.conv_past(self, x))[0]  # time is dim 2 of every feature
+        positions = None if packing is None else packing.positions
+        features = memory.project(x, x, cp.conv_past(self, x), positions=positions)[0]  # time is dim 2
         k, q = features[0], features[2]
         segments = segment_slices(x.shape[1], self.segment, self.variant)
         length = segments[0].stop
+        first = None  # [B, T] the first segment of each token's document
+        if packing is not None:
+            features = pad_features(features, packing.valid) if not self.linear else features
+            first = (torch.arange(x.shape[1], device=x.device) - packing.positions) // length
         u = None if self.wu is None else self.wu(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
         pooled = None if u is None else segment_means(k, length)  # [B, H, n, E]
         handover = cp.receive(self, features, segments, pooled, batch)
@@ -97,8 +119,8 @@ class MemoryCachingMixer(nn.Module):
         if handover.pooled is not None:
             pooled = torch.cat((handover.pooled, pooled), dim=2)  # [B, H, N + n, E]
         # every token's weights over (online, cached 0 .. N + n - 2): [B, H, T, N + n]
-        gammas = None if u is None else self.gammas(u, k, pooled, before, length)
-        online, finals, state = self.scan_segments(features, handover, gammas, length)
+        gammas = None if u is None else self.gammas(u, k, pooled, before, length, first)
+        online, finals, state = self.scan_segments(features, handover, gammas, length, packing)
         if self.caches:  # per memory layer the end states of every segment so far [B, H, N + n, i, o]
             finals = [torch.cat(pair, dim=2) for pair in zip(handover.cache, finals)] if before else finals
         if self.variant == "none" or (self.variant == "soup" and not self.linear):
@@ -108,7 +130,10 @@ class MemoryCachingMixer(nn.Module):
             return cp.send(self, online if gammas is None else gammas[..., :1] * online, state, finals, pooled,
                            handover)
         cached = cached_reads(q, [w[:, :, :reachable] for w in finals], not self.linear)  # [B, H, T, M, E]
-        if self.variant == "residual":
+        if self.variant == "residual" and first is not None:
+            weights = cached_mask(length, x.shape[1], before, reachable, q, first)  # [B, 1, T, M]
+            out = online + torch.einsum("btm,bhtme->bhte", weights[:, 0], cached)
+        elif self.variant == "residual":
             weights = cached_mask(length, x.shape[1], before, reachable, q)  # [T, M]
             out = online + torch.einsum("tm,bhtme->bhte", weights, cached)
         else:  # grm, ssc; soup over a linear memory is grm (module doc)
@@ -116,22 +141,25 @@ class MemoryCachingMixer(nn.Module):
         return cp.send(self, out, state, finals, pooled, handover)
 
     def scan_segments(self, features: tuple, handover: cp.Handover, gammas: torch.Tensor | None,
-                      length: int) -> tuple[torch.Tensor, list[torch.Tensor], State]:
+                      length: int, packing: Packing | None = None) -> tuple[torch.Tensor, list[torch.Tensor], State]:
         """The online reads [B, H, T, E] of the slice's segments of `length` tokens, their end
         states per memory layer [B, H, n, i, o], and the online state after the last segment. The
         linear memory scans them at once (LinearMemory.scan_segments); the deep memory scans
         continuing segments of whole chunks at once (their ends are chunk boundaries) and folds
         independent segments into the batch where the slice holds whole segments; else, and for
-        soup (which mixes the cached memories into each read), it runs them one by one."""
+        soup (which mixes the cached memories into each read), it runs them one by one. `packing`:
+        a segment that starts a document starts from the initial state."""
         memory, batch, total = self.memory, features[0].shape[0], features[0].shape[2]
+        documents = None if packing is None else (packing.valid, packing.resets)
         if self.linear:
-            reads, ends = memory.scan_segments(features, handover.start[0][0], length, self.continues)
+            reads, ends = memory.scan_segments(features, handover.start[0][0], length, self.continues,
+                                               None if packing is None else packing.resets)
             state = ([ends[:, :, -1]], []) if self.continues else memory.init_state(batch)
             return reads, [ends], state
         n = -(-total // length)
         plan = deep_scan_plan(self.variant, self.continues, memory.chunk_size, total, length)
         if plan == "one":
-            reads, ends, state = memory.scan_segments(features, handover.start, length)
+            reads, ends, state = memory.scan_segments(features, handover.start, length, documents)
             return reads, ends, state
         if plan == "folded":
             folded = tuple(f.unflatten(2, (n, length)).movedim(2, 1).flatten(0, 1) for f in features)
@@ -144,7 +172,10 @@ class MemoryCachingMixer(nn.Module):
             mix = None
             if self.variant == "soup":  # segment i reads the N + i states cached before it
                 mix = self.soup_mix(gammas[:, :, seg, :1 + (cache[0].shape[2] if cache else 0)], cache)
-            read, final = memory.scan_features(tuple(f[:, :, seg] for f in features), state, mix=mix)
+            if packing is not None:
+                state = reset_state(memory.init_state(batch), state, packing.resets[:, start])
+            packed = {} if documents is None else {"documents": tuple(t[:, seg] for t in documents)}
+            read, final = memory.scan_features(tuple(f[:, :, seg] for f in features), state, mix=mix, **packed)
             onlines.append(read)
             own.append(final[0])
             if self.variant == "soup":
@@ -153,10 +184,12 @@ class MemoryCachingMixer(nn.Module):
             state = final if self.continues else memory.init_state(batch)
         return torch.cat(onlines, dim=2), [torch.stack(layer, dim=2) for layer in zip(*own)], state
 
-    def gammas(self, u: torch.Tensor, k: torch.Tensor, pooled: torch.Tensor, before: int, length: int) -> torch.Tensor:
+    def gammas(self, u: torch.Tensor, k: torch.Tensor, pooled: torch.Tensor, before: int, length: int,
+               first: torch.Tensor | None = None) -> torch.Tensor:
         """Weights [B, H, T, N + n] of the online state and the cached states 0 .. N + n - 2 for
         every token of the slice (a token of segment i gives weight 0 to the states it may not
-        read, N + i and later); u, k [B, H, T, E]; pooled [B, H, N + n, E] the segments' mean keys."""
+        read, N + i and later, and with `first` [B, T] to those before its document's first
+        segment); u, k [B, H, T, E]; pooled [B, H, N + n, E] the segments' mean keys."""
         total = k.shape[2]
         n = pooled.shape[2] - before
         blocks = time_blocks(k, length)  # [B, H, n, L, E]
@@ -165,7 +198,7 @@ class MemoryCachingMixer(nn.Module):
         logits = (u * running).sum(-1, keepdim=True)  # [B, H, T, 1]
         reachable = before + n - 1
         if reachable:
-            visible = cached_mask(length, total, before, reachable, k).bool()  # [T, M]
+            visible = cached_mask(length, total, before, reachable, k, first).bool()  # [T, M] or [B, 1, T, M]
             scores = (u @ pooled[:, :, :reachable].transpose(-1, -2)).masked_fill(~visible, float("-inf"))
             if self.variant == "ssc" and reachable > self.top_k:
                 chosen = scores.topk(self.top_k, dim=-1).indices
@@ -213,11 +246,17 @@ def segment_means(k: torch.Tensor, length: int) -> torch.Tensor:
     return sums / sizes
 
 
-def cached_mask(length: int, total: int, before: int, reachable: int, like: torch.Tensor) -> torch.Tensor:
+def cached_mask(length: int, total: int, before: int, reachable: int, like: torch.Tensor,
+                first: torch.Tensor | None = None) -> torch.Tensor:
     """[T, M] in like's dtype: 1 where token t (of local segment t // length) may read cached state
-    m (m < N + t // length), else 0."""
+    m (m < N + t // length), else 0. With `first` [B, T] (the first segment of each token's
+    document) [B, 1, T, M], also 0 where m < first."""
     seg = torch.arange(total, device=like.device) // length
-    return (torch.arange(reachable, device=like.device)[None, :] < before + seg[:, None]).to(like.dtype)
+    cached = torch.arange(reachable, device=like.device)[None, :]
+    mask = cached < before + seg[:, None]
+    if first is not None:
+        mask = mask & (cached >= first[..., None])[:, None]
+    return mask.to(like.dtype)
 
 
 class MemoryCachingBlock(nn.Module):
@@ -232,8 +271,9 @@ class MemoryCachingBlock(nn.Module):
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = SwiGLU(cfg.d_model, mlp_width)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.mixer(self.mixer_norm(x))
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                doc_start: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.mixer(self.mixer_norm(x), doc_start=doc_start)
         return x + self.mlp(self.mlp_norm(x))
 
 

@@ -34,6 +34,22 @@ The window halo travels in the chain's message rather than by a separate previou
 separate exchange at the start of the next layer would make rank r - 1 wait for rank r to reach
 that layer (a point-to-point send meets its receive), turning the wavefront into a lockstep.
 
+Documents (doc_start, MAG / MAL; MAC refuses a document start under context parallelism): each
+rank packs its slice's documents (titans/documents.py) and the message carries, with fixed shapes,
+what the slice's first document needs when it continues the previous slice's last one:
+      W_l, S_l          the state at the start of that document's open chunk (its last chunk
+                        boundary in the document's own packed rows)
+      memory tail       [B, C - 1 + K - 1, D]: the sender's last packed memory-input rows; the
+                        receiver takes the open chunk's (P + offset) mod C rows in front of its first
+                        document and the K - 1 before them as the convolution's past
+      attention tail    [B, min(W - 1, r s), D] as without documents
+      ends              [B, 2] fp32: the packed position of the sender's last row in its document
+                        (which gives the open chunk's length) and its last token's offset (the
+                        halo's document and RoPE positions)
+A slice whose first token starts a document starts it from M_0 behind the persistent tokens. The
+bytes per block and direction: 8 B H sum_l i_l o_l + a B D (C - 1 + K - 1 + min(W - 1, r s)) + 8 B
+(cp_state_bytes counts the message without documents).
+
 Cost of the chain: nothing in a Titans block makes all cp ranks meet (its attention is a window
 or a segment), so the ranks run as a wavefront: L blocks take L + cp - 1 block-slices of S / cp
 tokens forward and again backward, against L blocks of S tokens in one process: a step takes
@@ -48,6 +64,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from megatron_taper.models.titans.cost import conv_rows, tail_rows
+from megatron_taper.models.titans.documents import document_ids, document_positions, pack_documents
 
 if TYPE_CHECKING:
     from megatron_taper.models.titans.model import MACBlock, MAGBlock, MALBlock, TitansBlock
@@ -146,3 +163,97 @@ def mac_mix(block: MACBlock, xn: torch.Tensor) -> torch.Tensor:
                                                   tuple(pasts[1:]) if rows else None)
     ends = [*state[0], *state[1], *((query_past, *past) if rows else ())]
     return _send(block, out, ends, initial)
+
+
+# -- documents (doc_start; MAG / MAL) ----------------------------------------------------------------
+
+def _document_initial(block: TitansBlock, x: torch.Tensor, rank: int) -> list[torch.Tensor]:
+    """MAG / MAL with documents: [W_l..., S_l..., memory tail [B, C - 1 + K - 1, D], attention tail
+    [B, min(W - 1, r s), D], ends [B, 2] fp32] of cp rank `rank`'s start (module doc, Documents)."""
+    batch, dim = x.shape[0], x.shape[2]
+    weights, surprise = block.memory.init_state(batch)
+    mem = block.memory.chunk_size - 1 + conv_rows(conv_kernel(block))
+    attn = min(block.window - 1, rank * x.shape[1])
+    ends = torch.full((batch, 2), -1.0, device=x.device)
+    return [*weights, *surprise, x.new_zeros(batch, mem, dim), x.new_zeros(batch, attn, dim), ends]
+
+
+def _memory_documents(block: TitansBlock, x: torch.Tensor, received: list[torch.Tensor], doc_start: torch.Tensor):
+    """The memory over this rank's slice x [B, s, D] of documents from the received state: (reads of
+    the slice's tokens [B, H, s, E], the state at the start of the open chunk of each row's last
+    document, the memory tail to hand on, the packed position of each row's last row)."""
+    memory, n, rank = block.memory, len(block.memory.mem_w), block.context.rank
+    weights, surprise, tail, ends = received[:n], received[n:2 * n], received[2 * n], received[-1]
+    size, kc, dim = memory.chunk_size, conv_rows(conv_kernel(block)), x.shape[2]
+    starts = doc_start.clone()
+    if rank == 0:
+        starts[:, 0] = True
+    last = ends[:, 0].long()  # the previous slice's last memory row's position in its document
+    carried = torch.where(starts[:, 0], 0, (last + 1) % size)
+    packing = pack_documents(starts, size, block.persistent.shape[0], carried=carried, offset=last + 1 - carried,
+                             carried_rows=tail.shape[1])
+    rows = packing.pack(x, block.persistent, tail)  # [B, S', D]
+    past = None
+    if kc:  # the K - 1 rows before the carried ones (positions keep out those of another document)
+        index = (tail.shape[1] - carried - kc)[:, None] + torch.arange(kc, device=x.device)
+        before = tail.gather(1, index[..., None].expand(-1, -1, dim))
+        past = tuple(proj(before) for proj in (memory.wk, memory.wv, memory.wq))
+    features, _ = memory.project(rows, rows, past, positions=packing.positions)
+    reads, final, chunks = memory.scan_with_starts(features, (weights, surprise),
+                                                   documents=(packing.valid, packing.resets))
+    end = packing.dest[:, -1]  # [B] the packed row of the slice's last token
+    position = packing.positions.gather(1, end[:, None])[:, 0]
+    chunk = end // size + ((position + 1) % size == 0)  # the open chunk, or after the last one when none is open
+    state = []
+    for every, after in zip(chunks[0] + chunks[1], final[0] + final[1]):  # [B, H, N, i, o], [B, H, i, o]
+        stacked = torch.cat((every, after.unsqueeze(2)), dim=2)
+        state.append(stacked.gather(2, chunk.view(-1, 1, 1, 1, 1).expand(-1, stacked.shape[1], 1,
+                                                                          *stacked.shape[3:])).squeeze(2))
+    index = (end[:, None] - tail.shape[1] + 1 + torch.arange(tail.shape[1], device=x.device)).clamp(min=0)
+    mem_tail = rows.gather(1, index[..., None].expand(-1, -1, dim))
+    return packing.unpack(reads, dim=2), state, mem_tail, position
+
+
+def _document_offsets(block: TitansBlock, doc_start: torch.Tensor, halo: int, ends: torch.Tensor):
+    """The window's token offsets in their documents and document ids over [halo, slice] ([B, halo + s]
+    each): the slice's first document continues the previous slice's last where the slice does not
+    start one (not on cp rank 0); halo rows of another document get id -1."""
+    last = ends[:, 1].long()  # the previous slice's last token's offset in its document (-1: none)
+    continues = ~doc_start[:, 0] & (last >= 0)
+    ids = document_ids(doc_start)
+    offsets = document_positions(doc_start) + torch.where(continues[:, None] & (ids == 0), last[:, None] + 1, 0)
+    halo_offsets = last[:, None] - (halo - 1 - torch.arange(halo, device=ids.device))
+    halo_ids = torch.where(continues[:, None] & (halo_offsets >= 0), 0, -1)
+    return torch.cat((halo_offsets.clamp(min=0), offsets), dim=1), torch.cat((halo_ids, ids), dim=1)
+
+
+def mag_documents(block: MAGBlock, xn: torch.Tensor, doc_start: torch.Tensor) -> torch.Tensor:
+    """MAGBlock.mix of this rank's slice xn [B, s, D] of documents (doc_start [B, s])."""
+    rank = block.context.rank
+    received = _receive(block, _document_initial(block, xn, rank))
+    reads, state, mem_tail, mem_last = _memory_documents(block, xn, received, doc_start)
+    gate = torch.sigmoid(block.memory.output(reads))
+    halo, ends = received[-2], received[-1]
+    offsets, ids = _document_offsets(block, doc_start, halo.shape[1], ends)
+    keys = torch.cat((halo, xn), dim=1)
+    like = _document_initial(block, xn, rank + 1)
+    sent = [*state, mem_tail, _last(keys, like[-2].shape[1]), torch.stack((mem_last, offsets[:, -1]), 1).float()]
+    gate = _send(block, gate, sent, like)
+    return block.document_window(block.with_prefix(keys), offsets, ids, halo.shape[1]) * gate
+
+
+def mal_documents(block: MALBlock, x: torch.Tensor, doc_start: torch.Tensor) -> torch.Tensor:
+    """MALBlock.forward of this rank's slice x [B, s, D] of documents (doc_start [B, s])."""
+    rank = block.context.rank
+    received = _receive(block, _document_initial(block, x, rank))
+    reads, state, mem_tail, mem_last = _memory_documents(block, block.mem_norm(x), received, doc_start)
+    x = x + block.memory.output(reads)
+    halo, ends = received[-2], received[-1]
+    offsets, ids = _document_offsets(block, doc_start, halo.shape[1], ends)
+    xa = block.attn_norm(x)
+    like = _document_initial(block, x, rank + 1)
+    sent = [*state, mem_tail, _last(torch.cat((halo, xa), dim=1), like[-2].shape[1]),
+            torch.stack((mem_last, offsets[:, -1]), 1).float()]
+    xa = _send(block, xa, sent, like)
+    x = x + block.document_window(block.with_prefix(torch.cat((halo, xa), dim=1)), offsets, ids, halo.shape[1])
+    return x + block.mlp(block.mlp_norm(x))

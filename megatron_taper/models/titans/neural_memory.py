@@ -69,6 +69,7 @@ from torch import nn
 
 from megatron_taper.models.kernels import state_passing
 from megatron_taper.models.titans.cost import memory_dims
+from megatron_taper.models.titans.documents import Packing
 
 if TYPE_CHECKING:
     from megatron_taper.config import ModelConfig
@@ -92,19 +93,28 @@ def mlp_read(q: torch.Tensor, state: State) -> torch.Tensor:
     return r
 
 
-def causal_conv(x: torch.Tensor, weight: torch.Tensor | None,
-                past: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def causal_conv(x: torch.Tensor, weight: torch.Tensor | None, past: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Depthwise causal convolution along time, y_t = sum_j weight[:, j] x_{t-K+1+j}: x [B, T, C],
     weight [C, K] (None = identity), past [B, K-1, C] the inputs before x (zeros when None).
-    Returns y [B, T, C] and the last K-1 inputs, the next call's past."""
+    `positions` [B, T] (each row's offset in its document, titans/documents.py): tap j of row t
+    only sees inputs of its own document (x_{t-K+1+j} with K-1-j <= positions_t; the others count
+    as zeros, as before a sequence's start). Returns y [B, T, C] and the last K-1 inputs, the next
+    call's past."""
     if weight is None:
         return x, None
     taps = weight.shape[1]
     if past is None:
         past = x.new_zeros(x.shape[0], taps - 1, x.shape[2])
     padded = torch.cat((past, x), dim=1)  # [B, K-1+T, C]
-    y = F.conv1d(padded.transpose(1, 2), weight.to(x.dtype).unsqueeze(1), groups=weight.shape[0])
-    return y.transpose(1, 2), padded[:, padded.shape[1] - (taps - 1):]
+    if positions is None:
+        y = F.conv1d(padded.transpose(1, 2), weight.to(x.dtype).unsqueeze(1), groups=weight.shape[0])
+        y = y.transpose(1, 2)
+    else:
+        seq, w = x.shape[1], weight.to(x.dtype)
+        y = sum(padded[:, j:j + seq] * w[:, j] * (positions >= taps - 1 - j)[..., None].to(x.dtype)
+                for j in range(taps))
+    return y, padded[:, padded.shape[1] - (taps - 1):]
 
 
 class NeuralMemory(nn.Module):
@@ -129,18 +139,23 @@ class NeuralMemory(nn.Module):
         self.eps = cfg.norm_eps
 
     def heads(self, proj: nn.Linear, conv: torch.Tensor | None, x: torch.Tensor,
-              past: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """[B, T, D] -> l2norm(silu(conv(proj x))) as [B, H, T, E], and the convolution's past."""
-        z, past = causal_conv(proj(x), conv, past)
+              past: torch.Tensor | None = None,
+              positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """[B, T, D] -> l2norm(silu(conv(proj x))) as [B, H, T, E], and the convolution's past
+        (`positions`: the rows' offsets in their documents, causal_conv)."""
+        z, past = causal_conv(proj(x), conv, past, positions)
         return F.normalize(F.silu(z).unflatten(-1, (-1, self.head_dim)).transpose(1, 2), dim=-1), past
 
-    def project(self, x_kv: torch.Tensor, x_q: torch.Tensor, past: ConvPast = None) -> tuple[Features, ConvPast]:
+    def project(self, x_kv: torch.Tensor, x_q: torch.Tensor, past: ConvPast = None,
+                positions: torch.Tensor | None = None) -> tuple[Features, ConvPast]:
         """k, v, q, theta, log eta, log (1 - alpha) of x_kv / x_q [B, T, D], which continue the
-        sequences whose convolution inputs `past` holds (None = they start here); and the new past."""
+        sequences whose convolution inputs `past` holds (None = they start here); and the new past.
+        `positions` [B, T]: the rows' offsets in their documents (the convolutions see nothing of
+        an earlier document; titans/documents.py)."""
         pk, pv, pq = past or (None, None, None)
-        k, pk = self.heads(self.wk, self.conv_k, x_kv, pk)
-        v, pv = self.heads(self.wv, self.conv_v, x_kv, pv)
-        q, pq = self.heads(self.wq, self.conv_q, x_q, pq)
+        k, pk = self.heads(self.wk, self.conv_k, x_kv, pk, positions)
+        v, pv = self.heads(self.wv, self.conv_v, x_kv, pv, positions)
+        q, pq = self.heads(self.wq, self.conv_q, x_q, pq, positions)
         g = self.gates(x_kv).unflatten(-1, (-1, 3)).permute(3, 0, 2, 1)  # [3, B, H, T]
         theta = self.max_lr * torch.sigmoid(g[0])
         log_eta = F.logsigmoid(g[1] + self.eta_offset)
@@ -166,27 +181,41 @@ class NeuralMemory(nn.Module):
         start here), chunk by chunk: ([B, H, T, E], state)."""
         return self.scan_features(self.project(x_kv, x_q)[0], state, chunk_size)
 
+    def scan_packed(self, x: torch.Tensor, packing: Packing) -> torch.Tensor:
+        """`scan` of the packed documents (titans/documents.py) of x [B, T', D], each from the
+        initial state with its convolutions restarted: the reads of the packed rows [B, H, T', E]."""
+        features, _ = self.project(x, x, positions=packing.positions)
+        return self.scan_features(features, self.init_state(x.shape[0]), documents=(packing.valid, packing.resets))[0]
+
     def scan_features(self, features: Features, state: State, chunk_size: int | None = None,
-                      mix: ReadMix | None = None, whole_chunks: bool = False) -> tuple[torch.Tensor, State]:
+                      mix: ReadMix | None = None, whole_chunks: bool = False,
+                      documents: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, State]:
         """`scan` from projected features (`project`): ([B, H, T, E], state). `mix`, when given,
         replaces each memory layer's pre-activation read (see ReadMix). `whole_chunks`: the state
-        returned is the one after the last whole chunk (a trailing partial chunk is read, not written)."""
-        reads, state, _ = self.scan_with_starts(features, state, chunk_size, mix, whole_chunks)
+        returned is the one after the last whole chunk (a trailing partial chunk is read, not written).
+        `documents`: (valid, resets) [B, T], the features are packed rows (titans/documents.py;
+        resets only at chunk boundaries): padding rows write nothing and a
+        reset row starts its chunk from the initial state (reset_terms)."""
+        reads, state, _ = self.scan_with_starts(features, state, chunk_size, mix, whole_chunks, documents)
         return reads, state
 
-    def scan_segments(self, features: Features, start: State, length: int) -> tuple[torch.Tensor, list[torch.Tensor],
-                                                                                    State]:
+    def scan_segments(self, features: Features, start: State, length: int,
+                      documents: tuple[torch.Tensor, torch.Tensor] | None = None
+                      ) -> tuple[torch.Tensor, list[torch.Tensor], State]:
         """Memory Caching's continuing segments of `length` tokens (a multiple of the chunk; the
         last segment may be shorter) in one scan from `start`: the reads [B, H, T, E], every
-        segment's end weights per memory layer [B, H, n, i, o] and the state after the last."""
+        segment's end weights per memory layer [B, H, n, i, o] and the state after the last.
+        `documents`: as scan_features'."""
         size = min(self.chunk_size, length)  # the chunks a segment of its own would have
-        reads, state, starts = self.scan_with_starts(features, start, size)
+        reads, state, starts = self.scan_with_starts(features, start, size, documents=documents)
         every = length // size
         ends = [torch.cat((w[:, :, every::every], end.unsqueeze(2)), dim=2) for w, end in zip(starts[0], state[0])]
         return reads, ends, state
 
     def scan_with_starts(self, features: Features, state: State, chunk_size: int | None = None,
-                         mix: ReadMix | None = None, whole_chunks: bool = False) -> tuple[torch.Tensor, State, State]:
+                         mix: ReadMix | None = None, whole_chunks: bool = False,
+                         documents: tuple[torch.Tensor, torch.Tensor] | None = None
+                         ) -> tuple[torch.Tensor, State, State]:
         """scan_features, and the state every chunk started from (per layer [B, H, N, i, o])."""
         k, q = features[0], features[2]
         batch, heads, total = k.shape[:3]
@@ -197,12 +226,15 @@ class NeuralMemory(nn.Module):
         count = -(-total // size)
         n = len(self.mem_w)
         init = [w.to(k.dtype).expand(batch, -1, -1, -1).reshape(batch * heads, *w.shape[1:]) for w in self.mem_w]
-        loop, reads = chunk_terms(features, init[0], size, n > 1)
+        if documents is not None:
+            features = pad_features(features, documents[0])
+            state = reset_state(self.init_state(batch), state, documents[1][:, 0])
+        loop, reads = chunk_terms(features, init[0], size, n > 1, documents)
         weights = [w.to(k.dtype).reshape(batch * heads, *w.shape[2:]) for w in state[0]]  # [B*H, i, o]
         surprise = [s.to(k.dtype).reshape(batch * heads, *s.shape[2:]) for s in state[1]]
         fused = not torch.is_autocast_enabled(k.device.type)  # else the state keeps its dtype
         last = count - 1 if whole_chunks and total % whole else count  # chunks that write
-        out = WriteLoop.apply(n, last, fused, *init, *weights, *surprise, *loop)
+        out = WriteLoop.apply(n, last, fused, documents is not None, *init, *weights, *surprise, *loop)
         starts, deltas, acts = out[:2 * n], out[2 * n:3 * n], out[3 * n:4 * n - 1]  # [B*H, N, ., .]
         ends = out[4 * n - 1:] if last == count else [t[:, last] for t in starts]
         out = read_chunks(init, starts, deltas, acts, reads, mix, batch, total)  # [B*H, T, E]
@@ -268,14 +300,15 @@ class WriteLoop(torch.autograd.Function):
     first `last` chunks writing) -> per layer the starting weights, then surprise, of every chunk
     [B*H, N, i, o], delta' [B*H, N, C, o], the hidden inputs a_l [B*H, N, C, i] and, when every
     chunk writes, the final weights and surprise [B*H, i, o], by write_loop_torch or the Triton
-    kernels (write_kernel_handles); backward a reverse loop over the chunks carrying the gradient of
-    the state (write_loop_backward)."""
+    kernels (write_kernel_handles; not over packed documents, `documents`: state_passing.kernel_choice);
+    backward a reverse loop over the chunks carrying the gradient of the state (write_loop_backward)."""
 
     @staticmethod
-    def forward(ctx, n: int, last: int, fused: bool, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(ctx, n: int, last: int, fused: bool, documents: bool,
+                *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         init, terms = list(tensors[:n]), tensors[3 * n:]
         weights, surprise = list(tensors[n:2 * n]), list(tensors[2 * n:3 * n])
-        ctx.kernel = write_kernel_handles(n) and state_passing.kernel_choice(terms[0]) == "triton"
+        ctx.kernel = write_kernel_handles(n) and state_passing.kernel_choice(terms[0], documents=documents) == "triton"
         if ctx.kernel:
             from megatron_taper.models.kernels.memory_write_triton import write_loop_triton
 
@@ -291,9 +324,9 @@ class WriteLoop(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         if ctx.fused:
-            return None, None, None, *write_loop_backward(ctx, grads)
+            return None, None, None, None, *write_loop_backward(ctx, grads)
         with torch.autocast(ctx.device, dtype=ctx.dtype):
-            return None, None, None, *write_loop_backward(ctx, grads)
+            return None, None, None, None, *write_loop_backward(ctx, grads)
 
 
 def write_kernel_handles(n: int) -> bool:
@@ -474,15 +507,43 @@ def call_mix(mix: ReadMix, batch: int, total: int, layer: int, r: torch.Tensor, 
     return F.pad(out, (0, 0, 0, rows - total)) if rows > total else out
 
 
-def chunk_terms(features: Features, init: torch.Tensor, size: int,
-                deep: bool) -> tuple[list[tuple[torch.Tensor, ...]], tuple[torch.Tensor, ...]]:
+def pad_features(features: Features, valid: torch.Tensor) -> Features:
+    """Features [B, H, T, .] whose rows where valid [B, T] is False are padding that changes nothing
+    (chunk_terms' padding values: keys of ones, theta = 0, eta = keep = 1, zero values and queries)."""
+    keep = valid[:, None]  # [B, 1, T]
+    k, v, q, theta, log_eta, log_keep = features
+    rows = [torch.where(keep[..., None], t, fill) for t, fill in ((k, 1.0), (v, 0.0), (q, 0.0))]
+    return (*rows, *(torch.where(keep, t, 0.0) for t in (theta, log_eta, log_keep)))
+
+
+def reset_state(initial: State, state: State, reset: torch.Tensor) -> State:
+    """`state` with the batch rows where reset [B] is True replaced by `initial`'s."""
+    pick = reset.view(-1, 1, 1, 1)
+    return tuple([torch.where(pick, a.to(b.dtype), b) for a, b in zip(xs, ys)] for xs, ys in zip(initial, state))
+
+
+def reset_terms(loop: list[torch.Tensor], carry: torch.Tensor) -> list[torch.Tensor]:
+    """The write terms (chunk_terms) with the state a chunk hands on set to the initial one where
+    carry [B*H, N] is 0 (the next chunk starts a document): its end factors B_C, D_C, E_C and update
+    factors are zeroed, so W' = lerp(W_0, W, 0) + 0 S + 0 delta' = W_0 and S' = 0. The write loop
+    (and its hand-written backward) is unchanged; the zeros reach its inputs' gradients by autograd."""
+    k, kk, theta, kv2, k_last, k_scale, *factors = loop
+    rows = carry[..., None, None]  # [B*H, N, 1, 1]
+    return [k, kk, theta, kv2, k_last * rows, k_scale * rows, *(f * rows for f in factors)]
+
+
+def chunk_terms(features: Features, init: torch.Tensor, size: int, deep: bool,
+                documents: tuple[torch.Tensor, torch.Tensor] | None = None
+                ) -> tuple[list[tuple[torch.Tensor, ...]], tuple[torch.Tensor, ...]]:
     """The state-independent terms of every chunk of C = `size` tokens (module doc; a trailing
     partial chunk padded). For the write loop, over the N chunks: k [B*H, N, C, E], ||k||^2 and
     theta [B*H, N, C, 1], 2 (k - v), the first layer's update factors -(last * k)^T and
     -(E_C / E * k)^T [B*H, N, E, C], B_C, D_C, E_C [B*H, N, 1, 1], and when the memory is deeper
     -last, -E_C / E [B*H, N, 1, C]. For the reads, over all chunks: (1 - B) (q W_0) [B*H, N, C, o],
     [B q, D q, -(P Q * q k^T)] [B*H, N, C, 2E + C], q [B*H, N, C, E], and when deeper 1 - B, B, D
-    [B*H, N, C, 1] and -P Q [B*H, N, C, C]."""
+    [B*H, N, C, 1] and -P Q [B*H, N, C, C]. `documents`: (valid, resets) [B, T] of packed rows
+    (scan_features): padding rows are masked out of the end-of-chunk sums like a trailing partial
+    chunk's, and a chunk before a reset hands on the initial state (reset_terms)."""
     k, v, q, theta, log_eta, log_keep = features
     batch, heads, total, dim = k.shape
     count = -(-total // size)
@@ -499,12 +560,15 @@ def chunk_terms(features: Features, init: torch.Tensor, size: int,
     lb, le = logs  # [B*H, N, C]
     eta = le.exp()
     valid = None
-    if pad:  # the sums over j of P_Cj: real tokens only
+    if documents is not None:  # per row: [B*H, N, C]
+        valid = rows(documents[0][:, None].expand(-1, heads, -1).to(k.dtype)).view(flat, count, size)
+        eta = eta * valid
+    elif pad:  # the sums over j of P_Cj: real tokens only
         valid = (torch.arange(count * size, device=k.device) < total).to(k.dtype).view(count, size)
         eta = eta * valid
     both = torch.cat((momentum, eta[..., None]), dim=-1).flatten(0, 1)  # [B*H*N, C, C + 1]
     pq, ks = torch.bmm(decay.flatten(0, 1), both).view(flat, count, size, size + 1).split((size, 1), dim=-1)
-    last = pq[..., -1:, :] if valid is None else (decay[..., -1:, :] * valid[:, None]) @ momentum  # [B*H, N, 1, C]
+    last = pq[..., -1:, :] if valid is None else (decay[..., -1:, :] * valid[..., None, :]) @ momentum  # [B*H, N, 1, C]
     scale = (le[..., -1:, None] - le[..., None, :]).exp()  # E_C / E_i [B*H, N, 1, C]
     kw = lb.exp()[..., None]  # B [B*H, N, C, 1]
     ends = torch.cat((kw[..., -1, :], ks[..., -1, :], le[..., -1:].exp()), dim=-1)  # B_C, D_C, E_C [B*H, N, 3]
@@ -515,6 +579,9 @@ def chunk_terms(features: Features, init: torch.Tensor, size: int,
             *ends[..., None, None].unbind(-3)]
     if deep:
         loop += [-last, -scale]
+    if documents is not None:
+        carry = F.pad((~documents[1][:, size::size]).to(k.dtype), (0, 1), value=1.0)  # [B, N]: the next continues
+        loop = reset_terms(loop, carry[:, None].expand(-1, heads, -1).reshape(flat, count))
     fresh = -torch.expm1(lb)[..., None]  # 1 - B [B*H, N, C, 1]
     first = fresh * (q @ init).view(flat, count, size, -1)  # (1 - B) q W_0 [B*H, N, C, o]
     left = torch.cat((kw * qc, ks * qc, -(pq * (qc @ kc.transpose(-1, -2)))), dim=-1)

@@ -28,6 +28,11 @@ the final norm and the LM head predict token t+1 from out_t. With one layer the 
 has a single width, model.mlp_width itself (the taper is trivially uniform). `tree_prefixes`
 counts the cell calls and their sequential levels; `tree_depth(n)` gives the latter.
 
+Documents (`doc_start` [B, S], True where a new document begins; context parallelism refused):
+each document is a sequence of its own, with its own tree from its first token: the documents
+are folded into the batch (titans/documents.py `fold_documents`: one row per document, as long
+as the longest, padded at its end; a prefix never reads the padding after it).
+
 The sweeps: tree/sweeps.py. Cost terms: tree/cost.py; tensor-parallel plan and layout checks:
 tree/parallel.py; context parallelism: tree/cp.py.
 """
@@ -40,6 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_taper.models.layers import RMSNorm, SwiGLU
+from megatron_taper.models.titans.documents import fold_documents, starts_inside
 from megatron_taper.models.transformer.model import Transformer
 from megatron_taper.models.tree.cost import SweepCount, cell_width
 from megatron_taper.models.tree.cp import tree_slice_prefixes
@@ -78,8 +84,14 @@ class TreeLayer(nn.Module):
         self.mlp = SwiGLU(cfg.d_model, mlp_width)
         self.context = None  # a contiguous context-parallel split (tree/cp.py), or None
 
-    def forward(self, x: torch.Tensor, count: SweepCount | None = None) -> torch.Tensor:
-        if self.context is not None and self.context.cp > 1:
+    def forward(self, x: torch.Tensor, count: SweepCount | None = None,
+                doc_start: torch.Tensor | None = None) -> torch.Tensor:
+        split = self.context if self.context is not None and self.context.cp > 1 else None
+        doc_start = starts_inside(doc_start, split, "the tree LM")
+        if doc_start is not None:
+            fold = fold_documents(doc_start)
+            states = fold.unrows(tree_prefixes(self.cell, fold.rows(self.leaf_norm(x)), count))
+        elif split is not None:
             states = tree_slice_prefixes(self.cell, self.leaf_norm(x), self.context, count or SweepCount())
         else:
             states = tree_prefixes(self.cell, self.leaf_norm(x), count)  # [B, S, D]
@@ -96,7 +108,7 @@ class TreeLM(Transformer):
         check_tree_model(cfg)
         super().__init__(cfg)
 
-    def run_blocks(self, h: torch.Tensor) -> torch.Tensor:
+    def run_blocks(self, h: torch.Tensor, doc_start: torch.Tensor | None = None) -> torch.Tensor:
         for block in self.layers.values():
-            h = block(h)
+            h = block(h) if doc_start is None else block(h, doc_start=doc_start)
         return h
