@@ -124,6 +124,8 @@ def _check_context_parallel(m: ModelConfig, p: ParallelConfig, t: TrainConfig) -
         raise ConfigError(f"parallel.cp={cp} with {key} is not supported for model.arch={m.arch!r} yet (its state "
                           f"passes from slice to slice, parallel/cp/state.py, which is untested under pipelining and "
                           f"compile); use {'parallel.pp=1' if p.pp > 1 else 'train.compile=false'}")
+    if p.cp_attention == "ulysses":
+        _check_ulysses(m, p)
     if p.zero == "fsdp2" and p.dp_replicate > 1:
         raise ConfigError(f"parallel.cp={cp} with parallel.dp_replicate={p.dp_replicate} (HSDP) is not supported; "
                           f"use parallel.dp_replicate=1 (fsdp2 then shards over dp x cp)")
@@ -131,6 +133,28 @@ def _check_context_parallel(m: ModelConfig, p: ParallelConfig, t: TrainConfig) -
         raise ConfigError(f"parallel.cp={cp} with parallel.sequence_parallel=true needs the slice of "
                           f"model.seq_len={m.seq_len} / parallel.cp = {m.seq_len // cp} tokens divisible by "
                           f"parallel.tp={p.tp} (sequence parallelism splits each rank's slice over tp)")
+
+
+def _check_ulysses(m: ModelConfig, p: ParallelConfig) -> None:
+    """parallel.cp_attention=ulysses (parallel/cp/ulysses.py): a family with attention over the whole
+    sequence, whose heads and kv heads per tp rank divide by cp."""
+    from megatron_taper.cost.cp import ALLTOALL, cp_messages
+
+    cp = p.cp
+    blocks = cp_messages(m, 1, m.seq_len, cp, attention="ulysses")
+    if not any(msg.kind == ALLTOALL for block in blocks for msg in block):
+        raise ConfigError(f"parallel.cp_attention='ulysses': model.arch={m.arch!r} has no attention over the whole "
+                          f"sequence to split by heads (its context parallelism passes its memory state between the "
+                          f"cp slices, parallel/cp/state.py; an all-to-all form of it is not built); use "
+                          f"parallel.cp_attention=allgather")
+    heads = m.n_heads // p.tp
+    kv_heads = max(m.kv_heads // p.tp, 1)  # tp > kv heads: each tp rank holds one, replicated
+    if heads % cp or kv_heads % cp:
+        raise ConfigError(f"parallel.cp={cp} with parallel.cp_attention='ulysses' splits each tp rank's heads over "
+                          f"the cp ranks: model.n_heads={m.n_heads} / parallel.tp={p.tp} = {heads} query heads and "
+                          f"{kv_heads} kv heads (model.n_kv_heads={m.kv_heads}) per tp rank must both divide by "
+                          f"parallel.cp={cp}; choose parallel.cp dividing them (parallel.tp x parallel.cp must divide "
+                          f"model.n_kv_heads), a smaller parallel.tp, or parallel.cp_attention=allgather or ring")
 
 
 def _check_tensor_parallel(m: ModelConfig, p: ParallelConfig, widths: Sequence[int]) -> None:

@@ -129,8 +129,8 @@ def test_step_time_by_hand():
     assert cp.dp == pytest.approx(max(0.0, 1.5 * 4e6 / 450e9 - cp.compute / 3 * 2 / 3))
     # ring, not overlapped: per block (cp - 1) K/V blocks of S / cp tokens forward, 2 cp - 1 backward
     passed = [dataclasses.replace(w, cp_messages=((("ring", kv / 4),),) * w.blocks) for w in work]
-    ring = step_time(passed, dataclasses.replace(layout, cp=4, cp_ring=True, overlap=False), d_model=64, seq_len=128,
-                     device=h100)
+    ring = step_time(passed, dataclasses.replace(layout, cp=4, cp_attention="ring", overlap=False), d_model=64,
+                     seq_len=128, device=h100)
     assert ring.cp == pytest.approx(3 * 2 * (3 + 7) * kv / 4 / 450e9)
 
 
@@ -181,12 +181,13 @@ def test_a_long_sequence_fits_only_with_context_parallelism():
         "model.mlp_width=14336", "model.vocab_size=128256", "model.seq_len=131072", "train.global_batch=16"])
     space = (("parallel.tp", (4, 8)), ("parallel.pp", (1, 2, 4)), ("parallel.zero", ("none", "fsdp2")),
              ("parallel.sequence_parallel", (False, True)), ("parallel.cp", (1, 2, 4, 8)),
-             ("parallel.cp_attention", ("allgather", "ring")), ("train.activation_checkpointing", ("none", "full")))
+             ("parallel.cp_attention", ("allgather", "ring", "ulysses")),
+             ("train.activation_checkpointing", ("none", "full")))
     result = plan.search(cfg, 64, 24, profiles()["h100"], space=space)
     best = result.layouts[0]
     assert best.layout.cp > 1 and f"cp={best.layout.cp}" in best.describe()
     # the all-gathered K and V are exposed; the ring's sends hide behind the attention on a GPU
-    assert all(x.step.cp > 0 for x in result.layouts if not x.layout.cp_ring)
+    assert all(x.step.cp > 0 for x in result.layouts if x.layout.cp_attention != "ring")
     assert all(x.layout.cp > 1 for x in result.layouts)
     no_cp = plan.search(cfg, 64, 24, profiles()["h100"], space=[row for row in space if row[0] != "parallel.cp"])
     assert no_cp.legal > 0 and not no_cp.layouts

@@ -160,7 +160,7 @@ def cp_state_bytes(cfg: ModelConfig, rank: int, cp: int, batch: int, act_bytes: 
 
 
 def cp_messages(cfg: ModelConfig, layer: int, width: int, micro_batch: int, cp: int, act_bytes: int = 4,
-                ring: bool = False) -> tuple[CPMessage, ...]:
+                attention: str = "allgather") -> tuple[CPMessage, ...]:
     """FamilySpec.cp_messages: every block's chain message (cp_state_bytes), the largest hop's (the
     attention tail grows with the rank up to W - 1 rows); Titans' attention is local, nothing is
     all-gathered."""

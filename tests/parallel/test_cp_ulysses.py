@@ -1,0 +1,131 @@
+"""All-to-all (Ulysses) context parallelism, parallel.cp_attention=ulysses (parallel/cp/ulysses.py),
+against one process.
+
+The kernel alone: q [2, 4, 48, 8] over k, v [2, 2, 48, 8] (GQA: one kv head per cp rank at cp=2),
+RoPE-style causal and ALiBi, over the load-balanced split (chunks 0 and 3 on rank 0: the all-to-all
+must restore the sequence's order) and the contiguous one; each rank's output and q, k, v gradients
+equal its slices of SDPA over the whole sequence within 2e-6 (fp32 sums of up to 48 terms of
+order 1, the same kernel on the same heads; measured <= 5e-7).
+
+Training: the cp harness's model and steps (tests/helpers/cp_harness.py; tests/parallel/
+test_context_parallel.py's MODEL: 2 layers, d=64, 4 heads over 2 kv heads, seq_len 64, 3 AdamW
+steps of 2 micro-batches) for every family with attention over the whole sequence (the
+Transformer with RoPE and ALiBi, Gated Attention, Hope-attention and the memory bridge: their
+attention goes all-to-all, their state keeps its chain), also under full activation checkpointing
+(the recompute repeats the all-to-alls in backward, in the same order on every rank). Tolerances:
+the harness's, and the reasoning of test_context_parallel.py (the same fp32 sums in another
+order); Hope's and the bridge's those of test_cp_hope_tree_bridge.py (HOPE_TOL, BRIDGE_TOL).
+Then 4 processes: cp=2 x dp=2 under fsdp2 (shards over dp x cp), cp=2 x pp=2 (1F1B: each stage's
+[b, S / 2] slices) and cp=2 x tp=2 (each tp rank's 2 heads and 1 kv head split over cp).
+"""
+import re
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megatron_taper.config import load_config
+from megatron_taper.cost.cp import ALLTOALL, cp_messages, ulysses_bytes
+from megatron_taper.cost.preflight import preflight
+from megatron_taper.models.layers import alibi_slopes, causal_mask_at
+from megatron_taper.parallel.cp.split import SequenceSplit
+from megatron_taper.validation import ConfigError
+from tests.helpers.cp_harness import compare, merge_stages, reference, stage_worker, worker
+from tests.helpers.harness import run_distributed
+from tests.parallel.test_context_parallel import MODEL
+from tests.parallel.test_cp_hope_tree_bridge import BASE, BRIDGE, BRIDGE_TOL, HOPE, HOPE_TOL
+
+pytestmark = pytest.mark.multiprocess
+
+ULYSSES = ["parallel.cp=2", "parallel.cp_attention=ulysses"]
+KERNEL_CASES = [(position, balanced) for position in ("rope", "alibi") for balanced in (True, False)]
+TRAINING_CASES = {
+    "transformer rope": (MODEL + ["model.position=rope"], None),
+    "transformer alibi": (MODEL + ["model.position=alibi"], None),
+    "gated_attention": (MODEL + ["model.arch=gated_attention"], None),
+    "transformer, full checkpointing": (MODEL + ["train.activation_checkpointing=full"], None),
+    "hope_attention": (BASE + HOPE, HOPE_TOL),
+    "bridge": (BASE + BRIDGE + ["model.bridge.aux_weight=0.5"], BRIDGE_TOL),
+}
+
+
+def _attention_inputs(position):
+    g = torch.Generator().manual_seed(3)
+    q, w = (torch.randn(2, 4, 48, 8, generator=g) for _ in range(2))
+    k, v = (torch.randn(2, 2, 48, 8, generator=g) for _ in range(2))
+    return q, k, v, w, (alibi_slopes(4, 0, 4, torch.device("cpu")) if position == "alibi" else None)
+
+
+def _kernel_and_training_worker(layouts):
+    """The kernel cases, then each training layout: (kernel results, rank 0's training records)."""
+    kernel = []
+    for position, balanced in KERNEL_CASES:
+        q, k, v, w, slopes = _attention_inputs(position)
+        split = SequenceSplit(2, dist.get_rank(), dist.group.WORLD, attention="ulysses", balanced=balanced)
+        mine = [split.split(t.transpose(1, 2)).transpose(1, 2).clone().requires_grad_() for t in (q, k, v)]
+        out = split.attend(*mine, slopes)
+        (out * split.split(w.transpose(1, 2)).transpose(1, 2)).sum().backward()
+        kernel.append([out.detach()] + [t.grad for t in mine])
+    return kernel, worker(layouts)
+
+
+def test_ulysses_cp2_matches_one_process_for_every_family():
+    """One 2-process launch: the kernel cases, then every training case at cp=2 under Ulysses."""
+    layouts = [overrides + ULYSSES for overrides, _ in TRAINING_CASES.values()]
+    results = run_distributed(_kernel_and_training_worker, 2, layouts, timeout=180)
+    for case, (position, balanced) in enumerate(KERNEL_CASES):
+        q, k, v, w, slopes = _attention_inputs(position)
+        full = [t.clone().requires_grad_() for t in (q, k, v)]
+        pos = torch.arange(48)
+        out = F.scaled_dot_product_attention(*full, attn_mask=causal_mask_at(pos, pos, slopes), enable_gqa=True)
+        (out * w).sum().backward()
+        want = [out.detach()] + [t.grad for t in full]
+        for rank, (kernel, _) in enumerate(results):
+            split = SequenceSplit(2, rank, None, balanced=balanced)
+            for name, a, b in zip(("out", "dq", "dk", "dv"), kernel[case], want):
+                err = (a - split.split(b.transpose(1, 2)).transpose(1, 2)).abs().max().item()
+                assert err < 2e-6, (position, balanced, rank, name, err)
+    for (label, (overrides, tol)), rec in zip(TRAINING_CASES.items(), results[0][1]):
+        compare(rec, reference(overrides), f"ulysses cp=2 {label}", tol)
+
+
+def test_ulysses_with_fsdp2_pp_and_tp():
+    """4 processes: cp=2 x dp=2 with fsdp2, cp=2 x pp=2 (1F1B), cp=2 x tp=2 (ALiBi slopes of each
+    rank's global heads)."""
+    layouts = {"cp=2 x dp=2 fsdp2": ["parallel.zero=fsdp2"],
+               "cp=2 x pp=2": ["parallel.pp=2"],
+               "cp=2 x tp=2 alibi": ["parallel.tp=2", "model.position=alibi", "model.n_heads=4",
+                                     "model.n_kv_heads=4"]}
+    got = merge_stages(run_distributed(stage_worker, 4, [MODEL + ULYSSES + o for o in layouts.values()],
+                                       timeout=240))
+    for (label, overrides), rec in zip(layouts.items(), got):
+        compare(rec, reference(MODEL + [o for o in overrides if o.startswith("model.")]), f"ulysses {label}")
+
+
+@pytest.mark.parametrize("overrides,world,message", [
+    (["parallel.cp=4"], 4, "model.n_heads=4 / parallel.tp=1 = 4 query heads and 2 kv heads (model.n_kv_heads=2) "
+                           "per tp rank must both divide by parallel.cp=4"),
+    (["parallel.tp=2"], 4, "model.n_heads=4 / parallel.tp=2 = 2 query heads and 1 kv heads (model.n_kv_heads=2) "
+                           "per tp rank must both divide by parallel.cp=2"),
+    (["model.arch=titans"], 2, "model.arch='titans' has no attention over the whole sequence to split by heads"),
+    (["model.arch=tree", "model.n_layers=1"], 2, "model.arch='tree' has no attention over the whole sequence"),
+])
+def test_preflight_refuses_layouts_ulysses_cannot_split(overrides, world, message):
+    cfg = load_config(None, MODEL + ["parallel.cp=2", "parallel.cp_attention=ulysses", *overrides])
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        preflight(cfg, world)
+
+
+def test_unknown_cp_attention_suggests_ulysses():
+    with pytest.raises(ConfigError, match=re.escape("did you mean 'ulysses'")):
+        load_config(None, ["parallel.cp_attention=ulyses"])
+
+
+def test_ulysses_bytes_count_the_two_all_to_alls():
+    """Per attention layer and micro-batch: q, k, v [b, S / cp, H + 2 K, E] and the output
+    [b, S / cp, H, E] (MODEL: H = 4, K = 2, E = 16, S = 64, b = 2, fp32)."""
+    cfg = load_config(None, MODEL).model
+    assert ulysses_bytes(cfg, 2, 2) == 2 * 32 * (4 + 2 * 2 + 4) * 16 * 4
+    blocks = cp_messages(cfg, 2, 64, 2, attention="ulysses")
+    assert [[(m.kind, m.bytes) for m in block] for block in blocks] == [[(ALLTOALL, 2 * 32 * 12 * 16 * 4)]] * 2
