@@ -132,6 +132,13 @@ def test_step_time_by_hand():
     ring = step_time(passed, dataclasses.replace(layout, cp=4, cp_attention="ring", overlap=False), d_model=64,
                      seq_len=128, device=h100)
     assert ring.cp == pytest.approx(3 * 2 * (3 + 7) * kv / 4 / 450e9)
+    # ulysses: per block two all-to-alls forward and two backward, each moving 3/4 of its buffer
+    # (a rank's q, k, v and its output: `both` bytes in all, half each on average)
+    both = 2 * 32 * (2 * 4 + 2 * 1) * 8 * 2
+    swapped = [dataclasses.replace(w, cp_messages=((("alltoall", both),),) * w.blocks) for w in work]
+    ulysses = step_time(swapped, dataclasses.replace(layout, cp=4, cp_attention="ulysses"), d_model=64, seq_len=128,
+                        device=h100)
+    assert ulysses.cp == pytest.approx(3 * 2 * 4 * 0.75 * both / 2 / 450e9)
 
 
 def test_memory_aware_partition_counts_tp_and_zero_sharding():
@@ -189,6 +196,9 @@ def test_a_long_sequence_fits_only_with_context_parallelism():
     # the all-gathered K and V are exposed; the ring's sends hide behind the attention on a GPU
     assert all(x.step.cp > 0 for x in result.layouts if x.layout.cp_attention != "ring")
     assert all(x.layout.cp > 1 for x in result.layouts)
+    # Ulysses is searched, and refused where a tp rank's kv heads do not divide by cp (8 / tp 4 = 2:
+    # cp = 2 only, whose slices of 65,536 tokens do not fit)
+    assert any("parallel.cp_attention='ulysses' splits each tp rank's heads" in r for r in result.dropped)
     no_cp = plan.search(cfg, 64, 24, profiles()["h100"], space=[row for row in space if row[0] != "parallel.cp"])
     assert no_cp.legal > 0 and not no_cp.layouts
     assert preflight(with_values(cfg, best.values), 64).cp == best.layout.cp
