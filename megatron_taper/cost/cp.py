@@ -19,7 +19,8 @@ makes the cp ranks exchange, each a `CPMessage(kind, bytes, what)`:
                blocks again and their gradients (3 cp - 2 sends per rank and block in all).
     alltoall   parallel.cp_attention=ulysses (parallel/cp/ulysses.py): q, k, v to head-sharded and the
                output back, two all-to-alls forward; `bytes`: the two buffers of one rank
-               ([b, S / cp, H + 2 K, E] and [b, S / cp, H, E]), of which (cp - 1) / cp leave it;
+               ([b, S / cp, H + 2 K', E] and [b, S / cp, H, E], K' = lcm(K, cp)), of which
+               (cp - 1) / cp leave it;
                backward the same two on the gradients.
 
 `what` names the tensors ("kv" for attention's K and V, which cost/memory.py counts as kv
@@ -34,6 +35,7 @@ travel in fp32 (their parameters' dtype) whatever it is.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import TYPE_CHECKING, NamedTuple
 
 from megatron_taper.models import family
@@ -64,8 +66,10 @@ def attention_messages(cfg: ModelConfig, micro_batch: int, cp: int, act_bytes: i
 
 def ulysses_bytes(cfg: ModelConfig, micro_batch: int, cp: int, act_bytes: int = 4) -> float:
     """The buffers of one attention layer's two forward all-to-alls on one rank (parallel/cp/ulysses.py):
-    q, k, v [b, S / cp, H + 2 K, E] and the output [b, S / cp, H, E]."""
-    return micro_batch * cfg.seq_len / cp * (2 * cfg.n_heads + 2 * cfg.kv_heads) * cfg.head_dim * act_bytes
+    q, k, v [b, S / cp, H + 2 K', E] and the output [b, S / cp, H, E]; K' = lcm(K, cp), the kv heads
+    repeated until they divide by cp."""
+    kv = math.lcm(cfg.kv_heads, cp)
+    return micro_batch * cfg.seq_len / cp * (2 * cfg.n_heads + 2 * kv) * cfg.head_dim * act_bytes
 
 
 def cp_messages(model_cfg: ModelConfig, micro_batch: int, seq_len: int, cp: int, act_bytes: int = 4,

@@ -137,7 +137,7 @@ def _check_context_parallel(m: ModelConfig, p: ParallelConfig, t: TrainConfig) -
 
 def _check_ulysses(m: ModelConfig, p: ParallelConfig) -> None:
     """parallel.cp_attention=ulysses (parallel/cp/ulysses.py): a family with attention over the whole
-    sequence, whose heads and kv heads per tp rank divide by cp."""
+    sequence, whose query heads per tp rank divide by cp (kv heads are repeated to lcm(kv heads, cp))."""
     from megatron_taper.cost.cp import ALLTOALL, cp_messages
 
     cp = p.cp
@@ -148,13 +148,11 @@ def _check_ulysses(m: ModelConfig, p: ParallelConfig) -> None:
                           f"cp slices, parallel/cp/state.py; an all-to-all form of it is not built); use "
                           f"parallel.cp_attention=allgather")
     heads = m.n_heads // p.tp
-    kv_heads = max(m.kv_heads // p.tp, 1)  # tp > kv heads: each tp rank holds one, replicated
-    if heads % cp or kv_heads % cp:
+    if heads % cp:
         raise ConfigError(f"parallel.cp={cp} with parallel.cp_attention='ulysses' splits each tp rank's heads over "
-                          f"the cp ranks: model.n_heads={m.n_heads} / parallel.tp={p.tp} = {heads} query heads and "
-                          f"{kv_heads} kv heads (model.n_kv_heads={m.kv_heads}) per tp rank must both divide by "
-                          f"parallel.cp={cp}; choose parallel.cp dividing them (parallel.tp x parallel.cp must divide "
-                          f"model.n_kv_heads), a smaller parallel.tp, or parallel.cp_attention=allgather or ring")
+                          f"the cp ranks: model.n_heads={m.n_heads} / parallel.tp={p.tp} = {heads} heads per tp rank "
+                          f"must divide by parallel.cp={cp}; choose parallel.tp x parallel.cp dividing "
+                          f"model.n_heads, or parallel.cp_attention=allgather or ring")
 
 
 def _check_tensor_parallel(m: ModelConfig, p: ParallelConfig, widths: Sequence[int]) -> None:

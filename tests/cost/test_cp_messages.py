@@ -6,7 +6,8 @@ of one micro-batch's forward_backward counted by benchmarks/context_parallel.py'
 measured numbers, compared here exactly (the messages are whole tensors: no tolerance). At cp = 2
 each rank sends per block one hop of every chain and halo (rank 0 forward, rank 1 the gradient
 back); the ring sends 3 cp - 2 blocks per layer (cp - 1 forward, cp - 1 again and cp gradient
-blocks backward, benchmarks/context_parallel.py). Hope's chain: the measured bytes in
+blocks backward, benchmarks/context_parallel.py); Ulysses' two all-to-alls run forward and again
+on the gradients backward (the counter records each call's buffer). Hope's chain: the measured bytes in
 docs/architectures.md (540,672 bytes from cp rank 0 per micro-batch, benchmarks/context_parallel.py
 at its shape with model.arch=hope_attention).
 """
@@ -18,7 +19,7 @@ import os
 import pytest
 
 from megatron_taper.config import load_config
-from megatron_taper.cost.cp import ALLGATHER, CHAIN, HALO, RING, cp_messages
+from megatron_taper.cost.cp import ALLGATHER, ALLTOALL, CHAIN, HALO, RING, cp_messages
 from megatron_taper.cost.memory import MemorySetup, model_memory
 from tests.helpers.runner import REPO
 
@@ -66,6 +67,7 @@ def test_message_bytes_equal_what_the_runtime_sent(case):
     assert sends == measured.get("p2p_send", {}).get("bytes", 0)
     assert gathered == measured.get("all_gather", {}).get("bytes", 0)
     assert gathered == measured.get("reduce_scatter", {}).get("bytes", 0)
+    assert 2 * sum(m.bytes for m in messages if m.kind == ALLTOALL) == measured.get("all_to_all", {}).get("bytes", 0)
 
 
 def test_hope_chain_bytes_equal_the_measured_sends():

@@ -3,7 +3,8 @@ against one process.
 
 The kernel alone: q [2, 4, 48, 8] over k, v [2, 2, 48, 8] (GQA: one kv head per cp rank at cp=2),
 RoPE-style causal and ALiBi, over the load-balanced split (chunks 0 and 3 on rank 0: the all-to-all
-must restore the sequence's order) and the contiguous one; each rank's output and q, k, v gradients
+must restore the sequence's order) and the contiguous one, and over k, v [2, 1, 48, 8] (one kv head,
+repeated to two so that each cp rank gets one; its gradient sums both copies); each rank's output and q, k, v gradients
 equal its slices of SDPA over the whole sequence within 2e-6 (fp32 sums of up to 48 terms of
 order 1, the same kernel on the same heads; measured <= 5e-7).
 
@@ -16,7 +17,8 @@ attention goes all-to-all, their state keeps its chain), also under full activat
 the harness's, and the reasoning of test_context_parallel.py (the same fp32 sums in another
 order); Hope's and the bridge's those of test_cp_hope_tree_bridge.py (HOPE_TOL, BRIDGE_TOL).
 Then 4 processes: cp=2 x dp=2 under fsdp2 (shards over dp x cp), cp=2 x pp=2 (1F1B: each stage's
-[b, S / 2] slices) and cp=2 x tp=2 (each tp rank's 2 heads and 1 kv head split over cp).
+[b, S / 2] slices), cp=2 x tp=2 (each tp rank's 2 heads split over cp, its one kv head repeated to
+one per cp rank) and cp=4 (4 heads, 2 kv heads repeated to 4).
 """
 import re
 
@@ -39,7 +41,8 @@ from tests.parallel.test_cp_hope_tree_bridge import BASE, BRIDGE, BRIDGE_TOL, HO
 pytestmark = pytest.mark.multiprocess
 
 ULYSSES = ["parallel.cp=2", "parallel.cp_attention=ulysses"]
-KERNEL_CASES = [(position, balanced) for position in ("rope", "alibi") for balanced in (True, False)]
+KERNEL_CASES = [(position, balanced, 2) for position in ("rope", "alibi") for balanced in (True, False)]
+KERNEL_CASES += [("rope", True, 1), ("alibi", False, 1)]  # one kv head: repeated to one per cp rank
 TRAINING_CASES = {
     "transformer rope": (MODEL + ["model.position=rope"], None),
     "transformer alibi": (MODEL + ["model.position=alibi"], None),
@@ -50,18 +53,18 @@ TRAINING_CASES = {
 }
 
 
-def _attention_inputs(position):
+def _attention_inputs(position, kv_heads):
     g = torch.Generator().manual_seed(3)
     q, w = (torch.randn(2, 4, 48, 8, generator=g) for _ in range(2))
-    k, v = (torch.randn(2, 2, 48, 8, generator=g) for _ in range(2))
+    k, v = (torch.randn(2, kv_heads, 48, 8, generator=g) for _ in range(2))
     return q, k, v, w, (alibi_slopes(4, 0, 4, torch.device("cpu")) if position == "alibi" else None)
 
 
 def _kernel_and_training_worker(layouts):
     """The kernel cases, then each training layout: (kernel results, rank 0's training records)."""
     kernel = []
-    for position, balanced in KERNEL_CASES:
-        q, k, v, w, slopes = _attention_inputs(position)
+    for position, balanced, kv_heads in KERNEL_CASES:
+        q, k, v, w, slopes = _attention_inputs(position, kv_heads)
         split = SequenceSplit(2, dist.get_rank(), dist.group.WORLD, attention="ulysses", balanced=balanced)
         mine = [split.split(t.transpose(1, 2)).transpose(1, 2).clone().requires_grad_() for t in (q, k, v)]
         out = split.attend(*mine, slopes)
@@ -74,8 +77,8 @@ def test_ulysses_cp2_matches_one_process_for_every_family():
     """One 2-process launch: the kernel cases, then every training case at cp=2 under Ulysses."""
     layouts = [overrides + ULYSSES for overrides, _ in TRAINING_CASES.values()]
     results = run_distributed(_kernel_and_training_worker, 2, layouts, timeout=180)
-    for case, (position, balanced) in enumerate(KERNEL_CASES):
-        q, k, v, w, slopes = _attention_inputs(position)
+    for case, (position, balanced, kv_heads) in enumerate(KERNEL_CASES):
+        q, k, v, w, slopes = _attention_inputs(position, kv_heads)
         full = [t.clone().requires_grad_() for t in (q, k, v)]
         pos = torch.arange(48)
         out = F.scaled_dot_product_attention(*full, attn_mask=causal_mask_at(pos, pos, slopes), enable_gqa=True)
@@ -85,18 +88,18 @@ def test_ulysses_cp2_matches_one_process_for_every_family():
             split = SequenceSplit(2, rank, None, balanced=balanced)
             for name, a, b in zip(("out", "dq", "dk", "dv"), kernel[case], want):
                 err = (a - split.split(b.transpose(1, 2)).transpose(1, 2)).abs().max().item()
-                assert err < 2e-6, (position, balanced, rank, name, err)
+                assert err < 2e-6, (position, balanced, kv_heads, rank, name, err)
     for (label, (overrides, tol)), rec in zip(TRAINING_CASES.items(), results[0][1]):
         compare(rec, reference(overrides), f"ulysses cp=2 {label}", tol)
 
 
 def test_ulysses_with_fsdp2_pp_and_tp():
     """4 processes: cp=2 x dp=2 with fsdp2, cp=2 x pp=2 (1F1B), cp=2 x tp=2 (ALiBi slopes of each
-    rank's global heads)."""
+    rank's global heads), cp=4."""
     layouts = {"cp=2 x dp=2 fsdp2": ["parallel.zero=fsdp2"],
                "cp=2 x pp=2": ["parallel.pp=2"],
-               "cp=2 x tp=2 alibi": ["parallel.tp=2", "model.position=alibi", "model.n_heads=4",
-                                     "model.n_kv_heads=4"]}
+               "cp=2 x tp=2 alibi": ["parallel.tp=2", "model.position=alibi"],
+               "cp=4": ["parallel.cp=4"]}
     got = merge_stages(run_distributed(stage_worker, 4, [MODEL + ULYSSES + o for o in layouts.values()],
                                        timeout=240))
     for (label, overrides), rec in zip(layouts.items(), got):
@@ -104,10 +107,9 @@ def test_ulysses_with_fsdp2_pp_and_tp():
 
 
 @pytest.mark.parametrize("overrides,world,message", [
-    (["parallel.cp=4"], 4, "model.n_heads=4 / parallel.tp=1 = 4 query heads and 2 kv heads (model.n_kv_heads=2) "
-                           "per tp rank must both divide by parallel.cp=4"),
-    (["parallel.tp=2"], 4, "model.n_heads=4 / parallel.tp=2 = 2 query heads and 1 kv heads (model.n_kv_heads=2) "
-                           "per tp rank must both divide by parallel.cp=2"),
+    (["parallel.cp=4", "parallel.tp=2"], 8, "model.n_heads=4 / parallel.tp=2 = 2 heads per tp rank must divide by "
+                                            "parallel.cp=4"),
+    (["parallel.cp=8", "model.seq_len=64"], 8, "model.n_heads=4 / parallel.tp=1 = 4 heads per tp rank must divide"),
     (["model.arch=titans"], 2, "model.arch='titans' has no attention over the whole sequence to split by heads"),
     (["model.arch=tree", "model.n_layers=1"], 2, "model.arch='tree' has no attention over the whole sequence"),
 ])
@@ -123,9 +125,11 @@ def test_unknown_cp_attention_suggests_ulysses():
 
 
 def test_ulysses_bytes_count_the_two_all_to_alls():
-    """Per attention layer and micro-batch: q, k, v [b, S / cp, H + 2 K, E] and the output
-    [b, S / cp, H, E] (MODEL: H = 4, K = 2, E = 16, S = 64, b = 2, fp32)."""
+    """Per attention layer and micro-batch: q, k, v [b, S / cp, H + 2 K', E] and the output
+    [b, S / cp, H, E] (MODEL: H = 4, K = 2, E = 16, S = 64, b = 2, fp32); K' = K at cp=2, the kv
+    heads repeated to 4 at cp=4."""
     cfg = load_config(None, MODEL).model
     assert ulysses_bytes(cfg, 2, 2) == 2 * 32 * (4 + 2 * 2 + 4) * 16 * 4
+    assert ulysses_bytes(cfg, 2, 4) == 2 * 16 * (4 + 2 * 4 + 4) * 16 * 4
     blocks = cp_messages(cfg, 2, 64, 2, attention="ulysses")
     assert [[(m.kind, m.bytes) for m in block] for block in blocks] == [[(ALLTOALL, 2 * 32 * 12 * 16 * 4)]] * 2

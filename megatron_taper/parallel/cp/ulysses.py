@@ -7,25 +7,30 @@ attention runs there as in one process (causal, no mask over gathered keys), and
 all-to-all returns the outputs to the ranks holding their tokens:
 
     q [B, s, H, E], k, v [B, s, K, E]  (s = S / cp, this rank's tokens, RoPE at their true positions)
-      -> all-to-all of [cp, B, s, (H + 2 K) / cp, E]  (piece j to cp rank j: its heads)
+      (where K does not divide by cp, each kv head is repeated cp / gcd(K, cp) times first, to
+       K' = lcm(K, cp) heads, so that every rank gets whole kv heads for its query heads)
+      -> all-to-all of [cp, B, s, (H + 2 K') / cp, E]  (piece j to cp rank j: its heads)
       -> [B, S, H / cp | K / cp, E]: every rank's slice of those heads, put back in sequence order
          (the load-balanced split's chunks r and 2 cp - 1 - r are reordered; the contiguous one is
          already in order)
     causal attention of the whole sequence for heads [r H / cp, (r + 1) H / cp) (kv heads likewise:
-    grouped-query attention keeps its pairing; ALiBi takes those heads' slopes)
+    grouped-query attention keeps its pairing; ALiBi takes those heads' slopes); the repeated kv
+    heads' gradients sum back into their kv head
       -> out [B, S, H / cp, E] -> back to rank order -> all-to-all of [cp, B, s, H / cp, E]
       -> [B, s, H, E] at this rank's tokens
     backward: the same two all-to-alls in reverse order on the gradients (an all-to-all of
     [cp, ...] along dim 0 is its own inverse: `_AllToAll`)
 
 Bytes per attention layer and micro-batch, per rank: forward two all-to-alls whose buffers hold
-B s (H + 2 K) E and B s H E elements, of which (cp - 1) / cp leave the rank; backward as many
-(cost/cp.py ulysses_messages). Memory: the head-sharded q, k, v and output [B, S, H / cp, E] that
-attention keeps are as large as the rank's own slice of them; no K and V of the whole sequence.
-Heads per tp rank, and kv heads per tp rank, must divide by cp (cost/preflight.py refuses otherwise).
+B s (H + 2 K') E and B s H E elements, of which (cp - 1) / cp leave the rank; backward as many
+(cost/cp.py ulysses_bytes). Memory: the head-sharded q, k, v and output [B, S, H / cp, E] that
+attention keeps are as large as the rank's own slice of them (k, v: K' / K times where kv heads are
+repeated); no K and V of the whole sequence. The query heads per tp rank must divide by cp
+(cost/preflight.py refuses otherwise).
 """
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 import torch
@@ -91,8 +96,12 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes:
     """Causal attention of the whole sequence by all-to-all (module doc): q [B, H, s, E], k, v
     [B, K, s, E] at this rank's positions; `slopes` [H]: ALiBi. -> [B, H, s, E]."""
     b, h, s, e = q.shape
-    kv, cp = k.shape[1], split.cp
-    assert h % cp == 0 and kv % cp == 0, f"heads {h} and kv heads {kv} must divide by cp={cp} (cost/preflight.py)"
+    cp = split.cp
+    assert h % cp == 0, f"heads {h} must divide by cp={cp} (cost/preflight.py)"
+    repeat = cp // math.gcd(k.shape[1], cp)  # kv heads to lcm(K, cp), which divides H
+    if repeat > 1:
+        k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+    kv = k.shape[1]
     order = _sequence_order(split, s, q.device)
     # one all-to-all for q, k and v: per destination rank its heads of each, side by side
     qkv = torch.cat([t.transpose(1, 2).unflatten(2, (cp, -1)) for t in (q, k, v)], dim=3)  # [B, s, cp, n, E]
