@@ -133,3 +133,12 @@ def test_ulysses_bytes_count_the_two_all_to_alls():
     assert ulysses_bytes(cfg, 2, 4) == 2 * 16 * (4 + 2 * 4 + 4) * 16 * 4
     blocks = cp_messages(cfg, 2, 64, 2, attention="ulysses")
     assert [[(m.kind, m.bytes) for m in block] for block in blocks] == [[(ALLTOALL, 2 * 32 * 12 * 16 * 4)]] * 2
+
+
+@pytest.mark.slow  # over ~20 s alone: two ranks compile their blocks (measured 160 s on 2 shared cores)
+def test_ulysses_with_compile():
+    """2 processes, 2 steps: cp=2 under Ulysses with train.compile=true (each block compiled, the
+    default on CUDA); compiled kernels sum in another order, within the same tolerances."""
+    overrides = MODEL + ULYSSES + ["train.compile=true"]
+    got = merge_stages(run_distributed(stage_worker, 2, [overrides], 2, timeout=300))[0]
+    compare(got, reference(MODEL, steps=2), "ulysses cp=2 compile")
