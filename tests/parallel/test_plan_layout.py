@@ -196,8 +196,9 @@ def test_a_long_sequence_fits_only_with_context_parallelism():
     # the all-gathered K and V are exposed; the ring's sends hide behind the attention on a GPU
     assert all(x.step.cp > 0 for x in result.layouts if x.layout.cp_attention != "ring")
     assert all(x.layout.cp > 1 for x in result.layouts)
-    # Ulysses is searched, and refused where a tp rank's kv heads do not divide by cp (8 / tp 4 = 2:
-    # cp = 2 only, whose slices of 65,536 tokens do not fit)
+    # Ulysses is searched: it fits where its heads per tp rank divide by cp (32 / tp 4 = 8), and is
+    # refused where they do not (32 / tp 8 = 4 heads at cp = 8)
+    assert any(x.layout.cp_attention == "ulysses" for x in result.layouts)
     assert any("parallel.cp_attention='ulysses' splits each tp rank's heads" in r for r in result.dropped)
     no_cp = plan.search(cfg, 64, 24, profiles()["h100"], space=[row for row in space if row[0] != "parallel.cp"])
     assert no_cp.legal > 0 and not no_cp.layouts
