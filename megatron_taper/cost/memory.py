@@ -93,7 +93,8 @@ their gradient and a temporary) and the block's K, V repeated to the query heads
 gradients ([b, H, S / cp, E] x 4), counted in the compute dtype like the other activations.
 parallel.cp_attention=ulysses (parallel/cp/ulysses.py) keeps the head-sharded q, k, v and output of
 the whole sequence, [b, S, H / cp, E], as many elements as the rank's own: the block's cost per
-local token is the one-process one (its all-to-alls are not `received` bytes either).
+local token is the one-process one (its all-to-alls are not `received` bytes either), except that
+k and v count K' / K times where the kv heads are repeated to K' = lcm(K, cp).
 
 Not modelled: the optimizer step's temporaries (after the activations are freed), collective
 buffers besides DeepSpeed's (DDP buckets are the gradients themselves), allocator caching and fragmentation, the
@@ -442,10 +443,19 @@ def context_parallel_cost(cost: Cost, cfg: ModelConfig, setup: MemorySetup,
     `messages` (cost/cp.py) include attention's K and V: all-gathered, its K and V (and their
     gradients in backward) are those of the whole sequence, cp times the rank's tokens; under
     activation_checkpointing=op the kept K and V projections stay the rank's own (`op_act`).
-    Ring: the moment of a piece of its backward. A block without them (Titans' local attention,
-    the memories, the tree) keeps its own tokens' elements; what it is handed instead counts as
-    `received` bytes (piece_memory)."""
+    Ring: the moment of a piece of its backward. Ulysses (messages of q, k, v and the output): its
+    own tokens' elements, k and v K' / K times where a tp rank's K kv heads are repeated to
+    K' = lcm(K, cp). A block without them (Titans' local attention, the memories, the tree) keeps
+    its own tokens' elements; what it is handed instead counts as `received` bytes (piece_memory)."""
     cp = setup.cp
+    if cp > 1 and setup.cp_attention == "ulysses" and any(m.what == "qkvo" for m in messages):
+        local = max(cfg.kv_heads // setup.tp, 1)  # kv heads of a tp rank (one, replicated, where tp > K)
+        extra = math.lcm(local, cp) // local - 1
+
+        def repeated(split: Split) -> Split:
+            return split + Split(kv=split.kv * extra)
+
+        return dataclasses.replace(cost, act=repeated(cost.act), backward=tuple(repeated(b) for b in cost.backward))
     if cp == 1 or not any(m.what == "kv" for m in messages):
         return cost
     if setup.cp_attention == "ring":

@@ -142,3 +142,19 @@ def test_ulysses_with_compile():
     overrides = MODEL + ULYSSES + ["train.compile=true"]
     got = merge_stages(run_distributed(stage_worker, 2, [overrides], 2, timeout=300))[0]
     compare(got, reference(MODEL, steps=2), "ulysses cp=2 compile")
+
+
+def test_memory_model_keeps_the_ranks_own_elements():
+    """cost/memory.py under Ulysses: each block keeps the elements of its seq_len / cp tokens (the
+    head-sharded q, k, v and output are as large), plus at cp=4 a second copy of K and V (2 kv
+    heads repeated to 4: [b, 2, S / 4, E] x 2 more, fp32); no gathered K and V, no received bytes."""
+    from megatron_taper.cost.memory import MemorySetup, model_memory
+
+    def kept(overrides):
+        cfg = load_config(None, MODEL + overrides)
+        setup = MemorySetup.from_config(cfg.parallel, cfg.train, 1, False)
+        return [p.kept for p in model_memory(cfg.model, setup).layers]
+
+    assert kept(ULYSSES) == kept(["model.seq_len=32"])
+    repeated = 2 * 2 * 2 * 16 * 16 * 4  # micro_batch 2 x (K and V) x 2 kv heads x head_dim 16 x 16 tokens x fp32
+    assert kept([*ULYSSES, "parallel.cp=4"]) == [k + repeated for k in kept(["model.seq_len=16"])]
