@@ -100,4 +100,4 @@ def received_bytes(messages: tuple[CPMessage, ...]) -> float:
     starting state and the rows its first outputs read; parallel/cp/state.py also keeps them for
     a recompute) and the gathered buffers of other all-gathers; its backward holds their gradient,
     as many bytes, before sending it back."""
-    return sum(m.bytes for m in messages if m.what not in ("kv", "qkvo") and m.kind != RING)
+    return sum(m.bytes for m in messages if m.what != "kv" and m.kind not in (RING, ALLTOALL))

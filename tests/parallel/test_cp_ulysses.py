@@ -37,6 +37,8 @@ from tests.helpers.cp_harness import compare, merge_stages, reference, stage_wor
 from tests.helpers.harness import run_distributed
 from tests.parallel.test_context_parallel import MODEL
 from tests.parallel.test_cp_hope_tree_bridge import BASE, BRIDGE, BRIDGE_TOL, HOPE, HOPE_TOL
+from tests.parallel.test_cp_titans import MODEL as TITANS
+from tests.parallel.test_cp_titans import TOLERANCES as TITANS_TOL
 
 pytestmark = pytest.mark.multiprocess
 
@@ -50,6 +52,12 @@ TRAINING_CASES = {
     "transformer, full checkpointing": (MODEL + ["train.activation_checkpointing=full"], None),
     "hope_attention": (BASE + HOPE, HOPE_TOL),
     "bridge": (BASE + BRIDGE + ["model.bridge.aux_weight=0.5"], BRIDGE_TOL),
+    # the memory scanned whole for one head per rank, its chunks crossing the slice boundary; the
+    # window's halo from the rank before (previous_rows)
+    "titans mag": (TITANS + ["model.titans.variant=mag"], TITANS_TOL),
+    "titans mal linear, no conv, full checkpointing": (
+        TITANS + ["model.titans.variant=mal", "model.titans.memory_depth=1", "model.titans.conv_kernel=0",
+                  "model.titans.persistent_tokens=16", "train.activation_checkpointing=full"], TITANS_TOL),
 }
 
 

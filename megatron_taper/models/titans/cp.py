@@ -112,6 +112,8 @@ def _ends(block: TitansBlock, x: torch.Tensor, state, rows: torch.Tensor, attn_r
 
 def mag_mix(block: MAGBlock, xn: torch.Tensor) -> torch.Tensor:
     """MAGBlock.mix of this rank's slice xn [B, s, D]."""
+    if block.context.attention == "ulysses":
+        return mag_mix_ulysses(block, xn)
     rank, local = block.context.rank, xn.shape[1]
     received = _receive(block, _stream_initial(block, xn, rank))
     reads, state, rows = _memory_slice(block, xn, received)
@@ -124,6 +126,8 @@ def mag_mix(block: MAGBlock, xn: torch.Tensor) -> torch.Tensor:
 
 def mal_forward(block: MALBlock, x: torch.Tensor) -> torch.Tensor:
     """MALBlock.forward of this rank's slice x [B, s, D]."""
+    if block.context.attention == "ulysses":
+        return mal_forward_ulysses(block, x)
     rank, local = block.context.rank, x.shape[1]
     received = _receive(block, _stream_initial(block, x, rank))
     reads, state, rows = _memory_slice(block, block.mem_norm(x), received)
@@ -146,3 +150,58 @@ def mac_mix(block: MACBlock, xn: torch.Tensor) -> torch.Tensor:
                                                   tuple(pasts[1:]) if rows else None)
     ends = [*state[0], *state[1], *((query_past, *past) if rows else ())]
     return _send(block, out, ends, initial)
+
+
+def _ulysses_reads(block: TitansBlock, x: torch.Tensor) -> torch.Tensor:
+    """parallel.cp_attention=ulysses: the memory's reads [B, H, s, E] of this rank's slice x [B, s, D]
+    (its input rows), each rank scanning the whole sequence for H / cp of the heads (module doc)."""
+    from megatron_taper.parallel.cp.ulysses import heads_to_seq, seq_to_heads
+
+    memory, split = block.memory, block.context
+    batch, e = x.shape[0], memory.head_dim
+    n = memory.mem_w[0].shape[0] // split.cp
+    heads = slice(split.rank * n, (split.rank + 1) * n)
+
+    def channels(rows: torch.Tensor) -> torch.Tensor:  # [B, T, D] -> [B, T, H, 3 E + 3]: q, k, v, gates
+        t = rows.shape[1]
+        return torch.cat([*(proj(rows).view(batch, t, -1, e) for proj in (memory.wq, memory.wk, memory.wv)),
+                          memory.gates(rows).view(batch, t, -1, 3)], dim=-1)
+
+    mine = seq_to_heads(channels(x), split, None)  # [B, S, H / cp, 3 E + 3]: the whole sequence, my heads
+    prefix = channels(block.with_prefix(x[:, :0]))[:, :, heads]  # the persistent tokens' rows
+    zq, zk, zv, gates = torch.cat((prefix, mine), dim=1).split((e, e, e, 3), dim=-1)
+    taps = slice(heads.start * e, heads.stop * e)
+    q, k, v = (memory.conv_heads(z.flatten(2), None if conv is None else conv[taps])[0]
+               for z, conv in ((zq, memory.conv_q), (zk, memory.conv_k), (zv, memory.conv_v)))
+    features = (k, v, q, *memory.gate_features(gates.flatten(2)))
+    reads, _ = memory.scan_features(features, memory.init_state(batch, heads), heads=heads)  # [B, n, P + S, E]
+    reads = reads[:, :, prefix.shape[1]:].transpose(1, 2)  # [B, S, n, E]
+    return heads_to_seq(reads, split, None).transpose(1, 2)  # [B, H, s, E]
+
+
+def _ulysses_halo(block: TitansBlock, xa: torch.Tensor) -> torch.Tensor:
+    """The attention input's last W - 1 rows of cp rank r - 1 ([B, 0, D] on rank 0), by previous_rows."""
+    from megatron_taper.parallel.cp.state import previous_rows
+
+    if block.window <= 1:
+        return xa[:, :0]
+    halo = previous_rows(block.context, block.context_tag, xa, block.window - 1)
+    return halo[:, :0] if block.context.rank == 0 else halo
+
+
+def mag_mix_ulysses(block: MAGBlock, xn: torch.Tensor) -> torch.Tensor:
+    """MAGBlock.mix of this rank's slice xn [B, s, D] under parallel.cp_attention=ulysses."""
+    gate = torch.sigmoid(block.memory.output(_ulysses_reads(block, xn)))
+    halo = _ulysses_halo(block, xn)
+    keys = torch.cat((halo, xn), dim=1)
+    return block.window_attention(block.with_prefix(keys), halo.shape[1], block.context.rank * xn.shape[1]) * gate
+
+
+def mal_forward_ulysses(block: MALBlock, x: torch.Tensor) -> torch.Tensor:
+    """MALBlock.forward of this rank's slice x [B, s, D] under parallel.cp_attention=ulysses."""
+    x = x + block.memory.output(_ulysses_reads(block, block.mem_norm(x)))
+    xa = block.attn_norm(x)
+    halo = _ulysses_halo(block, xa)
+    xp = block.with_prefix(torch.cat((halo, xa), dim=1))
+    x = x + block.window_attention(xp, halo.shape[1], block.context.rank * x.shape[1])
+    return x + block.mlp(block.mlp_norm(x))
