@@ -1,6 +1,6 @@
 """cost/cp.py cp_messages against the bytes the cp runtime sent, as the cp benchmarks recorded them.
 
-docs/results/{context_parallel,titans_cp,cp_memory_caching}.json hold, per cp rank, the c10d calls
+docs/results/{context_parallel,cp_families,titans_cp,cp_memory_caching}.json hold, per cp rank, the c10d calls
 of one micro-batch's forward_backward counted by benchmarks/context_parallel.py's dispatch counter
 (the full buffer of every all-gather and reduce-scatter, the tensor of every point-to-point send):
 measured numbers, compared here exactly (the messages are whole tensors: no tolerance). At cp = 2
@@ -37,6 +37,11 @@ def _rows():
     for r in _results("context_parallel.json")["results"]:
         if r["cp"] > 1:
             yield f"transformer_{r['cp_attention']}_cp{r['cp']}_{r['seq_len']}", [f"model.seq_len={r['seq_len']}"], \
+                r["cp"], r["cp_attention"], r["comm_measured"]
+    for r in _results("cp_families.json")["results"]:  # gated, Hope, bridge, Titans at S = 2048
+        if r["cp"] > 1:
+            yield f"{r['arch']}_{r['cp_attention']}_cp{r['cp']}_{r['seq_len']}", [*r["overrides"],
+                                                                                   f"model.seq_len={r['seq_len']}"], \
                 r["cp"], r["cp_attention"], r["comm_measured"]
     for r in _results("titans_cp.json")["results"]:
         if r["cp"] > 1:

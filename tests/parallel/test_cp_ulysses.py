@@ -10,12 +10,15 @@ order 1, the same kernel on the same heads; measured <= 5e-7).
 
 Training: the cp harness's model and steps (tests/helpers/cp_harness.py; tests/parallel/
 test_context_parallel.py's MODEL: 2 layers, d=64, 4 heads over 2 kv heads, seq_len 64, 3 AdamW
-steps of 2 micro-batches) for every family with attention over the whole sequence (the
-Transformer with RoPE and ALiBi, Gated Attention, Hope-attention and the memory bridge: their
-attention goes all-to-all, their state keeps its chain), also under full activation checkpointing
-(the recompute repeats the all-to-alls in backward, in the same order on every rank). Tolerances:
-the harness's, and the reasoning of test_context_parallel.py (the same fp32 sums in another
-order); Hope's and the bridge's those of test_cp_hope_tree_bridge.py (HOPE_TOL, BRIDGE_TOL).
+steps of 2 micro-batches) for every family that has Ulysses: the Transformer with RoPE and ALiBi,
+Gated Attention, Hope-attention and the memory bridge (their attention goes all-to-all, their
+state keeps its chain), and Titans MAG and MAL (test_cp_titans.py's model: 2 heads, memory chunks
+of 16 rows behind 4 persistent tokens; each rank scans the whole sequence for one head, no chain),
+also under full activation checkpointing (the recompute repeats the all-to-alls in backward, in the
+same order on every rank). Tolerances: the harness's, and the reasoning of test_context_parallel.py
+(the same fp32 sums in another order); Hope's, the bridge's and Titans' those of their cp tests
+(HOPE_TOL, BRIDGE_TOL, test_cp_titans.py's TOLERANCES). Measured at most: loss 9.5e-7, gradients
+2.3e-5 (Hope; the others <= 7.4e-6), final parameters 4.4e-5 (the bridge's read projection).
 Then 4 processes: cp=2 x dp=2 under fsdp2 (shards over dp x cp), cp=2 x pp=2 (1F1B: each stage's
 [b, S / 2] slices), cp=2 x tp=2 (each tp rank's 2 heads split over cp, its one kv head repeated to
 one per cp rank) and cp=4 (4 heads, 2 kv heads repeated to 4).
@@ -118,8 +121,12 @@ def test_ulysses_with_fsdp2_pp_and_tp():
     (["parallel.cp=4", "parallel.tp=2"], 8, "model.n_heads=4 / parallel.tp=2 = 2 heads per tp rank must divide by "
                                             "parallel.cp=4"),
     (["parallel.cp=8", "model.seq_len=64"], 8, "model.n_heads=4 / parallel.tp=1 = 4 heads per tp rank must divide"),
-    (["model.arch=titans"], 2, "model.arch='titans' has no attention over the whole sequence to split by heads"),
-    (["model.arch=tree", "model.n_layers=1"], 2, "model.arch='tree' has no attention over the whole sequence"),
+    (["model.arch=titans", "model.titans.variant=mac"], 2, "model.titans.variant='mac' with "
+                                                           "parallel.cp_attention='ulysses' is not built"),
+    (["model.arch=titans", "model.titans.window=40"], 2, "model.titans.window=40 with parallel.cp_attention='ulysses' "
+                                                         "at parallel.cp=2: the window's W - 1 = 39 rows"),
+    (["model.arch=deep_memory"], 2, "model.arch='deep_memory' has no all-to-all form"),
+    (["model.arch=tree", "model.n_layers=1"], 2, "model.arch='tree' has no all-to-all form"),
 ])
 def test_preflight_refuses_layouts_ulysses_cannot_split(overrides, world, message):
     cfg = load_config(None, MODEL + ["parallel.cp=2", "parallel.cp_attention=ulysses", *overrides])

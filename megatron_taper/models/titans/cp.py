@@ -30,6 +30,21 @@ Bytes per block and direction (cp_state_bytes; W_l, S_l in fp32, the tails in th
 dtype of `a` bytes, H the heads of this tp rank):
     MAG / MAL  8 B H sum_l i_l o_l + a B D (p + K - 1 + min(W - 1, r s))
     MAC        8 B H sum_l i_l o_l + 4 a B (K - 1) H E
+parallel.cp_attention=ulysses (MAG, MAL; MAC refused): no chain. The memory is per head, so each
+rank scans the whole sequence for H / cp of the heads (`_ulysses_reads`, parallel/cp/ulysses.py):
+
+    q, k, v projections before the convolution and the gates of the rank's tokens [B, s, H, 3 E + 3]
+      -> all-to-all -> [B, S, H / cp, 3 E + 3]; the persistent tokens' rows of those heads in front
+      (every rank projects them itself); convolution (those heads' taps), the scan from those heads'
+      M_0, every chunk as in one process
+    reads [B, S, H / cp, E] -> all-to-all back -> [B, s, H, E] -> the output projection per token
+    the window's W - 1 rows before the slice come from rank r - 1 by previous_rows (all ranks at
+    once; W - 1 must not exceed the slice)
+
+Bytes per block and micro-batch (cost.py ulysses_bytes): the two buffers a B s H (4 E + 3)
+forward and again backward, (cp - 1) / cp of each leaving the rank, plus the halo a B (W - 1) D
+each way. Nothing waits in a chain: every rank computes its heads' whole scan at once.
+
 The window halo travels in the chain's message rather than by a separate previous_rows: a
 separate exchange at the start of the next layer would make rank r - 1 wait for rank r to reach
 that layer (a point-to-point send meets its receive), turning the wavefront into a lockstep.
