@@ -6,7 +6,8 @@ neural_memory.py  the neural memory: its chunked parallel form and hand-written 
                   deep Memory Caching family's base)
 cost.py           its cost terms and context-parallel message sizes (torch-free)
 parallel.py       its tensor-parallel plan and layout checks (torch-free at module level)
-cp.py             its context-parallel forward: the memory's state passed along the cp chain
+cp.py             its context-parallel forward: the memory's state passed along the cp chain, or
+                  (parallel.cp_attention=ulysses) each rank's share of the heads scanned whole
 
 This module holds the family's SPECS only; the model code is imported when a model is built.
 """
