@@ -105,16 +105,17 @@ def test_ulysses_cp2_matches_one_process_for_every_family():
 
 
 def test_ulysses_with_fsdp2_pp_and_tp():
-    """4 processes: cp=2 x dp=2 with fsdp2, cp=2 x pp=2 (1F1B), cp=2 x tp=2 (ALiBi slopes of each
-    rank's global heads), cp=4."""
-    layouts = {"cp=2 x dp=2 fsdp2": ["parallel.zero=fsdp2"],
-               "cp=2 x pp=2": ["parallel.pp=2"],
-               "cp=2 x tp=2 alibi": ["parallel.tp=2", "model.position=alibi"],
-               "cp=4": ["parallel.cp=4"]}
-    got = merge_stages(run_distributed(stage_worker, 4, [MODEL + ULYSSES + o for o in layouts.values()],
-                                       timeout=240))
-    for (label, overrides), rec in zip(layouts.items(), got):
-        compare(rec, reference(MODEL + [o for o in overrides if o.startswith("model.")]), f"ulysses {label}")
+    """4 processes: cp=2 x dp=2 with fsdp2 (the Transformer, and Titans MAG: its memory's per-head
+    parameters sliced by each cp rank from the gathered FSDP2 shards), cp=2 x pp=2 (1F1B), cp=2 x
+    tp=2 (ALiBi slopes of each rank's global heads), cp=4."""
+    layouts = {"cp=2 x dp=2 fsdp2": (MODEL + ULYSSES + ["parallel.zero=fsdp2"], None),
+               "titans mag cp=2 x dp=2 fsdp2": (TITANS + ULYSSES + ["parallel.zero=fsdp2"], TITANS_TOL),
+               "cp=2 x pp=2": (MODEL + ULYSSES + ["parallel.pp=2"], None),
+               "cp=2 x tp=2 alibi": (MODEL + ULYSSES + ["parallel.tp=2", "model.position=alibi"], None),
+               "cp=4": (MODEL + ULYSSES + ["parallel.cp=4"], None)}  # the later parallel.cp wins
+    got = merge_stages(run_distributed(stage_worker, 4, [o for o, _ in layouts.values()], timeout=300))
+    for (label, (overrides, tol)), rec in zip(layouts.items(), got):
+        compare(rec, reference(overrides), f"ulysses {label}", tol)
 
 
 @pytest.mark.parametrize("overrides,world,message", [
