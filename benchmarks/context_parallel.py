@@ -2,7 +2,8 @@
 the memory model (cost/memory.py) and the communication theory (parallel/cp/split.py).
 
     python benchmarks/context_parallel.py [--seq-lens 1024,2048,4096,8192] [--cps 1,2,4]
-                                          [--attentions allgather,ring] [--steps 2] [key=value ...]
+                                          [--attentions allgather,ring,ulysses] [--steps 2]
+                                          [--merge docs/results/context_parallel.json] [key=value ...]
 
 Default shape: a narrow Transformer (2 layers, d_model 64, 4 heads over 2 kv heads, vocabulary
 256, uniform MLP width 176), one sequence per micro-batch, fp32 on the CPU (gloo). For each
@@ -24,6 +25,11 @@ benchmarks/activation_memory.py uses it) build the run through build_run and
            two scalars (the loss share's token count, the reported loss) and DDP's gradient
            all-reduce over dp x cp (the parameters in fp32, in its buckets: their number is not
            predicted). ring bytes per rank: (cp - 1) / cp of each gather / reduce-scatter buffer.
+           Ulysses (parallel/cp/ulysses.py): per attention layer two all-to-alls forward (q, k, v
+           [b, S / cp, H + 2 K', E] out, K' = lcm(K, cp), the output [b, S / cp, H, E] back) and the same two
+           backward (`all_to_all`: the buffer of each call), (cp - 1) / cp of each leaving the rank.
+--merge FILE: print FILE's rows with those of this run put in (a row of the same seq_len, cp and
+cp_attention replaced), e.g. to add one attention's rows to the recorded ones.
 
 Prints one JSON object: {"config": ..., "results": [one per (seq_len, cp)]}.
 """
@@ -33,6 +39,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -57,6 +64,10 @@ def theory(cfg, cp: int, params: int) -> dict:
         return {}
     kv = cfg.train.micro_batch * m.seq_len * m.kv_heads * m.head_dim * 4  # [b, S, K, E] fp32
     reduce = {"all_reduce": {"bytes": 8 + 4 * params}}
+    if cfg.parallel.cp_attention == "ulysses":
+        kv_heads = math.lcm(m.kv_heads, cp)  # repeated until they divide by cp
+        buffers = cfg.train.micro_batch * m.seq_len // cp * (2 * m.n_heads + 2 * kv_heads) * m.head_dim * 4
+        return {**reduce, "all_to_all": {"calls": 4 * m.n_layers, "bytes": 2 * m.n_layers * buffers}}
     if cfg.parallel.cp_attention == "ring":
         block = 2 * kv // cp  # K and V of one rank's slice
         return {**reduce, "p2p_send": {"calls": m.n_layers * (3 * cp - 2),
@@ -125,7 +136,7 @@ def worker(overrides: list[str], steps: int) -> dict:
             "activation_ratio": measured / predicted, "step_time_s": statistics.median(times),
             "comm_measured": measured_comm, "comm_theory": expected,
             "comm_ring_bytes_per_rank": sum(v["bytes"] for k, v in measured_comm.items()
-                                            if k in ("all_gather", "reduce_scatter")) * (cp - 1) / cp}
+                                            if k in ("all_gather", "reduce_scatter", "all_to_all")) * (cp - 1) / cp}
 
 
 def launch_ranks(script: str, overrides: list[str], cp: int, steps: int) -> list[dict]:
@@ -165,7 +176,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seq-lens", default="1024,2048,4096,8192")
     parser.add_argument("--cps", default="1,2,4")
-    parser.add_argument("--attentions", default="allgather,ring", help="parallel.cp_attention values (cp > 1)")
+    parser.add_argument("--attentions", default="allgather,ring,ulysses", help="parallel.cp_attention values (cp > 1)")
+    parser.add_argument("--merge", help="a JSON this benchmark printed: print it with this run's rows put in")
     add_worker_arguments(parser)
     args = parser.parse_args()
     if args.worker:
@@ -185,6 +197,12 @@ def main() -> None:
             for attention in args.attentions.split(",") if cp > 1 else ["allgather"]:
                 overrides = [f"model.seq_len={seq}", f"parallel.cp_attention={attention}", *args.overrides]
                 results.append(launch(overrides, cp, args.steps))
+    if args.merge:
+        with open(args.merge) as f:
+            recorded = json.load(f)
+        key = lambda r: (r["seq_len"], r["cp"], r["cp_attention"])  # noqa: E731
+        new = {key(r) for r in results}
+        results = sorted([r for r in recorded["results"] if key(r) not in new] + results, key=key)
     print(json.dumps({"config": SHAPE + args.overrides, "results": results}, indent=1))
 
 

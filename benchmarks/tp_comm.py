@@ -64,6 +64,7 @@ KINDS = {  # c10d dispatcher op -> (kind, index of the full-size tensor argument
     "allgather_into_tensor_coalesced_": ("all_gather", 0),
     "_reduce_scatter_base_": ("reduce_scatter", 1),
     "reduce_scatter_": ("reduce_scatter", 1),
+    "alltoall_base_": ("all_to_all", 0),
 }
 
 

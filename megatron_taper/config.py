@@ -149,6 +149,7 @@ class DeepSpeedConfig:
             raise ConfigError(f"{prefix}.config={self.config!r}: file not found")
 
 
+CP_ATTENTIONS = ("allgather", "ring", "ulysses")  # parallel.cp_attention (parallel/cp/split.py, ulysses.py)
 PP_BALANCE_MODES = ("flops", "uniform", "params", "profile")  # parallel.pp_balance (cost/partition.py)
 # parallel.pp_schedule (parallel/pp/schedule.py); the zero-bubble ones split backward into input and
 # weight gradients; zbv and dualpipev place 2 chunks per rank in a V (rank r: chunks r, 2 pp - 1 - r)
@@ -164,7 +165,12 @@ class ParallelConfig:
     pp: int = 1
     # context parallelism: each sequence split over this many ranks (parallel/cp/split.py)
     cp: int = 1
-    # how attention sees the other cp ranks' keys: allgather (K and V of the whole sequence) | ring
+    # how attention sees the whole sequence under cp: allgather (each rank gathers K and V of the whole
+    # sequence) | ring (K and V blocks passed around the cp ranks) | ulysses (all-to-all from
+    # sequence-sharded to head-sharded: each rank attends over the whole sequence for heads / cp of its
+    # heads, then all-to-all back; parallel/cp/ulysses.py). Families whose cp also passes a state
+    # between slices (parallel/cp/state.py) keep that exchange; under ulysses the query heads per tp
+    # rank must divide by cp (kv heads are repeated up to a multiple of cp where they do not)
     cp_attention: str = "allgather"
     zero: str = "none"  # none | fsdp2 | deepspeed
     pp_balance: str = "flops"  # flops | uniform | params | profile
@@ -203,7 +209,7 @@ class ParallelConfig:
         check_range(f"{prefix}.dp_replicate", self.dp_replicate, 1, None)
         check_range(f"{prefix}.dp_shard", self.dp_shard, 0, None)
         check_choice(f"{prefix}.zero", self.zero, ("none", "fsdp2", "deepspeed"))
-        check_choice(f"{prefix}.cp_attention", self.cp_attention, ("allgather", "ring"))
+        check_choice(f"{prefix}.cp_attention", self.cp_attention, CP_ATTENTIONS)
         check_choice(f"{prefix}.pp_balance", self.pp_balance, PP_BALANCE_MODES)
         check_choice(f"{prefix}.pp_schedule", self.pp_schedule, PP_SCHEDULES)
         self.deepspeed.validate(f"{prefix}.deepspeed")

@@ -17,17 +17,25 @@ makes the cp ranks exchange, each a `CPMessage(kind, bytes, what)`:
     ring       parallel.cp_attention=ring: K and V of one slice passed around the ring, cp - 1
                times forward; `bytes` per pass ([2, b, K, S / cp, E]); backward passes the same
                blocks again and their gradients (3 cp - 2 sends per rank and block in all).
+    alltoall   parallel.cp_attention=ulysses (parallel/cp/ulysses.py): q, k, v to head-sharded and the
+               output back, two all-to-alls forward; `bytes`: the two buffers of one rank
+               ([b, S / cp, H + 2 K', E] and [b, S / cp, H, E], K' = lcm(K, cp)), of which
+               (cp - 1) / cp leave it;
+               backward the same two on the gradients.
 
 `what` names the tensors ("kv" for attention's K and V, which cost/memory.py counts as kv
-elements per token; "state", "rows", "summary", "roots" otherwise). Every family's own counting
+elements per token; "qkvo" for Ulysses' q, k, v and output; "state", "rows", "summary", "roots"
+otherwise). Every family's own counting
 function gives the bytes (the ones its runtime code is checked against): the family's FamilySpec
 `cp_messages`; a family without one is an attention family (the Transformer's K/V all-gather).
-Sizes are those of the whole model (tp = 1); `act_bytes` is the activations' dtype (2 under bf16
-autocast); recurrent states travel in fp32 (their parameters' dtype) whatever it is.
+`attention` is parallel.cp_attention (allgather | ring | ulysses). Sizes are those of the whole
+model (tp = 1); `act_bytes` is the activations' dtype (2 under bf16 autocast); recurrent states
+travel in fp32 (their parameters' dtype) whatever it is.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import TYPE_CHECKING, NamedTuple
 
 from megatron_taper.models import family
@@ -36,47 +44,60 @@ from megatron_taper.taper import layer_widths
 if TYPE_CHECKING:
     from megatron_taper.config import ModelConfig
 
-CHAIN, HALO, ALLGATHER, RING = "chain", "halo", "allgather", "ring"
+CHAIN, HALO, ALLGATHER, RING, ALLTOALL = "chain", "halo", "allgather", "ring", "alltoall"
 
 
 class CPMessage(NamedTuple):
-    kind: str  # chain | halo | allgather | ring (module doc)
+    kind: str  # chain | halo | allgather | ring | alltoall (module doc)
     bytes: float  # per block and micro-batch, one direction (module doc)
-    what: str = "state"  # kv (attention's K and V) | state | rows | summary | roots
+    what: str = "state"  # kv (attention's K and V) | qkvo (Ulysses' q, k, v, out) | state | rows | summary | roots
 
 
 def attention_messages(cfg: ModelConfig, micro_batch: int, cp: int, act_bytes: int = 4,
-                       ring: bool = False) -> tuple[CPMessage, ...]:
+                       attention: str = "allgather") -> tuple[CPMessage, ...]:
     """One attention layer over the whole sequence (parallel/cp/split.py): the all-gather
-    of K and V, [b, S, K, E] each, or under the ring one slice's K and V per pass."""
+    of K and V, [b, S, K, E] each, under the ring one slice's K and V per pass, under Ulysses the
+    two all-to-alls of one rank's q, k, v and output (ulysses_bytes)."""
+    if attention == "ulysses":
+        return (CPMessage(ALLTOALL, ulysses_bytes(cfg, micro_batch, cp, act_bytes), "qkvo"),)
     kv = 2 * micro_batch * cfg.seq_len * cfg.kv_heads * cfg.head_dim * act_bytes
-    return (CPMessage(RING, kv / cp, "kv"),) if ring else (CPMessage(ALLGATHER, kv, "kv"),)
+    return (CPMessage(RING, kv / cp, "kv"),) if attention == "ring" else (CPMessage(ALLGATHER, kv, "kv"),)
+
+
+def ulysses_bytes(cfg: ModelConfig, micro_batch: int, cp: int, act_bytes: int = 4) -> float:
+    """The buffers of one attention layer's two forward all-to-alls on one rank (parallel/cp/ulysses.py):
+    q, k, v [b, S / cp, H + 2 K', E] and the output [b, S / cp, H, E]; K' = lcm(K, cp), the kv heads
+    repeated until they divide by cp."""
+    kv = math.lcm(cfg.kv_heads, cp)
+    return micro_batch * cfg.seq_len / cp * (2 * cfg.n_heads + 2 * kv) * cfg.head_dim * act_bytes
 
 
 def cp_messages(model_cfg: ModelConfig, micro_batch: int, seq_len: int, cp: int, act_bytes: int = 4,
-                ring: bool = False) -> list[tuple[CPMessage, ...]]:
+                attention: str = "allgather") -> list[tuple[CPMessage, ...]]:
     """Per block of `model_cfg` at `seq_len` tokens split over `cp` ranks, micro-batches of
-    `micro_batch` sequences: its messages (module doc); nothing at cp = 1. `ring`:
-    parallel.cp_attention=ring."""
+    `micro_batch` sequences: its messages (module doc); nothing at cp = 1. `attention`:
+    parallel.cp_attention."""
     cfg = model_cfg if seq_len == model_cfg.seq_len else dataclasses.replace(model_cfg, seq_len=seq_len)
-    return block_messages(cfg, layer_widths(cfg), micro_batch, cp, act_bytes, ring)
+    return block_messages(cfg, layer_widths(cfg), micro_batch, cp, act_bytes, attention)
 
 
 def block_messages(cfg: ModelConfig, widths: list[int], micro_batch: int, cp: int, act_bytes: int = 4,
-                   ring: bool = False) -> list[tuple[CPMessage, ...]]:
+                   attention: str = "allgather") -> list[tuple[CPMessage, ...]]:
     """cp_messages of `cfg` at its seq_len, for blocks of MLP widths `widths` (the caller's)."""
     if cp == 1:
         return [() for _ in widths]
     spec = family(cfg.arch)
     if spec.cp_messages is None:
-        return [attention_messages(cfg, micro_batch, cp, act_bytes, ring) for _ in widths]
-    return [spec.cp_messages(cfg, layer, width, micro_batch, cp, act_bytes, ring) for layer, width in enumerate(widths)]
+        return [attention_messages(cfg, micro_batch, cp, act_bytes, attention) for _ in widths]
+    return [spec.cp_messages(cfg, layer, width, micro_batch, cp, act_bytes, attention)
+            for layer, width in enumerate(widths)]
 
 
 def received_bytes(messages: tuple[CPMessage, ...]) -> float:
     """Bytes the receiving rank keeps for backward from a block's messages besides attention's K
-    and V (which memory.py counts as kv elements): what a chain or halo hands it (the scan's
+    and V (which memory.py counts as kv elements) and Ulysses' head-sharded q, k, v and output (as
+    large as the rank's own, which memory.py counts already): what a chain or halo hands it (the scan's
     starting state and the rows its first outputs read; parallel/cp/state.py also keeps them for
     a recompute) and the gathered buffers of other all-gathers; its backward holds their gradient,
     as many bytes, before sending it back."""
-    return sum(m.bytes for m in messages if m.what != "kv" and m.kind != RING)
+    return sum(m.bytes for m in messages if m.what != "kv" and m.kind not in (RING, ALLTOALL))

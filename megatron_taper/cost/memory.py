@@ -91,6 +91,10 @@ own K and V; its backward's largest moment adds, per attention layer, the fp32 t
 piece ([b, H, t, S / (2 cp)] x 4 with t = min(CP_RING_TILE, S / (2 cp)): scores, probabilities,
 their gradient and a temporary) and the block's K, V repeated to the query heads with their
 gradients ([b, H, S / cp, E] x 4), counted in the compute dtype like the other activations.
+parallel.cp_attention=ulysses (parallel/cp/ulysses.py) keeps the head-sharded q, k, v and output of
+the whole sequence, [b, S, H / cp, E], as many elements as the rank's own: the block's cost per
+local token is the one-process one (its all-to-alls are not `received` bytes either), except that
+k and v count K' / K times where the kv heads are repeated to K' = lcm(K, cp).
 
 Not modelled: the optimizer step's temporaries (after the activations are freed), collective
 buffers besides DeepSpeed's (DDP buckets are the gradients themselves), allocator caching and fragmentation, the
@@ -125,7 +129,8 @@ class MemorySetup:
     sequence_parallel: bool = False
     dp: int = 1
     cp: int = 1  # context parallelism: each sequence split over cp ranks (module doc)
-    cp_ring: bool = False  # parallel.cp_attention=ring: no K/V of the whole sequence kept
+    # parallel.cp_attention: allgather (K/V of the whole sequence kept) | ring | ulysses (neither)
+    cp_attention: str = "allgather"
     zero: str = "none"  # none | fsdp2 | deepspeed (parallel.zero)
     dp_shard: int = 0  # fsdp2: ranks the state is sharded over (dp x cp; HSDP: parallel.dp_shard); 0 = dp
     pipelined: bool = False  # pp > 1
@@ -151,7 +156,7 @@ class MemorySetup:
         (default train.micro_batch) is the pipeline micro-batch when pipelined."""
         ds = parallel.deepspeed
         return cls(tp=parallel.tp, sequence_parallel=parallel.sequence_parallel and parallel.tp > 1, dp=dp,
-                   cp=parallel.cp, cp_ring=parallel.cp_attention == "ring",
+                   cp=parallel.cp, cp_attention=parallel.cp_attention,
                    zero=parallel.zero,
                    dp_shard=parallel.dp_split(dp)[1] * parallel.cp if parallel.zero == "fsdp2" else 0,
                    pipelined=parallel.pp > 1, bf16=bf16, float8=train.float8,
@@ -382,7 +387,8 @@ def model_memory(cfg: ModelConfig, setup: MemorySetup, costs: ModelCosts | None 
     tokens = setup.micro_batch * cfg.seq_len // setup.cp
     recomputed = set(checkpointed_blocks([str(i) for i in range(cfg.n_layers)], setup.activation_checkpointing,
                                          setup.ac_every))
-    messages = block_messages(cfg, costs.widths, setup.micro_batch, setup.cp, setup.compute_bytes, setup.cp_ring)
+    messages = block_messages(cfg, costs.widths, setup.micro_batch, setup.cp, setup.compute_bytes,
+                              setup.cp_attention)
     layers = [piece_memory(context_parallel_cost(cost, cfg, setup, sent), _shares(cfg, setup.tp, width), setup,
                            tokens, str(i) in recomputed, cfg.d_model, block=True, received=received_bytes(sent))
               for i, (cost, width, sent) in enumerate(zip(costs.layers, costs.widths, messages))]
@@ -437,13 +443,22 @@ def context_parallel_cost(cost: Cost, cfg: ModelConfig, setup: MemorySetup,
     `messages` (cost/cp.py) include attention's K and V: all-gathered, its K and V (and their
     gradients in backward) are those of the whole sequence, cp times the rank's tokens; under
     activation_checkpointing=op the kept K and V projections stay the rank's own (`op_act`).
-    Ring: the moment of a piece of its backward. A block without them (Titans' local attention,
-    the memories, the tree) keeps its own tokens' elements; what it is handed instead counts as
-    `received` bytes (piece_memory)."""
+    Ring: the moment of a piece of its backward. Ulysses (messages of q, k, v and the output): its
+    own tokens' elements, k and v K' / K times where a tp rank's K kv heads are repeated to
+    K' = lcm(K, cp). A block without them (Titans' local attention, the memories, the tree) keeps
+    its own tokens' elements; what it is handed instead counts as `received` bytes (piece_memory)."""
     cp = setup.cp
+    if cp > 1 and setup.cp_attention == "ulysses" and any(m.what == "qkvo" for m in messages):
+        local = max(cfg.kv_heads // setup.tp, 1)  # kv heads of a tp rank (one, replicated, where tp > K)
+        extra = math.lcm(local, cp) // local - 1
+
+        def repeated(split: Split) -> Split:
+            return split + Split(kv=split.kv * extra)
+
+        return dataclasses.replace(cost, act=repeated(cost.act), backward=tuple(repeated(b) for b in cost.backward))
     if cp == 1 or not any(m.what == "kv" for m in messages):
         return cost
-    if setup.cp_ring:
+    if setup.cp_attention == "ring":
         rows = min(CP_RING_TILE, cfg.seq_len // (2 * cp))
         piece = Split(heads=cfg.n_heads * (2 * rows + 4 * cfg.head_dim))  # 4 x [t, C] per 2C tokens; 4 x [s, E]
         return dataclasses.replace(cost, backward=(*cost.backward, piece))

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import TYPE_CHECKING, Any, Sequence
 
-from megatron_taper.config import V_SCHEDULES
+from megatron_taper.config import CP_ATTENTIONS, V_SCHEDULES
 from megatron_taper.cost.cp import cp_messages
 from megatron_taper.cost.devices import DeviceProfile
 from megatron_taper.cost.flops import model_costs
@@ -67,7 +67,7 @@ SEARCH_SPACE: tuple[tuple[str, tuple[Any, ...]], ...] = (
     ("parallel.dp_replicate", (1, 2, 4, 8)),  # HSDP replicas (fsdp2); dp_shard = dp / dp_replicate
     ("parallel.sequence_parallel", (False, True)),
     ("parallel.cp", (1, 2, 4, 8)),  # context parallelism: each sequence split over cp ranks
-    ("parallel.cp_attention", ("allgather", "ring")),
+    ("parallel.cp_attention", CP_ATTENTIONS),
     ("train.micro_batch", (1, 2, 4, 8)),
     ("train.activation_checkpointing", ("none", "selective", "op", "full")),
     ("train.float8", (False, True)),
@@ -164,7 +164,8 @@ class Prediction:
                                  f" {x.schedule}" if x.pp > 1 else ""),
                  f"dp={x.dp}" + (f"({v['parallel.dp_replicate']}x{x.dp // v['parallel.dp_replicate']})"
                                  if v.get("parallel.dp_replicate", 1) > 1 else ""),
-                 *([f"cp={x.cp}" + (" ring" if x.cp_ring else "")] if x.cp > 1 else []),
+                 *([f"cp={x.cp}" + ("" if x.cp_attention == "allgather" else f" {x.cp_attention}")]
+                   if x.cp > 1 else []),
                  f"zero={x.zero}", f"micro_batch={x.micro_batch} x {x.microbatches} "
                  + ("pipeline micro-batches" if x.pp > 1 else "accumulation"),
                  f"checkpointing={v.get('train.activation_checkpointing')}"]
@@ -310,14 +311,15 @@ class Predictor:
                  for i in range(b[ch], b[ch + 1])] for r in range(pp)]
 
     def rank_cp_messages(self, pp: int, virtual: int, schedule: str, micro_batch: int, cp: int, bf16: bool,
-                         ring: bool, tp: int) -> list[tuple]:
+                         attention: str, tp: int) -> list[tuple]:
         """Per pipeline rank, its blocks' context-parallel messages as (kind, bytes) per block and
-        micro-batch (cost/cp.py; attention's K and V split over tp with the heads, the families'
-        states counted whole)."""
-        key = (pp, virtual, schedule, micro_batch, cp, bf16, ring, tp)
+        micro-batch (cost/cp.py; attention's K and V, and Ulysses' q, k, v and output, split over tp
+        with the heads, the families' states counted whole)."""
+        key = (pp, virtual, schedule, micro_batch, cp, bf16, attention, tp)
         if key not in self._cp:
-            blocks = cp_messages(self.model, micro_batch, self.model.seq_len, cp, 2 if bf16 else 4, ring)
-            per_block = [tuple((m.kind, m.bytes / (tp if m.what == "kv" else 1)) for m in msgs) for msgs in blocks]
+            blocks = cp_messages(self.model, micro_batch, self.model.seq_len, cp, 2 if bf16 else 4, attention)
+            per_block = [tuple((m.kind, m.bytes / (tp if m.what in ("kv", "qkvo") else 1)) for m in msgs)
+                         for msgs in blocks]
             self._cp[key] = [tuple(per_block[i] for i in layers) for layers in self.rank_layers(pp, virtual, schedule)]
         return self._cp[key]
 
@@ -382,8 +384,8 @@ class Predictor:
         peaks = self.rank_peaks(setup, p.pp, virtual, p.pp_schedule)
         work = self.rank_work(self.memory(setup), p.pp, virtual, p.pp_schedule, t.activation_checkpointing, t.ac_every)
         if setup.cp > 1:
-            messages = self.rank_cp_messages(p.pp, virtual, p.pp_schedule, micro_batch, setup.cp, bf16, setup.cp_ring,
-                                             p.tp)
+            messages = self.rank_cp_messages(p.pp, virtual, p.pp_schedule, micro_batch, setup.cp, bf16,
+                                             setup.cp_attention, p.tp)
             work = [dataclasses.replace(w, cp_messages=msgs) for w, msgs in zip(work, messages)]
         op_level = t.activation_checkpointing == "op"
         if op_level:
@@ -399,7 +401,7 @@ class Predictor:
                             bf16=bf16, float8=t.float8, overlap=self.device.profile != "cpu",
                             dp_shard=setup.dp_shard, compute_share=self.device.rank_share(p.tp * p.pp * p.cp * dp),
                             host_cores=self.device.cores,
-                            cp=setup.cp, cp_ring=setup.cp_ring)
+                            cp=setup.cp, cp_attention=setup.cp_attention)
         step = step_time(work, layout, self.model.d_model, self.model.seq_len, self.device)
         tokens = t.global_batch * self.model.seq_len / step.total
         gpus = p.tp * p.pp * p.cp * dp

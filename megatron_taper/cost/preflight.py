@@ -59,6 +59,12 @@ def preflight(cfg: Config, world_size: int, widths: Sequence[int] | None = None)
         supported = ", ".join(name for name in cards() if family(name).document_mask)
         raise ConfigError(f"data.document_mask=true: model.arch={m.arch!r} does not keep tokens inside their "
                           f"documents yet (families that do: {supported}); use data.document_mask=false")
+    if cfg.data.document_mask and p.cp > 1 and (not spec.document_mask_cp or p.cp_attention == "ulysses"):
+        supported = ", ".join(name for name in cards() if family(name).document_mask_cp)
+        raise ConfigError(f"data.document_mask=true with parallel.cp={p.cp} and parallel.cp_attention="
+                          f"{p.cp_attention}: not built yet for model.arch={m.arch!r} (families that keep "
+                          f"documents under cp, with allgather or ring: {supported}); use parallel.cp=1 or "
+                          f"data.document_mask=false")
     _check_zero(m, p, world_size, dp)
     _check_hsdp(p, dp)
     if t.float8:
@@ -128,6 +134,8 @@ def _check_context_parallel(m: ModelConfig, p: ParallelConfig, t: TrainConfig) -
         raise ConfigError(f"parallel.cp={cp} with {key} is not supported for model.arch={m.arch!r} yet (its state "
                           f"passes from slice to slice, parallel/cp/state.py, which is untested under pipelining and "
                           f"compile); use {'parallel.pp=1' if p.pp > 1 else 'train.compile=false'}")
+    if p.cp_attention == "ulysses":
+        _check_ulysses(m, p)
     if p.zero == "fsdp2" and p.dp_replicate > 1:
         raise ConfigError(f"parallel.cp={cp} with parallel.dp_replicate={p.dp_replicate} (HSDP) is not supported; "
                           f"use parallel.dp_replicate=1 (fsdp2 then shards over dp x cp)")
@@ -135,6 +143,27 @@ def _check_context_parallel(m: ModelConfig, p: ParallelConfig, t: TrainConfig) -
         raise ConfigError(f"parallel.cp={cp} with parallel.sequence_parallel=true needs the slice of "
                           f"model.seq_len={m.seq_len} / parallel.cp = {m.seq_len // cp} tokens divisible by "
                           f"parallel.tp={p.tp} (sequence parallelism splits each rank's slice over tp)")
+
+
+def _check_ulysses(m: ModelConfig, p: ParallelConfig) -> None:
+    """parallel.cp_attention=ulysses (parallel/cp/ulysses.py): a family whose cp messages include an
+    all-to-all (attention over the whole sequence, Titans' memory), whose query heads per tp rank
+    divide by cp (kv heads are repeated to lcm(kv heads, cp))."""
+    from megatron_taper.cost.cp import ALLTOALL, cp_messages
+
+    cp = p.cp
+    blocks = cp_messages(m, 1, m.seq_len, cp, attention="ulysses")
+    if not any(msg.kind == ALLTOALL for block in blocks for msg in block):
+        raise ConfigError(f"parallel.cp_attention='ulysses': model.arch={m.arch!r} has no all-to-all form (its "
+                          f"context parallelism exchanges its memory's state or summaries between the cp slices, "
+                          f"parallel/cp/state.py, and nothing in it is split by heads); use "
+                          f"parallel.cp_attention=allgather")
+    heads = m.n_heads // p.tp
+    if heads % cp:
+        raise ConfigError(f"parallel.cp={cp} with parallel.cp_attention='ulysses' splits each tp rank's heads over "
+                          f"the cp ranks: model.n_heads={m.n_heads} / parallel.tp={p.tp} = {heads} heads per tp rank "
+                          f"must divide by parallel.cp={cp}; choose parallel.tp x parallel.cp dividing "
+                          f"model.n_heads, or parallel.cp_attention=allgather or ring")
 
 
 def _check_tensor_parallel(m: ModelConfig, p: ParallelConfig, widths: Sequence[int]) -> None:

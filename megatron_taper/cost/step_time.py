@@ -59,11 +59,13 @@ those of S / cp tokens. Besides, per block and micro-batch, its messages (RankWo
 cost/cp.py cp_messages; for attention its K and V, [b, K, S, E] each in the compute dtype):
 allgather = an all-gather in forward and a reduce-scatter of the gradients in backward (one more
 all-gather in a recomputed block), not overlapped; ring = (cp - 1) blocks sent forward and (2 cp -
-1) backward, point to point, overlapped with the compute where the device overlaps; halo = one hop
+1) backward, point to point, overlapped with the compute where the device overlaps; alltoall
+(Ulysses) = two all-to-alls forward (q, k, v out, the output back) and two backward, each moving
+(cp - 1) / cp of its buffer as an all-gather does (its bandwidth and efficiency), not overlapped; halo = one hop
 forward and its gradient back, all ranks at once; chain = (cp - 1) hops one after another each way,
 and the wait it imposes: rank r starts a block when rank r - 1 has finished its slice of it, so the
 ranks form a wavefront ((cp - 1) blocks' time per micro-batch), or wait block by block when every
-block also meets all cp ranks (an all-gather or ring beside the chain: (cp - 1) x the whole block's
+block also meets all cp ranks (an all-gather, ring or all-to-all beside the chain: (cp - 1) x the whole block's
 time, an upper bound: only the chained part waits). DDP's gradient all-reduce spans dp x cp.
 
 Links: a group whose ranks lie within one node (its span in the (pp, dp, tp) rank order, tp
@@ -116,7 +118,8 @@ class RankWork:
     params: float  # tp-local parameters on the rank (its dp collectives' payload)
     vocab_collectives: int = 0  # tp collectives of its vocab-parallel ends per micro-batch (embedding 1, head + loss 3)
     # context parallelism: per block, its messages per micro-batch as (kind, bytes) pairs (cost/cp.py
-    # cp_messages: chain, halo, allgather, ring; attention's K and V for the attention families)
+    # cp_messages: chain, halo, allgather, ring, alltoall; attention's K and V (Ulysses: q, k, v and
+    # output) for the attention families)
     cp_messages: tuple = ()
     ops: float = 0.0  # eager operators it dispatches per micro-batch (cost/op_count.py; recomputed forwards included)
     # activation_checkpointing=op: bytes per micro-batch (tp-local) of the elementwise outputs its
@@ -143,7 +146,7 @@ class StepLayout:
     compute_share: float = 1.0  # of one device's rate a computing rank gets (DeviceProfile.rank_share)
     host_cores: int = 0  # a CPU host's cores its tp x pp x dp x cp ranks share; 0: a device per rank
     cp: int = 1  # context parallelism: each sequence split over cp ranks
-    cp_ring: bool = False  # parallel.cp_attention=ring
+    cp_attention: str = "allgather"  # parallel.cp_attention (allgather | ring | ulysses)
     ddp_bucket_mb: float = 0.0  # parallel.ddp_bucket_mb (0: ddp_bucket_elements' rule)
 
 
@@ -264,13 +267,16 @@ def _cp_seconds(r: RankWork, lo: StepLayout, compute: float, device: DeviceProfi
                 exposed += (1.0 + redo) * gather + collective_seconds("reduce_scatter", nbytes, lo.cp, span, device)
             elif kind == "ring":
                 ring += (3 * lo.cp - 2 + redo * (lo.cp - 1)) * (nbytes / hop + latency)
+            elif kind == "alltoall":  # two all-to-alls forward, two backward, two more in a recompute
+                per_call = collective_seconds("all_gather", nbytes / 2, lo.cp, span, device)
+                exposed += 2.0 * (2.0 + redo) * per_call
             elif kind == "halo":  # every rank sends at once; the gradient comes back
                 exposed += 2.0 * (nbytes / hop + latency)
             elif kind == "chain":  # the hops run one after another, forward and back
                 exposed += 2.0 * (lo.cp - 1) * (nbytes / hop + latency)
         if "chain" in kinds:
             chained += 1
-            serial = serial or bool(kinds & {"allgather", "ring"})
+            serial = serial or bool(kinds & {"allgather", "ring", "alltoall"})
     # a chain makes rank r wait for rank r - 1's slice: a wavefront over the blocks ((cp - 1) blocks'
     # time once), or, where every block also meets all cp ranks, once per block
     per_block = compute / max(r.blocks, 1)

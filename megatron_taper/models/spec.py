@@ -134,14 +134,16 @@ class FamilySpec:
     # the split: True = load-balanced causal (attention only), False = contiguous, for families whose
     # state passes from one slice to the next in sequence order (parallel/cp/state.py)
     cp_balanced: bool = True
-    # (cfg, block index, its MLP width, micro_batch, cp, activation dtype bytes, ring attention) -> the
-    # messages that block exchanges per micro-batch under context parallelism (cost/cp.py CPMessage,
+    # (cfg, block index, its MLP width, micro_batch, cp, activation dtype bytes, parallel.cp_attention) ->
+    # the messages that block exchanges per micro-batch under context parallelism (cost/cp.py CPMessage,
     # from the same counting functions the family's cp code is checked against); None = the
-    # Transformer's attention (its K and V all-gathered, or passed around the ring)
-    cp_messages: Callable[[ModelConfig, int, int, int, int, int, bool], tuple[CPMessage, ...]] | None = None
+    # Transformer's attention (its K and V all-gathered or passed around the ring, or Ulysses' all-to-alls)
+    cp_messages: Callable[[ModelConfig, int, int, int, int, int, str], tuple[CPMessage, ...]] | None = None
     # data.document_mask: the model's forward takes doc_start ([B, S] bool, True where a document of a
     # packed window begins) and keeps every token inside its document; False = refused by preflight
     document_mask: bool = False
+    # ... also under parallel.cp > 1 (all-gather or ring; not Ulysses); False = refused by preflight
+    document_mask_cp: bool = False
 
     @property
     def name(self) -> str:

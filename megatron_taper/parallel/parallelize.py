@@ -63,7 +63,7 @@ def parallelize(model: nn.Module, ctx: ParallelContext, model_cfg: ModelConfig, 
     else:
         pm = _tensor_parallel(model, ctx, model_cfg, parallel, train.loss_chunk)
     if ctx.cp > 1:
-        split = SequenceSplit(ctx.cp, ctx.cp_rank, ctx.cp_group, ring=parallel.cp_attention == "ring",
+        split = SequenceSplit(ctx.cp, ctx.cp_rank, ctx.cp_group, attention=parallel.cp_attention,
                               balanced=family(model_cfg.arch).cp_balanced)
         apply_context_parallel(pm.module, split)
         pm.split = split

@@ -1,12 +1,13 @@
 """cost/cp.py cp_messages against the bytes the cp runtime sent, as the cp benchmarks recorded them.
 
-docs/results/{context_parallel,titans_cp,cp_memory_caching}.json hold, per cp rank, the c10d calls
+docs/results/{context_parallel,cp_families,titans_cp,cp_memory_caching}.json hold, per cp rank, the c10d calls
 of one micro-batch's forward_backward counted by benchmarks/context_parallel.py's dispatch counter
 (the full buffer of every all-gather and reduce-scatter, the tensor of every point-to-point send):
 measured numbers, compared here exactly (the messages are whole tensors: no tolerance). At cp = 2
 each rank sends per block one hop of every chain and halo (rank 0 forward, rank 1 the gradient
 back); the ring sends 3 cp - 2 blocks per layer (cp - 1 forward, cp - 1 again and cp gradient
-blocks backward, benchmarks/context_parallel.py). Hope's chain: the measured bytes in
+blocks backward, benchmarks/context_parallel.py); Ulysses' two all-to-alls run forward and again
+on the gradients backward (the counter records each call's buffer). Hope's chain: the measured bytes in
 docs/architectures.md (540,672 bytes from cp rank 0 per micro-batch, benchmarks/context_parallel.py
 at its shape with model.arch=hope_attention).
 """
@@ -18,7 +19,7 @@ import os
 import pytest
 
 from megatron_taper.config import load_config
-from megatron_taper.cost.cp import ALLGATHER, CHAIN, HALO, RING, cp_messages
+from megatron_taper.cost.cp import ALLGATHER, ALLTOALL, CHAIN, HALO, RING, cp_messages
 from megatron_taper.cost.memory import MemorySetup, model_memory
 from tests.helpers.runner import REPO
 
@@ -36,6 +37,11 @@ def _rows():
     for r in _results("context_parallel.json")["results"]:
         if r["cp"] > 1:
             yield f"transformer_{r['cp_attention']}_cp{r['cp']}_{r['seq_len']}", [f"model.seq_len={r['seq_len']}"], \
+                r["cp"], r["cp_attention"], r["comm_measured"]
+    for r in _results("cp_families.json")["results"]:  # gated, Hope, bridge, Titans at S = 2048
+        if r["cp"] > 1:
+            yield f"{r['arch']}_{r['cp_attention']}_cp{r['cp']}_{r['seq_len']}", [*r["overrides"],
+                                                                                   f"model.seq_len={r['seq_len']}"], \
                 r["cp"], r["cp_attention"], r["comm_measured"]
     for r in _results("titans_cp.json")["results"]:
         if r["cp"] > 1:
@@ -58,7 +64,7 @@ def test_message_bytes_equal_what_the_runtime_sent(case):
     overrides, cp, attention, measured = ROWS[case]
     cfg = load_config(None, CP_SHAPE + overrides).model
     ring = attention == "ring"
-    messages = [m for block in cp_messages(cfg, 1, cfg.seq_len, cp, ring=ring) for m in block]
+    messages = [m for block in cp_messages(cfg, 1, cfg.seq_len, cp, attention=attention or "allgather") for m in block]
     assert cp == 2 or ring or not any(m.kind in (CHAIN, HALO) for m in messages)  # one hop per block at cp = 2
     sends = sum(m.bytes for m in messages if m.kind in (CHAIN, HALO)) + (3 * cp - 2) * sum(
         m.bytes for m in messages if m.kind == RING)
@@ -66,6 +72,7 @@ def test_message_bytes_equal_what_the_runtime_sent(case):
     assert sends == measured.get("p2p_send", {}).get("bytes", 0)
     assert gathered == measured.get("all_gather", {}).get("bytes", 0)
     assert gathered == measured.get("reduce_scatter", {}).get("bytes", 0)
+    assert 2 * sum(m.bytes for m in messages if m.kind == ALLTOALL) == measured.get("all_to_all", {}).get("bytes", 0)
 
 
 def test_hope_chain_bytes_equal_the_measured_sends():

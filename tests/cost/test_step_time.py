@@ -112,7 +112,7 @@ def test_the_planner_charges_each_family_its_own_cp_messages():
                                                       "train.global_batch=8", "train.micro_batch=1"])
         predictor = Predictor(cfg, h100)
         got = predictor.predict(cfg, 1, float("inf"))
-        blocks = predictor.rank_cp_messages(1, 1, "1f1b", 1, 2, True, False, 1)[0]
+        blocks = predictor.rank_cp_messages(1, 1, "1f1b", 1, 2, True, "allgather", 1)[0]
         kinds = {kind for block in blocks for kind, _ in block}
         assert len(blocks) == cfg.model.n_layers and got.step.cp > 0
         if arch == "transformer":

@@ -139,6 +139,16 @@ def test_bad_configs_are_one_clear_error(tmp_path):
         cfg = load_config(None, ["data.document_mask=true", f"model.arch={unsupported[0]}"])
         with pytest.raises(ConfigError, match=rf"data.document_mask=true: model.arch='{unsupported[0]}' .*transformer"):
             preflight(cfg, 1)
+    # under cp: the families whose state passing keeps documents (and not with Ulysses' all-to-alls)
+    for arch, attention, refused in (("transformer", "ring", False), ("titans", "allgather", False),
+                                     ("hope_attention", "allgather", True), ("transformer", "ulysses", True)):
+        cfg = load_config(None, ["data.document_mask=true", f"model.arch={arch}", "parallel.cp=2",
+                                 f"parallel.cp_attention={attention}", "model.seq_len=64"])
+        if refused:
+            with pytest.raises(ConfigError, match=rf"data.document_mask=true with parallel.cp=2 .*'{arch}'"):
+                preflight(cfg, 2)
+        else:
+            preflight(cfg, 2)
     (tmp_path / "train").mkdir()
     (tmp_path / "stats.json").write_text('{"vocab_size": 512}')
     cfg = load_config(None, ["data.document_mask=true", f"data.path={tmp_path}"])

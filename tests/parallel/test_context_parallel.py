@@ -106,7 +106,7 @@ def _attention_worker():
     results = []
     for ring, position in ATTENTION_CASES:
         q, k, v, w, slopes = _attention_inputs(position)
-        split = SequenceSplit(2, dist.get_rank(), dist.group.WORLD, ring=ring, tile=5)
+        split = SequenceSplit(2, dist.get_rank(), dist.group.WORLD, attention="ring" if ring else "allgather", tile=5)
         mine = [split.split(t.transpose(1, 2)).transpose(1, 2).clone().requires_grad_() for t in (q, k, v)]
         out = split.attend(*mine, slopes)
         (out * split.split(w.transpose(1, 2)).transpose(1, 2)).sum().backward()

@@ -129,9 +129,16 @@ def test_step_time_by_hand():
     assert cp.dp == pytest.approx(max(0.0, 1.5 * 4e6 / 450e9 - cp.compute / 3 * 2 / 3))
     # ring, not overlapped: per block (cp - 1) K/V blocks of S / cp tokens forward, 2 cp - 1 backward
     passed = [dataclasses.replace(w, cp_messages=((("ring", kv / 4),),) * w.blocks) for w in work]
-    ring = step_time(passed, dataclasses.replace(layout, cp=4, cp_ring=True, overlap=False), d_model=64, seq_len=128,
-                     device=h100)
+    ring = step_time(passed, dataclasses.replace(layout, cp=4, cp_attention="ring", overlap=False), d_model=64,
+                     seq_len=128, device=h100)
     assert ring.cp == pytest.approx(3 * 2 * (3 + 7) * kv / 4 / 450e9)
+    # ulysses: per block two all-to-alls forward and two backward, each moving 3/4 of its buffer
+    # (a rank's q, k, v and its output: `both` bytes in all, half each on average)
+    both = 2 * 32 * (2 * 4 + 2 * 1) * 8 * 2
+    swapped = [dataclasses.replace(w, cp_messages=((("alltoall", both),),) * w.blocks) for w in work]
+    ulysses = step_time(swapped, dataclasses.replace(layout, cp=4, cp_attention="ulysses"), d_model=64, seq_len=128,
+                        device=h100)
+    assert ulysses.cp == pytest.approx(3 * 2 * 4 * 0.75 * both / 2 / 450e9)
 
 
 def test_memory_aware_partition_counts_tp_and_zero_sharding():
@@ -181,13 +188,18 @@ def test_a_long_sequence_fits_only_with_context_parallelism():
         "model.mlp_width=14336", "model.vocab_size=128256", "model.seq_len=131072", "train.global_batch=16"])
     space = (("parallel.tp", (4, 8)), ("parallel.pp", (1, 2, 4)), ("parallel.zero", ("none", "fsdp2")),
              ("parallel.sequence_parallel", (False, True)), ("parallel.cp", (1, 2, 4, 8)),
-             ("parallel.cp_attention", ("allgather", "ring")), ("train.activation_checkpointing", ("none", "full")))
+             ("parallel.cp_attention", ("allgather", "ring", "ulysses")),
+             ("train.activation_checkpointing", ("none", "full")))
     result = plan.search(cfg, 64, 24, profiles()["h100"], space=space)
     best = result.layouts[0]
     assert best.layout.cp > 1 and f"cp={best.layout.cp}" in best.describe()
     # the all-gathered K and V are exposed; the ring's sends hide behind the attention on a GPU
-    assert all(x.step.cp > 0 for x in result.layouts if not x.layout.cp_ring)
+    assert all(x.step.cp > 0 for x in result.layouts if x.layout.cp_attention != "ring")
     assert all(x.layout.cp > 1 for x in result.layouts)
+    # Ulysses is searched: it fits where its heads per tp rank divide by cp (32 / tp 4 = 8), and is
+    # refused where they do not (32 / tp 8 = 4 heads at cp = 8)
+    assert any(x.layout.cp_attention == "ulysses" for x in result.layouts)
+    assert any("parallel.cp_attention='ulysses' splits each tp rank's heads" in r for r in result.dropped)
     no_cp = plan.search(cfg, 64, 24, profiles()["h100"], space=[row for row in space if row[0] != "parallel.cp"])
     assert no_cp.legal > 0 and not no_cp.layouts
     assert preflight(with_values(cfg, best.values), 64).cp == best.layout.cp

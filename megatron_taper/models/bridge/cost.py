@@ -61,9 +61,9 @@ def cp_state_bytes(cfg: ModelConfig, micro_batch: int, dtype_bytes: int = 4) -> 
 
 
 def bridge_cp_messages(cfg: ModelConfig, layer: int, width: int, micro_batch: int, cp: int, act_bytes: int = 4,
-                       ring: bool = False) -> tuple[CPMessage, ...]:
+                       attention: str = "allgather") -> tuple[CPMessage, ...]:
     """FamilySpec.cp_messages: the Transformer's attention in every block, and on the block that
     holds the bridge (bridge_layer) the chain of its state (cp_state_bytes)."""
     state = cp_state_bytes(cfg, micro_batch, act_bytes) if layer == bridge_layer(cfg) else 0
     chain = (CPMessage(CHAIN, state),) if state else ()
-    return attention_messages(cfg, micro_batch, cp, act_bytes, ring) + chain
+    return attention_messages(cfg, micro_batch, cp, act_bytes, attention) + chain

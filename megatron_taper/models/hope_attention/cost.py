@@ -107,8 +107,9 @@ def cp_state_bytes(cfg: ModelConfig, width: int, micro_batch: int, dtype_bytes: 
 
 
 def hope_cp_messages(cfg: ModelConfig, layer: int, width: int, micro_batch: int, cp: int, act_bytes: int = 4,
-                     ring: bool = False) -> tuple[CPMessage, ...]:
+                     attention: str = "allgather") -> tuple[CPMessage, ...]:
     """FamilySpec.cp_messages: the Transformer's attention, and the chain of the chained levels'
     fast weights (cp_state_bytes, fp32 like the weights they start from) where there are any."""
     state = cp_state_bytes(cfg, width, micro_batch)
-    return attention_messages(cfg, micro_batch, cp, act_bytes, ring) + ((CPMessage(CHAIN, state),) if state else ())
+    chain = (CPMessage(CHAIN, state),) if state else ()
+    return attention_messages(cfg, micro_batch, cp, act_bytes, attention) + chain

@@ -197,7 +197,7 @@ def handover_sizes(mcfg: ModelConfig, micro_batch: int, before: int, elem: int =
 
 
 def cp_messages(mcfg: ModelConfig, layer: int, width: int, micro_batch: int, cp: int, act_bytes: int = 4,
-                ring: bool = False) -> tuple[CPMessage, ...]:
+                attention: str = "allgather") -> tuple[CPMessage, ...]:
     """FamilySpec.cp_messages of both families: the convolution halo (halo_bytes, the mixer's input
     rows in the activations' dtype) and the deep memory's chain, its largest hop (the handover into
     the last rank, which carries the cache of the (cp - 1) n segments before it: handover_sizes),

@@ -44,6 +44,7 @@ class LinearMemory(nn.Module):
     """Gated linear attention memory (module docstring); options in model.memory_caching."""
 
     heads = NeuralMemory.heads
+    conv_heads = NeuralMemory.conv_heads
 
     @staticmethod
     def read(q: torch.Tensor, state: State) -> torch.Tensor:

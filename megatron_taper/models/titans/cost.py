@@ -19,7 +19,7 @@ import math
 from typing import TYPE_CHECKING
 
 from megatron_taper.cost.block import Cost, Split, attention_cost, norm_act, swiglu_cost
-from megatron_taper.cost.cp import CHAIN, CPMessage
+from megatron_taper.cost.cp import ALLTOALL, CHAIN, HALO, CPMessage
 
 if TYPE_CHECKING:
     from megatron_taper.config import ModelConfig
@@ -160,11 +160,24 @@ def cp_state_bytes(cfg: ModelConfig, rank: int, cp: int, batch: int, act_bytes: 
 
 
 def cp_messages(cfg: ModelConfig, layer: int, width: int, micro_batch: int, cp: int, act_bytes: int = 4,
-                ring: bool = False) -> tuple[CPMessage, ...]:
+                attention: str = "allgather") -> tuple[CPMessage, ...]:
     """FamilySpec.cp_messages: every block's chain message (cp_state_bytes), the largest hop's (the
     attention tail grows with the rank up to W - 1 rows); Titans' attention is local, nothing is
-    all-gathered."""
+    all-gathered. Under Ulysses (parallel.cp_attention=ulysses, MAG / MAL: titans/cp.py) no chain:
+    the all-to-alls of the memory's inputs and reads (ulysses_bytes) and the window's halo of W - 1
+    rows [b, W - 1, D] (previous_rows)."""
+    if attention == "ulysses":
+        halo = (CPMessage(HALO, act_bytes * micro_batch * (cfg.titans.window - 1) * cfg.d_model, "rows"),)
+        return (CPMessage(ALLTOALL, ulysses_bytes(cfg, micro_batch, cp, act_bytes), "features"),
+                *(halo if cfg.titans.window > 1 else ()))
     return (CPMessage(CHAIN, max(cp_state_bytes(cfg, rank, cp, micro_batch, act_bytes) for rank in range(1, cp))),)
+
+
+def ulysses_bytes(cfg: ModelConfig, micro_batch: int, cp: int, act_bytes: int = 4) -> float:
+    """One block's two forward all-to-all buffers on one rank under Ulysses (titans/cp.py): the
+    memory's inputs before the convolution, q, k, v and the 3 gates per head [b, S / cp, H, 3 E + 3],
+    and the reads back [b, S / cp, H, E]."""
+    return act_bytes * micro_batch * cfg.seq_len // cp * cfg.n_heads * (4 * cfg.head_dim + 3)
 
 
 def wavefront_ratio(n_layers: int, cp: int) -> float:

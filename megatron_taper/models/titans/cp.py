@@ -30,6 +30,21 @@ Bytes per block and direction (cp_state_bytes; W_l, S_l in fp32, the tails in th
 dtype of `a` bytes, H the heads of this tp rank):
     MAG / MAL  8 B H sum_l i_l o_l + a B D (p + K - 1 + min(W - 1, r s))
     MAC        8 B H sum_l i_l o_l + 4 a B (K - 1) H E
+parallel.cp_attention=ulysses (MAG, MAL; MAC refused): no chain. The memory is per head, so each
+rank scans the whole sequence for H / cp of the heads (`_ulysses_reads`, parallel/cp/ulysses.py):
+
+    q, k, v projections before the convolution and the gates of the rank's tokens [B, s, H, 3 E + 3]
+      -> all-to-all -> [B, S, H / cp, 3 E + 3]; the persistent tokens' rows of those heads in front
+      (every rank projects them itself); convolution (those heads' taps), the scan from those heads'
+      M_0, every chunk as in one process
+    reads [B, S, H / cp, E] -> all-to-all back -> [B, s, H, E] -> the output projection per token
+    the window's W - 1 rows before the slice come from rank r - 1 by previous_rows (all ranks at
+    once; W - 1 must not exceed the slice)
+
+Bytes per block and micro-batch (cost.py ulysses_bytes): the two buffers a B s H (4 E + 3)
+forward and again backward, (cp - 1) / cp of each leaving the rank, plus the halo a B (W - 1) D
+each way. Nothing waits in a chain: every rank computes its heads' whole scan at once.
+
 The window halo travels in the chain's message rather than by a separate previous_rows: a
 separate exchange at the start of the next layer would make rank r - 1 wait for rank r to reach
 that layer (a point-to-point send meets its receive), turning the wavefront into a lockstep.
@@ -129,6 +144,8 @@ def _ends(block: TitansBlock, x: torch.Tensor, state, rows: torch.Tensor, attn_r
 
 def mag_mix(block: MAGBlock, xn: torch.Tensor) -> torch.Tensor:
     """MAGBlock.mix of this rank's slice xn [B, s, D]."""
+    if block.context.attention == "ulysses":
+        return mag_mix_ulysses(block, xn)
     rank, local = block.context.rank, xn.shape[1]
     received = _receive(block, _stream_initial(block, xn, rank))
     reads, state, rows = _memory_slice(block, xn, received)
@@ -141,6 +158,8 @@ def mag_mix(block: MAGBlock, xn: torch.Tensor) -> torch.Tensor:
 
 def mal_forward(block: MALBlock, x: torch.Tensor) -> torch.Tensor:
     """MALBlock.forward of this rank's slice x [B, s, D]."""
+    if block.context.attention == "ulysses":
+        return mal_forward_ulysses(block, x)
     rank, local = block.context.rank, x.shape[1]
     received = _receive(block, _stream_initial(block, x, rank))
     reads, state, rows = _memory_slice(block, block.mem_norm(x), received)
@@ -256,4 +275,59 @@ def mal_documents(block: MALBlock, x: torch.Tensor, doc_start: torch.Tensor) -> 
             torch.stack((mem_last, offsets[:, -1]), 1).float()]
     xa = _send(block, xa, sent, like)
     x = x + block.document_window(block.with_prefix(torch.cat((halo, xa), dim=1)), offsets, ids, halo.shape[1])
+    return x + block.mlp(block.mlp_norm(x))
+
+
+def _ulysses_reads(block: TitansBlock, x: torch.Tensor) -> torch.Tensor:
+    """parallel.cp_attention=ulysses: the memory's reads [B, H, s, E] of this rank's slice x [B, s, D]
+    (its input rows), each rank scanning the whole sequence for H / cp of the heads (module doc)."""
+    from megatron_taper.parallel.cp.ulysses import heads_to_seq, seq_to_heads
+
+    memory, split = block.memory, block.context
+    batch, e = x.shape[0], memory.head_dim
+    n = memory.mem_w[0].shape[0] // split.cp
+    heads = slice(split.rank * n, (split.rank + 1) * n)
+
+    def channels(rows: torch.Tensor) -> torch.Tensor:  # [B, T, D] -> [B, T, H, 3 E + 3]: q, k, v, gates
+        t = rows.shape[1]
+        return torch.cat([*(proj(rows).view(batch, t, -1, e) for proj in (memory.wq, memory.wk, memory.wv)),
+                          memory.gates(rows).view(batch, t, -1, 3)], dim=-1)
+
+    mine = seq_to_heads(channels(x), split, None)  # [B, S, H / cp, 3 E + 3]: the whole sequence, my heads
+    prefix = channels(block.with_prefix(x[:, :0]))[:, :, heads]  # the persistent tokens' rows
+    zq, zk, zv, gates = torch.cat((prefix, mine), dim=1).split((e, e, e, 3), dim=-1)
+    taps = slice(heads.start * e, heads.stop * e)
+    q, k, v = (memory.conv_heads(z.flatten(2), None if conv is None else conv[taps])[0]
+               for z, conv in ((zq, memory.conv_q), (zk, memory.conv_k), (zv, memory.conv_v)))
+    features = (k, v, q, *memory.gate_features(gates.flatten(2)))
+    reads, _ = memory.scan_features(features, memory.init_state(batch, heads), heads=heads)  # [B, n, P + S, E]
+    reads = reads[:, :, prefix.shape[1]:].transpose(1, 2)  # [B, S, n, E]
+    return heads_to_seq(reads, split, None).transpose(1, 2)  # [B, H, s, E]
+
+
+def _ulysses_halo(block: TitansBlock, xa: torch.Tensor) -> torch.Tensor:
+    """The attention input's last W - 1 rows of cp rank r - 1 ([B, 0, D] on rank 0), by previous_rows."""
+    from megatron_taper.parallel.cp.state import previous_rows
+
+    if block.window <= 1:
+        return xa[:, :0]
+    halo = previous_rows(block.context, block.context_tag, xa, block.window - 1)
+    return halo[:, :0] if block.context.rank == 0 else halo
+
+
+def mag_mix_ulysses(block: MAGBlock, xn: torch.Tensor) -> torch.Tensor:
+    """MAGBlock.mix of this rank's slice xn [B, s, D] under parallel.cp_attention=ulysses."""
+    gate = torch.sigmoid(block.memory.output(_ulysses_reads(block, xn)))
+    halo = _ulysses_halo(block, xn)
+    keys = torch.cat((halo, xn), dim=1)
+    return block.window_attention(block.with_prefix(keys), halo.shape[1], block.context.rank * xn.shape[1]) * gate
+
+
+def mal_forward_ulysses(block: MALBlock, x: torch.Tensor) -> torch.Tensor:
+    """MALBlock.forward of this rank's slice x [B, s, D] under parallel.cp_attention=ulysses."""
+    x = x + block.memory.output(_ulysses_reads(block, block.mem_norm(x)))
+    xa = block.attn_norm(x)
+    halo = _ulysses_halo(block, xa)
+    xp = block.with_prefix(torch.cat((halo, xa), dim=1))
+    x = x + block.window_attention(xp, halo.shape[1], block.context.rank * x.shape[1])
     return x + block.mlp(block.mlp_norm(x))

@@ -84,6 +84,9 @@ ConvPast = tuple[torch.Tensor, ...] | None  # per convolved projection (k, v, q)
 ReadMix = Callable[..., torch.Tensor]
 
 
+ALL_HEADS = slice(None)  # every head of a memory (init_state, scan_features: `heads`)
+
+
 def mlp_read(q: torch.Tensor, state: State) -> torch.Tensor:
     """f(q), the memory MLP with the weights of `state` (SiLU between layers) at q [B, H, T, E]."""
     r = q
@@ -143,8 +146,21 @@ class NeuralMemory(nn.Module):
               positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """[B, T, D] -> l2norm(silu(conv(proj x))) as [B, H, T, E], and the convolution's past
         (`positions`: the rows' offsets in their documents, causal_conv)."""
-        z, past = causal_conv(proj(x), conv, past, positions)
+        return self.conv_heads(proj(x), conv, past, positions)
+
+    def conv_heads(self, z: torch.Tensor, conv: torch.Tensor | None, past: torch.Tensor | None = None,
+                   positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Projections z [B, T, n E] of n heads (conv: their taps [n E, K]) -> l2norm(silu(conv(z)))
+        as [B, n, T, E], and the convolution's past (`positions`: as in `heads`)."""
+        z, past = causal_conv(z, conv, past, positions)
         return F.normalize(F.silu(z).unflatten(-1, (-1, self.head_dim)).transpose(1, 2), dim=-1), past
+
+    def gate_features(self, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Gate pre-activations g [B, T, 3 n] (head-major: per head theta, eta, alpha) -> theta,
+        log eta, log (1 - alpha), each [B, n, T]."""
+        g = g.unflatten(-1, (-1, 3)).permute(3, 0, 2, 1)  # [3, B, n, T]
+        theta = self.max_lr * torch.sigmoid(g[0])
+        return theta, F.logsigmoid(g[1] + self.eta_offset), F.logsigmoid(-(g[2] + self.alpha_offset))
 
     def project(self, x_kv: torch.Tensor, x_q: torch.Tensor, past: ConvPast = None,
                 positions: torch.Tensor | None = None) -> tuple[Features, ConvPast]:
@@ -156,14 +172,11 @@ class NeuralMemory(nn.Module):
         k, pk = self.heads(self.wk, self.conv_k, x_kv, pk, positions)
         v, pv = self.heads(self.wv, self.conv_v, x_kv, pv, positions)
         q, pq = self.heads(self.wq, self.conv_q, x_q, pq, positions)
-        g = self.gates(x_kv).unflatten(-1, (-1, 3)).permute(3, 0, 2, 1)  # [3, B, H, T]
-        theta = self.max_lr * torch.sigmoid(g[0])
-        log_eta = F.logsigmoid(g[1] + self.eta_offset)
-        log_keep = F.logsigmoid(-(g[2] + self.alpha_offset))
-        return (k, v, q, theta, log_eta, log_keep), (None if pk is None else (pk, pv, pq))
+        return (k, v, q, *self.gate_features(self.gates(x_kv))), (None if pk is None else (pk, pv, pq))
 
-    def init_state(self, batch: int) -> State:
-        weights = [w.unsqueeze(0).expand(batch, -1, -1, -1) for w in self.mem_w]
+    def init_state(self, batch: int, heads: slice = ALL_HEADS) -> State:
+        """The initial state of `batch` sequences for the memory's heads `heads` (default all)."""
+        weights = [w[heads].unsqueeze(0).expand(batch, -1, -1, -1) for w in self.mem_w]
         return weights, [torch.zeros_like(w) for w in weights]
 
     def output(self, reads: torch.Tensor) -> torch.Tensor:
@@ -189,14 +202,16 @@ class NeuralMemory(nn.Module):
 
     def scan_features(self, features: Features, state: State, chunk_size: int | None = None,
                       mix: ReadMix | None = None, whole_chunks: bool = False,
-                      documents: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, State]:
+                      documents: tuple[torch.Tensor, torch.Tensor] | None = None,
+                      heads: slice = ALL_HEADS) -> tuple[torch.Tensor, State]:
         """`scan` from projected features (`project`): ([B, H, T, E], state). `mix`, when given,
         replaces each memory layer's pre-activation read (see ReadMix). `whole_chunks`: the state
         returned is the one after the last whole chunk (a trailing partial chunk is read, not written).
         `documents`: (valid, resets) [B, T], the features are packed rows (titans/documents.py;
         resets only at chunk boundaries): padding rows write nothing and a
-        reset row starts its chunk from the initial state (reset_terms)."""
-        reads, state, _ = self.scan_with_starts(features, state, chunk_size, mix, whole_chunks, documents)
+        reset row starts its chunk from the initial state (reset_terms). `heads`: the memory's heads
+        the features are of (default all)."""
+        reads, state, _ = self.scan_with_starts(features, state, chunk_size, mix, whole_chunks, documents, heads)
         return reads, state
 
     def scan_segments(self, features: Features, start: State, length: int,
@@ -214,33 +229,34 @@ class NeuralMemory(nn.Module):
 
     def scan_with_starts(self, features: Features, state: State, chunk_size: int | None = None,
                          mix: ReadMix | None = None, whole_chunks: bool = False,
-                         documents: tuple[torch.Tensor, torch.Tensor] | None = None
-                         ) -> tuple[torch.Tensor, State, State]:
+                         documents: tuple[torch.Tensor, torch.Tensor] | None = None,
+                         heads: slice = ALL_HEADS) -> tuple[torch.Tensor, State, State]:
         """scan_features, and the state every chunk started from (per layer [B, H, N, i, o])."""
         k, q = features[0], features[2]
-        batch, heads, total = k.shape[:3]
+        batch, n_heads, total = k.shape[:3]
         if not total:
             return q, state, tuple([t.unsqueeze(2)[:, :, :0] for t in ts] for ts in state)
         whole = chunk_size or self.chunk_size
         size = min(whole, total)  # one chunk of T < C tokens is the same math unpadded
         count = -(-total // size)
         n = len(self.mem_w)
-        init = [w.to(k.dtype).expand(batch, -1, -1, -1).reshape(batch * heads, *w.shape[1:]) for w in self.mem_w]
+        init = [w[heads].to(k.dtype).expand(batch, -1, -1, -1).reshape(batch * n_heads, *w.shape[1:])
+                for w in self.mem_w]
         if documents is not None:
             features = pad_features(features, documents[0])
-            state = reset_state(self.init_state(batch), state, documents[1][:, 0])
+            state = reset_state(self.init_state(batch, heads), state, documents[1][:, 0])
         loop, reads = chunk_terms(features, init[0], size, n > 1, documents)
-        weights = [w.to(k.dtype).reshape(batch * heads, *w.shape[2:]) for w in state[0]]  # [B*H, i, o]
-        surprise = [s.to(k.dtype).reshape(batch * heads, *s.shape[2:]) for s in state[1]]
+        weights = [w.to(k.dtype).reshape(batch * n_heads, *w.shape[2:]) for w in state[0]]  # [B*H, i, o]
+        surprise = [s.to(k.dtype).reshape(batch * n_heads, *s.shape[2:]) for s in state[1]]
         fused = not torch.is_autocast_enabled(k.device.type)  # else the state keeps its dtype
         last = count - 1 if whole_chunks and total % whole else count  # chunks that write
         out = WriteLoop.apply(n, last, fused, documents is not None, *init, *weights, *surprise, *loop)
         starts, deltas, acts = out[:2 * n], out[2 * n:3 * n], out[3 * n:4 * n - 1]  # [B*H, N, ., .]
         ends = out[4 * n - 1:] if last == count else [t[:, last] for t in starts]
         out = read_chunks(init, starts, deltas, acts, reads, mix, batch, total)  # [B*H, T, E]
-        unflat = [t.view(batch, heads, *t.shape[1:]) for t in ends]
-        stacked = [t.view(batch, heads, *t.shape[1:]) for t in starts]
-        return q + out.view(batch, heads, total, -1), (unflat[:n], unflat[n:]), (stacked[:n], stacked[n:])
+        unflat = [t.view(batch, n_heads, *t.shape[1:]) for t in ends]
+        stacked = [t.view(batch, n_heads, *t.shape[1:]) for t in starts]
+        return q + out.view(batch, n_heads, total, -1), (unflat[:n], unflat[n:]), (stacked[:n], stacked[n:])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.output(self.scan(x, x, self.init_state(x.shape[0]))[0])

@@ -60,6 +60,15 @@ def check_cp_layout(mcfg: ModelConfig, pcfg: ParallelConfig) -> None:
     if cp == 1:
         return
     local = mcfg.seq_len // cp
+    if pcfg.cp_attention == "ulysses" and t.variant == "mac":
+        raise ConfigError("model.titans.variant='mac' with parallel.cp_attention='ulysses' is not built (its "
+                          "segments' retrievals run between the memory's writes); use variant mag or mal, or "
+                          "parallel.cp_attention=allgather (the memory's state along the cp chain)")
+    if pcfg.cp_attention == "ulysses" and t.window - 1 > local:
+        raise ConfigError(f"model.titans.window={t.window} with parallel.cp_attention='ulysses' at parallel.cp={cp}: "
+                          f"the window's W - 1 = {t.window - 1} rows before a slice must come from the one cp rank "
+                          f"before it, whose slice holds model.seq_len / parallel.cp = {local} tokens; choose a "
+                          f"smaller window or parallel.cp")
     if t.variant == "mac" and local % t.window:
         raise ConfigError(f"model.titans.variant='mac' at parallel.cp={cp}: each cp rank's slice, model.seq_len / "
                           f"parallel.cp = {mcfg.seq_len} / {cp} = {local} tokens, must hold whole segments of "

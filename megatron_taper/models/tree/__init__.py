@@ -16,4 +16,4 @@ from megatron_taper.models.tree.parallel import check_tree_layout, tp_plan_tree_
 
 SPECS = (FamilySpec(card=TREE, build=lazy("megatron_taper.models.tree.model", "TreeLM"), layer_cost=tree_layer_cost,
                     tp_block_plan=tp_plan_tree_layer, check_layout=check_tree_layout, context_parallel=True,
-                    cp_balanced=False, cp_messages=tree_cp_messages),)
+                    cp_balanced=False, cp_messages=tree_cp_messages, document_mask=True),)

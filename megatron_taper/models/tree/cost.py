@@ -68,6 +68,6 @@ def cp_gather_bytes(cfg: ModelConfig, cp: int, micro_batch: int, dtype_bytes: in
 
 
 def tree_cp_messages(cfg: ModelConfig, layer: int, width: int, micro_batch: int, cp: int, act_bytes: int = 4,
-                     ring: bool = False) -> tuple[CPMessage, ...]:
+                     attention: str = "allgather") -> tuple[CPMessage, ...]:
     """FamilySpec.cp_messages: each tree layer all-gathers the slices' roots (cp_gather_bytes)."""
     return (CPMessage(ALLGATHER, cp_gather_bytes(cfg, cp, micro_batch, act_bytes), "roots"),)

@@ -29,6 +29,10 @@ layer, beside the activations of the rank's S / cp tokens (cost/memory.py); SDPA
 explicit mask, which on the CPU has no fused kernel: it keeps the attention weights [B, H, S / cp,
 S] (measured: docs/architectures.md).
 
+parallel.cp_attention=ulysses (parallel/cp/ulysses.py): q, k and v go all-to-all from sequence-sharded to
+head-sharded instead, attention runs over the whole sequence for the rank's share of the heads, and the
+outputs come back by a second all-to-all.
+
 parallel.cp_attention=ring (`_RingAttention`): K and V blocks travel around the ring instead.
 
     forward   cp steps: attend to the block held (the rank's own first, then the one received
@@ -78,6 +82,7 @@ from torch import nn
 
 from megatron_taper.cost.memory import CP_RING_TILE
 from megatron_taper.models.layers import IGNORE_INDEX, Attention, causal_mask_at, document_ids, same_document
+from megatron_taper.parallel.cp.ulysses import ulysses_attention
 from megatron_taper.parallel.tp.layers import gather_from_seq_region
 
 
@@ -88,7 +93,9 @@ class SequenceSplit:
     cp: int
     rank: int  # this rank's index in the cp group
     group: dist.ProcessGroup
-    ring: bool = False  # parallel.cp_attention=ring: K/V passed around the ring, else all-gathered
+    # parallel.cp_attention: allgather (K/V of the whole sequence) | ring (K/V passed around the
+    # ring) | ulysses (all-to-all to the whole sequence for a share of the heads, parallel/cp/ulysses.py)
+    attention: str = "allgather"
     tile: int = CP_RING_TILE  # ring: query rows per piece of a block's attention ([B, H, rows, C] scores)
     # True: the load-balanced causal split (chunks r and 2 cp - 1 - r); False: contiguous (chunks 2 r
     # and 2 r + 1, i.e. rank r holds tokens [r S / cp, (r + 1) S / cp)), for the families whose state
@@ -158,10 +165,15 @@ class SequenceSplit:
         """Causal attention of this rank's queries over the whole sequence's keys: q [B, H, s, E],
         k, v [B, K, s, E] at this rank's positions (s = S / cp); `slopes` [H]: ALiBi; `doc_start`
         [B, s] (this rank's tokens): only keys of the query's document (ids over the whole
-        sequence: document_ids). -> [B, H, s, E]."""
+        sequence: document_ids; not with Ulysses, which preflight refuses). -> [B, H, s, E]."""
         ids = None if doc_start is None else self.document_ids(doc_start)
-        if self.ring:
+        if self.attention == "ring":
             return _RingAttention.apply(q, k, v, slopes, self, ids)
+        if self.attention == "ulysses":
+            if ids is not None:
+                raise ValueError("data.document_mask with parallel.cp_attention=ulysses is not built yet: use "
+                                 "parallel.cp_attention=allgather or ring")
+            return ulysses_attention(q, k, v, slopes, self)
         s = q.shape[2]
         # all-gather along the sequence (dim 1 of [B, s, K, E]); backward reduce-scatters
         k_all, v_all = (gather_from_seq_region(t.transpose(1, 2), self.group).transpose(1, 2) for t in (k, v))
