@@ -40,7 +40,8 @@ def rows(report: dict) -> list[tuple[str, list[str], dict, str, dict]]:
     for row in report.get("throughput", []):
         if "step_s" in row:
             variant = {k: row[k] for k in VARIANT_KEYS if k in row}
-            shape = [*SHAPE, "train.precision=bf16", *RECORDED_UNIT, *([] if "float8_min_dim" in row else RECORDED_FLOAT8)]
+            rule = [] if "float8_min_dim" in row else RECORDED_FLOAT8
+            shape = [*SHAPE, "train.precision=bf16", *RECORDED_UNIT, *rule]
             out.append(("configs/transformer_1.3b_taper.yaml", shape, variant, "fsdp2", row))
     for row in report.get("sized", []):
         if "step_s" in row:
