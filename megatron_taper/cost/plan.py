@@ -537,6 +537,19 @@ def search(cfg: Config, gpus: int, memory_gib: float, device: DeviceProfile,
                       {kind: (examples[kind][0], len(examples[kind][1])) for kind, _ in order})
 
 
+def micro_batch_advice(result: PlanResult) -> tuple[int, Prediction] | None:
+    """The largest train.micro_batch that fits at the fastest layout's other settings, and its
+    prediction (None when nothing fits): more sequences per forward where memory allows, fewer
+    accumulation steps; the fastest layout may take a smaller one."""
+    if not result.layouts:
+        return None
+    best = result.layouts[0]
+    others = {k: v for k, v in best.values.items() if k != "train.micro_batch"}
+    same = [x for x in result.layouts if {k: v for k, v in x.values.items() if k != "train.micro_batch"} == others]
+    largest = max(same, key=lambda x: x.values["train.micro_batch"])
+    return largest.values["train.micro_batch"], largest
+
+
 def no_fit_message(result: PlanResult, memory_gib: float) -> str:
     """One error for a search where nothing fits, naming the nearest layout."""
     where = f"{result.gpus} x {memory_gib:g} GiB ({result.device.profile})"

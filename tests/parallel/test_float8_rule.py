@@ -4,6 +4,8 @@ recipes, the refusals, and the planner's use of the measured ratios (cost/speedu
 The models are built on the meta device (no storage: an 8B-shaped slice costs nothing here); one
 tiny model is converted for real on the CPU to check that the recipe reaches torchao.
 """
+import dataclasses
+
 import pytest
 import torch
 
@@ -92,12 +94,12 @@ def test_mxfp8_is_refused_off_blackwell_at_conversion():
 
 
 def _planned(d_model: int, heads: int, *extra: str):
-    """A 2-block slice of `d_model` (Llama-3 8B's MLP width ratio), 512 tokens, on the h200 profile."""
+    """A 2-block slice of `d_model` (Llama-3 8B's MLP width ratio), 512 tokens, and the h200 profile."""
     cfg = load_config(None, ["model.n_layers=2", f"model.d_model={d_model}", f"model.n_heads={heads}",
                              "model.n_kv_heads=8", f"model.mlp_width={d_model * 7 // 2}", "model.taper.multiple=128",
                              "model.vocab_size=1024", "model.seq_len=512", "train.global_batch=8",
                              "train.micro_batch=4", "train.precision=bf16", "train.compile=true", *extra])
-    return cfg, profiles()["h200"]
+    return cfg, dataclasses.replace(profiles()["h200"], op_overhead_us=0.0)  # no operator count: arithmetic alone
 
 
 def test_the_planner_prices_float8_from_the_table_and_never_picks_a_loss():
@@ -120,3 +122,20 @@ def test_the_planner_prices_float8_from_the_table_and_never_picks_a_loss():
         result = search(cfg, 1, 141, h200, space)
         assert [x.values["train.float8"] for x in result.layouts] == [False]
         assert any("no block linear gains" in reason for reason in result.dropped), result.dropped
+
+
+def test_start_up_names_the_sdpa_kernel_and_the_float8_linears(capsys):
+    """build_run's main rank prints torch's SDPA choice for the attention blocks (on this CPU: torch's
+    own pick, whatever it is, among SDPBackend's names) and how many linears float8's rule converted."""
+    from torch.nn.attention import SDPBackend
+
+    from megatron_taper.parallel.context import ParallelContext
+    from megatron_taper.training.build import build_run
+
+    cfg = load_config(None, [*TINY, "train.float8_min_dim=64", "train.precision=bf16"])
+    build_run(cfg, ParallelContext(1, 0, 0, 1, 1, 1, torch.device("cpu")))
+    out = capsys.readouterr().out
+    attention = [x for x in out.splitlines() if x.startswith("attention: SDPA runs ")]
+    assert len(attention) == 1 and "q [8, 4, 64, 16] bfloat16, causal, on cpu" in attention[0], out
+    assert attention[0].split()[3] in {b.name.lower() for b in SDPBackend.__members__.values()}
+    assert "float8: 14 of the blocks' 14 linears in float8 (tensorwise;" in out
