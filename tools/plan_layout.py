@@ -102,7 +102,8 @@ def to_text(result: PlanResult, top: int, seconds: float) -> str:
         searched = dict(SEARCH_SPACE)["train.micro_batch"]
         lines.append(f"micro-batch: train.micro_batch={micro} is the largest of {searched} that fits "
                      f"{result.memory_limit / GIB:.1f} GiB per rank at layout 1's other settings (predicted peak "
-                     f"{x.peak / GIB:.2f} GiB, step {x.step.total:.3g} s; layout 1 takes {result.layouts[0].values['train.micro_batch']})")
+                     f"{x.peak / GIB:.2f} GiB, step {x.step.total:.3g} s; layout 1 takes "
+                     f"{result.layouts[0].values['train.micro_batch']})")
     lines.append("dropped (layouts, the first refusal of each kind):")
     for why, n in result.dropped.items():
         example, kinds = result.examples.get(why, (why, 1))
