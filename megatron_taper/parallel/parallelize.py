@@ -2,9 +2,7 @@
 
 The model is either on the meta device (build.py: every step below only reshapes parameters and
 records layouts, and parallel/meta_init.py materialises this rank's pieces afterwards) or
-initialised and identical on every rank. At the start the main rank prints which kernel torch's
-SDPA picks for the attention blocks (flash, cuDNN, efficient or math: models/layers.py
-sdpa_backend).
+initialised and identical on every rank.
 
 Order: pipeline split -> tensor parallel -> context parallel (context_parallel.py: the sequence
 split handed to the attention, the loss share) -> float8 linears (float8.py; the main rank prints
@@ -20,7 +18,6 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING
 
-import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -28,9 +25,8 @@ from torch.distributed.tensor import DTensor
 from megatron_taper.config import ConfigError
 from megatron_taper.cost.preflight import compiles, width_alignment_warning
 from megatron_taper.models import family
-from megatron_taper.models.layers import Attention, sdpa_backend
 from megatron_taper.parallel.block_options import apply_block_options
-from megatron_taper.parallel.context import ParallelContext, has_bf16
+from megatron_taper.parallel.context import ParallelContext
 from megatron_taper.parallel.cp.split import SequenceSplit, apply_context_parallel, split_loss
 from megatron_taper.parallel.dp.ddp import all_reduce_flat_, bucket_mb
 from megatron_taper.parallel.dp.fsdp2 import apply_zero
@@ -56,8 +52,6 @@ def parallelize(model: nn.Module, ctx: ParallelContext, model_cfg: ModelConfig, 
         message = width_alignment_warning(model_cfg, layer_widths(model_cfg), ctx.device.type)
         if message:
             print(f"warning: {message}", flush=True)
-    if whole_model and ctx.is_main and ctx.cp == 1 and any(isinstance(m, Attention) for m in model.modules()):
-        print(f"attention: {_sdpa_line(model_cfg, ctx, train)}", flush=True)
     if ctx.pp > 1 and whole_model:
         stage = functools.partial(parallelize, model_cfg=model_cfg, parallel=parallel, train=train,
                                   whole_model=False)
@@ -100,16 +94,6 @@ def parallelize(model: nn.Module, ctx: ParallelContext, model_cfg: ModelConfig, 
     if not whole_model:
         return pm  # build_pipeline applies ZeRO once the stage's chunks exist (an FSDP root per chunk)
     return apply_zero(pm, parallel, train)
-
-
-def _sdpa_line(m: ModelConfig, ctx: ParallelContext, train: TrainConfig) -> str:
-    """Which SDPA kernel torch picks for this rank's attention blocks (models/layers.py sdpa_backend)."""
-    dtype = torch.bfloat16 if train.uses_bf16(has_bf16(ctx.device)) else torch.float32
-    heads, kv_heads = -(-m.n_heads // ctx.tp), -(-m.kv_heads // ctx.tp)
-    alibi = m.position_encoding == "alibi"
-    backend = sdpa_backend(train.micro_batch, heads, kv_heads, m.seq_len, m.head_dim, dtype, ctx.device, alibi)
-    return (f"SDPA runs {backend} (torch's choice for q [{train.micro_batch}, {heads}, {m.seq_len}, {m.head_dim}] "
-            f"{str(dtype).removeprefix('torch.')}, {'ALiBi bias' if alibi else 'causal'}, on {ctx.device.type})")
 
 
 def _tensor_parallel(model: nn.Module, ctx: ParallelContext, model_cfg: ModelConfig,

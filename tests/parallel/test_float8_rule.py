@@ -125,17 +125,17 @@ def test_the_planner_prices_float8_from_the_table_and_never_picks_a_loss():
 
 
 def test_start_up_names_the_sdpa_kernel_and_the_float8_linears(capsys):
-    """build_run's main rank prints torch's SDPA choice for the attention blocks (on this CPU: torch's
-    own pick, whatever it is, among SDPBackend's names) and how many linears float8's rule converted."""
+    """The main rank prints how many linears float8's rule converted (parallelize) and torch's SDPA
+    choice for the attention blocks (the Trainer's line; on this CPU torch's own pick, whatever it
+    is, among SDPBackend's names)."""
     from torch.nn.attention import SDPBackend
 
     from megatron_taper.parallel.context import ParallelContext
-    from megatron_taper.training.build import build_run
+    from megatron_taper.training.build import attention_kernel_line, build_run
 
     cfg = load_config(None, [*TINY, "train.float8_min_dim=64", "train.precision=bf16"])
-    build_run(cfg, ParallelContext(1, 0, 0, 1, 1, 1, torch.device("cpu")))
-    out = capsys.readouterr().out
-    attention = [x for x in out.splitlines() if x.startswith("attention: SDPA runs ")]
-    assert len(attention) == 1 and "q [8, 4, 64, 16] bfloat16, causal, on cpu" in attention[0], out
-    assert attention[0].split()[3] in {b.name.lower() for b in SDPBackend.__members__.values()}
-    assert "float8: 14 of the blocks' 14 linears in float8 (tensorwise;" in out
+    run = build_run(cfg, ParallelContext(1, 0, 0, 1, 1, 1, torch.device("cpu")))
+    assert "float8: 14 of the blocks' 14 linears in float8 (tensorwise;" in capsys.readouterr().out
+    line = attention_kernel_line(run)
+    assert line.startswith("attention: SDPA runs ") and "q [8, 4, 64, 16] bfloat16, causal, on cpu" in line, line
+    assert line.split()[3] in {b.name.lower() for b in SDPBackend.__members__.values()}
