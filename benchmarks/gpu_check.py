@@ -32,7 +32,8 @@
 Every part runs in its own try: a failure is recorded in the JSON (`failed`: the error) and the
 next part runs; the JSON file is rewritten after each part, so a crash keeps what finished.
 Prints one JSON object at the end (and writes it to --out); exit 1 when parity or any part failed.
-`--smoke` runs all parts at toy sizes (2 steps, three variants without compile, plus one variant
+`--smoke` runs all parts at toy sizes (2 steps, three variants, none compiled on the CPU (float8's
+with train.compile=auto, eager there, and its rule set to take every linear), plus one variant
 made to fail on purpose, recorded as `failed` with `expected_failure`) on whatever device there
 is, so that tests/launch/test_gpu_check.py keeps this script working on machines without a GPU.
 
