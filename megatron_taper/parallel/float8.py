@@ -24,11 +24,13 @@ float8 needs the compiled blocks there (parallelize() refuses it eager: eager fl
 slower than bf16 on an H200); on the CPU (and older GPUs) torchao's emulation
 (Float8LinearConfig(emulate=True)) rounds to float8 and multiplies in the compute dtype, the same
 numerics in the matmul's inputs, eager or compiled (a numerics check, not a speed-up). With fsdp2
-at dp > 1 on CUDA the weights are all-gathered in float8 (torchao's enable_fsdp_float8_all_gather: the shard is cast
-with the scale of the whole weight, an all-reduce of its amax, before the all-gather: a quarter
-of fp32's bytes, half of bf16's); on the CPU (gloo) they are gathered as without float8 and cast
-after the gather, because gloo has no float8 dtype (its all-gather fails with "Invalid scalar
-type"), so the float8 all-gather is not tested here.
+at dp > 1 on CUDA and the tensorwise recipe the weights are all-gathered in float8 (torchao's
+enable_fsdp_float8_all_gather: the shard is cast with the scale of the whole weight, an
+all-reduce of its amax, before the all-gather: a quarter of fp32's bytes, half of bf16's);
+torchao has no float8 all-gather for rowwise scales, so rowwise gathers as without float8. On
+the CPU (gloo) they are gathered as without float8 and cast after the gather, because gloo has
+no float8 dtype (its all-gather fails with "Invalid scalar type"), so the float8 all-gather is
+not tested here.
 
 Applied by parallelize() after tensor parallelism (only tp = 1: our column/row-parallel layers
 are not nn.Linear; cost/preflight.py refuses tp > 1) and before activation checkpointing and ZeRO, in
@@ -68,8 +70,10 @@ def apply_float8(model: nn.Module, device: torch.device, train: TrainConfig, fsd
         return sorted(names)
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
+    # torchao all-gathers float8 weights only with one scale per tensor; rowwise gathers them as without float8
+    gather = fsdp_all_gather and train.float8_recipe == "tensorwise"
     config = dataclasses.replace(Float8LinearConfig.from_recipe_name(train.float8_recipe),
-                                 emulate=not float8_hardware(device), enable_fsdp_float8_all_gather=fsdp_all_gather)
+                                 emulate=not float8_hardware(device), enable_fsdp_float8_all_gather=gather)
     convert_to_float8_training(model.layers, config=config, module_filter_fn=lambda _, name: name in names)
     return sorted(names)
 

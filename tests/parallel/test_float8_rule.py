@@ -64,11 +64,13 @@ def test_apply_float8_uses_the_recipe(recipe, granularity):
     cfg = load_config(None, [*TINY, "train.float8_min_dim=16", f"train.float8_recipe={recipe}"])
     torch.manual_seed(0)
     model = build_model(cfg.model)
-    converted = apply_float8(model, torch.device("cpu"), cfg.train, fsdp_all_gather=False)
+    converted = apply_float8(model, torch.device("cpu"), cfg.train, fsdp_all_gather=True)
     swapped = [n for n, m in model.layers.named_modules() if isinstance(m, Float8Linear)]
     assert converted == sorted(swapped) and len(swapped) == 2 * 7
     layer = model.layers.get_submodule(swapped[0])
     assert layer.config.emulate and layer.config.cast_config_input.scaling_granularity.name == granularity
+    # torchao's float8 all-gather (asked for here) exists for tensorwise scales only
+    assert layer.config.enable_fsdp_float8_all_gather == (recipe == "tensorwise")
     out = model(torch.randint(0, 256, (1, 16)))
     assert torch.isfinite(out).all()
 
