@@ -12,7 +12,7 @@ import torch
 from megatron_taper.config import load_config
 from megatron_taper.cost.devices import profiles
 from megatron_taper.cost.float8 import block_float8_speedup, float8_converts, float8_speedup, read_speedups
-from megatron_taper.cost.plan import Predictor, search
+from megatron_taper.cost.plan import Predictor, search, with_values
 from megatron_taper.cost.preflight import preflight
 from megatron_taper.models import build_model
 from megatron_taper.parallel.float8 import apply_float8, float8_linears
@@ -124,6 +124,11 @@ def test_the_planner_prices_float8_from_the_table_and_never_picks_a_loss():
         result = search(cfg, 1, 141, h200, space)
         assert [x.values["train.float8"] for x in result.layouts] == [False]
         assert any("no block linear gains" in reason for reason in result.dropped), result.dropped
+    # nothing converted (default rule at 2048): the bf16 weight copies stay, the peak is bf16's
+    cfg, h200 = _planned(2048, 16, "train.float8=true")
+    on = Predictor(cfg, h200).predict(cfg, 1, float("inf"))
+    off = Predictor(cfg, h200).predict(with_values(cfg, {"train.float8": False}), 1, float("inf"))
+    assert on.layout.float8 and on.peak == off.peak and on.step.total == off.step.total
 
 
 def test_start_up_names_the_sdpa_kernel_and_the_float8_linears(capsys):
