@@ -385,7 +385,7 @@ class Predictor:
             linear = sum(min(2.0 * c.layers[i].params, c.layers[i].flops) for i in layers)
             redo = [i for i in layers if i in recomputed and mode != "op"]
             params = sum(mm.layers[i].params for i in layers) + mm.embedding.params * first + mm.head.params * last
-            attention = sum(c.layers[i].flops for i in layers) - linear  # the blocks' other FLOPs: their attention
+            attention = sum(c.layers[i].flops for i in layers) - linear  # outside the linears: attention (memories)
             out.append(RankWork(flops, linear, sum(c.layers[i].flops for i in redo), len(layers), len(redo), params,
                                 vocab_collectives=1 * first + 3 * last, attention_flops=attention))
         return out

@@ -121,7 +121,8 @@ class RankWork:
     # context parallelism: per block, its messages per micro-batch as (kind, bytes) pairs (cost/cp.py
     # cp_messages: chain, halo, allgather, ring; attention's K and V for the attention families)
     cp_messages: tuple = ()
-    # of flops, in its blocks' attention kernels (SDPA: fused, as fast eager as compiled; math_rate leaves them)
+    # of flops, its blocks' FLOPs outside their linear layers: attention scores and values (SDPA: fused, as
+    # fast eager as compiled, so math_rate leaves them), a memory family's memory arithmetic
     attention_flops: float = 0.0
     float8_speedup: float = 1.0  # under float8: float8 / bf16 speed of its linear_flops (cost/float8.py)
     ops: float = 0.0  # eager operators it dispatches per micro-batch (cost/op_count.py; recomputed forwards included)
