@@ -17,7 +17,7 @@ setup(
     description="Pretraining of depth-tapered language models with Megatron-style parallelism",
     packages=[*find_packages(include=["megatron_taper", "megatron_taper.*"]), "megatron_taper_tools"],
     package_dir={"megatron_taper_tools": "tools"},
-    package_data={"megatron_taper.cost": ["devices.json"]},  # the device table (cost/devices.py)
+    package_data={"megatron_taper.cost": ["devices.json", "speedups.json"]},  # the device table, measured ratios
     entry_points={"console_scripts": [
         "megatron-taper-train = megatron_taper.train:main",
         "megatron-taper-preprocess = megatron_taper_tools.preprocess_data:main",

@@ -10,7 +10,9 @@
    with parallel.zero=fsdp2 at dp=1 (one process: nothing to shard, so the model runs as is under
    bf16 autocast), one variant per entry of VARIANTS, most wanted first (the baseline, float8
    linears, op-level activation checkpointing, one 32K-token sequence (LONG_CONTEXT), the chunked
-   loss, whole-block checkpointing, then with train.compile, float8 with compile last but one):
+   loss, whole-block checkpointing, then with train.compile, float8 with compile last but one),
+   then an 8B-shaped slice (SLICE_8B: 4 blocks of Llama-3 8B's widths, tapered) compiled in bf16
+   and in float8 (tensorwise, rowwise) at parallel.zero=none:
    step time, tokens/s, MFU (the taper-exact FLOPs of flops.model_costs, 6 x forward per token,
    against the device's dense bf16 peak), peak allocated and reserved GPU memory, and beside them
    the layout planner's prediction for the same run (plan.Predictor with this device's profile:
@@ -30,7 +32,8 @@
 Every part runs in its own try: a failure is recorded in the JSON (`failed`: the error) and the
 next part runs; the JSON file is rewritten after each part, so a crash keeps what finished.
 Prints one JSON object at the end (and writes it to --out); exit 1 when parity or any part failed.
-`--smoke` runs all parts at toy sizes (2 steps, three variants without compile, plus one variant
+`--smoke` runs all parts at toy sizes (2 steps, three variants, none compiled on the CPU (float8's
+with train.compile=auto, eager there, and its rule set to take every linear), plus one variant
 made to fail on purpose, recorded as `failed` with `expected_failure`) on whatever device there
 is, so that tests/launch/test_gpu_check.py keeps this script working on machines without a GPU.
 
@@ -73,6 +76,19 @@ VARIANTS = [
     {"activation_checkpointing": "none", "compile": True},
     {"activation_checkpointing": "none", "compile": True, "float8": True},
     {"activation_checkpointing": "selective", "compile": False},
+]
+# an 8B-shaped slice (Llama-3 8B's widths: d_model 4096, 32 heads of which 8 for keys and values, MLP
+# 14336 tapered in units of 128; 4 blocks) that fits one GPU: where float8's rule converts every linear
+# but wk / wv (1024 features), the probe of cost/speedups.json's float8 ratios, compiled in bf16 and in
+# both float8 recipes
+SLICE_8B = ["model.n_layers=4", "model.d_model=4096", "model.n_heads=32", "model.n_kv_heads=8",
+            "model.mlp_width=14336", "model.taper.multiple=128"]
+SLICE_8B_VARIANTS = [
+    {"activation_checkpointing": "none", "compile": True, "overrides": SLICE_8B},
+    {"activation_checkpointing": "none", "compile": True, "float8": True, "float8_recipe": "tensorwise",
+     "overrides": SLICE_8B},
+    {"activation_checkpointing": "none", "compile": True, "float8": True, "float8_recipe": "rowwise",
+     "overrides": SLICE_8B},
 ]
 
 
@@ -142,7 +158,8 @@ def predict(cfg, measured_step_s: float, measured_peak_bytes: float | None, prof
 def run_config(config: str, shape: list[str], folder: str, variant: dict, zero: str):
     """The Config of one throughput run: `config` at pp = 1 with `shape`, `variant` and `zero`."""
     settings = {k: v for k, v in variant.items() if k != "overrides"}
-    name = "_".join(f"{k}{v}" for k, v in settings.items()) + ("_long" if "overrides" in variant else "")
+    name = "_".join(f"{k}{v}" for k, v in settings.items()) + "".join(
+        "_" + o.rsplit("=", 1)[-1] for o in variant.get("overrides", []))
     return load_config(config, [
         *shape, f"run.dir={folder}/tp_{Path(config).stem}_{name}", "run.tensorboard=false", "parallel.pp=1",
         "parallel.microbatches=0", f"parallel.zero={zero}", "train.log_interval=1000", "train.eval_batches=1",
@@ -175,7 +192,7 @@ def throughput(shape: list[str], folder: str, variant: dict, steps: int, warmup:
         tokens = cfg.train.global_batch * cfg.model.seq_len
         peak = peak_flops(device, trainer.bf16)
         causal, full = model_costs(cfg.model), model_costs(cfg.model, causal=False)
-        result = {"steps": done, "truncated": done < steps,
+        result = {"steps": done, "truncated": done < steps, "float8_min_dim": cfg.train.float8_min_dim,
                   "step_s": step_s, "tokens_per_s": tokens / step_s, "warmup_s": warm_s,
                   "mfu_causal": mfu(tokens / step_s, causal.total_flops, peak),
                   "mfu_full_attention": mfu(tokens / step_s, full.total_flops, peak),
@@ -303,14 +320,15 @@ def main() -> int:
         steps, warmup, parity_steps = 2, 1, 2
         # compile is covered by tests/parallel/test_step_engines.py; "bogus" fails on purpose
         variants = [{"activation_checkpointing": "none", "compile": False},
-                    {"activation_checkpointing": "op", "compile": False, "float8": True, "loss_chunk": 16},
+                    {"activation_checkpointing": "op", "compile": "auto", "float8": True, "loss_chunk": 16,
+                     "float8_min_dim": 16},
                     {"activation_checkpointing": "op", "compile": False,
                      "overrides": ["model.seq_len=64", "train.global_batch=1", "train.micro_batch=1"]},
                     {"activation_checkpointing": "bogus", "compile": False}]
     else:  # global batch 8 x 2048 tokens as 2 micro-batches of 4
         shape = list(SHAPE)
         steps, warmup, parity_steps = args.steps, 3, 10
-        variants = VARIANTS
+        variants = VARIANTS + SLICE_8B_VARIANTS
     write(report, args.out)
     with tempfile.TemporaryDirectory() as folder:
         attempt(report, args.out, "parity", parity, folder, device, parity_steps)

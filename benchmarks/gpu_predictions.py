@@ -8,7 +8,8 @@ cost model is checked against the recorded measurements without a GPU at hand.
         docs/results/gpu_families_h200_2026-12-04.json [--profile h200]
 
 Prints one JSON object: per run its measured and predicted step time and peak memory and their
-ratios, and the range [min, max] of each ratio over the runs.
+ratios (or `refused`: the error today's rules give that run, e.g. float8 without compile), and the
+range [min, max] of each ratio over the runs predicted.
 """
 from __future__ import annotations
 
@@ -21,9 +22,15 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpu_check import SHAPE, predict, run_config  # noqa: E402
 from gpu_families import SIZED, SIZED_VARIANT, sized_shape  # noqa: E402
 
+from megatron_taper.validation import ConfigError  # noqa: E402
+
 # the recorded runs (2026-12-04) predate the GPU recipes' taper unit of 128: their widths were in units of 64
 RECORDED_UNIT = ["model.taper.multiple=64"]
-VARIANT_KEYS = ("activation_checkpointing", "compile", "float8", "loss_chunk", "overrides")
+# and the float8 rule of a row that does not name its train.float8_min_dim: every block linear whose
+# dimensions are multiples of 16 was converted
+RECORDED_FLOAT8 = ["train.float8_min_dim=16"]
+VARIANT_KEYS = ("activation_checkpointing", "compile", "float8", "float8_recipe", "float8_min_dim", "loss_chunk",
+                "overrides")
 
 
 def rows(report: dict) -> list[tuple[str, list[str], dict, str, dict]]:
@@ -33,7 +40,8 @@ def rows(report: dict) -> list[tuple[str, list[str], dict, str, dict]]:
     for row in report.get("throughput", []):
         if "step_s" in row:
             variant = {k: row[k] for k in VARIANT_KEYS if k in row}
-            shape = [*SHAPE, "train.precision=bf16", *RECORDED_UNIT]
+            rule = [] if "float8_min_dim" in row else RECORDED_FLOAT8
+            shape = [*SHAPE, "train.precision=bf16", *RECORDED_UNIT, *rule]
             out.append(("configs/transformer_1.3b_taper.yaml", shape, variant, "fsdp2", row))
     for row in report.get("sized", []):
         if "step_s" in row:
@@ -60,14 +68,19 @@ def main() -> None:
         except (OSError, json.JSONDecodeError) as e:
             parser.error(f"{path}: not a gpu_check / gpu_families JSON ({e})")
         for recipe, shape, variant, zero, measured in rows(report):
-            cfg = run_config(recipe, shape, "/tmp/gpu_predictions", variant, zero)
+            row = {"recipe": os.path.basename(recipe), **variant, "measured_step_s": measured["step_s"]}
+            try:
+                cfg = run_config(recipe, shape, "/tmp/gpu_predictions", variant, zero)
+            except ConfigError as e:  # a run today's rules refuse (eager float8)
+                results.append({**row, "refused": str(e)})
+                continue
             peak = measured.get("peak_allocated_gib", 0.0) * 2**30 or None
             result = predict(cfg, measured["step_s"], peak, profile)
-            results.append({"recipe": os.path.basename(recipe), **variant, "measured_step_s": measured["step_s"],
-                            **{k: v for k, v in result.items() if k != "profile"}})
-    if not results:
-        parser.error(f"no measured run (a `throughput` or `sized` row with step_s) in {', '.join(args.reports)}")
-    steps = [r["step_ratio"] for r in results]
+            results.append({**row, **{k: v for k, v in result.items() if k != "profile"}})
+    steps = [r["step_ratio"] for r in results if "step_ratio" in r]
+    if not steps:
+        parser.error(f"no measured run today's rules accept (a `throughput` or `sized` row with step_s) in "
+                     f"{', '.join(args.reports)}")
     peaks = [r["peak_ratio"] for r in results if "peak_ratio" in r]
     print(json.dumps({"benchmark": "gpu_predictions", "profile": args.profile, "runs": results,
                       "step_ratio_range": [min(steps), max(steps)],

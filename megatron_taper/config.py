@@ -156,6 +156,7 @@ PP_BALANCE_MODES = ("flops", "uniform", "params", "profile")  # parallel.pp_bala
 PP_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b", "interleaved_zero_bubble", "zbv", "dualpipev")
 INTERLEAVED_SCHEDULES = ("interleaved_1f1b", "interleaved_zero_bubble")  # pp_virtual chunks, looped
 V_SCHEDULES = ("zbv", "dualpipev")  # 2 chunks per rank, V-shaped
+FLOAT8_RECIPES = ("tensorwise", "rowwise", "mxfp8")  # train.float8_recipe (parallel/float8.py)
 ZERO_BUBBLE_SCHEDULES = ("interleaved_zero_bubble", *V_SCHEDULES)
 
 
@@ -264,6 +265,12 @@ class TrainConfig:
     # torch.compile's mode="reduce-overhead" does), removing the host's per-kernel launch cost
     cuda_graphs: bool = False
     float8: bool = False  # the blocks' linears in float8 through torchao (parallel/float8.py; tp = 1)
+    # torchao's float8 training recipe: tensorwise (one scale per tensor) | rowwise (one per row; scales
+    # powers of 2) | mxfp8 (one e8m0 scale per 32 elements; Blackwell, compute capability 10.x, only)
+    float8_recipe: str = "tensorwise"
+    # a linear converts only where its in and out features are both at least this (cost/float8.py: where
+    # float8 pays, from torchao's table and our H200 runs)
+    float8_min_dim: int = 4096
     peak_tflops: float = 0.0  # peak TFLOP/s of one device for MFU; 0 = look up (cost/flops.py PEAK_TFLOPS)
 
     def validate(self, prefix: str) -> None:
@@ -284,6 +291,12 @@ class TrainConfig:
                      ("none", "full", "selective", "op"))
         check_range(f"{prefix}.ac_every", self.ac_every, 1, None)
         self.compile = _switch(f"{prefix}.compile", self.compile)
+        check_choice(f"{prefix}.float8_recipe", self.float8_recipe, FLOAT8_RECIPES)
+        check_range(f"{prefix}.float8_min_dim", self.float8_min_dim, 16, None)
+        if self.float8 and self.compile == "false":
+            raise ConfigError(f"{prefix}.float8=true needs {prefix}.compile=true or auto (eager float8 on an H200 "
+                              f"ran 2.4x slower than bf16: its casts and scales are separate kernels that only "
+                              f"compile fuses)")
         if self.cuda_graphs and self.compile == "false":
             raise ConfigError(f"{prefix}.cuda_graphs=true needs {prefix}.compile=true or auto (the graphs are captured "
                               f"from the compiled blocks)")

@@ -2,7 +2,7 @@
 were dropped.
 
     megatron-taper-plan-layout --config C (--gpus N | --nodes N) [--device h100|h200|b200|cpu]
-        [--gpus-per-node K] [--gpu-memory GIB] [--top K] [--json] [key=value ...]
+        [--gpus-per-node K] [--gpu-memory GIB | --free-memory] [--top K] [--json] [key=value ...]
     megatron-taper-plan --config C --gpus N ...     (the same: --gpus selects the layout search)
 
 `--nodes N` plans N nodes x `--gpus-per-node` (default: the device's, cost/devices.json) devices.
@@ -13,11 +13,13 @@ and so gradient accumulation, activation checkpointing, float8) that the trainer
 accept at N processes is predicted: peak memory per rank (cost/memory.py, max over pipeline
 ranks) and step time (cost/step_time.py, with the device's numbers from cost/devices.json;
 `--gpus-per-node` replaces the device's). Printed: the fastest `--top` that fit 90% of
-`--gpu-memory` (default: the device's memory), with the overrides that select each, then the
-count of layouts dropped per reason. Nothing fits: exit 2 with one error naming the nearest
-layout and the memory it needs. Meta only: no weights are built.
+`--gpu-memory` (default: the device's memory; `--free-memory`: what is free now on this machine),
+with the overrides that select each, the largest micro-batch that fits at the fastest layout's
+other settings (plan.py micro_batch_advice), then the count of layouts dropped per reason.
+Nothing fits: exit 2 with one error naming the nearest layout and the memory it needs. Meta only: no weights are built.
 `--json` prints one object: `device`, `assumptions`, `layouts` (each with `overrides`,
-`peak_gib`, `rank_peaks_gib`, `step_s` and its parts, `tokens_per_s`, `mfu`), `dropped` (layouts
+`peak_gib`, `rank_peaks_gib`, `step_s` and its parts, `tokens_per_s`, `mfu`), `micro_batch_advice`
+(`micro_batch`, `peak_gib`, `step_s`, or null), `dropped` (layouts
 per kind of refusal, its numbers as N), `dropped_examples` (per kind, the first refusal with its
 values), `candidates`, `legal`.
 """
@@ -35,7 +37,16 @@ from megatron_taper.config import load_config
 from megatron_taper.cost.auto_layout import host_memory_gib
 from megatron_taper.cost.devices import profiles
 from megatron_taper.cost.memory import GIB
-from megatron_taper.cost.plan import USABLE_FRACTION, PlanResult, Prediction, no_fit_message, overrides, search
+from megatron_taper.cost.plan import (
+    SEARCH_SPACE,
+    USABLE_FRACTION,
+    PlanResult,
+    Prediction,
+    micro_batch_advice,
+    no_fit_message,
+    overrides,
+    search,
+)
 
 
 def layout_json(x: Prediction) -> dict:
@@ -45,6 +56,24 @@ def layout_json(x: Prediction) -> dict:
             "peak_gib": x.peak / GIB, "rank_peaks_gib": [p / GIB for p in x.rank_peaks], "step_s": x.step.total,
             "step_parts_s": {k: getattr(x.step, k) for k in ("compute", "bubble", "tp", "cp", "pp", "dp", "optimizer")},
             "tokens_per_s": x.tokens_per_s, "mfu": x.mfu, "fits": x.fits}
+
+
+def _advice_json(result: PlanResult) -> dict | None:
+    advice = micro_batch_advice(result)
+    return None if advice is None else {"micro_batch": advice[0], "peak_gib": advice[1].peak / GIB,
+                                        "step_s": advice[1].step.total}
+
+
+def free_memory_gib(gpus: int) -> float:
+    """GiB free now: on the first CUDA device (torch.cuda.mem_get_info), else this machine's
+    available RAM (/proc/meminfo MemAvailable) / `gpus` processes."""
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.mem_get_info(0)[0] / GIB
+    with open("/proc/meminfo") as f:
+        available = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
+    return available * 1024 / GIB / gpus
 
 
 def assumptions(result: PlanResult) -> str:
@@ -67,6 +96,14 @@ def to_text(result: PlanResult, top: int, seconds: float) -> str:
                      f"{x.describe()}")
         lines.append(f"{'':>38}compute {s.compute:.3g} bubble {s.bubble:.3g} tp {s.tp:.3g} cp {s.cp:.3g} pp {s.pp:.3g} "
                      f"dp {s.dp:.3g} optimizer {s.optimizer:.3g} s; {' '.join(overrides(x.values))}")
+    advice = micro_batch_advice(result)
+    if advice:
+        micro, x = advice
+        searched = dict(SEARCH_SPACE)["train.micro_batch"]
+        lines.append(f"micro-batch: train.micro_batch={micro} is the largest of {searched} that fits "
+                     f"{result.memory_limit / GIB:.1f} GiB per rank at layout 1's other settings (predicted peak "
+                     f"{x.peak / GIB:.2f} GiB, step {x.step.total:.3g} s; layout 1 takes "
+                     f"{result.layouts[0].values['train.micro_batch']})")
     lines.append("dropped (layouts, the first refusal of each kind):")
     for why, n in result.dropped.items():
         example, kinds = result.examples.get(why, (why, 1))
@@ -98,6 +135,9 @@ def main(argv: list[str] | None = None) -> int:
                              "benchmarks/cpu_profile.py --write makes the CPU's)")
     parser.add_argument("--gpu-memory", type=float, default=0.0,
                         help="GiB per device (default: the device's, cost/devices.json; cpu: RAM / --gpus)")
+    parser.add_argument("--free-memory", action="store_true",
+                        help="plan for the memory free now on this machine's first CUDA device (else its available "
+                             "RAM / --gpus) instead of --gpu-memory")
     parser.add_argument("--gpus-per-node", type=int, default=0, help="devices per node (default: the device's)")
     parser.add_argument("--device", choices=sorted(known), default="h100", help="device profile (default h100)")
     parser.add_argument("--top", type=int, default=5, help="layouts to print (default 5)")
@@ -118,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
             args.gpus = args.nodes * (device.gpus_per_node or 1)
         # the cpu profile: this machine's RAM shared by the processes
         own = device.memory_gb * 1e9 / GIB if device.memory_gb else host_memory_gib() / args.gpus
-        memory = args.gpu_memory or own
+        memory = free_memory_gib(args.gpus) if args.free_memory else args.gpu_memory or own
         cfg = load_config(args.config, extra)
         start = time.perf_counter()
         result = search(cfg, args.gpus, memory, device)
@@ -131,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
                           "usable_fraction": USABLE_FRACTION, "assumptions": assumptions(result),
                           "candidates": result.candidates, "legal": result.legal, "search_s": seconds,
                           "layouts": [layout_json(x) for x in result.layouts[:args.top]],
+                          "micro_batch_advice": _advice_json(result),
                           "nearest": layout_json(result.nearest) if result.nearest else None,
                           "dropped": result.dropped,
                           "dropped_examples": {k: example for k, (example, _) in result.examples.items()}}))

@@ -7,6 +7,8 @@ memory.py        per-rank, per-stage peak memory of a training step (docs/memory
 stage_memory.py  per-stage memory of a pipeline split: communication buffers, DeepSpeed's buckets
 cp.py            per block, what each family sends under context parallelism (chain / halo / all-gather)
 devices.py       the device table (devices.json) and measured profiles laid over it
+float8.py        where float8 pays (the rule on a linear's dimensions) and the measured speed ratios
+                 (speedups.json: float8 per linear, eager and compiled arithmetic rates)
 op_count.py      the eager operators a training step dispatches (counted on the CPU, torch imported lazily)
 step_time.py     the predicted time of one training step of one layout (docs/planning.md)
 partition.py     layers per pipeline stage by cost (exact min-max contiguous split), in-flight micro-batches

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 from megatron_taper.config import CP_ATTENTIONS, V_SCHEDULES
 from megatron_taper.cost.cp import cp_messages
 from megatron_taper.cost.devices import DeviceProfile
+from megatron_taper.cost.float8 import block_float8_speedup, block_linears, float8_converts, math_rate
 from megatron_taper.cost.flops import model_costs
 from megatron_taper.cost.memory import (
     GIB,
@@ -54,7 +55,7 @@ from megatron_taper.taper import layer_widths
 from megatron_taper.validation import ConfigError
 
 if TYPE_CHECKING:
-    from megatron_taper.config import Config
+    from megatron_taper.config import Config, TrainConfig
 
 # The search space: config key -> the values tried. The product of the rows is enumerated and
 # each row's values are set on the recipe; the trainer's checks decide what is legal.
@@ -152,6 +153,8 @@ class Prediction:
     mfu: float  # of the device's bf16 (fp32) peak
     fits: bool
     compiled: bool = False  # train.compile resolved for the device (cost/preflight.py compiles)
+    # train.float8: the best rank's float8 / bf16 speed of its blocks' linears (cost/float8.py); inf without
+    float8_speedup: float = math.inf
 
     @property
     def peak(self) -> float:
@@ -303,6 +306,22 @@ class Predictor:
             self._work[key] = self._rank_work(mm, pp, virtual, schedule, mode, every)
         return self._work[key]
 
+    def float8_speedups(self, t: TrainConfig, pp: int, virtual: int, schedule: str) -> list[float]:
+        """Per pipeline rank, float8 / bf16 speed of its blocks' linear matmuls under `t`'s float8
+        rule and recipe (cost/float8.py), FLOPs-weighted over its blocks; ConfigError for a recipe
+        without measured ratios (mxfp8)."""
+        c = self.costs
+        try:
+            per_layer = [block_float8_speedup(self.model, w, t.float8_min_dim, t.float8_recipe) for w in c.widths]
+        except ValueError as e:
+            raise ConfigError(f"train.float8_recipe={t.float8_recipe}: {e}, so the planner does not predict it; "
+                              f"plan tensorwise or rowwise") from None
+        out = []
+        for layers in self.rank_layers(pp, virtual, schedule):
+            linear = [min(2.0 * c.layers[i].params, c.layers[i].flops) for i in layers]
+            out.append(sum(linear) / sum(f / per_layer[i] for f, i in zip(linear, layers)))
+        return out
+
     def rank_layers(self, pp: int, virtual: int, schedule: str) -> list[list[int]]:
         """The layers of each pipeline rank over the balanced split (every chunk it holds)."""
         n_chunks = pp * virtual
@@ -368,8 +387,9 @@ class Predictor:
             linear = sum(min(2.0 * c.layers[i].params, c.layers[i].flops) for i in layers)
             redo = [i for i in layers if i in recomputed and mode != "op"]
             params = sum(mm.layers[i].params for i in layers) + mm.embedding.params * first + mm.head.params * last
+            attention = sum(c.layers[i].flops for i in layers) - linear  # outside the linears: attention (memories)
             out.append(RankWork(flops, linear, sum(c.layers[i].flops for i in redo), len(layers), len(redo), params,
-                                vocab_collectives=1 * first + 3 * last))
+                                vocab_collectives=1 * first + 3 * last, attention_flops=attention))
         return out
 
     def predict(self, cfg: Config, dp: int, memory_limit: float) -> Prediction:
@@ -380,6 +400,9 @@ class Predictor:
         _check_peak(self.device, bf16, t.float8)
         micro_batch, m = step_split(p, t, dp)
         setup = MemorySetup.from_config(p, t, dp, bf16, micro_batch=micro_batch, microbatches=m)
+        if t.float8 and not any(float8_converts(k, n, t.float8_min_dim, t.float8_recipe)
+                                for w in set(self.costs.widths) for k, n in block_linears(self.model, w)):
+            setup = dataclasses.replace(setup, float8=False)  # the rule converts nothing: bf16 copies as without
         virtual = p.virtual_stages if p.pp > 1 else 1
         peaks = self.rank_peaks(setup, p.pp, virtual, p.pp_schedule)
         work = self.rank_work(self.memory(setup), p.pp, virtual, p.pp_schedule, t.activation_checkpointing, t.ac_every)
@@ -396,9 +419,13 @@ class Predictor:
                                 graphs=t.cuda_graphs and compiled)
             forward = self.op_counts(setup.cp).block_forward if op_level else 0.0
             work = [dataclasses.replace(w, ops=n, op_checkpointed_ops=forward * w.blocks) for w, n in zip(work, ops)]
+        if t.float8:
+            speedups = self.float8_speedups(t, p.pp, virtual, p.pp_schedule)
+            work = [dataclasses.replace(w, float8_speedup=x) for w, x in zip(work, speedups)]
+        gpu = self.device.profile != "cpu"  # the cpu profile's mfu was fitted on eager CPU steps
         layout = StepLayout(tp=p.tp, pp=p.pp, dp=dp, virtual=virtual, schedule=p.pp_schedule, zero=p.zero,
                             sequence_parallel=setup.sequence_parallel, micro_batch=micro_batch, microbatches=m,
-                            bf16=bf16, float8=t.float8, overlap=self.device.profile != "cpu",
+                            bf16=bf16, float8=t.float8, overlap=gpu, math_rate=math_rate(compiled) if gpu else 1.0,
                             dp_shard=setup.dp_shard, compute_share=self.device.rank_share(p.tp * p.pp * p.cp * dp),
                             host_cores=self.device.cores,
                             cp=setup.cp, cp_attention=setup.cp_attention)
@@ -408,7 +435,8 @@ class Predictor:
         peak = self.device.bf16_tflops if bf16 else self.device.fp32_tflops
         mfu = 3.0 * self.costs.total_flops * tokens / (gpus * peak * 1e12)
         values = {key: _get(cfg, key) for key, _ in SEARCH_SPACE}
-        return Prediction(values, layout, peaks, step, tokens, mfu, max(peaks) <= memory_limit, compiled)
+        return Prediction(values, layout, peaks, step, tokens, mfu, max(peaks) <= memory_limit, compiled,
+                          max(w.float8_speedup for w in work) if t.float8 else math.inf)
 
 
 def _check_peak(device: DeviceProfile, bf16: bool, float8: bool) -> None:
@@ -484,11 +512,15 @@ def search(cfg: Config, gpus: int, memory_gib: float, device: DeviceProfile,
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
                     dp = preflight(candidate, gpus, widths[id(candidate.model)]).dp
+                x = predictor.predict(candidate, dp, limit)
             except ConfigError as e:
                 drop(str(e))
                 refused = "" if "train." in str(e) else str(e)
                 continue
-            x = predictor.predict(candidate, dp, limit)
+            if x.float8_speedup <= 1.0:
+                drop(f"train.float8=true: no block linear gains (float8 / bf16 at most {x.float8_speedup:.2f} under "
+                     f"train.float8_min_dim={candidate.train.float8_min_dim}, cost/speedups.json)")
+                continue
             tried = x.values["train.micro_batch"]
             x.values["train.micro_batch"] = x.layout.micro_batch
             if tuple(x.values.items()) in predicted:
@@ -508,6 +540,19 @@ def search(cfg: Config, gpus: int, memory_gib: float, device: DeviceProfile,
     order = sorted(dropped.items(), key=lambda kv: -kv[1])
     return PlanResult(gpus, device, limit, len(seen) * len(inner_rows), len(legal), fitting, nearest, dict(order),
                       {kind: (examples[kind][0], len(examples[kind][1])) for kind, _ in order})
+
+
+def micro_batch_advice(result: PlanResult) -> tuple[int, Prediction] | None:
+    """The largest train.micro_batch that fits at the fastest layout's other settings, and its
+    prediction (None when nothing fits): more sequences per forward where memory allows, fewer
+    accumulation steps; the fastest layout may take a smaller one."""
+    if not result.layouts:
+        return None
+    best = result.layouts[0]
+    others = {k: v for k, v in best.values.items() if k != "train.micro_batch"}
+    same = [x for x in result.layouts if {k: v for k, v in x.values.items() if k != "train.micro_batch"} == others]
+    largest = max(same, key=lambda x: x.values["train.micro_batch"])
+    return largest.values["train.micro_batch"], largest
 
 
 def no_fit_message(result: PlanResult, memory_gib: float) -> str:

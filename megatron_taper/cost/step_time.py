@@ -2,11 +2,14 @@
 
 Per pipeline rank r, for one micro-batch of b x S tokens on one tp rank:
 
-    compute_r   (3 x forward FLOPs + forward FLOPs of the recomputed blocks) / tp / rate; the
-                blocks' linear layers at the fp8 rate under train.float8 (torchao converts only
-                those), everything else (attention scores, embedding, head) at the bf16 rate
-                (fp32 without bf16); rate = the device's peak x its assumed MFU (cost/devices.json),
-                x its concurrent_efficiency on a CPU host where more than one rank computes;
+    compute_r   (3 x forward FLOPs + forward FLOPs of the recomputed blocks) / tp / rate; under
+                train.float8 the blocks' linear layers faster by their measured float8 / bf16 ratio
+                (RankWork.float8_speedup: cost/float8.py's rule and table, 1 for the linears the rule
+                leaves out), everything else (attention scores, embedding, head) at the rate; rate =
+                the device's bf16 peak (fp32 without bf16) x its assumed MFU (cost/devices.json) x
+                the measured math_rate of an eager or a compiled step on a GPU (cost/speedups.json;
+                1 on the CPU; not for the attention kernels' FLOPs, fused either way), x its
+                concurrent_efficiency on a CPU host where more than one rank computes;
                 plus, under activation_checkpointing=op, its recomputed elementwise outputs written
                 again and their inputs read (2 x the activation bytes op drops) at the memory
                 bandwidth; at least its operators x the device's op_overhead_us (cost/op_count.py)
@@ -121,6 +124,10 @@ class RankWork:
     # cp_messages: chain, halo, allgather, ring, alltoall; attention's K and V (Ulysses: q, k, v and
     # output) for the attention families)
     cp_messages: tuple = ()
+    # of flops, its blocks' FLOPs outside their linear layers: attention scores and values (SDPA: fused, as
+    # fast eager as compiled, so math_rate leaves them), a memory family's memory arithmetic
+    attention_flops: float = 0.0
+    float8_speedup: float = 1.0  # under float8: float8 / bf16 speed of its linear_flops (cost/float8.py)
     ops: float = 0.0  # eager operators it dispatches per micro-batch (cost/op_count.py; recomputed forwards included)
     # activation_checkpointing=op: bytes per micro-batch (tp-local) of the elementwise outputs its
     # backward makes again (none's kept activations less op's, cost/memory.py)
@@ -148,6 +155,7 @@ class StepLayout:
     cp: int = 1  # context parallelism: each sequence split over cp ranks
     cp_attention: str = "allgather"  # parallel.cp_attention (allgather | ring | ulysses)
     ddp_bucket_mb: float = 0.0  # parallel.ddp_bucket_mb (0: ddp_bucket_elements' rule)
+    math_rate: float = 1.0  # the arithmetic's rate over the device's assumed one (cost/float8.py math_rate)
 
 
 @dataclass(frozen=True)
@@ -205,8 +213,8 @@ def step_time(ranks: Sequence[RankWork], layout: StepLayout, d_model: int, seq_l
     lo = layout
     tokens = lo.micro_batch * seq_len // lo.cp
     compute_bytes = 2 if lo.bf16 else 4
-    rate = device.matmul_flops(lo.bf16) * lo.compute_share
-    fp8_rate = device.matmul_flops(lo.bf16, float8=True) * lo.compute_share if lo.float8 else rate
+    fused_rate = device.matmul_flops(lo.bf16) * lo.compute_share
+    rate = fused_rate * lo.math_rate
     pp_bw = bandwidth(lo.tp * lo.cp * lo.dp * lo.pp, device)
     hidden = tokens * d_model * compute_bytes
     per_collective = collective_seconds("all_reduce", hidden, lo.tp, lo.tp, device)
@@ -215,12 +223,14 @@ def step_time(ranks: Sequence[RankWork], layout: StepLayout, d_model: int, seq_l
 
     compute, tp_s = [], []
     for r in ranks:
-        linear = r.linear_flops * (3 * tokens) + r.recompute_flops * tokens * r.linear_flops / max(r.flops, 1e-30)
-        other = (3 * r.flops + r.recompute_flops) * tokens - linear
+        share = (3 * tokens + r.recompute_flops * tokens / max(r.flops, 1e-30))  # of a forward FLOP per token
+        linear, attention = r.linear_flops * share, r.attention_flops * share
+        other = (3 * r.flops + r.recompute_flops) * tokens - linear - attention
         # op-level recompute: memory-bound elementwise work, each output written again and its
         # inputs (as many bytes) read
         elementwise = 2.0 * r.op_recompute_bytes / (device.memory_tb_per_s * 1e12)
-        math = (linear / fp8_rate + other / rate) / lo.tp + elementwise
+        math = ((linear / (r.float8_speedup if lo.float8 else 1.0) + other) / rate + attention / fused_rate) / lo.tp \
+            + elementwise
         issue = r.ops * device.op_overhead_us * 1e-6
         policy = r.op_checkpointed_ops * device.op_checkpoint_overhead_us * 1e-6  # measured in series on an H200
         compute.append((max(math, issue) if lo.overlap else math + issue) + policy)

@@ -161,6 +161,21 @@ class Attention(nn.Module):
         return self.project_out(self.attend(x, cos, sin, doc_start=doc_start), x)
 
 
+def sdpa_backend(batch: int, heads: int, kv_heads: int, seq: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device, alibi: bool = False) -> str:
+    """The kernel torch's scaled_dot_product_attention picks for Attention's call on q [batch, heads,
+    seq, head_dim] and k, v [batch, kv_heads, seq, head_dim] in `dtype` on `device` (causal, or under
+    an additive [heads, seq, seq] bias with `alibi`): flash_attention, efficient_attention,
+    cudnn_attention, math, ... (torch.nn.attention.SDPBackend's name, lower case)."""
+    from torch.nn.attention import SDPBackend
+
+    q = torch.empty(batch, heads, seq, head_dim, dtype=dtype, device=device)
+    kv = torch.empty(batch, kv_heads, seq, head_dim, dtype=dtype, device=device)
+    mask = torch.empty(heads, seq, seq, dtype=dtype, device=device) if alibi else None
+    choice = torch._fused_sdp_choice(q, kv, kv, mask, 0.0, not alibi, enable_gqa=kv_heads != heads)
+    return SDPBackend(choice).name.lower()
+
+
 class SwiGLU(nn.Module):
     """w2(silu(w1 x) * w3 x) with hidden width W (this layer's tapered width).
 

@@ -36,6 +36,7 @@ import torch
 from megatron_taper.config import Config
 from megatron_taper.cost.preflight import Layout, preflight
 from megatron_taper.models import build_model
+from megatron_taper.models.layers import Attention, sdpa_backend
 from megatron_taper.parallel.context import ParallelContext, has_bf16, init_parallel, world_size
 from megatron_taper.parallel.meta_init import has_buffers, logical_shapes, materialise
 from megatron_taper.parallel.model import ParallelModel
@@ -79,3 +80,21 @@ def build_run(cfg: Config, ctx: ParallelContext | None = None, layout: Layout | 
         pm.attach_data_parallel(cfg.parallel.ddp_bucket_mb)
     optimizer = pm.build_optimizer(cfg.train)
     return BuiltRun(cfg, ctx, layout, pm, optimizer, cfg.train.uses_bf16(has_bf16(ctx.device)))
+
+
+def attention_kernel_line(run: BuiltRun) -> str | None:
+    """Which kernel torch's SDPA picks for the run's attention blocks (flash, cuDNN, efficient or
+    math: models/layers.py sdpa_backend) at its micro-batch, heads per tp rank and precision, as
+    the Trainer prints it at start; None without such blocks or under context parallelism (whose
+    attention runs its own split: parallel/cp/split.py)."""
+    m, train, ctx = run.cfg.model, run.cfg.train, run.ctx
+    if ctx.cp > 1 or not any(isinstance(x, Attention) for x in run.model.module.modules()):
+        return None
+    dtype = torch.bfloat16 if run.bf16 else torch.float32
+    heads, kv_heads = -(-m.n_heads // ctx.tp), -(-m.kv_heads // ctx.tp)
+    alibi = m.position_encoding == "alibi"
+    backend = sdpa_backend(train.micro_batch, heads, kv_heads, m.seq_len, m.head_dim, dtype, ctx.device, alibi)
+    return (f"attention: SDPA runs {backend} (torch's choice for q [{train.micro_batch}, {heads}, {m.seq_len}, "
+            f"{m.head_dim}] {str(dtype).removeprefix('torch.')}, {'ALiBi bias' if alibi else 'causal'}, "
+            f"on {ctx.device.type})")
+

@@ -32,7 +32,7 @@ from megatron_taper.fault.straggler import StragglerWatch
 from megatron_taper.launch_check import check_run_dir
 from megatron_taper.models import family
 from megatron_taper.parallel.context import ParallelContext, init_parallel, shutdown, world_size
-from megatron_taper.training.build import build_run
+from megatron_taper.training.build import attention_kernel_line, build_run
 from megatron_taper.training.carried import CarriedRows
 from megatron_taper.training.checkpointing import Checkpointing
 from megatron_taper.training.held_out import dp_mean, held_out_losses
@@ -80,6 +80,8 @@ class Trainer:
         self.guard = guard or FaultGuard()
         run = build_run(cfg, ctx, layout)
         self.ctx, self.pm, self.optimizer, self.bf16 = run.ctx, run.model, run.optimizer, run.bf16
+        if self.ctx.is_main and (line := attention_kernel_line(run)):
+            print(line, flush=True)
         self.accum = run.layout.accumulation
         carried = family(m.arch).carried_state
         self.carry = (CarriedRows(carried, self.pm.module, self.accum, self.ctx.dp, self.ctx.dp_rank, self.ctx.device)

@@ -40,8 +40,8 @@ from tests.helpers.harness import run_distributed
 
 FIRST_ATOL, STEP_ATOL, FSDP_ATOL = 4e-3, 0.055, 2e-5
 MODEL = ["model.n_layers=2", "model.d_model=64", "model.n_heads=4", "model.mlp_width=160", "model.taper.multiple=16",
-         "model.vocab_size=256", "model.seq_len=64", "train.device=cpu", "train.seed=3", "train.lr=3e-3",
-         "train.warmup_steps=0", "train.grad_clip=1.0", "train.micro_batch=2", "train.global_batch=4"]
+         "model.vocab_size=256", "model.seq_len=64", "train.device=cpu", "train.float8_min_dim=16", "train.seed=3",
+         "train.lr=3e-3", "train.warmup_steps=0", "train.grad_clip=1.0", "train.micro_batch=2", "train.global_batch=4"]
 
 
 def _losses(overrides: list[str], steps: int, ctx: ParallelContext | None = None) -> tuple[list[float], int]:
