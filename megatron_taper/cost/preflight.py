@@ -51,6 +51,8 @@ def preflight(cfg: Config, world_size: int, widths: Sequence[int] | None = None)
     if t.device == "cuda" and (message := width_alignment_warning(m, widths, t.device)):
         warnings.warn(message, stacklevel=2)
     spec = family(m.arch)
+    if m.moe.enabled:
+        _check_moe(m, p, t)
     if p.cp > 1:
         _check_context_parallel(m, p, t)
     if spec.check_layout is not None:
@@ -91,6 +93,23 @@ def compiles(m: ModelConfig, p: ParallelConfig, t: TrainConfig, device_type: str
     if not t.compiles(device_type):
         return False
     return t.compile_setting == "true" or p.cp == 1 or family(m.arch).cp_balanced
+
+
+def _check_moe(m: ModelConfig, p: ParallelConfig, t: TrainConfig) -> None:
+    """model.moe (models/moe.py): the layouts its layers are built and tested for today (one process,
+    data parallelism through DDP with parallel.zero=none, pipelines). Expert parallelism is not
+    built: every rank holds every expert."""
+    if p.tp > 1:
+        raise ConfigError(f"model.moe with parallel.tp={p.tp} is not supported yet (no tensor-parallel plan for the "
+                          f"router and experts); use parallel.tp=1")
+    if p.zero != "none":
+        raise ConfigError(f"model.moe with parallel.zero={p.zero} is not supported yet (the routing bias and the "
+                          f"expert weights are not laid out for ZeRO shards); use parallel.zero=none")
+    if p.cp > 1:
+        raise ConfigError(f"model.moe with parallel.cp={p.cp} is not supported yet (untested); use parallel.cp=1")
+    if t.float8:
+        raise ConfigError("model.moe with train.float8=true is not supported (the experts' grouped GEMMs are no "
+                          "nn.Linear); use train.float8=false")
 
 
 def _check_cuda_graphs(p: ParallelConfig) -> None:

@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor
 
 from megatron_taper.checkpoint.files import CheckpointReader, Piece
 from megatron_taper.models.layers import cross_entropy
+from megatron_taper.models.moe import set_aux_scale
 from megatron_taper.parallel.context import ParallelContext
 from megatron_taper.parallel.cp.split import SequenceSplit, cp_mean, split_batch
 from megatron_taper.parallel.dp.ddp import wrap_ddp
@@ -262,6 +263,7 @@ class ParallelModel:
         """
         total = torch.zeros((), device=self.ctx.device)
         runner = self.dp_module or self.module
+        set_aux_scale(self.module, 1.0 / len(micro_batches))  # MoE routing losses: weighted as the loss
         if self.cuda_graphs:
             torch.compiler.cudagraph_mark_step_begin()
         for i, tokens in enumerate(micro_batches):

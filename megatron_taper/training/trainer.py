@@ -18,6 +18,7 @@ import shutil
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 
 from megatron_taper.config import Config, ConfigError, load_config, save_config
 from megatron_taper.console import report_error
@@ -31,6 +32,7 @@ from megatron_taper.fault.recovery import Recovery
 from megatron_taper.fault.straggler import StragglerWatch
 from megatron_taper.launch_check import check_run_dir
 from megatron_taper.models import family
+from megatron_taper.models.moe import balance_experts, load_metrics
 from megatron_taper.parallel.context import ParallelContext, init_parallel, shutdown, world_size
 from megatron_taper.training.build import build_run
 from megatron_taper.training.carried import CarriedRows
@@ -144,6 +146,7 @@ class Trainer:
                     continue  # rolled back to an earlier checkpoint
                 if at_log and not rolled_back:
                     self.check_health()
+                    record.update(load_metrics(self.pm.module, self._sum_over_dp))
                     self.log.step(record, self.step, self.state.tokens_seen, self.skipped, steps_here)
                 if stop:
                     return self._stop_with_checkpoint(stop)
@@ -175,9 +178,16 @@ class Trainer:
         loss = dp_mean(self.ctx, self.guard.loss(losses, self.step + 1))
         # reduce, clip and step (or skip a non-finite step, on the device); the engine owns how
         grad_norm, stepped = self.pm.optimizer_step(self.optimizer, self.cfg.train.grad_clip, torch.isfinite(loss))
+        if self.cfg.model.moe.bias_balance:  # the routing biases follow this step's expert load
+            balance_experts(self.pm.module, self.cfg.model.moe.bias_rate, stepped, self._sum_over_dp)
         self.state.advance(self.cfg.train.global_batch * self.cfg.model.seq_len)
         self.recovery.update(loss, stepped, self.step, self.state.batches)
         return {"loss": loss, "grad_norm": grad_norm, "lr": self.optimizer.param_groups[0]["lr"], **data_metrics}
+
+    def _sum_over_dp(self, tensor: torch.Tensor) -> None:
+        """In place: the sum over the ranks that saw other tokens (dp x cp); nothing on one of them."""
+        if self.ctx.dp * self.ctx.cp > 1:
+            dist.all_reduce(tensor, group=self.ctx.grad_group)
 
     def _next_batches(self) -> tuple[list, dict]:
         """The step's micro-batches (tokens) and the source's metrics; the batches of a window a
