@@ -41,13 +41,13 @@ if TYPE_CHECKING:
 
 
 def grouped_mm_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether torch's grouped GEMM takes x [A, K] @ weight [N, K, M]: on CUDA bf16 operands whose
-    rows are 16-byte aligned (K and M multiples of 8); on the CPU (torch 2.13 has a reference
-    kernel) float32 or float64."""
-    if x.dtype != weight.dtype:
+    """Whether torch's grouped GEMM takes x [A, K] @ weight [N, K, M]: rows of 16 bytes' multiples
+    (K and M), and on CUDA bf16 operands (its kernel's only unscaled dtype), on the CPU (torch 2.13
+    has a reference kernel there) float32 or float64."""
+    if x.dtype != weight.dtype or any(n * x.element_size() % 16 for n in (x.shape[-1], weight.shape[-1])):
         return False
     if x.device.type == "cuda":
-        return x.dtype == torch.bfloat16 and x.shape[-1] % 8 == 0 and weight.shape[-1] % 8 == 0
+        return x.dtype == torch.bfloat16
     return x.dtype in (torch.float32, torch.float64)
 
 
@@ -224,7 +224,7 @@ def load_metrics(model: nn.Module, reduce=None) -> dict[str, torch.Tensor]:
             reduce(load)
             reduce(loss_log)
         share = load / load.sum().clamp(min=1)
-        layer = name.split(".")[1] if name.startswith("layers.") else name
+        layer = name.split(".")[1] if name.startswith("layers.") else (name or "mlp")
         n = module.n_experts
         out[f"moe/{layer}/load_min"] = share.min() * n
         out[f"moe/{layer}/load_max"] = share.max() * n
