@@ -117,6 +117,7 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(d_model, n_experts, width)
         self.shared = SwiGLU(d_model, shared_width) if shared_width else None
         self.aux_scale = 1.0  # weight of this micro-batch's losses in the step (ParallelModel sets it)
+        self.counting = True  # False: forwards that are no training (a pipeline's shape inference) count nothing
         self.load_step: torch.Tensor | None = None  # [N] assignments since the last optimizer step
         self.load_log: torch.Tensor | None = None  # [N] assignments since the last log record
         self.loss_log: torch.Tensor | None = None  # [3]: balance loss sum, z-loss sum, forwards
@@ -146,7 +147,7 @@ class MoE(nn.Module):
             out = out + self.shared(x)
         if torch.is_grad_enabled():
             balance, z_loss = routing_losses(logits, probs, chosen)
-            if not in_backward():  # a recompute inside backward counts nothing twice
+            if self.counting and not in_backward():  # a recompute inside backward counts nothing twice
                 self.count(counts, balance, z_loss)
             weighted = self.aux_loss_weight * balance + self.z_loss_weight * z_loss
             if weighted.requires_grad:
@@ -182,6 +183,22 @@ def moe_modules(model: nn.Module) -> list[tuple[str, MoE]]:
     return [(name, module) for name, module in model.named_modules() if isinstance(module, MoE)]
 
 
+def uncounted(fn, model: nn.Module):
+    """`fn` with the counters of `model`'s MoE layers off while it runs."""
+
+    def call(*args, **kwargs):
+        modules = [module for _, module in moe_modules(model)]
+        for module in modules:
+            module.counting = False
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            for module in modules:
+                module.counting = True
+
+    return call
+
+
 def set_aux_scale(model: nn.Module, scale: float) -> None:
     """The weight of the next micro-batches' routing losses (1 / micro-batches of the step)."""
     for _, module in moe_modules(model):
@@ -208,12 +225,11 @@ def balance_experts(model: nn.Module, rate: float, stepped: torch.Tensor | bool 
 
 @torch.no_grad()
 def load_metrics(model: nn.Module, reduce=None) -> dict[str, torch.Tensor]:
-    """Per MoE layer, over the assignments since the last call (all data-parallel ranks' when
-    `reduce`, an in-place sum all-reduce, is given): the least and most loaded expert's share over
-    the fair share 1/N (1 and 1 when balanced), and the entropy of the load over log N (1 when
-    balanced); and the mean balance and z-loss over all layers. Device tensors; read at log time."""
+    """Per MoE layer, over the training forwards since the last call (all data-parallel ranks' when
+    `reduce`, an in-place sum all-reduce, is given): the least and the most loaded expert's share of
+    the assignments over the fair share 1/N (both 1 when balanced), the entropy of the shares over
+    log N (1 when balanced), and the mean balance and z-loss. Device tensors, read at log time."""
     out: dict[str, torch.Tensor] = {}
-    losses = []
     for name, module in moe_modules(model):
         if module.load_log is None:
             continue
@@ -226,13 +242,10 @@ def load_metrics(model: nn.Module, reduce=None) -> dict[str, torch.Tensor]:
         share = load / load.sum().clamp(min=1)
         layer = name.split(".")[1] if name.startswith("layers.") else (name or "mlp")
         n = module.n_experts
+        entropy = -(share * share.clamp(min=1e-30).log()).sum()
         out[f"moe/{layer}/load_min"] = share.min() * n
         out[f"moe/{layer}/load_max"] = share.max() * n
-        entropy = -(share * share.clamp(min=1e-30).log()).sum()
         out[f"moe/{layer}/load_entropy"] = entropy / math.log(n) if n > 1 else torch.ones_like(entropy)
-        losses.append(loss_log)
-    if losses:
-        total = torch.stack(losses).sum(0)
-        out["moe/balance_loss"] = total[0] / total[2].clamp(min=1)
-        out["moe/z_loss"] = total[1] / total[2].clamp(min=1)
+        out[f"moe/{layer}/balance_loss"] = loss_log[0] / loss_log[2].clamp(min=1)
+        out[f"moe/{layer}/z_loss"] = loss_log[1] / loss_log[2].clamp(min=1)
     return out

@@ -146,7 +146,8 @@ class Trainer:
                     continue  # rolled back to an earlier checkpoint
                 if at_log and not rolled_back:
                     self.check_health()
-                    record.update(load_metrics(self.pm.module, self._sum_over_dp))
+                    if self.cfg.model.moe.enabled:
+                        record.update(self._expert_load())
                     self.log.step(record, self.step, self.state.tokens_seen, self.skipped, steps_here)
                 if stop:
                     return self._stop_with_checkpoint(stop)
@@ -188,6 +189,16 @@ class Trainer:
         """In place: the sum over the ranks that saw other tokens (dp x cp); nothing on one of them."""
         if self.ctx.dp * self.ctx.cp > 1:
             dist.all_reduce(tensor, group=self.ctx.grad_group)
+
+    def _expert_load(self) -> dict:
+        """Every MoE layer's load and routing losses since the last record (models/moe.py
+        load_metrics), over all dp ranks; under pp the stages' layers gathered on every rank."""
+        metrics = load_metrics(self.pm.module, self._sum_over_dp)
+        if self.ctx.pp == 1:
+            return metrics
+        stages: list = [None] * self.ctx.pp
+        dist.all_gather_object(stages, {k: float(v) for k, v in metrics.items()}, group=self.ctx.pp_group)
+        return {k: v for stage in stages for k, v in stage.items()}
 
     def _next_batches(self) -> tuple[list, dict]:
         """The step's micro-batches (tokens) and the source's metrics; the batches of a window a
