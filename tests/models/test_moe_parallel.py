@@ -13,6 +13,7 @@ run; byte tokens of real text, 2 micro-batches of 2 sequences per step, fp32, gr
   order; a bias step of 0.05 flips a token's choice only on a near tie, so the runs route alike).
 - A run stopped after step 4 (train.exit_after=4, which writes a checkpoint holding the routing
   biases) and resumed logs bitwise the losses and expert loads of steps 5-8 of the uninterrupted run.
+- --to hf refuses an MoE checkpoint with one clear error; the tiny recipe trains on the built-in corpus.
 All two-process layouts run one after another in one 2-process session.
 """
 from __future__ import annotations
@@ -57,7 +58,7 @@ def one_process(byte_tokens, tmp_path_factory) -> dict:
     straight, _, resumed = _fit_all([common + [f"run.dir={root / 'straight'}"],
                                      common + [f"run.dir={root / 'stopped'}", "train.exit_after=4"],
                                      common + [f"run.dir={root / 'stopped'}"]])
-    return {"straight": straight, "resumed": resumed}
+    return {"straight": straight, "resumed": resumed, "checkpoint": root / "straight" / "checkpoints" / "step-8"}
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +87,14 @@ def test_resume_after_exit_is_bitwise(one_process):
     assert sorted(resumed["loss"]) == list(range(1, 9))
     for key in ("loss", *LOAD_KEYS):
         assert [resumed[key][s] for s in range(5, 9)] == [straight[key][s] for s in range(5, 9)], key
+
+
+def test_hf_export_is_refused_clearly(one_process, tmp_path):
+    from megatron_taper.inference.hf import export_hf
+
+    with pytest.raises(ValueError, match="model.moe .* has no Hugging Face export yet"):
+        export_hf(str(one_process["checkpoint"]), str(tmp_path / "hf"))
+    assert not (tmp_path / "hf").exists()
 
 
 def test_tiny_recipe_trains_on_the_builtin_corpus(tmp_path):
