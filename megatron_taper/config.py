@@ -218,6 +218,9 @@ class ParallelConfig:
     # how attention sees the other cp ranks' keys: allgather (K and V of the whole sequence) | ring
     cp_attention: str = "allgather"
     zero: str = "none"  # none | fsdp2 | deepspeed
+    # expert parallelism (model.moe, parallel/ep.py): each MoE layer's experts spread over this many
+    # ranks of the dp group, tokens sent to them and back by all-to-all; today ep = dp, with zero=none
+    ep: int = 1
     pp_balance: str = "flops"  # flops | uniform | params | profile
     pp_schedule: str = "1f1b"  # 1f1b | gpipe | interleaved_1f1b | interleaved_zero_bubble | zbv | dualpipev
     microbatches: int = 0  # 0 = gradient accumulation steps (pp > 1: at least pp)
@@ -247,6 +250,7 @@ class ParallelConfig:
         check_range(f"{prefix}.tp", self.tp, 1, None)
         check_range(f"{prefix}.pp", self.pp, 1, None)
         check_range(f"{prefix}.cp", self.cp, 1, None)
+        check_range(f"{prefix}.ep", self.ep, 1, None)
         check_range(f"{prefix}.microbatches", self.microbatches, 0, None)
         check_range(f"{prefix}.pp_virtual", self.pp_virtual, 1, None)
         check_range(f"{prefix}.pp_memory_gb", self.pp_memory_gb, 0.0, None)

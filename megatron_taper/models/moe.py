@@ -118,6 +118,9 @@ class MoE(nn.Module):
         self.shared = SwiGLU(d_model, shared_width) if shared_width else None
         self.aux_scale = 1.0  # weight of this micro-batch's losses in the step (ParallelModel sets it)
         self.counting = True  # False: forwards that are no training (a pipeline's shape inference) count nothing
+        # None: every expert here; else (experts, rows, counts) -> rows, run where the experts live
+        # (expert parallelism sets it: parallel/ep.py)
+        self.dispatch = None
         self.load_step: torch.Tensor | None = None  # [N] assignments since the last optimizer step
         self.load_log: torch.Tensor | None = None  # [N] assignments since the last log record
         self.loss_log: torch.Tensor | None = None  # [3]: balance loss sum, z-loss sum, forwards
@@ -140,7 +143,10 @@ class MoE(nn.Module):
         order = flat.argsort(stable=True)
         counts = torch.bincount(flat, minlength=self.n_experts)  # [N]
         token = order // self.top_k  # the token of each sorted row
-        rows = self.experts(x[token], counts)  # [A, D]
+        if self.dispatch is None:
+            rows = self.experts(x[token], counts)  # [A, D]
+        else:
+            rows = self.dispatch(self.experts, x[token], counts)
         rows = rows * gates.flatten()[order].unsqueeze(-1).to(rows.dtype)
         out = torch.zeros(x.shape, dtype=rows.dtype, device=x.device).index_add_(0, token, rows)
         if self.shared is not None:

@@ -7,12 +7,15 @@ and the auxiliary-loss-free bias balancing at a rate (0.05) that changes the rou
 run; byte tokens of real text, 2 micro-batches of 2 sequences per step, fp32, gradient clipping.
 
 - dp=2 (DDP, parallel.zero=none; each rank one micro-batch, the expert loads summed over dp for
-  the bias and the metrics) and pp=2 (1F1B; the routing losses' gradients scaled with the
-  pipeline's 1 / micro-batches) give the one-process losses and per-layer load metrics within
-  LOSS_ATOL = 2e-5 and grad norms within NORM_RTOL = 1e-4 relative (float32 sums in another
-  order; a bias step of 0.05 flips a token's choice only on a near tie, so the runs route alike).
+  the bias and the metrics), ep=2 (2 experts per rank, tokens exchanged by all-to-all, the
+  experts' gradients summed over the ranks' tokens and scaled by 1/dp) and pp=2 (1F1B; the routing
+  losses' gradients scaled with the pipeline's 1 / micro-batches) give the one-process losses
+  and per-layer load metrics within LOSS_ATOL = 2e-5 and grad norms within NORM_RTOL = 1e-4
+  relative (float32 sums in another order; a bias step of 0.05 flips a token's choice only on a
+  near tie, so the runs route alike).
 - A run stopped after step 4 (train.exit_after=4, which writes a checkpoint holding the routing
   biases) and resumed logs bitwise the losses and expert loads of steps 5-8 of the uninterrupted run.
+  Stopped at ep=1 and resumed at ep=2, and back, the runs match one process within LOSS_ATOL.
 - --to hf refuses an MoE checkpoint with one clear error; the tiny recipe trains on the built-in corpus.
 All two-process layouts run one after another in one 2-process session.
 """
@@ -37,7 +40,7 @@ MODEL = ["model.n_layers=3", "model.d_model=64", "model.n_heads=4", "model.mlp_w
 TRAIN = ["train.steps=8", "train.global_batch=4", "train.micro_batch=2", "train.lr=3e-3", "train.warmup_steps=2",
          "train.grad_clip=0.5", "train.log_interval=1", "train.eval_batches=1", "run.tensorboard=false",
          "checkpoint.interval=0", "checkpoint.keep=0"]
-LAYOUTS = {"dp2": [], "pp2": ["parallel.pp=2"]}
+LAYOUTS = {"dp2": [], "pp2": ["parallel.pp=2"], "ep2": ["parallel.ep=2"]}
 LOAD_KEYS = tuple(f"moe/{layer}/{key}" for layer in (1, 2) for key in ("load_min", "load_max", "load_entropy",
                                                                           "balance_loss", "z_loss"))
 
@@ -55,17 +58,23 @@ def _loads(overrides: list[str]) -> dict:
 def one_process(byte_tokens, tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("moe_one")
     common = [f"data.path={byte_tokens}"]
-    straight, _, resumed = _fit_all([common + [f"run.dir={root / 'straight'}"],
-                                     common + [f"run.dir={root / 'stopped'}", "train.exit_after=4"],
-                                     common + [f"run.dir={root / 'stopped'}"]])
-    return {"straight": straight, "resumed": resumed, "checkpoint": root / "straight" / "checkpoints" / "step-8"}
+    straight, _, resumed, _ = _fit_all([common + [f"run.dir={root / 'straight'}"],
+                                        common + [f"run.dir={root / 'stopped'}", "train.exit_after=4"],
+                                        common + [f"run.dir={root / 'stopped'}"],
+                                        common + [f"run.dir={root / 'to_ep2'}", "train.exit_after=4"]])
+    return {"straight": straight, "resumed": resumed, "checkpoint": root / "straight" / "checkpoints" / "step-8",
+            "to_ep2": root / "to_ep2"}
 
 
 @pytest.fixture(scope="module")
-def two_processes(byte_tokens, tmp_path_factory) -> dict:
+def two_processes(byte_tokens, tmp_path_factory, one_process) -> dict:
     root = tmp_path_factory.mktemp("moe_two")
-    runs = [[f"data.path={byte_tokens}", f"run.dir={root / name}", *layout] for name, layout in LAYOUTS.items()]
-    return dict(zip(LAYOUTS, run_distributed(_fit_all, 2, runs, timeout=240)[0]))
+    data = f"data.path={byte_tokens}"
+    runs = [[data, f"run.dir={root / name}", *layout] for name, layout in LAYOUTS.items()]
+    runs += [[data, f"run.dir={one_process['to_ep2']}", "parallel.ep=2"],  # resumed from one process at ep=2
+             [data, f"run.dir={root / 'to_ep1'}", "parallel.ep=2", "train.exit_after=4"]]
+    results = run_distributed(_fit_all, 2, runs, timeout=300)[0]
+    return {**dict(zip(LAYOUTS, results)), "ep1_to_ep2": results[-2], "to_ep1": root / "to_ep1"}
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -87,6 +96,17 @@ def test_resume_after_exit_is_bitwise(one_process):
     assert sorted(resumed["loss"]) == list(range(1, 9))
     for key in ("loss", *LOAD_KEYS):
         assert [resumed[key][s] for s in range(5, 9)] == [straight[key][s] for s in range(5, 9)], key
+
+
+def test_resume_across_expert_parallel_sizes(byte_tokens, one_process, two_processes):
+    """ep=1 -> 2 and ep=2 -> 1: the checkpoint holds the logical [N, ...] experts."""
+    ep2_to_ep1 = _fit_all([[f"data.path={byte_tokens}", f"run.dir={two_processes['to_ep1']}"]])[0]
+    ref = one_process["straight"]
+    for got in (two_processes["ep1_to_ep2"], ep2_to_ep1):
+        assert sorted(got["loss"]) == list(range(1, 9))
+        diff = max(abs(got[key][s] - ref[key][s]) for s in range(1, 9) for key in ("loss", *LOAD_KEYS))
+        print(f"resumed across ep: max difference to one process {diff:.1e}")
+        assert diff < LOSS_ATOL
 
 
 def test_hf_export_is_refused_clearly(one_process, tmp_path):
