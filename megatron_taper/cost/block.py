@@ -161,6 +161,15 @@ def moe_cost(cfg: ModelConfig, width: int) -> Cost:
     return Cost(params, flops, tp_params=Split(whole=params), act=act, backward=(backward,), op_act=op_act)
 
 
+def moe_all_to_all_bytes(cfg: ModelConfig, tokens: int, ep: int, act_bytes: int) -> float:
+    """Bytes one rank sends to the other ranks through one MoE layer's all-to-alls (parallel/ep.py)
+    for `tokens` of its tokens, forward and backward, when the routing is balanced: the tokens' k
+    assignments each carry d_model activations out (dispatch) and back (combine), and the same
+    gradients the other way in backward, the (ep - 1) / ep of them whose expert is elsewhere.
+    The expert counts' exchange (N integers) is left out. A measured imbalance scales it."""
+    return 4.0 * tokens * cfg.moe.top_k * cfg.d_model * act_bytes * (ep - 1) / ep
+
+
 def prefix_sums(values: Sequence[float]) -> list[float]:
     """[0, v0, v0 + v1, ...]: the sum of any contiguous run of `values` as a difference of two."""
     return [0.0, *itertools.accumulate(values)]

@@ -36,20 +36,23 @@ EXPERT_WEIGHTS = ("w1", "w2", "w3")  # GroupedExperts' parameters, [N, ...] each
 
 class _AllToAll(torch.autograd.Function):
     """Rows [sum(in_splits), ...] -> [sum(out_splits), ...]: in_splits[j] rows go to rank j,
-    out_splits[i] rows arrive from rank i; backward sends the gradients back the same way."""
+    out_splits[i] rows arrive from rank i; backward sends the gradients back the same way. Adds
+    the bytes this rank sends to other ranks, both ways, to `dispatch.sent_bytes`."""
 
     @staticmethod
-    def forward(ctx, rows, out_splits, in_splits, group):
-        ctx.splits, ctx.group = (in_splits, out_splits), group
+    def forward(ctx, rows, out_splits, in_splits, dispatch):
+        ctx.splits, ctx.dispatch = (in_splits, out_splits), dispatch
         out = rows.new_empty((sum(out_splits), *rows.shape[1:]))
-        dist.all_to_all_single(out, rows.contiguous(), out_splits, in_splits, group=group)
+        dist.all_to_all_single(out, rows.contiguous(), out_splits, in_splits, group=dispatch.group)
+        dispatch.count(rows, in_splits)
         return out
 
     @staticmethod
     def backward(ctx, grad):
         out_splits, in_splits = ctx.splits
         back = grad.new_empty((sum(out_splits), *grad.shape[1:]))
-        dist.all_to_all_single(back, grad.contiguous(), out_splits, in_splits, group=ctx.group)
+        dist.all_to_all_single(back, grad.contiguous(), out_splits, in_splits, group=ctx.dispatch.group)
+        ctx.dispatch.count(grad, in_splits)
         return back, None, None, None
 
 
@@ -58,21 +61,28 @@ class ExpertDispatch:
 
     def __init__(self, group: dist.ProcessGroup, ep: int, n_experts: int):
         self.group, self.ep, self.local = group, ep, n_experts // ep
+        self.rank = dist.get_rank(group)
+        self.sent_bytes = 0  # rows' bytes sent to other ranks so far, forward and backward (a statistic)
+
+    def count(self, rows: torch.Tensor, splits: list[int]) -> None:
+        self.sent_bytes += (sum(splits) - splits[self.rank]) * rows[:1].numel() * rows.element_size()
 
     def __call__(self, experts: GroupedExperts, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """rows [A, D] sorted by global expert, counts [N] -> the experts' outputs [A, D], same order."""
+        if torch.is_autocast_enabled(rows.device.type):  # sent in the compute dtype the experts run in
+            rows = rows.to(torch.get_autocast_dtype(rows.device.type))
         received = torch.empty_like(counts)
         dist.all_to_all_single(received, counts, group=self.group)  # [ep * N/ep]: from rank i, for my experts
         per_peer = torch.stack((counts.view(self.ep, self.local).sum(1), received.view(self.ep, self.local).sum(1)))
         send, recv = per_peer.tolist()  # (a host read: the splits of the uneven all-to-all)
-        mine = _AllToAll.apply(rows, recv, send, self.group)  # by sending rank, then my expert
+        mine = _AllToAll.apply(rows, recv, send, self)  # by sending rank, then my expert
         # the block (rank i, expert e) of each row, and the expert-major order of the blocks
         block = torch.repeat_interleave(torch.arange(received.numel(), device=rows.device), received)
         expert_major = (block % self.local) * self.ep + block // self.local
         order = expert_major.argsort(stable=True)
         out = experts(mine[order], received.view(self.ep, self.local).sum(0))
         out = out[order.argsort()]  # back to the order the rows arrived in
-        return _AllToAll.apply(out, send, recv, self.group)
+        return _AllToAll.apply(out, send, recv, self)
 
 
 def apply_expert_parallel(pm: ParallelModel, ep: int) -> None:

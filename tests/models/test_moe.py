@@ -187,12 +187,16 @@ def test_bad_moe_settings_are_one_clear_error(extra, message):
         load_config(None, TINY_MOE + extra)
 
 
-@pytest.mark.parametrize("layout, message", [
-    (["parallel.tp=2"], "model.moe with parallel.tp=2 is not supported yet"),
-    (["parallel.zero=fsdp2"], "model.moe with parallel.zero=fsdp2 is not supported yet"),
+@pytest.mark.parametrize("layout, world, message", [
+    (["parallel.tp=2"], 2, "model.moe with parallel.tp=2 is not supported yet"),
+    (["parallel.zero=fsdp2"], 2, "model.moe with parallel.zero=fsdp2 is not supported yet"),
+    (["parallel.ep=2"], 4, "parallel.ep=2 must equal the data-parallel size 4"),
+    (["parallel.ep=2", "model.moe.experts=3"], 2, "parallel.ep=2 must divide model.moe.experts=3"),
+    (["parallel.ep=2", "parallel.pp=2"], 4, "parallel.ep=2 with parallel.pp=2 is not supported yet"),
+    (["parallel.ep=2", "model.moe.experts=0"], 2, "parallel.ep=2 spreads experts, but model.moe.experts=0"),
 ])
-def test_layouts_not_built_are_refused(layout, message):
+def test_layouts_not_built_are_refused(layout, world, message):
     from megatron_taper.cost.preflight import preflight
 
     with pytest.raises(ConfigError, match=message):
-        preflight(load_config(None, TINY_MOE + layout), 2)
+        preflight(load_config(None, TINY_MOE + layout), world)

@@ -12,7 +12,9 @@ run; byte tokens of real text, 2 micro-batches of 2 sequences per step, fp32, gr
   losses' gradients scaled with the pipeline's 1 / micro-batches) give the one-process losses
   and per-layer load metrics within LOSS_ATOL = 2e-5 and grad norms within NORM_RTOL = 1e-4
   relative (float32 sums in another order; a bias step of 0.05 flips a token's choice only on a
-  near tie, so the runs route alike).
+  near tie, so the runs route alike); the weights after the 8 steps (experts and routing biases
+  included) within WEIGHT_ATOL = 1e-5 (AdamW's steps of lr 3e-3 normalise gradient differences of
+  ~1e-7 relative into weight differences well below it).
 - A run stopped after step 4 (train.exit_after=4, which writes a checkpoint holding the routing
   biases) and resumed logs bitwise the losses and expert loads of steps 5-8 of the uninterrupted run.
   Stopped at ep=1 and resumed at ep=2, and back, the runs match one process within LOSS_ATOL.
@@ -31,7 +33,7 @@ from tests.helpers.trainer_records import fit_all, logged
 
 pytestmark = pytest.mark.multiprocess
 
-LOSS_ATOL, NORM_RTOL = 2e-5, 1e-4
+LOSS_ATOL, NORM_RTOL, WEIGHT_ATOL = 2e-5, 1e-4, 1e-5
 MODEL = ["model.n_layers=3", "model.d_model=64", "model.n_heads=4", "model.mlp_width=64", "model.vocab_size=256",
          "model.seq_len=32", "model.taper.multiple=16", "model.moe.experts=4", "model.moe.top_k=2",
          "model.moe.expert_width=32", "model.moe.shared_width=16", "model.moe.first_dense=1",
@@ -74,7 +76,13 @@ def two_processes(byte_tokens, tmp_path_factory, one_process) -> dict:
     runs += [[data, f"run.dir={one_process['to_ep2']}", "parallel.ep=2"],  # resumed from one process at ep=2
              [data, f"run.dir={root / 'to_ep1'}", "parallel.ep=2", "train.exit_after=4"]]
     results = run_distributed(_fit_all, 2, runs, timeout=300)[0]
-    return {**dict(zip(LAYOUTS, results)), "ep1_to_ep2": results[-2], "to_ep1": root / "to_ep1"}
+    return {**dict(zip(LAYOUTS, results)), "ep1_to_ep2": results[-2], "to_ep1": root / "to_ep1", "root": root}
+
+
+def _weights(run_dir: Path) -> dict:
+    from megatron_taper.inference.load import open_checkpoint
+
+    return dict(open_checkpoint(str(run_dir / "checkpoints" / "step-8")).tensors())
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -89,6 +97,12 @@ def test_layout_matches_one_process(one_process, two_processes, layout):
     assert norm < NORM_RTOL
     # the bias moved the routing: the loads differ from step to step
     assert len({round(ref["moe/2/load_max"][s], 6) for s in ref["loss"]}) > 1
+    # the weights after 8 steps, experts and routing biases included (the logical tensors)
+    mine, theirs = _weights(two_processes["root"] / layout), _weights(one_process["checkpoint"].parents[1])
+    assert mine.keys() == theirs.keys() and "layers.2.mlp.experts.w2" in mine
+    weight_diff = max((mine[k] - theirs[k]).abs().max().item() for k in mine)
+    print(f"{layout}: max |weight - one process| {weight_diff:.1e}")
+    assert weight_diff < WEIGHT_ATOL
 
 
 def test_resume_after_exit_is_bitwise(one_process):
