@@ -3,15 +3,15 @@ per rank, and the all-to-all bytes measured against the cost model's.
 
     python benchmarks/moe_ep.py [--steps 6] [--rounds 3] [key=value ...]
 
-Two processes (1 thread each) build the same MoE model twice, at parallel.ep=1 (dp=2 through
-DDP: every rank holds every expert) and parallel.ep=2 (each rank half the experts, tokens sent by
-all-to-all: parallel/ep.py), and run whole training steps (forward + backward of the rank's
-micro-batches, gradient reduction, clipping, AdamW) on the same random batches, alternating the
-two layouts in rounds so machine noise hits both alike. One process gives the baseline.
+Two fresh processes (1 thread each) per layout build the same MoE model at parallel.ep=1 (dp=2
+through DDP: every rank holds every expert) and at parallel.ep=2 (each rank half the experts,
+tokens sent by all-to-all: parallel/ep.py), and run whole training steps (forward + backward of
+the rank's micro-batches, gradient reduction, clipping, AdamW) on the same random batches. One
+process gives the baseline. The layouts run one after the other (not interleaved): on a shared
+machine their times carry its noise.
 
-  tokens_per_s      median over rounds of the whole job's tokens / step time
-  peak_rss_gb       per rank, the process's host-RSS high-water mark after the layout's runs
-                    (both layouts live in one process: ep=2 is measured first, then ep=1 is built)
+  tokens_per_s      median over rounds of the whole job's tokens / time
+  peak_rss_gb       per rank, the process's host-RSS high-water mark at the end (runtime included)
   all_to_all        ep=2, per step and rank: the bytes rank 0 sent to the other rank through the
                     MoE layers' all-to-alls (counted from the splits by parallel/ep.py, forward and
                     backward), beside cost/block.py moe_all_to_all_bytes (balanced routing): their
@@ -77,32 +77,26 @@ def peak_rss_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
-def rank_main(overrides: list[str], steps: int, rounds: int) -> dict:
+def rank_main(ep: int, overrides: list[str], steps: int, rounds: int) -> dict:
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()
-    out: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
-        runs = {}
-        for ep in (2, 1):
-            runs[ep] = build_run(load_config(None, SHAPE + [f"run.dir={tmp}", f"parallel.ep={ep}", *overrides]))
-            data = batches(runs[ep].cfg, steps, world, rank)
-            timed(runs[ep], data[:1])  # warm-up (DDP rebuilds its buckets after its first step)
-            out[f"ep{ep}_peak_rss_gb"] = peak_rss_gb()
-        dispatches = [m.dispatch for _, m in moe_modules(runs[2].model.module)]
+        run = build_run(load_config(None, SHAPE + [f"run.dir={tmp}", f"parallel.ep={ep}", *overrides]))
+        cfg = run.cfg
+        data = batches(cfg, steps, world, rank)
+        timed(run, data[:1])  # warm-up (DDP rebuilds its buckets after its first step)
+        dispatches = [m.dispatch for _, m in moe_modules(run.model.module) if m.dispatch is not None]
         sent_before = sum(d.sent_bytes for d in dispatches)
-        rates: dict[int, list[float]] = {1: [], 2: []}
-        cfg = runs[1].cfg
         tokens = steps * cfg.train.global_batch * cfg.model.seq_len
-        for _ in range(rounds):
-            for ep in (1, 2):
-                rates[ep].append(tokens / timed(runs[ep], data))
-        sent = (sum(d.sent_bytes for d in dispatches) - sent_before) / (rounds * steps)
-    m = cfg.model
-    rank_tokens = cfg.train.global_batch // world * m.seq_len
-    predicted = sum(moe_layers(m)) * moe_all_to_all_bytes(m, rank_tokens, world, 4)
-    out.update({f"ep{ep}_tokens_per_s": statistics.median(r) for ep, r in rates.items()})
-    out.update({"all_to_all_bytes_per_step": sent, "model_all_to_all_bytes_per_step": predicted,
-                "measured_over_model": sent / predicted})
+        rates = [tokens / timed(run, data) for _ in range(rounds)]
+        out = {"tokens_per_s": statistics.median(rates), "peak_rss_gb": peak_rss_gb()}
+        if dispatches:
+            m = cfg.model
+            sent = (sum(d.sent_bytes for d in dispatches) - sent_before) / (rounds * steps)
+            predicted = sum(moe_layers(m)) * moe_all_to_all_bytes(m, cfg.train.global_batch // world * m.seq_len,
+                                                                  world, 4)
+            out.update({"all_to_all_bytes_per_step": sent, "model_all_to_all_bytes_per_step": predicted,
+                        "measured_over_model": sent / predicted})
     return out
 
 
@@ -122,7 +116,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
-    ranks = run_distributed(rank_main, 2, args.overrides, args.steps, args.rounds, timeout=3600, device="cpu")
+    layouts = {f"ep{ep}": run_distributed(rank_main, 2, ep, args.overrides, args.steps, args.rounds, timeout=3600,
+                                          device="cpu") for ep in (1, 2)}
     single = one_process(args.overrides, args.steps, args.rounds)
     result = {
         "benchmark": "moe_ep",
@@ -131,8 +126,9 @@ def main() -> None:
         "rounds": args.rounds,
         "threads_per_process": 1,
         "one_process_tokens_per_s": single,
-        "ranks": ranks,
-        "ep2_over_ep1": ranks[0]["ep2_tokens_per_s"] / ranks[0]["ep1_tokens_per_s"],
+        "one_process_peak_rss_gb": peak_rss_gb(),
+        **{f"{name}_ranks": ranks for name, ranks in layouts.items()},
+        "ep2_over_ep1": layouts["ep2"][0]["tokens_per_s"] / layouts["ep1"][0]["tokens_per_s"],
     }
     json.dump(result, sys.stdout)
     print()

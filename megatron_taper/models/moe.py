@@ -42,11 +42,12 @@ if TYPE_CHECKING:
 
 def grouped_mm_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether torch's grouped GEMM takes x [A, K] @ weight [N, K, M]: rows of 16 bytes' multiples
-    (K and M), and on CUDA bf16 operands (its kernel's only unscaled dtype), on the CPU (torch 2.13
-    has a reference kernel there) float32 or float64."""
+    (K and M), and on CUDA or under torch.compile bf16 operands (its kernel's and its meta
+    function's only unscaled dtype), on the CPU in eager mode (torch 2.13 has a reference kernel
+    there) float32 or float64."""
     if x.dtype != weight.dtype or any(n * x.element_size() % 16 for n in (x.shape[-1], weight.shape[-1])):
         return False
-    if x.device.type == "cuda":
+    if x.device.type == "cuda" or torch.compiler.is_compiling():  # compiled: its meta kernel takes bf16 only
         return x.dtype == torch.bfloat16
     return x.dtype in (torch.float32, torch.float64)
 
@@ -91,12 +92,18 @@ class AuxLoss(torch.autograd.Function):
         return grad, grad.new_full((), ctx.scale, dtype=torch.float32), None
 
 
+def expert_counts(chosen: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """[N] int64: how many of `chosen` (expert ids) name each expert (bincount with a static shape,
+    which torch.compile traces without a break)."""
+    return chosen.new_zeros(n_experts).scatter_add_(0, chosen, torch.ones_like(chosen))
+
+
 def routing_losses(logits: torch.Tensor, probs: torch.Tensor,
                    chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(load-balancing loss, router z-loss) of one layer (module doc): logits, probs [T, N] fp32,
     chosen [T, k] expert ids."""
     n_experts = probs.shape[-1]
-    counts = torch.bincount(chosen.flatten(), minlength=n_experts).to(probs.dtype)
+    counts = expert_counts(chosen.flatten(), n_experts).to(probs.dtype)
     fraction = counts / chosen.numel()  # f_i
     balance = n_experts * (fraction * probs.mean(0)).sum()
     z_loss = torch.logsumexp(logits, dim=-1).square().mean()
@@ -141,7 +148,7 @@ class MoE(nn.Module):
         logits, probs, chosen, gates = self.route(x)
         flat = chosen.flatten()  # [A]: token t's choices at rows t*k .. t*k + k - 1
         order = flat.argsort(stable=True)
-        counts = torch.bincount(flat, minlength=self.n_experts)  # [N]
+        counts = expert_counts(flat, self.n_experts)  # [N]
         token = order // self.top_k  # the token of each sorted row
         if self.dispatch is None:
             rows = self.experts(x[token], counts)  # [A, D]
