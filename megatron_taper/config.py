@@ -55,7 +55,7 @@ class MoEConfig:
     total parameters and active FLOPs both equal the uniform twin's."""
 
     experts: int = 0  # routed experts per MoE layer; 0 = no MoE (every layer a dense SwiGLU)
-    top_k: int = 2  # experts each token is sent to (their gates renormalised to sum to 1)
+    top_k: int = 2  # experts each token is sent to (gates renormalised to sum to 1; top-1: the probability)
     expert_width: int = 0  # uniform SwiGLU width of one expert, the expert budget (0 = model.mlp_width)
     shared_width: int = 0  # width of a shared SwiGLU expert every token passes through; 0 = none
     first_dense: int = 0  # the first layers keep a dense SwiGLU of model.mlp_width (DeepSeek-V3 keeps 3)

@@ -5,7 +5,7 @@ width (tapered across depth, taper.py), A = T x k token-expert assignments.
 
     x [T, D] -> router logits [T, N] in fp32 -> probabilities p = softmax(logits)
     choice    top-k of p + expert_bias (the bias moves the choice only, DeepSeek-V3); gates: the
-              chosen p, renormalised to sum to 1 per token
+              chosen p, renormalised to sum to 1 per token when k > 1 (top-1: p itself, as Switch)
     dispatch  the A assignments sorted by expert (stable), x gathered into that order [A, D]
     experts   SwiGLU of every expert on its contiguous rows (dropless: no capacity, no token
               dropped): one grouped GEMM per projection (torch's grouped_mm) where the kernel
@@ -139,7 +139,8 @@ class MoE(nn.Module):
         probs = logits.softmax(dim=-1)
         chosen = (probs + self.expert_bias.float()).topk(self.top_k, dim=-1).indices
         gates = probs.gather(-1, chosen)
-        gates = gates / gates.sum(-1, keepdim=True)
+        if self.top_k > 1:  # top-1 keeps its probability (Switch), else the gate would be 1 and the router untrained
+            gates = gates / gates.sum(-1, keepdim=True)
         return logits, probs, chosen, gates
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -48,7 +48,8 @@ def test_routing_losses_equal_a_hand_computation():
         moe.router.weight.copy_(torch.tensor([[0.0, math.log(3)], [math.log(3), 0.0]]))
     x = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 0.0], [1.0, 0.0]])  # choices: 1, 0, 1, 1
     logits, probs, chosen, gates = moe.route(x)
-    assert chosen.flatten().tolist() == [1, 0, 1, 1] and torch.equal(gates, torch.ones(4, 1))
+    assert chosen.flatten().tolist() == [1, 0, 1, 1]
+    torch.testing.assert_close(gates, torch.full((4, 1), 0.75))  # top-1: the chosen probability
     balance, z_loss = routing_losses(logits, probs, chosen)
     # f = (1/4, 3/4), P = (3/8, 5/8): N * sum f_i P_i = 2 * (3/32 + 15/32) = 1.125
     assert balance.item() == pytest.approx(1.125, abs=ATOL)
@@ -114,7 +115,7 @@ def test_the_bias_moves_the_choice_not_the_gates_and_balances_toward_the_mean_lo
     with torch.no_grad():
         moe.expert_bias.copy_(torch.tensor([0.0, 0.0, 0.0, 10.0]))
     _, _, chosen, gates = moe.route(x)
-    assert (chosen == 3).all() and torch.equal(gates, torch.ones(40, 1))  # top-1 gates renormalise to 1
+    assert (chosen == 3).all() and torch.equal(gates, probs[:, 3:])  # the gate: the unbiased probability
     with torch.no_grad():
         moe.expert_bias.zero_()
     moe(x)  # a training forward counts the load: expert i got load[i] of the 40 assignments
