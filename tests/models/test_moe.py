@@ -175,6 +175,15 @@ def test_recipes_are_twins_and_the_pipeline_plan_balances_active_flops():
     print(f"tiny_moe_taper pp=2: stages {stages}, slowest / ideal {plan.bottleneck_over_ideal:.3f} "
           f"(layer-count split {plan.uniform_bottleneck_over_ideal:.3f})")
     assert plan.bottleneck_over_ideal <= plan.uniform_bottleneck_over_ideal
+    big = load_config(str(REPO / "configs/transformer_moe_1b_taper.yaml")).model
+    big_twin = model_costs(load_config(str(REPO / "configs/transformer_moe_1b_uniform.yaml")).model)
+    b = model_costs(big)
+    assert (b.total_params, b.total_flops) == (big_twin.total_params, big_twin.total_flops)
+    assert 1e9 < b.total_params < 1.2e9
+    plan = plan_pipeline(big, 4)
+    print(f"transformer_moe_1b_taper pp=4: slowest / ideal {plan.bottleneck_over_ideal:.3f} "
+          f"(layer-count split {plan.uniform_bottleneck_over_ideal:.3f})")
+    assert plan.bottleneck_over_ideal < plan.uniform_bottleneck_over_ideal
 
 
 @pytest.mark.parametrize("extra, message", [
