@@ -79,13 +79,13 @@ class GroupedExperts(nn.Module):
 
 
 class AuxLoss(torch.autograd.Function):
-    """Returns `out` unchanged; backward also gives `loss` the gradient `scale` (the loss joins the
+    """Returns a copy of `out`; backward also gives `loss` the gradient `scale` (the loss joins the
     objective with that weight without touching the loss the trainer computes)."""
 
     @staticmethod
     def forward(ctx, out: torch.Tensor, loss: torch.Tensor, scale: float) -> torch.Tensor:
         ctx.scale = scale
-        return out.view_as(out)
+        return out.clone()  # not a view: torch.compile regenerates views of inputs without this backward
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):

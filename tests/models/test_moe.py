@@ -148,6 +148,21 @@ def test_activation_checkpointing_counts_each_token_once_with_the_same_gradients
         torch.testing.assert_close(a, p.grad, atol=ATOL, rtol=RTOL)
 
 
+def test_compiled_moe_has_the_eager_outputs_and_gradients():
+    """torch.compile's graphs (dynamo + AOTAutograd, no C++ build) keep the routing losses' gradient."""
+    moe = _moe(shared_width=8, aux_loss_weight=0.1, z_loss_weight=0.01)
+    x = torch.randn(2, 6, 16)
+    eager = moe(x)
+    eager.sum().backward()
+    grads = [p.grad.clone() for p in moe.parameters() if p.requires_grad]
+    moe.zero_grad()
+    compiled = torch.compile(moe, backend="aot_eager")(x)
+    compiled.sum().backward()
+    torch.testing.assert_close(compiled, eager, atol=ATOL, rtol=RTOL)
+    for a, p in zip(grads, (p for p in moe.parameters() if p.requires_grad)):
+        torch.testing.assert_close(p.grad, a, atol=ATOL, rtol=RTOL)
+
+
 @pytest.mark.parametrize("extra", [[], ["model.moe.first_dense=1", "model.moe.shared_width=16"],
                                    ["model.taper.start=0.5", "model.moe.top_k=1"]])
 def test_taper_keeps_total_parameters_and_active_flops_of_the_uniform_twin(extra):
