@@ -18,7 +18,6 @@ import shutil
 from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 
 from megatron_taper.config import Config, ConfigError, load_config, save_config
 from megatron_taper.console import report_error
@@ -32,11 +31,11 @@ from megatron_taper.fault.recovery import Recovery
 from megatron_taper.fault.straggler import StragglerWatch
 from megatron_taper.launch_check import check_run_dir
 from megatron_taper.models import family
-from megatron_taper.models.moe import balance_experts, load_metrics
 from megatron_taper.parallel.context import ParallelContext, init_parallel, shutdown, world_size
 from megatron_taper.training.build import build_run
 from megatron_taper.training.carried import CarriedRows
 from megatron_taper.training.checkpointing import Checkpointing
+from megatron_taper.training.experts import ExpertRouting
 from megatron_taper.training.held_out import dp_mean, held_out_losses
 from megatron_taper.training.metrics import MetricsLogger
 from megatron_taper.training.optim import lr_at
@@ -66,6 +65,7 @@ class Trainer:
     train_source: BatchSource  # this data-parallel rank's batches, drawn ahead by `prefetch`
     prefetch: Prefetcher | None
     carry: CarriedRows | None  # a family's state carried along each row's windows
+    experts: ExpertRouting | None  # a mixture of experts' routing biases and load records
     held_out: list[HeldOut]
     recovery: Recovery  # non-finite steps, spikes, rollback, skipped data windows (fault/recovery.py)
     checkpointing: Checkpointing  # when to save, async completion, resume / init_from
@@ -83,6 +83,7 @@ class Trainer:
         run = build_run(cfg, ctx, layout)
         self.ctx, self.pm, self.optimizer, self.bf16 = run.ctx, run.model, run.optimizer, run.bf16
         self.accum = run.layout.accumulation
+        self.experts = ExpertRouting(m.moe, self.ctx, self.pm.module) if m.moe.enabled else None
         carried = family(m.arch).carried_state
         self.carry = (CarriedRows(carried, self.pm.module, self.accum, self.ctx.dp, self.ctx.dp_rank, self.ctx.device)
                       if carried is not None and carried.enabled(m) else None)
@@ -146,8 +147,8 @@ class Trainer:
                     continue  # rolled back to an earlier checkpoint
                 if at_log and not rolled_back:
                     self.check_health()
-                    if self.cfg.model.moe.enabled:
-                        record.update(self._expert_load())
+                    if self.experts is not None:
+                        record.update(self.experts.record())
                     self.log.step(record, self.step, self.state.tokens_seen, self.skipped, steps_here)
                 if stop:
                     return self._stop_with_checkpoint(stop)
@@ -179,26 +180,11 @@ class Trainer:
         loss = dp_mean(self.ctx, self.guard.loss(losses, self.step + 1))
         # reduce, clip and step (or skip a non-finite step, on the device); the engine owns how
         grad_norm, stepped = self.pm.optimizer_step(self.optimizer, self.cfg.train.grad_clip, torch.isfinite(loss))
-        if self.cfg.model.moe.bias_balance:  # the routing biases follow this step's expert load
-            balance_experts(self.pm.module, self.cfg.model.moe.bias_rate, stepped, self._sum_over_dp)
+        if self.experts is not None:
+            self.experts.after_step(stepped)
         self.state.advance(self.cfg.train.global_batch * self.cfg.model.seq_len)
         self.recovery.update(loss, stepped, self.step, self.state.batches)
         return {"loss": loss, "grad_norm": grad_norm, "lr": self.optimizer.param_groups[0]["lr"], **data_metrics}
-
-    def _sum_over_dp(self, tensor: torch.Tensor) -> None:
-        """In place: the sum over the ranks that saw other tokens (dp x cp); nothing on one of them."""
-        if self.ctx.dp * self.ctx.cp > 1:
-            dist.all_reduce(tensor, group=self.ctx.grad_group)
-
-    def _expert_load(self) -> dict:
-        """Every MoE layer's load and routing losses since the last record (models/moe.py
-        load_metrics), over all dp ranks; under pp the stages' layers gathered on every rank."""
-        metrics = load_metrics(self.pm.module, self._sum_over_dp)
-        if self.ctx.pp == 1:
-            return metrics
-        stages: list = [None] * self.ctx.pp
-        dist.all_gather_object(stages, {k: float(v) for k, v in metrics.items()}, group=self.ctx.pp_group)
-        return {k: v for stage in stages for k, v in stage.items()}
 
     def _next_batches(self) -> tuple[list, dict]:
         """The step's micro-batches (tokens) and the source's metrics; the batches of a window a
