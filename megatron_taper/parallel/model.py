@@ -311,7 +311,8 @@ class ParallelModel:
         """Global L2 gradient norm over all parameters of the model (all ranks), clipped to max_norm.
 
         Every logical value counts once: a tp shard with weight 1, a tensor held by k tp ranks with
-        1/k (summed over the tp group), disjoint pipeline stages summed over the pp group.
+        1/k (summed over the tp group), disjoint pipeline stages summed over the pp group, each dp
+        rank's own experts (expert parallelism, ep_specs) summed over the dp group.
         """
         grads, by_replicas, experts = [], {}, []
         for name, p in self.module.named_parameters():
