@@ -100,14 +100,17 @@ def compiles(m: ModelConfig, p: ParallelConfig, t: TrainConfig, device_type: str
 
 def _check_moe(m: ModelConfig, p: ParallelConfig, t: TrainConfig, dp: int) -> None:
     """model.moe (models/moe.py): the layouts its layers are built and tested for today (one process,
-    data parallelism through DDP with parallel.zero=none, pipelines, and expert parallelism over
-    the whole dp group without pipelines: parallel/ep.py)."""
+    data parallelism through DDP or fsdp2, pipelines, and expert parallelism over the whole dp
+    group with DDP, without pipelines: parallel/ep.py)."""
     if p.tp > 1:
         raise ConfigError(f"model.moe with parallel.tp={p.tp} is not supported yet (no tensor-parallel plan for the "
                           f"router and experts); use parallel.tp=1")
-    if p.zero != "none":
-        raise ConfigError(f"model.moe with parallel.zero={p.zero} is not supported yet (the routing bias and the "
-                          f"expert weights are not laid out for ZeRO shards); use parallel.zero=none")
+    if p.zero == "deepspeed":
+        raise ConfigError("model.moe with parallel.zero=deepspeed is not supported yet (DeepSpeed partitions the "
+                          "routing biases, which move outside its optimizer); use parallel.zero=fsdp2 or none")
+    if p.ep > 1 and p.zero != "none":
+        raise ConfigError(f"parallel.ep={p.ep} with parallel.zero={p.zero} is not supported yet (experts sharded over "
+                          f"dp by both); use parallel.zero=none")
     if p.cp > 1:
         raise ConfigError(f"model.moe with parallel.cp={p.cp} is not supported yet (untested); use parallel.cp=1")
     if t.float8:

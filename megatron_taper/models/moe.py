@@ -118,7 +118,9 @@ class MoE(nn.Module):
         super().__init__()
         self.n_experts, self.top_k = n_experts, top_k
         self.aux_loss_weight, self.z_loss_weight = aux_loss_weight, z_loss_weight
-        self.router = nn.Linear(d_model, n_experts, bias=False)
+        # [N, D]; a bare parameter, no nn.Linear: ZeRO's bf16 gathers of linears (parallel/dp/fsdp2.py)
+        # would round it, and the router runs in fp32
+        self.router = nn.Parameter(torch.empty(n_experts, d_model))
         # routing bias of the auxiliary-loss-free balance: no gradient; balance_experts moves it
         self.expert_bias = nn.Parameter(torch.zeros(n_experts), requires_grad=False)
         self.experts = GroupedExperts(d_model, n_experts, width)
@@ -135,7 +137,7 @@ class MoE(nn.Module):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, D] -> (logits [T, N] fp32, probs [T, N] fp32, chosen [T, k], gates [T, k] fp32)."""
         with torch.autocast(x.device.type, enabled=False):
-            logits = F.linear(x.float(), self.router.weight.float())
+            logits = F.linear(x.float(), self.router.float())
         probs = logits.softmax(dim=-1)
         chosen = (probs + self.expert_bias.float()).topk(self.top_k, dim=-1).indices
         gates = probs.gather(-1, chosen)
@@ -221,11 +223,12 @@ def set_aux_scale(model: nn.Module, scale: float) -> None:
 
 @torch.no_grad()
 def balance_experts(model: nn.Module, rate: float, stepped: torch.Tensor | bool = True,
-                    reduce=None) -> None:
+                    reduce=None, add=None) -> None:
     """The auxiliary-loss-free balance (DeepSeek-V3), after an optimizer step: each expert's routing
     bias moves by `rate` toward the mean load, bias_i += rate * sign(mean load - load_i), over the
     assignments since the last call (summed over the data-parallel ranks by `reduce`, an in-place
-    all-reduce, when given), and only where `stepped` (a skipped step moves nothing). No host read."""
+    all-reduce, when given), and only where `stepped` (a skipped step moves nothing). No host read.
+    `add(bias, step)`: how a step reaches a bias held as shards (default: in place)."""
     for _, module in moe_modules(model):
         if module.load_step is None:
             continue
@@ -233,7 +236,11 @@ def balance_experts(model: nn.Module, rate: float, stepped: torch.Tensor | bool 
         if reduce is not None:
             reduce(load)
         step = rate * torch.sign(load.mean() - load) * torch.as_tensor(stepped, device=load.device)
-        module.expert_bias.add_(step.to(module.expert_bias.dtype))
+        step = step.to(module.expert_bias.dtype)
+        if add is None:
+            module.expert_bias.add_(step)
+        else:
+            add(module.expert_bias, step)
         load.zero_()
 
 

@@ -1,7 +1,8 @@
 """ExpertRouting: the Trainer's part for a mixture of experts (model.moe, models/moe.py): the
 routing biases moved after every optimizer step (auxiliary-loss-free balancing), and every MoE
 layer's load and routing losses for the step records at log intervals. Both sum the counts over
-the ranks that saw other tokens (dp x cp), on the device; only the records are read on the host."""
+the ranks that saw other tokens (dp x cp), on the device; only the records are read on the host.
+Under fsdp2 each rank moves its shard of the biases."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -10,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_taper.models.moe import balance_experts, load_metrics
+from megatron_taper.parallel.dp.fsdp2 import add_to_shards
 
 if TYPE_CHECKING:
     from torch import nn
@@ -26,7 +28,7 @@ class ExpertRouting:
         """After the optimizer step (`stepped`: whether it was taken): the routing biases follow
         this step's expert load."""
         if self.moe.bias_balance:
-            balance_experts(self.module, self.moe.bias_rate, stepped, self._sum_over_dp)
+            balance_experts(self.module, self.moe.bias_rate, stepped, self._sum_over_dp, add_to_shards)
 
     def record(self) -> dict:
         """Every MoE layer's load and routing losses since the last record, over all dp ranks; under

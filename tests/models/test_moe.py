@@ -3,7 +3,8 @@ computation, dropless outputs against a per-token dense reference, the grouped G
 loop, the auxiliary-loss-free bias, activation checkpointing, and the taper's budgets.
 
 Tolerances: the grouped GEMM and the loop compute the same float32 products, summed in another
-order: outputs and gradients within 1e-6 absolute plus 1e-6 relative. The per-token reference
+order: outputs and gradients within SCALED_TOL = 1e-6 of each tensor's largest magnitude (single
+elements that cancel show larger relative differences). The per-token reference
 runs in float64: the float32 outputs (values up to ~10, sums of 16- and 8-term products) are
 within REFERENCE_ATOL = 1e-5 of it (about 100 float32 ulps at 1; measured <= 4.2e-6). The routing
 losses are compared with closed forms to float32 rounding (1e-6).
@@ -27,6 +28,7 @@ from tests.helpers.runner import REPO
 
 ATOL = RTOL = 1e-6
 REFERENCE_ATOL = 1e-5
+SCALED_TOL = 1e-6
 TINY_MOE = ["model.n_layers=4", "model.d_model=32", "model.n_heads=2", "model.mlp_width=64", "model.vocab_size=64",
             "model.seq_len=16", "model.taper.multiple=8", "model.moe.experts=4", "model.moe.expert_width=32"]
 
@@ -45,7 +47,7 @@ def test_routing_losses_equal_a_hand_computation():
     # 2 experts, top-1; logits [0, ln 3] -> p = (1/4, 3/4), [ln 3, 0] -> p = (3/4, 1/4)
     moe = MoE(2, 2, 1, 4, aux_loss_weight=0.5, z_loss_weight=0.25)
     with torch.no_grad():
-        moe.router.weight.copy_(torch.tensor([[0.0, math.log(3)], [math.log(3), 0.0]]))
+        moe.router.copy_(torch.tensor([[0.0, math.log(3)], [math.log(3), 0.0]]))
     x = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 0.0], [1.0, 0.0]])  # choices: 1, 0, 1, 1
     logits, probs, chosen, gates = moe.route(x)
     assert chosen.flatten().tolist() == [1, 0, 1, 1]
@@ -61,8 +63,8 @@ def test_routing_losses_equal_a_hand_computation():
             w.normal_()
     out = moe(x)
     out.sum().backward()
-    got = moe.router.weight.grad.clone()
-    moe.router.weight.grad = None
+    got = moe.router.grad.clone()
+    moe.router.grad = None
     weights = (moe.aux_loss_weight, moe.z_loss_weight)
     moe.aux_loss_weight = moe.z_loss_weight = 0.0
     plain = moe(x)
@@ -70,7 +72,7 @@ def test_routing_losses_equal_a_hand_computation():
     logits, probs, chosen, _ = moe.route(x)
     balance, z_loss = routing_losses(logits, probs, chosen)
     (plain.sum() + 0.5 * (weights[0] * balance + weights[1] * z_loss)).backward()
-    torch.testing.assert_close(got, moe.router.weight.grad, atol=ATOL, rtol=0)
+    torch.testing.assert_close(got, moe.router.grad, atol=ATOL, rtol=0)
     assert moe.loss_log.tolist() == pytest.approx([2 * 1.125, 2 * math.log(4) ** 2, 2.0])  # two counted forwards
 
 
@@ -104,8 +106,8 @@ def test_dropless_output_equals_a_per_token_reference_and_grouped_equals_loop(sh
     print(f"shared {shared}: |grouped - float64 per token| {(grads[True][0] - ref).abs().max():.1e}, |grouped - loop| "
           f"{max((a - b).abs().max().item() for a, b in zip(grads[True], grads[False])):.1e}")
     torch.testing.assert_close(grads[True][0], ref.float(), atol=REFERENCE_ATOL, rtol=0)
-    for a, b in zip(grads[True], grads[False]):
-        torch.testing.assert_close(a, b, atol=ATOL, rtol=RTOL)
+    for a, b in zip(grads[True], grads[False]):  # within SCALED_TOL of each tensor's largest magnitude
+        torch.testing.assert_close(a, b, atol=SCALED_TOL * b.abs().max().item(), rtol=0)
 
 
 def test_the_bias_moves_the_choice_not_the_gates_and_balances_toward_the_mean_load():
@@ -214,7 +216,8 @@ def test_bad_moe_settings_are_one_clear_error(extra, message):
 
 @pytest.mark.parametrize("layout, world, message", [
     (["parallel.tp=2"], 2, "model.moe with parallel.tp=2 is not supported yet"),
-    (["parallel.zero=fsdp2"], 2, "model.moe with parallel.zero=fsdp2 is not supported yet"),
+    (["parallel.zero=deepspeed"], 2, "model.moe with parallel.zero=deepspeed is not supported yet"),
+    (["parallel.ep=2", "parallel.zero=fsdp2"], 2, "parallel.ep=2 with parallel.zero=fsdp2 is not supported yet"),
     (["parallel.ep=2"], 4, "parallel.ep=2 must equal the data-parallel size 4"),
     (["parallel.ep=2", "model.moe.experts=3"], 2, "parallel.ep=2 must divide model.moe.experts=3"),
     (["parallel.ep=2", "parallel.pp=2"], 4, "parallel.ep=2 with parallel.pp=2 is not supported yet"),

@@ -7,7 +7,8 @@ and the auxiliary-loss-free bias balancing at a rate (0.05) that changes the rou
 run; byte tokens of real text, 2 micro-batches of 2 sequences per step, fp32, gradient clipping.
 
 - dp=2 (DDP, parallel.zero=none; each rank one micro-batch, the expert loads summed over dp for
-  the bias and the metrics), ep=2 (2 experts per rank, tokens exchanged by all-to-all, the
+  the bias and the metrics), fsdp2 at dp=2 (experts, router and routing biases sharded; each rank
+  moves its shard of the biases), ep=2 (2 experts per rank, tokens exchanged by all-to-all, the
   experts' gradients summed over the ranks' tokens and scaled by 1/dp; also under full activation
   checkpointing, whose recompute repeats the exchanges inside backward) and pp=2 (1F1B; the routing
   losses' gradients scaled with the pipeline's 1 / micro-batches) give the one-process losses
@@ -43,7 +44,7 @@ MODEL = ["model.n_layers=3", "model.d_model=64", "model.n_heads=4", "model.mlp_w
 TRAIN = ["train.steps=8", "train.global_batch=4", "train.micro_batch=2", "train.lr=3e-3", "train.warmup_steps=2",
          "train.grad_clip=0.5", "train.log_interval=1", "train.eval_batches=1", "run.tensorboard=false",
          "checkpoint.interval=0", "checkpoint.keep=0"]
-LAYOUTS = {"dp2": [], "pp2": ["parallel.pp=2"], "ep2": ["parallel.ep=2"],
+LAYOUTS = {"dp2": [], "fsdp2": ["parallel.zero=fsdp2"], "pp2": ["parallel.pp=2"], "ep2": ["parallel.ep=2"],
            "ep2_recompute": ["parallel.ep=2", "train.activation_checkpointing=full"]}
 LOAD_KEYS = tuple(f"moe/{layer}/{key}" for layer in (1, 2) for key in ("load_min", "load_max", "load_entropy",
                                                                           "balance_loss", "z_loss"))
