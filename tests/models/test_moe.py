@@ -166,7 +166,7 @@ def test_compiled_moe_has_the_eager_outputs_and_gradients():
 
 
 @pytest.mark.parametrize("extra", [[], ["model.moe.first_dense=1", "model.moe.shared_width=16"],
-                                   ["model.taper.start=0.5", "model.moe.top_k=1"]])
+                                   ["model.taper.start=0.5", "model.moe.top_k=1"], ["model.arch=gated_attention"]])
 def test_taper_keeps_total_parameters_and_active_flops_of_the_uniform_twin(extra):
     cfg = load_config(None, TINY_MOE + extra).model
     tapered, uniform = model_costs(cfg), model_costs(uniform_twin(cfg))
@@ -176,9 +176,12 @@ def test_taper_keeps_total_parameters_and_active_flops_of_the_uniform_twin(extra
     flags = moe_layers(cfg)
     expert_sum = sum(w for w, moe in zip(layer_widths(cfg), flags) if moe)
     assert expert_sum == sum(flags) * 32  # the expert budget, exactly
-    with torch.device("meta"):
-        model = build_model(cfg)
+    model = build_model(cfg)
     assert sum(p.numel() for p in model.parameters()) == tapered.total_params
+    assert [isinstance(block.mlp, MoE) for block in model.layers.values()] == flags
+    model.init_weights(0)
+    model(torch.randint(0, 64, (1, 16))).sum().backward()  # the family runs with its experts
+    assert all(block.mlp.router.grad is not None for block in model.layers.values() if isinstance(block.mlp, MoE))
 
 
 def test_recipes_are_twins_and_the_pipeline_plan_balances_active_flops():
