@@ -5,7 +5,10 @@
    (PARITY_TOL: fp32 reduction orders of the two devices differ by ~1e-6 per step; a wrong kernel
    or a lost gradient moves the loss by 1e-3 or more) and in bf16 autocast on both (`bf16_parity`,
    BF16_TOL: both round the same matmul outputs to bf16, u = 2^-8, but oneDNN and cuBLAS sum in
-   other orders, so one rounding may land on the other side; measured 1e-4 on the H200).
+   other orders, so one rounding may land on the other side; measured 1e-4 on the H200). The
+   mixture of experts the same way in bf16 (`moe_bf16_parity`: configs/tiny_moe_taper.yaml, whose
+   experts run torch's grouped GEMM on the GPU and the loop over experts on the CPU; not yet run
+   on a GPU).
 2. Throughput: a ~1.3B tapered Transformer (configs/transformer_1.3b_taper.yaml with pp=1) in bf16
    with parallel.zero=fsdp2 at dp=1 (one process: nothing to shard, so the model runs as is under
    bf16 autocast), one variant per entry of VARIANTS, most wanted first (the baseline, float8
@@ -333,6 +336,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as folder:
         attempt(report, args.out, "parity", parity, folder, device, parity_steps)
         attempt(report, args.out, "bf16_parity", parity, folder, device, parity_steps, "bf16")
+        attempt(report, args.out, "moe_bf16_parity", parity, folder, device, parity_steps, "bf16",
+                "configs/tiny_moe_taper.yaml")
         attempt(report, args.out, "collectives", collectives, folder, device)
         vocab = load_config("configs/transformer_1.3b_taper.yaml", shape).model.vocab_size
         shape = [*shape, f"data.path={random_tokens(folder, vocab, 4_000_000)}", f"train.device={device}",
@@ -353,7 +358,8 @@ def main() -> int:
     json.dump(report, sys.stdout)
     print()
     failed = [r for r in report.get("throughput", []) if "failed" in r and not r.get("expected_failure")]
-    ok = all(report[part].get("ok") for part in ("parity", "bf16_parity", "collectives")) and not failed
+    ok = all(report[part].get("ok") for part in ("parity", "bf16_parity", "moe_bf16_parity", "collectives")) \
+        and not failed
     return 0 if ok else 1
 
 

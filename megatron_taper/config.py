@@ -23,8 +23,8 @@ from megatron_taper.recipe import apply_key_value, dataclass_keys, merge_mapping
 from megatron_taper.taper import TAPER_SCHEDULES
 from megatron_taper.validation import ConfigError, check_choice, check_range
 
-__all__ = ["CheckpointConfig", "Config", "ConfigError", "DataConfig", "DeepSpeedConfig", "FaultConfig", "ModelConfig",
-           "ParallelConfig", "RunConfig", "TaperConfig", "TrainConfig", "WandbConfig", "load_config"]
+__all__ = ["CheckpointConfig", "Config", "ConfigError", "DataConfig", "DeepSpeedConfig", "FaultConfig", "MoEConfig",
+           "ModelConfig", "ParallelConfig", "RunConfig", "TaperConfig", "TrainConfig", "WandbConfig", "load_config"]
 
 
 @dataclass
@@ -42,6 +42,41 @@ class TaperConfig:
 
 
 FUSED_SWIGLU_ARCHS = ("transformer", "gated_attention")  # families whose blocks build SwiGLU(fused=...)
+MOE_ARCHS = ("transformer", "gated_attention")  # families whose blocks take a mixture of experts (models/moe.py)
+
+
+@dataclass
+class MoEConfig:
+    """model.moe: a token-choice top-k mixture of SwiGLU experts in place of the MLP of every layer
+    from `first_dense` on (models/moe.py); experts=0 = a dense model. The taper sets each MoE
+    layer's expert width (taper.py layer_widths): the number of experts and top_k stay fixed, so
+    total parameters and active FLOPs both equal the uniform twin's."""
+
+    experts: int = 0  # routed experts per MoE layer; 0 = no MoE (every layer a dense SwiGLU)
+    top_k: int = 2  # experts each token is sent to (gates renormalised to sum to 1; top-1: the probability)
+    expert_width: int = 0  # uniform SwiGLU width of one expert, the expert budget (0 = model.mlp_width)
+    shared_width: int = 0  # width of a shared SwiGLU expert every token passes through; 0 = none
+    first_dense: int = 0  # the first layers keep a dense SwiGLU of model.mlp_width (DeepSeek-V3 keeps 3)
+    aux_loss_weight: float = 0.01  # load-balancing loss (Switch form, models/moe.py); 0 = off
+    z_loss_weight: float = 0.001  # router z-loss (ST-MoE: mean logsumexp(logits)^2); 0 = off
+    # auxiliary-loss-free balancing (DeepSeek-V3): a per-expert bias added to the routing scores for
+    # the choice only, moved by bias_rate * sign(mean load - load) after every optimizer step
+    bias_balance: bool = False
+    bias_rate: float = 0.001
+
+    @property
+    def enabled(self) -> bool:
+        return self.experts > 0
+
+    def validate(self, prefix: str) -> None:
+        for key in ("experts", "expert_width", "shared_width", "first_dense"):
+            check_range(f"{prefix}.{key}", getattr(self, key), 0, None)
+        check_range(f"{prefix}.top_k", self.top_k, 1, None)
+        check_range(f"{prefix}.aux_loss_weight", self.aux_loss_weight, 0.0, None)
+        check_range(f"{prefix}.z_loss_weight", self.z_loss_weight, 0.0, None)
+        check_range(f"{prefix}.bias_rate", self.bias_rate, 0.0, None)
+        if self.enabled and self.top_k > self.experts:
+            raise ConfigError(f"{prefix}.top_k={self.top_k} must be at most {prefix}.experts={self.experts}")
 
 
 @dataclass
@@ -67,6 +102,7 @@ class _ModelOptions:
     # (checkpoint/files.py), so it is no architecture key. Transformer and gated_attention only
     fused_swiglu: bool = False
     taper: TaperConfig = field(default_factory=TaperConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
 
     def architecture_dict(self) -> dict[str, Any]:
         """The keys that shape this architecture: the other families' sections and the parameter
@@ -75,6 +111,8 @@ class _ModelOptions:
         others = {c.section for c in registered.values() if c.section and c.name != self.arch}
         others -= set(registered[self.arch].reads_sections) if self.arch in registered else set()
         others.add("fused_swiglu")
+        if not self.moe.enabled:  # a dense model's architecture reads as it did before model.moe existed
+            others.add("moe")
         return {k: v for k, v in dataclasses.asdict(self).items() if k not in others}
 
     @property
@@ -112,6 +150,17 @@ class _ModelOptions:
         if self.fused_swiglu and self.arch not in FUSED_SWIGLU_ARCHS:
             raise ConfigError(f"{prefix}.fused_swiglu=true: model.arch={self.arch!r} keeps its MLP unfused (fused: "
                               f"{', '.join(FUSED_SWIGLU_ARCHS)}); use {prefix}.fused_swiglu=false")
+        self.moe.validate(f"{prefix}.moe")
+        if self.moe.enabled:
+            if self.arch not in MOE_ARCHS:
+                raise ConfigError(f"{prefix}.moe.experts={self.moe.experts}: model.arch={self.arch!r} keeps a "
+                                  f"dense MLP (mixture of experts: {', '.join(MOE_ARCHS)}); use {prefix}.moe.experts=0")
+            if self.moe.first_dense >= self.n_layers:
+                raise ConfigError(f"{prefix}.moe.first_dense={self.moe.first_dense} leaves no MoE layer of "
+                                  f"{prefix}.n_layers={self.n_layers}; lower it or set {prefix}.moe.experts=0")
+            if self.fused_swiglu:
+                raise ConfigError(f"{prefix}.fused_swiglu=true with {prefix}.moe: the experts keep separate gate "
+                                  f"and up weights; use {prefix}.fused_swiglu=false")
         for card in cards().values():
             if card.section:
                 getattr(self, card.section).validate(f"{prefix}.{card.section}")
@@ -174,6 +223,9 @@ class ParallelConfig:
     # rank must divide by cp (kv heads are repeated up to a multiple of cp where they do not)
     cp_attention: str = "allgather"
     zero: str = "none"  # none | fsdp2 | deepspeed
+    # expert parallelism (model.moe, parallel/ep.py): each MoE layer's experts spread over this many
+    # ranks of the dp group, tokens sent to them and back by all-to-all; today ep = dp, with zero=none
+    ep: int = 1
     pp_balance: str = "flops"  # flops | uniform | params | profile
     pp_schedule: str = "1f1b"  # 1f1b | gpipe | interleaved_1f1b | interleaved_zero_bubble | zbv | dualpipev
     microbatches: int = 0  # 0 = gradient accumulation steps (pp > 1: at least pp)
@@ -203,6 +255,7 @@ class ParallelConfig:
         check_range(f"{prefix}.tp", self.tp, 1, None)
         check_range(f"{prefix}.pp", self.pp, 1, None)
         check_range(f"{prefix}.cp", self.cp, 1, None)
+        check_range(f"{prefix}.ep", self.ep, 1, None)
         check_range(f"{prefix}.microbatches", self.microbatches, 0, None)
         check_range(f"{prefix}.pp_virtual", self.pp_virtual, 1, None)
         check_range(f"{prefix}.pp_memory_gb", self.pp_memory_gb, 0.0, None)

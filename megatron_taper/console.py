@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from megatron_taper.cost.flops import device_name, model_costs
 from megatron_taper.cost.preflight import step_split
 from megatron_taper.fault.watchdog import ENDED_FILE, EXIT_HANG
-from megatron_taper.taper import layer_widths
+from megatron_taper.taper import expert_width, layer_widths
 
 if TYPE_CHECKING:
     import torch
@@ -48,7 +48,10 @@ def summary_lines(cfg: Config, ctx: ParallelContext, pm: ParallelModel, train_so
         + f", vocab {m.vocab_size}, seq_len {m.seq_len}: {_count(costs.total_params)} parameters, "
         f"{_count(costs.total_flops)} forward FLOPs per token",
         f"mlp widths ({taper.schedule}, start {taper.start:g}, uniform {m.mlp_width}): "
-        + " ".join(str(w) for w in layer_widths(m)),
+        + " ".join(str(w) for w in layer_widths(m))
+        + (f" (from layer {m.moe.first_dense} on: {m.moe.experts} experts of that width each, top-{m.moe.top_k}, "
+           f"uniform {expert_width(m)}"
+           + (f", shared expert {m.moe.shared_width}" if m.moe.shared_width else "") + ")" if m.moe.enabled else ""),
         f"layout: {ctx.world_size} process(es) = pp {ctx.pp} x dp {ctx.dp} x "
         + (f"cp {ctx.cp} x " if ctx.cp > 1 else "") + f"tp {ctx.tp}, zero {p.zero}"
         + (f" (HSDP: dp_replicate {ctx.dp_replicate} x dp_shard {ctx.dp_shard})" if ctx.dp_replicate > 1 else "")

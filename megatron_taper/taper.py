@@ -10,6 +10,12 @@ Ideal unit counts are scaled to sum to T exactly, floored, and the units left ov
 layers with the largest remainders (ties: the larger ideal width, then the earlier layer).
 A reverse taper (start < 1) is computed as the mirror image of the forward one (2 - start), so
 mirrored settings give exactly mirrored widths.
+
+Mixture of experts (model.moe): the layers from model.moe.first_dense on hold experts, the ones
+before it a dense MLP. Each group is tapered on its own over its own depth: the dense layers
+around model.mlp_width, the MoE layers' expert width around model.moe.expert_width (the number
+of experts and top_k stay fixed). Each group's widths sum to its budget, so the total parameters
+(experts x widths) and the active FLOPs (top_k x widths) both equal the uniform twin's.
 """
 from __future__ import annotations
 
@@ -77,10 +83,29 @@ def taper_widths(n_layers: int, mlp_width: int, schedule: str = "cosine", start:
 
 
 def layer_widths(model_cfg) -> list[int]:
-    """Widths for a `ModelConfig` (its `taper` section)."""
+    """Widths for a `ModelConfig` (its `taper` section): each layer's MLP width, or for an MoE
+    layer (moe_layers) the width of each of its experts."""
     t = model_cfg.taper
-    return taper_widths(model_cfg.n_layers, model_cfg.mlp_width, t.schedule, t.start, t.multiple,
-                        t.sigmoid_sharpness).widths
+    moe = model_cfg.moe
+    if not moe.enabled:
+        return taper_widths(model_cfg.n_layers, model_cfg.mlp_width, t.schedule, t.start, t.multiple,
+                            t.sigmoid_sharpness).widths
+    dense = (taper_widths(moe.first_dense, model_cfg.mlp_width, t.schedule, t.start, t.multiple,
+                          t.sigmoid_sharpness).widths if moe.first_dense else [])
+    experts = taper_widths(model_cfg.n_layers - moe.first_dense, expert_width(model_cfg), t.schedule, t.start,
+                           t.multiple, t.sigmoid_sharpness).widths
+    return dense + experts
+
+
+def moe_layers(model_cfg) -> list[bool]:
+    """Whether each layer holds a mixture of experts (model.moe) rather than a dense MLP."""
+    moe = model_cfg.moe
+    return [moe.enabled and layer >= moe.first_dense for layer in range(model_cfg.n_layers)]
+
+
+def expert_width(model_cfg) -> int:
+    """The uniform width of one expert (the expert budget): model.moe.expert_width, else model.mlp_width."""
+    return model_cfg.moe.expert_width or model_cfg.mlp_width
 
 
 def _sigmoid(x: float) -> float:

@@ -1,5 +1,6 @@
 """Per-layer MLP width, parameters and forward FLOPs per token of a model config, and the same
-totals for its uniform twin.
+totals for its uniform twin. An MoE layer (model.moe) shows the width of each of its experts and
+its active FLOPs (the router's, the top_k experts' and the shared expert's).
 
     python tools/show_model.py --config configs/X.yaml [key=value ...] [--json]
 """
@@ -14,7 +15,7 @@ from megatron_taper.config import load_config
 from megatron_taper.cost.flops import model_costs, uniform_twin
 from megatron_taper.cost.preflight import preflight
 from megatron_taper.models import family
-from megatron_taper.taper import taper_widths
+from megatron_taper.taper import expert_width, moe_layers
 
 
 def describe(cfg) -> dict:
@@ -23,14 +24,17 @@ def describe(cfg) -> dict:
     spec = family(cfg.model.arch)  # what the family adds to its blocks (e.g. the memory bridge)
     extra = (sum(spec.block_extra_cost(cfg.model, i, True).params for i in range(cfg.model.n_layers))
              if spec.block_extra_cost is not None else 0)
-    t = cfg.model.taper
-    shortfall = taper_widths(cfg.model.n_layers, cfg.model.mlp_width, t.schedule, t.start, t.multiple,
-                             t.sigmoid_sharpness).shortfall
+    t, m = cfg.model.taper, cfg.model
+    moe = moe_layers(m)
+    budget = sum(expert_width(m) if is_moe else m.mlp_width for is_moe in moe)  # each group's, taper.py
+    shortfall = budget - sum(costs.widths)
     return {
         "arch": cfg.model.arch,
         "schedule": t.schedule,
         "start": t.start,
         "widths": costs.widths,
+        "moe_layers": moe,  # whether each layer holds experts (its width is then each expert's)
+        "experts": f"{m.moe.experts} x top-{m.moe.top_k}" if m.moe.enabled else "",
         "width_budget_shortfall": shortfall,
         "layer_params": [c.params for c in costs.layers],
         "layer_flops": [c.flops for c in costs.layers],
@@ -49,9 +53,11 @@ def describe(cfg) -> dict:
 def print_table(info: dict) -> None:
     print(f"{info['arch']}: {info['schedule']} taper, start {info['start']} "
           f"(forward FLOPs per token at seq_len {info['seq_len']}, causal)")
-    print(f"{'layer':>5} {'mlp width':>10} {'params':>14} {'FLOPs/token':>13}")
+    print(f"{'layer':>5} {'mlp width':>10} {'params':>14} {'FLOPs/token':>13}"
+          + (f" {'experts':>12}" if info["experts"] else ""))
     for i, (w, p, f) in enumerate(zip(info["widths"], info["layer_params"], info["layer_flops"])):
-        print(f"{i:>5} {w:>10} {p:>14,} {f:>13.4e}")
+        experts = (info["experts"] if info["moe_layers"][i] else "dense") if info["experts"] else ""
+        print(f"{i:>5} {w:>10} {p:>14,} {f:>13.4e}" + (f" {experts:>12}" if experts else ""))
     print(f"{'embedding':>16} {info['embedding_params']:>14,}")
     print(f"{'head':>16} {info['head_params']:>14,} {info['head_flops']:>13.4e}")
     print(f"{'total':>16} {info['total_params']:>14,} {info['total_flops']:>13.4e}")
@@ -61,8 +67,8 @@ def print_table(info: dict) -> None:
         print(f"{info['arch']} adds {info['extra_params']:,} parameters to its blocks: "
               f"+{info['extra_params'] / base:.1%} over the same model without them")
     if info["width_budget_shortfall"]:
-        print(f"note: widths sum to {info['width_budget_shortfall']} less than n_layers x mlp_width "
-              f"(the budget is not a multiple of model.taper.multiple)")
+        print(f"note: widths sum to {info['width_budget_shortfall']} less than n_layers x mlp_width (MoE layers: "
+              f"x model.moe.expert_width; the budget is not a multiple of model.taper.multiple)")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -148,6 +148,33 @@ def swiglu_cost(cfg: ModelConfig, width: int) -> Cost:
                 op_act=op_act)
 
 
+def moe_cost(cfg: ModelConfig, width: int) -> Cost:
+    """What an MoE layer's MLP (models/moe.py) adds to its pre-norm (a family's block with MLP width 0
+    holds the norm): router [N, D] and routing bias [N], N experts of width W (all count as
+    parameters), a shared expert of width Ws; FLOPs are the active ones, the router's and the k
+    experts' each token is sent to, and the shared expert's. Kept per token: logits and
+    probabilities [N] (fp32), the k gathered inputs and expert outputs, each expert row's 4 W as
+    in SwiGLU, the shared expert's 4 Ws. The count follows the code; no test compares it with
+    torch's saved tensors yet."""
+    d, moe = cfg.d_model, cfg.moe
+    n, k, shared = moe.experts, moe.top_k, moe.shared_width
+    params = n * d + n + 3 * d * width * n + 3 * d * shared
+    flops = 2 * d * n + 2 * 3 * d * width * k + 2 * 3 * d * shared
+    act = Split(whole=2 * n + 2 * k * d + 4 * k * width + 4 * shared)
+    backward = Split(seq=d, whole=2 * k * width + k * d + 2 * shared)
+    op_act = Split(whole=n + k * d + 2 * k * width + 2 * shared)
+    return Cost(params, flops, tp_params=Split(whole=params), act=act, backward=(backward,), op_act=op_act)
+
+
+def moe_all_to_all_bytes(cfg: ModelConfig, tokens: int, ep: int, act_bytes: int) -> float:
+    """Bytes one rank sends to the other ranks through one MoE layer's all-to-alls (parallel/ep.py)
+    for `tokens` of its tokens, forward and backward, when the routing is balanced: the tokens' k
+    assignments each carry d_model activations out (dispatch) and back (combine), and the same
+    gradients the other way in backward, the (ep - 1) / ep of them whose expert is elsewhere.
+    The expert counts' exchange (N integers) is left out. A measured imbalance scales it."""
+    return 4.0 * tokens * cfg.moe.top_k * cfg.d_model * act_bytes * (ep - 1) / ep
+
+
 def prefix_sums(values: Sequence[float]) -> list[float]:
     """[0, v0, v0 + v1, ...]: the sum of any contiguous run of `values` as a difference of two."""
     return [0.0, *itertools.accumulate(values)]

@@ -1,7 +1,8 @@
 """Whole-model parameter, FLOP and activation-memory costs, and MFU.
 
 Per-block costs come from each family's FamilySpec.layer_cost (built from cost/block.py's
-pieces: FLOPs are forward FLOPs per token, 2 per multiply-add; a training step is ~3x). This
+pieces: FLOPs are forward FLOPs per token, 2 per multiply-add; a training step is ~3x); an MoE
+layer's (model.moe) MLP is cost/block.py's moe_cost, whose FLOPs are the active ones. This
 module adds the embedding (first pipeline stage) and the final norm + LM head + loss (last
 stage). megatron_taper/cost/memory.py turns the memory side into bytes per rank.
 """
@@ -11,10 +12,10 @@ import copy
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from megatron_taper.cost.block import Cost, Split, norm_act
+from megatron_taper.cost.block import Cost, Split, moe_cost, norm_act
 from megatron_taper.cost.devices import read_devices
 from megatron_taper.models import family
-from megatron_taper.taper import layer_widths
+from megatron_taper.taper import layer_widths, moe_layers
 
 if TYPE_CHECKING:
     import torch
@@ -41,7 +42,9 @@ class ModelCosts:
 def model_costs(cfg: ModelConfig, causal: bool = True) -> ModelCosts:
     widths = layer_widths(cfg)
     spec = family(cfg.arch)
-    layers = [spec.layer_cost(cfg, w, causal) for w in widths]
+    # an MoE layer: the family's block with an MLP of width 0 (its norm) plus the experts (active FLOPs)
+    layers = [spec.layer_cost(cfg, 0, causal) + moe_cost(cfg, w) if moe else spec.layer_cost(cfg, w, causal)
+              for w, moe in zip(widths, moe_layers(cfg))]
     if spec.block_extra_cost is not None:
         layers = [cost + spec.block_extra_cost(cfg, index, causal) for index, cost in enumerate(layers)]
     d, v = cfg.d_model, cfg.vocab_size

@@ -54,6 +54,8 @@ def narrowed(cfg: ModelConfig, n_layers: int, seq_len: int) -> ModelConfig:
     family accepts: NARROW's; 16 per head with its own heads; its own (slower to count).
     ConfigError when none is accepted (a block count or length the family refuses)."""
     heads = {"d_model": 16 * cfg.n_heads, "mlp_width": 32 * cfg.n_heads, "vocab_size": 256}
+    if cfg.moe.enabled:  # every counted block an MoE one (a dense first layer would leave none in a short stack)
+        cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, first_dense=0, expert_width=0))
     refusal = None
     for widths in (NARROW, heads, {}):
         taper = dataclasses.replace(cfg.taper, multiple=16) if widths else cfg.taper

@@ -52,6 +52,11 @@ def preflight(cfg: Config, world_size: int, widths: Sequence[int] | None = None)
     if t.device == "cuda" and (message := width_alignment_warning(m, widths, t.device)):
         warnings.warn(message, stacklevel=2)
     spec = family(m.arch)
+    if m.moe.enabled:
+        _check_moe(m, p, t, dp)
+    elif p.ep > 1:
+        raise ConfigError(f"parallel.ep={p.ep} spreads experts, but model.moe.experts=0 (a dense model); "
+                          f"use parallel.ep=1")
     if p.cp > 1:
         _check_context_parallel(m, p, t)
     if spec.check_layout is not None:
@@ -102,6 +107,35 @@ def compiles(m: ModelConfig, p: ParallelConfig, t: TrainConfig, device_type: str
     if not t.compiles(device_type):
         return False
     return t.compile_setting == "true" or p.cp == 1 or family(m.arch).cp_balanced
+
+
+def _check_moe(m: ModelConfig, p: ParallelConfig, t: TrainConfig, dp: int) -> None:
+    """model.moe (models/moe.py): the layouts its layers are built and tested for today (one process,
+    data parallelism through DDP or fsdp2, pipelines, and expert parallelism over the whole dp
+    group with DDP, without pipelines: parallel/ep.py)."""
+    if p.tp > 1:
+        raise ConfigError(f"model.moe with parallel.tp={p.tp} is not supported yet (no tensor-parallel plan for the "
+                          f"router and experts); use parallel.tp=1")
+    if p.zero == "deepspeed":
+        raise ConfigError("model.moe with parallel.zero=deepspeed is not supported yet (DeepSpeed partitions the "
+                          "routing biases, which move outside its optimizer); use parallel.zero=fsdp2 or none")
+    if p.ep > 1 and p.zero != "none":
+        raise ConfigError(f"parallel.ep={p.ep} with parallel.zero={p.zero} is not supported yet (experts sharded over "
+                          f"dp by both); use parallel.zero=none")
+    if p.cp > 1:
+        raise ConfigError(f"model.moe with parallel.cp={p.cp} is not supported yet (untested); use parallel.cp=1")
+    if t.float8:
+        raise ConfigError("model.moe with train.float8=true is not supported (the experts' grouped GEMMs are no "
+                          "nn.Linear); use train.float8=false")
+    if p.ep > 1:
+        if p.ep != dp:
+            raise ConfigError(f"parallel.ep={p.ep} must equal the data-parallel size {dp} (experts spread over the "
+                              f"whole dp group; ep dividing dp is not built yet)")
+        if m.moe.experts % p.ep:
+            raise ConfigError(f"parallel.ep={p.ep} must divide model.moe.experts={m.moe.experts} (each rank holds "
+                              f"the same number of experts)")
+        if p.pp > 1:
+            raise ConfigError(f"parallel.ep={p.ep} with parallel.pp={p.pp} is not supported yet; use parallel.pp=1")
 
 
 def _check_cuda_graphs(p: ParallelConfig) -> None:

@@ -73,6 +73,9 @@ def export_hf(checkpoint: str, output: str, dtype: str = "fp32", tokenizer: str 
         raise ValueError(f"--dtype={dtype!r} is not one of: {', '.join(DTYPES)}")
     ref = open_checkpoint(checkpoint, flag="checkpoint")
     m = ref.config.model
+    if m.moe.enabled:
+        raise ValueError(f"--to hf: model.moe (experts={m.moe.experts}) has no Hugging Face export yet (no "
+                         f"Mixtral / Qwen-MoE layout is written); export its weights with the default --to safetensors")
     adapter = adapter_of(m.arch, "--to hf")
     special_config = adapter.export_config(m)  # refuses what the target architecture cannot hold, before writing
     names = {}

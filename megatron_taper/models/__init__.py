@@ -13,11 +13,12 @@ registered after the built-in ones; those modules are imported when the registry
 (in that process: torchrun's workers inherit the variable).
 
 The registry and cards: spec.py (FamilyCard, FamilySpec, lazy), cards.py (built-in cards and
-options). Shared layers: layers.py (RMSNorm, RoPE, ALiBi, attention, SwiGLU), documents.py (the
-documents of a packed window: doc_start from end-of-document tokens, FlexAttention's document
-block mask), local_attention.py (sliding window behind persistent tokens), init.py (split-independent initialisation),
-decoding.py (KV cache). Hugging Face: hf_llama.py (the adapter), modeling_tapered_llama.py (the
-modelling file exports carry). kernels/: the loop-free and Triton forms of the recurrences.
+options). Shared layers: layers.py (RMSNorm, RoPE, ALiBi, attention, SwiGLU), moe.py (the
+mixture-of-experts MLP, model.moe), documents.py (the documents of a packed window: doc_start from
+end-of-document tokens, FlexAttention's document block mask), local_attention.py (sliding window
+behind persistent tokens), init.py (split-independent initialisation), decoding.py (KV cache).
+Hugging Face: hf_llama.py (the adapter), modeling_tapered_llama.py (the modelling file exports
+carry). kernels/: the loop-free and Triton forms of the recurrences.
 
 One folder per family, each the same shape: `__init__.py` (its SPECS, nothing else), model.py (the
 modules, single-device), cost.py (its cost terms and context-parallel message sizes) and parallel.py

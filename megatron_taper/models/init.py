@@ -10,7 +10,7 @@ logical value, CPU float32); `init_parameters` fills a whole materialised model 
 is what the families' `init_weights(seed)` does.
 
 Rule (GPT-2 / Megatron style): norm weights 1; biases 0; every other weight N(0, std), except the
-projections that write into the residual stream (`wo`, `w2`, names listed in `residual_out`),
+projections that write into the residual stream (`wo`, `w2`, the experts' `w2`, names listed in `residual_out`),
 which get N(0, std / sqrt(2 * n_layers)).
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ from torch import nn
 
 from megatron_taper.models.layers import FUSED_GATE_UP, GATE_UP, fuse_gate_up
 
-RESIDUAL_OUT = ("wo.weight", "w2.weight")
+RESIDUAL_OUT = ("wo.weight", "w2.weight", "experts.w2")  # the last: models/moe.py GroupedExperts
 
 # (parameter name, full shape, seed) -> the logical initial value, CPU float32
 InitValue = Callable[[str, tuple[int, ...], int], torch.Tensor]

@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 from megatron_taper.checkpoint.files import CheckpointReader, Piece
 from megatron_taper.models.documents import document_starts
 from megatron_taper.models.layers import cross_entropy
+from megatron_taper.models.moe import set_aux_scale
 from megatron_taper.parallel.context import ParallelContext
 from megatron_taper.parallel.cp.split import SequenceSplit, cp_mean, split_batch
 from megatron_taper.parallel.dp.ddp import wrap_ddp
@@ -52,6 +53,9 @@ class ParallelModel:
     dp_shard: Callable[[torch.Tensor], torch.Tensor] | None = None
     # name -> tp layout of a tensor-parallel parameter (where its slice lies in the logical tensor)
     tp_specs: dict[str, ShardSpec] = field(default_factory=dict)
+    # name -> layout over the dp ranks of an expert-parallel parameter (parallel/ep.py): rank r holds
+    # rows starts[dp_rank] ..; not averaged by DDP, its gradient-norm share summed over dp
+    ep_specs: dict[str, ShardSpec] = field(default_factory=dict)
     # zero=none with dp > 1: `module` behind torch DDP (attach_data_parallel), used for training
     # forwards; `module` itself stays the unwrapped one (names, checkpoints, evaluation)
     dp_module: nn.Module | None = None
@@ -85,9 +89,9 @@ class ParallelModel:
 
     def attach_data_parallel(self, bucket_mb: float) -> None:
         """Average gradients over dp with bucketed all-reduces overlapping backward (torch DDP,
-        data_parallel.py); called once the parameters are materialised."""
+        dp/ddp.py); called once the parameters are materialised."""
         assert not self.dp_sharded and self.dp_module is None
-        self.dp_module = wrap_ddp(self.module, self.ctx, bucket_mb)
+        self.dp_module = wrap_ddp(self.module, self.ctx, bucket_mb, ignore=list(self.ep_specs))
         self.ddp_attached = True
 
     # -- optimizer (engines that own their optimizer, e.g. DeepSpeed, override these) -------------
@@ -133,7 +137,7 @@ class ParallelModel:
     def gathers_on_every_dp_rank(self) -> bool:
         """Whether logical_state is a collective over the dp group (ZeRO shards) or is called by
         dp rank 0 alone (replicas)."""
-        return self.dp_sharded
+        return self.dp_sharded or bool(self.ep_specs)
 
     def logical_state(self, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
         """(parameters, optimizer state) as logical CPU tensors keyed by parameter name."""
@@ -176,6 +180,10 @@ class ParallelModel:
                 owner = owner and data.numel() > 0
         else:
             full, offsets = list(local.shape), [0] * local.dim()
+        expert = self.ep_specs.get(name)
+        if expert is not None:  # each dp rank its own experts' rows
+            full[0], offsets[0] = expert.full, expert.starts[self.ctx.dp_rank]
+            owner = self.ctx.cp_rank == 0
         spec = self.tp_specs.get(name)
         if spec is not None:
             start = spec.starts[self.ctx.tp_rank]
@@ -266,6 +274,7 @@ class ParallelModel:
         """
         total = torch.zeros((), device=self.ctx.device)
         runner = self.dp_module or self.module
+        set_aux_scale(self.module, 1.0 / len(micro_batches))  # MoE routing losses: weighted as the loss
         if self.cuda_graphs:
             torch.compiler.cudagraph_mark_step_begin()
         for i, tokens in enumerate(micro_batches):
@@ -317,18 +326,27 @@ class ParallelModel:
         """Global L2 gradient norm over all parameters of the model (all ranks), clipped to max_norm.
 
         Every logical value counts once: a tp shard with weight 1, a tensor held by k tp ranks with
-        1/k (summed over the tp group), disjoint pipeline stages summed over the pp group.
+        1/k (summed over the tp group), disjoint pipeline stages summed over the pp group, each dp
+        rank's own experts (expert parallelism, ep_specs) summed over the dp group.
         """
-        grads, by_replicas = [], {}
+        grads, by_replicas, experts = [], {}, []
         for name, p in self.module.named_parameters():
             if p.grad is not None:
                 grad = local_part(p.grad)  # a ZeRO shard: its part of the norm, summed over dp below
                 grads.append(grad)
-                by_replicas.setdefault(self.replicas.get(name, self.ctx.tp), []).append(grad)
+                if name in self.ep_specs:
+                    experts.append(grad)
+                else:
+                    by_replicas.setdefault(self.replicas.get(name, self.ctx.tp), []).append(grad)
         device = grads[0].device if grads else self.ctx.device
         sq = torch.zeros((), device=device, dtype=torch.float32)
         for k, gs in by_replicas.items():
             sq += torch.nn.utils.get_total_norm(gs, foreach=True).float().square() / k
+        if self.ep_specs:  # each dp rank's own experts
+            expert_sq = torch.nn.utils.get_total_norm(experts, foreach=True).float().square() if experts else \
+                torch.zeros((), device=device, dtype=torch.float32)
+            dist.all_reduce(expert_sq, group=self.ctx.dp_group)
+            sq += expert_sq
         if self.ctx.tp > 1:
             dist.all_reduce(sq, group=self.ctx.tp_group)
         if self.ctx.pp > 1:

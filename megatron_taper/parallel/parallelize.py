@@ -4,14 +4,14 @@ The model is either on the meta device (build.py: every step below only reshapes
 records layouts, and parallel/meta_init.py materialises this rank's pieces afterwards) or
 initialised and identical on every rank.
 
-Order: pipeline split -> tensor parallel -> context parallel (context_parallel.py: the sequence
-split handed to the attention, the loss share) -> float8 linears (float8.py; the main rank prints
-how many the rule converts) -> per-block options (activation checkpointing, compile:
-block_options.py; the main rank prints how many static graphs the compile makes) -> ZeRO (fsdp2 |
-deepspeed). Plain data parallelism (DDP, data_parallel.py) comes after materialisation, in
-build.py. With pp > 1 the model is first cut to this rank's pipeline stage (pipeline.py), which
-then calls back here with `whole_model=False` for the rest of the chain on that stage. The layout
-was checked by cost/preflight.py before any process group existed.
+Order: pipeline split -> tensor parallel -> expert parallel (ep.py: each rank keeps its experts)
+-> context parallel (cp/split.py: the sequence split handed to the attention, the loss share) ->
+float8 linears (float8.py; the main rank prints how many the rule converts) -> per-block options
+(activation checkpointing, compile: block_options.py; the main rank prints how many static graphs
+the compile makes) -> ZeRO (dp/: fsdp2 | deepspeed). Plain data parallelism (DDP, dp/ddp.py) comes
+after materialisation, in build.py. With pp > 1 the model is first cut to this rank's pipeline
+stage (pp/schedule.py), which then calls back here with `whole_model=False` for the rest of the
+chain on that stage. The layout was checked by cost/preflight.py before any process group existed.
 """
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ from megatron_taper.parallel.context import ParallelContext
 from megatron_taper.parallel.cp.split import SequenceSplit, apply_context_parallel, split_loss
 from megatron_taper.parallel.dp.ddp import all_reduce_flat_, bucket_mb
 from megatron_taper.parallel.dp.fsdp2 import apply_zero
+from megatron_taper.parallel.ep import apply_expert_parallel
 from megatron_taper.parallel.float8 import apply_float8, float8_hardware
 from megatron_taper.parallel.loss import loss_function
 from megatron_taper.parallel.meta_init import is_meta
@@ -62,6 +63,8 @@ def parallelize(model: nn.Module, ctx: ParallelContext, model_cfg: ModelConfig, 
         pm = ParallelModel(model, ctx, loss_fn=loss_function(train.loss_chunk))
     else:
         pm = _tensor_parallel(model, ctx, model_cfg, parallel, train.loss_chunk)
+    if parallel.ep > 1:
+        apply_expert_parallel(pm, parallel.ep)
     if ctx.cp > 1:
         split = SequenceSplit(ctx.cp, ctx.cp_rank, ctx.cp_group, attention=parallel.cp_attention,
                               balanced=family(model_cfg.arch).cp_balanced)

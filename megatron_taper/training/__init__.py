@@ -9,6 +9,7 @@ stop.py      stops by signal (SIGUSR1, SIGTERM, Ctrl-C), agreed by all ranks at 
              (the same vote completes a background save)
 run_folder.py  which run.dir a run may use (and its lock), and what a resume may change
 carried.py   state carried across windows (the bridge's memory along each document)
+experts.py   a mixture of experts' routing biases after each step and its load records
 held_out.py  the held-out evaluation loop
 metrics.py   metrics.jsonl, tensorboard and wandb writers
 optim.py     the optimizer and the learning-rate schedule

@@ -35,6 +35,7 @@ from megatron_taper.parallel.context import ParallelContext, init_parallel, shut
 from megatron_taper.training.build import attention_kernel_line, build_run
 from megatron_taper.training.carried import CarriedRows
 from megatron_taper.training.checkpointing import Checkpointing
+from megatron_taper.training.experts import ExpertRouting
 from megatron_taper.training.held_out import dp_mean, held_out_losses
 from megatron_taper.training.metrics import MetricsLogger
 from megatron_taper.training.optim import lr_at
@@ -64,6 +65,7 @@ class Trainer:
     train_source: BatchSource  # this data-parallel rank's batches, drawn ahead by `prefetch`
     prefetch: Prefetcher | None
     carry: CarriedRows | None  # a family's state carried along each row's windows
+    experts: ExpertRouting | None  # a mixture of experts' routing biases and load records
     held_out: list[HeldOut]
     recovery: Recovery  # non-finite steps, spikes, rollback, skipped data windows (fault/recovery.py)
     checkpointing: Checkpointing  # when to save, async completion, resume / init_from
@@ -83,6 +85,7 @@ class Trainer:
         if self.ctx.is_main and (line := attention_kernel_line(run)):
             print(line, flush=True)
         self.accum = run.layout.accumulation
+        self.experts = ExpertRouting(m.moe, self.ctx, self.pm.module) if m.moe.enabled else None
         carried = family(m.arch).carried_state
         self.carry = (CarriedRows(carried, self.pm.module, self.accum, self.ctx.dp, self.ctx.dp_rank, self.ctx.device)
                       if carried is not None and carried.enabled(m) else None)
@@ -148,6 +151,8 @@ class Trainer:
                     continue  # rolled back to an earlier checkpoint
                 if at_log and not rolled_back:
                     self.check_health()
+                    if self.experts is not None:
+                        record.update(self.experts.record())
                     self.log.step(record, self.step, self.state.tokens_seen, self.skipped, steps_here)
                 if stop:
                     return self._stop_with_checkpoint(stop)
@@ -179,6 +184,8 @@ class Trainer:
         loss = dp_mean(self.ctx, self.guard.loss(losses, self.step + 1))
         # reduce, clip and step (or skip a non-finite step, on the device); the engine owns how
         grad_norm, stepped = self.pm.optimizer_step(self.optimizer, self.cfg.train.grad_clip, torch.isfinite(loss))
+        if self.experts is not None:
+            self.experts.after_step(stepped)
         self.state.advance(self.cfg.train.global_batch * self.cfg.model.seq_len)
         self.recovery.update(loss, stepped, self.step, self.state.batches)
         return {"loss": loss, "grad_norm": grad_norm, "lr": self.optimizer.param_groups[0]["lr"], **data_metrics}

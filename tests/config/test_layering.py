@@ -89,7 +89,7 @@ FLOORS = {
     "megatron_taper.training.build": 6, "megatron_taper.training.held_out": 6, "megatron_taper.training.carried": 6,
     "megatron_taper.training.run_lock": 6, "megatron_taper.training.stop": 6, "megatron_taper.training.state": 6,
     "megatron_taper.training.run_folder": 6, "megatron_taper.training.step_log": 6,
-    "megatron_taper.training.checkpointing": 6,
+    "megatron_taper.training.checkpointing": 6, "megatron_taper.training.experts": 6,
     "megatron_taper.training.trainer": 7, "megatron_taper.train": 8,
     "megatron_taper.inference": 9, "megatron_taper.sweep": 9,
 }

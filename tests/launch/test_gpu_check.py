@@ -27,6 +27,7 @@ def test_gpu_check_smoke(tmp_path):
     assert report["parity"]["ok"] and report["parity"]["max_abs_diff"] == 0.0  # the CPU against itself
     assert report["bf16_parity"]["ok"] and report["bf16_parity"]["precision"] == "bf16"
     assert report["bf16_parity"]["cpu_losses"] != report["parity"]["cpu_losses"]  # bf16 autocast really ran
+    assert report["moe_bf16_parity"]["ok"] and report["moe_bf16_parity"]["config"].endswith("tiny_moe_taper.yaml")
     assert report["collectives"]["ok"] and report["collectives"]["world_size"] == 1
     runs = report["throughput"]
     assert [(r["activation_checkpointing"], r.get("float8", False)) for r in runs] == [

@@ -201,7 +201,7 @@ class MemoryBridge(nn.Module):
     def forward(self, x: torch.Tensor, doc_start: torch.Tensor | None = None) -> torch.Tensor:
         """x [B, S, D] -> x plus the gated read of each segment's state. Under context
         parallelism x is this rank's slice: it starts from the state rank r - 1's slice ended
-        with, and hands its own end state to rank r + 1 (cp_state.py's chain). `doc_start` [B, S]:
+        with, and hands its own end state to rank r + 1 (parallel/cp/state.py's chain). `doc_start` [B, S]:
         documents (module docstring)."""
         doc_start = starts_inside(doc_start, self.split(), "the memory bridge")
         if doc_start is not None:

@@ -37,7 +37,7 @@ def receive_weights(level: ContinuumLevel, weights: Weights, batch: int) -> Weig
 
 
 def send_weights(level: ContinuumLevel, out: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    """Hand the end weights out[1:] to cp rank r + 1 (cp_state.py's chain); returns the outputs out[0]."""
+    """Hand the end weights out[1:] to cp rank r + 1 (parallel/cp/state.py's chain); returns the outputs out[0]."""
     from megatron_taper.parallel.cp.state import send_state
 
     return send_state(level.context, level.context_tag, out[0], tuple(out[1:]))

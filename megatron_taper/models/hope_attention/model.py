@@ -161,7 +161,7 @@ class ContinuumLevel(nn.Module):
             return out + 0.0 * step  # eta still joins the graph for a (zero) gradient, as DDP needs
         sum_partial = None if self.comm.sum_partial is identity else self.comm.sum_partial
         out = online_scan(n, *weights, step, self.period, sum_partial, last_updates)
-        if last_updates:  # rank r + 1 starts from these weights (cp_state.py's chain)
+        if last_updates:  # rank r + 1 starts from these weights (parallel/cp/state.py's chain)
             return hope_cp.send_weights(self, out)
         return out
 

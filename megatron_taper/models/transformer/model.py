@@ -6,6 +6,11 @@ Positions: RoPE, or ALiBi with `model.position=alibi` (Press et al. 2022: no rot
 adds -2^(-8h/H) * distance to its scores, models/layers.py), which is what the tree LM's
 length-extrapolation benchmark compares against (docs/tree_lm.md).
 
+model.moe: the blocks from model.moe.first_dense on hold a mixture of experts as their MLP
+(models/moe.py), each expert of the width the taper gives that layer (taper.py); config.py admits
+it for this family and Gated Attention (whose blocks are these with a gate), the blocks of the
+other families that build on this class take no `moe`.
+
 Blocks live in a ModuleDict keyed by their global index, so a pipeline stage can drop the
 blocks, the embedding, or the head it does not own and keep the same parameter names; forward
 then takes hidden states [B, S, D] instead of tokens and returns hidden states when the head is
@@ -25,20 +30,22 @@ from torch import nn
 
 from megatron_taper.models.decoding import kv_decoder
 from megatron_taper.models.init import init_parameters, init_tensor
-from megatron_taper.models.layers import Attention, RMSNorm, SwiGLU, rope_tables, rope_tables_at
-from megatron_taper.taper import layer_widths
+from megatron_taper.models.layers import Attention, RMSNorm, rope_tables, rope_tables_at
+from megatron_taper.models.moe import build_mlp
+from megatron_taper.taper import layer_widths, moe_layers
 
 if TYPE_CHECKING:
     from megatron_taper.config import ModelConfig
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, cfg: ModelConfig, mlp_width: int):
+    def __init__(self, cfg: ModelConfig, mlp_width: int, moe: bool = False):
+        """`moe`: the MLP is a mixture of experts of width `mlp_width` each (models/moe.py)."""
         super().__init__()
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attn = self.build_attention(cfg)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.mlp = SwiGLU(cfg.d_model, mlp_width, fused=cfg.fused_swiglu)
+        self.mlp = build_mlp(cfg, mlp_width, moe)
 
     def build_attention(self, cfg: ModelConfig) -> nn.Module:
         return Attention(cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_dim, cfg.position_encoding)
@@ -55,11 +62,12 @@ class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        self.mlp_widths = layer_widths(cfg)
+        self.mlp_widths = layer_widths(cfg)  # an MoE layer's: the width of each of its experts
         self.context = None  # a context-parallel sequence split (parallel/cp/split.py), or None
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.layers = nn.ModuleDict(
-            {str(i): self.block_class(cfg, width) for i, width in enumerate(self.mlp_widths)}
+            {str(i): self.block_class(cfg, width, moe=True) if moe else self.block_class(cfg, width)
+             for i, (width, moe) in enumerate(zip(self.mlp_widths, moe_layers(cfg)))}
         )
         self.norm: RMSNorm | None = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.output: nn.Linear | None = (None if cfg.tie_embeddings

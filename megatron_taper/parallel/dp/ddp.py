@@ -62,11 +62,14 @@ def all_reduce_flat_(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> N
         t.copy_(summed.view_as(t))
 
 
-def wrap_ddp(module: nn.Module, ctx: ParallelContext, configured_mb: float) -> DistributedDataParallel:
+def wrap_ddp(module: nn.Module, ctx: ParallelContext, configured_mb: float,
+             ignore: list[str] | None = None) -> DistributedDataParallel:
     """`module` (this rank's materialised part) behind DDP over the dp group (flattened with cp
     when parallel.cp > 1: ParallelContext.grad_group), buckets of bucket_mb(configured_mb, module,
-    dp x cp)."""
+    dp x cp); the parameters named in `ignore` (expert-parallel ones, parallel/ep.py) are left alone."""
     on_gpu = ctx.device.type == "cuda"
+    if ignore:
+        module._ddp_params_and_buffers_to_ignore = list(ignore)  # the attribute DDP's constructor reads
     return DistributedDataParallel(
         module,
         device_ids=[ctx.device.index] if on_gpu else None,

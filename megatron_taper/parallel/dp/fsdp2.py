@@ -180,3 +180,13 @@ def _dp_shard(local: torch.Tensor, mesh, device: torch.device) -> torch.Tensor:
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     return distribute_tensor(local.to(device), mesh, [Replicate()] * (mesh.ndim - 1) + [Shard(0)], src_data_rank=None)
+
+
+def add_to_shards(param: torch.Tensor, update: torch.Tensor) -> None:
+    """param += update in place, `update` the logical (tp-local) tensor: a DTensor parameter (ZeRO
+    shards) takes its own shard of it, without comms."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(param, DTensor):
+        update = distribute_tensor(update, param.device_mesh, param.placements, src_data_rank=None)
+    param.add_(update)

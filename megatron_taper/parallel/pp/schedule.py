@@ -47,6 +47,7 @@ from torch import nn
 
 from megatron_taper.config import V_SCHEDULES
 from megatron_taper.cost.partition import PipelinePlan, chunk_rank, plan_pipeline
+from megatron_taper.models.moe import uncounted
 from megatron_taper.parallel.context import ParallelContext, has_bf16
 from megatron_taper.parallel.cp.split import cp_mean
 from megatron_taper.parallel.dp.ddp import average_gradients
@@ -160,6 +161,8 @@ class PipelineParallelModel(ParallelModel):
 
             stages = [PipelineStage(chunk, idx, self.n_stages, self.ctx.device, group=self.ctx.pp_group)
                       for chunk, idx in zip(self.chunks, self.chunk_ids)]
+            for stage in stages:  # its shape inference runs a forward (on empty tensors past stage 0)
+                stage._forward_metadata_inference = uncounted(stage._forward_metadata_inference, stage.submod)
             loss_fn = self.loss_fn
             zero_bubble = {"interleaved_zero_bubble": ScheduleInterleavedZeroBubble, "zbv": ScheduleZBVZeroBubble,
                            "dualpipev": ScheduleDualPipeV}

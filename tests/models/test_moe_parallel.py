@@ -1,0 +1,144 @@
+"""The mixture of experts (model.moe) through the Trainer: data and pipeline parallelism against one
+process, bitwise resume, and the tiny recipe on the built-in corpus.
+
+Every parity run: 8 steps of a 3-layer d=64 Transformer, layer 0 dense, layers 1-2 with 4 SwiGLU
+experts, top-2, a shared expert, tapered expert widths (48, 16), load-balancing and z-losses on,
+and the auxiliary-loss-free bias balancing at a rate (0.05) that changes the routing within the
+run; byte tokens of real text, 2 micro-batches of 2 sequences per step, fp32, gradient clipping.
+
+- dp=2 (DDP, parallel.zero=none; each rank one micro-batch, the expert loads summed over dp for
+  the bias and the metrics), fsdp2 at dp=2 (experts, router and routing biases sharded; each rank
+  moves its shard of the biases), ep=2 (2 experts per rank, tokens exchanged by all-to-all, the
+  experts' gradients summed over the ranks' tokens and scaled by 1/dp; also under full activation
+  checkpointing, whose recompute repeats the exchanges inside backward) and pp=2 (1F1B; the routing
+  losses' gradients scaled with the pipeline's 1 / micro-batches) give the one-process losses
+  and per-layer load metrics within LOSS_ATOL = 2e-5 and grad norms within NORM_RTOL = 1e-4
+  relative (float32 sums in another order; a bias step of 0.05 flips a token's choice only on a
+  near tie, so the runs route alike); the weights after the 8 steps (experts and routing biases
+  included) within WEIGHT_ATOL = 1e-5 (AdamW's steps of lr 3e-3 normalise gradient differences of
+  ~1e-7 relative into weight differences well below it).
+- A run stopped after step 4 (train.exit_after=4, which writes a checkpoint holding the routing
+  biases) and resumed logs bitwise the losses and expert loads of steps 5-8 of the uninterrupted run.
+  Stopped at ep=1 and resumed at ep=2, and back, the runs match one process within LOSS_ATOL.
+- --to hf refuses an MoE checkpoint with one clear error; the tiny recipe trains on the built-in corpus.
+All two-process layouts run one after another in one 2-process session.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.harness import run_distributed
+from tests.helpers.runner import REPO, train_in_process
+from tests.helpers.trainer_records import fit_all, logged
+
+pytestmark = pytest.mark.multiprocess
+
+LOSS_ATOL, NORM_RTOL, WEIGHT_ATOL = 2e-5, 1e-4, 1e-5
+MODEL = ["model.n_layers=3", "model.d_model=64", "model.n_heads=4", "model.mlp_width=64", "model.vocab_size=256",
+         "model.seq_len=32", "model.taper.multiple=16", "model.moe.experts=4", "model.moe.top_k=2",
+         "model.moe.expert_width=32", "model.moe.shared_width=16", "model.moe.first_dense=1",
+         "model.moe.aux_loss_weight=0.1", "model.moe.z_loss_weight=0.01", "model.moe.bias_balance=true",
+         "model.moe.bias_rate=0.05", "train.device=cpu", "train.precision=fp32"]
+TRAIN = ["train.steps=8", "train.global_batch=4", "train.micro_batch=2", "train.lr=3e-3", "train.warmup_steps=2",
+         "train.grad_clip=0.5", "train.log_interval=1", "train.eval_batches=1", "run.tensorboard=false",
+         "checkpoint.interval=0", "checkpoint.keep=0"]
+LAYOUTS = {"dp2": [], "fsdp2": ["parallel.zero=fsdp2"], "pp2": ["parallel.pp=2"], "ep2": ["parallel.ep=2"],
+           "ep2_recompute": ["parallel.ep=2", "train.activation_checkpointing=full"]}
+LOAD_KEYS = tuple(f"moe/{layer}/{key}" for layer in (1, 2) for key in ("load_min", "load_max", "load_entropy",
+                                                                          "balance_loss", "z_loss"))
+
+
+def _fit_all(runs: list[list[str]]) -> list[dict]:
+    return [dict(r, **_loads(o)) for r, o in zip(fit_all([MODEL + TRAIN + overrides for overrides in runs]), runs)]
+
+
+def _loads(overrides: list[str]) -> dict:
+    run_dir = next(o.split("=", 1)[1] for o in overrides if o.startswith("run.dir="))
+    return logged(run_dir, LOAD_KEYS) if Path(run_dir, "metrics.jsonl").exists() else {}
+
+
+@pytest.fixture(scope="module")
+def one_process(byte_tokens, tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("moe_one")
+    common = [f"data.path={byte_tokens}"]
+    straight, _, resumed, _ = _fit_all([common + [f"run.dir={root / 'straight'}"],
+                                        common + [f"run.dir={root / 'stopped'}", "train.exit_after=4"],
+                                        common + [f"run.dir={root / 'stopped'}"],
+                                        common + [f"run.dir={root / 'to_ep2'}", "train.exit_after=4"]])
+    return {"straight": straight, "resumed": resumed, "checkpoint": root / "straight" / "checkpoints" / "step-8",
+            "to_ep2": root / "to_ep2"}
+
+
+@pytest.fixture(scope="module")
+def two_processes(byte_tokens, tmp_path_factory, one_process) -> dict:
+    root = tmp_path_factory.mktemp("moe_two")
+    data = f"data.path={byte_tokens}"
+    runs = [[data, f"run.dir={root / name}", *layout] for name, layout in LAYOUTS.items()]
+    runs += [[data, f"run.dir={one_process['to_ep2']}", "parallel.ep=2"],  # resumed from one process at ep=2
+             [data, f"run.dir={root / 'to_ep1'}", "parallel.ep=2", "train.exit_after=4"]]
+    results = run_distributed(_fit_all, 2, runs, timeout=300)[0]
+    return {**dict(zip(LAYOUTS, results)), "ep1_to_ep2": results[-2], "to_ep1": root / "to_ep1", "root": root}
+
+
+def _weights(run_dir: Path) -> dict:
+    from megatron_taper.inference.load import open_checkpoint
+
+    return dict(open_checkpoint(str(run_dir / "checkpoints" / "step-8")).tensors())
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_layout_matches_one_process(one_process, two_processes, layout):
+    ref, got = one_process["straight"], two_processes[layout]
+    assert sorted(got["loss"]) == sorted(ref["loss"]) == list(range(1, 9))
+    diffs = {key: max(abs(got[key][s] - ref[key][s]) for s in ref["loss"]) for key in ("loss", *LOAD_KEYS)}
+    norm = max(abs(got["grad_norm"][s] / ref["grad_norm"][s] - 1) for s in ref["loss"])
+    print(f"{layout}: max |loss - one process| {diffs['loss']:.1e}, load metrics {max(diffs.values()):.1e}, "
+          f"grad norm rel {norm:.1e}")
+    assert max(diffs.values()) < LOSS_ATOL, diffs
+    assert norm < NORM_RTOL
+    # the bias moved the routing: the loads differ from step to step
+    assert len({round(ref["moe/2/load_max"][s], 6) for s in ref["loss"]}) > 1
+    # the weights after 8 steps, experts and routing biases included (the logical tensors)
+    mine, theirs = _weights(two_processes["root"] / layout), _weights(one_process["checkpoint"].parents[1])
+    assert mine.keys() == theirs.keys() and "layers.2.mlp.experts.w2" in mine
+    weight_diff = max((mine[k] - theirs[k]).abs().max().item() for k in mine)
+    print(f"{layout}: max |weight - one process| {weight_diff:.1e}")
+    assert weight_diff < WEIGHT_ATOL
+
+
+def test_resume_after_exit_is_bitwise(one_process):
+    straight, resumed = one_process["straight"], one_process["resumed"]
+    assert sorted(resumed["loss"]) == list(range(1, 9))
+    for key in ("loss", *LOAD_KEYS):
+        assert [resumed[key][s] for s in range(5, 9)] == [straight[key][s] for s in range(5, 9)], key
+
+
+def test_resume_across_expert_parallel_sizes(byte_tokens, one_process, two_processes):
+    """ep=1 -> 2 and ep=2 -> 1: the checkpoint holds the logical [N, ...] experts."""
+    ep2_to_ep1 = _fit_all([[f"data.path={byte_tokens}", f"run.dir={two_processes['to_ep1']}"]])[0]
+    ref = one_process["straight"]
+    for got in (two_processes["ep1_to_ep2"], ep2_to_ep1):
+        assert sorted(got["loss"]) == list(range(1, 9))
+        diff = max(abs(got[key][s] - ref[key][s]) for s in range(1, 9) for key in ("loss", *LOAD_KEYS))
+        print(f"resumed across ep: max difference to one process {diff:.1e}")
+        assert diff < LOSS_ATOL
+
+
+def test_hf_export_is_refused_clearly(one_process, tmp_path):
+    from megatron_taper.inference.hf import export_hf
+
+    with pytest.raises(ValueError, match="model.moe .* has no Hugging Face export yet"):
+        export_hf(str(one_process["checkpoint"]), str(tmp_path / "hf"))
+    assert not (tmp_path / "hf").exists()
+
+
+def test_tiny_recipe_trains_on_the_builtin_corpus(tmp_path):
+    run = tmp_path / "tiny_moe"
+    train_in_process(["--config", str(REPO / "configs/tiny_moe_taper.yaml"), f"run.dir={run}", "train.steps=3",
+                      "train.log_interval=1", "train.eval_interval=0", "train.eval_batches=1", "model.seq_len=64",
+                      "train.global_batch=4", "train.micro_batch=4", "run.tensorboard=false"])
+    records = logged(str(run), ("loss", "moe/3/load_entropy"))
+    assert sorted(records["loss"]) == [1, 2, 3] and records["loss"][3] < records["loss"][1]
+    assert all(0 < e <= 1 for e in records["moe/3/load_entropy"].values())
