@@ -65,12 +65,14 @@ def preflight(cfg: Config, world_size: int, widths: Sequence[int] | None = None)
         supported = ", ".join(name for name in cards() if family(name).document_mask)
         raise ConfigError(f"data.document_mask=true: model.arch={m.arch!r} does not keep tokens inside their "
                           f"documents yet (families that do: {supported}); use data.document_mask=false")
-    if cfg.data.document_mask and p.cp > 1 and (not spec.document_mask_cp or p.cp_attention == "ulysses"):
-        supported = ", ".join(name for name in cards() if family(name).document_mask_cp)
+    keeps = "document_mask_ulysses" if p.cp_attention == "ulysses" else "document_mask_cp"  # models/spec.py
+    if cfg.data.document_mask and p.cp > 1 and not getattr(spec, keeps):
+        supported = ", ".join(name for name in cards() if getattr(family(name), keeps))
+        other = "parallel.cp_attention=allgather, " if spec.document_mask_cp else ""
         raise ConfigError(f"data.document_mask=true with parallel.cp={p.cp} and parallel.cp_attention="
                           f"{p.cp_attention}: not built yet for model.arch={m.arch!r} (families that keep "
-                          f"documents under cp, with allgather or ring: {supported}); use parallel.cp=1 or "
-                          f"data.document_mask=false")
+                          f"documents under cp with {p.cp_attention}: {supported}); use {other}parallel.cp=1 "
+                          f"or data.document_mask=false")
     _check_zero(m, p, world_size, dp)
     _check_hsdp(p, dp)
     if t.float8:

@@ -81,6 +81,17 @@ def same_document(q_ids: torch.Tensor, k_ids: torch.Tensor) -> torch.Tensor:
     return (q_ids[:, :, None] == k_ids[:, None, :])[:, None]
 
 
+def within_documents(mask: torch.Tensor, ids: torch.Tensor | None, q_pos: torch.Tensor,
+                     k_pos: torch.Tensor) -> torch.Tensor:
+    """`mask` (boolean [Sq, Sk] or ALiBi's additive [H, Sq, Sk], causal_mask_at) of queries at q_pos
+    over keys at k_pos, restricted to pairs in one document when `ids` [B, S] (document_ids, position
+    order) is given: [B, 1 or H, Sq, Sk]."""
+    if ids is None:
+        return mask
+    same = same_document(ids[:, q_pos], ids[:, k_pos])  # [B, 1, Sq, Sk]
+    return mask & same if mask.dtype == torch.bool else mask.masked_fill(~same, float("-inf"))
+
+
 def document_mask(doc_start: torch.Tensor) -> torch.Tensor:
     """The causal mask restricted to documents: boolean [B, 1, S, S] (True = may attend: key j <=
     query i and both in one document) of doc_start [B, S]."""

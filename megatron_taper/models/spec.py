@@ -142,8 +142,10 @@ class FamilySpec:
     # data.document_mask: the model's forward takes doc_start ([B, S] bool, True where a document of a
     # packed window begins) and keeps every token inside its document; False = refused by preflight
     document_mask: bool = False
-    # ... also under parallel.cp > 1 (all-gather or ring; not Ulysses); False = refused by preflight
+    # ... also under parallel.cp > 1 with parallel.cp_attention allgather or ring; False = refused by preflight
     document_mask_cp: bool = False
+    # ... also under parallel.cp > 1 with parallel.cp_attention=ulysses; False = refused by preflight
+    document_mask_ulysses: bool = False
 
     @property
     def name(self) -> str:

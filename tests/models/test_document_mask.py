@@ -139,16 +139,23 @@ def test_bad_configs_are_one_clear_error(tmp_path):
         cfg = load_config(None, ["data.document_mask=true", f"model.arch={unsupported[0]}"])
         with pytest.raises(ConfigError, match=rf"data.document_mask=true: model.arch='{unsupported[0]}' .*transformer"):
             preflight(cfg, 1)
-    # under cp: the families whose state passing keeps documents (and not with Ulysses' all-to-alls)
+    # under cp: the families whose state passing keeps documents; under Ulysses' all-to-alls the
+    # attention families (Titans' window of 64 needs slices of at least 63 tokens: seq_len 128)
     for arch, attention, refused in (("transformer", "ring", False), ("titans", "allgather", False),
-                                     ("hope_attention", "allgather", True), ("transformer", "ulysses", True)):
+                                     ("hope_attention", "allgather", True), ("transformer", "ulysses", False),
+                                     ("gated_attention", "ulysses", False), ("titans", "ulysses", True)):
         cfg = load_config(None, ["data.document_mask=true", f"model.arch={arch}", "parallel.cp=2",
-                                 f"parallel.cp_attention={attention}", "model.seq_len=64"])
+                                 f"parallel.cp_attention={attention}", "model.seq_len=128"])
         if refused:
             with pytest.raises(ConfigError, match=rf"data.document_mask=true with parallel.cp=2 .*'{arch}'"):
                 preflight(cfg, 2)
         else:
             preflight(cfg, 2)
+    cfg = load_config(None, ["data.document_mask=true", "model.arch=titans", "parallel.cp=2",
+                             "parallel.cp_attention=ulysses", "model.seq_len=128"])
+    with pytest.raises(ConfigError, match=r"with ulysses: transformer, gated_attention\); use "
+                                          r"parallel.cp_attention=allgather, parallel.cp=1"):
+        preflight(cfg, 2)
     (tmp_path / "train").mkdir()
     (tmp_path / "stats.json").write_text('{"vocab_size": 512}')
     cfg = load_config(None, ["data.document_mask=true", f"data.path={tmp_path}"])

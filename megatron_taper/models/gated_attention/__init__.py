@@ -16,4 +16,5 @@ MODEL = "megatron_taper.models.gated_attention.model"
 
 SPECS = (FamilySpec(card=GATED_ATTENTION, build=lazy(MODEL, "GatedTransformer"),
                     layer_cost=gated_attention_layer_cost, tp_block_plan=tp_plan_gated_attention_block,
-                    context_parallel=True, document_mask=True, document_mask_cp=True, decoder=lazy(MODEL, "decoder")),)
+                    context_parallel=True, document_mask=True, document_mask_cp=True,
+                    document_mask_ulysses=True, decoder=lazy(MODEL, "decoder")),)

@@ -16,4 +16,4 @@ MODEL = "megatron_taper.models.transformer.model"
 
 SPECS = (FamilySpec(card=TRANSFORMER, build=lazy(MODEL, "Transformer"), layer_cost=transformer_layer_cost,
                     tp_block_plan=tp_plan_transformer_block, context_parallel=True, decoder=lazy(MODEL, "decoder"),
-                    hf=LLAMA, document_mask=True, document_mask_cp=True),)
+                    hf=LLAMA, document_mask=True, document_mask_cp=True, document_mask_ulysses=True),)

@@ -81,7 +81,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_taper.cost.memory import CP_RING_TILE
-from megatron_taper.models.layers import IGNORE_INDEX, Attention, causal_mask_at, document_ids, same_document
+from megatron_taper.models.layers import IGNORE_INDEX, Attention, causal_mask_at, document_ids, within_documents
 from megatron_taper.parallel.cp.ulysses import ulysses_attention
 from megatron_taper.parallel.tp.layers import gather_from_seq_region
 
@@ -165,35 +165,21 @@ class SequenceSplit:
         """Causal attention of this rank's queries over the whole sequence's keys: q [B, H, s, E],
         k, v [B, K, s, E] at this rank's positions (s = S / cp); `slopes` [H]: ALiBi; `doc_start`
         [B, s] (this rank's tokens): only keys of the query's document (ids over the whole
-        sequence: document_ids; not with Ulysses, which preflight refuses). -> [B, H, s, E]."""
+        sequence: document_ids). -> [B, H, s, E]."""
         ids = None if doc_start is None else self.document_ids(doc_start)
         if self.attention == "ring":
             return _RingAttention.apply(q, k, v, slopes, self, ids)
         if self.attention == "ulysses":
-            if ids is not None:
-                raise ValueError("data.document_mask with parallel.cp_attention=ulysses is not built yet: use "
-                                 "parallel.cp_attention=allgather or ring")
-            return ulysses_attention(q, k, v, slopes, self)
+            return ulysses_attention(q, k, v, slopes, self, ids)
         s = q.shape[2]
         # all-gather along the sequence (dim 1 of [B, s, K, E]); backward reduce-scatters
         k_all, v_all = (gather_from_seq_region(t.transpose(1, 2), self.group).transpose(1, 2) for t in (k, v))
         q_pos = self.positions(s, q.device)
         k_pos = self.gathered_positions(s, q.device)
-        mask = _within_documents(causal_mask_at(q_pos, k_pos, slopes), ids, q_pos, k_pos)
+        mask = within_documents(causal_mask_at(q_pos, k_pos, slopes), ids, q_pos, k_pos)
         if slopes is not None:
             mask = mask.to(q.dtype)
         return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
-
-
-def _within_documents(mask: torch.Tensor, ids: torch.Tensor | None, q_pos: torch.Tensor,
-                      k_pos: torch.Tensor) -> torch.Tensor:
-    """`mask` (boolean [Sq, Sk] or ALiBi's additive [H, Sq, Sk]) of queries at q_pos over keys at
-    k_pos, restricted to pairs in one document when `ids` [B, S] (position order) is given:
-    [B, 1 or H, Sq, Sk]."""
-    if ids is None:
-        return mask
-    same = same_document(ids[:, q_pos], ids[:, k_pos])  # [B, 1, Sq, Sk]
-    return mask & same if mask.dtype == torch.bool else mask.masked_fill(~same, float("-inf"))
 
 
 def _block_scores(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -235,7 +221,7 @@ def _pieces(split: SequenceSplit, s: int, owner: int, slopes: torch.Tensor | Non
                 mask = None
                 q_pos, k_pos = torch.arange(q0 + lo, q0 + hi, device=device), torch.arange(k0, k0 + c, device=device)
                 if slopes is not None or k0 + c - 1 > q0 + lo or ids is not None:
-                    mask = _within_documents(causal_mask_at(q_pos, k_pos, slopes), ids, q_pos, k_pos)
+                    mask = within_documents(causal_mask_at(q_pos, k_pos, slopes), ids, q_pos, k_pos)
                 out.append((slice(qi * c + lo, qi * c + hi), slice(ki * c, (ki + 1) * c), mask))
     return out
 

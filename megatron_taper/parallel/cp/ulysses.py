@@ -16,6 +16,11 @@ all-to-all returns the outputs to the ranks holding their tokens:
     causal attention of the whole sequence for heads [r H / cp, (r + 1) H / cp) (kv heads likewise:
     grouped-query attention keeps its pairing; ALiBi takes those heads' slopes); the repeated kv
     heads' gradients sum back into their kv head
+      (data.document_mask: only keys of the query's document, by the document ids of the whole
+       sequence in its order, SequenceSplit.document_ids: the ranks' doc_start [B, s] all-gathered,
+       uint8, B s bytes per rank; SDPA under the boolean mask [B, 1, S, S] (ALiBi: the bias set to
+       -inf outside the document, [B, H / cp, S, S]), on CUDA with RoPE FlexAttention under the
+       block mask of the ids, models/documents.py, as one process does)
       -> out [B, S, H / cp, E] -> back to rank order -> all-to-all of [cp, B, s, H / cp, E]
       -> [B, s, H, E] at this rank's tokens
     backward: the same two all-to-alls in reverse order on the gradients (an all-to-all of
@@ -25,7 +30,9 @@ Bytes per attention layer and micro-batch, per rank: forward two all-to-alls who
 B s (H + 2 K') E and B s H E elements, of which (cp - 1) / cp leave the rank; backward as many
 (cost/cp.py ulysses_bytes). Memory: the head-sharded q, k, v and output [B, S, H / cp, E] that
 attention keeps are as large as the rank's own slice of them (k, v: K' / K times where kv heads are
-repeated); no K and V of the whole sequence. The query heads per tp rank must divide by cp
+repeated); no K and V of the whole sequence. Under an explicit mask (ALiBi, documents) the CPU's
+SDPA has no fused kernel and keeps the weights [B, H / cp, S, S] and the mask, as one process's
+SDPA does (cost/memory.py counts neither). The query heads per tp rank must divide by cp
 (cost/preflight.py refuses otherwise).
 """
 from __future__ import annotations
@@ -37,7 +44,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megatron_taper.models.layers import causal_mask_at
+from megatron_taper.models.documents import flex_document_attention
+from megatron_taper.models.layers import causal_mask_at, within_documents
+from megatron_taper.models.local_attention import flex_attention_available
 
 if TYPE_CHECKING:
     from megatron_taper.parallel.cp.split import SequenceSplit
@@ -92,9 +101,11 @@ def heads_to_seq(y: torch.Tensor, split: SequenceSplit, order: torch.Tensor | No
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: torch.Tensor | None,
-                      split: SequenceSplit) -> torch.Tensor:
+                      split: SequenceSplit, ids: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of the whole sequence by all-to-all (module doc): q [B, H, s, E], k, v
-    [B, K, s, E] at this rank's positions; `slopes` [H]: ALiBi. -> [B, H, s, E]."""
+    [B, K, s, E] at this rank's positions; `slopes` [H]: ALiBi; `ids` [B, S]: the whole sequence's
+    document ids in position order (SequenceSplit.document_ids), each query then sees only keys of
+    its document. -> [B, H, s, E]."""
     b, h, s, e = q.shape
     cp = split.cp
     assert h % cp == 0, f"heads {h} must divide by cp={cp} (cost/preflight.py)"
@@ -108,11 +119,15 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes:
     heads = seq_to_heads(qkv.flatten(2, 3), split, order)  # [B, S, (H + 2 K) / cp, E]
     ql, kl, vl = (t.transpose(1, 2) for t in heads.split((h // cp, kv // cp, kv // cp), dim=2))  # [B, n, S, E]
     gqa = h != kv
-    if slopes is None:
+    if ids is not None and slopes is None and q.is_cuda and flex_attention_available():
+        out = flex_document_attention(ql, kl, vl, ids)  # the block mask of the whole sequence's documents
+    elif ids is None and slopes is None:
         out = F.scaled_dot_product_attention(ql, kl, vl, is_causal=True, enable_gqa=gqa)
     else:
-        mine = slopes[split.rank * (h // cp):(split.rank + 1) * (h // cp)]
+        mine = None if slopes is None else slopes[split.rank * (h // cp):(split.rank + 1) * (h // cp)]
         positions = torch.arange(ql.shape[2], device=q.device)
-        mask = causal_mask_at(positions, positions, mine).to(q.dtype)  # [H / cp, S, S]
-        out = F.scaled_dot_product_attention(ql, kl, vl, attn_mask=mask, enable_gqa=gqa)
+        # boolean [S, S] (documents: [B, 1, S, S]) or ALiBi's bias [H / cp, S, S] (documents: [B, H / cp, S, S])
+        mask = within_documents(causal_mask_at(positions, positions, mine), ids, positions, positions)
+        out = F.scaled_dot_product_attention(ql, kl, vl, attn_mask=mask if mine is None else mask.to(q.dtype),
+                                             enable_gqa=gqa)
     return heads_to_seq(out.transpose(1, 2), split, order).transpose(1, 2)
