@@ -29,10 +29,11 @@ STEPS = 2
 def test_document_mask_at_cp2_pp2_tp2_and_fsdp2_matches_one_process():
     """2 processes, one launch, 2 steps: cp=2 with the all-gather (RoPE), with the ring (Gated
     Attention) and with Ulysses (the Transformer with ALiBi: the bias set to -inf outside the
-    document; Gated Attention with RoPE: the boolean mask), pp=2 under 1F1B (doc_start cut into micro-batches and handed to both stages),
-    tp=2 with sequence parallelism (attention gathers the sequence; the mask is the whole window's)
-    and dp=2 with fsdp2 (each rank its own rows and their doc_start). DDP and DeepSpeed hand
-    doc_start to the model as the same keyword (ParallelModel.batch_inputs) and are not run here."""
+    document; Gated Attention with RoPE: the boolean mask), pp=2 under 1F1B (doc_start cut into
+    micro-batches and handed to both stages), tp=2 with sequence parallelism (attention gathers
+    the sequence; the mask is the whole window's) and dp=2 with fsdp2 (each rank its own rows and
+    their doc_start). DDP and DeepSpeed hand doc_start to the model as the same keyword
+    (ParallelModel.batch_inputs) and are not run here."""
     layouts = {"cp=2 allgather rope": ["parallel.cp=2"],
                "cp=2 ring gated_attention": ["parallel.cp=2", "parallel.cp_attention=ring",
                                              "model.arch=gated_attention"],

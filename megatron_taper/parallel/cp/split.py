@@ -53,13 +53,13 @@ not by a fused kernel: per (query tile of at most `tile` rows of one chunk, key 
 skipped where every key lies after every query.
 
 Packed documents (data.document_mask: the model's doc_start, each rank its slice [B, S / cp]):
-attention keeps to each query's document in both modes. Each attention layer all-gathers the
+attention keeps to each query's document in every mode. Each attention layer all-gathers the
 ranks' doc_start slices (uint8, B x S / cp bytes per rank, beside K/V's 2 x B x K x S / cp x E
-elements) and counts starts along the whole sequence (`document_ids`), so a document that spans
-slices has one id on every rank; the causal mask (the all-gather's, and each ring piece's) is
-ANDed with "same document" (ALiBi's bias set to -inf outside it). Every ring piece then carries a
-mask; pieces whose pairs are all in other documents are still computed (skipping them would need
-the ids on the host).
+elements) and counts starts along the whole sequence (`document_ids`, in position order), so a
+document that spans slices has one id on every rank; the causal mask (the all-gather's, each ring
+piece's, and Ulysses' over the whole sequence for the rank's heads) is ANDed with "same document"
+(ALiBi's bias set to -inf outside it). Every ring piece then carries a mask; pieces whose pairs are
+all in other documents are still computed (skipping them would need the ids on the host).
 
 train.compile=true (each block compiled, parallel/block_options.py): the all-gather traces into the
 block's graph (measured, torch 2.13: no graph break, one graph per block); the ring's
