@@ -81,6 +81,9 @@ def test_preflight_refuses_what_cannot_cut():
     # the family's own rule at the shortest length: the bridge's segment must be shorter than a window
     message = _refusal("model.arch=bridge", "model.bridge.segment=8")
     assert message.startswith("train.seq_len_warmup_start=8: at the warmup's first length (model.seq_len=8)")
+    message = _refusal("model.seq_len=24", "train.seq_len_warmup_start=3", "parallel.tp=2",
+                       "parallel.sequence_parallel=true", world=2)
+    assert "(model.seq_len=3): parallel.sequence_parallel needs model.seq_len=3 divisible by parallel.tp=2" in message
     with pytest.raises(ConfigError, match="train.seq_len_warmup_start=0 is outside"):
         load_config(None, ["train.seq_len_warmup_start=0"])
     preflight(load_config(None, [*MODEL, "train.seq_len_warmup_steps=4", "train.seq_len_warmup_start=8"]), 1)
@@ -96,7 +99,8 @@ def test_run_stopped_mid_warmup_resumes_bitwise(dataset, tmp_path):  # noqa: F81
                  "train.seq_len_warmup_start=16", "train.peak_tflops=1", "train.compile=false"]
     args = ["--config", "configs/tiny_taper.yaml", *overrides]
     straight, split = tmp_path / "straight", tmp_path / "split"
-    train_in_process([*args, f"run.dir={straight}"])
+    console = train_in_process([*args, f"run.dir={straight}"]).stdout
+    assert "seq_len warmup: windows of 16, 32, 64 tokens over the first 4 steps" in console
     train_in_process([*args, f"run.dir={split}", "train.exit_after=3"])
     train_in_process([*args, f"run.dir={split}"])
     records = [r for r in read_metrics(straight) if "loss" in r]
