@@ -366,24 +366,20 @@ class TrainConfig:
         check_range(f"{prefix}.seq_len_warmup_start", self.seq_len_warmup_start, 1, None)
 
     def seq_len_lengths(self, seq_len: int) -> list[int]:
-        """The window lengths a run trains at, shortest first: seq_len_warmup_start doubling up to
-        `seq_len` (model.seq_len; preflight checks it is start x a power of two), or [seq_len] without
-        a warmup."""
-        if not self.seq_len_warmup_steps:
-            return [seq_len]
-        lengths = [self.seq_len_warmup_start]
+        """The window lengths of a run, shortest first: seq_len_warmup_start doubling up to `seq_len`
+        (model.seq_len; preflight checks it is start x a power of two), or [seq_len] without a warmup."""
+        lengths = [self.seq_len_warmup_start if self.seq_len_warmup_steps else seq_len]
         while lengths[-1] < seq_len:
             lengths.append(2 * lengths[-1])
         return lengths
 
     def seq_len_at(self, step: int, seq_len: int) -> int:
-        """The window length of the step after `step` completed ones: the warmup's steps are split into
-        equal phases, one per length below `seq_len` (step * phases // seq_len_warmup_steps picks it);
-        `seq_len` from step seq_len_warmup_steps on. A function of the step alone, so a resumed run
-        trains at the lengths an uninterrupted one did."""
-        lengths = self.seq_len_lengths(seq_len)
+        """The window length of the step after `step` completed ones (a function of the step alone, so
+        a resumed run trains at the lengths an uninterrupted one did): the warmup's steps in equal
+        phases, one per length below `seq_len`; `seq_len` from step seq_len_warmup_steps on."""
         if step >= self.seq_len_warmup_steps:
             return seq_len
+        lengths = self.seq_len_lengths(seq_len)
         return lengths[step * (len(lengths) - 1) // self.seq_len_warmup_steps]
 
     @property
