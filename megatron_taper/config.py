@@ -325,12 +325,17 @@ class TrainConfig:
     # float8 pays, from torchao's table and our H200 runs)
     float8_min_dim: int = 4096
     peak_tflops: float = 0.0  # peak TFLOP/s of one device for MFU; 0 = look up (cost/flops.py PEAK_TFLOPS)
+    # sequence-length warmup (seq_len_at): over the first seq_len_warmup_steps steps each window of
+    # model.seq_len tokens is cut into windows of seq_len_warmup_start, then twice that, ... (powers of
+    # two), the same tokens per step; 0 = off
+    seq_len_warmup_steps: int = 0
+    seq_len_warmup_start: int = 64
 
     def validate(self, prefix: str) -> None:
         for key in ("steps", "global_batch", "micro_batch", "log_interval", "eval_batches", "max_nonfinite"):
             check_range(f"{prefix}.{key}", getattr(self, key), 1, None)
         check_range(f"{prefix}.peak_tflops", self.peak_tflops, 0.0, None)
-        for key in ("warmup_steps", "exit_after", "eval_interval", "seed", "loss_chunk"):
+        for key in ("warmup_steps", "exit_after", "eval_interval", "seed", "loss_chunk", "seq_len_warmup_steps"):
             check_range(f"{prefix}.{key}", getattr(self, key), 0, None)
         check_range(f"{prefix}.lr", self.lr, 0.0, None, open_low=True)
         check_range(f"{prefix}.min_lr_ratio", self.min_lr_ratio, 0.0, 1.0)
@@ -358,6 +363,24 @@ class TrainConfig:
         if self.global_batch % self.micro_batch:
             raise ConfigError(f"{prefix}.micro_batch={self.micro_batch} must divide "
                               f"{prefix}.global_batch={self.global_batch}")
+        check_range(f"{prefix}.seq_len_warmup_start", self.seq_len_warmup_start, 1, None)
+
+    def seq_len_lengths(self, seq_len: int) -> list[int]:
+        """The window lengths of a run, shortest first: seq_len_warmup_start doubling up to `seq_len`
+        (model.seq_len; preflight checks it is start x a power of two), or [seq_len] without a warmup."""
+        lengths = [self.seq_len_warmup_start if self.seq_len_warmup_steps else seq_len]
+        while lengths[-1] < seq_len:
+            lengths.append(2 * lengths[-1])
+        return lengths
+
+    def seq_len_at(self, step: int, seq_len: int) -> int:
+        """The window length of the step after `step` completed ones (a function of the step alone, so
+        a resumed run trains at the lengths an uninterrupted one did): the warmup's steps in equal
+        phases, one per length below `seq_len`; `seq_len` from step seq_len_warmup_steps on."""
+        if step >= self.seq_len_warmup_steps:
+            return seq_len
+        lengths = self.seq_len_lengths(seq_len)
+        return lengths[step * (len(lengths) - 1) // self.seq_len_warmup_steps]
 
     @property
     def compile_setting(self) -> str:

@@ -83,6 +83,10 @@ def summary_lines(cfg: Config, ctx: ParallelContext, pm: ParallelModel, train_so
     dtype = "bf16 autocast" if bf16 else "fp32"
     name = f" ({device_name(ctx.device)})" if ctx.device.type == "cuda" else ""
     lines.append(f"device: {ctx.device}{name}, {dtype}; steps {t.steps}")
+    if t.seq_len_warmup_steps:
+        lengths = t.seq_len_lengths(m.seq_len)
+        lines.append(f"seq_len warmup: windows of {', '.join(map(str, lengths))} tokens over the first "
+                     f"{t.seq_len_warmup_steps} steps (train.seq_len_warmup_steps), the same tokens per step")
     if peak_flops is None:
         lines.append(f"mfu: not reported: no peak FLOP/s known for {device_name(ctx.device)} "
                      f"(set train.peak_tflops=N, the device's dense peak in TFLOP/s)")

@@ -9,6 +9,7 @@ model family has live in its FamilySpec.check_layout, which is called from here.
 """
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
@@ -79,6 +80,8 @@ def preflight(cfg: Config, world_size: int, widths: Sequence[int] | None = None)
         _check_float8(m, p, t)
     if t.cuda_graphs:
         _check_cuda_graphs(p)
+    if t.seq_len_warmup_steps:
+        _check_seq_len_warmup(cfg, widths)
     if cfg.run.init_from and p.zero == "deepspeed":
         raise ConfigError("run.init_from with parallel.zero=deepspeed is not supported (DeepSpeed partitions the "
                           "parameters itself); use parallel.zero=fsdp2 or none")
@@ -154,6 +157,45 @@ def _check_cuda_graphs(p: ParallelConfig) -> None:
     if p.cp > 1:
         raise ConfigError(f"train.cuda_graphs=true with parallel.cp={p.cp} is not supported yet (untested); use "
                           f"parallel.cp=1 or train.cuda_graphs=false")
+
+
+def _check_seq_len_warmup(cfg: Config, widths: Sequence[int]) -> None:
+    """train.seq_len_warmup_steps > 0 (TrainConfig.seq_len_at; ParallelModel.batch_inputs cuts each
+    window into shorter ones): lengths start x a power of two up to model.seq_len, in layouts whose
+    shapes may change from step to step and whose windows are independent; the model's own rules
+    (the family's, sequence parallelism's) hold at the shortest length."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    start, full = t.seq_len_warmup_start, m.seq_len
+    key = f"train.seq_len_warmup_start={start}"
+    if start >= full or full % start or (full // start) & (full // start - 1):
+        raise ConfigError(f"{key} must be model.seq_len={full} divided by a power of two (2, 4, 8, ...): the "
+                          f"warmup doubles the window length up to model.seq_len")
+    refusals = (
+        (p.pp > 1, f"parallel.pp={p.pp} (a pipeline schedule's shapes are fixed when it is built); use "
+                   f"parallel.pp=1"),
+        (p.cp > 1, f"parallel.cp={p.cp} (the sequence split is built for model.seq_len); use parallel.cp=1"),
+        (t.cuda_graphs, "train.cuda_graphs=true (a recorded graph per length and micro-batch shape); use "
+                        "train.cuda_graphs=false"),
+        (cfg.data.row_streams, "data.row_streams=true (each row's windows follow one another, which cutting "
+                               "them breaks); use data.row_streams=false"),
+    )
+    carried = family(m.arch).carried_state
+    if carried is not None and carried.enabled(m):
+        refusals += ((True, f"model.arch={m.arch!r} carrying its state from window to window (the cut windows "
+                            f"would carry it across their pieces); turn the family's carried state off"),)
+    for refused, why in refusals:
+        if refused:
+            raise ConfigError(f"train.seq_len_warmup_steps={t.seq_len_warmup_steps} is not supported with {why} "
+                              f"or train.seq_len_warmup_steps=0")
+    shortest = dataclasses.replace(m, seq_len=start)
+    try:
+        if p.tp > 1:
+            _check_tensor_parallel(shortest, p, widths)
+        spec = family(m.arch)
+        if spec.check_layout is not None:
+            spec.check_layout(shortest, p)
+    except ConfigError as e:
+        raise ConfigError(f"{key}: at the warmup's first length (model.seq_len={start}): {e}") from None
 
 
 def _check_context_parallel(m: ModelConfig, p: ParallelConfig, t: TrainConfig) -> None:

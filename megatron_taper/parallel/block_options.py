@@ -28,7 +28,9 @@ train.compile (auto | true | false; auto = on where the device is CUDA: TrainCon
     per distinct MLP width rather than falling back to dynamic shapes, and no group's compiles count
     against another's recompile limit. Blocks of one group share the graph (parameters are graph
     inputs). Each region may compile RECOMPILES_PER_SHAPE graphs: the training step's, and the
-    evaluation's (grad mode off is a guard); past that it runs eager. Collectives inside a block
+    evaluation's (grad mode off is a guard), plus one training graph per further window length of a
+    sequence-length warmup (`lengths`: log2(model.seq_len / train.seq_len_warmup_start) more);
+    past that it runs eager. Collectives inside a block
     (tp) are graph breaks: compiled regions lie between them.
 
 train.cuda_graphs (with compile, CUDA only; preflight refuses it with ZeRO, pipelining or cp)
@@ -55,11 +57,12 @@ RECOMPILES_PER_SHAPE = 2  # graphs one compile region may hold: training (grad o
 
 
 def apply_block_options(model: nn.Module, activation_checkpointing: str, ac_every: int, compile_blocks: bool,
-                        cuda_graphs: bool = False) -> int:
+                        cuda_graphs: bool = False, lengths: int = 1) -> int:
     """In place on `model.layers`: recompute (see module doc), then compile, as CUDA graphs when
     `cuda_graphs`. Each block records what it got in `block.options` (a tuple of "recompute",
     "compile", "cuda_graphs"). Returns the number of compile regions (distinct block signatures;
-    one static graph each per grad mode), 0 without compile."""
+    one static graph each per grad mode and, in training, per window length: `lengths`), 0 without
+    compile."""
     layers = model.layers
     for block in layers.values():
         block.options = ()
@@ -76,7 +79,7 @@ def apply_block_options(model: nn.Module, activation_checkpointing: str, ac_ever
         signature = block_signature(block)
         if signature not in regions:
             regions[signature] = torch.compile(_run, mode=mode, dynamic=False, isolate_recompiles=True,
-                                               recompile_limit=RECOMPILES_PER_SHAPE)
+                                               recompile_limit=RECOMPILES_PER_SHAPE + lengths - 1)
         block.forward = functools.partial(regions[signature], block.forward)
         block.options += ("compile", "cuda_graphs") if cuda_graphs else ("compile",)
     return len(regions)

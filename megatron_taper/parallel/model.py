@@ -263,14 +263,15 @@ class ParallelModel:
                     module.reshard()
 
     def forward_backward(self, micro_batches: list[torch.Tensor], autocast: Callable,
-                         carry: CarriedRows | None = None) -> torch.Tensor:
+                         carry: CarriedRows | None = None, seq_len: int | None = None) -> torch.Tensor:
         """Forward and backward over one rank's micro-batches ([b, S + 1] tokens each) of one step.
 
         Returns the mean loss over the micro-batches (detached, float32 scalar on the device);
         gradients are accumulated as for that mean. Pipeline-parallel models override this.
         `carry` (a model that carries a state across steps): carry.before(i) runs before micro-batch
         i's forward, carry.after(i) after its backward (activation checkpointing recomputes the
-        forward inside backward with the same state).
+        forward inside backward with the same state). `seq_len`: the step's window length
+        (train.seq_len_warmup_steps; `batch_inputs`), None = S.
         """
         total = torch.zeros((), device=self.ctx.device)
         runner = self.dp_module or self.module
@@ -284,7 +285,7 @@ class ParallelModel:
             # DDP reduces in the last micro-batch's backward only (gradients accumulate before)
             last = i == len(micro_batches) - 1
             with contextlib.nullcontext() if last or self.dp_module is None else self.dp_module.no_sync():
-                inputs, targets, documents = self.batch_inputs(tokens)
+                inputs, targets, documents = self.batch_inputs(tokens, seq_len)
                 with autocast():
                     loss = self.loss_fn(runner(inputs, **documents), targets)
                 (loss / len(micro_batches)).backward()
@@ -303,16 +304,25 @@ class ParallelModel:
         with autocast():
             return cp_mean(self.loss_fn(self.module(inputs, **documents), targets).float(), self.split)
 
-    def batch_inputs(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    def batch_inputs(self, tokens: torch.Tensor, seq_len: int | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         """(inputs, targets, the model's keyword inputs) of tokens [b, S + 1] on the device: this
         rank's slices under cp; with `document_end` set, {"doc_start": [b, S] (or its slice)} marking
         the positions right after each end-of-document token of the inputs
-        (models/documents.py document_starts), else {} (the model is called as without documents)."""
+        (models/documents.py document_starts), else {} (the model is called as without documents).
+        `seq_len` < S (a sequence-length warmup; preflight refuses it with cp): each row cut into
+        S / seq_len windows of its own, [b, S] -> [b x S / seq_len, seq_len] (`cut_windows`), the
+        target of every input still the token after it, doc_start found in the cut windows: exactly
+        the inputs of windows of seq_len + 1 tokens read one after another."""
         inputs, targets = split_batch(self.split, tokens)
+        if seq_len is not None and seq_len != inputs.shape[1]:
+            assert self.split is None, "preflight refuses a sequence-length warmup with parallel.cp > 1"
+            inputs, targets = cut_windows(inputs, seq_len), cut_windows(targets, seq_len)
         if self.document_end is None:
             return inputs, targets, {}
-        doc_start = document_starts(tokens[:, :-1], self.document_end)
-        return inputs, targets, {"doc_start": doc_start if self.split is None else self.split.split(doc_start)}
+        if self.split is None:
+            return inputs, targets, {"doc_start": document_starts(inputs, self.document_end)}
+        return inputs, targets, {"doc_start": self.split.split(document_starts(tokens[:, :-1], self.document_end))}
 
     def reduce_gradients(self) -> None:
         """Complete partial tp gradients. The dp average happened in backward: DDP's bucketed
@@ -367,6 +377,13 @@ def _read_local(reader: CheckpointReader, key: str, offsets: tuple[int, ...], lo
         reader.read_into(key, offsets, local)
     else:
         local.copy_(reader.read(key, offsets, tuple(local.shape)))
+
+
+def cut_windows(t: torch.Tensor, length: int) -> torch.Tensor:
+    """[b, S] -> [b x S / length, length]: each row's consecutive pieces of `length` tokens, in order."""
+    b, s = t.shape
+    assert s % length == 0, f"window length {length} does not divide {s} (preflight checks it)"
+    return t.reshape(b * (s // length), length)
 
 
 def local_part(t: torch.Tensor) -> torch.Tensor:

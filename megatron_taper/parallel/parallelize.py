@@ -87,12 +87,15 @@ def parallelize(model: nn.Module, ctx: ParallelContext, model_cfg: ModelConfig, 
                   flush=True)
     if train.cuda_graphs and ctx.device.type != "cuda":
         raise ConfigError(f"train.cuda_graphs=true needs a CUDA device (this rank runs on {ctx.device.type})")
+    lengths = train.seq_len_lengths(model_cfg.seq_len)
     regions = apply_block_options(pm.module, train.activation_checkpointing, train.ac_every, compile_blocks,
-                                  train.cuda_graphs)
+                                  train.cuda_graphs, len(lengths))
     if compile_blocks and ctx.is_main:
+        warmup = (f"; the sequence-length warmup compiles each {len(lengths)} times in training, once per window "
+                  f"length {', '.join(map(str, lengths))}" if len(lengths) > 1 else "")
         print(f"compile: {regions} static graph(s) for the {len(pm.module.layers)} blocks of this rank, one per "
               f"distinct block shape (train.compile={train.compile_setting}; evaluation compiles each once more, "
-              f"with grad off)", flush=True)
+              f"with grad off{warmup})", flush=True)
     pm.cuda_graphs = train.cuda_graphs and compile_blocks
     if not whole_model:
         return pm  # build_pipeline applies ZeRO once the stage's chunks exist (an FSDP root per chunk)

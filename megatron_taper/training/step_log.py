@@ -5,6 +5,7 @@ records. Step records are read from the device here, at log intervals only.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -26,7 +27,7 @@ class StepLog:
     def __init__(self, cfg: Config, ctx: ParallelContext, metrics: MetricsLogger, stragglers: StragglerWatch,
                  bf16: bool):
         self.cfg, self.ctx, self.metrics, self.stragglers = cfg, ctx, metrics, stragglers
-        self.flops_per_token = model_costs(cfg.model).total_flops
+        self.flops_at_length: dict[int, float] = {}  # window length -> model FLOPs per token (flops_per_token)
         self.peak = peak_flops(ctx.device, bf16, cfg.train.peak_tflops)
         self.tokens_per_step = cfg.train.global_batch * cfg.model.seq_len
         self.started = self.last_time = time.perf_counter()
@@ -53,7 +54,8 @@ class StepLog:
         """The record of `step` (tensors read here), with the mean step time since the last record
         and the ETA from this process's mean step time so far (evaluations and saves included)."""
         now = time.perf_counter()
-        step_time = (now - self.last_time) / max(step - self.last_step, 1)
+        steps = max(step - self.last_step, 1)
+        step_time = (now - self.last_time) / steps
         self.last_time, self.last_step = now, step
         eta = (self.cfg.train.steps - step) * (now - self.started) / steps_here
         record = {k: float(v) if isinstance(v, torch.Tensor) else v for k, v in record.items()}  # the host read
@@ -65,7 +67,7 @@ class StepLog:
                 "step_time_s": step_time, "peak_memory_gb": memory_gb}
         straggler, warning = self.stragglers.report(step_time)
         full.update(straggler)
-        util = mfu(tokens_per_s / self.ctx.world_size, self.flops_per_token, self.peak)
+        util = mfu(tokens_per_s / self.ctx.world_size, self.flops_per_token(step - steps, step), self.peak)
         if util is not None:
             full["mfu"] = util
         line = (f"step {step:>6}/{self.cfg.train.steps} | loss {record['loss']:.4f} | lr {record['lr']:.3e} | "
@@ -75,6 +77,18 @@ class StepLog:
         self.metrics.log(full, line)
         if warning:
             self.say(warning)
+
+    def flops_per_token(self, first: int, end: int) -> float:
+        """Model forward FLOPs per token over the steps after `first` .. `end` completed ones, at each
+        step's window length (train.seq_len_warmup_steps: shorter windows, less attention work)."""
+        m, t = self.cfg.model, self.cfg.train
+        total = 0.0
+        for step in range(first, end):
+            length = t.seq_len_at(step, m.seq_len)
+            if length not in self.flops_at_length:
+                self.flops_at_length[length] = model_costs(dataclasses.replace(m, seq_len=length)).total_flops
+            total += self.flops_at_length[length]
+        return total / max(end - first, 1)
 
     def eval(self, step: int, losses: dict[str, float] | None) -> None:
         """The held-out record: "" the loss, the other keys the sources' losses (data.mix)."""

@@ -180,15 +180,19 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr_at(self.step, self.cfg.train)
         micro_batches, data_metrics = self._next_batches()
-        losses = self.pm.forward_backward(micro_batches, self.autocast, self.carry)
+        t = self.cfg.train
+        seq_len = t.seq_len_at(self.step, self.cfg.model.seq_len)  # windows cut to it (train.seq_len_warmup_steps)
+        losses = self.pm.forward_backward(micro_batches, self.autocast, self.carry, seq_len)
         loss = dp_mean(self.ctx, self.guard.loss(losses, self.step + 1))
         # reduce, clip and step (or skip a non-finite step, on the device); the engine owns how
-        grad_norm, stepped = self.pm.optimizer_step(self.optimizer, self.cfg.train.grad_clip, torch.isfinite(loss))
+        grad_norm, stepped = self.pm.optimizer_step(self.optimizer, t.grad_clip, torch.isfinite(loss))
         if self.experts is not None:
             self.experts.after_step(stepped)
-        self.state.advance(self.cfg.train.global_batch * self.cfg.model.seq_len)
+        self.state.advance(t.global_batch * self.cfg.model.seq_len)
         self.recovery.update(loss, stepped, self.step, self.state.batches)
-        return {"loss": loss, "grad_norm": grad_norm, "lr": self.optimizer.param_groups[0]["lr"], **data_metrics}
+        warmup = {"seq_len": seq_len} if t.seq_len_warmup_steps else {}
+        return {"loss": loss, "grad_norm": grad_norm, "lr": self.optimizer.param_groups[0]["lr"], **warmup,
+                **data_metrics}
 
     def _next_batches(self) -> tuple[list, dict]:
         """The step's micro-batches (tokens) and the source's metrics; the batches of a window a

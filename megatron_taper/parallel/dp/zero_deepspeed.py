@@ -257,7 +257,7 @@ class DeepSpeedParallelModel(ParallelModel):
         return optimizer
 
     def forward_backward(self, micro_batches: list[torch.Tensor], autocast: Callable,
-                         carry: None = None) -> torch.Tensor:
+                         carry: None = None, seq_len: int | None = None) -> torch.Tensor:
         assert carry is None, "a carried state is refused with this layout (the family's check_layout)"
         engine = self.engine
         if engine.gradient_accumulation_steps() != len(micro_batches):
@@ -265,7 +265,7 @@ class DeepSpeedParallelModel(ParallelModel):
                               f"for {engine.gradient_accumulation_steps()}")
         total = torch.zeros((), device=self.ctx.device)
         for i, tokens in enumerate(micro_batches):
-            inputs, targets, documents = self.batch_inputs(tokens.to(self.ctx.device, non_blocking=True))
+            inputs, targets, documents = self.batch_inputs(tokens.to(self.ctx.device, non_blocking=True), seq_len)
             with autocast():
                 loss = self.loss_fn(engine(inputs, **documents), targets)
             scaled = loss

@@ -101,8 +101,10 @@ class PipelineParallelModel(ParallelModel):
         return self.ctx.pp * len(self.chunks)
 
     def forward_backward(self, micro_batches: list[torch.Tensor], autocast: Callable,
-                         carry: None = None) -> torch.Tensor:
+                         carry: None = None, seq_len: int | None = None) -> torch.Tensor:
         assert carry is None, "a carried state is refused with this layout (the family's check_layout)"
+        assert seq_len is None or seq_len == micro_batches[0].shape[1] - 1, \
+            "preflight refuses a sequence-length warmup with parallel.pp > 1"
         tokens = torch.cat([t.to(self.ctx.device, non_blocking=True) for t in micro_batches])
         n_micro = self.microbatches or len(micro_batches)
         assert tokens.shape[0] % n_micro == 0, "preflight checks parallel.microbatches against the batch"
