@@ -133,7 +133,7 @@ def trainer_loop(cfg, steps: int, cls=Trainer, delay_s: float = 0.0) -> tuple[fl
             record = trainer.train_step()
             trainer.stop_vote.at_step_end(trainer.step)
             if trainer.step % cfg.train.log_interval == 0:
-                trainer.check_health()
+                trainer.recovery.check_health()
                 _ = {k: float(v) for k, v in record.items() if isinstance(v, (torch.Tensor, float))}
     elapsed = time.perf_counter() - start
     trainer.close()

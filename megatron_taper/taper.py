@@ -16,11 +16,16 @@ before it a dense MLP. Each group is tapered on its own over its own depth: the 
 around model.mlp_width, the MoE layers' expert width around model.moe.expert_width (the number
 of experts and top_k stay fixed). Each group's widths sum to its budget, so the total parameters
 (experts x widths) and the active FLOPs (top_k x widths) both equal the uniform twin's.
+
+The config sections of both (model.taper: TaperConfig, model.moe: MoEConfig) live here, beside the
+rules they set; config.py's ModelConfig holds them. Torch-free, like config.py.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+
+from megatron_taper.validation import ConfigError, check_choice, check_range
 
 TAPER_SCHEDULES = ("uniform", "linear", "cosine", "sigmoid")
 
@@ -110,3 +115,55 @@ def expert_width(model_cfg) -> int:
 
 def _sigmoid(x: float) -> float:
     return 1.0 / (1.0 + math.exp(-x))
+
+
+# ---------------------------------------------------------------------------------------------
+# The config sections that size the MLPs (config.py's ModelConfig holds them as model.taper, model.moe)
+
+
+@dataclass
+class TaperConfig:
+    schedule: str = "cosine"  # uniform | linear | cosine | sigmoid
+    start: float = 1.5  # multiplier of the first layer; the last one gets 2 - start
+    multiple: int = 64  # alignment unit of every width
+    sigmoid_sharpness: float = 10.0  # slope of the sigmoid schedule
+
+    def validate(self, prefix: str) -> None:
+        check_choice(f"{prefix}.schedule", self.schedule, TAPER_SCHEDULES)
+        check_range(f"{prefix}.start", self.start, 0.0, 2.0, open_low=True, open_high=True)
+        check_range(f"{prefix}.multiple", self.multiple, 1, None)
+        check_range(f"{prefix}.sigmoid_sharpness", self.sigmoid_sharpness, 0.0, None, open_low=True)
+
+
+@dataclass
+class MoEConfig:
+    """model.moe: a token-choice top-k mixture of SwiGLU experts in place of the MLP of every layer
+    from `first_dense` on (models/moe.py); experts=0 = a dense model. The taper sets each MoE
+    layer's expert width (taper.py layer_widths): the number of experts and top_k stay fixed, so
+    total parameters and active FLOPs both equal the uniform twin's."""
+
+    experts: int = 0  # routed experts per MoE layer; 0 = no MoE (every layer a dense SwiGLU)
+    top_k: int = 2  # experts each token is sent to (gates renormalised to sum to 1; top-1: the probability)
+    expert_width: int = 0  # uniform SwiGLU width of one expert, the expert budget (0 = model.mlp_width)
+    shared_width: int = 0  # width of a shared SwiGLU expert every token passes through; 0 = none
+    first_dense: int = 0  # the first layers keep a dense SwiGLU of model.mlp_width (DeepSeek-V3 keeps 3)
+    aux_loss_weight: float = 0.01  # load-balancing loss (Switch form, models/moe.py); 0 = off
+    z_loss_weight: float = 0.001  # router z-loss (ST-MoE: mean logsumexp(logits)^2); 0 = off
+    # auxiliary-loss-free balancing (DeepSeek-V3): a per-expert bias added to the routing scores for
+    # the choice only, moved by bias_rate * sign(mean load - load) after every optimizer step
+    bias_balance: bool = False
+    bias_rate: float = 0.001
+
+    @property
+    def enabled(self) -> bool:
+        return self.experts > 0
+
+    def validate(self, prefix: str) -> None:
+        for key in ("experts", "expert_width", "shared_width", "first_dense"):
+            check_range(f"{prefix}.{key}", getattr(self, key), 0, None)
+        check_range(f"{prefix}.top_k", self.top_k, 1, None)
+        check_range(f"{prefix}.aux_loss_weight", self.aux_loss_weight, 0.0, None)
+        check_range(f"{prefix}.z_loss_weight", self.z_loss_weight, 0.0, None)
+        check_range(f"{prefix}.bias_rate", self.bias_rate, 0.0, None)
+        if self.enabled and self.top_k > self.experts:
+            raise ConfigError(f"{prefix}.top_k={self.top_k} must be at most {prefix}.experts={self.experts}")

@@ -110,11 +110,7 @@ def evaluate_checkpoint(checkpoint: str, overrides: list[str] = (), seq_lens: li
     ctx = init_parallel(cfg.parallel, cfg.train.device)
     ok = False
     try:
-        run = build_run(cfg, ctx)
-        if cfg.data.document_mask:  # as the run trained: attention inside each document
-            from megatron_taper.data.sources import document_end_id
-
-            run.model.document_end = document_end_id(cfg.data, cfg.model.vocab_size)
+        run = build_run(cfg, ctx)  # with data.document_mask (as the run trained): attention inside each document
         load_parallel_weights(run.model, ref)
         lengths = seq_lens or [cfg.model.seq_len]
         results = evaluate_lengths(run.model, cfg, lengths, batch_size, batches or cfg.train.eval_batches,

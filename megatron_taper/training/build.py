@@ -10,6 +10,8 @@
     -> materialise                      this rank's parameters on its device, each set to its part
                                         of the family's init_value (parallel/meta_init.py)
     -> attach_data_parallel             zero=none, dp x cp > 1: torch DDP (parallel/dp/ddp.py)
+    -> document_end                     data.document_mask: the data's end-of-document id, from which
+                                        each batch's doc_start is derived (ParallelModel.batch_inputs)
     -> build_optimizer                  AdamW (or the engine's, e.g. DeepSpeed's)
 
 Each rank allocates only its pipeline stage and its tp / fsdp2 shards, plus one full parameter at
@@ -35,6 +37,7 @@ import torch
 
 from megatron_taper.config import Config
 from megatron_taper.cost.preflight import Layout, preflight
+from megatron_taper.data.sources import document_end_id
 from megatron_taper.models import build_model
 from megatron_taper.models.layers import Attention, sdpa_backend
 from megatron_taper.parallel.context import ParallelContext, has_bf16, init_parallel, world_size
@@ -78,6 +81,8 @@ def build_run(cfg: Config, ctx: ParallelContext | None = None, layout: Layout | 
         materialise(pm, shapes, init_value, cfg.train.seed)
     if cfg.parallel.zero == "none" and ctx.dp * ctx.cp > 1:
         pm.attach_data_parallel(cfg.parallel.ddp_bucket_mb)
+    if cfg.data.document_mask:
+        pm.document_end = document_end_id(cfg.data, cfg.model.vocab_size)
     optimizer = pm.build_optimizer(cfg.train)
     return BuiltRun(cfg, ctx, layout, pm, optimizer, cfg.train.uses_bf16(has_bf16(ctx.device)))
 

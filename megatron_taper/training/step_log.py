@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -38,9 +38,12 @@ class StepLog:
         if self.ctx.is_main:
             print(f"{timestamp()} {text}", flush=True)
 
-    def summary(self, pm: ParallelModel, train_source: Any, has_eval: bool, bf16: bool) -> None:
+    def summary(self, pm: ParallelModel, train_source: Any, has_eval: bool, bf16: bool,
+                attention_line: Callable[[], str | None] = lambda: None) -> None:
+        """The start-up summary (main rank), with `attention_line()`'s line (SDPA's kernel) when it has one."""
         if self.ctx.is_main:
             summary = summary_lines(self.cfg, self.ctx, pm, train_source, has_eval, bf16, self.peak)
+            summary += [line for line in (attention_line(),) if line]
             if self.metrics.wandb_dir:
                 summary.append(f"wandb ({self.cfg.run.wandb.mode}): {self.metrics.wandb_dir}")
             print(f"{timestamp()} megatron_taper run\n" + "\n".join("  " + line for line in summary), flush=True)

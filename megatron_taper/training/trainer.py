@@ -24,7 +24,7 @@ from megatron_taper.console import report_error
 from megatron_taper.cost.preflight import Layout, preflight
 from megatron_taper.data.checks import check_data
 from megatron_taper.data.prefetch import Prefetcher
-from megatron_taper.data.sources import build_sources, document_end_id
+from megatron_taper.data.sources import build_sources
 from megatron_taper.fault.guard import FaultGuard
 from megatron_taper.fault.health import NonFiniteLossError
 from megatron_taper.fault.recovery import Recovery
@@ -82,8 +82,6 @@ class Trainer:
         self.guard = guard or FaultGuard()
         run = build_run(cfg, ctx, layout)
         self.ctx, self.pm, self.optimizer, self.bf16 = run.ctx, run.model, run.optimizer, run.bf16
-        if self.ctx.is_main and (line := attention_kernel_line(run)):
-            print(line, flush=True)
         self.accum = run.layout.accumulation
         self.experts = ExpertRouting(m.moe, self.ctx, self.pm.module) if m.moe.enabled else None
         carried = family(m.arch).carried_state
@@ -93,8 +91,6 @@ class Trainer:
         self.train_source, self.held_out = build_sources(
             cfg.data, seq_len=m.seq_len, micro_batch=t.micro_batch, seed=t.seed, vocab_size=m.vocab_size,
             dp_rank=self.ctx.dp_rank, dp_size=self.ctx.dp, rows=t.global_batch if self.row_streams else 0)
-        if cfg.data.document_mask:  # every batch's doc_start comes from the tokens (ParallelModel.batch_inputs)
-            self.pm.document_end = document_end_id(cfg.data, m.vocab_size)
         self.prefetch = None
         self.data_state: dict | None = None  # the source's state after the last consumed step
         self.state = TrainState()
@@ -107,7 +103,8 @@ class Trainer:
         self.recovery = Recovery(cfg, self.ctx, self.log.say)
         self.checkpointing = Checkpointing(cfg, self.pm, self.guard.before_write, self.log.say)
         self.stop_vote = StopVote(self.ctx, self.stop, self.checkpointer)
-        self.log.summary(self.pm, self.train_source, bool(self.held_out), self.bf16)
+        self.log.summary(self.pm, self.train_source, bool(self.held_out), self.bf16,
+                         lambda: attention_kernel_line(run))
         self.checkpointing.resume(self.optimizer, self.metrics, self.row_streams, self._restore)
         if self.ctx.is_main:  # only now: a refused resume leaves the run's config.yaml as it was
             save_config(cfg, os.path.join(cfg.run.dir, "config.yaml"))
@@ -150,9 +147,8 @@ class Trainer:
                 if rolled_back and not stop:
                     continue  # rolled back to an earlier checkpoint
                 if at_log and not rolled_back:
-                    self.check_health()
-                    if self.experts is not None:
-                        record.update(self.experts.record())
+                    self.recovery.check_health()  # a host read: names skipped steps, stops a non-finite streak
+                    record.update(self.experts.record() if self.experts is not None else {})
                     self.log.step(record, self.step, self.state.tokens_seen, self.skipped, steps_here)
                 if stop:
                     return self._stop_with_checkpoint(stop)
@@ -216,11 +212,6 @@ class Trainer:
             return torch.autocast(self.ctx.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def check_health(self) -> None:
-        """Name the steps skipped since the last check; NonFiniteLossError after
-        train.max_nonfinite non-finite steps in a row (a host read: at log intervals, before saves)."""
-        self.recovery.check_health()
-
     def evaluate(self) -> dict[str, float] | None:
         """Held-out losses (training/held_out.py held_out_losses); None without held-out data."""
         return held_out_losses(self.pm, self.held_out, self.cfg.train.eval_batches, self.autocast)
@@ -233,7 +224,7 @@ class Trainer:
     def save(self, final: bool = False) -> None:
         """Checkpoint the current step; `final`: also wait until it (and any background save) is
         complete, before the process exits."""
-        self.check_health()  # never a checkpoint after train.max_nonfinite non-finite steps in a row
+        self.recovery.check_health()  # never a checkpoint after train.max_nonfinite non-finite steps in a row
         if not final and self.recovery.holds_save(self.step):
             return
         with self.guard.section("save", self.step):

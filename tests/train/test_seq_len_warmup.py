@@ -37,10 +37,10 @@ def test_cut_windows_equal_reading_the_short_windows(arch):
     b x S / L windows of L + 1 tokens read one after another (each target the token after its input,
     also at every cut), with documents found inside each window; a recurrent family (titans) starts
     every short window from its initial memory."""
-    cfg = load_config(None, [*MODEL, f"model.arch={arch}", "data.document_mask=true"])
+    cfg = load_config(None, [*MODEL, f"model.arch={arch}"])
     run = build_run(cfg, ParallelContext(1, 0, 0, 1, 1, 1, torch.device("cpu")))
     pm = run.model
-    pm.document_end = END_OF_DOCUMENT
+    pm.document_end = END_OF_DOCUMENT  # data.document_mask's switch, with this test's own end-of-document id
     g = torch.Generator().manual_seed(3)
     tokens = torch.randint(3, 64, (2, 33), generator=g)
     tokens[0, [5, 8, 20]] = END_OF_DOCUMENT  # an end at position 8 makes the second window start a document
