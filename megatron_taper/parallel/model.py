@@ -315,7 +315,7 @@ class ParallelModel:
         target of every input still the token after it, doc_start found in the cut windows: exactly
         the inputs of windows of seq_len + 1 tokens read one after another."""
         inputs, targets = split_batch(self.split, tokens)
-        if seq_len is not None and seq_len != inputs.shape[1]:
+        if seq_len is not None and seq_len != tokens.shape[1] - 1:  # (under cp the inputs are this rank's slice)
             assert self.split is None, "preflight refuses a sequence-length warmup with parallel.cp > 1"
             inputs, targets = cut_windows(inputs, seq_len), cut_windows(targets, seq_len)
         if self.document_end is None:

@@ -9,6 +9,7 @@ A layout with data.document_mask=true trains on rows that hold END_OF_DOCUMENT a
 (documents that cross cp slices and micro-batch rows), and its ParallelModel derives doc_start
 from them, as the Trainer's does from the data's end-of-document id.
 """
+import dataclasses
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -85,11 +86,19 @@ def train(run, rank0, steps=STEPS):
     return rec if rank0 else None
 
 
+def build(overrides, ctx: ParallelContext | None = None):
+    """build_run of the config of `overrides`; with data.document_mask the end-of-document id is this
+    harness's (`train` sets it: there is no data folder whose stats.json build_run would read)."""
+    cfg = load_config(None, list(overrides))
+    run = build_run(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, document_mask=False)), ctx)
+    return dataclasses.replace(run, cfg=cfg)
+
+
 def worker(layouts):
     """Each layout (a list of config overrides) in turn on these processes; rank 0's records."""
     out = []
     for overrides in layouts:
-        run = build_run(load_config(None, list(overrides)))
+        run = build(overrides)
         out.append(train(run, run.ctx.rank == 0))
     return out
 
@@ -99,7 +108,7 @@ def stage_worker(layouts, steps=STEPS):
     (dp, cp and tp rank 0; None on the others), to be joined by `merge_stages`."""
     out = []
     for overrides in layouts:
-        run = build_run(load_config(None, list(overrides)))
+        run = build(overrides)
         ctx = run.ctx
         out.append(train(run, ctx.dp_rank == 0 and ctx.cp_rank == 0 and ctx.tp_rank == 0, steps))
     return out
@@ -120,7 +129,7 @@ def merge_stages(per_rank):
 def reference(overrides, steps=STEPS):
     """The one-process records of the layout's model (its parallel.* overrides are left out)."""
     model_only = [o for o in overrides if not o.startswith("parallel.")]
-    run = build_run(load_config(None, model_only), ParallelContext(1, 0, 0, 1, 1, 1, torch.device("cpu")))
+    run = build(model_only, ParallelContext(1, 0, 0, 1, 1, 1, torch.device("cpu")))
     return train(run, True, steps)
 
 
