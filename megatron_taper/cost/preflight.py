@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Sequence
 from megatron_taper.config import INTERLEAVED_SCHEDULES
 from megatron_taper.cost.float8 import FLOAT8_UNIT
 from megatron_taper.models import cards, family
-from megatron_taper.taper import layer_widths
+from megatron_taper.taper import layer_widths, moe_layers
 from megatron_taper.validation import ConfigError
 
 if TYPE_CHECKING:
@@ -54,7 +54,7 @@ def preflight(cfg: Config, world_size: int, widths: Sequence[int] | None = None)
         warnings.warn(message, stacklevel=2)
     spec = family(m.arch)
     if m.moe.enabled:
-        _check_moe(m, p, t, dp)
+        check_moe_layout(m, p, t, dp)
     elif p.ep > 1:
         raise ConfigError(f"parallel.ep={p.ep} spreads experts, but model.moe.experts=0 (a dense model); "
                           f"use parallel.ep=1")
@@ -114,33 +114,35 @@ def compiles(m: ModelConfig, p: ParallelConfig, t: TrainConfig, device_type: str
     return t.compile_setting == "true" or p.cp == 1 or family(m.arch).cp_balanced
 
 
-def _check_moe(m: ModelConfig, p: ParallelConfig, t: TrainConfig, dp: int) -> None:
-    """model.moe (models/moe.py): the layouts its layers are built and tested for today (one process,
-    data parallelism through DDP or fsdp2, pipelines, and expert parallelism over the whole dp
-    group with DDP, without pipelines: parallel/ep.py)."""
-    if p.tp > 1:
-        raise ConfigError(f"model.moe with parallel.tp={p.tp} is not supported yet (no tensor-parallel plan for the "
-                          f"router and experts); use parallel.tp=1")
+def check_moe_layout(m: ModelConfig, p: ParallelConfig, t: TrainConfig, dp: int) -> None:
+    """The one rule of which layouts run a mixture of experts (models/moe.py) and expert parallelism
+    (parallel.ep, parallel/ep.py) at data-parallel size `dp`; a ConfigError naming the keys otherwise.
+    Runs: one process; dp through DDP (zero=none) or fsdp2; pp; tp without sequence parallelism (the
+    MoE replicated over tp); and ep dividing dp and the experts with any of these (zero=none or
+    fsdp2; ep < dp copies the experts over dp / ep groups; not with HSDP)."""
+    if p.tp > 1 and p.sequence_parallel:
+        raise ConfigError(f"model.moe with parallel.tp={p.tp} and parallel.sequence_parallel=true is not supported "
+                          f"yet (the MoE, replicated over tp, would route each rank's sequence chunk alone: its "
+                          f"balance loss and loads differ); use parallel.sequence_parallel=false")
     if p.zero == "deepspeed":
         raise ConfigError("model.moe with parallel.zero=deepspeed is not supported yet (DeepSpeed partitions the "
                           "routing biases, which move outside its optimizer); use parallel.zero=fsdp2 or none")
-    if p.ep > 1 and p.zero != "none":
-        raise ConfigError(f"parallel.ep={p.ep} with parallel.zero={p.zero} is not supported yet (experts sharded over "
-                          f"dp by both); use parallel.zero=none")
     if p.cp > 1:
         raise ConfigError(f"model.moe with parallel.cp={p.cp} is not supported yet (untested); use parallel.cp=1")
     if t.float8:
         raise ConfigError("model.moe with train.float8=true is not supported (the experts' grouped GEMMs are no "
                           "nn.Linear); use train.float8=false")
     if p.ep > 1:
-        if p.ep != dp:
-            raise ConfigError(f"parallel.ep={p.ep} must equal the data-parallel size {dp} (experts spread over the "
-                              f"whole dp group; ep dividing dp is not built yet)")
+        if dp % p.ep:
+            raise ConfigError(f"parallel.ep={p.ep} must divide the data-parallel size {dp} (experts split over ep "
+                              f"ranks of the dp group and copied over dp / ep groups of them)")
         if m.moe.experts % p.ep:
             raise ConfigError(f"parallel.ep={p.ep} must divide model.moe.experts={m.moe.experts} (each rank holds "
                               f"the same number of experts)")
-        if p.pp > 1:
-            raise ConfigError(f"parallel.ep={p.ep} with parallel.pp={p.pp} is not supported yet; use parallel.pp=1")
+        if p.dp_split(dp) != (1, dp):
+            raise ConfigError(f"parallel.ep={p.ep} with parallel.dp_replicate={p.dp_replicate} / parallel.dp_shard="
+                              f"{p.dp_shard} (HSDP) is not supported yet; use parallel.dp_replicate=1 and "
+                              f"parallel.dp_shard=0, or parallel.ep=1")
 
 
 def _check_cuda_graphs(p: ParallelConfig) -> None:
@@ -258,8 +260,8 @@ def _check_tensor_parallel(m: ModelConfig, p: ParallelConfig, widths: Sequence[i
     if m.vocab_size < tp:
         raise ConfigError(f"model.vocab_size={m.vocab_size} is smaller than parallel.tp={tp}")
     unit = m.taper.multiple
-    for layer, width in enumerate(widths):
-        if width // unit < tp:
+    for layer, (width, experts) in enumerate(zip(widths, moe_layers(m))):
+        if width // unit < tp and not experts:  # a mixture of experts is replicated over tp
             raise ConfigError(f"layer {layer} has MLP width {width} = {width // unit} unit(s) of "
                               f"model.taper.multiple={unit}, fewer than parallel.tp={tp}: lower parallel.tp or "
                               f"model.taper.multiple, or raise model.mlp_width")

@@ -17,6 +17,12 @@ With cp > 1, ZeRO shards over the flattened dp x cp dimension (`dp_cp_mesh`, as 
 torchtitan do: the ranks of a cp group hold the same parameters), so `dp_mesh` is that mesh,
 `dp_shard` = dp x cp and `dp_shard_rank` = dp_rank x cp + cp_rank (cost/preflight.py refuses HSDP
 with cp).
+
+Expert parallelism (parallel.ep, parallel/ep.py) splits the dp ranks once more, as torchtitan
+does: dp_rank = ep_replicate_rank * ep + ep_rank. The ep ranks of one ep_replicate coordinate
+(consecutive dp ranks) exchange tokens and each holds N / ep of the experts; the dp / ep ranks of
+one ep coordinate hold the same experts (`ep_mesh`: (ep_replicate, ep), built only when
+1 < ep < dp; with ep = dp the ep group is the dp group).
 """
 from __future__ import annotations
 
@@ -49,6 +55,8 @@ class ParallelContext:
     dp_mesh: DeviceMesh | None = None  # what ZeRO shards over (module doc; dp x cp when cp > 1); None without a mesh
     cp: int = 1  # context-parallel ranks: each sequence is split over them
     dp_cp_mesh: DeviceMesh | None = None  # cp > 1: the dp and cp dims flattened (gradient averaging)
+    ep: int = 1  # expert-parallel ranks: each MoE layer's experts split over them (a divisor of dp)
+    ep_mesh: DeviceMesh | None = None  # 1 < ep < dp: the dp ranks as (ep_replicate, ep) (module doc)
 
     @property
     def pp_rank(self) -> int:
@@ -78,6 +86,25 @@ class ParallelContext:
     @property
     def dp_replicate_rank(self) -> int:
         return self.dp_rank // (self.dp // self.dp_replicate)
+
+    @property
+    def ep_rank(self) -> int:
+        return self.dp_rank % self.ep
+
+    @property
+    def ep_replicate_rank(self) -> int:
+        """Which of the dp / ep copies of this rank's experts it holds."""
+        return self.dp_rank // self.ep
+
+    @property
+    def ep_group(self) -> dist.ProcessGroup | None:
+        """The ranks exchanging tokens, each holding N / ep of the experts (the dp group when ep = dp)."""
+        return self.dp_group if self.ep_mesh is None else self.ep_mesh.get_group("ep")
+
+    @property
+    def ep_replicate_mesh(self) -> DeviceMesh | None:
+        """The dp / ep ranks holding the same experts as this one (1 < ep < dp), else None."""
+        return None if self.ep_mesh is None else self.ep_mesh["ep_replicate"]
 
     @property
     def is_main(self) -> bool:
@@ -189,8 +216,11 @@ def init_parallel(pcfg: ParallelConfig, device: str = "auto", timeout_s: float =
         dp_mesh = mesh["dp"]
     else:
         dp_mesh = mesh._unflatten("dp", (replicate, shard), ("dp_replicate", "dp_shard"))["dp_replicate", "dp_shard"]
+    # cost/preflight.py: ep divides dp, without HSDP or cp (the dp dimension is unflattened once)
+    ep_mesh = mesh._unflatten("dp", (dp // pcfg.ep, pcfg.ep), ("ep_replicate", "ep"))["ep_replicate", "ep"] \
+        if 1 < pcfg.ep < dp else None
     return ParallelContext(world, rank, local_rank, pcfg.pp, dp, pcfg.tp, dev, mesh, replicate, dp_mesh,
-                           cp=pcfg.cp, dp_cp_mesh=dp_cp)
+                           cp=pcfg.cp, dp_cp_mesh=dp_cp, ep=pcfg.ep, ep_mesh=ep_mesh)
 
 
 def _check_same_layout(chosen: str, world: int) -> None:

@@ -1,6 +1,7 @@
-"""Expert parallelism (parallel.ep): each MoE layer's N experts spread over the ep ranks of the dp
-group, rank r holding experts r*N/ep .. (r+1)*N/ep - 1 (today ep = dp, parallel.zero=none, pp = 1:
-cost/preflight.py). Everything else stays replicated over dp (DDP averages it).
+"""Expert parallelism (parallel.ep): each MoE layer's N experts split over the ep ranks of the dp
+group (parallel/context.py: ep consecutive dp ranks, rank e holding experts e*N/ep .. (e+1)*N/ep - 1),
+and copied over the dp / ep groups of them (cost/preflight.py check_moe_layout says which layouts).
+Everything else stays data-parallel as the engine makes it (DDP averages it, fsdp2 shards it over dp).
 
 Per MoE layer and micro-batch (models/moe.py hands its expert-sorted rows to `dispatch`):
 
@@ -12,12 +13,18 @@ Per MoE layer and micro-batch (models/moe.py hands its expert-sorted rows to `di
     permute back, all-to-all back (the reverse splits) -> [A, D] in this rank's original order
 
 Both row exchanges are autograd functions whose backward is the reverse exchange, so an expert's
-gradient sums the contributions of every rank's tokens: it is the gradient of the sum of the dp
-ranks' losses, scaled by 1/dp after backward (`_scale_expert_grads`) to be that of their mean, as
-DDP's average gives the replicated weights. The experts' parameters are excluded from DDP. The
-gradient norm sums their squares over the dp group. Checkpoints hold the logical [N, ...]
-tensors: each rank writes and reads its rows (ParallelModel.ep_specs), so a checkpoint resumes
-at any ep.
+gradient sums the contributions of the ep group's tokens. Gradients of the experts (excluded from
+DDP; under fsdp2 excluded from the dp shards) then become those of the mean of the dp ranks'
+losses, as DDP's average gives the replicated weights (`_reduce_expert_grads`):
+    ep = dp                    scaled by 1 / dp
+    ep < dp, zero=none         summed over the dp / ep copies (all-reduce), scaled by 1 / dp
+    ep < dp, zero=fsdp2        the experts are fsdp2-sharded over the dp / ep copies (dp/fsdp2.py),
+                               whose reduce-scatter averages them; scaled by 1 / ep
+Under tp the experts are replicated over the tp ranks (each runs the MoE on the same tokens; the
+ep group is the dp group of its tp rank); under pp each stage's MoE layers use the stage's dp
+group. The gradient norm sums the experts' squares over the ranks holding distinct pieces.
+Checkpoints hold the logical [N, ...] tensors: each rank writes and reads its rows
+(ParallelModel.ep_specs), so a checkpoint resumes at any ep.
 """
 from __future__ import annotations
 
@@ -28,7 +35,9 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron_taper.models.moe import GroupedExperts, moe_modules
-from megatron_taper.parallel.model import ParallelModel
+from megatron_taper.parallel.context import ParallelContext
+from megatron_taper.parallel.dp.ddp import all_reduce_flat_
+from megatron_taper.parallel.model import ParallelModel, local_part
 from megatron_taper.parallel.tp.layers import ShardSpec
 
 EXPERT_WEIGHTS = ("w1", "w2", "w3")  # GroupedExperts' parameters, [N, ...] each
@@ -85,11 +94,12 @@ class ExpertDispatch:
         return _AllToAll.apply(out, send, recv, self)
 
 
-def apply_expert_parallel(pm: ParallelModel, ep: int) -> None:
+def apply_expert_parallel(pm: ParallelModel, ep: int, zero: str) -> None:
     """Keep this rank's experts of every MoE layer of `pm.module` (meta or real), hand each layer its
-    dispatch, and record the layouts for checkpoints, gradients and the gradient norm."""
+    dispatch, and record the layouts for checkpoints, gradients and the gradient norm. `zero`: the
+    engine applied afterwards (fsdp2 shards the experts over their dp / ep copies: dp/fsdp2.py)."""
     ctx = pm.ctx
-    group, rank = ctx.dp_group, ctx.dp_rank
+    group, rank = ctx.ep_group, ctx.ep_rank
     names = []
     for prefix, moe in moe_modules(pm.module):
         moe.dispatch = ExpertDispatch(group, ep, moe.n_experts)
@@ -106,17 +116,26 @@ def apply_expert_parallel(pm: ParallelModel, ep: int) -> None:
             pm.to_local[name] = functools.partial(spec.local, rank=rank)
             pm.to_full[name] = functools.partial(_gather_rows, group=group)
             names.append(name)
-    pm.tp_grad_syncs.append(functools.partial(_scale_expert_grads, names, 1.0 / ep))
+    sharded = zero == "fsdp2" and ctx.ep_replicate_mesh is not None
+    pm.tp_grad_syncs.append(functools.partial(_reduce_expert_grads, names, ctx, sharded))
 
 
 def _gather_rows(local: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """The logical tensor from every ep rank's rows (a collective over the dp group)."""
+    """The logical tensor from every ep rank's rows (a collective over the ep group)."""
     parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, local.contiguous(), group=group)
     return torch.cat(parts)
 
 
-def _scale_expert_grads(names: list[str], scale: float, module: nn.Module) -> None:
-    grads = [g for g in (module.get_parameter(n).grad for n in names) if g is not None]
-    if grads:
-        torch._foreach_mul_(grads, scale)
+def _reduce_expert_grads(names: list[str], ctx: ParallelContext, sharded: bool, module: nn.Module) -> None:
+    """The experts' gradients (sums over the ep group's tokens) -> those of the dp ranks' mean loss
+    (module doc)."""
+    grads = [local_part(g) for g in (module.get_parameter(n).grad for n in names) if g is not None]
+    if not grads:
+        return
+    if sharded:  # fsdp2 averaged them over the dp / ep copies
+        torch._foreach_mul_(grads, 1.0 / ctx.ep)
+        return
+    if ctx.ep_replicate_mesh is not None:
+        all_reduce_flat_(grads, ctx.ep_replicate_mesh.get_group())
+    torch._foreach_mul_(grads, 1.0 / ctx.dp)

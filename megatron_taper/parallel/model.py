@@ -53,8 +53,9 @@ class ParallelModel:
     dp_shard: Callable[[torch.Tensor], torch.Tensor] | None = None
     # name -> tp layout of a tensor-parallel parameter (where its slice lies in the logical tensor)
     tp_specs: dict[str, ShardSpec] = field(default_factory=dict)
-    # name -> layout over the dp ranks of an expert-parallel parameter (parallel/ep.py): rank r holds
-    # rows starts[dp_rank] ..; not averaged by DDP, its gradient-norm share summed over dp
+    # name -> layout over the ep ranks of an expert-parallel parameter (parallel/ep.py): rank r holds
+    # rows starts[ep_rank] ..; not averaged by DDP nor in the dp shards of fsdp2 (under fsdp2 with
+    # ep < dp a DTensor sharded over the dp / ep copies of those rows)
     ep_specs: dict[str, ShardSpec] = field(default_factory=dict)
     # zero=none with dp > 1: `module` behind torch DDP (attach_data_parallel), used for training
     # forwards; `module` itself stays the unwrapped one (names, checkpoints, evaluation)
@@ -85,7 +86,8 @@ class ParallelModel:
     def local_tensor(self, name: str, full: torch.Tensor) -> torch.Tensor:
         fn = self.to_local.get(name)
         local = full if fn is None else fn(full)
-        return local if self.dp_shard is None else self.dp_shard(local)
+        # an expert's to_local shards it over its copies itself where fsdp2 does (dp/fsdp2.py)
+        return local if self.dp_shard is None or name in self.ep_specs else self.dp_shard(local)
 
     def attach_data_parallel(self, bucket_mb: float) -> None:
         """Average gradients over dp with bucketed all-reduces overlapping backward (torch DDP,
@@ -170,20 +172,24 @@ class ParallelModel:
         """(full shape, offsets) of this rank's `local` piece of parameter `name` (or of a state
         tensor shaped like it) in the logical tensor, and whether this rank owns it (writes it:
         one rank per box; tp and dp replicas and empty ZeRO shards do not)."""
-        owner = self.dp_sharded or (self.ctx.dp_rank == 0 and self.ctx.cp_rank == 0)
-        if isinstance(local, DTensor):  # FSDP2: Shard(0) over dp_shard of the tp-local tensor, torch.chunk sizes
+        ctx = self.ctx
+        owner = self.dp_sharded or (ctx.dp_rank == 0 and ctx.cp_rank == 0)
+        expert = self.ep_specs.get(name)
+        if isinstance(local, DTensor):  # FSDP2: Shard(0) of the tp-local tensor, torch.chunk sizes
             full, data = list(local.shape), local.to_local()
             offsets = [0] * len(full)
-            owner = owner and self.ctx.dp_replicate_rank == 0  # HSDP: the first replica writes
-            if full:
-                offsets[0] = self.ctx.dp_shard_rank * -(-full[0] // self.ctx.dp_shard)
+            owner = owner and ctx.dp_replicate_rank == 0  # HSDP: the first replica writes
+            if full:  # over dp_shard, or an expert's rows over their dp / ep copies (parallel/ep.py)
+                rank, shards = (ctx.ep_replicate_rank, ctx.dp // ctx.ep) if expert else (ctx.dp_shard_rank,
+                                                                                          ctx.dp_shard)
+                offsets[0] = rank * -(-full[0] // shards)
                 owner = owner and data.numel() > 0
         else:
             full, offsets = list(local.shape), [0] * local.dim()
-        expert = self.ep_specs.get(name)
-        if expert is not None:  # each dp rank its own experts' rows
-            full[0], offsets[0] = expert.full, expert.starts[self.ctx.dp_rank]
-            owner = self.ctx.cp_rank == 0
+            if expert is not None:  # the first of the dp / ep copies of its rows writes
+                owner = ctx.cp_rank == 0 and ctx.ep_replicate_rank == 0
+        if expert is not None:  # each ep rank its own experts' rows
+            full[0], offsets[0] = expert.full, offsets[0] + expert.starts[ctx.ep_rank]
         spec = self.tp_specs.get(name)
         if spec is not None:
             start = spec.starts[self.ctx.tp_rank]
@@ -337,7 +343,8 @@ class ParallelModel:
 
         Every logical value counts once: a tp shard with weight 1, a tensor held by k tp ranks with
         1/k (summed over the tp group), disjoint pipeline stages summed over the pp group, each dp
-        rank's own experts (expert parallelism, ep_specs) summed over the dp group.
+        rank's own experts (expert parallelism, ep_specs) summed over the ep group (and over their
+        dp / ep copies where fsdp2 shards them; replicated over tp, weight 1/tp).
         """
         grads, by_replicas, experts = [], {}, []
         for name, p in self.module.named_parameters():
@@ -352,17 +359,18 @@ class ParallelModel:
         sq = torch.zeros((), device=device, dtype=torch.float32)
         for k, gs in by_replicas.items():
             sq += torch.nn.utils.get_total_norm(gs, foreach=True).float().square() / k
-        if self.ep_specs:  # each dp rank's own experts
-            expert_sq = torch.nn.utils.get_total_norm(experts, foreach=True).float().square() if experts else \
-                torch.zeros((), device=device, dtype=torch.float32)
-            dist.all_reduce(expert_sq, group=self.ctx.dp_group)
+        if self.dp_sharded and self.ctx.dp_shard > 1:  # HSDP: replicas hold the same shard, counted once
+            dist.all_reduce(sq, group=self.ctx.dp_shard_group)
+        if self.ep_specs:  # each ep rank's own experts (the same on every tp rank)
+            expert_sq = torch.nn.utils.get_total_norm(experts, foreach=True).float().square() / self.ctx.tp \
+                if experts else torch.zeros((), device=device, dtype=torch.float32)
+            sharded = any(isinstance(self.module.get_parameter(name), DTensor) for name in self.ep_specs)
+            dist.all_reduce(expert_sq, group=self.ctx.dp_group if sharded else self.ctx.ep_group)
             sq += expert_sq
         if self.ctx.tp > 1:
             dist.all_reduce(sq, group=self.ctx.tp_group)
         if self.ctx.pp > 1:
             dist.all_reduce(sq, group=self.ctx.pp_group)
-        if self.dp_sharded and self.ctx.dp_shard > 1:  # HSDP: replicas hold the same shard, counted once
-            dist.all_reduce(sq, group=self.ctx.dp_shard_group)
         norm = sq.sqrt()
         if grads and max_norm > 0 and math.isfinite(max_norm):
             # (torch.nn.utils.clip_grads_with_norm_ takes parameters, not gradients: scale here)

@@ -64,7 +64,7 @@ def parallelize(model: nn.Module, ctx: ParallelContext, model_cfg: ModelConfig, 
     else:
         pm = _tensor_parallel(model, ctx, model_cfg, parallel, train.loss_chunk)
     if parallel.ep > 1:
-        apply_expert_parallel(pm, parallel.ep)
+        apply_expert_parallel(pm, parallel.ep, parallel.zero)
     if ctx.cp > 1:
         split = SequenceSplit(ctx.cp, ctx.cp_rank, ctx.cp_group, attention=parallel.cp_attention,
                               balanced=family(model_cfg.arch).cp_balanced)

@@ -13,11 +13,15 @@ if TYPE_CHECKING:
 
 
 def build_optimizer(module: nn.Module, train: TrainConfig, device: torch.device) -> torch.optim.Optimizer:
-    """AdamW; weight decay on matrices and embeddings, not on norms and biases."""
-    decay = [p for p in module.parameters() if p.requires_grad and p.dim() >= 2]
-    no_decay = [p for p in module.parameters() if p.requires_grad and p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": train.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
+    """AdamW; weight decay on matrices and embeddings, not on norms and biases. Each group holds
+    one kind of tensor, plain or DTensor of one mesh (a fused step takes one kind at a time; expert
+    parallelism under fsdp2 keeps experts plain or sharded over another mesh: parallel/ep.py)."""
+    by_kind: dict[tuple[bool, int], list[nn.Parameter]] = {}
+    for p in module.parameters():
+        if p.requires_grad:
+            by_kind.setdefault((p.dim() < 2, id(getattr(p, "device_mesh", None))), []).append(p)
+    groups = [{"params": params, "weight_decay": 0.0 if no_decay else train.weight_decay}
+              for (no_decay, _), params in sorted(by_kind.items(), key=lambda item: item[0][0])]
     return torch.optim.AdamW(groups, lr=train.lr, betas=(train.beta1, train.beta2), eps=train.eps,
                              fused=device.type in ("cuda", "cpu"))
 

@@ -10,10 +10,10 @@ if TYPE_CHECKING:
 
 
 def tp_plan_transformer_block(block: TransformerBlock, prefix: str, cfg: ModelConfig, tp: TPBuilder) -> None:
-    """Norms replicated; attention split by heads; the MLP's width split in units of
-    model.taper.multiple (uneven when the width does not divide)."""
+    """Norms replicated; attention split by heads; a dense MLP's width split in units of
+    model.taper.multiple (uneven when the width does not divide), a mixture of experts replicated."""
     tp.replicated(block.attn_norm, f"{prefix}.attn_norm")
     tp.replicated(block.mlp_norm, f"{prefix}.mlp_norm")
     tp.attention(block.attn, f"{prefix}.attn", cfg.n_heads, cfg.kv_heads, cfg.rope_theta)
     block.attn.first_head = tp.rank * (cfg.n_heads // tp.tp)  # ALiBi slopes follow the global head index
-    tp.swiglu(block.mlp, f"{prefix}.mlp", cfg.taper.multiple)
+    tp.mlp(block.mlp, f"{prefix}.mlp", cfg.taper.multiple)

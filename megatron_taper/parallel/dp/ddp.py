@@ -17,6 +17,8 @@ initial broadcast is skipped (`init_sync=False`): at 70B it would send the whole
 """
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -33,15 +35,17 @@ def bucket_mb(configured: float, module: nn.Module, dp: int) -> float:
     return ddp_bucket_elements(configured, trainable, dp) * 4 / 2**20
 
 
-def average_gradients(module: nn.Module, group: dist.ProcessGroup, bucket_bytes: float) -> None:
+def average_gradients(module: nn.Module, group: dist.ProcessGroup, bucket_bytes: float,
+                      ignore: Collection[str] = ()) -> None:
     """Average the gradients of `module` over `group` in place: one all-reduce per flat bucket of
     at most `bucket_bytes` (gradients of one dtype, in registration order, the same on every rank
-    of the group, which holds the same stage)."""
+    of the group, which holds the same stage); the parameters named in `ignore` (expert-parallel
+    ones, parallel/ep.py) are left alone."""
     world = dist.get_world_size(group)
     buckets: list[list[torch.Tensor]] = []
     size, dtype = 0.0, None
-    for p in module.parameters():
-        if p.grad is None:
+    for name, p in module.named_parameters():
+        if p.grad is None or name in ignore:
             continue
         nbytes = p.grad.numel() * p.grad.element_size()
         if not buckets or p.grad.dtype != dtype or size + nbytes > bucket_bytes:

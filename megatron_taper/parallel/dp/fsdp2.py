@@ -102,18 +102,46 @@ def _fsdp2(pm: ParallelModel, bf16: bool, chunks: list[nn.Module] | None) -> Par
     fp32 = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=torch.float32)
     matmul = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32)
     module = pm.module
+    ignored = _shard_experts(pm, matmul, reshard=chunks is None)
     for root in chunks or [module]:
         blocks = _blocks(root)  # a chunk view's own blocks
         groups = fsdp_units([sum(p.numel() for p in block.parameters()) for block in blocks], ctx.dp_shard)
-        units = [_shard_unit([blocks[i] for i in group], mesh, fp32, matmul,
+        units = [_shard_unit([blocks[i] for i in group], mesh, fp32, matmul, ignored,
                              reshard=chunks is None and k < len(groups) - 1) for k, group in enumerate(groups)]
-        _prefetch_next([_shard_unit(root, mesh, fp32, matmul, reshard=False), *units])
+        _prefetch_next([_shard_unit(root, mesh, fp32, matmul, ignored, reshard=False), *units])
     pm.dp_sharded = True
     pm.dp_shard = functools.partial(_dp_shard, mesh=mesh, device=ctx.device)
     return pm
 
 
-def _shard_unit(unit: nn.Module | list[nn.Module], mesh, fp32, matmul, reshard: bool) -> list[nn.Module]:
+def _shard_experts(pm: ParallelModel, matmul, reshard: bool) -> set[nn.Parameter] | None:
+    """Expert parallelism (parallel/ep.py): the experts stay out of the dp shards. With ep < dp each
+    MoE layer's experts are an FSDP unit of their own over the dp / ep ranks holding the same rows
+    (`ctx.ep_replicate_mesh`; gathered like the matmul-only layers: the grouped GEMMs take them in
+    the autocast dtype), their `to_local` then giving this rank's shard of its rows; with ep = dp
+    they stay whole, plain tensors FSDP leaves alone. Returns the parameters the dp units must
+    ignore (None: none)."""
+    from torch.distributed.fsdp import fully_shard
+
+    from megatron_taper.models.moe import moe_modules
+
+    ctx = pm.ctx
+    if not pm.ep_specs:
+        return None
+    experts = [moe.experts for _, moe in moe_modules(pm.module)]
+    if ctx.ep_replicate_mesh is None:
+        return {p for module in experts for p in module.parameters()}
+    for module in experts:
+        fully_shard(module, mesh=ctx.ep_replicate_mesh, mp_policy=matmul, reshard_after_forward=reshard)
+    shard = functools.partial(_dp_shard, mesh=ctx.ep_replicate_mesh, device=ctx.device)
+    for name in pm.ep_specs:
+        rows = pm.to_local[name]
+        pm.to_local[name] = lambda full, rows=rows: shard(rows(full))
+    return None
+
+
+def _shard_unit(unit: nn.Module | list[nn.Module], mesh, fp32, matmul, ignored: set[nn.Parameter] | None,
+                reshard: bool) -> list[nn.Module]:
     """Two FSDP units: the matmul-only layers of `unit` (a module, or consecutive blocks sharded
     as one) gathered in the matmul policy's dtype, inside the unit itself (everything else: norms,
     embeddings, gates, in fp32). Returns one module of each FSDP unit made (the prefetch targets
@@ -124,9 +152,9 @@ def _shard_unit(unit: nn.Module | list[nn.Module], mesh, fp32, matmul, reshard: 
     made = []
     linears = [layer for m in modules for layer in matmul_only_layers(m)]
     if linears and matmul.param_dtype is not None:
-        fully_shard(linears, mesh=mesh, mp_policy=matmul, reshard_after_forward=reshard)
+        fully_shard(linears, mesh=mesh, mp_policy=matmul, reshard_after_forward=reshard, ignored_params=ignored)
         made.append(linears[0])
-    fully_shard(unit, mesh=mesh, mp_policy=fp32, reshard_after_forward=reshard)
+    fully_shard(unit, mesh=mesh, mp_policy=fp32, reshard_after_forward=reshard, ignored_params=ignored)
     return [modules[0], *made]
 
 

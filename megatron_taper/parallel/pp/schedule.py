@@ -83,7 +83,7 @@ class PipelineParallelModel(ParallelModel):
 
     def reduce_gradients(self) -> None:
         if self.ddp_attached:
-            average_gradients(self.module, self.ctx.grad_group, self._dp_bucket_bytes)
+            average_gradients(self.module, self.ctx.grad_group, self._dp_bucket_bytes, ignore=self.ep_specs)
         super().reduce_gradients()
 
     def _reshard(self) -> None:

@@ -22,6 +22,7 @@ from torch import nn
 
 from megatron_taper.models import family
 from megatron_taper.models.layers import rope_tables, rope_tables_at
+from megatron_taper.models.moe import MoE
 from megatron_taper.parallel.tp.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -171,6 +172,16 @@ class TPBuilder:
             self.column(mlp, "w3", prefix, rows)
         self.row(mlp, "w2", prefix, cols)
         self.enter_region_at_input(mlp)
+
+    def mlp(self, mlp: nn.Module, prefix: str, unit: int) -> None:
+        """A block's MLP: a dense SwiGLU split by `swiglu`; a mixture of experts (models/moe.py) stays
+        whole on every tp rank (router, experts and shared expert replicated: each rank routes and
+        computes the same tokens, so the input and output need no tp collective and its gradients
+        are equal on the tp ranks; cost/preflight.py refuses it with sequence parallelism)."""
+        if isinstance(mlp, MoE):
+            self.replicated(mlp, prefix)
+        else:
+            self.swiglu(mlp, prefix, unit)
 
 
 # ---------------------------------------------------------------------------------------------
