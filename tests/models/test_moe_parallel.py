@@ -45,7 +45,15 @@ TRAIN = ["train.steps=8", "train.global_batch=4", "train.micro_batch=2", "train.
          "train.grad_clip=0.5", "train.log_interval=1", "train.eval_batches=1", "run.tensorboard=false",
          "checkpoint.interval=0", "checkpoint.keep=0"]
 LAYOUTS = {"dp2": [], "fsdp2": ["parallel.zero=fsdp2"], "pp2": ["parallel.pp=2"], "ep2": ["parallel.ep=2"],
-           "ep2_recompute": ["parallel.ep=2", "train.activation_checkpointing=full"]}
+           "ep2_recompute": ["parallel.ep=2", "train.activation_checkpointing=full"],
+           "ep2_fsdp2": ["parallel.ep=2", "parallel.zero=fsdp2"], "tp2": ["parallel.tp=2"]}
+# four processes, each rank one sequence per micro-batch: the routing losses are per micro-batch, so
+# their one-process reference runs micro-batches of one sequence too (ONE_SEQUENCE)
+ONE_SEQUENCE = ["train.micro_batch=1"]
+LAYOUTS_4 = {"dp4_ep2": ["parallel.ep=2"], "dp4_ep2_fsdp2": ["parallel.ep=2", "parallel.zero=fsdp2"],
+             "pp2_ep2": ["parallel.ep=2", "parallel.pp=2"],
+             "pp2_ep2_fsdp2": ["parallel.ep=2", "parallel.pp=2", "parallel.zero=fsdp2"],
+             "tp2_ep2": ["parallel.ep=2", "parallel.tp=2"]}
 LOAD_KEYS = tuple(f"moe/{layer}/{key}" for layer in (1, 2) for key in ("load_min", "load_max", "load_entropy",
                                                                           "balance_loss", "z_loss"))
 
@@ -63,12 +71,15 @@ def _loads(overrides: list[str]) -> dict:
 def one_process(byte_tokens, tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("moe_one")
     common = [f"data.path={byte_tokens}"]
-    straight, _, resumed, _ = _fit_all([common + [f"run.dir={root / 'straight'}"],
-                                        common + [f"run.dir={root / 'stopped'}", "train.exit_after=4"],
-                                        common + [f"run.dir={root / 'stopped'}"],
-                                        common + [f"run.dir={root / 'to_ep2'}", "train.exit_after=4"]])
-    return {"straight": straight, "resumed": resumed, "checkpoint": root / "straight" / "checkpoints" / "step-8",
-            "to_ep2": root / "to_ep2"}
+    straight, _, resumed, _, one_sequence, _ = _fit_all([
+        common + [f"run.dir={root / 'straight'}"],
+        common + [f"run.dir={root / 'stopped'}", "train.exit_after=4"],
+        common + [f"run.dir={root / 'stopped'}"],
+        common + [f"run.dir={root / 'to_ep2'}", "train.exit_after=4"],
+        common + ONE_SEQUENCE + [f"run.dir={root / 'one_sequence'}"],
+        common + ONE_SEQUENCE + [f"run.dir={root / 'to_dp4'}", "train.exit_after=4"]])
+    return {"straight": straight, "resumed": resumed, "one_sequence": one_sequence, "root": root,
+            "to_ep2": root / "to_ep2", "to_dp4": root / "to_dp4"}
 
 
 @pytest.fixture(scope="module")
@@ -76,10 +87,21 @@ def two_processes(byte_tokens, tmp_path_factory, one_process) -> dict:
     root = tmp_path_factory.mktemp("moe_two")
     data = f"data.path={byte_tokens}"
     runs = [[data, f"run.dir={root / name}", *layout] for name, layout in LAYOUTS.items()]
-    runs += [[data, f"run.dir={one_process['to_ep2']}", "parallel.ep=2"],  # resumed from one process at ep=2
-             [data, f"run.dir={root / 'to_ep1'}", "parallel.ep=2", "train.exit_after=4"]]
+    fsdp2_ep2 = ["parallel.ep=2", "parallel.zero=fsdp2"]
+    runs += [[data, f"run.dir={one_process['to_ep2']}", *fsdp2_ep2],  # resumed from one process at ep=2 x fsdp2
+             [data, f"run.dir={root / 'to_ep1'}", *fsdp2_ep2, "train.exit_after=4"]]
     results = run_distributed(_fit_all, 2, runs, timeout=300)[0]
     return {**dict(zip(LAYOUTS, results)), "ep1_to_ep2": results[-2], "to_ep1": root / "to_ep1", "root": root}
+
+
+@pytest.fixture(scope="module")
+def four_processes(byte_tokens, tmp_path_factory, one_process) -> dict:
+    root = tmp_path_factory.mktemp("moe_four")
+    data = f"data.path={byte_tokens}"
+    runs = [[data, f"run.dir={root / name}", *ONE_SEQUENCE, *layout] for name, layout in LAYOUTS_4.items()]
+    runs += [[data, f"run.dir={one_process['to_dp4']}", *ONE_SEQUENCE, *LAYOUTS_4["dp4_ep2_fsdp2"]]]
+    results = run_distributed(_fit_all, 4, runs, timeout=300)[0]
+    return {**dict(zip(LAYOUTS_4, results)), "ep1_to_dp4": results[-1], "root": root}
 
 
 def _weights(run_dir: Path) -> dict:
@@ -88,9 +110,11 @@ def _weights(run_dir: Path) -> dict:
     return dict(open_checkpoint(str(run_dir / "checkpoints" / "step-8")).tensors())
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_layout_matches_one_process(one_process, two_processes, layout):
-    ref, got = one_process["straight"], two_processes[layout]
+@pytest.mark.parametrize("layout", [*LAYOUTS, *LAYOUTS_4])
+def test_layout_matches_one_process(request, one_process, layout):
+    runs = request.getfixturevalue("two_processes" if layout in LAYOUTS else "four_processes")
+    reference = "straight" if layout in LAYOUTS else "one_sequence"
+    ref, got = one_process[reference], runs[layout]
     assert sorted(got["loss"]) == sorted(ref["loss"]) == list(range(1, 9))
     diffs = {key: max(abs(got[key][s] - ref[key][s]) for s in ref["loss"]) for key in ("loss", *LOAD_KEYS)}
     norm = max(abs(got["grad_norm"][s] / ref["grad_norm"][s] - 1) for s in ref["loss"])
@@ -101,7 +125,7 @@ def test_layout_matches_one_process(one_process, two_processes, layout):
     # the bias moved the routing: the loads differ from step to step
     assert len({round(ref["moe/2/load_max"][s], 6) for s in ref["loss"]}) > 1
     # the weights after 8 steps, experts and routing biases included (the logical tensors)
-    mine, theirs = _weights(two_processes["root"] / layout), _weights(one_process["checkpoint"].parents[1])
+    mine, theirs = _weights(runs["root"] / layout), _weights(one_process["root"] / reference)
     assert mine.keys() == theirs.keys() and "layers.2.mlp.experts.w2" in mine
     weight_diff = max((mine[k] - theirs[k]).abs().max().item() for k in mine)
     print(f"{layout}: max |weight - one process| {weight_diff:.1e}")
@@ -115,11 +139,12 @@ def test_resume_after_exit_is_bitwise(one_process):
         assert [resumed[key][s] for s in range(5, 9)] == [straight[key][s] for s in range(5, 9)], key
 
 
-def test_resume_across_expert_parallel_sizes(byte_tokens, one_process, two_processes):
-    """ep=1 -> 2 and ep=2 -> 1: the checkpoint holds the logical [N, ...] experts."""
+def test_resume_across_expert_parallel_sizes(byte_tokens, one_process, two_processes, four_processes):
+    """ep=1 -> ep=2 x fsdp2 at dp=2 and back, and ep=1 -> ep=2 x fsdp2 at dp=4 (each rank reading its
+    shard of its experts' rows): the checkpoint holds the logical [N, ...] experts."""
     ep2_to_ep1 = _fit_all([[f"data.path={byte_tokens}", f"run.dir={two_processes['to_ep1']}"]])[0]
-    ref = one_process["straight"]
-    for got in (two_processes["ep1_to_ep2"], ep2_to_ep1):
+    for got, ref in ((two_processes["ep1_to_ep2"], one_process["straight"]), (ep2_to_ep1, one_process["straight"]),
+                     (four_processes["ep1_to_dp4"], one_process["one_sequence"])):
         assert sorted(got["loss"]) == list(range(1, 9))
         diff = max(abs(got[key][s] - ref[key][s]) for s in range(1, 9) for key in ("loss", *LOAD_KEYS))
         print(f"resumed across ep: max difference to one process {diff:.1e}")
@@ -130,7 +155,7 @@ def test_hf_export_is_refused_clearly(one_process, tmp_path):
     from megatron_taper.inference.hf import export_hf
 
     with pytest.raises(ValueError, match="model.moe .* has no Hugging Face export yet"):
-        export_hf(str(one_process["checkpoint"]), str(tmp_path / "hf"))
+        export_hf(str(one_process["root"] / "straight" / "checkpoints" / "step-8"), str(tmp_path / "hf"))
     assert not (tmp_path / "hf").exists()
 
 
