@@ -1,27 +1,41 @@
-"""The mixture of experts (model.moe) through the Trainer: data and pipeline parallelism against one
-process, bitwise resume, and the tiny recipe on the built-in corpus.
+"""The mixture of experts (model.moe) through the Trainer: data, tensor, pipeline and expert
+parallelism against one process, bitwise resume, resume across ep, and the tiny recipe on the
+built-in corpus.
 
 Every parity run: 8 steps of a 3-layer d=64 Transformer, layer 0 dense, layers 1-2 with 4 SwiGLU
 experts, top-2, a shared expert, tapered expert widths (48, 16), load-balancing and z-losses on,
 and the auxiliary-loss-free bias balancing at a rate (0.05) that changes the routing within the
-run; byte tokens of real text, 2 micro-batches of 2 sequences per step, fp32, gradient clipping.
+run; byte tokens of real text, 4 sequences per step, fp32, gradient clipping.
 
-- dp=2 (DDP, parallel.zero=none; each rank one micro-batch, the expert loads summed over dp for
-  the bias and the metrics), fsdp2 at dp=2 (experts, router and routing biases sharded; each rank
-  moves its shard of the biases), ep=2 (2 experts per rank, tokens exchanged by all-to-all, the
-  experts' gradients summed over the ranks' tokens and scaled by 1/dp; also under full activation
-  checkpointing, whose recompute repeats the exchanges inside backward) and pp=2 (1F1B; the routing
-  losses' gradients scaled with the pipeline's 1 / micro-batches) give the one-process losses
-  and per-layer load metrics within LOSS_ATOL = 2e-5 and grad norms within NORM_RTOL = 1e-4
-  relative (float32 sums in another order; a bias step of 0.05 flips a token's choice only on a
-  near tie, so the runs route alike); the weights after the 8 steps (experts and routing biases
-  included) within WEIGHT_ATOL = 1e-5 (AdamW's steps of lr 3e-3 normalise gradient differences of
-  ~1e-7 relative into weight differences well below it).
+- Two processes, 2 micro-batches of 2 sequences per step (one process: 2 x 2 accumulated): dp=2
+  (DDP, parallel.zero=none; the expert loads summed over dp for the bias and the metrics), fsdp2
+  at dp=2 (experts, router and routing biases sharded; each rank moves its shard of the biases),
+  ep=2 (2 experts per rank, tokens exchanged by all-to-all, the experts' gradients summed over the
+  ranks' tokens and scaled by 1/dp; also under full activation checkpointing, whose recompute
+  repeats the exchanges inside backward), ep=2 x fsdp2 at dp=2 (non-expert weights sharded over
+  dp, each rank's 2 experts whole, outside the shards), tp=2 (attention and dense MLP split, the
+  MoE replicated over tp) and pp=2 (1F1B; the routing losses' gradients scaled with the
+  pipeline's 1 / micro-batches).
+- Four processes, micro-batches of one sequence (the routing losses are per micro-batch, so the
+  one-process reference accumulates 4 of one sequence): dp=4 with ep=2 through DDP (experts
+  copied over 2 groups, their gradients all-reduced over the copies) and fsdp2 (the copies shard
+  them: a DTensor over 2 ranks), pp=2 x dp=2 with ep=2 (the stage's dp group is the ep group;
+  DDP and fsdp2), tp=2 x dp=2 with ep=2 (DDP and fsdp2).
+  Every layout gives the one-process losses and per-layer load metrics within LOSS_ATOL = 2e-5 and
+  grad norms within NORM_RTOL = 1e-4 relative (float32 sums in another order: measured at most
+  4.8e-7 and 6.9e-7; a bias step of 0.05 flips a token's choice only on a near tie, so the runs
+  route alike); the weights after the 8 steps (experts and routing biases included, the logical
+  tensors of the checkpoint) within WEIGHT_ATOL = 1e-5 (AdamW's steps of lr 3e-3 normalise
+  gradient differences of ~1e-7 relative into weight differences well below it; measured at
+  most 4.0e-6, under tp).
+- Where the experts live at dp=4 (placements read from the built model, same spawn).
 - A run stopped after step 4 (train.exit_after=4, which writes a checkpoint holding the routing
   biases) and resumed logs bitwise the losses and expert loads of steps 5-8 of the uninterrupted run.
-  Stopped at ep=1 and resumed at ep=2, and back, the runs match one process within LOSS_ATOL.
+  Stopped at ep=1 and resumed at ep=2 x fsdp2 (dp=2), and back, and ep=1 -> ep=2 x fsdp2 at dp=4
+  (each rank reading its shard of its experts' rows): the runs match one process within LOSS_ATOL.
 - --to hf refuses an MoE checkpoint with one clear error; the tiny recipe trains on the built-in corpus.
-All two-process layouts run one after another in one 2-process session.
+The two-process layouts run one after another in one 2-process session, the four-process ones in
+one 4-process session.
 """
 from __future__ import annotations
 
@@ -53,13 +67,34 @@ ONE_SEQUENCE = ["train.micro_batch=1"]
 LAYOUTS_4 = {"dp4_ep2": ["parallel.ep=2"], "dp4_ep2_fsdp2": ["parallel.ep=2", "parallel.zero=fsdp2"],
              "pp2_ep2": ["parallel.ep=2", "parallel.pp=2"],
              "pp2_ep2_fsdp2": ["parallel.ep=2", "parallel.pp=2", "parallel.zero=fsdp2"],
-             "tp2_ep2": ["parallel.ep=2", "parallel.tp=2"]}
+             "tp2_ep2": ["parallel.ep=2", "parallel.tp=2"],
+             "tp2_ep2_fsdp2": ["parallel.ep=2", "parallel.tp=2", "parallel.zero=fsdp2"]}
 LOAD_KEYS = tuple(f"moe/{layer}/{key}" for layer in (1, 2) for key in ("load_min", "load_max", "load_entropy",
                                                                           "balance_loss", "z_loss"))
 
 
 def _fit_all(runs: list[list[str]]) -> list[dict]:
     return [dict(r, **_loads(o)) for r, o in zip(fit_all([MODEL + TRAIN + overrides for overrides in runs]), runs)]
+
+
+def _fit_all_and_placements(runs: list[list[str]], layouts: list[list[str]]) -> tuple[list[dict], list[dict]]:
+    """_fit_all(runs), then per layout where this rank's pieces of layer 2's expert w1 [4, 64, 16] and
+    router [4, 64] live: (DTensor mesh size or 0 for a plain tensor, local shape)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from megatron_taper.config import load_config
+    from megatron_taper.training.build import build_run
+
+    results, placements = _fit_all(runs), []
+    for overrides in layouts:
+        module = build_run(load_config(None, MODEL + TRAIN + ONE_SEQUENCE + overrides)).model.module
+        placements.append({name: (p.device_mesh.size() if isinstance(p, DTensor) else 0,
+                                  tuple(p.to_local().shape if isinstance(p, DTensor) else p.shape))
+                           for name, p in module.named_parameters() if name.startswith("layers.2.mlp.")
+                           and name.endswith(("experts.w1", "router"))})
+        dist.barrier()
+    return results, placements
 
 
 def _loads(overrides: list[str]) -> dict:
@@ -100,8 +135,10 @@ def four_processes(byte_tokens, tmp_path_factory, one_process) -> dict:
     data = f"data.path={byte_tokens}"
     runs = [[data, f"run.dir={root / name}", *ONE_SEQUENCE, *layout] for name, layout in LAYOUTS_4.items()]
     runs += [[data, f"run.dir={one_process['to_dp4']}", *ONE_SEQUENCE, *LAYOUTS_4["dp4_ep2_fsdp2"]]]
-    results = run_distributed(_fit_all, 4, runs, timeout=300)[0]
-    return {**dict(zip(LAYOUTS_4, results)), "ep1_to_dp4": results[-1], "root": root}
+    placed = [LAYOUTS_4["dp4_ep2"], LAYOUTS_4["dp4_ep2_fsdp2"], ["parallel.ep=4", "parallel.zero=fsdp2"]]
+    ranks = run_distributed(_fit_all_and_placements, 4, runs, placed, timeout=300)
+    results, placements = ranks[0][0], [[rank[1][i] for rank in ranks] for i in range(len(placed))]
+    return {**dict(zip(LAYOUTS_4, results)), "ep1_to_dp4": results[-1], "root": root, "placements": placements}
 
 
 def _weights(run_dir: Path) -> dict:
@@ -167,3 +204,14 @@ def test_tiny_recipe_trains_on_the_builtin_corpus(tmp_path):
     records = logged(str(run), ("loss", "moe/3/load_entropy"))
     assert sorted(records["loss"]) == [1, 2, 3] and records["loss"][3] < records["loss"][1]
     assert all(0 < e <= 1 for e in records["moe/3/load_entropy"].values())
+
+
+def test_experts_are_split_over_ep_and_sharded_over_their_copies(four_processes):
+    """dp=4: each rank holds the rows of its ep rank's 2 experts; with fsdp2 and ep=2 each pair of
+    copies shards them (a DTensor over 2 ranks: 1 expert each), with ep=4 = dp they stay whole
+    (plain tensors); the router is sharded over the dp group of 4 by fsdp2 as before."""
+    w1, router = "layers.2.mlp.experts.w1", "layers.2.mlp.router"
+    ddp, fsdp2_ep2, fsdp2_ep4 = four_processes["placements"]
+    assert all(rank[w1] == (0, (2, 64, 16)) and rank[router] == (0, (4, 64)) for rank in ddp)
+    assert all(rank[w1] == (2, (1, 64, 16)) and rank[router] == (4, (1, 64)) for rank in fsdp2_ep2)
+    assert all(rank[w1] == (0, (1, 64, 16)) and rank[router] == (4, (1, 64)) for rank in fsdp2_ep4)
