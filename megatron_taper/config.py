@@ -175,8 +175,9 @@ class ParallelConfig:
     # rank must divide by cp (kv heads are repeated up to a multiple of cp where they do not)
     cp_attention: str = "allgather"
     zero: str = "none"  # none | fsdp2 | deepspeed
-    # expert parallelism (model.moe, parallel/ep.py): each MoE layer's experts spread over this many
-    # ranks of the dp group, tokens sent to them and back by all-to-all; today ep = dp, with zero=none
+    # expert parallelism (model.moe, parallel/ep.py): each MoE layer's experts split over this many
+    # ranks of the dp group (a divisor of dp; copied over the dp / ep groups), tokens sent to them and
+    # back by all-to-all; with zero=none or fsdp2, pp and tp (cost/preflight.py check_moe_layout)
     ep: int = 1
     pp_balance: str = "flops"  # flops | uniform | params | profile
     pp_schedule: str = "1f1b"  # 1f1b | gpipe | interleaved_1f1b | interleaved_zero_bubble | zbv | dualpipev

@@ -11,8 +11,8 @@ One package per dimension:
     tp/               TP ops and layers (layers.py), a family's TP plan applied (plan.py)
     cp/               the sequence split and attention's K/V exchange (split.py), state passing (state.py)
     dp/               ZeRO-3 with fsdp2 (fsdp2.py) or DeepSpeed (zero_deepspeed.py), plain DDP (ddp.py)
-    ep.py             expert parallelism (parallel.ep): experts spread over the dp ranks, all-to-all dispatch
-    ep.py             expert parallelism: MoE experts over the dp ranks, tokens exchanged by all-to-all
+    ep.py             expert parallelism (parallel.ep): MoE experts split over ep ranks of the dp group
+                      (copied over dp / ep groups), tokens exchanged by all-to-all
 Per block, the loss, launching:
     block_options.py  activation checkpointing and torch.compile per block
     float8.py         float8 linears through torchao (train.float8)

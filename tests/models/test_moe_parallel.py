@@ -20,7 +20,8 @@ run; byte tokens of real text, 4 sequences per step, fp32, gradient clipping.
   one-process reference accumulates 4 of one sequence): dp=4 with ep=2 through DDP (experts
   copied over 2 groups, their gradients all-reduced over the copies) and fsdp2 (the copies shard
   them: a DTensor over 2 ranks), pp=2 x dp=2 with ep=2 (the stage's dp group is the ep group;
-  DDP and fsdp2), tp=2 x dp=2 with ep=2 (DDP and fsdp2).
+  DDP and fsdp2; and with the V-shaped zero-bubble schedule zbv, 2 chunks per rank, fsdp2, on 4
+  layers against a 4-layer reference), tp=2 x dp=2 with ep=2 (DDP and fsdp2).
   Every layout gives the one-process losses and per-layer load metrics within LOSS_ATOL = 2e-5 and
   grad norms within NORM_RTOL = 1e-4 relative (float32 sums in another order: measured at most
   4.8e-7 and 6.9e-7; a bias step of 0.05 flips a token's choice only on a near tie, so the runs
@@ -68,7 +69,10 @@ LAYOUTS_4 = {"dp4_ep2": ["parallel.ep=2"], "dp4_ep2_fsdp2": ["parallel.ep=2", "p
              "pp2_ep2": ["parallel.ep=2", "parallel.pp=2"],
              "pp2_ep2_fsdp2": ["parallel.ep=2", "parallel.pp=2", "parallel.zero=fsdp2"],
              "tp2_ep2": ["parallel.ep=2", "parallel.tp=2"],
-             "tp2_ep2_fsdp2": ["parallel.ep=2", "parallel.tp=2", "parallel.zero=fsdp2"]}
+             "tp2_ep2_fsdp2": ["parallel.ep=2", "parallel.tp=2", "parallel.zero=fsdp2"],
+             # a V-shaped zero-bubble schedule needs 2 chunks per pp rank: 4 layers (its own reference)
+             "pp2_zbv_ep2_fsdp2": ["parallel.ep=2", "parallel.pp=2", "parallel.pp_schedule=zbv", "parallel.zero=fsdp2",
+                                   "model.n_layers=4"]}
 LOAD_KEYS = tuple(f"moe/{layer}/{key}" for layer in (1, 2) for key in ("load_min", "load_max", "load_entropy",
                                                                           "balance_loss", "z_loss"))
 
@@ -106,14 +110,16 @@ def _loads(overrides: list[str]) -> dict:
 def one_process(byte_tokens, tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("moe_one")
     common = [f"data.path={byte_tokens}"]
-    straight, _, resumed, _, one_sequence, _ = _fit_all([
+    straight, _, resumed, _, one_sequence, _, four_layers = _fit_all([
         common + [f"run.dir={root / 'straight'}"],
         common + [f"run.dir={root / 'stopped'}", "train.exit_after=4"],
         common + [f"run.dir={root / 'stopped'}"],
         common + [f"run.dir={root / 'to_ep2'}", "train.exit_after=4"],
         common + ONE_SEQUENCE + [f"run.dir={root / 'one_sequence'}"],
-        common + ONE_SEQUENCE + [f"run.dir={root / 'to_dp4'}", "train.exit_after=4"]])
-    return {"straight": straight, "resumed": resumed, "one_sequence": one_sequence, "root": root,
+        common + ONE_SEQUENCE + [f"run.dir={root / 'to_dp4'}", "train.exit_after=4"],
+        common + ONE_SEQUENCE + [f"run.dir={root / 'four_layers'}", "model.n_layers=4"]])
+    return {"straight": straight, "resumed": resumed, "one_sequence": one_sequence, "four_layers": four_layers,
+            "root": root,
             "to_ep2": root / "to_ep2", "to_dp4": root / "to_dp4"}
 
 
@@ -150,7 +156,9 @@ def _weights(run_dir: Path) -> dict:
 @pytest.mark.parametrize("layout", [*LAYOUTS, *LAYOUTS_4])
 def test_layout_matches_one_process(request, one_process, layout):
     runs = request.getfixturevalue("two_processes" if layout in LAYOUTS else "four_processes")
-    reference = "straight" if layout in LAYOUTS else "one_sequence"
+    overrides = {**LAYOUTS, **LAYOUTS_4}[layout]
+    reference = "straight" if layout in LAYOUTS else "four_layers" if "model.n_layers=4" in overrides else \
+        "one_sequence"
     ref, got = one_process[reference], runs[layout]
     assert sorted(got["loss"]) == sorted(ref["loss"]) == list(range(1, 9))
     diffs = {key: max(abs(got[key][s] - ref[key][s]) for s in ref["loss"]) for key in ("loss", *LOAD_KEYS)}

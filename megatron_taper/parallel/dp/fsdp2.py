@@ -51,6 +51,12 @@ fsdp2 (`torch.distributed.fsdp.fully_shard`)
     reduce-scatter over dp x cp averages (the loss shares make that average the whole-sequence
     gradient), so fsdp2 runs at dp = 1 too.
 
+    Expert parallelism (parallel.ep, parallel/ep.py): the experts of the MoE layers stay out of the
+    dp shards (`_shard_experts`). With ep = dp each rank's experts are whole plain tensors that
+    FSDP ignores; with ep < dp each MoE layer's experts are an FSDP unit of their own over the
+    dp / ep ranks holding the same experts (torchtitan's layout), whose reduce-scatter averages
+    their gradients over those copies.
+
 deepspeed (DeepSpeed ZeRO stage 3, see `DeepSpeedParallelModel` in zero_deepspeed.py)
 
 Checkpoints (checkpoint/checkpointer.py, format 2) hold boxes of the logical tensors: each rank
