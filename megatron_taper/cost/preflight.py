@@ -53,11 +53,7 @@ def preflight(cfg: Config, world_size: int, widths: Sequence[int] | None = None)
     if t.device == "cuda" and (message := width_alignment_warning(m, widths, t.device)):
         warnings.warn(message, stacklevel=2)
     spec = family(m.arch)
-    if m.moe.enabled:
-        check_moe_layout(m, p, t, dp)
-    elif p.ep > 1:
-        raise ConfigError(f"parallel.ep={p.ep} spreads experts, but model.moe.experts=0 (a dense model); "
-                          f"use parallel.ep=1")
+    check_moe_layout(m, p, t, dp)
     if p.cp > 1:
         _check_context_parallel(m, p, t)
     if spec.check_layout is not None:
@@ -119,7 +115,12 @@ def check_moe_layout(m: ModelConfig, p: ParallelConfig, t: TrainConfig, dp: int)
     (parallel.ep, parallel/ep.py) at data-parallel size `dp`; a ConfigError naming the keys otherwise.
     Runs: one process; dp through DDP (zero=none) or fsdp2; pp; tp without sequence parallelism (the
     MoE replicated over tp); and ep dividing dp and the experts with any of these (zero=none or
-    fsdp2; ep < dp copies the experts over dp / ep groups; not with HSDP)."""
+    fsdp2; ep < dp copies the experts over dp / ep groups; not with HSDP). A dense model takes ep = 1."""
+    if not m.moe.enabled:
+        if p.ep > 1:
+            raise ConfigError(f"parallel.ep={p.ep} spreads experts, but model.moe.experts=0 (a dense model); "
+                              f"use parallel.ep=1")
+        return
     if p.tp > 1 and p.sequence_parallel:
         raise ConfigError(f"model.moe with parallel.tp={p.tp} and parallel.sequence_parallel=true is not supported "
                           f"yet (the MoE, replicated over tp, would route each rank's sequence chunk alone: its "
