@@ -19,9 +19,10 @@ run; byte tokens of real text, 4 sequences per step, fp32, gradient clipping.
 - Four processes, micro-batches of one sequence (the routing losses are per micro-batch, so the
   one-process reference accumulates 4 of one sequence): dp=4 with ep=2 through DDP (experts
   copied over 2 groups, their gradients all-reduced over the copies) and fsdp2 (the copies shard
-  them: a DTensor over 2 ranks), pp=2 x dp=2 with ep=2 (the stage's dp group is the ep group;
-  DDP and fsdp2; and with the V-shaped zero-bubble schedule zbv, 2 chunks per rank, fsdp2, on 4
-  layers against a 4-layer reference), tp=2 x dp=2 with ep=2 (DDP and fsdp2).
+  them: a DTensor over 2 ranks; also under full activation checkpointing), pp=2 x dp=2 with ep=2
+  (the stage's dp group is the ep group; DDP and fsdp2; and with the V-shaped zero-bubble schedule
+  zbv, 2 chunks per rank, fsdp2, on 4 layers against a 4-layer reference), tp=2 x dp=2 with ep=2
+  (DDP and fsdp2).
   Every layout gives the one-process losses and per-layer load metrics within LOSS_ATOL = 2e-5 and
   grad norms within NORM_RTOL = 1e-4 relative (float32 sums in another order: measured at most
   4.8e-7 and 6.9e-7; a bias step of 0.05 flips a token's choice only on a near tie, so the runs
@@ -66,6 +67,7 @@ LAYOUTS = {"dp2": [], "fsdp2": ["parallel.zero=fsdp2"], "pp2": ["parallel.pp=2"]
 # their one-process reference runs micro-batches of one sequence too (ONE_SEQUENCE)
 ONE_SEQUENCE = ["train.micro_batch=1"]
 LAYOUTS_4 = {"dp4_ep2": ["parallel.ep=2"], "dp4_ep2_fsdp2": ["parallel.ep=2", "parallel.zero=fsdp2"],
+             "dp4_ep2_fsdp2_recompute": ["parallel.ep=2", "parallel.zero=fsdp2", "train.activation_checkpointing=full"],
              "pp2_ep2": ["parallel.ep=2", "parallel.pp=2"],
              "pp2_ep2_fsdp2": ["parallel.ep=2", "parallel.pp=2", "parallel.zero=fsdp2"],
              "tp2_ep2": ["parallel.ep=2", "parallel.tp=2"],
