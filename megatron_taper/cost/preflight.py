@@ -113,18 +113,15 @@ def compiles(m: ModelConfig, p: ParallelConfig, t: TrainConfig, device_type: str
 def check_moe_layout(m: ModelConfig, p: ParallelConfig, t: TrainConfig, dp: int) -> None:
     """The one rule of which layouts run a mixture of experts (models/moe.py) and expert parallelism
     (parallel.ep, parallel/ep.py) at data-parallel size `dp`; a ConfigError naming the keys otherwise.
-    Runs: one process; dp through DDP (zero=none) or fsdp2; pp; tp without sequence parallelism (the
-    MoE replicated over tp); and ep dividing dp and the experts with any of these (zero=none or
-    fsdp2; ep < dp copies the experts over dp / ep groups; not with HSDP). A dense model takes ep = 1."""
+    Runs: one process; dp through DDP (zero=none) or fsdp2; pp; tp, also with sequence parallelism
+    (the MoE replicated over tp, seeing the whole sequence); and ep dividing dp and the experts with
+    any of these (zero=none or fsdp2; ep < dp copies the experts over dp / ep groups; not with
+    HSDP). A dense model takes ep = 1."""
     if not m.moe.enabled:
         if p.ep > 1:
             raise ConfigError(f"parallel.ep={p.ep} spreads experts, but model.moe.experts=0 (a dense model); "
                               f"use parallel.ep=1")
         return
-    if p.tp > 1 and p.sequence_parallel:
-        raise ConfigError(f"model.moe with parallel.tp={p.tp} and parallel.sequence_parallel=true is not supported "
-                          f"yet (the MoE, replicated over tp, would route each rank's sequence chunk alone: its "
-                          f"balance loss and loads differ); use parallel.sequence_parallel=false")
     if p.zero == "deepspeed":
         raise ConfigError("model.moe with parallel.zero=deepspeed is not supported yet (DeepSpeed partitions the "
                           "routing biases, which move outside its optimizer); use parallel.zero=fsdp2 or none")

@@ -218,8 +218,6 @@ def test_bad_moe_settings_are_one_clear_error(extra, message):
 
 
 @pytest.mark.parametrize("layout, world, message", [
-    (["parallel.tp=2", "parallel.sequence_parallel=true"], 2,
-     "model.moe with parallel.tp=2 and parallel.sequence_parallel=true is not supported yet"),
     (["parallel.zero=deepspeed"], 2, "model.moe with parallel.zero=deepspeed is not supported yet"),
     (["parallel.ep=2"], 3, "parallel.ep=2 must divide the data-parallel size 3"),
     (["parallel.ep=2", "model.moe.experts=3"], 2, "parallel.ep=2 must divide model.moe.experts=3"),
@@ -238,6 +236,7 @@ def test_layouts_not_built_are_refused(layout, world, message):
     (["parallel.ep=2", "parallel.zero=fsdp2"], 2, 2), (["parallel.ep=2"], 4, 4),
     (["parallel.ep=2", "parallel.zero=fsdp2"], 4, 4), (["parallel.ep=2", "parallel.pp=2"], 4, 2),
     (["parallel.ep=2", "parallel.tp=2"], 4, 2), (["parallel.tp=2"], 2, 1),
+    (["parallel.tp=2", "parallel.sequence_parallel=true"], 2, 1),
 ])
 def test_expert_parallel_layouts_pass_preflight(layout, world, dp):
     from megatron_taper.cost.preflight import preflight

@@ -14,7 +14,8 @@ run; byte tokens of real text, 4 sequences per step, fp32, gradient clipping.
   ranks' tokens and scaled by 1/dp; also under full activation checkpointing, whose recompute
   repeats the exchanges inside backward), ep=2 x fsdp2 at dp=2 (non-expert weights sharded over
   dp, each rank's 2 experts whole, outside the shards), tp=2 (attention and dense MLP split, the
-  MoE replicated over tp) and pp=2 (1F1B; the routing losses' gradients scaled with the
+  MoE replicated over tp; also with sequence parallelism, the MoE gathering the whole sequence)
+  and pp=2 (1F1B; the routing losses' gradients scaled with the
   pipeline's 1 / micro-batches).
 - Four processes, micro-batches of one sequence (the routing losses are per micro-batch, so the
   one-process reference accumulates 4 of one sequence): dp=4 with ep=2 through DDP (experts
@@ -22,7 +23,7 @@ run; byte tokens of real text, 4 sequences per step, fp32, gradient clipping.
   them: a DTensor over 2 ranks; also under full activation checkpointing), pp=2 x dp=2 with ep=2
   (the stage's dp group is the ep group; DDP and fsdp2; and with the V-shaped zero-bubble schedule
   zbv, 2 chunks per rank, fsdp2, on 4 layers against a 4-layer reference), tp=2 x dp=2 with ep=2
-  (DDP and fsdp2).
+  (DDP with sequence parallelism, and fsdp2).
   Every layout gives the one-process losses and per-layer load metrics within LOSS_ATOL = 2e-5 and
   grad norms within NORM_RTOL = 1e-4 relative (float32 sums in another order: measured at most
   4.8e-7 and 6.9e-7; a bias step of 0.05 flips a token's choice only on a near tie, so the runs
@@ -62,7 +63,8 @@ TRAIN = ["train.steps=8", "train.global_batch=4", "train.micro_batch=2", "train.
          "checkpoint.interval=0", "checkpoint.keep=0"]
 LAYOUTS = {"dp2": [], "fsdp2": ["parallel.zero=fsdp2"], "pp2": ["parallel.pp=2"], "ep2": ["parallel.ep=2"],
            "ep2_recompute": ["parallel.ep=2", "train.activation_checkpointing=full"],
-           "ep2_fsdp2": ["parallel.ep=2", "parallel.zero=fsdp2"], "tp2": ["parallel.tp=2"]}
+           "ep2_fsdp2": ["parallel.ep=2", "parallel.zero=fsdp2"], "tp2": ["parallel.tp=2"],
+           "tp2_sp": ["parallel.tp=2", "parallel.sequence_parallel=true"]}
 # four processes, each rank one sequence per micro-batch: the routing losses are per micro-batch, so
 # their one-process reference runs micro-batches of one sequence too (ONE_SEQUENCE)
 ONE_SEQUENCE = ["train.micro_batch=1"]
@@ -70,7 +72,7 @@ LAYOUTS_4 = {"dp4_ep2": ["parallel.ep=2"], "dp4_ep2_fsdp2": ["parallel.ep=2", "p
              "dp4_ep2_fsdp2_recompute": ["parallel.ep=2", "parallel.zero=fsdp2", "train.activation_checkpointing=full"],
              "pp2_ep2": ["parallel.ep=2", "parallel.pp=2"],
              "pp2_ep2_fsdp2": ["parallel.ep=2", "parallel.pp=2", "parallel.zero=fsdp2"],
-             "tp2_ep2": ["parallel.ep=2", "parallel.tp=2"],
+             "tp2_sp_ep2": ["parallel.ep=2", "parallel.tp=2", "parallel.sequence_parallel=true"],
              "tp2_ep2_fsdp2": ["parallel.ep=2", "parallel.tp=2", "parallel.zero=fsdp2"],
              # a V-shaped zero-bubble schedule needs 2 chunks per pp rank: 4 layers (its own reference)
              "pp2_zbv_ep2_fsdp2": ["parallel.ep=2", "parallel.pp=2", "parallel.pp_schedule=zbv", "parallel.zero=fsdp2",

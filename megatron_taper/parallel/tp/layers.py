@@ -7,10 +7,14 @@ Communication operations come in autograd pairs (f / g in the Megatron paper):
     gather_from_seq_region    forward all-gather (seq)     backward reduce-scatter (seq)
     reduce_scatter_to_seq     forward reduce-scatter (seq) backward all-gather (seq)
     scatter_to_seq_region     forward split (seq)          backward all-gather (seq)
+    gather_whole_seq          forward all-gather (seq)     backward split (seq)
 
 Without sequence parallelism a block is  x -> f -> column-parallel ... row-parallel -> g,
 with it (norm regions sharded along the sequence, dim 1 of [B, S, D]) f becomes an all-gather and
-g a reduce-scatter along the sequence.
+g a reduce-scatter along the sequence. A module replicated over tp that needs the whole sequence
+under SP (a mixture of experts: plan.py) runs as x -> gather_whole_seq -> module ->
+scatter_to_seq_region: every rank computes the same outputs and, from the all-gathered output
+gradient, the same parameter and input gradients, of which it keeps its chunk.
 
 Copies and dtypes. g sums the row-parallel partial output in place (a new tensor: no clone;
 a copy only when it is strided or a dispatch mode runs, see _ReduceFromRegion), and f's backward
@@ -258,6 +262,17 @@ class _ScatterToSeq(torch.autograd.Function):
         return _gather_seq(grad, ctx.group), None
 
 
+class _GatherWholeSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _gather_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _split_seq(grad, ctx.group), None
+
+
 def copy_to_tp_region(x: torch.Tensor, group: Group) -> torch.Tensor:
     return _CopyToRegion.apply(x, group, False)
 
@@ -280,6 +295,12 @@ def reduce_scatter_to_seq_region(x: torch.Tensor, group: Group) -> torch.Tensor:
 def scatter_to_seq_region(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Replicated [B, S, ...] -> this rank's [B, S/tp, ...] chunk."""
     return _ScatterToSeq.apply(x, group)
+
+
+def gather_whole_seq(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """This rank's [B, S/tp, ...] chunk -> [B, S, ...] for a region replicated over tp whose output
+    gradient is the same on every rank (module doc), whose input gradient's chunk it keeps."""
+    return _GatherWholeSeq.apply(x, group)
 
 
 def enter_tp_region(x: torch.Tensor, group: Group, sequence_parallel: bool, matmuls_only: bool = True

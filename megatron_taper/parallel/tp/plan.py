@@ -29,6 +29,8 @@ from megatron_taper.parallel.tp.layers import (
     ShardSpec,
     VocabParallelEmbedding,
     enter_tp_region,
+    gather_whole_seq,
+    scatter_to_seq_region,
     split_sizes,
 )
 
@@ -176,12 +178,16 @@ class TPBuilder:
     def mlp(self, mlp: nn.Module, prefix: str, unit: int) -> None:
         """A block's MLP: a dense SwiGLU split by `swiglu`; a mixture of experts (models/moe.py) stays
         whole on every tp rank (router, experts and shared expert replicated: each rank routes and
-        computes the same tokens, so the input and output need no tp collective and its gradients
-        are equal on the tp ranks; cost/preflight.py refuses it with sequence parallelism)."""
-        if isinstance(mlp, MoE):
-            self.replicated(mlp, prefix)
-        else:
+        computes the same tokens, so its gradients are equal on the tp ranks, none summed over tp).
+        Without SP its input and output need no tp collective; under SP it sees the whole sequence
+        (gather_whole_seq at its input, scatter_to_seq_region at its output: the routing losses
+        and expert loads are those of the whole sequence)."""
+        if not isinstance(mlp, MoE):
             self.swiglu(mlp, prefix, unit)
+        elif self.sequence_parallel:
+            group = self.group
+            mlp.register_forward_pre_hook(lambda _mod, args: (gather_whole_seq(args[0], group),) + tuple(args[1:]))
+            mlp.register_forward_hook(lambda _mod, _args, out: scatter_to_seq_region(out, group))
 
 
 # ---------------------------------------------------------------------------------------------
