@@ -26,7 +26,7 @@ run; byte tokens of real text, 4 sequences per step, fp32, gradient clipping.
   (DDP with sequence parallelism, and fsdp2).
   Every layout gives the one-process losses and per-layer load metrics within LOSS_ATOL = 2e-5 and
   grad norms within NORM_RTOL = 1e-4 relative (float32 sums in another order: measured at most
-  4.8e-7 and 6.9e-7; a bias step of 0.05 flips a token's choice only on a near tie, so the runs
+  4.8e-7 and 6.2e-7; a bias step of 0.05 flips a token's choice only on a near tie, so the runs
   route alike); the weights after the 8 steps (experts and routing biases included, the logical
   tensors of the checkpoint) within WEIGHT_ATOL = 1e-5 (AdamW's steps of lr 3e-3 normalise
   gradient differences of ~1e-7 relative into weight differences well below it; measured at
