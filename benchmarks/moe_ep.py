@@ -8,7 +8,9 @@ through DDP: every rank holds every expert) and at parallel.ep=2 (each rank half
 tokens sent by all-to-all: parallel/ep.py), and run whole training steps (forward + backward of
 the rank's micro-batches, gradient reduction, clipping, AdamW) on the same random batches. One
 process gives the baseline. The layouts run one after the other (not interleaved): on a shared
-machine their times carry its noise.
+machine their times carry its noise. With parallel.zero=fsdp2 among the overrides, ep=1 shards every
+expert over the 2 ranks and ep=2 keeps each rank's experts whole, outside fsdp2's shards
+(results/moe_ep_fsdp2_cpu_*.json).
 
   tokens_per_s      median over rounds of the whole job's tokens / time
   peak_rss_gb       per rank, the process's host-RSS high-water mark at the end (runtime included)

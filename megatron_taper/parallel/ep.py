@@ -99,6 +99,7 @@ def apply_expert_parallel(pm: ParallelModel, ep: int, zero: str) -> None:
     dispatch, and record the layouts for checkpoints, gradients and the gradient norm. `zero`: the
     engine applied afterwards (fsdp2 shards the experts over their dp / ep copies: dp/fsdp2.py)."""
     ctx = pm.ctx
+    assert ctx.ep == ep, "init_parallel builds the ep groups of parallel.ep"
     group, rank = ctx.ep_group, ctx.ep_rank
     names = []
     for prefix, moe in moe_modules(pm.module):
