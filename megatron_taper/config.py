@@ -159,6 +159,7 @@ INTERLEAVED_SCHEDULES = ("interleaved_1f1b", "interleaved_zero_bubble")  # pp_vi
 V_SCHEDULES = ("zbv", "dualpipev")  # 2 chunks per rank, V-shaped
 FLOAT8_RECIPES = ("tensorwise", "rowwise", "mxfp8")  # train.float8_recipe (parallel/float8.py)
 ZERO_BUBBLE_SCHEDULES = ("interleaved_zero_bubble", *V_SCHEDULES)
+EP_IMBALANCE = 1.5  # parallel.ep_imbalance's default (docs/moe.md "Planning": measured on the tiny MoE recipe)
 
 
 @dataclass
@@ -176,8 +177,13 @@ class ParallelConfig:
     cp_attention: str = "allgather"
     zero: str = "none"  # none | fsdp2 | deepspeed
     # expert parallelism (model.moe, parallel/ep.py): each MoE layer's experts spread over this many
-    # ranks of the dp group, tokens sent to them and back by all-to-all; today ep = dp, with zero=none
+    # ranks of the dp group, tokens sent to them and back by all-to-all; legal values:
+    # cost/preflight.py check_expert_parallel (today ep = dp, with zero=none)
     ep: int = 1
+    # what the planner and memory model assume at ep > 1: the rows the busiest ep rank's experts
+    # compute over the mean (expert load max / mean); it scales that rank's expert GEMMs, their
+    # activations and the all-to-all's time. Default: measured, docs/moe.md "Planning"
+    ep_imbalance: float = EP_IMBALANCE
     pp_balance: str = "flops"  # flops | uniform | params | profile
     pp_schedule: str = "1f1b"  # 1f1b | gpipe | interleaved_1f1b | interleaved_zero_bubble | zbv | dualpipev
     microbatches: int = 0  # 0 = gradient accumulation steps (pp > 1: at least pp)
@@ -208,6 +214,7 @@ class ParallelConfig:
         check_range(f"{prefix}.pp", self.pp, 1, None)
         check_range(f"{prefix}.cp", self.cp, 1, None)
         check_range(f"{prefix}.ep", self.ep, 1, None)
+        check_range(f"{prefix}.ep_imbalance", self.ep_imbalance, 1.0, None)
         check_range(f"{prefix}.microbatches", self.microbatches, 0, None)
         check_range(f"{prefix}.pp_virtual", self.pp_virtual, 1, None)
         check_range(f"{prefix}.pp_memory_gb", self.pp_memory_gb, 0.0, None)

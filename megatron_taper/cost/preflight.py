@@ -54,10 +54,8 @@ def preflight(cfg: Config, world_size: int, widths: Sequence[int] | None = None)
         warnings.warn(message, stacklevel=2)
     spec = family(m.arch)
     if m.moe.enabled:
-        _check_moe(m, p, t, dp)
-    elif p.ep > 1:
-        raise ConfigError(f"parallel.ep={p.ep} spreads experts, but model.moe.experts=0 (a dense model); "
-                          f"use parallel.ep=1")
+        _check_moe(m, p, t)
+    check_expert_parallel(m, p, dp)
     if p.cp > 1:
         _check_context_parallel(m, p, t)
     if spec.check_layout is not None:
@@ -114,33 +112,48 @@ def compiles(m: ModelConfig, p: ParallelConfig, t: TrainConfig, device_type: str
     return t.compile_setting == "true" or p.cp == 1 or family(m.arch).cp_balanced
 
 
-def _check_moe(m: ModelConfig, p: ParallelConfig, t: TrainConfig, dp: int) -> None:
+def _check_moe(m: ModelConfig, p: ParallelConfig, t: TrainConfig) -> None:
     """model.moe (models/moe.py): the layouts its layers are built and tested for today (one process,
-    data parallelism through DDP or fsdp2, pipelines, and expert parallelism over the whole dp
-    group with DDP, without pipelines: parallel/ep.py)."""
+    data parallelism through DDP or fsdp2, pipelines); expert parallelism: check_expert_parallel."""
     if p.tp > 1:
         raise ConfigError(f"model.moe with parallel.tp={p.tp} is not supported yet (no tensor-parallel plan for the "
                           f"router and experts); use parallel.tp=1")
     if p.zero == "deepspeed":
         raise ConfigError("model.moe with parallel.zero=deepspeed is not supported yet (DeepSpeed partitions the "
                           "routing biases, which move outside its optimizer); use parallel.zero=fsdp2 or none")
-    if p.ep > 1 and p.zero != "none":
-        raise ConfigError(f"parallel.ep={p.ep} with parallel.zero={p.zero} is not supported yet (experts sharded over "
-                          f"dp by both); use parallel.zero=none")
     if p.cp > 1:
         raise ConfigError(f"model.moe with parallel.cp={p.cp} is not supported yet (untested); use parallel.cp=1")
     if t.float8:
         raise ConfigError("model.moe with train.float8=true is not supported (the experts' grouped GEMMs are no "
                           "nn.Linear); use train.float8=false")
-    if p.ep > 1:
-        if p.ep != dp:
-            raise ConfigError(f"parallel.ep={p.ep} must equal the data-parallel size {dp} (experts spread over the "
-                              f"whole dp group; ep dividing dp is not built yet)")
-        if m.moe.experts % p.ep:
-            raise ConfigError(f"parallel.ep={p.ep} must divide model.moe.experts={m.moe.experts} (each rank holds "
-                              f"the same number of experts)")
-        if p.pp > 1:
-            raise ConfigError(f"parallel.ep={p.ep} with parallel.pp={p.pp} is not supported yet; use parallel.pp=1")
+
+
+def check_expert_parallel(m: ModelConfig, p: ParallelConfig, dp: int) -> None:
+    """Whether parallel.ep is legal at data-parallel size `dp` (ConfigError naming the keys if not):
+    the one rule the trainer (through preflight) and the layout planner (cost/plan.py, which
+    searches parallel.ep) share. Always: an MoE model; ep divides dp (the ep ranks are a group of the
+    dp ranks) and model.moe.experts (each rank holds as many experts). Not built yet in parallel/ep.py
+    (remove the line when it is): ep < dp, ep with parallel.zero other than none, ep with pp > 1."""
+    ep = p.ep
+    if ep == 1:
+        return
+    if not m.moe.enabled:
+        raise ConfigError(f"parallel.ep={ep} spreads experts, but model.moe.experts=0 (a dense model); "
+                          f"use parallel.ep=1")
+    if dp % ep:
+        raise ConfigError(f"parallel.ep={ep} must divide the data-parallel size {dp} (the experts spread over "
+                          f"groups of ep data-parallel ranks)")
+    if m.moe.experts % ep:
+        raise ConfigError(f"parallel.ep={ep} must divide model.moe.experts={m.moe.experts} (each rank holds "
+                          f"the same number of experts)")
+    if ep != dp:
+        raise ConfigError(f"parallel.ep={ep} must equal the data-parallel size {dp} (experts spread over the "
+                          f"whole dp group; ep dividing dp is not built yet)")
+    if p.zero != "none":
+        raise ConfigError(f"parallel.ep={ep} with parallel.zero={p.zero} is not supported yet (experts sharded over "
+                          f"dp by both); use parallel.zero=none")
+    if p.pp > 1:
+        raise ConfigError(f"parallel.ep={ep} with parallel.pp={p.pp} is not supported yet; use parallel.pp=1")
 
 
 def _check_cuda_graphs(p: ParallelConfig) -> None:
