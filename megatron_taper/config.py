@@ -159,7 +159,7 @@ INTERLEAVED_SCHEDULES = ("interleaved_1f1b", "interleaved_zero_bubble")  # pp_vi
 V_SCHEDULES = ("zbv", "dualpipev")  # 2 chunks per rank, V-shaped
 FLOAT8_RECIPES = ("tensorwise", "rowwise", "mxfp8")  # train.float8_recipe (parallel/float8.py)
 ZERO_BUBBLE_SCHEDULES = ("interleaved_zero_bubble", *V_SCHEDULES)
-EP_IMBALANCE = 1.5  # parallel.ep_imbalance's default (docs/moe.md "Planning": measured on the tiny MoE recipe)
+EP_IMBALANCE = 1.25  # parallel.ep_imbalance's default (docs/moe.md "Planning": measured on the tiny MoE recipe)
 
 
 @dataclass
