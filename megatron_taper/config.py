@@ -198,7 +198,7 @@ class ParallelConfig:
     # dp (parallel/dp/ddp.py bucket_mb)
     ddp_bucket_mb: float = 0.0
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
-    # manual | auto: at start the layout planner (megatron_taper/cost/plan.py) sets tp, pp, schedule, zero,
+    # manual | auto: at start the layout planner (megatron_taper/cost/plan.py) sets tp, pp, schedule, zero, ep,
     # sequence_parallel, train.micro_batch, activation checkpointing and float8 to the fastest
     # predicted layout that fits the device memory per rank (layout_memory_gb GiB when > 0);
     # layout_profile: a file of this cluster's measured device numbers over cost/devices.json's
