@@ -18,6 +18,9 @@ expert over the 2 ranks and ep=2 keeps each rank's experts whole, outside fsdp2'
                     MoE layers' all-to-alls (counted from the splits by parallel/ep.py, forward and
                     backward), beside cost/block.py moe_all_to_all_bytes (balanced routing): their
                     ratio is the routing's imbalance toward the other rank's experts
+  ep_rank_load_max  ep=2: per MoE layer, the rows the busier rank's experts received over the mean,
+                    over all the run's forwards (from the layers' load counters), beside the
+                    parallel.ep_imbalance the planner assumes (a per-micro-batch figure: larger)
 Prints one JSON object.
 """
 from __future__ import annotations
@@ -87,7 +90,8 @@ def rank_main(ep: int, overrides: list[str], steps: int, rounds: int) -> dict:
         cfg = run.cfg
         data = batches(cfg, steps, world, rank)
         timed(run, data[:1])  # warm-up (DDP rebuilds its buckets after its first step)
-        dispatches = [m.dispatch for _, m in moe_modules(run.model.module) if m.dispatch is not None]
+        layers = [m for _, m in moe_modules(run.model.module)]
+        dispatches = [m.dispatch for m in layers if m.dispatch is not None]
         sent_before = sum(d.sent_bytes for d in dispatches)
         tokens = steps * cfg.train.global_batch * cfg.model.seq_len
         rates = [tokens / timed(run, data) for _ in range(rounds)]
@@ -98,7 +102,20 @@ def rank_main(ep: int, overrides: list[str], steps: int, rounds: int) -> dict:
             predicted = sum(moe_layers(m)) * moe_all_to_all_bytes(m, cfg.train.global_batch // world * m.seq_len,
                                                                   world, 4)
             out.update({"all_to_all_bytes_per_step": sent, "model_all_to_all_bytes_per_step": predicted,
-                        "measured_over_model": sent / predicted})
+                        "measured_over_model": sent / predicted, "ep_rank_load_max": ep_rank_loads(layers, ep),
+                        "planner_ep_imbalance": cfg.parallel.ep_imbalance})
+    return out
+
+
+def ep_rank_loads(layers, ep: int) -> list[float]:
+    """Per MoE layer: its assignments since the build summed over the ranks, grouped by the ep rank
+    holding each expert; the largest group over the mean (a collective)."""
+    out = []
+    for moe in layers:
+        load = moe.load_log.clone()
+        dist.all_reduce(load)
+        per_rank = load.view(ep, -1).sum(1)
+        out.append(float(per_rank.max() / per_rank.mean()))
     return out
 
 

@@ -159,6 +159,7 @@ INTERLEAVED_SCHEDULES = ("interleaved_1f1b", "interleaved_zero_bubble")  # pp_vi
 V_SCHEDULES = ("zbv", "dualpipev")  # 2 chunks per rank, V-shaped
 FLOAT8_RECIPES = ("tensorwise", "rowwise", "mxfp8")  # train.float8_recipe (parallel/float8.py)
 ZERO_BUBBLE_SCHEDULES = ("interleaved_zero_bubble", *V_SCHEDULES)
+EP_IMBALANCE = 1.25  # parallel.ep_imbalance's default (docs/moe.md "Planning": measured on the tiny MoE recipe)
 
 
 @dataclass
@@ -179,6 +180,10 @@ class ParallelConfig:
     # ranks of the dp group (a divisor of dp; copied over the dp / ep groups), tokens sent to them and
     # back by all-to-all; with zero=none or fsdp2, pp and tp (cost/preflight.py check_moe_layout)
     ep: int = 1
+    # what the planner and memory model assume at ep > 1: the rows the busiest ep rank's experts
+    # compute over the mean (expert load max / mean); it scales that rank's expert GEMMs, their
+    # activations and the all-to-all's time. Default: measured, docs/moe.md "Planning"
+    ep_imbalance: float = EP_IMBALANCE
     pp_balance: str = "flops"  # flops | uniform | params | profile
     pp_schedule: str = "1f1b"  # 1f1b | gpipe | interleaved_1f1b | interleaved_zero_bubble | zbv | dualpipev
     microbatches: int = 0  # 0 = gradient accumulation steps (pp > 1: at least pp)
@@ -193,7 +198,7 @@ class ParallelConfig:
     # dp (parallel/dp/ddp.py bucket_mb)
     ddp_bucket_mb: float = 0.0
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
-    # manual | auto: at start the layout planner (megatron_taper/cost/plan.py) sets tp, pp, schedule, zero,
+    # manual | auto: at start the layout planner (megatron_taper/cost/plan.py) sets tp, pp, schedule, zero, ep,
     # sequence_parallel, train.micro_batch, activation checkpointing and float8 to the fastest
     # predicted layout that fits the device memory per rank (layout_memory_gb GiB when > 0);
     # layout_profile: a file of this cluster's measured device numbers over cost/devices.json's
@@ -209,6 +214,7 @@ class ParallelConfig:
         check_range(f"{prefix}.pp", self.pp, 1, None)
         check_range(f"{prefix}.cp", self.cp, 1, None)
         check_range(f"{prefix}.ep", self.ep, 1, None)
+        check_range(f"{prefix}.ep_imbalance", self.ep_imbalance, 1.0, None)
         check_range(f"{prefix}.microbatches", self.microbatches, 0, None)
         check_range(f"{prefix}.pp_virtual", self.pp_virtual, 1, None)
         check_range(f"{prefix}.pp_memory_gb", self.pp_memory_gb, 0.0, None)

@@ -8,8 +8,9 @@ were dropped.
 `--nodes N` plans N nodes x `--gpus-per-node` (default: the device's, cost/devices.json) devices.
 
 Every layout of megatron_taper/cost/plan.py's SEARCH_SPACE (tp, pp, schedule and virtual stages, ZeRO
-engine, HSDP replicas, sequence parallelism, context parallelism and its attention, micro-batch
-and so gradient accumulation, activation checkpointing, float8) that the trainer's own checks
+engine, HSDP replicas, sequence parallelism, context parallelism and its attention, expert
+parallelism of MoE models, micro-batch and so gradient accumulation, activation checkpointing,
+float8) that the trainer's own checks
 accept at N processes is predicted: peak memory per rank (cost/memory.py, max over pipeline
 ranks) and step time (cost/step_time.py, with the device's numbers from cost/devices.json;
 `--gpus-per-node` replaces the device's). Printed: the fastest `--top` that fit 90% of
@@ -50,11 +51,12 @@ from megatron_taper.cost.plan import (
 
 
 def layout_json(x: Prediction) -> dict:
-    shape = {k: getattr(x.layout, k) for k in ("tp", "pp", "dp", "cp", "virtual", "schedule", "zero",
+    shape = {k: getattr(x.layout, k) for k in ("tp", "pp", "dp", "cp", "ep", "virtual", "schedule", "zero",
                                                  "micro_batch", "microbatches")}
     return {"layout": x.describe(), "overrides": overrides(x.values), "values": x.values, **shape,
             "peak_gib": x.peak / GIB, "rank_peaks_gib": [p / GIB for p in x.rank_peaks], "step_s": x.step.total,
-            "step_parts_s": {k: getattr(x.step, k) for k in ("compute", "bubble", "tp", "cp", "pp", "dp", "optimizer")},
+            "step_parts_s": {k: getattr(x.step, k) for k in ("compute", "bubble", "tp", "cp", "ep", "pp", "dp",
+                                                               "optimizer")},
             "tokens_per_s": x.tokens_per_s, "mfu": x.mfu, "fits": x.fits}
 
 
@@ -94,8 +96,9 @@ def to_text(result: PlanResult, top: int, seconds: float) -> str:
         s = x.step
         lines.append(f"{i + 1:>2} {s.total:>8.3g} {x.tokens_per_s:>10.4g} {x.mfu:>5.0%} {x.peak / GIB:>8.2f}  "
                      f"{x.describe()}")
-        lines.append(f"{'':>38}compute {s.compute:.3g} bubble {s.bubble:.3g} tp {s.tp:.3g} cp {s.cp:.3g} pp {s.pp:.3g} "
-                     f"dp {s.dp:.3g} optimizer {s.optimizer:.3g} s; {' '.join(overrides(x.values))}")
+        ep = f" ep {s.ep:.3g}" if x.experts else ""
+        lines.append(f"{'':>38}compute {s.compute:.3g} bubble {s.bubble:.3g} tp {s.tp:.3g} cp {s.cp:.3g}{ep} pp "
+                     f"{s.pp:.3g} dp {s.dp:.3g} optimizer {s.optimizer:.3g} s; {' '.join(overrides(x.values))}")
     advice = micro_batch_advice(result)
     if advice:
         micro, x = advice

@@ -51,6 +51,9 @@ class Split:
     kv: float = 0.0  # split with the key/value heads
     width: float = 0.0  # split with the MLP width, in units of model.taper.multiple
     vocab: float = 0.0  # split with the vocabulary
+    # split over the ep ranks (model.moe's routed experts, parallel/ep.py): parameters 1 / ep on each
+    # rank; activations (the rows an expert computes) the busiest rank's rows per token of its own
+    experts: float = 0.0
     # activations: copies of a projection input shared by several projections, beyond the one
     # storage counted in `whole`: each projection keeps its own copy under bf16 autocast at
     # tp = 1 (each casts the fp32 norm output itself); at tp > 1 the input enters the tp region
@@ -148,22 +151,42 @@ def swiglu_cost(cfg: ModelConfig, width: int) -> Cost:
                 op_act=op_act)
 
 
+def routed_experts(cfg: ModelConfig, width: int) -> tuple[int, float]:
+    """(parameters of the N routed SwiGLU experts of width W of an MoE layer, the forward FLOPs per
+    token of the k a token is sent to)."""
+    moe = cfg.moe
+    return 3 * cfg.d_model * width * moe.experts, 2.0 * 3 * cfg.d_model * width * moe.top_k
+
+
 def moe_cost(cfg: ModelConfig, width: int) -> Cost:
     """What an MoE layer's MLP (models/moe.py) adds to its pre-norm (a family's block with MLP width 0
-    holds the norm): router [N, D] and routing bias [N], N experts of width W (all count as
-    parameters), a shared expert of width Ws; FLOPs are the active ones, the router's and the k
-    experts' each token is sent to, and the shared expert's. Kept per token: logits and
-    probabilities [N] (fp32), the k gathered inputs and expert outputs, each expert row's 4 W as
-    in SwiGLU, the shared expert's 4 Ws. The count follows the code; no test compares it with
-    torch's saved tensors yet."""
+    holds the norm and its output, the layer's input): router [N, D] and routing bias [N], N experts
+    of width W (all count as parameters; `experts`: split over the ep ranks), a shared expert of
+    width Ws; FLOPs are the active ones, the router's and the k experts' each token is sent to, and
+    the shared expert's.
+
+    Saved per token (counted from the code; tests/cost/test_memory_model.py compares them with torch's
+    saved tensors): fp32 (`seq`) the router's logits and probabilities [N], logsumexp 1, the gates
+    [k] and their sum 1, and the int64 ids of the choices, the sorted order and the rows' tokens
+    (3 k, as 6 k fp32-sized elements); in the compute dtype (`whole`) each assignment's gate k, the
+    expert rows scaled by their gates and the combined product kept by index_add_, 2 k D, the shared
+    expert's 4 Ws; the rows the experts compute (`experts`: per row the gathered input D and the
+    SwiGLU's 4 W). At ep > 1 those rows are the ones a rank receives (the busiest rank's over its own,
+    memory.py), and the k D of the expert outputs it sends back are freed there (the combine's input
+    is the all-to-all's output, counted in `whole`), so the per-token count is the same formula at
+    every ep. Left out: expert parallelism's int64 permutations of the received rows."""
     d, moe = cfg.d_model, cfg.moe
     n, k, shared = moe.experts, moe.top_k, moe.shared_width
-    params = n * d + n + 3 * d * width * n + 3 * d * shared
-    flops = 2 * d * n + 2 * 3 * d * width * k + 2 * 3 * d * shared
-    act = Split(whole=2 * n + 2 * k * d + 4 * k * width + 4 * shared)
-    backward = Split(seq=d, whole=2 * k * width + k * d + 2 * shared)
-    op_act = Split(whole=n + k * d + 2 * k * width + 2 * shared)
-    return Cost(params, flops, tp_params=Split(whole=params), act=act, backward=(backward,), op_act=op_act)
+    expert_params, expert_flops = routed_experts(cfg, width)
+    params = n * d + n + expert_params + 3 * d * shared
+    flops = 2 * d * n + expert_flops + 2 * 3 * d * shared
+    act = Split(seq=2 * n + 2 + k + 6 * k, whole=k + 2 * k * d + 4 * shared, experts=k * (d + 4 * width))
+    # the experts' backward: gradients of w1's and w3's outputs and of the rows' input; the shared expert's
+    backward = Split(seq=d, whole=2 * shared, experts=k * (2 * width + d))
+    # op-level recompute keeps the matmuls' outputs: the router's logits, w1's, w3's and w2's
+    op_act = Split(seq=n, whole=2 * shared, experts=k * (2 * width + d))
+    return Cost(params, flops, tp_params=Split(whole=params - expert_params, experts=expert_params), act=act,
+                backward=(backward,), op_act=op_act)
 
 
 def moe_all_to_all_bytes(cfg: ModelConfig, tokens: int, ep: int, act_bytes: int) -> float:
@@ -171,7 +194,8 @@ def moe_all_to_all_bytes(cfg: ModelConfig, tokens: int, ep: int, act_bytes: int)
     for `tokens` of its tokens, forward and backward, when the routing is balanced: the tokens' k
     assignments each carry d_model activations out (dispatch) and back (combine), and the same
     gradients the other way in backward, the (ep - 1) / ep of them whose expert is elsewhere.
-    The expert counts' exchange (N integers) is left out. A measured imbalance scales it."""
+    The expert counts' exchange (N integers) is left out. The step-time model prices it at the
+    busiest rank's load (cost/step_time.py); benchmarks/moe_ep.py measures it."""
     return 4.0 * tokens * cfg.moe.top_k * cfg.d_model * act_bytes * (ep - 1) / ep
 
 

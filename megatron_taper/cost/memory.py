@@ -96,6 +96,16 @@ the whole sequence, [b, S, H / cp, E], as many elements as the rank's own: the b
 local token is the one-process one (its all-to-alls are not `received` bytes either), except that
 k and v count K' / K times where the kv heads are repeated to K' = lcm(K, cp).
 
+Mixture of experts (model.moe, cost/block.py moe_cost) and expert parallelism (parallel.ep,
+parallel/ep.py): a rank holds N / ep of each MoE layer's routed experts (their parameters, gradients
+and AdamW state; under fsdp2 sharded further over the dp_shard / ep ranks holding the same experts,
+MemorySetup.expert_state_bytes_per_param), the router, routing bias and shared expert whole. The
+rows its experts compute (cost/block.py's `experts` elements: per assignment the gathered input and
+the SwiGLU's 4 W, and their gradients in backward) are, at ep > 1, the rows all ranks send it:
+the busiest rank's are ep_imbalance (parallel.ep_imbalance) x its own tokens' assignments, which
+the activation terms book; at ep = 1 exactly its own. At ep > 1 with DDP the experts' gradients are
+outside DDP's buckets, so the step's first backward makes them (`grads`).
+
 Not modelled: the optimizer step's temporaries (after the activations are freed), collective
 buffers besides DeepSpeed's (DDP buckets are the gradients themselves), allocator caching and fragmentation, the
 CUDA context and kernels' workspaces, token ids and other [b, S] tensors, the embedding's dense
@@ -147,6 +157,9 @@ class MemorySetup:
     offload_param: bool = False  # deepspeed: parameter partitions off the device
     reduce_bucket: float = 0.0  # deepspeed: elements of its fp32 gradient reduce bucket
     prefetch_bucket: float = 0.0  # deepspeed: elements of parameters it gathers ahead
+    ep: int = 1  # expert parallelism: each MoE layer's routed experts spread over ep ranks of dp (module doc)
+    # at ep > 1: the rows the busiest ep rank's experts compute over the mean (parallel.ep_imbalance)
+    ep_imbalance: float = 1.0
 
     @classmethod
     def from_config(cls, parallel: ParallelConfig, train: TrainConfig, dp: int, bf16: bool,
@@ -166,7 +179,8 @@ class MemorySetup:
                    bytes_per_param=bytes_per_param, offload_optimizer=ds.offload_optimizer != "none",
                    offload_param=ds.offload_param != "none",
                    reduce_bucket=ds.reduce_bucket_size if parallel.zero == "deepspeed" else 0.0,
-                   prefetch_bucket=ds.prefetch_bucket_size if parallel.zero == "deepspeed" else 0.0)
+                   prefetch_bucket=ds.prefetch_bucket_size if parallel.zero == "deepspeed" else 0.0,
+                   ep=parallel.ep, ep_imbalance=parallel.ep_imbalance)
 
     @property
     def compute_bytes(self) -> int:
@@ -210,6 +224,20 @@ class MemorySetup:
         if self.fsdp:
             return 4.0 if self.pipelined else 4.0 / (self.dp_shard or self.dp)
         return 4.0 if self.dp * self.cp == 1 else 0.0
+
+    @property
+    def expert_rows(self) -> float:
+        """Rows the busiest rank's experts compute per assignment of its own tokens: the imbalance
+        at ep > 1; at ep = 1 a rank computes exactly its own tokens' assignments."""
+        return self.ep_imbalance if self.ep > 1 else 1.0
+
+    def expert_state_bytes_per_param(self) -> float:
+        """state_bytes_per_param of a routed expert's parameter (one of the rank's N / ep experts):
+        the same at zero=none (each rank holds its experts' whole state); under fsdp2 the experts
+        shard over the dp_shard / ep ranks that hold the same experts (torchtitan's layout, as
+        parallel/dp/fsdp2.py builds it; whole at ep = dp)."""
+        state = self.state_bytes_per_param()
+        return state * self.ep if self.fsdp and self.ep > 1 else state
 
     def cast_bytes_per_param(self) -> float:
         """bf16 autocast's copies of fp32 weights, kept for backward (fsdp2 at dp > 1 gathers the
@@ -312,23 +340,26 @@ def largest_share(units: int, tp: int) -> float:
     return math.ceil(units / tp) / units if units else 0.0
 
 
-def _shares(cfg: ModelConfig, tp: int, width: int) -> Split:
-    """Per layout class, the largest rank's fraction (rank 0 holds the most of every class)."""
+def _shares(cfg: ModelConfig, tp: int, width: int, ep: int = 1) -> Split:
+    """Per layout class, the largest rank's fraction of its parameters (rank 0 holds the most of
+    every class; each ep rank N / ep experts)."""
     return Split(whole=1.0, seq=1.0, heads=largest_share(cfg.n_heads, tp), kv=largest_share(cfg.kv_heads, tp),
-                 width=largest_share(width // cfg.taper.multiple, tp), vocab=largest_share(cfg.vocab_size, tp))
+                 width=largest_share(width // cfg.taper.multiple, tp), vocab=largest_share(cfg.vocab_size, tp),
+                 experts=1.0 / ep)
 
 
 def local_params(cost: Cost, shares: Split) -> float:
-    """Parameters of `cost` on the largest tp rank."""
+    """Parameters of `cost` on the largest tp rank (and its ep share of the routed experts)."""
     p = cost.params_split
     return (p.whole + p.heads * shares.heads + p.kv * shares.kv + p.width * shares.width
-            + p.vocab * shares.vocab)
+            + p.vocab * shares.vocab + p.experts * shares.experts)
 
 
 def act_bytes_per_token(act: Split, shares: Split, setup: MemorySetup) -> float:
     """Bytes per token of activation elements on the largest tp rank (layouts and dtypes above)."""
     seq = act.seq / (setup.tp if setup.sequence_parallel else 1)
     compute = act.whole + act.heads * shares.heads + act.kv * shares.kv + act.width * shares.width
+    compute += act.experts * setup.expert_rows
     if setup.bf16 and setup.tp == 1:
         compute += act.input_copies
     return (4.0 * seq + setup.compute_bytes * compute + 4.0 * act.vocab * shares.vocab
@@ -349,9 +380,11 @@ def piece_memory(cost: Cost, shares: Split, setup: MemorySetup, tokens: int, rec
     V (cost/cp.py received_bytes), kept also when it recomputes (parallel/cp/state.py keeps what a
     forward received for the recompute), and their gradient in its backward."""
     params = local_params(cost, shares)
+    experts = cost.params_split.experts * shares.experts
     # float8: torchao's matmul saves the blocks' fp32 weights uncast (no bf16 copy; measured)
     cast = 0.0 if block and setup.float8 else setup.cast_bytes_per_param()
     static = params * (setup.state_bytes_per_param() + cast)
+    static += experts * (setup.expert_state_bytes_per_param() - setup.state_bytes_per_param())
     if setup.pipelined:
         static += params * setup.unsharded_bytes_per_param(matmul)
     elif not block and setup.fsdp:  # the root's weights stay gathered; its gradient: _root_gradient
@@ -372,7 +405,10 @@ def piece_memory(cost: Cost, shares: Split, setup: MemorySetup, tokens: int, rec
                 + received)
     op = cost.op_kept
     retained = act_bytes_per_token(_activations(cost) if op is None else op, shares, setup) * tokens
-    return PieceMemory(params, static, kept, peak, retained, params * setup.made_grad_bytes_per_param())
+    made = params * setup.made_grad_bytes_per_param()
+    if setup.ep > 1 and setup.zero == "none" and setup.dp > 1:  # outside DDP's buckets: made by the backward
+        made += 4.0 * experts
+    return PieceMemory(params, static, kept, peak, retained, made)
 
 
 def boundary_bytes(d_model: int, tokens: int, setup: MemorySetup) -> float:
@@ -389,8 +425,8 @@ def model_memory(cfg: ModelConfig, setup: MemorySetup, costs: ModelCosts | None 
                                          setup.ac_every))
     messages = block_messages(cfg, costs.widths, setup.micro_batch, setup.cp, setup.compute_bytes,
                               setup.cp_attention)
-    layers = [piece_memory(context_parallel_cost(cost, cfg, setup, sent), _shares(cfg, setup.tp, width), setup,
-                           tokens, str(i) in recomputed, cfg.d_model, block=True, received=received_bytes(sent))
+    layers = [piece_memory(context_parallel_cost(cost, cfg, setup, sent), _shares(cfg, setup.tp, width, setup.ep),
+                           setup, tokens, str(i) in recomputed, cfg.d_model, block=True, received=received_bytes(sent))
               for i, (cost, width, sent) in enumerate(zip(costs.layers, costs.widths, messages))]
     if setup.fsdp and not setup.pipelined:
         layers = _gathered_units(layers, setup)

@@ -28,6 +28,7 @@ from itertools import accumulate
 from typing import TYPE_CHECKING, Any, Sequence
 
 from megatron_taper.config import CP_ATTENTIONS, V_SCHEDULES
+from megatron_taper.cost.block import moe_all_to_all_bytes, routed_experts
 from megatron_taper.cost.cp import cp_messages
 from megatron_taper.cost.devices import DeviceProfile
 from megatron_taper.cost.float8 import block_float8_speedup, block_linears, float8_converts, math_rate
@@ -51,7 +52,7 @@ from megatron_taper.cost.partition import (
 from megatron_taper.cost.preflight import compiles, preflight, step_split
 from megatron_taper.cost.stage_memory import to_memory_model
 from megatron_taper.cost.step_time import RankWork, StepLayout, StepTime, step_time
-from megatron_taper.taper import layer_widths
+from megatron_taper.taper import layer_widths, moe_layers
 from megatron_taper.validation import ConfigError
 
 if TYPE_CHECKING:
@@ -69,6 +70,7 @@ SEARCH_SPACE: tuple[tuple[str, tuple[Any, ...]], ...] = (
     ("parallel.sequence_parallel", (False, True)),
     ("parallel.cp", (1, 2, 4, 8)),  # context parallelism: each sequence split over cp ranks
     ("parallel.cp_attention", CP_ATTENTIONS),
+    ("parallel.ep", (1, 2, 4, 8, 16, 32, 64)),  # expert parallelism (model.moe; preflight check_moe_layout)
     ("train.micro_batch", (1, 2, 4, 8)),
     ("train.activation_checkpointing", ("none", "selective", "op", "full")),
     ("train.float8", (False, True)),
@@ -88,8 +90,8 @@ def _canonical(values: dict[str, Any], cfg: Config) -> dict[str, Any]:
     """Settings that make no difference to the run take one value, so a layout is tried once:
     without pipelining the schedule, without an interleaved schedule pp_virtual, without tp
     sequence parallelism, without fsdp2 dp_replicate (no replicas), without context parallelism
-    cp_attention. Only keys of other sections than train are made canonical (search varies the
-    train keys innermost, each value of each)."""
+    cp_attention, without experts (a dense model) ep. Only keys of other sections than train are
+    made canonical (search varies the train keys innermost, each value of each)."""
     out = dict(values)
     if out.get("parallel.pp", cfg.parallel.pp) == 1:
         out["parallel.pp_schedule"] = "1f1b"
@@ -101,6 +103,8 @@ def _canonical(values: dict[str, Any], cfg: Config) -> dict[str, Any]:
         out["parallel.dp_replicate"] = 1
     if out.get("parallel.cp", cfg.parallel.cp) == 1:
         out["parallel.cp_attention"] = cfg.parallel.cp_attention
+    if not cfg.model.moe.enabled:
+        out["parallel.ep"] = cfg.parallel.ep
     return out
 
 
@@ -155,6 +159,7 @@ class Prediction:
     compiled: bool = False  # train.compile resolved for the device (cost/preflight.py compiles)
     # train.float8: the best rank's float8 / bf16 speed of its blocks' linears (cost/float8.py); inf without
     float8_speedup: float = math.inf
+    experts: int = 0  # model.moe.experts (0: a dense model, whose layouts do not name ep)
 
     @property
     def peak(self) -> float:
@@ -169,6 +174,7 @@ class Prediction:
                                  if v.get("parallel.dp_replicate", 1) > 1 else ""),
                  *([f"cp={x.cp}" + ("" if x.cp_attention == "allgather" else f" {x.cp_attention}")]
                    if x.cp > 1 else []),
+                 *([f"ep={x.ep}"] if self.experts else []),
                  f"zero={x.zero}", f"micro_batch={x.micro_batch} x {x.microbatches} "
                  + ("pipeline micro-batches" if x.pp > 1 else "accumulation"),
                  f"checkpointing={v.get('train.activation_checkpointing')}"]
@@ -301,7 +307,7 @@ class Predictor:
 
     def rank_work(self, mm: ModelMemory, pp: int, virtual: int, schedule: str, mode: str, every: int
                   ) -> list[RankWork]:
-        key = (mm.setup.tp, pp, virtual, schedule, mode, every)
+        key = (mm.setup.tp, mm.setup.ep, pp, virtual, schedule, mode, every)
         if key not in self._work:
             self._work[key] = self._rank_work(mm, pp, virtual, schedule, mode, every)
         return self._work[key]
@@ -380,16 +386,24 @@ class Predictor:
                    ) -> list[RankWork]:
         c = self.costs
         recomputed = {int(x) for x in checkpointed_blocks([str(i) for i in range(len(c.layers))], mode, every)}
+        moe = moe_layers(self.model)
+        # per layer: its routed experts' (all N's parameters, the k's active FLOPs); (0, 0) in a dense layer
+        experts = [routed_experts(self.model, w) if is_moe else (0, 0.0) for w, is_moe in zip(c.widths, moe)]
         out = []
         for layers in self.rank_layers(pp, virtual, schedule):
             first, last = 0 in layers, len(c.layers) - 1 in layers
             flops = sum(c.layers[i].flops for i in layers) + c.embedding.flops * first + c.head.flops * last
-            linear = sum(min(2.0 * c.layers[i].params, c.layers[i].flops) for i in layers)
+            # the linears' FLOPs: 2 per active weight (the routed experts' k of N), at most the layer's
+            linear = sum(min(2.0 * (c.layers[i].params - experts[i][0]), c.layers[i].flops - experts[i][1])
+                         + experts[i][1] for i in layers)
             redo = [i for i in layers if i in recomputed and mode != "op"]
             params = sum(mm.layers[i].params for i in layers) + mm.embedding.params * first + mm.head.params * last
             attention = sum(c.layers[i].flops for i in layers) - linear  # outside the linears: attention (memories)
             out.append(RankWork(flops, linear, sum(c.layers[i].flops for i in redo), len(layers), len(redo), params,
-                                vocab_collectives=1 * first + 3 * last, attention_flops=attention))
+                                vocab_collectives=1 * first + 3 * last, attention_flops=attention,
+                                expert_flops=sum(experts[i][1] for i in layers),
+                                expert_params=sum(experts[i][0] for i in layers) / mm.setup.ep,
+                                moe_blocks=sum(moe[i] for i in layers), moe_recomputed=sum(moe[i] for i in redo)))
         return out
 
     def predict(self, cfg: Config, dp: int, memory_limit: float) -> Prediction:
@@ -419,6 +433,9 @@ class Predictor:
                                 graphs=t.cuda_graphs and compiled)
             forward = self.op_counts(setup.cp).block_forward if op_level else 0.0
             work = [dataclasses.replace(w, ops=n, op_checkpointed_ops=forward * w.blocks) for w, n in zip(work, ops)]
+        if p.ep > 1:
+            per_token = moe_all_to_all_bytes(self.model, 1, p.ep, 2 if bf16 else 4)
+            work = [dataclasses.replace(w, all_to_all_bytes=per_token) for w in work]
         if t.float8:
             speedups = self.float8_speedups(t, p.pp, virtual, p.pp_schedule)
             work = [dataclasses.replace(w, float8_speedup=x) for w, x in zip(work, speedups)]
@@ -428,7 +445,7 @@ class Predictor:
                             bf16=bf16, float8=t.float8, overlap=gpu, math_rate=math_rate(compiled) if gpu else 1.0,
                             dp_shard=setup.dp_shard, compute_share=self.device.rank_share(p.tp * p.pp * p.cp * dp),
                             host_cores=self.device.cores,
-                            cp=setup.cp, cp_attention=setup.cp_attention)
+                            cp=setup.cp, cp_attention=setup.cp_attention, ep=p.ep, ep_imbalance=p.ep_imbalance)
         step = step_time(work, layout, self.model.d_model, self.model.seq_len, self.device)
         tokens = t.global_batch * self.model.seq_len / step.total
         gpus = p.tp * p.pp * p.cp * dp
@@ -436,7 +453,7 @@ class Predictor:
         mfu = 3.0 * self.costs.total_flops * tokens / (gpus * peak * 1e12)
         values = {key: _get(cfg, key) for key, _ in SEARCH_SPACE}
         return Prediction(values, layout, peaks, step, tokens, mfu, max(peaks) <= memory_limit, compiled,
-                          max(w.float8_speedup for w in work) if t.float8 else math.inf)
+                          max(w.float8_speedup for w in work) if t.float8 else math.inf, self.model.moe.experts)
 
 
 def _check_peak(device: DeviceProfile, bf16: bool, float8: bool) -> None:

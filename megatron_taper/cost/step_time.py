@@ -71,6 +71,19 @@ ranks form a wavefront ((cp - 1) blocks' time per micro-batch), or wait block by
 block also meets all cp ranks (an all-gather, ring or all-to-all beside the chain: (cp - 1) x the whole block's
 time, an upper bound: only the chained part waits). DDP's gradient all-reduce spans dp x cp.
 
+Expert parallelism (parallel.ep, parallel/ep.py; RankWork's expert fields): a rank's routed
+experts are N / ep of each MoE layer's (`params` counts those), and at ep > 1 they compute the rows
+every rank of its ep group sends them: the busiest rank's expert GEMMs take ep_imbalance (the
+expert load max / mean assumed, parallel.ep_imbalance) x its own tokens' share. Per MoE block and
+micro-batch the all-to-alls (dispatch and combine forward, their gradients backward; a recomputed
+block repeats the forward two) move cost/block.py moe_all_to_all_bytes, priced at the busiest rank's
+load (ep_imbalance x the balanced bytes: the exchange ends when that rank has its rows) at the
+all-gather's bandwidth and efficiency over the ep group's span (ep consecutive dp ranks, tp x cp
+apart), plus the latency of each call (per block 3 forward: the counts and two row exchanges, 2
+backward, 3 per recompute), not overlapped (the experts wait for their rows). The experts'
+gradients reduce over the dp / ep ranks that hold the same experts (none at ep = dp), the other
+parameters' over dp; the optimizer steps the rank's own experts.
+
 Links: a group whose ranks lie within one node (its span in the (pp, dp, tp) rank order, tp
 fastest, then cp, at most gpus_per_node) uses the intra-node bandwidth, else the inter-node one (the
 GPU's own NIC). Bandwidths are per direction; ring all-reduce moves 2 (n - 1) / n of the
@@ -133,6 +146,12 @@ class RankWork:
     # backward makes again (none's kept activations less op's, cost/memory.py)
     op_recompute_bytes: float = 0.0
     op_checkpointed_ops: float = 0.0  # forward operators of its op-checkpointed blocks per micro-batch
+    # mixture of experts (module doc): of flops (and linear_flops), the routed experts' forward FLOPs per token
+    expert_flops: float = 0.0
+    expert_params: float = 0.0  # of params, its routed experts' (its ep share), reduced over dp / ep
+    moe_blocks: int = 0  # of blocks, the MoE ones
+    moe_recomputed: int = 0  # of those, the ones that recompute their forward (its exchanges too)
+    all_to_all_bytes: float = 0.0  # per token of a micro-batch and MoE block: moe_all_to_all_bytes at the layout's ep
 
 
 @dataclass(frozen=True)
@@ -156,6 +175,13 @@ class StepLayout:
     cp_attention: str = "allgather"  # parallel.cp_attention (allgather | ring | ulysses)
     ddp_bucket_mb: float = 0.0  # parallel.ddp_bucket_mb (0: ddp_bucket_elements' rule)
     math_rate: float = 1.0  # the arithmetic's rate over the device's assumed one (cost/float8.py math_rate)
+    ep: int = 1  # expert parallelism: each MoE layer's experts over ep ranks of dp
+    ep_imbalance: float = 1.0  # at ep > 1, the busiest ep rank's expert rows over the mean (parallel.ep_imbalance)
+
+    @property
+    def expert_load(self) -> float:
+        """The busiest rank's expert rows over its own tokens' assignments (1 at ep = 1)."""
+        return self.ep_imbalance if self.ep > 1 else 1.0
 
 
 @dataclass(frozen=True)
@@ -168,6 +194,7 @@ class StepTime:
     dp: float  # exposed
     optimizer: float
     cp: float = 0.0  # exposed
+    ep: float = 0.0  # the MoE all-to-alls (not overlapped)
     parts: dict = field(default_factory=dict)
 
 
@@ -224,8 +251,10 @@ def step_time(ranks: Sequence[RankWork], layout: StepLayout, d_model: int, seq_l
     compute, tp_s = [], []
     for r in ranks:
         share = (3 * tokens + r.recompute_flops * tokens / max(r.flops, 1e-30))  # of a forward FLOP per token
-        linear, attention = r.linear_flops * share, r.attention_flops * share
-        other = (3 * r.flops + r.recompute_flops) * tokens - linear - attention
+        # the busiest ep rank's experts compute expert_load x its own tokens' rows
+        linear = (r.linear_flops + r.expert_flops * (lo.expert_load - 1.0)) * share
+        attention = r.attention_flops * share
+        other = (3 * r.flops + r.recompute_flops) * tokens - r.linear_flops * share - attention
         # op-level recompute: memory-bound elementwise work, each output written again and its
         # inputs (as many bytes) read
         elementwise = 2.0 * r.op_recompute_bytes / (device.memory_tb_per_s * 1e12)
@@ -236,17 +265,21 @@ def step_time(ranks: Sequence[RankWork], layout: StepLayout, d_model: int, seq_l
         compute.append((max(math, issue) if lo.overlap else math + issue) + policy)
         tp_s.append(per_collective * (4 * r.blocks + 2 * r.recomputed_blocks + r.vocab_collectives))
     cp_s = [_cp_seconds(r, lo, compute[k], device) for k, r in enumerate(ranks)]
-    per_rank = [compute[k] + tp_s[k] + cp_s[k] + pp_s for k in range(len(ranks))]
+    ep_s = [_ep_seconds(r, lo, tokens, device) for r in ranks]
+    per_rank = [compute[k] + tp_s[k] + cp_s[k] + ep_s[k] + pp_s for k in range(len(ranks))]
     i = max(range(len(ranks)), key=per_rank.__getitem__)
     slowest = per_rank[i]
     # the fill and drain pass through the other stages: their mean micro-batch time
     others = (sum(per_rank) - slowest) / (len(ranks) - 1) if len(ranks) > 1 else slowest
     params = ranks[i].params
-    dp_s = _dp_seconds(params, ranks[i].blocks + 1, compute[i], lo, compute_bytes, device)
+    experts = ranks[i].expert_params
+    dp_s = _dp_seconds(params, experts, ranks[i].blocks + 1, compute[i], lo, compute_bytes, device)
     m = lo.microbatches
     bubble = bubble_fraction(lo.pp, lo.virtual, lo.schedule) * others
     shard = (lo.dp_shard or lo.dp) if lo.zero == "fsdp2" else lo.dp if lo.zero == "deepspeed" else 1
-    optimizer = ADAMW_TRAFFIC_BYTES * params / shard / (device.memory_tb_per_s * 1e12)
+    expert_shard = max(1, shard // lo.ep)  # fsdp2 x ep: the experts over the dp_shard / ep ranks holding them
+    optimizer = ADAMW_TRAFFIC_BYTES * ((params - experts) / shard + experts / expert_shard) \
+        / (device.memory_tb_per_s * 1e12)
     total = m * slowest + bubble + dp_s + optimizer
     world = lo.tp * lo.pp * lo.dp * lo.cp
     if 0 < lo.host_cores < world:  # the ranks take turns on the cores; idle ones (the bubble) give theirs up,
@@ -256,7 +289,7 @@ def step_time(ranks: Sequence[RankWork], layout: StepLayout, d_model: int, seq_l
         busy = sum(m * t + quiet.dp + optimizer for t in quiet.parts["rank_micro_batch_s"]) * (world // lo.pp)
         total = max(total, busy / (lo.host_cores * device.oversubscribed_efficiency))
     return StepTime(total=total, compute=m * compute[i], bubble=bubble, tp=m * tp_s[i], pp=m * pp_s, dp=dp_s,
-                    optimizer=optimizer, cp=m * cp_s[i],
+                    optimizer=optimizer, cp=m * cp_s[i], ep=m * ep_s[i],
                     parts={"micro_batch_s": slowest, "rank_micro_batch_s": per_rank})
 
 
@@ -294,30 +327,56 @@ def _cp_seconds(r: RankWork, lo: StepLayout, compute: float, device: DeviceProfi
     return exposed + wait + (max(0.0, ring - compute) if lo.overlap else ring)
 
 
-def _dp_seconds(params: float, units: int, compute: float, lo: StepLayout, compute_bytes: int,
+def _ep_seconds(r: RankWork, lo: StepLayout, tokens: int, device: DeviceProfile) -> float:
+    """The MoE all-to-alls of one micro-batch of `tokens` on a rank doing `r` (module doc)."""
+    if lo.ep <= 1 or not r.moe_blocks:
+        return 0.0
+    exchanges = r.moe_blocks + r.moe_recomputed / 2.0  # a recompute repeats the 2 forward row exchanges of 4
+    nbytes = lo.expert_load * r.all_to_all_bytes * tokens * exchanges
+    calls = 5 * r.moe_blocks + 3 * r.moe_recomputed
+    bw = bandwidth(lo.tp * lo.cp * lo.ep, device) * device.all_gather_efficiency
+    return nbytes / bw + calls * device.collective_latency_us * 1e-6
+
+
+def _dp_seconds(params: float, experts: float, units: int, compute: float, lo: StepLayout, compute_bytes: int,
                 device: DeviceProfile) -> float:
     """Exposed data-parallel communication of one step for a rank with `params` tp-local
-    parameters in `units` ZeRO units and `compute` seconds of compute per micro-batch (module doc)."""
+    parameters, of which `experts` its routed experts' (reduced over the dp / ep ranks holding
+    them), in `units` ZeRO units and `compute` seconds of compute per micro-batch (module doc)."""
     n, m = lo.dp, lo.microbatches
     if n * lo.cp <= 1:
         return 0.0
     span = lo.tp * lo.cp * n  # the dp ranks are tp x cp apart
     backward = compute * 2.0 / 3.0
-    if lo.zero == "none":  # DDP over dp x cp, one all-reduce per bucket
-        buckets = max(1.0, -(-params // ddp_bucket_elements(lo.ddp_bucket_mb, params, n * lo.cp)))
-        reduce = buckets * collective_seconds("all_reduce", 4.0 * params / buckets, n * lo.cp, span, device)
+    dense = params - experts
+    if lo.zero == "none":  # DDP over dp x cp, one all-reduce per bucket; the experts' over dp x cp / ep
+
+        def all_reduce(elements: float, ranks: int) -> float:
+            if elements <= 0:
+                return 0.0
+            buckets = max(1.0, -(-elements // ddp_bucket_elements(lo.ddp_bucket_mb, elements, ranks)))
+            return buckets * collective_seconds("all_reduce", 4.0 * elements / buckets, ranks, span, device)
+
+        reduce = all_reduce(dense, n * lo.cp) + all_reduce(experts, n * lo.cp // lo.ep)
         return max(0.0, reduce - (backward if lo.overlap else 0.0))
     shard = lo.dp_shard or n if lo.zero == "fsdp2" else n
-    shard_span = lo.tp * lo.cp * shard
 
     def per_unit(kind: str, nbytes: float, ranks: int, group_span: int) -> float:
         return units * collective_seconds(kind, nbytes / units, ranks, group_span, device)
 
-    # HSDP: the replicas all-reduce their reduce-scattered fp32 gradient shard
-    replicas = per_unit("all_reduce", 4.0 * params / shard, n // shard, span)
-    scatter = per_unit("reduce_scatter", 4.0 * params, shard, shard_span)
+    def sharded(elements: float, shard: int) -> tuple[float, float, float]:
+        """(all-gather, reduce-scatter, replicas' all-reduce) of `elements` sharded over `shard` ranks."""
+        shard_span = lo.tp * lo.cp * shard
+        # HSDP: the replicas all-reduce their reduce-scattered fp32 gradient shard
+        replicas = per_unit("all_reduce", 4.0 * elements / shard, n // shard, span)
+        scatter = per_unit("reduce_scatter", 4.0 * elements, shard, shard_span)
+        gather = per_unit("all_gather", (compute_bytes if lo.zero == "fsdp2" else 4.0) * elements, shard, shard_span)
+        return gather, scatter, replicas
+
+    # fsdp2 x ep: the experts sharded over the dp_shard / ep ranks holding them (torchtitan's layout)
+    parts = [sharded(dense, shard), *([sharded(experts, max(1, shard // lo.ep))] if experts else [])]
+    gather, scatter, replicas = (sum(x) for x in zip(*parts))
     if lo.zero == "fsdp2" and lo.pp > 1:
-        return per_unit("all_gather", compute_bytes * params, shard, shard_span) + scatter + replicas
-    gather = per_unit("all_gather", (compute_bytes if lo.zero == "fsdp2" else 4.0) * params, shard, shard_span)
+        return gather + scatter + replicas
     per_micro = 2 * gather + scatter + replicas
     return m * (max(0.0, per_micro - compute) if lo.overlap else per_micro)
