@@ -148,7 +148,7 @@ def test_moe_recipe_plans_ep_and_ep_wins_where_the_experts_do_not_fit_without_it
     chosen = with_values(cfg, best.values)
     assert preflight(chosen, 8).dp == best.layout.dp
     assert best.fits and best.peak <= USABLE_FRACTION * 80 * GIB
-    assert {x.layout.ep for x in result.layouts} == {1, 8}
+    assert {x.layout.ep for x in result.layouts} == {1, 2, 8}  # 16 does not divide dp = 8
     assert f"ep={best.layout.ep}" in best.describe().split()
     assert f" ep={best.layout.ep} " in _plan_layout_tool().to_text(result, 3, 0.0)
 
