@@ -158,19 +158,20 @@ def build_corpus(out: str, roots: list[str] | None = None, *, max_bytes: int = 0
     if not held_out:
         raise ValueError(f"no package fits in --held-out-fraction {held_out_fraction} of the {seen_bytes:,} bytes "
                          f"read ({len(package_bytes)} packages): raise the fraction or --max-mb")
-    trained = {digest for package, _, digest, _ in files if package not in held_out}
+    # each content once: its first copy in a training package if any holds it, else its first copy
+    kept: dict[str, int] = {}
+    for i, (package, _, digest, _) in enumerate(files):
+        if digest not in kept or (files[kept[digest]][0] in held_out and package not in held_out):
+            kept[digest] = i
+    skipped["duplicate"] = len(files) - len(kept)
     os.makedirs(out, exist_ok=True)
-    written: set[str] = set()
     splits = {s: {"documents": 0, "bytes": 0, "packages": set()} for s in ("train", "held_out")}
     with open(os.path.join(out, "train.jsonl"), "w") as train_f, open(os.path.join(out, "held_out.jsonl"), "w") as ho_f:
-        for package, rel, digest, text in files:
-            if digest in written:
-                skipped["duplicate"] += 1
-                continue
-            split = "train" if digest in trained else "held_out"
+        for i in sorted(kept.values()):
+            package, rel, _, text = files[i]
+            split = "held_out" if package in held_out else "train"
             record = {"text": text, "package": package, "path": rel}
-            (train_f if split == "train" else ho_f).write(json.dumps(record, ensure_ascii=False) + "\n")
-            written.add(digest)
+            (ho_f if split == "held_out" else train_f).write(json.dumps(record, ensure_ascii=False) + "\n")
             stats = splits[split]
             stats["documents"] += 1
             stats["bytes"] += len(text.encode("utf-8"))
