@@ -21,14 +21,16 @@ noise between two seeds (issue 45). benchmarks/gpu_science.sh is the command; th
    is not yet measured on a GPU, so the margin is wide; time it leaves goes to `reverse`).
 5. The JSON (--out/gpu_science.json, rewritten after each stage, so a kill keeps what finished):
    corpus and token counts, the plan, per arm its curves (`train`: [step, tokens, loss] per logged
-   step; `eval`: [step, tokens, held-out loss] every steps/--evals steps and at the end), tokens
-   seen, throughput and the device line it printed; `comparison`: final held-out losses at equal
+   step; `eval`: [step, tokens, held-out loss] every steps/evals steps and at the end, each over
+   the whole held-out split up to a cap, so every arm and seed is scored on the same tokens),
+   tokens seen, throughput and the device line it printed; `comparison`: final held-out losses at equal
    tokens, `paired_difference` (taper - uniform, same seed), `seed_noise` (|uniform_seed2 -
    uniform|), `reverse_minus_uniform`, the same as curves over the evaluations, and whether taper
    is below uniform by more than twice the noise. A plot beside it (gpu_science.png).
 
-`--cpu`: the same code at toy sizes (a ~1 MB corpus subset, a 512-piece tokenizer, 2-layer
-d_model 32 variants of configs/tiny_taper.yaml, 6 steps) in well under a minute on 2 CPU cores;
+`--cpu`: the same code at toy sizes (a 0.6 MB corpus subset, at most 30 KB a package, a 512-piece
+tokenizer, 2-layer d_model 32 variants of configs/tiny_taper.yaml, 6 steps), about 34 s of CPU
+time on this 2-core machine;
 tests/launch/test_gpu_science.py runs it. Large files (corpus, shards, runs and their checkpoints)
 go to --work (default: a temporary folder, removed at the end unless --keep-work); --out holds
 only the JSON, the plot, corpus.json, the data's stats.json and each arm's console log.
@@ -65,17 +67,19 @@ class Mode:
     tokenizer_lines: int  # --max-sentences of tools/train_tokenizer.py
     steps: int  # 0 = planned from the time budget
     evals: int  # held-out evaluations per run (the last at the end)
-    eval_batches: int
+    max_eval_batches: int  # an evaluation reads the whole held-out split, up to this many micro-batches
 
 
 GPU = Mode("configs/transformer_125m_taper.yaml", "configs/transformer_125m_uniform.yaml", (),
            ("train.global_batch=32", "train.micro_batch=16"),  # 65,536 tokens a step, 2 micro-batches
-           corpus_max_mb=0.0, corpus_max_package_kb=0.0, tokenizer_lines=500_000, steps=0, evals=8, eval_batches=32)
+           corpus_max_mb=0.0, corpus_max_package_kb=0.0, tokenizer_lines=500_000, steps=0, evals=5,
+           max_eval_batches=128)
 CPU = Mode("configs/tiny_taper.yaml", "configs/tiny_taper.yaml",
            ("model.taper.schedule=uniform", "model.taper.start=1.0"),
            ("model.n_layers=2", "model.d_model=32", "model.n_heads=2", "model.mlp_width=96", "model.taper.multiple=16",
             "model.seq_len=32", "model.vocab_size=512", "train.global_batch=8", "train.micro_batch=8"),
-           corpus_max_mb=0.6, corpus_max_package_kb=30.0, tokenizer_lines=20_000, steps=6, evals=2, eval_batches=2)
+           corpus_max_mb=0.6, corpus_max_package_kb=30.0, tokenizer_lines=20_000, steps=6, evals=2,
+           max_eval_batches=64)
 REVERSE_START = "model.taper.start=0.5"  # cosine 0.5 -> 1.5: widths grow with depth
 ARMS = ("taper", "uniform", "uniform_seed2", "reverse")
 REQUIRED_ARMS = 3  # taper, uniform, uniform_seed2 always run; reverse when the time left allows
@@ -176,9 +180,11 @@ def arm_overrides(mode: Mode, name: str, seed: int) -> tuple[str, list[str]]:
     return mode.uniform, [*mode.uniform_overrides, f"train.seed={seed + (name == 'uniform_seed2')}"]
 
 
-def plan_steps(mode: Mode, args: argparse.Namespace, shared: list[str], time_left: float) -> dict:
+def plan_steps(mode: Mode, args: argparse.Namespace, shared: list[str], time_left: float, held_out: int) -> dict:
     """The steps of every arm: --steps, the mode's, or the three required arms' share of `time_left`
-    at the planner's predicted tokens/s for this device times --plan-margin."""
+    at the planner's predicted tokens/s for this device times --plan-margin; and the micro-batches
+    of an evaluation: all that the `held_out` tokens fill, at most the mode's cap (every arm and
+    seed then evaluates on the same tokens, only packed in another order)."""
     from megatron_taper.cost.auto_layout import local_device
     from megatron_taper.cost.plan import Predictor
 
@@ -187,7 +193,9 @@ def plan_steps(mode: Mode, args: argparse.Namespace, shared: list[str], time_lef
     profile, _, where = local_device(cfg.train.device, 1)
     predicted = tokens_per_step / Predictor(cfg, profile).predict(cfg, 1, float("inf")).step.total
     plan = {"tokens_per_step": tokens_per_step, "global_batch": cfg.train.global_batch, "seq_len": cfg.model.seq_len,
-            "predicted_tokens_per_s": predicted, "profile": where, "plan_margin": args.plan_margin}
+            "predicted_tokens_per_s": predicted, "profile": where, "plan_margin": args.plan_margin,
+            "eval_batches": max(1, min(mode.max_eval_batches,
+                                       held_out // (cfg.train.micro_batch * (cfg.model.seq_len + 1))))}
     if args.steps or mode.steps:
         plan.update(steps=args.steps or mode.steps, steps_from="--steps" if args.steps else "--cpu")
     else:
@@ -203,11 +211,11 @@ def plan_steps(mode: Mode, args: argparse.Namespace, shared: list[str], time_lef
     return plan
 
 
-def run_settings(mode: Mode, data: str, steps: int) -> list[str]:
+def run_settings(mode: Mode, data: str, steps: int, eval_batches: int = 1) -> list[str]:
     """Overrides every arm shares after its own: data, steps, schedule, evaluation, logging."""
     evaluate_every = max(1, steps // mode.evals)
     return [*mode.shape, f"data.path={data}", f"train.steps={steps}", f"train.warmup_steps={max(1, steps // 20)}",
-            f"train.eval_interval={evaluate_every}", f"train.eval_batches={mode.eval_batches}",
+            f"train.eval_interval={evaluate_every}", f"train.eval_batches={eval_batches}",
             f"train.log_interval={max(1, min(10, evaluate_every))}", "run.tensorboard=false", "run.resume=never"]
 
 
@@ -327,7 +335,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="folder for gpu_science.json, gpu_science.png and the logs (default: $OUT, else "
                              "benchmarks/results/gpu_science)")
     parser.add_argument("--work", default="", help="folder for corpus, shards and runs (default: a temporary one)")
-    parser.add_argument("--keep-work", action="store_true", help="keep --work (its runs hold checkpoints)")
+    parser.add_argument("--keep-work", action="store_true",
+                        help="keep the temporary work folder (a --work folder is always kept)")
     parser.add_argument("--cpu", action="store_true", help="toy sizes, a few steps (a CPU check of the script)")
     parser.add_argument("--budget-s", type=float, default=510.0,
                         help="seconds from start for everything; arms running past it are stopped")
@@ -365,11 +374,12 @@ def main(argv: list[str] | None = None) -> int:
         data = prepare_data(mode, args, work, vocab, report)
         report["data_s"] = round(time.perf_counter() - began, 1)
         write(report, args.out)
-        plan = plan_steps(mode, args, run_settings(mode, data, 1), deadline - time.perf_counter())
+        plan = plan_steps(mode, args, run_settings(mode, data, 1), deadline - time.perf_counter(),
+                          report["tokens"]["held_out"])
         report["plan"] = plan
         log(f"plan: {plan['steps']} steps x {plan['tokens_per_step']:,} tokens = {plan['tokens']:,} tokens per arm "
             f"({plan['steps_from']}; predicted {plan['predicted_tokens_per_s']:,.0f} tokens/s)")
-        shared = run_settings(mode, data, plan["steps"])
+        shared = run_settings(mode, data, plan["steps"], plan["eval_batches"])
         for n, name in enumerate(ARMS):
             longest = max((a["wall_s"] for a in report["arms"].values()), default=0.0)
             time_left = deadline - time.perf_counter()

@@ -118,6 +118,8 @@ def test_gpu_science_cpu_mode(tmp_path):
     # every arm: the same steps and tokens, finite curves, the trainer's own device line (fp32 on a CPU)
     plan, arms = report["plan"], report["arms"]
     assert plan["steps"] == 6 and plan["tokens"] == 6 * plan["tokens_per_step"] == 6 * 8 * 32
+    # an evaluation reads every held-out sequence of 32 + 1 tokens that fills a micro-batch of 8 (cap 64)
+    assert plan["eval_batches"] == min(64, report["tokens"]["held_out"] // (8 * 33)) > 1
     assert list(arms) == ["taper", "uniform", "uniform_seed2", "reverse"]
     for arm in arms.values():
         assert arm["returncode"] == 0 and arm["steps"] == plan["steps"] and arm["tokens_seen"] == plan["tokens"]
