@@ -70,11 +70,13 @@ class Mode:
     max_eval_batches: int  # an evaluation reads the whole held-out split, up to this many micro-batches
 
 
-GPU = Mode("configs/transformer_125m_taper.yaml", "configs/transformer_125m_uniform.yaml", (),
+CONFIGS = os.path.join(REPO, "configs")
+GPU = Mode(os.path.join(CONFIGS, "transformer_125m_taper.yaml"), os.path.join(CONFIGS, "transformer_125m_uniform.yaml"),
+           (),
            ("train.global_batch=32", "train.micro_batch=16"),  # 65,536 tokens a step, 2 micro-batches
-           corpus_max_mb=0.0, corpus_max_package_kb=0.0, tokenizer_lines=500_000, steps=0, evals=5,
+           corpus_max_mb=0.0, corpus_max_package_kb=0.0, tokenizer_lines=300_000, steps=0, evals=5,
            max_eval_batches=128)
-CPU = Mode("configs/tiny_taper.yaml", "configs/tiny_taper.yaml",
+CPU = Mode(os.path.join(CONFIGS, "tiny_taper.yaml"), os.path.join(CONFIGS, "tiny_taper.yaml"),
            ("model.taper.schedule=uniform", "model.taper.start=1.0"),
            ("model.n_layers=2", "model.d_model=32", "model.n_heads=2", "model.mlp_width=96", "model.taper.multiple=16",
             "model.seq_len=32", "model.vocab_size=512", "train.global_batch=8", "train.micro_batch=8"),
@@ -383,9 +385,9 @@ def main(argv: list[str] | None = None) -> int:
         for n, name in enumerate(ARMS):
             longest = max((a["wall_s"] for a in report["arms"].values()), default=0.0)
             time_left = deadline - time.perf_counter()
-            if n >= REQUIRED_ARMS and (not args.reverse or time_left < 1.1 * longest):
-                why = ("--no-reverse" if not args.reverse
-                       else f"{time_left:.0f} s left, the longest arm took {longest} s")
+            why = ("time budget spent" if time_left <= 0 else "--no-reverse" if not args.reverse
+                   else f"{time_left:.0f} s left, the longest arm took {longest} s")
+            if time_left <= 0 or (n >= REQUIRED_ARMS and (not args.reverse or time_left < 1.1 * longest)):
                 report["arms"][name] = {"skipped": why}
                 continue
             recipe, own = arm_overrides(mode, name, args.seed)
