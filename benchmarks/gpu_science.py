@@ -402,7 +402,10 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(work, ignore_errors=True)
     report["elapsed_s"] = round(time.perf_counter() - began, 1)
     if report["arms"]:
-        plot(report, os.path.join(args.out, "gpu_science.png"))
+        try:
+            plot(report, os.path.join(args.out, "gpu_science.png"))
+        except Exception as e:  # noqa: BLE001 - e.g. no matplotlib: the JSON holds every number the plot shows
+            report["plot_failed"] = f"{type(e).__name__}: {e}"
     write(report, args.out)
     json.dump(report, sys.stdout)
     print()

@@ -14,9 +14,16 @@ import pytest
 
 from tests.helpers.runner import REPO
 
-_spec = importlib.util.spec_from_file_location("science_corpus", REPO / "benchmarks" / "science_corpus.py")
-science_corpus = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(science_corpus)
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+science_corpus = _load("science_corpus")
 
 
 def _site_packages(root, outside):
@@ -94,6 +101,35 @@ def test_corpus_held_out_by_package(tmp_path):
     assert (again / "held_out.jsonl").read_text() == (tmp_path / "corpus0" / "held_out.jsonl").read_text()
     with pytest.raises(ValueError, match="no package fits"):
         science_corpus.build_corpus(str(tmp_path / "none"), [str(root)], held_out_fraction=0.01)
+
+
+def test_gpu_plan_from_the_predicted_rate(monkeypatch):
+    """Planned steps (the GPU mode's rule, on the toy shape so the planner's operator count is quick):
+    the three required arms' share of the time left, less their overhead, at --plan-margin x the
+    layout planner's tokens/s for the device (the h200 profile, as a machine with an H200 reports
+    it); evaluations over the whole held-out split up to the cap; too little time is one error
+    naming --budget-s."""
+    import argparse
+    import dataclasses
+
+    import megatron_taper.cost.auto_layout as auto_layout
+
+    gpu_science = _load("gpu_science")
+    monkeypatch.setattr(auto_layout, "local_device", lambda device, world: auto_layout.profile_device("h200", world))
+    mode = dataclasses.replace(gpu_science.CPU, steps=0)
+    args = argparse.Namespace(steps=0, plan_margin=0.6, arm_overhead_s=60.0)
+    shared = gpu_science.run_settings(mode, "/data", 1)
+    plan = gpu_science.plan_steps(mode, args, shared, 420.0, held_out=10_000)
+    assert plan["tokens_per_step"] == 8 * 32 and plan["steps_from"] == "planned" and "h200" in plan["profile"]
+    assert plan["planned_tokens_per_s"] == 0.6 * plan["predicted_tokens_per_s"] > 0
+    assert plan["steps"] == int((420.0 / 3 - 60.0) * plan["planned_tokens_per_s"] / (8 * 32)) >= 20
+    assert plan["tokens"] == plan["steps"] * 8 * 32
+    assert plan["eval_batches"] == 10_000 // (8 * 33) == 37  # every full micro-batch of the held-out tokens
+    settings = gpu_science.run_settings(mode, "/data", plan["steps"], plan["eval_batches"])
+    assert f"train.eval_interval={plan['steps'] // 2}" in settings and "train.eval_batches=37" in settings
+    assert gpu_science.plan_steps(mode, args, shared, 420.0, held_out=10**9)["eval_batches"] == 64  # the cap
+    with pytest.raises(RuntimeError, match="raise --budget-s"):
+        gpu_science.plan_steps(mode, args, shared, 3 * 60.0, held_out=10_000)
 
 
 @pytest.mark.slow  # ~35 s alone: seven processes (tokenizer, 2 x preprocess, 4 training runs)
