@@ -23,8 +23,8 @@ noise between two seeds (issue 45). benchmarks/gpu_science.sh is the command; th
    corpus and token counts, the plan, per arm its curves (`train`: [step, tokens, loss] per logged
    step; `eval`: [step, tokens, held-out loss] every steps/evals steps and at the end, each over
    the whole held-out split up to a cap, so every arm and seed is scored on the same tokens),
-   tokens seen, throughput and the device line it printed; `comparison`: final held-out losses at equal
-   tokens, `paired_difference` (taper - uniform, same seed), `seed_noise` (|uniform_seed2 -
+   tokens seen, throughput and the device line it printed; `comparison`: final held-out losses at
+   equal tokens, `paired_difference` (taper - uniform, same seed), `seed_noise` (|uniform_seed2 -
    uniform|), `reverse_minus_uniform`, the same as curves over the evaluations, and whether taper
    is below uniform by more than twice the noise. A plot beside it (gpu_science.png).
 
@@ -263,7 +263,8 @@ def run_arm(name: str, recipe: str, overrides: list[str], work: str, out: str, d
 
 
 def compare(arms: dict, steps: int) -> dict:
-    """Held-out losses at the last step every arm reached in full; differences at each evaluation."""
+    """Final held-out losses of the arms that ran all `steps` (equal tokens), their differences to
+    `uniform`, and the same at each evaluation."""
     finished = {n: a for n, a in arms.items() if a.get("steps") == steps and a.get("final_eval_loss") is not None}
     if "taper" not in finished or "uniform" not in finished:
         return {"missing": sorted({"taper", "uniform"} - set(finished))}
@@ -283,9 +284,9 @@ def compare(arms: dict, steps: int) -> dict:
         below = -result["paired_difference"] > 2 * noise
         result.update(seed_noise=noise, seed_noise_curve=curve("uniform_seed2", "uniform", absolute=True),
                       taper_below_uniform_by_twice_noise=below,
-                      verdict=(f"taper {'below' if result['paired_difference'] < 0 else 'not below'} uniform by "
-                               f"{abs(result['paired_difference']):.4f}; twice the seed noise is {2 * noise:.4f}: "
-                               + ("resolved" if below else "not resolved")))
+                      verdict=(f"taper - uniform = {result['paired_difference']:+.4f} at {result['tokens']:,} "
+                               f"tokens; twice the seed noise = {2 * noise:.4f}; taper below uniform by more "
+                               f"than that: {'yes' if below else 'no'}"))
     if "reverse" in finished:
         reverse, uniform = finished["reverse"]["final_eval_loss"], finished["uniform"]["final_eval_loss"]
         result["reverse_minus_uniform"] = reverse - uniform

@@ -51,12 +51,18 @@ def normalized(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
+def inside(path: str, roots: list[str]) -> bool:
+    """Whether the real path of `path` lies in one of `roots` (real paths)."""
+    real = os.path.realpath(path)
+    return any(real == r or real.startswith(r + os.sep) for r in roots)
+
+
 def record_owners(root: str) -> dict[str, str]:
     """Relative path under `root` -> the distribution whose dist-info RECORD lists the file."""
     owners: dict[str, str] = {}
     for entry in sorted(os.listdir(root)):
         record = os.path.join(root, entry, "RECORD")
-        if not entry.endswith(".dist-info") or not os.path.isfile(record):
+        if not entry.endswith(".dist-info") or not os.path.isfile(record) or not inside(record, [root]):
             continue
         dist = normalized(entry[: -len(".dist-info")].split("-", 1)[0])
         try:
@@ -130,9 +136,8 @@ def build_corpus(out: str, roots: list[str] | None = None, *, max_bytes: int = 0
     for root in roots:
         owners = record_owners(root)
         for rel in candidate_files(root):
-            path = os.path.join(root, rel)
-            real = os.path.realpath(path)
-            if not any(real == r or real.startswith(r + os.sep) for r in roots):
+            real = os.path.realpath(os.path.join(root, rel))
+            if not inside(real, roots):
                 skipped["outside_root"] += 1
                 continue
             try:
