@@ -12,24 +12,7 @@
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root" || exit 3
-if [ -n "${PYTHON:-}" ]; then py="$PYTHON"
-elif [ -n "${VENV:-}" ]; then py="$VENV/bin/python"
-elif [ -x "$root/.venv/bin/python" ]; then py="$root/.venv/bin/python"
-else py="$(command -v python3 || command -v python || echo python3)"
-fi
-imports() { PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" "$py" -c "import numpy, torch, yaml, megatron_taper.training.trainer" >/dev/null 2>&1; }
-if ! imports; then
-  echo "gpu_check: $py cannot import torch / megatron_taper; trying bash launch/install.sh" >&2
-  if ! bash launch/install.sh >&2; then
-    echo "gpu_check: error: installing failed (no package index reachable?). Point PYTHON= or VENV= at an" \
-         "environment that imports torch and megatron_taper, then run again." >&2
-    exit 3
-  fi
-  py="${VENV:-$root/.venv}/bin/python"
-  if ! imports; then
-    echo "gpu_check: error: $py still cannot import torch / megatron_taper after launch/install.sh" >&2
-    exit 3
-  fi
-fi
+source "$root/benchmarks/python_env.sh"
+find_python gpu_check
 out="${OUT:-$root/benchmarks/results}/gpu_check.json"
 PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 exec "$py" benchmarks/gpu_check.py --out "$out" "$@"
