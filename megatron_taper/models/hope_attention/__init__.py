@@ -18,5 +18,6 @@ MODEL = "megatron_taper.models.hope_attention.model"
 
 SPECS = (FamilySpec(card=HOPE_ATTENTION, build=lazy(MODEL, "HopeAttention"), layer_cost=hope_attention_layer_cost,
                     tp_block_plan=tp_plan_hope_attention_block, check_layout=check_hope_layout,
-                    context_parallel=True, document_mask=True, cp_balanced=False, cp_messages=hope_cp_messages,
+                    context_parallel=True, document_mask=True, document_mask_cp=True, document_mask_ulysses=True,
+                    cp_balanced=False, cp_messages=hope_cp_messages,
                     decoder=lazy(MODEL, "decoder")),)

