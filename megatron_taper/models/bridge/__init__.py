@@ -19,7 +19,8 @@ MODEL = "megatron_taper.models.bridge.model"
 
 SPECS = (FamilySpec(card=BRIDGE, build=lazy(MODEL, "MemoryBridgeLM"), layer_cost=transformer_layer_cost,
                     block_extra_cost=bridge_block_cost, tp_block_plan=tp_plan_bridge_block,
-                    check_layout=check_bridge_layout, context_parallel=True, document_mask=True, cp_balanced=False,
+                    check_layout=check_bridge_layout, context_parallel=True, document_mask=True, document_mask_cp=True,
+                    document_mask_ulysses=True, cp_balanced=False,
                     cp_messages=bridge_cp_messages,
                     carried_state=CarriedState(enabled=lambda cfg: cfg.bridge.slots > 0 and cfg.bridge.carry_state,
                                                put=lazy(MODEL, "put_state"), take=lazy(MODEL, "take_state"))),)
