@@ -19,15 +19,22 @@ attention blocks by their log-sum-exp): logits within 1e-6, gradients within 2e-
 largest and 1e-4 of each parameter's own largest (Hope's step sizes raw_step, scalars that sum every
 token's terms; measured up to 1.5e-5; every other parameter under 1e-6; logits 9e-8).
 """
+import importlib.util
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
 
 from megatron_taper.config import load_config
+from megatron_taper.cost.cp import ALLGATHER, ALLTOALL, CHAIN, HALO, RING, cp_messages
+from megatron_taper.cost.memory import MemorySetup, document_mask_bytes
 from megatron_taper.models import build_model
+from megatron_taper.models.layers import rope_tables
 from megatron_taper.parallel.cp.split import SequenceSplit, apply_context_parallel
 from tests.helpers.documents import forward_with_documents, grads_of
 from tests.helpers.harness import run_distributed
+from tests.helpers.runner import REPO, saved_elements
 
 pytestmark = pytest.mark.multiprocess
 
@@ -72,6 +79,16 @@ def one_process(overrides):
     return logits.detach(), grads_of(model, (logits * probe).sum()), carried(model)
 
 
+def counter():
+    """benchmarks/context_parallel.py's count of the c10d calls this rank makes (collective buffers,
+    point-to-point sends)."""
+    spec = importlib.util.spec_from_file_location("context_parallel", os.path.join(REPO, "benchmarks",
+                                                                                   "context_parallel.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.p2p_counter()
+
+
 def _worker():
     rank = dist.get_rank()
     mine = slice(SEQ // 2 * rank, SEQ // 2 * (rank + 1))
@@ -82,22 +99,37 @@ def _worker():
             model = build(overrides)
             apply_context_parallel(model, SequenceSplit(cp=2, rank=rank, group=dist.group.WORLD, attention=mode,
                                                         balanced=False))
-            logits = forward_with_documents(model, tokens[:, mine], doc_start[:, mine])
-            # as under DDP: each rank's share of the loss x cp, gradients averaged over the cp ranks
-            # (the auxiliary loss is each rank's share of the whole sequence's mean)
-            grads = grads_of(model, (logits * probe[:, mine]).sum() * 2)
+            with counter() as sent:
+                logits = forward_with_documents(model, tokens[:, mine], doc_start[:, mine])
+                # as under DDP: each rank's share of the loss x cp, gradients averaged over the cp ranks
+                # (the auxiliary loss is each rank's share of the whole sequence's mean)
+                grads = grads_of(model, (logits * probe[:, mine]).sum() * 2)
             for g in grads.values():
                 dist.all_reduce(g, op=dist.ReduceOp.AVG)
             state = carried(model)
             if state is not None:  # what take_state hands every cp rank: the last rank's
                 from megatron_taper.models.bridge.cp import from_last_rank
                 state = from_last_rank(state, model.bridge.context)
-            out[name, mode] = (logits.detach(), grads, state)
+            out[name, mode] = (logits.detach(), grads, state, dict(sent.bytes))
+    # the all-gather's attention keeps SDPA's mask of its queries over the whole sequence, per block
+    model = build([])
+    apply_context_parallel(model, SequenceSplit(cp=2, rank=rank, group=dist.group.WORLD, balanced=False))
+    x = torch.randn(3, SEQ // 2, 32, requires_grad=True)
+    cos, sin = rope_tables(SEQ, model.cfg.head_dim, model.cfg.rope_theta, x.device)
+    cos, sin = cos[mine], sin[mine]
+    block = model.layers["0"]
+    out["saved"] = [saved_elements(model, lambda d=d: block(x, cos, sin, doc_start=d))
+                    for d in (doc_start[:, mine], None)]
     return out
 
 
-def test_cp2_hope_and_bridge_documents_match_one_process_in_every_cp_mode():
-    ranks = run_distributed(_worker, 2, timeout=300)
+@pytest.fixture(scope="module")
+def ranks():
+    """The one 2-process launch both tests read."""
+    return run_distributed(_worker, 2, timeout=300)
+
+
+def test_cp2_hope_and_bridge_documents_match_one_process_in_every_cp_mode(ranks):
     for name, overrides in FAMILIES.items():
         logits, grads, state = one_process(overrides)
         scale = max(g.abs().max().item() for g in grads.values())
@@ -112,3 +144,33 @@ def test_cp2_hope_and_bridge_documents_match_one_process_in_every_cp_mode():
             assert own < OWN_TOL, (name, mode, worst, own)
             if state is not None:  # the carried state: the last document's, on both ranks
                 assert all((r[name, mode][2] - state).abs().max().item() < LOGIT_TOL for r in ranks)
+
+
+def test_cp2_document_bytes_equal_the_cost_model(ranks):
+    """Per rank, the c10d calls of one forward and backward (benchmarks/context_parallel.py's
+    counter) equal cost/cp.py cp_messages with documents exactly (whole tensors): the chain's state
+    and tails at cp = 2 (rank 0 sends them, rank 1 their gradient back), the ring's 3 cp - 2 blocks,
+    Ulysses' two all-to-alls forward and backward, every all-gather's buffer (K and V, reduce-scattered
+    in backward, and doc_start, which is not); and a Transformer block's saved tensors under the
+    all-gather grow with documents by the memory model's mask, [b, 1, S / cp, S] fp32, less the causal
+    mask [S / cp, S] the block keeps without them (which the model leaves out)."""
+    for name, overrides in FAMILIES.items():
+        cfg = load_config(None, TINY + overrides).model
+        for mode in MODES:
+            messages = [m for block in cp_messages(cfg, 3, SEQ, 2, attention=mode, documents=True) for m in block]
+            sends = sum(m.bytes for m in messages if m.kind in (CHAIN, HALO)) + 4 * sum(
+                m.bytes for m in messages if m.kind == RING)
+            gathered = sum(m.bytes for m in messages if m.kind == ALLGATHER)
+            scattered = sum(m.bytes for m in messages if m.kind == ALLGATHER and m.what != "doc_start")
+            for r in ranks:
+                measured = r[name, mode][3]
+                assert measured.get("p2p_send", 0) == sends, (name, mode, measured, sends)
+                assert measured.get("all_gather", 0) == gathered, (name, mode, measured, gathered)
+                assert measured.get("reduce_scatter", 0) == scattered, (name, mode, measured, scattered)
+                assert measured.get("all_to_all", 0) == 2 * sum(m.bytes for m in messages if m.kind == ALLTOALL)
+    cfg = load_config(None, TINY).model
+    mask = document_mask_bytes(cfg, [64, 64], MemorySetup(micro_batch=3, cp=2, documents=True))[0]
+    assert mask == 4 * 3 * SEQ // 2 * SEQ
+    for r in ranks:
+        with_documents, without = r["saved"]
+        assert 4 * (with_documents - without) == mask - 4 * SEQ // 2 * SEQ
