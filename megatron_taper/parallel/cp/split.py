@@ -58,7 +58,8 @@ ranks' doc_start slices (uint8, B x S / cp bytes per rank, beside K/V's 2 x B x 
 elements) and counts starts along the whole sequence (`document_ids`, in position order), so a
 document that spans slices has one id on every rank; the causal mask (the all-gather's, each ring
 piece's, and Ulysses' over the whole sequence for the rank's heads) is ANDed with "same document"
-(ALiBi's bias set to -inf outside it). Every ring piece then carries a mask; pieces whose pairs are
+(ALiBi's bias set to -inf outside it); a Hope-attention or bridge block gathers the starts once
+(`sequence_starts`) for its attention and its chain. Every ring piece then carries a mask; pieces whose pairs are
 all in other documents are still computed (skipping them would need the ids on the host).
 
 train.compile=true (each block compiled, parallel/block_options.py): the all-gather traces into the
