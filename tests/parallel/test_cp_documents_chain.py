@@ -2,7 +2,8 @@
 chain of their state (parallel/cp/state.py) resets at document starts and hands the open chunk or
 segment of a document that spans the slices to the next rank. One 2-process launch (gloo,
 contiguous split, fp32), the same for parallel.cp_attention allgather, ring and ulysses (their
-attention differs, their chain does not):
+attention differs, their chain does not), and the all-gather under full activation checkpointing
+(each block's forward again in backward, its receives replaying what the forward got):
 - window of 32 tokens, slices of 16; row 0 holds documents starting at 0, 5 (inside a chunk of
   every level and a segment), 16 (exactly at rank 1's first token) and 21; row 1 at 0, 11 (a
   document across the slices: rank 1 continues its open chunk of 5 rows for Hope's level 0 (C = 4:
@@ -31,6 +32,7 @@ from megatron_taper.cost.cp import ALLGATHER, ALLTOALL, CHAIN, HALO, RING, cp_me
 from megatron_taper.cost.memory import MemorySetup, document_mask_bytes
 from megatron_taper.models import build_model
 from megatron_taper.models.layers import rope_tables
+from megatron_taper.parallel.block_options import apply_block_options
 from megatron_taper.parallel.cp.split import SequenceSplit, apply_context_parallel
 from tests.helpers.documents import forward_with_documents, grads_of
 from tests.helpers.harness import run_distributed
@@ -45,6 +47,9 @@ FAMILIES = {"hope": ["model.arch=hope_attention", "model.hope.chunk_size=4", "mo
             "bridge": ["model.arch=bridge", "model.bridge.slots=2", "model.bridge.segment=4",
                        "model.bridge.aux_weight=0.1", "model.bridge.carry_state=true"]}
 MODES = ("allgather", "ring", "ulysses")
+# (parallel.cp_attention, train.activation_checkpointing): under full checkpointing each block's
+# forward runs again in backward, its receives replaying what the forward got (parallel/cp/state.py)
+CASES = {**{mode: (mode, "none") for mode in MODES}, "allgather, recomputed": ("allgather", "full")}
 LOGIT_TOL, GRAD_TOL, OWN_TOL = 1e-6, 2e-6, 1e-4
 
 
@@ -95,10 +100,11 @@ def _worker():
     tokens, doc_start, probe = window()
     out = {}
     for name, overrides in FAMILIES.items():
-        for mode in MODES:
+        for case, (mode, checkpointing) in CASES.items():
             model = build(overrides)
             apply_context_parallel(model, SequenceSplit(cp=2, rank=rank, group=dist.group.WORLD, attention=mode,
                                                         balanced=False))
+            apply_block_options(model, checkpointing, 1, compile_blocks=False)
             with counter() as sent:
                 logits = forward_with_documents(model, tokens[:, mine], doc_start[:, mine])
                 # as under DDP: each rank's share of the loss x cp, gradients averaged over the cp ranks
@@ -110,7 +116,7 @@ def _worker():
             if state is not None:  # what take_state hands every cp rank: the last rank's
                 from megatron_taper.models.bridge.cp import from_last_rank
                 state = from_last_rank(state, model.bridge.context)
-            out[name, mode] = (logits.detach(), grads, state, dict(sent.bytes))
+            out[name, case] = (logits.detach(), grads, state, dict(sent.bytes))
     # the all-gather's attention keeps SDPA's mask of its queries over the whole sequence, per block
     model = build([])
     apply_context_parallel(model, SequenceSplit(cp=2, rank=rank, group=dist.group.WORLD, balanced=False))
@@ -133,7 +139,7 @@ def test_cp2_hope_and_bridge_documents_match_one_process_in_every_cp_mode(ranks)
     for name, overrides in FAMILIES.items():
         logits, grads, state = one_process(overrides)
         scale = max(g.abs().max().item() for g in grads.values())
-        for mode in MODES:
+        for mode in CASES:
             got = torch.cat([r[name, mode][0] for r in ranks], dim=1)
             logit_diff = (got - logits).abs().max().item()
             errors = {n: (ranks[0][name, mode][1][n] - g).abs().max().item() for n, g in grads.items()}
