@@ -34,9 +34,13 @@ from megatron_taper.models import build_model
 from megatron_taper.models.layers import rope_tables
 from megatron_taper.parallel.block_options import apply_block_options
 from megatron_taper.parallel.cp.split import SequenceSplit, apply_context_parallel
+from tests.helpers.cp_harness import build as build_run
+from tests.helpers.cp_harness import compare, reference
+from tests.helpers.cp_harness import train as train_steps
 from tests.helpers.documents import forward_with_documents, grads_of
 from tests.helpers.harness import run_distributed
 from tests.helpers.runner import REPO, saved_elements
+from tests.parallel.test_cp_hope_tree_bridge import BASE, BRIDGE, BRIDGE_TOL, HOPE, HOPE_TOL
 
 pytestmark = pytest.mark.multiprocess
 
@@ -50,6 +54,11 @@ MODES = ("allgather", "ring", "ulysses")
 # (parallel.cp_attention, train.activation_checkpointing): under full checkpointing each block's
 # forward runs again in backward, its receives replaying what the forward got (parallel/cp/state.py)
 CASES = {**{mode: (mode, "none") for mode in MODES}, "allgather, recomputed": ("allgather", "full")}
+# the training step (ParallelModel: doc_start from the end-of-document tokens, each rank its slice; DDP
+# over the cp ranks; the bridge's carried state between steps), tests/helpers/cp_harness.py
+TRAINED = {"hope": [*BASE, *HOPE, "data.document_mask=true"],
+           "bridge": [*BASE, *BRIDGE, "model.bridge.carry_state=true", "model.bridge.aux_weight=0.5",
+                      "data.document_mask=true"]}
 LOGIT_TOL, GRAD_TOL, OWN_TOL = 1e-6, 2e-6, 1e-4
 
 
@@ -126,6 +135,8 @@ def _worker():
     block = model.layers["0"]
     out["saved"] = [saved_elements(model, lambda d=d: block(x, cos, sin, doc_start=d))
                     for d in (doc_start[:, mine], None)]
+    for name, overrides in TRAINED.items():
+        out["trained", name] = train_steps(build_run([*overrides, "parallel.cp=2"]), True, steps=2)
     return out
 
 
@@ -180,3 +191,18 @@ def test_cp2_document_bytes_equal_the_cost_model(ranks):
     for r in ranks:
         with_documents, without = r["saved"]
         assert 4 * (with_documents - without) == mask - 4 * SEQ // 2 * SEQ
+
+
+def test_cp2_training_steps_with_documents_match_one_process(ranks):
+    """2 AdamW steps of 2 micro-batches through the trainer's path (tests/helpers/cp_harness.py; S = 64,
+    slices of 32: documents end at 20, 28 and 48 of even rows, so the one from 29 to 48 spans the
+    slices with 3 rows of its open chunk or segment, and at 24 of odd rows), against one process
+    with the tolerances of tests/parallel/test_cp_hope_tree_bridge.py (the same fp32 sums in another
+    order; the bridge's carried state after each step equal on both ranks within 1e-5)."""
+    for name, overrides in TRAINED.items():
+        ref = reference(overrides, steps=2)
+        compare(ranks[0]["trained", name], ref, f"cp=2 documents {name}", BRIDGE_TOL if name == "bridge" else HOPE_TOL)
+        for r in ranks:
+            for mine, want in zip(r["trained", name]["carried"], ref["carried"], strict=True):
+                for a, b in zip(mine["states"], want["states"], strict=True):
+                    torch.testing.assert_close(a, b, atol=1e-5, rtol=0)

@@ -103,6 +103,9 @@ def online_documents(level: ContinuumLevel, n: torch.Tensor, offsets: torch.Tens
         tail = tail[0] if tail else None
     first = local.long().cumsum(1) == local[:, :1].long()  # [B, s] the slice's first document
     align = int((document_positions(local) + torch.where(first, carried[:, None], 0)).max()) + 1  # longest
+    sends = split.rank < split.cp - 1
+    if sends:  # whole chunks: the scan updates after every one (zero rows are no-op updates)
+        align = -(-align // period) * period
     if split.rank > 0:
         packing = pack_documents(local, align, carried=carried, carried_rows=period - 1)
         rows = packing.pack(n, carried_rows=tail)
@@ -116,7 +119,6 @@ def online_documents(level: ContinuumLevel, n: torch.Tensor, offsets: torch.Tens
         continues[::blocks] = ~local[:, :1, None]
         starts13 = torch.where(continues, r13.repeat_interleave(blocks, 0), w13)
         starts2 = torch.where(continues, r2.repeat_interleave(blocks, 0), w2)
-    sends = split.rank < split.cp - 1
     if not sends:
         if align <= period:  # one chunk per document: no update
             out = _read(level, rows, *(w.expand(rows.shape[0], *w.shape[-2:]) for w in (starts13, starts2)))
