@@ -19,6 +19,8 @@ order (rank 1 scans the open chunk or segment again from the state it was handed
 attention blocks by their log-sum-exp): logits within 1e-6, gradients within 2e-6 of the model's
 largest and 1e-4 of each parameter's own largest (Hope's step sizes raw_step, scalars that sum every
 token's terms; measured up to 1.5e-5; every other parameter under 1e-6; logits 9e-8).
+The same launch also counts the bytes each rank sends and gathers and a block's saved mask against
+the cost model, and trains both families 2 steps through the trainer's path (test docstrings).
 """
 import importlib.util
 import os

@@ -21,9 +21,11 @@ the previous slice's last one (fixed shapes, every hop):
                    the receiver puts the open chunk's (offset mod C) of them in front of its first
                    document, so that the chunk is read and updated whole, from the weights it starts from
 The sender reads its rows of the open chunk with those weights and leaves them out of its own scan
-(zero rows are no-op updates). A slice whose first token starts a document starts it from the
-level's parameters. Bytes per chained level, hop and direction: 4 B (3 W D) + a B (C - 1) D
-(cost.py cp_state_bytes with documents).
+(zero rows are no-op updates; its folded rows are padded to whole chunks, the scan updating after
+each). A slice whose first token starts a document starts it from the level's parameters. Cost:
+the folding's padding as in one process, and the receiver scans the open chunk's rows again. Bytes
+per chained level, hop and direction: 4 B (3 W D) + a B (C - 1) D (cost.py cp_state_bytes and
+cp_document_bytes).
 
 ContinuumLevel.online (hope_attention/model.py) asks `chained` and hands the weights on through
 `receive_weights` and `send_weights`; with documents ContinuumLevel.forward calls `online_documents`.
