@@ -24,7 +24,7 @@ an open segment on the rank that writes it (the receiver) and divides by the num
 segments of the whole sequence (from the offsets), so that the cp ranks' shares average to it.
 With `carry_state` the last rank's S_n is the state after the last document's last segment, as in
 one process. Bytes per hop and direction: B m D + B (T - 1) D in the activations' dtype
-(cost.py cp_state_bytes with documents).
+(cost.py cp_state_bytes and bridge_cp_document_messages).
 
 MemoryBridge (bridge/model.py) calls `receive` and `send` on its slice (`forward_documents` with
 documents); `take_state` calls `from_last_rank`. The chain's bytes: bridge/cost.py cp_state_bytes.
