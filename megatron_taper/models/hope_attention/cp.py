@@ -80,8 +80,9 @@ def block_documents(block: HopeAttentionBlock, x: torch.Tensor, cos: torch.Tenso
 
 def _read(level: ContinuumLevel, n: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
     """The level's outputs [R, C, D] for rows n [R, C, D] read with the fast weights [R, 2W, D], [R, D, W]."""
-    a, g = (n @ w13.transpose(-1, -2)).chunk(2, dim=-1)
-    return level.comm.sum_partial((torch.nn.functional.silu(a) * g) @ w2.transpose(-1, -2))
+    from megatron_taper.models.hope_attention.model import SwiGLUActivations
+
+    return level.comm.sum_partial(SwiGLUActivations.of(n, w13).h @ w2.transpose(-1, -2))
 
 
 def online_documents(level: ContinuumLevel, n: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -100,9 +101,8 @@ def online_documents(level: ContinuumLevel, n: torch.Tensor, offsets: torch.Tens
     carried = offsets[:, 0] % period  # the open chunk's rows before the slice (0: none, or a start)
     starts13, starts2 = w13, w2
     if split.rank > 0:  # the first document's weights and open-chunk rows from rank r - 1
-        r13, r2, *tail = receive_state(split, level.context_tag, (
+        r13, r2, *handed = receive_state(split, level.context_tag, (
             w13.expand(batch, *w13.shape), w2.expand(batch, *w2.shape), *_tail_like(n, period)))
-        tail = tail[0] if tail else None
     first = local.long().cumsum(1) == local[:, :1].long()  # [B, s] the slice's first document
     align = int((document_positions(local) + torch.where(first, carried[:, None], 0)).max()) + 1  # longest
     sends = split.rank < split.cp - 1
@@ -110,7 +110,7 @@ def online_documents(level: ContinuumLevel, n: torch.Tensor, offsets: torch.Tens
         align = -(-align // period) * period
     if split.rank > 0:
         packing = pack_documents(local, align, carried=carried, carried_rows=period - 1)
-        rows = packing.pack(n, carried_rows=tail)
+        rows = packing.pack(n, carried_rows=handed[0] if handed else None)
     else:
         packing = pack_documents(local, align)
         rows = packing.pack(n)
