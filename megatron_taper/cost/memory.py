@@ -103,7 +103,8 @@ process and under Ulysses (a rank's heads see the whole sequence), [b, 1, S / cp
 all-gather (measured, torch 2.13 CPU: the fused kernel takes the mask; ALiBi: per head); with
 FlexAttention (`flex`: CUDA, RoPE, one process or Ulysses) the block mask instead, 8 int32 tensors
 of [b, n] and [b, n, n] blocks (n = S / FLEX_BLOCK) and the document ids [b, S] int32; the ring
-builds its pieces' masks again in backward (nothing kept). A recomputed block keeps none of it.
+builds its pieces' masks again in backward (it keeps the ids [b, S], uncounted like other [b, S]
+tensors). A recomputed block keeps none of it.
 
 Not modelled: the optimizer step's temporaries (after the activations are freed), collective
 buffers besides DeepSpeed's (DDP buckets are the gradients themselves), allocator caching and fragmentation, the
