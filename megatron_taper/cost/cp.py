@@ -24,13 +24,20 @@ makes the cp ranks exchange, each a `CPMessage(kind, bytes, what)`:
                backward the same two on the gradients.
 
 `what` names the tensors ("kv" for attention's K and V, which cost/memory.py counts as kv
-elements per token; "qkvo" for Ulysses' q, k, v and output; "state", "rows", "summary", "roots"
-otherwise). Every family's own counting
+elements per token; "qkvo" for Ulysses' q, k, v and output; "doc_start" for the all-gather of the
+document starts, which has no backward; "state", "rows", "summary", "roots" otherwise). Every
+family's own counting
 function gives the bytes (the ones its runtime code is checked against): the family's FamilySpec
 `cp_messages`; a family without one is an attention family (the Transformer's K/V all-gather).
 `attention` is parallel.cp_attention (allgather | ring | ulysses). Sizes are those of the whole
 model (tp = 1); `act_bytes` is the activations' dtype (2 under bf16 autocast); recurrent states
 travel in fp32 (their parameters' dtype) whatever it is.
+
+`documents` (data.document_mask): a block with attention over the whole sequence (K and V gathered
+or passed around the ring, or Ulysses' all-to-alls) also all-gathers the ranks' doc_start slices,
+[b, S] uint8 (`document_messages`; forward only: the starts take no gradient), and a family adds
+what its chain hands on for a document that spans the slices (FamilySpec.cp_document_messages:
+Hope's and the bridge's open chunk or segment rows).
 """
 from __future__ import annotations
 
@@ -50,7 +57,8 @@ CHAIN, HALO, ALLGATHER, RING, ALLTOALL = "chain", "halo", "allgather", "ring", "
 class CPMessage(NamedTuple):
     kind: str  # chain | halo | allgather | ring | alltoall (module doc)
     bytes: float  # per block and micro-batch, one direction (module doc)
-    what: str = "state"  # kv (attention's K and V) | qkvo (Ulysses' q, k, v, out) | state | rows | summary | roots
+    # kv (attention's K and V) | qkvo (Ulysses' q, k, v, out) | doc_start | state | rows | summary | roots
+    what: str = "state"
 
 
 def attention_messages(cfg: ModelConfig, micro_batch: int, cp: int, act_bytes: int = 4,
@@ -73,31 +81,55 @@ def ulysses_bytes(cfg: ModelConfig, micro_batch: int, cp: int, act_bytes: int = 
 
 
 def cp_messages(model_cfg: ModelConfig, micro_batch: int, seq_len: int, cp: int, act_bytes: int = 4,
-                attention: str = "allgather") -> list[tuple[CPMessage, ...]]:
+                attention: str = "allgather", documents: bool = False) -> list[tuple[CPMessage, ...]]:
     """Per block of `model_cfg` at `seq_len` tokens split over `cp` ranks, micro-batches of
     `micro_batch` sequences: its messages (module doc); nothing at cp = 1. `attention`:
-    parallel.cp_attention."""
+    parallel.cp_attention; `documents`: data.document_mask."""
     cfg = model_cfg if seq_len == model_cfg.seq_len else dataclasses.replace(model_cfg, seq_len=seq_len)
-    return block_messages(cfg, layer_widths(cfg), micro_batch, cp, act_bytes, attention)
+    return block_messages(cfg, layer_widths(cfg), micro_batch, cp, act_bytes, attention, documents)
 
 
 def block_messages(cfg: ModelConfig, widths: list[int], micro_batch: int, cp: int, act_bytes: int = 4,
-                   attention: str = "allgather") -> list[tuple[CPMessage, ...]]:
+                   attention: str = "allgather", documents: bool = False) -> list[tuple[CPMessage, ...]]:
     """cp_messages of `cfg` at its seq_len, for blocks of MLP widths `widths` (the caller's)."""
     if cp == 1:
         return [() for _ in widths]
     spec = family(cfg.arch)
     if spec.cp_messages is None:
-        return [attention_messages(cfg, micro_batch, cp, act_bytes, attention) for _ in widths]
-    return [spec.cp_messages(cfg, layer, width, micro_batch, cp, act_bytes, attention)
-            for layer, width in enumerate(widths)]
+        blocks = [attention_messages(cfg, micro_batch, cp, act_bytes, attention) for _ in widths]
+    else:
+        blocks = [spec.cp_messages(cfg, layer, width, micro_batch, cp, act_bytes, attention)
+                  for layer, width in enumerate(widths)]
+    if not documents:
+        return blocks
+    return [block + document_messages(cfg, layer, width, micro_batch, cp, act_bytes, block)
+            for (layer, width), block in zip(enumerate(widths), blocks)]
+
+
+def whole_attention(messages: tuple[CPMessage, ...]) -> bool:
+    """Whether a block with these messages attends over the whole sequence (K and V gathered or
+    passed around the ring, or Ulysses' q, k, v and output)."""
+    return any(m.what in ("kv", "qkvo") for m in messages)
+
+
+def document_messages(cfg: ModelConfig, layer: int, width: int, micro_batch: int, cp: int, act_bytes: int,
+                      messages: tuple[CPMessage, ...]) -> tuple[CPMessage, ...]:
+    """What data.document_mask adds to a block's `messages` (module doc): the all-gather of doc_start
+    ([b, S] uint8, SequenceSplit.sequence_starts) where the block attends over the whole sequence,
+    and the family's own (FamilySpec.cp_document_messages)."""
+    spec = family(cfg.arch)
+    starts = (CPMessage(ALLGATHER, micro_batch * cfg.seq_len, "doc_start"),) if whole_attention(messages) else ()
+    extra = () if spec.cp_document_messages is None else spec.cp_document_messages(
+        cfg, layer, width, micro_batch, cp, act_bytes)
+    return starts + extra
 
 
 def received_bytes(messages: tuple[CPMessage, ...]) -> float:
     """Bytes the receiving rank keeps for backward from a block's messages besides attention's K
-    and V (which memory.py counts as kv elements) and Ulysses' head-sharded q, k, v and output (as
+    and V (which memory.py counts as kv elements), the gathered doc_start (freed once attention's
+    mask is built; memory.py counts the mask) and Ulysses' head-sharded q, k, v and output (as
     large as the rank's own, which memory.py counts already): what a chain or halo hands it (the scan's
     starting state and the rows its first outputs read; parallel/cp/state.py also keeps them for
     a recompute) and the gathered buffers of other all-gathers; its backward holds their gradient,
     as many bytes, before sending it back."""
-    return sum(m.bytes for m in messages if m.what != "kv" and m.kind not in (RING, ALLTOALL))
+    return sum(m.bytes for m in messages if m.what not in ("kv", "doc_start") and m.kind not in (RING, ALLTOALL))

@@ -84,9 +84,9 @@ all-gathered K and V (Titans' windows, the memories, the tree) keep their own to
 block is handed instead (a chain's state, a halo's rows, a prefix's or the tree's gathered
 summaries: the largest rank's) is kept per micro-batch, also by a block that recomputes, and its
 backward holds the gradient of it besides (`received`; at tp = 1 sizes). The causal mask of the gathered keys ([S / cp,
-S] booleans per micro-batch; ALiBi: [H, S / cp, S] in the compute dtype) is not modelled, nor what
-SDPA keeps under an explicit mask where it has no fused kernel for one (on the CPU: the attention
-weights [b, H, S / cp, S], docs/architectures.md). parallel.cp_attention=ring keeps only the rank's
+S], which SDPA saves in the compute dtype; ALiBi: [H, S / cp, S]) is not modelled without documents
+(with them: Documents below), nor what SDPA keeps under an explicit mask where it has no fused
+kernel for one (docs/architectures.md). parallel.cp_attention=ring keeps only the rank's
 own K and V; its backward's largest moment adds, per attention layer, the fp32 tensors of one
 piece ([b, H, t, S / (2 cp)] x 4 with t = min(CP_RING_TILE, S / (2 cp)): scores, probabilities,
 their gradient and a temporary) and the block's K, V repeated to the query heads with their
@@ -106,6 +106,16 @@ the busiest rank's are ep_imbalance (parallel.ep_imbalance) x its own tokens' as
 the activation terms book; at ep = 1 exactly its own. At ep > 1 with DDP the experts' gradients are
 outside DDP's buckets, so the step's first backward makes them (`grads`).
 
+Documents (data.document_mask, `documents`; `document_mask_bytes`): a block that attends over the
+whole sequence keeps, per micro-batch, the mask its attention saves for backward: SDPA converts the
+boolean document mask to an additive one in the query's dtype and saves it, [b, 1, S, S] in one
+process and under Ulysses (a rank's heads see the whole sequence), [b, 1, S / cp, S] under the
+all-gather (measured, torch 2.13 CPU: the fused kernel takes the mask; ALiBi: per head); with
+FlexAttention (`flex`: CUDA, RoPE, one process or Ulysses) the block mask instead, 8 int32 tensors
+of [b, n] and [b, n, n] blocks (n = S / FLEX_BLOCK) and the document ids [b, S] int32; the ring
+builds its pieces' masks again in backward (it keeps the ids [b, S], uncounted like other [b, S]
+tensors). A recomputed block keeps none of it.
+
 Not modelled: the optimizer step's temporaries (after the activations are freed), collective
 buffers besides DeepSpeed's (DDP buckets are the gradients themselves), allocator caching and fragmentation, the
 CUDA context and kernels' workspaces, token ids and other [b, S] tensors, the embedding's dense
@@ -119,7 +129,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
 from megatron_taper.cost.block import Cost, Split, prefix_sums
-from megatron_taper.cost.cp import CPMessage, block_messages, received_bytes
+from megatron_taper.cost.cp import CPMessage, block_messages, received_bytes, whole_attention
 from megatron_taper.cost.flops import ModelCosts, head_cost, model_costs
 from megatron_taper.cost.stage_memory import to_memory_model
 
@@ -128,6 +138,7 @@ if TYPE_CHECKING:
 
 ADAMW_BYTES = 8.0  # exp_avg + exp_avg_sq in fp32, per parameter
 CP_RING_TILE = 512  # query rows per piece of ring attention (parallel/cp/split.py)
+FLEX_BLOCK = 128  # FlexAttention's sparse block of tokens (its default; models/local_attention.py)
 GIB = 2**30
 
 
@@ -160,13 +171,17 @@ class MemorySetup:
     ep: int = 1  # expert parallelism: each MoE layer's routed experts spread over ep ranks of dp (module doc)
     # at ep > 1: the rows the busiest ep rank's experts compute over the mean (parallel.ep_imbalance)
     ep_imbalance: float = 1.0
+    documents: bool = False  # data.document_mask: attention keeps a document mask (module doc)
+    flex: bool = False  # attention under documents runs FlexAttention (CUDA, RoPE) rather than SDPA
 
     @classmethod
     def from_config(cls, parallel: ParallelConfig, train: TrainConfig, dp: int, bf16: bool,
                     micro_batch: int | None = None, microbatches: int = 1,
-                    bytes_per_param: float | None = None) -> "MemorySetup":
+                    bytes_per_param: float | None = None, documents: bool = False,
+                    flex: bool = False) -> "MemorySetup":
         """The setup of a run from its config sections, its dp size and precision; `micro_batch`
-        (default train.micro_batch) is the pipeline micro-batch when pipelined."""
+        (default train.micro_batch) is the pipeline micro-batch when pipelined; `documents`:
+        data.document_mask, `flex`: FlexAttention available (CUDA)."""
         ds = parallel.deepspeed
         return cls(tp=parallel.tp, sequence_parallel=parallel.sequence_parallel and parallel.tp > 1, dp=dp,
                    cp=parallel.cp, cp_attention=parallel.cp_attention,
@@ -180,7 +195,7 @@ class MemorySetup:
                    offload_param=ds.offload_param != "none",
                    reduce_bucket=ds.reduce_bucket_size if parallel.zero == "deepspeed" else 0.0,
                    prefetch_bucket=ds.prefetch_bucket_size if parallel.zero == "deepspeed" else 0.0,
-                   ep=parallel.ep, ep_imbalance=parallel.ep_imbalance)
+                   ep=parallel.ep, ep_imbalance=parallel.ep_imbalance, documents=documents, flex=flex)
 
     @property
     def compute_bytes(self) -> int:
@@ -372,13 +387,14 @@ def _activations(cost: Cost) -> Split:
 
 
 def piece_memory(cost: Cost, shares: Split, setup: MemorySetup, tokens: int, recompute: bool, d_model: int,
-                 block: bool, matmul: bool = True, received: float = 0.0) -> PieceMemory:
+                 block: bool, matmul: bool = True, received: float = 0.0, mask: float = 0.0) -> PieceMemory:
     """Bytes of one piece (see PieceMemory); `tokens` per micro-batch on this rank; `matmul`: its
     parameters are matmul weights (not an embedding). A recomputed piece keeps its input, and
     under activation_checkpointing=op also its `op_act` (all of `act` where that is unknown).
     `received`: bytes per micro-batch the block was handed under context parallelism besides K and
     V (cost/cp.py received_bytes), kept also when it recomputes (parallel/cp/state.py keeps what a
-    forward received for the recompute), and their gradient in its backward."""
+    forward received for the recompute), and their gradient in its backward. `mask`: bytes per
+    micro-batch of the document mask attention keeps (document_mask_bytes; not kept when recomputed)."""
     params = local_params(cost, shares)
     experts = cost.params_split.experts * shares.experts
     # float8: torchao's matmul saves the blocks' fp32 weights uncast (no bf16 copy; measured)
@@ -391,7 +407,7 @@ def piece_memory(cost: Cost, shares: Split, setup: MemorySetup, tokens: int, rec
         static += params * (setup.compute_bytes if matmul else 4.0)
     full = act_bytes_per_token(_activations(cost), shares, setup) * tokens
     full += act_bytes_per_token(cost.per_batch, shares, setup)
-    full += received
+    full += received + mask
     moments = [act_bytes_per_token(m, shares, setup) * tokens for m in cost.backward]
     peak = full + max(moments, default=0.0) + received
     if not recompute:
@@ -424,10 +440,12 @@ def model_memory(cfg: ModelConfig, setup: MemorySetup, costs: ModelCosts | None 
     recomputed = set(checkpointed_blocks([str(i) for i in range(cfg.n_layers)], setup.activation_checkpointing,
                                          setup.ac_every))
     messages = block_messages(cfg, costs.widths, setup.micro_batch, setup.cp, setup.compute_bytes,
-                              setup.cp_attention)
+                              setup.cp_attention, setup.documents)
+    masks = document_mask_bytes(cfg, costs.widths, setup)
     layers = [piece_memory(context_parallel_cost(cost, cfg, setup, sent), _shares(cfg, setup.tp, width, setup.ep),
-                           setup, tokens, str(i) in recomputed, cfg.d_model, block=True, received=received_bytes(sent))
-              for i, (cost, width, sent) in enumerate(zip(costs.layers, costs.widths, messages))]
+                           setup, tokens, str(i) in recomputed, cfg.d_model, block=True, received=received_bytes(sent),
+                           mask=mask)
+              for i, (cost, width, sent, mask) in enumerate(zip(costs.layers, costs.widths, messages, masks))]
     if setup.fsdp and not setup.pipelined:
         layers = _gathered_units(layers, setup)
     shares = _shares(cfg, setup.tp, cfg.taper.multiple)
@@ -447,6 +465,26 @@ def model_memory(cfg: ModelConfig, setup: MemorySetup, costs: ModelCosts | None 
     layers = _root_gradient(layers, head_piece, setup, matmul=not cfg.tie_embeddings)
     embedding = piece_memory(costs.embedding, shares, setup, tokens, False, cfg.d_model, block=False, matmul=False)
     return ModelMemory(layers, embedding, head_piece, boundary_bytes(cfg.d_model, tokens, setup), setup)
+
+
+def document_mask_bytes(cfg: ModelConfig, widths: Sequence[int], setup: MemorySetup) -> list[float]:
+    """Per block, the bytes per micro-batch of the document mask its attention keeps for backward
+    (module doc, Documents): 0 without data.document_mask, for blocks that do not attend over the
+    whole sequence (as cost/cp.py tells them apart at cp = 2) and under the ring."""
+    if not setup.documents or (setup.cp > 1 and setup.cp_attention == "ring"):
+        return [0.0 for _ in widths]
+    attends = [whole_attention(m) for m in block_messages(cfg, list(widths), 1, max(setup.cp, 2),
+                                                          attention=setup.cp_attention)]
+    b, seq, ulysses = setup.micro_batch, cfg.seq_len, setup.cp > 1 and setup.cp_attention == "ulysses"
+    if setup.flex and cfg.position_encoding == "rope" and (setup.cp == 1 or ulysses):
+        n = -(-seq // FLEX_BLOCK)
+        size = 4.0 * (4 * b * n + 4 * b * n * n + b * seq)  # int32 block counts and indices; the ids
+    else:  # SDPA's additive mask in the compute dtype; ALiBi's: per head of the rank
+        rows = seq // setup.cp if setup.cp > 1 and not ulysses else seq
+        heads = math.ceil(cfg.n_heads / setup.tp) // (setup.cp if ulysses else 1) \
+            if cfg.position_encoding == "alibi" else 1
+        size = float(setup.compute_bytes * b * heads * rows * seq)
+    return [size if attend else 0.0 for attend in attends]
 
 
 def _root_gradient(layers: list[PieceMemory], head: PieceMemory, setup: MemorySetup, matmul: bool

@@ -336,13 +336,14 @@ class Predictor:
                  for i in range(b[ch], b[ch + 1])] for r in range(pp)]
 
     def rank_cp_messages(self, pp: int, virtual: int, schedule: str, micro_batch: int, cp: int, bf16: bool,
-                         attention: str, tp: int) -> list[tuple]:
+                         attention: str, tp: int, documents: bool = False) -> list[tuple]:
         """Per pipeline rank, its blocks' context-parallel messages as (kind, bytes) per block and
         micro-batch (cost/cp.py; attention's K and V, and Ulysses' q, k, v and output, split over tp
         with the heads, the families' states counted whole)."""
-        key = (pp, virtual, schedule, micro_batch, cp, bf16, attention, tp)
+        key = (pp, virtual, schedule, micro_batch, cp, bf16, attention, tp, documents)
         if key not in self._cp:
-            blocks = cp_messages(self.model, micro_batch, self.model.seq_len, cp, 2 if bf16 else 4, attention)
+            blocks = cp_messages(self.model, micro_batch, self.model.seq_len, cp, 2 if bf16 else 4, attention,
+                                 documents)
             per_block = [tuple((m.kind, m.bytes / (tp if m.what in ("kv", "qkvo") else 1)) for m in msgs)
                          for msgs in blocks]
             self._cp[key] = [tuple(per_block[i] for i in layers) for layers in self.rank_layers(pp, virtual, schedule)]
@@ -413,7 +414,8 @@ class Predictor:
         compiled = compiles(cfg.model, p, t, "cpu" if self.device.profile == "cpu" else "cuda")
         _check_peak(self.device, bf16, t.float8)
         micro_batch, m = step_split(p, t, dp)
-        setup = MemorySetup.from_config(p, t, dp, bf16, micro_batch=micro_batch, microbatches=m)
+        setup = MemorySetup.from_config(p, t, dp, bf16, micro_batch=micro_batch, microbatches=m,
+                                        documents=cfg.data.document_mask, flex=self.device.profile != "cpu")
         if t.float8 and not any(float8_converts(k, n, t.float8_min_dim, t.float8_recipe)
                                 for w in set(self.costs.widths) for k, n in block_linears(self.model, w)):
             setup = dataclasses.replace(setup, float8=False)  # the rule converts nothing: bf16 copies as without
@@ -422,7 +424,7 @@ class Predictor:
         work = self.rank_work(self.memory(setup), p.pp, virtual, p.pp_schedule, t.activation_checkpointing, t.ac_every)
         if setup.cp > 1:
             messages = self.rank_cp_messages(p.pp, virtual, p.pp_schedule, micro_batch, setup.cp, bf16,
-                                             setup.cp_attention, p.tp)
+                                             setup.cp_attention, p.tp, setup.documents)
             work = [dataclasses.replace(w, cp_messages=msgs) for w, msgs in zip(work, messages)]
         op_level = t.activation_checkpointing == "op"
         if op_level:

@@ -65,7 +65,10 @@ def preflight(cfg: Config, world_size: int, widths: Sequence[int] | None = None)
     keeps = "document_mask_ulysses" if p.cp_attention == "ulysses" else "document_mask_cp"  # models/spec.py
     if cfg.data.document_mask and p.cp > 1 and not getattr(spec, keeps):
         supported = ", ".join(name for name in cards() if getattr(family(name), keeps))
-        other = "parallel.cp_attention=allgather, " if spec.document_mask_cp else ""
+        if p.cp_attention == "ulysses":
+            other = "parallel.cp_attention=allgather, " if spec.document_mask_cp else ""
+        else:  # a chain of states that does not reset at document starts, where Ulysses has none
+            other = "parallel.cp_attention=ulysses, " if spec.document_mask_ulysses else ""
         raise ConfigError(f"data.document_mask=true with parallel.cp={p.cp} and parallel.cp_attention="
                           f"{p.cp_attention}: not built yet for model.arch={m.arch!r} (families that keep "
                           f"documents under cp with {p.cp_attention}: {supported}); use {other}parallel.cp=1 "

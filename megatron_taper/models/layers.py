@@ -130,10 +130,11 @@ class Attention(nn.Module):
         self.wo = nn.Linear(n_heads * head_dim, d_model, bias=False)
 
     def attend(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None,
-               doc_start: torch.Tensor | None = None) -> torch.Tensor:
+               doc_start: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Per-head outputs before the output projection: [B, S, H, E]. Causal, or under a boolean
         mask [S, S] or [B, 1, S, S] (True = may attend) when one is given; with doc_start [B, S] also
-        only within each query's document."""
+        only within each query's document. Under context parallelism `doc_ids` [B, S] (the whole
+        sequence's document ids, from a caller that gathered its starts already) replaces doc_start."""
         bsz, seq, _ = x.shape
         q = self.wq(x).view(bsz, seq, -1, self.head_dim)
         k = self.wk(x).view(bsz, seq, -1, self.head_dim)
@@ -145,7 +146,7 @@ class Attention(nn.Module):
             assert mask is None, "context parallelism splits causal attention only"
             slopes = (alibi_slopes(self.total_heads, self.first_head, q.shape[1], x.device)
                       if self.position == "alibi" else None)
-            return self.context.attend(q, k, v, slopes, doc_start).transpose(1, 2)
+            return self.context.attend(q, k, v, slopes, doc_start, doc_ids).transpose(1, 2)
         if doc_start is not None:
             if mask is None and self.position == "rope" and q.is_cuda and flex_attention_available():
                 return flex_document_attention(q, k, v, document_ids(doc_start)).transpose(1, 2)

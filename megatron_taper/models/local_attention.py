@@ -31,10 +31,11 @@ from typing import TYPE_CHECKING, Callable
 import torch
 import torch.nn.functional as F
 
+from megatron_taper.cost.memory import FLEX_BLOCK  # FlexAttention's sparse block of tokens (its default)
+
 if TYPE_CHECKING:
     from torch.nn.attention.flex_attention import BlockMask
 
-FLEX_BLOCK = 128  # FlexAttention's sparse block size (its default)
 
 
 def band_mask(prefix: int, rows: int, before: int, window: int, device: torch.device) -> torch.Tensor:

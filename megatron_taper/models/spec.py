@@ -139,6 +139,9 @@ class FamilySpec:
     # from the same counting functions the family's cp code is checked against); None = the
     # Transformer's attention (its K and V all-gathered or passed around the ring, or Ulysses' all-to-alls)
     cp_messages: Callable[[ModelConfig, int, int, int, int, int, str], tuple[CPMessage, ...]] | None = None
+    # (cfg, block index, its MLP width, micro_batch, cp, activation dtype bytes) -> what data.document_mask
+    # adds to that block's cp_messages besides the all-gather of doc_start (cost/cp.py document_messages)
+    cp_document_messages: Callable[[ModelConfig, int, int, int, int, int], tuple[CPMessage, ...]] | None = None
     # data.document_mask: the model's forward takes doc_start ([B, S] bool, True where a document of a
     # packed window begins) and keeps every token inside its document; False = refused by preflight
     document_mask: bool = False

@@ -140,10 +140,13 @@ def test_bad_configs_are_one_clear_error(tmp_path):
         with pytest.raises(ConfigError, match=rf"data.document_mask=true: model.arch='{unsupported[0]}' .*transformer"):
             preflight(cfg, 1)
     # under cp: the families whose state passing keeps documents; under Ulysses' all-to-alls the
-    # attention families (Titans' window of 64 needs slices of at least 63 tokens: seq_len 128)
+    # attention families and those whose chain stays (Titans' window of 64 needs slices of at least 63
+    # tokens: seq_len 128)
     for arch, attention, refused in (("transformer", "ring", False), ("titans", "allgather", False),
-                                     ("hope_attention", "allgather", True), ("transformer", "ulysses", False),
-                                     ("gated_attention", "ulysses", False), ("titans", "ulysses", True)):
+                                     ("hope_attention", "allgather", False), ("bridge", "ring", False),
+                                     ("transformer", "ulysses", False),
+                                     ("gated_attention", "ulysses", False), ("hope_attention", "ulysses", False),
+                                     ("titans", "ulysses", True)):
         cfg = load_config(None, ["data.document_mask=true", f"model.arch={arch}", "parallel.cp=2",
                                  f"parallel.cp_attention={attention}", "model.seq_len=128"])
         if refused:
@@ -153,9 +156,21 @@ def test_bad_configs_are_one_clear_error(tmp_path):
             preflight(cfg, 2)
     cfg = load_config(None, ["data.document_mask=true", "model.arch=titans", "parallel.cp=2",
                              "parallel.cp_attention=ulysses", "model.seq_len=128"])
-    with pytest.raises(ConfigError, match=r"with ulysses: transformer, gated_attention\); use "
-                                          r"parallel.cp_attention=allgather, parallel.cp=1"):
+    with pytest.raises(ConfigError, match=r"with ulysses: transformer, gated_attention, hope_attention, bridge\); "
+                                          r"use parallel.cp_attention=allgather, parallel.cp=1"):
         preflight(cfg, 2)
+    # a family refused under ring / all-gather (tree, Memory Caching) is pointed at Ulysses where it
+    # keeps documents there
+    layouts = {"tree": ["model.n_layers=1"], "linear_memory": ["model.memory_caching.segment=16"],
+               "deep_memory": ["model.memory_caching.segment=16"]}
+    refused = [name for name in cards() if family(name).document_mask and not family(name).document_mask_cp]
+    assert refused and set(refused) <= set(layouts), refused
+    for arch in refused:
+        cfg = load_config(None, ["data.document_mask=true", f"model.arch={arch}", "parallel.cp=2",
+                                 "parallel.cp_attention=ring", "model.seq_len=128", *layouts[arch]])
+        with pytest.raises(ConfigError, match=rf"data.document_mask=true with parallel.cp=2 .*'{arch}'") as refusal:
+            preflight(cfg, 2)
+        assert ("use parallel.cp_attention=ulysses" in str(refusal.value)) == family(arch).document_mask_ulysses, arch
     (tmp_path / "train").mkdir()
     (tmp_path / "stats.json").write_text('{"vocab_size": 512}')
     cfg = load_config(None, ["data.document_mask=true", f"data.path={tmp_path}"])

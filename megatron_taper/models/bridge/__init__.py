@@ -9,7 +9,7 @@ cp.py        its context-parallel chain of the state, and the carried state's br
 
 This module holds the family's SPECS only; the model code is imported when a model is built.
 """
-from megatron_taper.models.bridge.cost import bridge_block_cost, bridge_cp_messages
+from megatron_taper.models.bridge.cost import bridge_block_cost, bridge_cp_document_messages, bridge_cp_messages
 from megatron_taper.models.bridge.parallel import check_bridge_layout, tp_plan_bridge_block
 from megatron_taper.models.cards import BRIDGE
 from megatron_taper.models.spec import CarriedState, FamilySpec, lazy
@@ -19,7 +19,8 @@ MODEL = "megatron_taper.models.bridge.model"
 
 SPECS = (FamilySpec(card=BRIDGE, build=lazy(MODEL, "MemoryBridgeLM"), layer_cost=transformer_layer_cost,
                     block_extra_cost=bridge_block_cost, tp_block_plan=tp_plan_bridge_block,
-                    check_layout=check_bridge_layout, context_parallel=True, document_mask=True, cp_balanced=False,
-                    cp_messages=bridge_cp_messages,
+                    check_layout=check_bridge_layout, context_parallel=True, document_mask=True, document_mask_cp=True,
+                    document_mask_ulysses=True, cp_balanced=False,
+                    cp_messages=bridge_cp_messages, cp_document_messages=bridge_cp_document_messages,
                     carried_state=CarriedState(enabled=lambda cfg: cfg.bridge.slots > 0 and cfg.bridge.carry_state,
                                                put=lazy(MODEL, "put_state"), take=lazy(MODEL, "take_state"))),)

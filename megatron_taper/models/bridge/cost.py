@@ -67,3 +67,11 @@ def bridge_cp_messages(cfg: ModelConfig, layer: int, width: int, micro_batch: in
     state = cp_state_bytes(cfg, micro_batch, act_bytes) if layer == bridge_layer(cfg) else 0
     chain = (CPMessage(CHAIN, state),) if state else ()
     return attention_messages(cfg, micro_batch, cp, act_bytes, attention) + chain
+
+
+def bridge_cp_document_messages(cfg: ModelConfig, layer: int, width: int, micro_batch: int, cp: int,
+                                act_bytes: int = 4) -> tuple[CPMessage, ...]:
+    """FamilySpec.cp_document_messages: on the block that holds the bridge, the tail of open-segment
+    rows [B, T - 1, D] its chain hands on with the state (bridge/cp.py), in the activations' dtype."""
+    rows = micro_batch * (cfg.bridge.segment - 1) * cfg.d_model * act_bytes
+    return (CPMessage(CHAIN, rows, "rows"),) if rows and cfg.bridge.slots and layer == bridge_layer(cfg) else ()

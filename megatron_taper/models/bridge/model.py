@@ -58,7 +58,7 @@ checkpointing applies as to the Transformer; ZeRO and torch.compile take its cod
 not tested with the bridge; data and tensor parallelism are tested with `carry_state` (dp=2, tp=2
 against one process), which is refused with pp > 1 and DeepSpeed (check_bridge_layout).
 
-Documents (`doc_start` [B, S], True where a new document begins; context parallelism refused):
+Documents (`doc_start` [B, S], True where a new document begins; context parallelism: bridge/cp.py):
 the blocks' attention sees the query's own document (layers.py document_mask), and the bridge
 runs on the documents packed (titans/documents.py), each moved to a segment boundary so that its
 segments are those it has alone: a segment that starts a document starts from init_state (or,
@@ -162,17 +162,18 @@ class MemoryBridge(nn.Module):
         return state
 
     def states(self, x: torch.Tensor, last: bool = False, packing: Packing | None = None,
-               starts: torch.Tensor | None = None) -> torch.Tensor:
+               starts: torch.Tensor | None = None, initial: torch.Tensor | None = None) -> torch.Tensor:
         """S_0 .. S_{n-1} ([B, n, m, D]) for x [B, S, D]; with `last` also S_n (after the final
         segment): [B, n+1, m, D]. `packing`: x is packed documents (module docstring) and `starts`
-        [B] whether each row's first token starts a document."""
+        [B] whether each row's first token starts a document. `initial`: S_0 [B, m, D] where the
+        caller has it (context parallelism with documents, bridge/cp.py)."""
         seq = x.shape[1]
         bounds = segment_bounds(seq, self.segment)
         normed = self.write_input_norm(x)
         k, v = self.write.heads(self.write.wk(normed)), self.write.heads(self.write.wv(normed))  # [B, H, S, E]
-        state = self.initial_state(x, starts)  # [B, m, D]
+        state = self.initial_state(x, starts) if initial is None else initial  # [B, m, D]
         split = self.split()
-        if split is not None and split.rank > 0:  # the state rank r - 1's slice ended with [B, m, D]
+        if initial is None and split is not None and split.rank > 0:  # rank r - 1's end state [B, m, D]
             state = bridge_cp.receive(self, state)
         out = [state]
         for start, end in bounds[: len(bounds) if last else len(bounds) - 1]:
@@ -198,12 +199,16 @@ class MemoryBridge(nn.Module):
         segments: check_bridge_layout), or None."""
         return self.context if self.context is not None and self.context.cp > 1 else None
 
-    def forward(self, x: torch.Tensor, doc_start: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, doc_start: torch.Tensor | None = None,
+                offsets: torch.Tensor | None = None) -> torch.Tensor:
         """x [B, S, D] -> x plus the gated read of each segment's state. Under context
         parallelism x is this rank's slice: it starts from the state rank r - 1's slice ended
         with, and hands its own end state to rank r + 1 (parallel/cp/state.py's chain). `doc_start` [B, S]:
-        documents (module docstring)."""
-        doc_start = starts_inside(doc_start, self.split(), "the memory bridge")
+        documents (module docstring); under context parallelism also `offsets` [B, S_whole], each
+        token's offset in its document over the whole sequence (bridge/cp.py)."""
+        if doc_start is not None and self.split() is not None:
+            return bridge_cp.forward_documents(self, x, doc_start, offsets)
+        doc_start = starts_inside(doc_start)
         if doc_start is not None:
             return self.forward_documents(x, doc_start)
         bsz, seq, dim = x.shape
@@ -222,7 +227,7 @@ class MemoryBridge(nn.Module):
         if self.aux_head is not None and self.training and torch.is_grad_enabled() and n * cp > 1:
             out = AuxLossCarrier.apply(out, self.aux_loss(x, states), self.aux_weight)
         if split is not None:
-            out = bridge_cp.send(self, out, end, n, sends)
+            out = bridge_cp.send(self, out, (end,) if sends else None, end is not None or n > 1)
         return out
 
     def read_states(self, normed: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
@@ -249,24 +254,30 @@ class MemoryBridge(nn.Module):
             out = AuxLossCarrier.apply(out, self.aux_loss_documents(xp, states, packing), self.aux_weight)
         return out
 
-    def aux_loss_documents(self, xp: torch.Tensor, states: torch.Tensor, packing: Packing) -> torch.Tensor:
+    def aux_loss_documents(self, xp: torch.Tensor, states: torch.Tensor, packing: Packing,
+                           drop: torch.Tensor | None = None, count: torch.Tensor | None = None) -> torch.Tensor:
         """aux_loss over packed documents xp [B, n T, D]: the mean over every segment that holds real
         tokens and does not start a document, of the error of its state's prediction of the mean
-        of its real tokens (or of the random target of its index in its document)."""
+        of its real tokens (or of the random target of its index in its document). Under context
+        parallelism (bridge/cp.py) `drop` [B, n] leaves out segments another rank counts, and
+        `count` replaces the number of segments counted (this rank's share of the whole sequence's)."""
         bsz, n, t = xp.shape[0], states.shape[1], self.segment
         valid = packing.valid.view(bsz, n, t)
         counts = valid.sum(-1)  # [B, n]
-        keep = (counts > 0) & ~packing.resets[:, ::t]  # [B, n]
+        keep = (counts > 0) & (packing.positions[:, ::t] > 0)  # [B, n]: not a document's first segment
+        if drop is not None:
+            keep = keep & ~drop
         pred = self.aux_head(states.mean(2))  # [B, n, D]
         if self.aux_target == "random":
             generator = torch.Generator().manual_seed(RANDOM_TARGET_SEED)
-            table = torch.randn(n, xp.shape[-1], generator=generator).to(xp.device, xp.dtype)
+            rows = max(n, int(packing.positions.max()) // t + 1)  # segment indices in their documents
+            table = torch.randn(rows, xp.shape[-1], generator=generator).to(xp.device, xp.dtype)
             target = table[packing.positions[:, ::t] // t]  # [B, n, D]
         else:
             sums = (xp.view(bsz, n, t, -1) * valid[..., None]).sum(2)
             target = F.rms_norm((sums / counts.clamp(min=1)[..., None]).detach(), (xp.shape[-1],))
         errors = (pred.float() - target.float()).square() * keep[..., None]
-        return errors.sum() / (keep.sum().clamp(min=1) * errors.shape[-1])
+        return errors.sum() / ((keep.sum().clamp(min=1) if count is None else count) * errors.shape[-1])
 
     def aux_loss(self, x: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
         """x: the bridge's input [B, S, D]; states: S_0 .. S_{n-1}. The mean squared error of the
@@ -303,7 +314,9 @@ class BridgeBlock(TransformerBlock):
                 doc_start: torch.Tensor | None = None) -> torch.Tensor:
         """With `doc_start` [B, S] the bridge resets at document starts and attention stays inside the
         query's document (module docstring)."""
-        doc_start = starts_inside(doc_start, self.attn.context, "the memory bridge")
+        if doc_start is not None and self.attn.context is not None and self.attn.context.cp > 1:
+            return bridge_cp.block_documents(self, x, cos, sin, doc_start)
+        doc_start = starts_inside(doc_start)
         if self.bridge is not None:
             x = self.bridge(x) if doc_start is None else self.bridge(x, doc_start)
         if doc_start is None:

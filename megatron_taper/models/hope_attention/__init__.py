@@ -10,7 +10,11 @@ cp.py        its context-parallel chain of the online levels' fast weights
 This module holds the family's SPECS only; the model code is imported when a model is built.
 """
 from megatron_taper.models.cards import HOPE_ATTENTION
-from megatron_taper.models.hope_attention.cost import hope_attention_layer_cost, hope_cp_messages
+from megatron_taper.models.hope_attention.cost import (
+    hope_attention_layer_cost,
+    hope_cp_document_messages,
+    hope_cp_messages,
+)
 from megatron_taper.models.hope_attention.parallel import check_hope_layout, tp_plan_hope_attention_block
 from megatron_taper.models.spec import FamilySpec, lazy
 
@@ -18,5 +22,6 @@ MODEL = "megatron_taper.models.hope_attention.model"
 
 SPECS = (FamilySpec(card=HOPE_ATTENTION, build=lazy(MODEL, "HopeAttention"), layer_cost=hope_attention_layer_cost,
                     tp_block_plan=tp_plan_hope_attention_block, check_layout=check_hope_layout,
-                    context_parallel=True, document_mask=True, cp_balanced=False, cp_messages=hope_cp_messages,
+                    context_parallel=True, document_mask=True, document_mask_cp=True, document_mask_ulysses=True,
+                    cp_balanced=False, cp_messages=hope_cp_messages, cp_document_messages=hope_cp_document_messages,
                     decoder=lazy(MODEL, "decoder")),)

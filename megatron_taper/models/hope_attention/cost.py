@@ -113,3 +113,17 @@ def hope_cp_messages(cfg: ModelConfig, layer: int, width: int, micro_batch: int,
     state = cp_state_bytes(cfg, width, micro_batch)
     chain = (CPMessage(CHAIN, state),) if state else ()
     return attention_messages(cfg, micro_batch, cp, act_bytes, attention) + chain
+
+
+def cp_document_bytes(cfg: ModelConfig, micro_batch: int, act_bytes: int = 4) -> int:
+    """What the chain's message adds with documents per layer and direction (hope_attention/cp.py):
+    every chained level's tail of open-chunk rows [B, C_l - 1, D] in the activations' dtype."""
+    return sum(micro_batch * (level_period(cfg.hope, level) - 1) * cfg.d_model * act_bytes
+               for level in chained_levels(cfg, 2))
+
+
+def hope_cp_document_messages(cfg: ModelConfig, layer: int, width: int, micro_batch: int, cp: int,
+                              act_bytes: int = 4) -> tuple[CPMessage, ...]:
+    """FamilySpec.cp_document_messages: the chained levels' tails (cp_document_bytes)."""
+    rows = cp_document_bytes(cfg, micro_batch, act_bytes)
+    return (CPMessage(CHAIN, rows, "rows"),) if rows else ()

@@ -34,7 +34,7 @@ per chunk on materialised [B, ...] fast weights) and a token-by-token autograd r
 with the outer optimizer. The taper applies to the CMS widths: every level of block i has width
 w_i, so tapered and uniform twins have equal parameter counts and FLOPs.
 
-Documents (`doc_start` [B, S], True where a new document begins; context parallelism refused):
+Documents (`doc_start` [B, S], True where a new document begins; context parallelism: cp.py):
 attention sees the tokens of the query's own document (layers.py document_mask; RoPE and ALiBi
 depend on distances only, so positions need no restart), and every online level runs each
 document as a sequence of its own: the documents are folded into the batch (titans/documents.py
@@ -138,11 +138,14 @@ class ContinuumLevel(nn.Module):
         self.comm = LevelComm()
         self.context = None  # a contiguous context-parallel split (hope_attention/cp.py), or None
 
-    def forward(self, n: torch.Tensor) -> torch.Tensor:
-        """n: the level's normalised input [B, S, D] -> its output [B, S, D]."""
+    def forward(self, n: torch.Tensor, offsets: torch.Tensor | None = None) -> torch.Tensor:
+        """n: the level's normalised input [B, S, D] -> its output [B, S, D]. `offsets` [B, S]: each
+        token's offset in its document, under context parallelism with documents (hope_attention/cp.py)."""
         n = self.comm.enter(n)
         if self.period is None:
             return self.comm.leave_partial(F.linear(F.silu(F.linear(n, self.w1)) * F.linear(n, self.w3), self.w2))
+        if offsets is not None and hope_cp.chained(self, n):
+            return hope_cp.online_documents(self, n, offsets)
         return self.comm.leave(self.online(n, (torch.cat((self.w1, self.w3)), self.w2)))
 
     def online(self, n: torch.Tensor, weights: Weights) -> torch.Tensor:
@@ -178,7 +181,9 @@ class HopeAttentionBlock(TransformerBlock):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 doc_start: torch.Tensor | None = None) -> torch.Tensor:
-        doc_start = starts_inside(doc_start, self.attn.context, "Hope-attention")
+        if doc_start is not None and self.attn.context is not None and self.attn.context.cp > 1:
+            return hope_cp.block_documents(self, x, cos, sin, doc_start)
+        doc_start = starts_inside(doc_start)
         if doc_start is None:
             x = x + self.attn(self.attn_norm(x), cos, sin)
             for norm, level in zip(self.cms_norms, self.cms):

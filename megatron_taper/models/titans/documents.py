@@ -32,7 +32,8 @@ def starts_inside(doc_start: torch.Tensor | None, context: object | None = None,
     if context is not None:
         if bool(doc_start.any()):
             raise ValueError(f"data.document_mask with parallel.cp > 1: {family}'s state passed along the cp chain "
-                             "does not reset at document starts; use parallel.cp=1")
+                             "does not reset at document starts; use parallel.cp_attention=ulysses (no chain) "
+                             "where the family has it, or parallel.cp=1")
         return None
     return doc_start if bool(doc_start[:, 1:].any()) else None
 

@@ -58,7 +58,8 @@ ranks' doc_start slices (uint8, B x S / cp bytes per rank, beside K/V's 2 x B x 
 elements) and counts starts along the whole sequence (`document_ids`, in position order), so a
 document that spans slices has one id on every rank; the causal mask (the all-gather's, each ring
 piece's, and Ulysses' over the whole sequence for the rank's heads) is ANDed with "same document"
-(ALiBi's bias set to -inf outside it). Every ring piece then carries a mask; pieces whose pairs are
+(ALiBi's bias set to -inf outside it); a Hope-attention or bridge block gathers the starts once
+(`sequence_starts`) for its attention and its chain. Every ring piece then carries a mask; pieces whose pairs are
 all in other documents are still computed (skipping them would need the ids on the host).
 
 train.compile=true (each block compiled, parallel/block_options.py): the all-gather traces into the
@@ -150,23 +151,29 @@ class SequenceSplit:
         lays it out (each rank's two chunks in rank order)."""
         return torch.cat([self.positions_of(r, local_len, device) for r in range(self.cp)])
 
-    def document_ids(self, doc_start: torch.Tensor) -> torch.Tensor:
-        """Document ids [B, S] of the whole sequence, in position order, from this rank's doc_start
-        [B, s]: every rank's starts all-gathered (B x S bytes), then counted along the whole
-        sequence, so that ids agree across slices (models/layers.py document_ids)."""
+    def sequence_starts(self, doc_start: torch.Tensor) -> torch.Tensor:
+        """doc_start [B, S] of the whole sequence, in position order, from this rank's [B, s]: every
+        rank's starts all-gathered (uint8, B x S bytes)."""
         s = doc_start.shape[1]
         gathered = gather_from_seq_region(doc_start.to(torch.uint8), self.group)  # [B, S] in rank order
         starts = torch.empty_like(gathered)
         starts[:, self.gathered_positions(s, doc_start.device)] = gathered
-        return document_ids(starts.bool())
+        return starts.bool()
+
+    def document_ids(self, doc_start: torch.Tensor) -> torch.Tensor:
+        """Document ids [B, S] of the whole sequence, in position order, from this rank's doc_start
+        [B, s] (sequence_starts), counted along the whole sequence, so that ids agree across slices
+        (models/layers.py document_ids)."""
+        return document_ids(self.sequence_starts(doc_start))
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: torch.Tensor | None = None,
-               doc_start: torch.Tensor | None = None) -> torch.Tensor:
+               doc_start: torch.Tensor | None = None, ids: torch.Tensor | None = None) -> torch.Tensor:
         """Causal attention of this rank's queries over the whole sequence's keys: q [B, H, s, E],
         k, v [B, K, s, E] at this rank's positions (s = S / cp); `slopes` [H]: ALiBi; `doc_start`
         [B, s] (this rank's tokens): only keys of the query's document (ids over the whole
-        sequence: document_ids). -> [B, H, s, E]."""
-        ids = None if doc_start is None else self.document_ids(doc_start)
+        sequence: document_ids), or `ids` [B, S] when the caller has them already. -> [B, H, s, E]."""
+        if ids is None and doc_start is not None:
+            ids = self.document_ids(doc_start)
         if self.attention == "ring":
             return _RingAttention.apply(q, k, v, slopes, self, ids)
         if self.attention == "ulysses":
