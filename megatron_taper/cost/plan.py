@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 from megatron_taper.config import CP_ATTENTIONS, V_SCHEDULES
 from megatron_taper.cost.cp import cp_messages
 from megatron_taper.cost.devices import DeviceProfile
-from megatron_taper.cost.float8 import block_float8_speedup, block_linears, float8_converts, math_rate
+from megatron_taper.cost.float8 import block_float8_speedup, math_rate
 from megatron_taper.cost.flops import model_costs
 from megatron_taper.cost.memory import (
     GIB,
@@ -403,9 +403,6 @@ class Predictor:
         _check_peak(self.device, bf16, t.float8)
         micro_batch, m = step_split(p, t, dp)
         setup = MemorySetup.from_config(p, t, dp, bf16, micro_batch=micro_batch, microbatches=m)
-        if t.float8 and not any(float8_converts(k, n, t.float8_min_dim, t.float8_recipe)
-                                for w in set(self.costs.widths) for k, n in block_linears(self.model, w)):
-            setup = dataclasses.replace(setup, float8=False)  # the rule converts nothing: bf16 copies as without
         virtual = p.virtual_stages if p.pp > 1 else 1
         peaks = self.rank_peaks(setup, p.pp, virtual, p.pp_schedule)
         work = self.rank_work(self.memory(setup), p.pp, virtual, p.pp_schedule, t.activation_checkpointing, t.ac_every)
