@@ -2,7 +2,7 @@
 measured on the CPU with a real inductor compile (the numbers cost/speedups.json
 `compiled_launches` holds, for the step-time model's host term under train.compile).
 
-    python benchmarks/compiled_launches.py [--recipe configs/X.yaml ...] [--seq-len 256] [--fp32]
+    python benchmarks/compiled_launches.py [--recipe configs/X.yaml ...] [--seq-len 256] [--fp32] [--device cuda]
 
 Per recipe: one block of the model narrowed as cost/op_count.py counts it (`narrowed`), compiled
 as train.compile compiles it (parallel/block_options.py: inductor, static shapes, the block's
@@ -16,7 +16,8 @@ of one block (forward, and forward + backward) and the ratios launches / eager o
 
 What the CPU's code is and is not: the same graphs and fusion decisions up to the backend's
 codegen. The C++ backend may put loops of several reductions in one kernel where Triton on a GPU
-emits one kernel per reduction, so a GPU's count can be higher (not measured: no GPU here).
+emits one kernel per reduction, so a GPU's count can be higher. `--device cuda` counts the Triton
+code of a GPU the same way (not run yet: no GPU was lent when this was written).
 
 Prints one JSON object.
 """
@@ -48,15 +49,15 @@ def launches(code: str) -> dict[str, list[str]]:
     return {kind: pattern.findall(call) for kind, pattern in KINDS.items()}
 
 
-def measure(recipe: str, seq_len: int, bf16: bool) -> dict:
+def measure(recipe: str, seq_len: int, bf16: bool, device: torch.device) -> dict:
     cfg = narrowed(load_config(recipe, []).model, 1, seq_len)
     torch.manual_seed(0)
-    model = build_model(cfg)
+    model = build_model(cfg).to(device)
     apply_block_options(model, "none", 1, compile_blocks=True)
-    tokens = torch.randint(0, cfg.vocab_size, (1, seq_len))
+    tokens = torch.randint(0, cfg.vocab_size, (1, seq_len), device=device)
 
     def step() -> None:
-        with torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext():
+        with torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext():
             out = model(tokens)
         (out if torch.is_tensor(out) else out[0]).float().mean().backward()
 
@@ -80,9 +81,12 @@ def main() -> None:
     parser.add_argument("--recipe", action="append", help=f"default: {', '.join(RECIPES)}")
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--fp32", action="store_true", help="without bf16 autocast")
+    parser.add_argument("--device", default="cpu", help="cpu (C++ kernels) or cuda (Triton kernels)")
     args = parser.parse_args()
-    rows = [measure(recipe, args.seq_len, not args.fp32) for recipe in args.recipe or RECIPES]
-    print(json.dumps({"benchmark": "compiled_launches", "device": "cpu", "torch": torch.__version__, "rows": rows}))
+    device = torch.device(args.device)
+    rows = [measure(recipe, args.seq_len, not args.fp32, device) for recipe in args.recipe or RECIPES]
+    print(json.dumps({"benchmark": "compiled_launches", "device": device.type, "torch": torch.__version__,
+                      "rows": rows}))
 
 
 if __name__ == "__main__":
