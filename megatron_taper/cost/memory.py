@@ -358,7 +358,8 @@ def piece_memory(cost: Cost, shares: Split, setup: MemorySetup, tokens: int, rec
     parameters in linears train.float8 converts, whose fp32 weights torchao's matmul saves uncast
     (no bf16 copy; measured)."""
     params = local_params(cost, shares)
-    static = params * setup.state_bytes_per_param() + (params - float8_params) * setup.cast_bytes_per_param()
+    cast = setup.cast_bytes_per_param()
+    static = params * (setup.state_bytes_per_param() + cast) - float8_params * cast
     if setup.pipelined:
         static += params * setup.unsharded_bytes_per_param(matmul)
     elif not block and setup.fsdp:  # the root's weights stay gathered; its gradient: _root_gradient
