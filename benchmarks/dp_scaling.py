@@ -13,16 +13,14 @@ gives the baseline. Prints one JSON object: median tokens/s (whole job) of each,
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
-import json
 import statistics
-import sys
 import tempfile
 import time
 
 import torch
 import torch.distributed as dist
+from rounds import parse_round_args, print_round_result
 
 from megatron_taper.config import load_config
 from megatron_taper.parallel.spawn import run_distributed
@@ -113,28 +111,14 @@ def one_process(overrides: list[str], steps: int, rounds: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("overrides", nargs="*")
-    args = parser.parse_args()
+    args = parse_round_args(__doc__, steps=10)
     device = load_config(None, SHAPE + args.overrides).train.device
     dp2 = run_distributed(rank_main, 2, args.overrides, args.steps, args.rounds, timeout=3600, device=device)[0]
     single = one_process(args.overrides, args.steps, args.rounds)
-    result = {
-        "benchmark": "dp_scaling",
-        "shape": SHAPE + args.overrides,
-        "steps_per_round": args.steps,
-        "rounds": args.rounds,
-        "threads_per_process": 1,
-        "one_process_tokens_per_s": single,
-        **{f"dp2_{e}_tokens_per_s": v for e, v in dp2.items()},
-        "ddp_over_old_loop": dp2["ddp"] / dp2["old_loop"],
-        "fsdp2_over_old_loop": dp2["fsdp2"] / dp2["old_loop"],
-        "ddp_dp2_over_one_process": dp2["ddp"] / single,
-    }
-    json.dump(result, sys.stdout)
-    print()
+    print_round_result("dp_scaling", SHAPE, args, single, **{f"dp2_{e}_tokens_per_s": v for e, v in dp2.items()},
+                       ddp_over_old_loop=dp2["ddp"] / dp2["old_loop"],
+                       fsdp2_over_old_loop=dp2["fsdp2"] / dp2["old_loop"],
+                       ddp_dp2_over_one_process=dp2["ddp"] / single)
 
 
 if __name__ == "__main__":

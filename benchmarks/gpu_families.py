@@ -85,7 +85,7 @@ SIZED = {  # family -> (recipe, micro-batch)
 # a carried bridge state needs row streams, which read MDS shards (mosaicml-streaming, not on the GPU
 # image): the bridge runs within each window there
 EXTRA = {"bridge": ("model.bridge.carry_state=false",)}
-SIZED_VARIANT = {"activation_checkpointing": "none"}
+SIZED_VARIANT = {"activation_checkpointing": "none", "compile": False}  # the 2026-12-04 sized runs: eager
 SMOKE = ["transformer", "bridge"]  # --smoke: fp32 parity of these families' tiny recipes and the first resume
 RESUMED = {"transformer": ("tiny_taper", ["parallel.zero=fsdp2"]), "titans": ("tiny_titans", [])}
 

@@ -25,16 +25,14 @@ Prints one JSON object.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import resource
 import statistics
-import sys
 import tempfile
 import time
 
 import torch
 import torch.distributed as dist
+from rounds import parse_round_args, print_round_result
 
 from megatron_taper.config import load_config
 from megatron_taper.cost.block import moe_all_to_all_bytes
@@ -130,27 +128,13 @@ def one_process(overrides: list[str], steps: int, rounds: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("overrides", nargs="*")
-    args = parser.parse_args()
+    args = parse_round_args(__doc__, steps=6)
     layouts = {f"ep{ep}": run_distributed(rank_main, 2, ep, args.overrides, args.steps, args.rounds, timeout=3600,
                                           device="cpu") for ep in (1, 2)}
     single = one_process(args.overrides, args.steps, args.rounds)
-    result = {
-        "benchmark": "moe_ep",
-        "shape": SHAPE + args.overrides,
-        "steps_per_round": args.steps,
-        "rounds": args.rounds,
-        "threads_per_process": 1,
-        "one_process_tokens_per_s": single,
-        "one_process_peak_rss_gb": peak_rss_gb(),
-        **{f"{name}_ranks": ranks for name, ranks in layouts.items()},
-        "ep2_over_ep1": layouts["ep2"][0]["tokens_per_s"] / layouts["ep1"][0]["tokens_per_s"],
-    }
-    json.dump(result, sys.stdout)
-    print()
+    print_round_result("moe_ep", SHAPE, args, single, one_process_peak_rss_gb=peak_rss_gb(),
+                       **{f"{name}_ranks": ranks for name, ranks in layouts.items()},
+                       ep2_over_ep1=layouts["ep2"][0]["tokens_per_s"] / layouts["ep1"][0]["tokens_per_s"])
 
 
 if __name__ == "__main__":

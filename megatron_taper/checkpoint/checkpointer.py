@@ -18,7 +18,8 @@ collective: a folder to replace is renamed aside, and deleting it, leftovers of 
 config.yaml) and checkpoints beyond `checkpoint.keep` (except the multiples of
 `checkpoint.keep_every`) runs in a thread after the barrier. A run that resumed from an earlier
 step leaves a branch behind: at its first save, checkpoints of later steps are renamed
-`abandoned-step-N` with a warning (never resumed from, never pruned, never deleted by us).
+`abandoned-step-N` with a warning (never resumed from, never pruned, never deleted by us). The names,
+listings and renames of the checkpoints folder live in checkpoint/folders.py.
 With `checkpoint.async_save`, the writing runs in a background thread after the copy (from a GPU:
 non-blocking copies into pinned buffers kept for the next save, ParallelModel.checkpoint_pieces);
 once the Trainer's per-step vote (training/stop.py) says every rank has written, `finalise` renames
@@ -40,8 +41,6 @@ import hashlib
 import json
 import os
 import random
-import re
-import shutil
 import threading
 import warnings
 from dataclasses import dataclass
@@ -59,6 +58,16 @@ from megatron_taper.checkpoint.files import (
     merge_index,
     write_pieces,
 )
+from megatron_taper.checkpoint.folders import (
+    checkpoint_root,
+    leftovers,
+    list_checkpoints,
+    remove_all,
+    resume_candidates,
+    set_aside_abandoned,
+    to_prune,
+    trash_name,
+)
 from megatron_taper.config import ModelConfig
 from megatron_taper.parallel.model import ParallelModel
 from megatron_taper.validation import inside_folder
@@ -68,35 +77,6 @@ if TYPE_CHECKING:
 
 __all__ = ["CheckpointError", "CheckpointWriteError", "Checkpointer", "checkpoint_root", "list_checkpoints",
            "resume_candidates", "load_checkpoint", "load_logical", "verify_checkpoint", "broadcast_from_main"]
-
-STEP_DIR = re.compile(r"^step-(\d+)$")
-# what an unfinished save or a replaced folder leaves (`_trash_name`): removed only in a run's checkpoints/
-LEFTOVER = re.compile(r"^\.(tmp-step-\d+|trash-(\.tmp-)?step-\d+-\d+)$")
-
-
-def checkpoint_root(run_dir: str) -> str:
-    return os.path.join(run_dir, "checkpoints")
-
-
-def list_checkpoints(root: str) -> list[tuple[int, str]]:
-    """Complete checkpoints as (step, path), oldest first."""
-    if not os.path.isdir(root):
-        return []
-    found = [(int(m.group(1)), os.path.join(root, name)) for name in os.listdir(root) if (m := STEP_DIR.match(name))]
-    return sorted(found)
-
-
-def resume_candidates(mode: str, root: str) -> list[str]:
-    """The checkpoints run.resume=`mode` may load, best first: auto = the complete ones under
-    `root`, newest first (none: a fresh start); never = none; else the one folder given."""
-    if mode == "never":
-        return []
-    if mode != "auto":
-        if not os.path.isfile(os.path.join(mode, "meta.json")):
-            raise CheckpointError(f"run.resume={mode!r} is not a complete checkpoint folder (no meta.json)")
-        return [mode]
-    return [path for _, path in reversed(list_checkpoints(root))]
-
 
 @dataclass
 class _Pending:
@@ -131,7 +111,7 @@ class Checkpointer:
         if ctx.is_main:
             os.makedirs(self.root, exist_ok=True)
             if os.path.exists(tmp):  # a leftover of this very step: moved aside (deleted off the step)
-                os.rename(tmp, self._trash_name(tmp))
+                os.rename(tmp, trash_name(self.root, tmp))
             os.makedirs(tmp)
         per_rank = _gather_to_main(ctx, {"rng": _rng_state(), "data": data_state})
         ctx.barrier()
@@ -204,22 +184,22 @@ class Checkpointer:
             _write_text(os.path.join(p.tmp, "meta.json"), json.dumps(meta))
             fsync_file(p.tmp)
             if os.path.exists(p.final):
-                aside = self._trash_name(p.final)
+                aside = trash_name(self.root, p.final)
                 os.rename(p.final, aside)
                 doomed.append(aside)
             os.rename(p.tmp, p.final)
-            set_aside = _set_aside_abandoned(self.root, p.step)
+            set_aside = set_aside_abandoned(self.root, p.step)
             fsync_file(self.root)
             if set_aside:
                 warnings.warn(f"checkpoints newer than step {p.step} belong to a branch this run left (it resumed "
                               f"from an earlier step): renamed to {', '.join(set_aside)} so that neither resume "
                               f"nor pruning takes them; delete them when they are not wanted", stacklevel=2)
-            doomed += _to_prune(self.root, self.options.keep, self.options.keep_every)
-            doomed += [path for path in _leftovers(self.root) if path not in doomed]
+            doomed += to_prune(self.root, self.options.keep, self.options.keep_every)
+            doomed += [path for path in leftovers(self.root) if path not in doomed]
         ctx.barrier()
         if doomed:  # not a daemon: the interpreter finishes it before exiting
             self.cleanups = [t for t in self.cleanups if t.is_alive()]
-            self.cleanups.append(threading.Thread(target=_remove_all, args=(doomed,), name="checkpoint-prune"))
+            self.cleanups.append(threading.Thread(target=remove_all, args=(doomed,), name="checkpoint-prune"))
             self.cleanups[-1].start()
 
     def join_cleanup(self) -> None:
@@ -227,12 +207,6 @@ class Checkpointer:
         for thread in self.cleanups:
             thread.join()
         self.cleanups = []
-
-    def _trash_name(self, path: str) -> str:
-        n = 0
-        while os.path.exists(aside := os.path.join(self.root, f".trash-{os.path.basename(path)}-{n}")):
-            n += 1
-        return aside
 
     # -- loading -------------------------------------------------------------------------------
 
@@ -505,47 +479,6 @@ def _sha256(file: str) -> str:
         for block in iter(lambda: f.read(1 << 22), b""):
             h.update(block)
     return h.hexdigest()
-
-
-def _set_aside_abandoned(root: str, step: int) -> list[str]:
-    """Complete checkpoints of steps after `step` (just saved) are an abandoned branch: renamed
-    abandoned-step-N (not a checkpoint name: auto-resume and pruning skip it). Their new names."""
-    names = []
-    for later, path in list_checkpoints(root):
-        if later > step:
-            n, aside = 0, os.path.join(root, f"abandoned-step-{later}")
-            while os.path.exists(aside):
-                n += 1
-                aside = os.path.join(root, f"abandoned-step-{later}-{n}")
-            os.rename(path, aside)
-            names.append(os.path.basename(aside))
-    return names
-
-
-def _leftovers(root: str) -> list[str]:
-    """The leftovers of unfinished saves and replaced folders (LEFTOVER) in `root`, when it is a
-    run's checkpoints folder (RUN/checkpoints beside RUN/config.yaml); [] anywhere else."""
-    parent = os.path.dirname(os.path.abspath(root))
-    if os.path.basename(os.path.abspath(root)) != "checkpoints" or not os.path.isfile(
-            os.path.join(parent, "config.yaml")):
-        return []
-    return [os.path.join(root, n) for n in os.listdir(root) if LEFTOVER.match(n)]
-
-
-def _to_prune(root: str, keep: int, keep_every: int = 0) -> list[str]:
-    """The complete checkpoints beyond the newest `keep` (keep <= 0: none), except those whose
-    step is a multiple of `keep_every` (> 0)."""
-    older = list_checkpoints(root)[:-keep] if keep > 0 else []
-    return [path for step, path in older if not (keep_every > 0 and step % keep_every == 0)]
-
-
-def remove_tree(path: str) -> None:
-    shutil.rmtree(path, ignore_errors=True)
-
-
-def _remove_all(paths: list[str]) -> None:
-    for path in paths:
-        remove_tree(path)
 
 
 def _gather_objects(ctx, obj) -> list:

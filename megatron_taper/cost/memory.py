@@ -22,9 +22,12 @@ static   per tp-local parameter P of the stage: parameters, gradients, AdamW sta
          head's unsharded gradient from its backward to the end of the backward (in the blocks'
          moments; it is reduce-scattered then, measured: docs/memory_model.md); bf16 autocast (every
          layout but fsdp2 at dp x cp > 1, which gathers matmul weights in bf16) keeps a bf16 copy of
-         every weight it casts (2 bytes per P), except the blocks' under train.float8 (torchao's
-         Float8Linear saves the fp32 weight and casts it to float8 per matmul; its casts are
-         transient, and its step adds nothing else measured on the CPU: docs/memory_model.md).
+         every weight it casts (2 bytes per P), except the block linears train.float8 converts
+         (the rule of cost/float8.py, train.float8_min_dim: e.g. not wk / wv of 1024 features in
+         Llama-3 8B's shape, which stay bf16 linears with their copy; counted from block_linears,
+         the Transformer's): torchao's Float8Linear saves the fp32 weight and casts it to float8
+         per matmul; its casts are transient, and its step adds nothing else measured on the CPU:
+         docs/memory_model.md).
 K        bytes one micro-batch keeps for backward: sum over the stage's blocks of their saved
          activations (cost/block.py: per token x tokens per micro-batch, plus any kept once
          per micro-batch), or of their input [b, S, d] alone for the blocks that recompute
@@ -130,6 +133,7 @@ from typing import TYPE_CHECKING, Sequence
 
 from megatron_taper.cost.block import Cost, Split, prefix_sums
 from megatron_taper.cost.cp import CPMessage, block_messages, received_bytes, whole_attention
+from megatron_taper.cost.float8 import block_linears, float8_converts
 from megatron_taper.cost.flops import ModelCosts, head_cost, model_costs
 from megatron_taper.cost.stage_memory import to_memory_model
 
@@ -156,7 +160,9 @@ class MemorySetup:
     dp_shard: int = 0  # fsdp2: ranks the state is sharded over (dp x cp; HSDP: parallel.dp_shard); 0 = dp
     pipelined: bool = False  # pp > 1
     bf16: bool = False  # autocast to bf16 (train.precision on the device)
-    float8: bool = False  # train.float8: the blocks' linears are torchao Float8Linear (parallel/float8.py)
+    float8: bool = False  # train.float8: the rule's block linears are torchao Float8Linear (parallel/float8.py)
+    float8_min_dim: int = 4096  # train.float8_min_dim and train.float8_recipe: which linears the rule converts
+    float8_recipe: str = "tensorwise"
     activation_checkpointing: str = "none"  # none | full | selective | op
     ac_every: int = 2
     loss_chunk: int = 0  # tokens per chunk of the cross entropy (train.loss_chunk); 0 = unchunked
@@ -188,6 +194,7 @@ class MemorySetup:
                    zero=parallel.zero,
                    dp_shard=parallel.dp_split(dp)[1] * parallel.cp if parallel.zero == "fsdp2" else 0,
                    pipelined=parallel.pp > 1, bf16=bf16, float8=train.float8,
+                   float8_min_dim=train.float8_min_dim, float8_recipe=train.float8_recipe,
                    activation_checkpointing=train.activation_checkpointing, ac_every=train.ac_every,
                    loss_chunk=train.loss_chunk,
                    micro_batch=micro_batch or train.micro_batch, microbatches=microbatches,
@@ -387,19 +394,21 @@ def _activations(cost: Cost) -> Split:
 
 
 def piece_memory(cost: Cost, shares: Split, setup: MemorySetup, tokens: int, recompute: bool, d_model: int,
-                 block: bool, matmul: bool = True, received: float = 0.0, mask: float = 0.0) -> PieceMemory:
+                 block: bool, matmul: bool = True, received: float = 0.0, mask: float = 0.0,
+                 float8_params: float = 0.0) -> PieceMemory:
     """Bytes of one piece (see PieceMemory); `tokens` per micro-batch on this rank; `matmul`: its
     parameters are matmul weights (not an embedding). A recomputed piece keeps its input, and
     under activation_checkpointing=op also its `op_act` (all of `act` where that is unknown).
     `received`: bytes per micro-batch the block was handed under context parallelism besides K and
     V (cost/cp.py received_bytes), kept also when it recomputes (parallel/cp/state.py keeps what a
     forward received for the recompute), and their gradient in its backward. `mask`: bytes per
-    micro-batch of the document mask attention keeps (document_mask_bytes; not kept when recomputed)."""
+    micro-batch of the document mask attention keeps (document_mask_bytes; not kept when recomputed).
+    `float8_params`: its parameters in linears train.float8 converts, whose fp32 weights torchao's
+    matmul saves uncast (no bf16 copy; measured)."""
     params = local_params(cost, shares)
     experts = cost.params_split.experts * shares.experts
-    # float8: torchao's matmul saves the blocks' fp32 weights uncast (no bf16 copy; measured)
-    cast = 0.0 if block and setup.float8 else setup.cast_bytes_per_param()
-    static = params * (setup.state_bytes_per_param() + cast)
+    cast = setup.cast_bytes_per_param()
+    static = params * (setup.state_bytes_per_param() + cast) - float8_params * cast
     static += experts * (setup.expert_state_bytes_per_param() - setup.state_bytes_per_param())
     if setup.pipelined:
         static += params * setup.unsharded_bytes_per_param(matmul)
@@ -427,6 +436,15 @@ def piece_memory(cost: Cost, shares: Split, setup: MemorySetup, tokens: int, rec
     return PieceMemory(params, static, kept, peak, retained, made)
 
 
+def float8_params(cfg: ModelConfig, width: int, setup: MemorySetup) -> float:
+    """Parameters of a block of MLP width `width` in the linears train.float8 converts (block_linears,
+    the rule's float8_converts; float8 runs at tp = 1: whole linears); 0 without float8."""
+    if not setup.float8:
+        return 0.0
+    return float(sum(k * n for k, n in block_linears(cfg, width)
+                     if float8_converts(k, n, setup.float8_min_dim, setup.float8_recipe)))
+
+
 def boundary_bytes(d_model: int, tokens: int, setup: MemorySetup) -> float:
     """A block's input / a stage's output [b, S, d] (fp32 residual stream) on one rank."""
     return 4.0 * d_model * tokens / (setup.tp if setup.sequence_parallel else 1)
@@ -444,7 +462,7 @@ def model_memory(cfg: ModelConfig, setup: MemorySetup, costs: ModelCosts | None 
     masks = document_mask_bytes(cfg, costs.widths, setup)
     layers = [piece_memory(context_parallel_cost(cost, cfg, setup, sent), _shares(cfg, setup.tp, width, setup.ep),
                            setup, tokens, str(i) in recomputed, cfg.d_model, block=True, received=received_bytes(sent),
-                           mask=mask)
+                           mask=mask, float8_params=float8_params(cfg, width, setup))
               for i, (cost, width, sent, mask) in enumerate(zip(costs.layers, costs.widths, messages, masks))]
     if setup.fsdp and not setup.pipelined:
         layers = _gathered_units(layers, setup)

@@ -26,6 +26,14 @@ titans/neural_memory.write_loop_torch (forward) and .reverse_loop (backward) are
 each of their calls counts one launch (the kernel wrappers' allocations and copies are left out too;
 the batched torch work before and after the backward's loop is counted as traced). The default
 counts what the CPU trace runs, the torch loops.
+
+Compiled blocks (train.compile) launch fewer kernels than eager dispatches operators: inductor
+fuses the elementwise work into a few kernels around the matmuls and attention. `compiled_launches`
+gives, per family measured, a compiled block's launches per eager operator of it, forward and
+forward + backward (cost/speedups.json, measured on the CPU by benchmarks/compiled_launches.py with
+a real compile: the Transformer's 225 eager operators per block are 44 launches under bf16
+autocast, 0.196); the planner scales the blocks' counts by them (the ends stay eager). A family
+without a measurement (the memory families, MoE blocks) keeps its eager count under compile.
 """
 from __future__ import annotations
 
@@ -34,6 +42,7 @@ import os
 from dataclasses import dataclass
 
 from megatron_taper.config import ModelConfig
+from megatron_taper.cost.float8 import read_speedups
 from megatron_taper.validation import ConfigError
 
 CAP = 1024  # tokens counted at most (attention's arithmetic at the narrow width grows with their square)
@@ -47,6 +56,15 @@ class OpCounts:
     block_forward: float  # one block's forward (what a recomputed block runs again)
     block: float  # one block's forward and backward
     ends: float  # the embedding, head, loss and state outside the blocks, forward and backward
+
+
+def compiled_launches(cfg: ModelConfig) -> tuple[float, float]:
+    """(forward, forward + backward) launches of one compiled block per eager operator of it
+    (speedups.json compiled_launches, module doc); (1, 1) for a family not measured."""
+    measured = read_speedups()["compiled_launches"].get(cfg.arch)
+    if measured is None or cfg.moe.enabled:
+        return 1.0, 1.0
+    return float(measured["forward"]), float(measured["block"])
 
 
 def narrowed(cfg: ModelConfig, n_layers: int, seq_len: int) -> ModelConfig:

@@ -31,7 +31,7 @@ from megatron_taper.config import CP_ATTENTIONS, V_SCHEDULES
 from megatron_taper.cost.block import moe_all_to_all_bytes, routed_experts
 from megatron_taper.cost.cp import cp_messages
 from megatron_taper.cost.devices import DeviceProfile
-from megatron_taper.cost.float8 import block_float8_speedup, block_linears, float8_converts, math_rate
+from megatron_taper.cost.float8 import block_float8_speedup, math_rate
 from megatron_taper.cost.flops import model_costs
 from megatron_taper.cost.memory import (
     GIB,
@@ -41,7 +41,7 @@ from megatron_taper.cost.memory import (
     checkpointed_blocks,
     model_memory,
 )
-from megatron_taper.cost.op_count import OpCounts, count_ops
+from megatron_taper.cost.op_count import OpCounts, compiled_launches, count_ops
 from megatron_taper.cost.partition import (
     chunk_rank,
     in_flight_microbatches,
@@ -361,16 +361,19 @@ class Predictor:
         return self._op_counts[cp]
 
     def rank_ops(self, pp: int, virtual: int, schedule: str, recomputed: Sequence[int], cp: int,
-                 graphs: bool = False) -> list[float]:
-        """Per pipeline rank, the eager operators of one micro-batch (op_counts): its blocks', their
-        recomputed forwards and the ends' on the last; with `graphs` (train.cuda_graphs) a block is
-        GRAPH_LAUNCHES_PER_BLOCK launches whatever it runs inside."""
-        key = (pp, virtual, schedule, tuple(recomputed), cp, graphs)
+                 graphs: bool = False, compiled: bool = False) -> list[float]:
+        """Per pipeline rank, the host calls of one micro-batch (op_counts): its blocks' operators,
+        their recomputed forwards' and the ends' on the last; `compiled` (train.compile) the blocks'
+        as the kernels their compiled graphs launch (op_count.compiled_launches); with `graphs`
+        (train.cuda_graphs) a block is GRAPH_LAUNCHES_PER_BLOCK launches whatever it runs inside."""
+        key = (pp, virtual, schedule, tuple(recomputed), cp, graphs, compiled)
         if key not in self._ops:
             ops = self.op_counts(cp)
+            forward, block = compiled_launches(self.model) if compiled else (1.0, 1.0)
             last = len(self.costs.layers) - 1
             self._ops[key] = [(len(layers) * GRAPH_LAUNCHES_PER_BLOCK if graphs else
-                               len(layers) * ops.block + n_redo * ops.block_forward) + ops.ends * (last in layers)
+                               len(layers) * ops.block * block + n_redo * ops.block_forward * forward)
+                              + ops.ends * (last in layers)
                               for layers, n_redo in zip(self.rank_layers(pp, virtual, schedule), recomputed)]
         return self._ops[key]
 
@@ -416,9 +419,6 @@ class Predictor:
         micro_batch, m = step_split(p, t, dp)
         setup = MemorySetup.from_config(p, t, dp, bf16, micro_batch=micro_batch, microbatches=m,
                                         documents=cfg.data.document_mask, flex=self.device.profile != "cpu")
-        if t.float8 and not any(float8_converts(k, n, t.float8_min_dim, t.float8_recipe)
-                                for w in set(self.costs.widths) for k, n in block_linears(self.model, w)):
-            setup = dataclasses.replace(setup, float8=False)  # the rule converts nothing: bf16 copies as without
         virtual = p.virtual_stages if p.pp > 1 else 1
         peaks = self.rank_peaks(setup, p.pp, virtual, p.pp_schedule)
         work = self.rank_work(self.memory(setup), p.pp, virtual, p.pp_schedule, t.activation_checkpointing, t.ac_every)
@@ -432,8 +432,9 @@ class Predictor:
                     for w, b in zip(work, self.op_recompute_bytes(setup, p.pp, virtual, p.pp_schedule))]
         if self.device.op_overhead_us > 0 or op_level:
             ops = self.rank_ops(p.pp, virtual, p.pp_schedule, [w.recomputed_blocks for w in work], setup.cp,
-                                graphs=t.cuda_graphs and compiled)
-            forward = self.op_counts(setup.cp).block_forward if op_level else 0.0
+                                graphs=t.cuda_graphs and compiled, compiled=compiled)
+            # the selective-checkpoint policy runs per operator in eager only: compile applies it while tracing
+            forward = self.op_counts(setup.cp).block_forward if op_level and not compiled else 0.0
             work = [dataclasses.replace(w, ops=n, op_checkpointed_ops=forward * w.blocks) for w, n in zip(work, ops)]
         if p.ep > 1:
             per_token = moe_all_to_all_bytes(self.model, 1, p.ep, 2 if bf16 else 4)

@@ -12,11 +12,13 @@ Per pipeline rank r, for one micro-batch of b x S tokens on one tp rank:
                 concurrent_efficiency on a CPU host where more than one rank computes;
                 plus, under activation_checkpointing=op, its recomputed elementwise outputs written
                 again and their inputs read (2 x the activation bytes op drops) at the memory
-                bandwidth; at least its operators x the device's op_overhead_us (cost/op_count.py)
+                bandwidth; at least its operators x the device's op_overhead_us (cost/op_count.py;
+                under compile its blocks' as the kernels their compiled graphs launch)
                 where the device runs kernels beside the host issuing them (GPUs: the host runs
                 ahead), their sum on a CPU (the same cores do both); under op, in series, the
                 forward operators of its blocks x op_checkpoint_overhead_us (torch's selective-
-                checkpoint policy, a Python call per operator in the forward and the recompute)
+                checkpoint policy, a Python call per operator in the forward and the recompute;
+                eager only: compile applies it while tracing)
     tp_r        Megatron's 4 collectives per block ([b, S, d] in the compute dtype: 2 in forward,
                 2 in backward; all-reduces, or all-gather + reduce-scatter under sequence
                 parallelism, which move the same bytes), 2 more per recomputed block, and those of
@@ -141,7 +143,9 @@ class RankWork:
     # fast eager as compiled, so math_rate leaves them), a memory family's memory arithmetic
     attention_flops: float = 0.0
     float8_speedup: float = 1.0  # under float8: float8 / bf16 speed of its linear_flops (cost/float8.py)
-    ops: float = 0.0  # eager operators it dispatches per micro-batch (cost/op_count.py; recomputed forwards included)
+    # host calls per micro-batch: eager operators, or a compiled block's launches (cost/op_count.py; recomputed
+    # forwards included)
+    ops: float = 0.0
     # activation_checkpointing=op: bytes per micro-batch (tp-local) of the elementwise outputs its
     # backward makes again (none's kept activations less op's, cost/memory.py)
     op_recompute_bytes: float = 0.0

@@ -21,7 +21,8 @@ import re
 
 import yaml
 
-from megatron_taper.checkpoint.checkpointer import LEFTOVER, STEP_DIR, broadcast_from_main
+from megatron_taper.checkpoint.checkpointer import broadcast_from_main
+from megatron_taper.checkpoint.folders import LEFTOVER, STEP_DIR
 from megatron_taper.config import Config
 from megatron_taper.launch_check import WRITE_PROBE
 from megatron_taper.training.run_lock import RunLock
@@ -31,7 +32,7 @@ MARKERS = ("config.yaml", "metrics.jsonl", "checkpoints")
 # everything else a run writes in its folder (megatron_taper/training, checkpoint, fault)
 RUN_FILES = frozenset({*MARKERS, "tb", "logs", "wandb", "wandb_id", "data_skips.json", ".lock", "config.yaml.tmp",
                        "metrics.jsonl.tmp", "data_skips.json.tmp"})
-ABANDONED = re.compile(r"^abandoned-step-\d+(-\d+)?$")  # checkpointer._set_aside_abandoned
+ABANDONED = re.compile(r"^abandoned-step-\d+(-\d+)?$")  # checkpoint/folders.py set_aside_abandoned
 READ_LIMIT = 1 << 20  # bytes of config.yaml / of metrics.jsonl's first line read to recognise them
 
 

@@ -26,13 +26,13 @@ ARGS = ["model.n_layers=2", "model.d_model=32", "model.n_heads=2", "model.vocab_
 
 
 def _fit_with_slow_delete(overrides: list[str], markers: str) -> dict:
-    import megatron_taper.checkpoint.checkpointer as checkpointer
+    import megatron_taper.checkpoint.folders as folders
     from megatron_taper.config import load_config
     from megatron_taper.training.trainer import Trainer
 
     rank = int(os.environ["RANK"])
     waited: dict[int, bool] = {}
-    real_remove = checkpointer.remove_tree
+    real_remove = folders.remove_tree
 
     def slow_remove(path: str) -> None:
         pruned = re.search(r"step-(\d+)$", path)
@@ -45,7 +45,7 @@ def _fit_with_slow_delete(overrides: list[str], markers: str) -> dict:
             waited[int(pruned.group(1))] = os.path.exists(marker)
         real_remove(path)
 
-    checkpointer.remove_tree = slow_remove
+    folders.remove_tree = slow_remove
     trainer = Trainer(load_config(None, overrides))
     if rank == 1:
         step = trainer.train_step

@@ -125,13 +125,13 @@ def _resumed_step_with_a_lagging_listing(overrides):
     """Build a Trainer (it resumes on construction) while rank 1's listing of checkpoints/ misses
     the newest folder, as a shared filesystem's listing can right after a restart: the step it
     resumed."""
-    from megatron_taper.checkpoint import checkpointer
+    from megatron_taper.checkpoint import folders
     from megatron_taper.config import load_config
     from megatron_taper.training.trainer import Trainer
 
-    listing = checkpointer.list_checkpoints
+    listing = folders.list_checkpoints
     if os.environ["RANK"] == "1":
-        checkpointer.list_checkpoints = lambda root: listing(root)[:-1]
+        folders.list_checkpoints = lambda root: listing(root)[:-1]
     return Trainer(load_config(None, overrides)).step
 
 

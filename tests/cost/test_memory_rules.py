@@ -113,19 +113,24 @@ def test_head_weight_gradient_moment(loss_chunk):
 
 
 def test_float8_blocks_keep_no_bf16_weight_copy():
-    """Under bf16 autocast the blocks' linears, torchao Float8Linear under train.float8, save their
-    fp32 weights uncast: 2 bytes per block parameter fewer; the head keeps its bf16 copy; fp32
-    has no copies either way (train.float8 reaches the setup through from_config)."""
+    """Under bf16 autocast the block linears train.float8 converts (torchao Float8Linear) save their
+    fp32 weights uncast: 2 bytes fewer per parameter of theirs (here every linear: float8_min_dim
+    16); the norms and the head keep their bf16 copies; the default rule converts nothing at d_model
+    64, so nothing changes; fp32 has no copies either way (train.float8 and its rule reach the
+    setup through from_config)."""
     cfg = load_config(None, ["model.n_layers=2", "model.d_model=64", "model.n_heads=4", "model.vocab_size=512",
-                             "model.seq_len=128", "train.float8=true"])
+                             "model.seq_len=128", "train.float8=true", "train.float8_min_dim=16"])
     costs = model_costs(cfg.model)
     setup = MemorySetup.from_config(cfg.parallel, cfg.train, dp=1, bf16=True)
-    assert setup.float8
+    assert setup.float8 and setup.float8_min_dim == 16
     with_f8 = model_memory(cfg.model, setup, costs)
     without = model_memory(cfg.model, dataclasses.replace(setup, float8=False), costs)
-    for a, b in zip(with_f8.layers, without.layers):
-        assert b.static - a.static == pytest.approx(2.0 * a.params, rel=1e-12)
+    for a, b, width in zip(with_f8.layers, without.layers, costs.widths):
+        linears = 4 * 64 * 64 + 3 * 64 * width  # wq wk wv wo, w1 w3 w2
+        assert b.static - a.static == pytest.approx(2.0 * linears, rel=1e-12) and linears < a.params
     assert with_f8.head.static == without.head.static
+    default_rule = model_memory(cfg.model, dataclasses.replace(setup, float8_min_dim=4096), costs)
+    assert [x.static for x in default_rule.layers] == [x.static for x in without.layers]
     fp32 = dataclasses.replace(setup, bf16=False)
     assert model_memory(cfg.model, fp32, costs).layers[0].static == model_memory(
         cfg.model, dataclasses.replace(fp32, float8=False), costs).layers[0].static

@@ -82,17 +82,52 @@ def test_the_planner_counts_recomputed_forwards_and_the_ends_on_the_last_stage()
     assert torch.get_default_dtype() == torch.float32  # counting leaves the process as it was
 
 
-def test_op_checkpointing_pays_the_policy_per_forward_operator_in_series():
-    """activation_checkpointing=op: each micro-batch pays its blocks' forward operators x
+def test_op_checkpointing_pays_the_policy_per_forward_operator_in_series_when_eager():
+    """activation_checkpointing=op, eager: each micro-batch pays its blocks' forward operators x
     op_checkpoint_overhead_us in series (cost/step_time.py); on a GPU the recomputed elementwise
-    bytes hide, for this tiny model, under its operators' issue time."""
+    bytes hide, for this tiny model, under its operators' issue time. Compiled, the policy runs
+    while tracing (none of its calls in a compiled step, checked on the CPU): no cost."""
     from megatron_taper.cost.preflight import step_split
 
-    cfg = load_config("configs/tiny_taper.yaml", ["train.precision=bf16"])
-    op_cfg = load_config("configs/tiny_taper.yaml", ["train.precision=bf16", "train.activation_checkpointing=op"])
+    h200 = profiles()["h200"]
+    predictor = None  # one for the four configurations: the same model, its counts made once
+    for compile_setting in ("false", "true"):
+        base = ["train.precision=bf16", f"train.compile={compile_setting}"]
+        cfg = load_config("configs/tiny_taper.yaml", base)
+        op_cfg = load_config("configs/tiny_taper.yaml", [*base, "train.activation_checkpointing=op"])
+        predictor = predictor or Predictor(cfg, h200)
+        none, op = predictor.predict(cfg, 1, float("inf")), predictor.predict(op_cfg, 1, float("inf"))
+        per_micro_batch = (predictor.op_counts(1).block_forward * cfg.model.n_layers * h200.op_checkpoint_overhead_us
+                           * 1e-6 if compile_setting == "false" else 0.0)
+        micro_batches = step_split(cfg.parallel, cfg.train, 1)[1]
+        assert op.step.total - none.step.total == pytest.approx(micro_batches * per_micro_batch, rel=1e-9, abs=1e-12)
+
+
+def test_compiled_blocks_cost_the_host_their_launches_not_their_eager_operators():
+    """train.compile: a measured family's blocks count the launches of their compiled graphs, its
+    eager operators x the measured ratio (cost/speedups.json compiled_launches: 44 launches for a
+    Transformer block's 225 operators, benchmarks/compiled_launches.py); the ends stay eager; a
+    family not measured keeps its eager count. On an H200 the tiny model is host-bound, so its
+    compiled step is that much shorter."""
+    from megatron_taper.cost.float8 import read_speedups
+    from megatron_taper.cost.op_count import compiled_launches
+    from megatron_taper.cost.preflight import step_split
+
+    measured = read_speedups()["compiled_launches"]["transformer"]
+    cfg = load_config("configs/tiny_taper.yaml", ["train.precision=bf16", "train.compile=true"])
+    assert compiled_launches(cfg.model) == (measured["forward"], measured["block"])
+    assert 0.1 < measured["block"] < 0.3  # 44 / 225, measured under bf16 autocast
+    ops, n = count_ops(cfg.model), cfg.model.n_layers
     h200 = profiles()["h200"]
     predictor = Predictor(cfg, h200)
-    none, op = predictor.predict(cfg, 1, float("inf")), predictor.predict(op_cfg, 1, float("inf"))
-    per_micro_batch = count_ops(cfg.model).block_forward * cfg.model.n_layers * h200.op_checkpoint_overhead_us * 1e-6
+    # one recomputed block: its forward again, as launches too
+    assert predictor.rank_ops(1, 1, "1f1b", [1], 1, compiled=True) == pytest.approx(
+        [n * ops.block * measured["block"] + ops.block_forward * measured["forward"] + ops.ends], rel=1e-12)
+    compiled = predictor.predict(cfg, 1, float("inf"))
+    eager = predictor.predict(load_config("configs/tiny_taper.yaml", ["train.precision=bf16", "train.compile=false"]),
+                              1, float("inf"))
     micro_batches = step_split(cfg.parallel, cfg.train, 1)[1]
-    assert op.step.total - none.step.total == pytest.approx(micro_batches * per_micro_batch, rel=1e-9)
+    issue = micro_batches * h200.op_overhead_us * 1e-6
+    assert eager.step.compute == pytest.approx(issue * (n * ops.block + ops.ends), rel=1e-9)  # host-bound
+    assert compiled.step.compute == pytest.approx(issue * (n * ops.block * measured["block"] + ops.ends), rel=1e-9)
+    assert compiled_launches(load_config("configs/tiny_titans.yaml", []).model) == (1.0, 1.0)  # not measured

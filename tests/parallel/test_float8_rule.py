@@ -44,6 +44,36 @@ def test_the_rule_converts_only_linears_of_4096_features_and_more():
     assert len(names) == 4 * 5
 
 
+def test_the_memory_model_keeps_the_bf16_copies_of_the_linears_the_rule_leaves():
+    """Under bf16 autocast a converted linear saves its fp32 weight uncast, a linear the rule leaves
+    in bf16 keeps its bf16 copy (cost/memory.py). On the 8B slice the default rule leaves wk and wv
+    (4096 -> 1024) in bf16: each block keeps their 2 x 2 x 4096 x 1024 bytes of copies, against
+    every linear converted, and none of the others'."""
+    from megatron_taper.cost.flops import model_costs
+    from megatron_taper.cost.memory import MemorySetup, model_memory
+
+    cfg = load_config("configs/transformer_1.3b_taper.yaml", [*SLICE_8B, "parallel.zero=none"])
+    costs = model_costs(cfg.model)
+    setup = MemorySetup.from_config(cfg.parallel, cfg.train, dp=1, bf16=True)
+    assert setup.float8 and setup.float8_min_dim == 4096
+    static = {}
+    for name, changes in (("bf16", {"float8": False}), ("rule", {}), ("every linear", {"float8_min_dim": 16})):
+        memory = model_memory(cfg.model, dataclasses.replace(setup, **changes), costs)
+        static[name] = [piece.static for piece in memory.layers]
+        assert memory.head.static == model_memory(cfg.model, setup, costs).head.static  # the head stays bf16
+    kv = 2 * 4096 * 1024  # wk, wv: 8 heads x 128
+    for i, width in enumerate(costs.widths):
+        linears = 2 * 4096 * 4096 + kv + 3 * 4096 * width  # wq wo, wk wv, w1 w3 w2
+        assert static["bf16"][i] - static["every linear"][i] == 2 * linears
+        assert static["rule"][i] - static["every linear"][i] == 2 * kv
+    # the planner's peak under the rule lies between bf16's and every linear's
+    planned = load_config("configs/transformer_1.3b_taper.yaml", SLICE_8B)
+    predictor = Predictor(planned, dataclasses.replace(profiles()["h200"], op_overhead_us=0.0))  # memory alone
+    peaks = [predictor.predict(with_values(planned, values), 1, float("inf")).peak
+             for values in ({"train.float8_min_dim": 16}, {}, {"train.float8": False})]
+    assert peaks[0] < peaks[1] < peaks[2]
+
+
 def test_the_rule_and_the_table_agree():
     """The default threshold is where the table's interpolated ratio is above 1 for both recipes,
     and a dimension of 2048 (our measured 1.3B) below it; mxfp8 needs multiples of 32."""

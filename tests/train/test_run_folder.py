@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_taper.checkpoint.checkpointer import _leftovers
+from megatron_taper.checkpoint.folders import leftovers
 from megatron_taper.config import ConfigError, load_config
 from megatron_taper.train import main
 from megatron_taper.training.run_folder import NotARunFolder, check_run_folder, resume_changes
@@ -110,9 +110,9 @@ def test_leftovers_are_removed_only_in_a_runs_checkpoints_folder(tmp_path):
         for name in names:
             (tmp_path / folder / "checkpoints" / name).mkdir(parents=True)
     (tmp_path / "run" / "config.yaml").write_text("model: {}\ntrain: {}\n")
-    assert sorted(Path(p).name for p in _leftovers(str(tmp_path / "run" / "checkpoints"))) == [
+    assert sorted(Path(p).name for p in leftovers(str(tmp_path / "run" / "checkpoints"))) == [
         ".tmp-step-4", ".trash-.tmp-step-4-1", ".trash-step-2-0"]
-    assert _leftovers(str(tmp_path / "elsewhere" / "checkpoints")) == []
+    assert leftovers(str(tmp_path / "elsewhere" / "checkpoints")) == []
 
 
 def test_a_global_batch_change_on_resume_warns_and_counts_tokens(byte_tokens, tmp_path):

@@ -229,37 +229,22 @@ class _ReduceFromRegion(torch.autograd.Function):
         return grad, None
 
 
-class _GatherFromSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _gather_seq(x, group)
+class _SeqRegion(torch.autograd.Function):
+    """A sequence collective whose backward is its transpose: "gather" (all-gather; backward
+    reduce-scatter), "reduce_scatter" (backward all-gather), "split" (backward all-gather)."""
 
     @staticmethod
-    def backward(ctx, grad):
-        return _reduce_scatter_seq(grad, ctx.group), None
-
-
-class _ReduceScatterToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _reduce_scatter_seq(x, group)
+    def forward(ctx, x, group, op):
+        ctx.group, ctx.op = group, op
+        if op == "gather":
+            return _gather_seq(x, group)
+        return _reduce_scatter_seq(x, group) if op == "reduce_scatter" else _split_seq(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather_seq(grad, ctx.group), None
-
-
-class _ScatterToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _split_seq(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather_seq(grad, ctx.group), None
+        if ctx.op == "gather":
+            return _reduce_scatter_seq(grad, ctx.group), None, None
+        return _gather_seq(grad, ctx.group), None, None
 
 
 class _GatherWholeSeq(torch.autograd.Function):
@@ -284,17 +269,17 @@ def reduce_from_tp_region(x: torch.Tensor, group: Group) -> torch.Tensor:
 
 def gather_from_seq_region(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Sequence-sharded input of a column-parallel region ([B, S/tp, ...] -> [B, S, ...])."""
-    return _GatherFromSeq.apply(x, group)
+    return _SeqRegion.apply(x, group, "gather")
 
 
 def reduce_scatter_to_seq_region(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Partial sums leaving a row-parallel region ([B, S, ...] -> summed [B, S/tp, ...])."""
-    return _ReduceScatterToSeq.apply(x, group)
+    return _SeqRegion.apply(x, group, "reduce_scatter")
 
 
 def scatter_to_seq_region(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Replicated [B, S, ...] -> this rank's [B, S/tp, ...] chunk."""
-    return _ScatterToSeq.apply(x, group)
+    return _SeqRegion.apply(x, group, "split")
 
 
 def gather_whole_seq(x: torch.Tensor, group: Group) -> torch.Tensor:
