@@ -65,6 +65,12 @@ def block_linears(m: ModelConfig, width: int) -> list[tuple[int, int]]:
     return [(d, q), (d, kv), (d, kv), (q, d), *mlp, (width, d)]
 
 
+def converted_params(m: ModelConfig, width: int, min_dim: int, recipe: str) -> float:
+    """Parameters of a block of MLP width `width` in the linears the rule converts (float8 runs at
+    tp = 1: whole linears); the memory model drops their bf16 copies."""
+    return float(sum(k * n for k, n in block_linears(m, width) if float8_converts(k, n, min_dim, recipe)))
+
+
 def block_float8_speedup(m: ModelConfig, width: int, min_dim: int, recipe: str) -> float:
     """float8 / bf16 speed of a block's linear matmuls together (block_linears, FLOPs-weighted):
     the rule's linears at their ratio, the others at 1."""

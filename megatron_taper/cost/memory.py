@@ -133,7 +133,7 @@ from typing import TYPE_CHECKING, Sequence
 
 from megatron_taper.cost.block import Cost, Split, prefix_sums
 from megatron_taper.cost.cp import CPMessage, block_messages, received_bytes, whole_attention
-from megatron_taper.cost.float8 import block_linears, float8_converts
+from megatron_taper.cost.float8 import converted_params
 from megatron_taper.cost.flops import ModelCosts, head_cost, model_costs
 from megatron_taper.cost.stage_memory import to_memory_model
 
@@ -436,15 +436,6 @@ def piece_memory(cost: Cost, shares: Split, setup: MemorySetup, tokens: int, rec
     return PieceMemory(params, static, kept, peak, retained, made)
 
 
-def float8_params(cfg: ModelConfig, width: int, setup: MemorySetup) -> float:
-    """Parameters of a block of MLP width `width` in the linears train.float8 converts (block_linears,
-    the rule's float8_converts; float8 runs at tp = 1: whole linears); 0 without float8."""
-    if not setup.float8:
-        return 0.0
-    return float(sum(k * n for k, n in block_linears(cfg, width)
-                     if float8_converts(k, n, setup.float8_min_dim, setup.float8_recipe)))
-
-
 def boundary_bytes(d_model: int, tokens: int, setup: MemorySetup) -> float:
     """A block's input / a stage's output [b, S, d] (fp32 residual stream) on one rank."""
     return 4.0 * d_model * tokens / (setup.tp if setup.sequence_parallel else 1)
@@ -462,7 +453,8 @@ def model_memory(cfg: ModelConfig, setup: MemorySetup, costs: ModelCosts | None 
     masks = document_mask_bytes(cfg, costs.widths, setup)
     layers = [piece_memory(context_parallel_cost(cost, cfg, setup, sent), _shares(cfg, setup.tp, width, setup.ep),
                            setup, tokens, str(i) in recomputed, cfg.d_model, block=True, received=received_bytes(sent),
-                           mask=mask, float8_params=float8_params(cfg, width, setup))
+                           mask=mask, float8_params=setup.float8 and converted_params(
+                               cfg, width, setup.float8_min_dim, setup.float8_recipe))
               for i, (cost, width, sent, mask) in enumerate(zip(costs.layers, costs.widths, messages, masks))]
     if setup.fsdp and not setup.pipelined:
         layers = _gathered_units(layers, setup)
