@@ -21,4 +21,5 @@ from megatron_taper.models.titans.parallel import check_titans_layout, tp_plan_t
 SPECS = (FamilySpec(card=TITANS, build=lazy("megatron_taper.models.titans.model", "Titans"),
                     layer_cost=titans_layer_cost, tp_block_plan=tp_plan_titans_block,
                     check_layout=check_titans_layout, context_parallel=True, cp_balanced=False,
-                    cp_messages=cp_messages, document_mask=True, document_mask_cp=True),)
+                    cp_messages=cp_messages, document_mask=True, document_mask_cp=True,
+                    document_mask_ulysses=True),)

@@ -150,15 +150,20 @@ class SequenceSplit:
         lays it out (each rank's two chunks in rank order)."""
         return torch.cat([self.positions_of(r, local_len, device) for r in range(self.cp)])
 
-    def document_ids(self, doc_start: torch.Tensor) -> torch.Tensor:
-        """Document ids [B, S] of the whole sequence, in position order, from this rank's doc_start
-        [B, s]: every rank's starts all-gathered (B x S bytes), then counted along the whole
-        sequence, so that ids agree across slices (models/layers.py document_ids)."""
+    def whole_doc_start(self, doc_start: torch.Tensor) -> torch.Tensor:
+        """doc_start [B, S] of the whole sequence, in position order, from this rank's [B, s]: every
+        rank's starts all-gathered (uint8, B x S bytes in the gathered buffer)."""
         s = doc_start.shape[1]
         gathered = gather_from_seq_region(doc_start.to(torch.uint8), self.group)  # [B, S] in rank order
         starts = torch.empty_like(gathered)
         starts[:, self.gathered_positions(s, doc_start.device)] = gathered
-        return document_ids(starts.bool())
+        return starts.bool()
+
+    def document_ids(self, doc_start: torch.Tensor) -> torch.Tensor:
+        """Document ids [B, S] of the whole sequence, in position order, from this rank's doc_start
+        [B, s]: the starts of the whole sequence (whole_doc_start) counted along it, so that ids
+        agree across slices (models/layers.py document_ids)."""
+        return document_ids(self.whole_doc_start(doc_start))
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: torch.Tensor | None = None,
                doc_start: torch.Tensor | None = None) -> torch.Tensor:
