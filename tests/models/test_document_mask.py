@@ -140,10 +140,12 @@ def test_bad_configs_are_one_clear_error(tmp_path):
         with pytest.raises(ConfigError, match=rf"data.document_mask=true: model.arch='{unsupported[0]}' .*transformer"):
             preflight(cfg, 1)
     # under cp: the families whose state passing keeps documents; under Ulysses' all-to-alls the
-    # attention families (Titans' window of 64 needs slices of at least 63 tokens: seq_len 128)
+    # attention families and the per-head memories (Titans' window of 64 needs slices of at least
+    # 63 tokens: seq_len 128)
     for arch, attention, refused in (("transformer", "ring", False), ("titans", "allgather", False),
                                      ("hope_attention", "allgather", True), ("transformer", "ulysses", False),
-                                     ("gated_attention", "ulysses", False), ("titans", "ulysses", True)):
+                                     ("gated_attention", "ulysses", False), ("titans", "ulysses", False),
+                                     ("linear_memory", "ulysses", False), ("deep_memory", "ulysses", False)):
         cfg = load_config(None, ["data.document_mask=true", f"model.arch={arch}", "parallel.cp=2",
                                  f"parallel.cp_attention={attention}", "model.seq_len=128"])
         if refused:
@@ -151,10 +153,10 @@ def test_bad_configs_are_one_clear_error(tmp_path):
                 preflight(cfg, 2)
         else:
             preflight(cfg, 2)
-    cfg = load_config(None, ["data.document_mask=true", "model.arch=titans", "parallel.cp=2",
+    cfg = load_config(None, ["data.document_mask=true", "model.arch=hope_attention", "parallel.cp=2",
                              "parallel.cp_attention=ulysses", "model.seq_len=128"])
-    with pytest.raises(ConfigError, match=r"with ulysses: transformer, gated_attention\); use "
-                                          r"parallel.cp_attention=allgather, parallel.cp=1"):
+    with pytest.raises(ConfigError, match=r"'hope_attention' \(families that keep documents under cp with ulysses: "
+                                          r"[^)]*titans"):
         preflight(cfg, 2)
     (tmp_path / "train").mkdir()
     (tmp_path / "stats.json").write_text('{"vocab_size": 512}')

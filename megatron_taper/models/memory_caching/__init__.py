@@ -19,7 +19,9 @@ MODEL = "megatron_taper.models.memory_caching.model"
 
 SPECS = (FamilySpec(card=LINEAR_MEMORY, build=lazy(MODEL, "LinearMemoryLM"), layer_cost=linear_memory_layer_cost,
                     tp_block_plan=tp_plan_memory_caching_block, check_layout=check_memory_caching_layout,
-                    context_parallel=True, document_mask=True, cp_balanced=False, cp_messages=cp_messages),
+                    context_parallel=True, document_mask=True, cp_balanced=False, cp_messages=cp_messages,
+                    document_mask_ulysses=True),
          FamilySpec(card=DEEP_MEMORY, build=lazy(MODEL, "DeepMemoryLM"), layer_cost=deep_memory_layer_cost,
                     tp_block_plan=tp_plan_memory_caching_block, check_layout=check_memory_caching_layout,
-                    context_parallel=True, document_mask=True, cp_balanced=False, cp_messages=cp_messages))
+                    context_parallel=True, document_mask=True, cp_balanced=False, cp_messages=cp_messages,
+                    document_mask_ulysses=True))
