@@ -42,6 +42,23 @@ Convolutions on q, k, v (K taps) read the last K - 1 projected inputs of the sli
 previous_rows of the mixer's input x [B, K - 1, D] (halo, bytes B x (K - 1) x D x 4 per layer
 and direction), projected here by the bias-free wk, wv, wq (rank 0's zero rows project to the
 one-process zero padding).
+
+parallel.cp_attention=ulysses (`ulysses_reads`): no handover. Every state, cached state, mean key,
+score and weight of Memory Caching is per head, so each rank runs the one-process mixer on the whole
+sequence for H / cp of the heads (any split: slices need not hold whole segments or chunks):
+
+    the rank's tokens' q, k, v projections before the convolution, the gate pre-activations (g = 3
+      per head deep, 2 linear) and W_u's projection (gated variants) [B, s, H, 3 E + g (+ E)]
+      -> all-to-all (parallel/cp/ulysses.py seq_to_heads) -> [B, S, H / cp, ...]
+    convolution (those heads' taps), gates, MemoryCachingMixer.head_reads (segments, cache, scores)
+    reads [B, S, H / cp, E] -> all-to-all back -> [B, s, H, E] -> the read-out per token
+    documents: the ranks' doc_start all-gathered (SequenceSplit.whole_doc_start, as attention's),
+      the channels packed as one process packs x (padding rows: the channels of a zero row)
+
+Bytes per layer and micro-batch (cost.py cp_messages): the two buffers a B s H (4 E + g (+ E))
+forward and again backward, (cp - 1) / cp of each leaving the rank; with documents also B S bytes
+of doc_start all-gathered. Nothing waits in a chain: the deep memory's wavefront and the linear
+memory's prefix are gone, and each rank's activations are those of S tokens for H / cp heads.
 """
 from __future__ import annotations
 

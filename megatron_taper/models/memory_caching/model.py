@@ -39,9 +39,12 @@ Tensor parallelism splits everything by head (scores, gammas and reads are per h
 Titans' `tp_plan_memory` (memory_caching/parallel.py); W_u is column-parallel like wq. Context
 parallelism (the mixer's `context`): each rank's slice is whole segments and starts from the state
 the slices before it hand over (memory_caching/cp.py: a prefix for the linear memory, a chain for
-the deep one).
+the deep one); with parallel.cp_attention=ulysses instead each rank runs this mixer (`head_reads`)
+on the whole sequence for its share of the heads, from the all-to-all of the memory's inputs
+(memory_caching/cp.py ulysses_reads).
 
-Documents (`doc_start` [B, S], True where a new document begins; context parallelism refused):
+Documents (`doc_start` [B, S], True where a new document begins; under context parallelism only
+with parallel.cp_attention=ulysses, where each rank packs the whole sequence's documents):
 the mixer runs on the documents packed (titans/documents.py), each moved to a segment boundary
 (a chunk boundary for `none`) with its last segment padded by rows that write nothing. A segment
 that starts a document starts from the base's initial state (the chunk before it hands on zero,
