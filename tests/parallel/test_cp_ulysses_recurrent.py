@@ -27,7 +27,12 @@ exactly (whole tensors).
 4 processes, once: the deep memory (grm) with documents at cp=2 x fsdp2 dp=2 (the memory's per-head
 parameters sliced by each cp rank from the gathered FSDP2 shards; measured: gradients 1.6e-5, final
 parameters 8.4e-6).
+
+Preflight (no processes): under Ulysses the Memory Caching slices need not hold whole segments
+(the prefix's and the chain's rule), documents are kept, and heads that do not divide by cp are
+refused with the keys (parallel.cp, model.n_heads, parallel.tp).
 """
+import re
 from contextlib import nullcontext
 
 import pytest
@@ -35,14 +40,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_taper.config import load_config
 from megatron_taper.cost.cp import ALLTOALL, cp_messages
+from megatron_taper.cost.preflight import preflight
+from megatron_taper.validation import ConfigError
 from tests.helpers.cp_harness import batch, build, compare, merge_stages, reference, stage_worker, train
 from tests.helpers.harness import run_distributed
 from tests.parallel.test_cp_memory_caching import MODEL as MEMORY_CACHING
 from tests.parallel.test_cp_memory_caching import TOL as MEMORY_CACHING_TOL
 from tests.parallel.test_cp_titans import MODEL as TITANS
 from tests.parallel.test_cp_titans import TOLERANCES as TITANS_TOL
-
-pytestmark = pytest.mark.multiprocess
 
 ULYSSES = ["parallel.cp=2", "parallel.cp_attention=ulysses"]
 DOCUMENTS = ["data.document_mask=true"]
@@ -91,6 +96,7 @@ def _train_and_count(layouts):
     return out
 
 
+@pytest.mark.multiprocess
 def test_ulysses_cp2_matches_one_process_with_and_without_documents():
     """One 2-process launch: every case at cp=2 under Ulysses against one process, and its bytes."""
     results = run_distributed(_train_and_count, 2, [o + ULYSSES for o, _ in CASES.values()], timeout=600)
@@ -103,9 +109,23 @@ def test_ulysses_cp2_matches_one_process_with_and_without_documents():
         assert [rank[case][1] for rank in results] == [want, want], label
 
 
+@pytest.mark.multiprocess
 def test_ulysses_deep_memory_documents_with_fsdp2():
     """4 processes: the deep memory with documents at cp=2 x fsdp2 dp=2 (FSDP2 shards over dp x cp)."""
     overrides = _memory_caching("deep_memory", "grm", *DOCUMENTS)
     got = merge_stages(run_distributed(stage_worker, 4, [overrides + ULYSSES + ["parallel.zero=fsdp2"]],
                                        timeout=300))[0]
     compare(got, reference(overrides), "ulysses cp=2 x fsdp2 dp=2 deep_memory grm, documents", MEMORY_CACHING_TOL)
+
+
+def test_preflight_under_ulysses():
+    """Memory Caching with slices of 24 tokens (segment 16) and documents passes under Ulysses and is
+    refused by the prefix's rule without it; 4 heads over tp=4 do not split over cp=2."""
+    slices = _memory_caching("linear_memory", "grm", "model.seq_len=48", *DOCUMENTS)
+    preflight(load_config(None, slices + ULYSSES), 2)
+    with pytest.raises(ConfigError, match=re.escape("model.memory_caching.segment=16 does not divide")):
+        preflight(load_config(None, _memory_caching("linear_memory", "grm", "model.seq_len=48", "parallel.cp=2")), 2)
+    with pytest.raises(ConfigError, match=re.escape("model.n_heads=4 / parallel.tp=4 = 1 heads per tp rank must "
+                                                    "divide by parallel.cp=2")):
+        four = _memory_caching("deep_memory", "soup", "parallel.tp=4", "model.taper.multiple=8")
+        preflight(load_config(None, four + ULYSSES), 8)
