@@ -6,7 +6,8 @@ model.py          the caching mixer, its blocks and both models
 linear_memory.py  the linear base: gated linear attention in chunked, loop-free form
 cost.py           both families' cost terms and context-parallel message sizes (torch-free)
 parallel.py       their tensor-parallel plan and layout checks
-cp.py             their context-parallel handover: a prefix for the linear memory, a chain for the deep one
+cp.py             their context-parallel handover: a prefix for the linear memory, a chain for the deep one;
+                  or (parallel.cp_attention=ulysses) each rank's share of the heads over the whole sequence
 
 This module holds the families' SPECS only; the model code is imported when a model is built.
 """

@@ -4,10 +4,12 @@ memory, as a gate (MAG), a layer (MAL) or context (MAC).
 model.py          the blocks and the model (single-device code)
 neural_memory.py  the neural memory: its chunked parallel form and hand-written backward (also the
                   deep Memory Caching family's base)
+convolution.py    the causal depthwise convolution on the memories' q, k, v
 cost.py           its cost terms and context-parallel message sizes (torch-free)
 parallel.py       its tensor-parallel plan and layout checks (torch-free at module level)
 cp.py             its context-parallel forward: the memory's state passed along the cp chain, or
-                  (parallel.cp_attention=ulysses) each rank's share of the heads scanned whole
+                  (parallel.cp_attention=ulysses) each rank's share of the heads scanned whole (its
+                  all-to-all helpers also serve Memory Caching)
 documents.py      packed documents (data.document_mask): each moved to a chunk or segment boundary
                   with its own positions (also used by Memory Caching, Hope-attention, the bridge, the tree)
 
