@@ -19,6 +19,9 @@ all-gathers of the segments' summaries forward and as many reduce-scatters backw
 (summary_sizes); p2p sends per layer: the convolution halo forward (ranks r < cp - 1) and its
 gradient backward (r > 0), and for the deep memory the chain's handover forward (r < cp - 1, after
 r + 1 slices) and its gradient backward (r > 0, after r slices) (halo_bytes, handover_sizes).
+With parallel.cp_attention=ulysses (memory_caching/cp.py ulysses_reads) neither: per layer two
+all-to-alls forward (the memory's inputs, the reads back) and two backward, each call's buffer
+(cost/cp.py cp_messages' all-to-all bytes, twice).
 
 Prints one JSON object: {"config": ..., "results": [one per (case, seq_len, cp), with "ranks"]}.
 """
@@ -36,14 +39,19 @@ sys.path[:0] = [REPO, HERE]
 EXTRA = ["model.memory_caching.segment=256"]
 
 
-def theory(mcfg, cp: int, rank: int, micro_batch: int, params: int) -> dict:
+def theory(mcfg, cp: int, rank: int, micro_batch: int, params: int, attention: str = "allgather") -> dict:
     """c10d calls and bytes of one micro-batch's forward_backward on cp rank `rank` (module doc)."""
+    from megatron_taper.cost.cp import ALLTOALL, cp_messages
     from megatron_taper.models.memory_caching.cost import halo_bytes, handover_sizes, segments_per_slice, summary_sizes
 
     if cp == 1:
         return {}
     layers = mcfg.n_layers
     out = {"all_reduce": {"bytes": 8 + 4 * params}}
+    if attention == "ulysses":
+        blocks = cp_messages(mcfg, micro_batch, mcfg.seq_len, cp, attention=attention)
+        return {**out, "all_to_all": {"calls": 4 * layers, "bytes": 2 * sum(m.bytes for block in blocks
+                                                                            for m in block if m.kind == ALLTOALL)}}
     sends = [(1, halo_bytes(mcfg, micro_batch))] * ((rank < cp - 1) + (rank > 0)) if halo_bytes(mcfg, 1) else []
     if mcfg.arch == "deep_memory":
         n = segments_per_slice(mcfg, cp)
@@ -69,7 +77,8 @@ def worker(overrides: list[str], steps: int, out_dir: str) -> None:
     row = measure(overrides, steps)
     cfg = load_config(None, SHAPE + overrides)
     params = sum(p.numel() for p in build_model(cfg.model).parameters())
-    row["comm_theory"] = theory(cfg.model, cfg.parallel.cp, row["rank"], cfg.train.micro_batch, params)
+    row["comm_theory"] = theory(cfg.model, cfg.parallel.cp, row["rank"], cfg.train.micro_batch, params,
+                                cfg.parallel.cp_attention)
     row.pop("comm_ring_bytes_per_rank")
     with open(os.path.join(out_dir, f"rank{row['rank']}.json"), "w") as f:
         json.dump(row, f)
@@ -107,6 +116,7 @@ def main() -> None:
                              *EXTRA, *args.overrides]
                 ranks = launch(overrides, cp, args.steps)
                 row = {"arch": arch, "variant": variant, "seq_len": seq, "cp": cp,
+                       "cp_attention": ranks[0]["cp_attention"],
                        "step_time_s": max(r["step_time_s"] for r in ranks),
                        "peak_activation_bytes": max(r["measured_activation_bytes"] for r in ranks),
                        "predicted_activation_bytes": ranks[0]["predicted_activation_bytes"], "ranks": ranks}

@@ -172,8 +172,9 @@ class ParallelConfig:
     # sequence) | ring (K and V blocks passed around the cp ranks) | ulysses (all-to-all from
     # sequence-sharded to head-sharded: each rank attends over the whole sequence for heads / cp of its
     # heads, then all-to-all back; parallel/cp/ulysses.py). Families whose cp also passes a state
-    # between slices (parallel/cp/state.py) keep that exchange; under ulysses the query heads per tp
-    # rank must divide by cp (kv heads are repeated up to a multiple of cp where they do not)
+    # between slices (parallel/cp/state.py) keep that exchange, except the per-head memories (Titans
+    # MAG / MAL, Memory Caching), which scan the whole sequence for their heads; under ulysses the
+    # query heads per tp rank must divide by cp (kv heads are repeated up to a multiple of cp)
     cp_attention: str = "allgather"
     zero: str = "none"  # none | fsdp2 | deepspeed
     # expert parallelism (model.moe, parallel/ep.py): each MoE layer's experts split over this many

@@ -21,7 +21,8 @@ makes the cp ranks exchange, each a `CPMessage(kind, bytes, what)`:
                output back, two all-to-alls forward; `bytes`: the two buffers of one rank
                ([b, S / cp, H + 2 K', E] and [b, S / cp, H, E], K' = lcm(K, cp)), of which
                (cp - 1) / cp leave it;
-               backward the same two on the gradients.
+               backward the same two on the gradients. Titans MAG / MAL and Memory Caching send
+               their memory's inputs and reads instead ("features": titans/cost.py ulysses_bytes).
 
 `what` names the tensors ("kv" for attention's K and V, which cost/memory.py counts as kv
 elements per token; "qkvo" for Ulysses' q, k, v and output; "doc_start" for the all-gather of the
@@ -57,7 +58,8 @@ CHAIN, HALO, ALLGATHER, RING, ALLTOALL = "chain", "halo", "allgather", "ring", "
 class CPMessage(NamedTuple):
     kind: str  # chain | halo | allgather | ring | alltoall (module doc)
     bytes: float  # per block and micro-batch, one direction (module doc)
-    # kv (attention's K and V) | qkvo (Ulysses' q, k, v, out) | doc_start | state | rows | summary | roots
+    # kv (attention's K and V) | qkvo (Ulysses' q, k, v, out) | features (a memory's, Ulysses) | doc_start
+    # | state | rows | summary | roots
     what: str = "state"
 
 

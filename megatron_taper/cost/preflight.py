@@ -229,17 +229,17 @@ def _check_context_parallel(m: ModelConfig, p: ParallelConfig, t: TrainConfig) -
 
 def _check_ulysses(m: ModelConfig, p: ParallelConfig) -> None:
     """parallel.cp_attention=ulysses (parallel/cp/ulysses.py): a family whose cp messages include an
-    all-to-all (attention over the whole sequence, Titans' memory), whose query heads per tp rank
-    divide by cp (kv heads are repeated to lcm(kv heads, cp))."""
+    all-to-all (attention over the whole sequence, Titans' and Memory Caching's per-head memories),
+    whose query heads per tp rank divide by cp (kv heads are repeated to lcm(kv heads, cp))."""
     from megatron_taper.cost.cp import ALLTOALL, cp_messages
 
     cp = p.cp
     blocks = cp_messages(m, 1, m.seq_len, cp, attention="ulysses")
     if not any(msg.kind == ALLTOALL for block in blocks for msg in block):
-        raise ConfigError(f"parallel.cp_attention='ulysses': model.arch={m.arch!r} has no all-to-all form (its "
-                          f"context parallelism exchanges its memory's state or summaries between the cp slices, "
-                          f"parallel/cp/state.py, and nothing in it is split by heads); use "
-                          f"parallel.cp_attention=allgather")
+        raise ConfigError(f"parallel.cp_attention='ulysses': model.arch={m.arch!r} has no all-to-all form (nothing "
+                          f"in it is per head: its state mixes every channel of d_model, so it cannot be split by "
+                          f"heads; its context parallelism exchanges that state or its summaries between the cp "
+                          f"slices, parallel/cp/state.py); use parallel.cp_attention=allgather")
     heads = m.n_heads // p.tp
     if heads % cp:
         raise ConfigError(f"parallel.cp={cp} with parallel.cp_attention='ulysses' splits each tp rank's heads over "

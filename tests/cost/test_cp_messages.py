@@ -51,9 +51,10 @@ def _rows():
     for r in data["results"]:
         if r["cp"] > 1:
             for rank in r["ranks"]:
-                yield (f"{r['arch']}_{r['variant']}_{r['seq_len']}_rank{rank['rank']}",
+                yield (f"{r['arch']}_{r['variant']}_{r['seq_len']}_{rank['cp_attention']}_rank{rank['rank']}",
                        [f"model.arch={r['arch']}", f"model.memory_caching.variant={r['variant']}",
-                        f"model.seq_len={r['seq_len']}", *data["config"]], r["cp"], "", rank["comm_measured"])
+                        f"model.seq_len={r['seq_len']}", *data["config"]], r["cp"], rank["cp_attention"],
+                       rank["comm_measured"])
 
 
 ROWS = {case: rest for case, *rest in _rows()}

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron_taper.models.titans.neural_memory import Features, NeuralMemory, ReadMix, State
+from megatron_taper.models.titans.neural_memory import ALL_HEADS, Features, NeuralMemory, ReadMix, State
 
 
 def reference_heads(memory: NeuralMemory, proj: nn.Linear, conv: torch.Tensor | None,
@@ -97,11 +97,13 @@ def dense_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pr
 
 
 def reference_chunked_scan(memory: NeuralMemory, features: Features, state: State, chunk_size: int | None = None,
-                           mix: ReadMix | None = None, whole_chunks: bool = False) -> tuple[torch.Tensor, State]:
+                           mix: ReadMix | None = None, whole_chunks: bool = False,
+                           heads: slice = ALL_HEADS) -> tuple[torch.Tensor, State]:
     """NeuralMemory.scan_features as it ran chunk by chunk (the definition of the chunked math):
     ([B, H, T, E], state). `mix`, when given, replaces each memory layer's pre-activation read
     (ReadMix). `whole_chunks`: the state returned is the one after the last whole chunk (a trailing
-    partial chunk is read, not written)."""
+    partial chunk is read, not written). Of every head only (`heads`: as scan_features' signature)."""
+    assert heads == ALL_HEADS, heads
     k, v, q, theta, log_eta, log_keep = features
     size, total = chunk_size or memory.chunk_size, k.shape[2]
     reads = []

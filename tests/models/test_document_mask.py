@@ -140,24 +140,14 @@ def test_bad_configs_are_one_clear_error(tmp_path):
         with pytest.raises(ConfigError, match=rf"data.document_mask=true: model.arch='{unsupported[0]}' .*transformer"):
             preflight(cfg, 1)
     # under cp: the families whose state passing keeps documents; under Ulysses' all-to-alls the
-    # attention families and those whose chain stays (Titans' window of 64 needs slices of at least 63
-    # tokens: seq_len 128)
-    for arch, attention, refused in (("transformer", "ring", False), ("titans", "allgather", False),
-                                     ("hope_attention", "allgather", False), ("bridge", "ring", False),
-                                     ("transformer", "ulysses", False),
-                                     ("gated_attention", "ulysses", False), ("hope_attention", "ulysses", False),
-                                     ("titans", "ulysses", True)):
+    # attention families, the per-head memories and those whose chain stays (Titans' window of 64
+    # needs slices of at least 63 tokens: seq_len 128)
+    for arch, attention in (("transformer", "ring"), ("titans", "allgather"), ("hope_attention", "allgather"),
+                            ("bridge", "ring"), ("transformer", "ulysses"), ("gated_attention", "ulysses"),
+                            ("hope_attention", "ulysses"), ("titans", "ulysses"), ("linear_memory", "ulysses"),
+                            ("deep_memory", "ulysses")):
         cfg = load_config(None, ["data.document_mask=true", f"model.arch={arch}", "parallel.cp=2",
                                  f"parallel.cp_attention={attention}", "model.seq_len=128"])
-        if refused:
-            with pytest.raises(ConfigError, match=rf"data.document_mask=true with parallel.cp=2 .*'{arch}'"):
-                preflight(cfg, 2)
-        else:
-            preflight(cfg, 2)
-    cfg = load_config(None, ["data.document_mask=true", "model.arch=titans", "parallel.cp=2",
-                             "parallel.cp_attention=ulysses", "model.seq_len=128"])
-    with pytest.raises(ConfigError, match=r"with ulysses: transformer, gated_attention, hope_attention, bridge\); "
-                                          r"use parallel.cp_attention=allgather, parallel.cp=1"):
         preflight(cfg, 2)
     # a family refused under ring / all-gather (tree, Memory Caching) is pointed at Ulysses where it
     # keeps documents there

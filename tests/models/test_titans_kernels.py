@@ -27,9 +27,9 @@ from megatron_taper.models.local_attention import (
     sliding_window_attention,
     window_visible,
 )
+from megatron_taper.models.titans.convolution import causal_conv
 from megatron_taper.models.titans.cost import blockwise_pairs
 from megatron_taper.models.titans.model import RowAttention, context_rows_mask, masked_attention
-from megatron_taper.models.titans.neural_memory import causal_conv
 from tests.helpers.titans_reference import dense_window_attention, reference_features, reference_scan
 from tests.models.test_arch_families import CHUNK_TOLERANCE, SEQ, build, memory_case
 

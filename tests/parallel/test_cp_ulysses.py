@@ -123,10 +123,10 @@ def test_ulysses_with_fsdp2_pp_and_tp():
                                             "parallel.cp=4"),
     (["parallel.cp=8", "model.seq_len=64"], 8, "model.n_heads=4 / parallel.tp=1 = 4 heads per tp rank must divide"),
     (["model.arch=titans", "model.titans.variant=mac"], 2, "model.titans.variant='mac' with "
-                                                           "parallel.cp_attention='ulysses' is not built"),
+                                                           "parallel.cp_attention='ulysses': MAC's memory is not "
+                                                           "per head"),
     (["model.arch=titans", "model.titans.window=40"], 2, "model.titans.window=40 with parallel.cp_attention='ulysses' "
                                                          "at parallel.cp=2: the window's W - 1 = 39 rows"),
-    (["model.arch=deep_memory"], 2, "model.arch='deep_memory' has no all-to-all form"),
     (["model.arch=tree", "model.n_layers=1"], 2, "model.arch='tree' has no all-to-all form"),
 ])
 def test_preflight_refuses_layouts_ulysses_cannot_split(overrides, world, message):

@@ -8,8 +8,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from megatron_taper.cost.block import Cost, Split, attention_cost, norm_act, swiglu_cost
-from megatron_taper.cost.cp import ALLGATHER, CHAIN, HALO, CPMessage
-from megatron_taper.models.titans.cost import memory_dims, memory_params, scan_act_per_row, scan_flops
+from megatron_taper.cost.cp import ALLGATHER, ALLTOALL, CHAIN, HALO, CPMessage
+from megatron_taper.models.titans.cost import memory_dims, memory_params, scan_act_per_row, scan_flops, ulysses_bytes
 
 if TYPE_CHECKING:
     from megatron_taper.config import ModelConfig
@@ -201,7 +201,13 @@ def cp_messages(mcfg: ModelConfig, layer: int, width: int, micro_batch: int, cp:
     """FamilySpec.cp_messages of both families: the convolution halo (halo_bytes, the mixer's input
     rows in the activations' dtype) and the deep memory's chain, its largest hop (the handover into
     the last rank, which carries the cache of the (cp - 1) n segments before it: handover_sizes),
-    or the linear memory's prefix all-gather (summary_sizes)."""
+    or the linear memory's prefix all-gather (summary_sizes). Under Ulysses (parallel.cp_attention=
+    ulysses, cp.py ulysses_reads) neither: the all-to-alls of the memory's inputs (q, k, v, the gates:
+    3 per head deep, 2 linear, and W_u's projection in the gated variants) and of its reads."""
+    if attention == "ulysses":
+        deep, _, gated, _, _ = _sizes(mcfg)
+        return (CPMessage(ALLTOALL, ulysses_bytes(mcfg, micro_batch, cp, act_bytes, 3 if deep else 2, int(gated)),
+                          "features"),)
     halo = halo_bytes(mcfg, micro_batch, act_bytes)
     out = (CPMessage(HALO, halo, "rows"),) if halo else ()
     if mcfg.arch == "deep_memory":

@@ -42,6 +42,23 @@ Convolutions on q, k, v (K taps) read the last K - 1 projected inputs of the sli
 previous_rows of the mixer's input x [B, K - 1, D] (halo, bytes B x (K - 1) x D x 4 per layer
 and direction), projected here by the bias-free wk, wv, wq (rank 0's zero rows project to the
 one-process zero padding).
+
+parallel.cp_attention=ulysses (`ulysses_reads`): no handover. Every state, cached state, mean key,
+score and weight of Memory Caching is per head, so each rank runs the one-process mixer on the whole
+sequence for H / cp of the heads (any split: slices need not hold whole segments or chunks):
+
+    the rank's tokens' q, k, v projections before the convolution, the gate pre-activations (g = 3
+      per head deep, 2 linear) and W_u's projection (gated variants) [B, s, H, 3 E + g (+ E)]
+      -> all-to-all (parallel/cp/ulysses.py seq_to_heads) -> [B, S, H / cp, ...]
+    convolution (those heads' taps), gates, MemoryCachingMixer.head_reads (segments, cache, scores)
+    reads [B, S, H / cp, E] -> all-to-all back -> [B, s, H, E] -> the read-out per token
+    documents: the ranks' doc_start all-gathered (SequenceSplit.sequence_starts, as attention's),
+      the channels packed as one process packs x (padding rows: the channels of a zero row)
+
+Bytes per layer and micro-batch (cost.py cp_messages): the two buffers a B s H (4 E + g (+ E))
+forward and again backward, (cp - 1) / cp of each leaving the rank; with documents also B S bytes
+of doc_start all-gathered. Nothing waits in a chain: the deep memory's wavefront and the linear
+memory's prefix are gone, and each rank's activations are those of S tokens for H / cp heads.
 """
 from __future__ import annotations
 
@@ -50,7 +67,9 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from megatron_taper.models.titans.neural_memory import ConvPast, State
+from megatron_taper.models.titans.cp import head_channels, head_features, pack_channels, ulysses_heads
+from megatron_taper.models.titans.documents import starts_inside
+from megatron_taper.models.titans.neural_memory import ALL_HEADS, ConvPast, State
 
 if TYPE_CHECKING:
     from megatron_taper.models.memory_caching.model import MemoryCachingMixer
@@ -74,12 +93,20 @@ def conv_past(mixer: MemoryCachingMixer, x: torch.Tensor) -> ConvPast:
     return tuple(proj(before) for proj in (memory.wk, memory.wv, memory.wq))
 
 
+def _chained(mixer: MemoryCachingMixer):
+    """The split whose slices hand over their state (module doc), or None: no split, or Ulysses (each
+    rank scans the whole sequence for its heads)."""
+    split = mixer.context
+    return None if split is None or split.attention == "ulysses" else split
+
+
 def receive(mixer: MemoryCachingMixer, features: tuple, segments: list[slice], pooled: torch.Tensor | None,
-            batch: int) -> Handover:
-    """The handover this slice starts from (module doc); pooled: the mean keys of its own segments."""
-    memory, split = mixer.memory, mixer.context
+            batch: int, heads: slice = ALL_HEADS) -> Handover:
+    """The handover this slice starts from (module doc); pooled: the mean keys of its own segments;
+    `heads`: the memory's heads the features are of (Ulysses)."""
+    memory, split = mixer.memory, _chained(mixer)
     if split is None:
-        return Handover(memory.init_state(batch), [], None, ())
+        return Handover(memory.init_state(batch, heads), [], None, ())
     if mixer.linear:
         return _prefix(mixer, features, segments, pooled, batch)
     return _chain_in(mixer, len(segments) * split.rank, features[0], batch)
@@ -89,7 +116,7 @@ def send(mixer: MemoryCachingMixer, y: torch.Tensor, state: State, finals: list[
          pooled: torch.Tensor | None, handover: Handover) -> torch.Tensor:
     """y (the mixer's reads), after handing this slice's end handover to the next rank (deep
     memory) or tying what it was handed (linear memory); module doc."""
-    split = mixer.context
+    split = _chained(mixer)
     if split is None:
         return y
     from megatron_taper.parallel.cp.state import send_state, tie
@@ -175,3 +202,24 @@ def _prefix(mixer: MemoryCachingMixer, features: tuple, segments: list[slice], p
     start = ([state[0]], []) if mixer.continues else memory.init_state(batch)
     cache = [state[1]] if mixer.caches else []
     return Handover(start, cache, state[-1] if pooled is not None else None, tuple(state))
+
+
+def ulysses_reads(mixer: MemoryCachingMixer, x: torch.Tensor, doc_start: torch.Tensor | None) -> torch.Tensor:
+    """parallel.cp_attention=ulysses: the mixer's per-head reads [B, H, s, E] of this rank's slice x
+    [B, s, D] (module doc, Ulysses): the whole sequence's channels of H / cp heads, one process's
+    mixer on them (with documents: packed from the whole sequence's doc_start), the reads back."""
+    from megatron_taper.parallel.cp.ulysses import heads_to_seq, seq_to_heads
+
+    memory, split = mixer.memory, mixer.context
+    extra = () if mixer.wu is None else (mixer.wu,)
+    heads = ulysses_heads(split, memory.wq.weight.shape[0] // memory.head_dim)
+    mine = seq_to_heads(head_channels(memory, x, extra), split, None)  # [B, S, H / cp, 3 E + g (+ E)]
+    whole = None if doc_start is None else starts_inside(split.sequence_starts(doc_start))
+    packing = None if whole is None else mixer.packing(whole)
+    if packing is not None:  # as one process's packed zeros: the channels of a zero row in the padding
+        mine = pack_channels(packing, mine, head_channels(memory, x.new_zeros(1, 1, x.shape[2]), extra)[0, 0, heads])
+    features, u = head_features(memory, mine, heads, None if packing is None else packing.positions)
+    reads = mixer.head_reads(features, u[0] if extra else None, packing, heads)  # [B, H / cp, S, E]
+    if packing is not None:
+        reads = packing.unpack(reads, dim=2)
+    return heads_to_seq(reads.transpose(1, 2), split, None).transpose(1, 2)

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_taper.models.kernels.state_passing import chunk_states
-from megatron_taper.models.titans.neural_memory import ConvPast, NeuralMemory, ReadMix, State, mlp_read
+from megatron_taper.models.titans.neural_memory import ALL_HEADS, ConvPast, NeuralMemory, ReadMix, State, mlp_read
 
 if TYPE_CHECKING:
     from megatron_taper.config import ModelConfig
@@ -81,11 +81,16 @@ class LinearMemory(nn.Module):
         k = self.heads(self.wk, self.conv_k, x_kv, pk, positions)[0]
         v = self.heads(self.wv, self.conv_v, x_kv, pv, positions)[0]
         q = self.heads(self.wq, self.conv_q, x_q, pq, positions)[0]
-        g = self.gates(x_kv).unflatten(-1, (-1, 2)).permute(3, 0, 2, 1)  # [2, B, H, T]
-        return (k, v, q, F.logsigmoid(g[0] + self.decay_offset), torch.sigmoid(g[1])), None
+        return (k, v, q, *self.gate_features(self.gates(x_kv))), None
 
-    def init_state(self, batch: int) -> State:
-        h = self.wq.weight.shape[0] // self.head_dim  # local heads under tensor parallelism
+    def gate_features(self, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gate pre-activations g [B, T, 2 n] (head-major: per head decay, strength) -> log a, b [B, n, T]."""
+        g = g.unflatten(-1, (-1, 2)).permute(3, 0, 2, 1)  # [2, B, n, T]
+        return F.logsigmoid(g[0] + self.decay_offset), torch.sigmoid(g[1])
+
+    def init_state(self, batch: int, heads: slice = ALL_HEADS) -> State:
+        """The zero state of `batch` sequences for the memory's heads `heads` (default all)."""
+        h = len(range(self.wq.weight.shape[0] // self.head_dim)[heads])  # local heads under tensor parallelism
         w = self.wq.weight
         return [torch.zeros(batch, h, self.head_dim, self.head_dim, device=w.device, dtype=w.dtype)], []
 

@@ -39,9 +39,12 @@ Tensor parallelism splits everything by head (scores, gammas and reads are per h
 Titans' `tp_plan_memory` (memory_caching/parallel.py); W_u is column-parallel like wq. Context
 parallelism (the mixer's `context`): each rank's slice is whole segments and starts from the state
 the slices before it hand over (memory_caching/cp.py: a prefix for the linear memory, a chain for
-the deep one).
+the deep one); with parallel.cp_attention=ulysses instead each rank runs this mixer (`head_reads`)
+on the whole sequence for its share of the heads, from the all-to-all of the memory's inputs
+(memory_caching/cp.py ulysses_reads).
 
-Documents (`doc_start` [B, S], True where a new document begins; context parallelism refused):
+Documents (`doc_start` [B, S], True where a new document begins; under context parallelism only
+with parallel.cp_attention=ulysses, where each rank packs the whole sequence's documents):
 the mixer runs on the documents packed (titans/documents.py), each moved to a segment boundary
 (a chunk boundary for `none`) with its last segment padded by rows that write nothing. A segment
 that starts a document starts from the base's initial state (the chunk before it hands on zero,
@@ -64,7 +67,7 @@ from megatron_taper.models.memory_caching.cost import GATED, deep_scan_plan, seg
 from megatron_taper.models.memory_caching.linear_memory import LinearMemory, time_blocks
 from megatron_taper.models.titans.documents import Packing, pack_documents, starts_inside
 from megatron_taper.models.titans.model import Titans
-from megatron_taper.models.titans.neural_memory import NeuralMemory, State, pad_features, reset_state
+from megatron_taper.models.titans.neural_memory import ALL_HEADS, NeuralMemory, State, pad_features, reset_state
 from megatron_taper.models.transformer.model import Transformer
 
 if TYPE_CHECKING:
@@ -90,37 +93,49 @@ class MemoryCachingMixer(nn.Module):
     def forward(self, x: torch.Tensor, *_rope: torch.Tensor, doc_start: torch.Tensor | None = None) -> torch.Tensor:
         """x [B, S, D] (normalised) -> [B, S, D] (RoPE tables, if passed, are not used); `doc_start`
         [B, S]: documents (module docstring)."""
+        if self.context is not None and self.context.attention == "ulysses":
+            return self.memory.output(cp.ulysses_reads(self, x, doc_start))
         doc_start = starts_inside(doc_start, self.context, "Memory Caching")
         if doc_start is None:
             return self.memory.output(self.reads(x))
-        align = self.memory.chunk_size if self.variant == "none" else self.segment
-        packing = pack_documents(doc_start, align)
+        packing = self.packing(doc_start)
         return self.memory.output(packing.unpack(self.reads(packing.pack(x), packing), dim=2))
+
+    def packing(self, doc_start: torch.Tensor) -> Packing:
+        """The packed layout of the documents of doc_start [B, S]: each at a segment boundary (a chunk
+        boundary for `none`)."""
+        return pack_documents(doc_start, self.memory.chunk_size if self.variant == "none" else self.segment)
 
     def reads(self, x: torch.Tensor, packing: Packing | None = None) -> torch.Tensor:
         """Per-head reads before the read-out: [B, H, S, E]. Under context parallelism x is a slice
         of whole segments, which starts from the state the slices before it hand over (`cp.receive`):
         its segments' global indices start at N, the number of segments before it. `packing`: x is
         packed documents, each starting a segment (module docstring)."""
-        memory, batch = self.memory, x.shape[0]
         positions = None if packing is None else packing.positions
-        features = memory.project(x, x, cp.conv_past(self, x), positions=positions)[0]  # time is dim 2
+        features = self.memory.project(x, x, cp.conv_past(self, x), positions=positions)[0]  # time is dim 2
+        u = None if self.wu is None else self.wu(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
+        return self.head_reads(features, u, packing)
+
+    def head_reads(self, features: tuple, u: torch.Tensor | None, packing: Packing | None = None,
+                   heads: slice = ALL_HEADS) -> torch.Tensor:
+        """`reads` from the memory's features (memory.project: [B, n, T, ...]) and W_u's projection u
+        [B, n, T, E] (gated variants, else None) of the memory's heads `heads` (default all)."""
         k, q = features[0], features[2]
-        segments = segment_slices(x.shape[1], self.segment, self.variant)
+        batch, total = k.shape[0], k.shape[2]
+        segments = segment_slices(total, self.segment, self.variant)
         length = segments[0].stop
         first = None  # [B, T] the first segment of each token's document
         if packing is not None:
             features = pad_features(features, packing.valid) if not self.linear else features
-            first = (torch.arange(x.shape[1], device=x.device) - packing.positions) // length
-        u = None if self.wu is None else self.wu(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
+            first = (torch.arange(total, device=k.device) - packing.positions) // length
         pooled = None if u is None else segment_means(k, length)  # [B, H, n, E]
-        handover = cp.receive(self, features, segments, pooled, batch)
+        handover = cp.receive(self, features, segments, pooled, batch, heads)
         before = handover.cache[0].shape[2] if handover.cache else 0
         if handover.pooled is not None:
             pooled = torch.cat((handover.pooled, pooled), dim=2)  # [B, H, N + n, E]
         # every token's weights over (online, cached 0 .. N + n - 2): [B, H, T, N + n]
         gammas = None if u is None else self.gammas(u, k, pooled, before, length, first)
-        online, finals, state = self.scan_segments(features, handover, gammas, length, packing)
+        online, finals, state = self.scan_segments(features, handover, gammas, length, packing, heads)
         if self.caches:  # per memory layer the end states of every segment so far [B, H, N + n, i, o]
             finals = [torch.cat(pair, dim=2) for pair in zip(handover.cache, finals)] if before else finals
         if self.variant == "none" or (self.variant == "soup" and not self.linear):
@@ -131,41 +146,43 @@ class MemoryCachingMixer(nn.Module):
                            handover)
         cached = cached_reads(q, [w[:, :, :reachable] for w in finals], not self.linear)  # [B, H, T, M, E]
         if self.variant == "residual" and first is not None:
-            weights = cached_mask(length, x.shape[1], before, reachable, q, first)  # [B, 1, T, M]
+            weights = cached_mask(length, total, before, reachable, q, first)  # [B, 1, T, M]
             out = online + torch.einsum("btm,bhtme->bhte", weights[:, 0], cached)
         elif self.variant == "residual":
-            weights = cached_mask(length, x.shape[1], before, reachable, q)  # [T, M]
+            weights = cached_mask(length, total, before, reachable, q)  # [T, M]
             out = online + torch.einsum("tm,bhtme->bhte", weights, cached)
         else:  # grm, ssc; soup over a linear memory is grm (module doc)
             out = gammas[..., :1] * online + (gammas[..., None, 1:reachable + 1] @ cached).squeeze(-2)
         return cp.send(self, out, state, finals, pooled, handover)
 
-    def scan_segments(self, features: tuple, handover: cp.Handover, gammas: torch.Tensor | None,
-                      length: int, packing: Packing | None = None) -> tuple[torch.Tensor, list[torch.Tensor], State]:
+    def scan_segments(self, features: tuple, handover: cp.Handover, gammas: torch.Tensor | None, length: int,
+                      packing: Packing | None = None, heads: slice = ALL_HEADS
+                      ) -> tuple[torch.Tensor, list[torch.Tensor], State]:
         """The online reads [B, H, T, E] of the slice's segments of `length` tokens, their end
         states per memory layer [B, H, n, i, o], and the online state after the last segment. The
         linear memory scans them at once (LinearMemory.scan_segments); the deep memory scans
         continuing segments of whole chunks at once (their ends are chunk boundaries) and folds
         independent segments into the batch where the slice holds whole segments; else, and for
         soup (which mixes the cached memories into each read), it runs them one by one. `packing`:
-        a segment that starts a document starts from the initial state."""
+        a segment that starts a document starts from the initial state. `heads`: the memory's heads
+        the features are of."""
         memory, batch, total = self.memory, features[0].shape[0], features[0].shape[2]
         documents = None if packing is None else (packing.valid, packing.resets)
         if self.linear:
             reads, ends = memory.scan_segments(features, handover.start[0][0], length, self.continues,
                                                None if packing is None else packing.resets)
-            state = ([ends[:, :, -1]], []) if self.continues else memory.init_state(batch)
+            state = ([ends[:, :, -1]], []) if self.continues else memory.init_state(batch, heads)
             return reads, [ends], state
         n = -(-total // length)
         plan = deep_scan_plan(self.variant, self.continues, memory.chunk_size, total, length)
         if plan == "one":
-            reads, ends, state = memory.scan_segments(features, handover.start, length, documents)
+            reads, ends, state = memory.scan_segments(features, handover.start, length, documents, heads)
             return reads, ends, state
         if plan == "folded":
             folded = tuple(f.unflatten(2, (n, length)).movedim(2, 1).flatten(0, 1) for f in features)
-            reads, ends = memory.scan_features(folded, memory.init_state(batch * n))
+            reads, ends = memory.scan_features(folded, memory.init_state(batch * n, heads), heads=heads)
             reads = reads.unflatten(0, (batch, n)).movedim(1, 2).flatten(2, 3)
-            return reads, [w.unflatten(0, (batch, n)).movedim(1, 2) for w in ends[0]], memory.init_state(batch)
+            return reads, [w.unflatten(0, (batch, n)).movedim(1, 2) for w in ends[0]], memory.init_state(batch, heads)
         cache, state, onlines, own = list(handover.cache), handover.start, [], []
         for start in range(0, total, length):
             seg = slice(start, start + length)
@@ -173,15 +190,16 @@ class MemoryCachingMixer(nn.Module):
             if self.variant == "soup":  # segment i reads the N + i states cached before it
                 mix = self.soup_mix(gammas[:, :, seg, :1 + (cache[0].shape[2] if cache else 0)], cache)
             if packing is not None:
-                state = reset_state(memory.init_state(batch), state, packing.resets[:, start])
+                state = reset_state(memory.init_state(batch, heads), state, packing.resets[:, start])
             packed = {} if documents is None else {"documents": tuple(t[:, seg] for t in documents)}
-            read, final = memory.scan_features(tuple(f[:, :, seg] for f in features), state, mix=mix, **packed)
+            read, final = memory.scan_features(tuple(f[:, :, seg] for f in features), state, mix=mix, heads=heads,
+                                               **packed)
             onlines.append(read)
             own.append(final[0])
             if self.variant == "soup":
                 ends = [w.unsqueeze(2) for w in final[0]]
                 cache = [torch.cat(pair, dim=2) for pair in zip(cache, ends)] if cache else ends
-            state = final if self.continues else memory.init_state(batch)
+            state = final if self.continues else memory.init_state(batch, heads)
         return torch.cat(onlines, dim=2), [torch.stack(layer, dim=2) for layer in zip(*own)], state
 
     def gammas(self, u: torch.Tensor, k: torch.Tensor, pooled: torch.Tensor, before: int, length: int,

@@ -33,9 +33,10 @@ def check_memory_caching_layout(mcfg: ModelConfig, pcfg: ParallelConfig) -> None
 
 def check_cp_layout(mcfg: ModelConfig, pcfg: ParallelConfig) -> None:
     """parallel.cp > 1: slices of whole segments (whole chunks for the deep memory without
-    caching), and convolution taps that reach no further back than the slice before."""
+    caching), and convolution taps that reach no further back than the slice before; under
+    parallel.cp_attention=ulysses nothing (each rank scans the whole sequence for its heads)."""
     cp, seq, mc = pcfg.cp, mcfg.seq_len, mcfg.memory_caching
-    if cp == 1:
+    if cp == 1 or pcfg.cp_attention == "ulysses":
         return
     local = seq // cp
     if mc.variant != "none" and local % mc.segment:

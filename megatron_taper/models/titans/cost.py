@@ -173,11 +173,13 @@ def cp_messages(cfg: ModelConfig, layer: int, width: int, micro_batch: int, cp: 
     return (CPMessage(CHAIN, max(cp_state_bytes(cfg, rank, cp, micro_batch, act_bytes) for rank in range(1, cp))),)
 
 
-def ulysses_bytes(cfg: ModelConfig, micro_batch: int, cp: int, act_bytes: int = 4) -> float:
-    """One block's two forward all-to-all buffers on one rank under Ulysses (titans/cp.py): the
-    memory's inputs before the convolution, q, k, v and the 3 gates per head [b, S / cp, H, 3 E + 3],
-    and the reads back [b, S / cp, H, E]."""
-    return act_bytes * micro_batch * cfg.seq_len // cp * cfg.n_heads * (4 * cfg.head_dim + 3)
+def ulysses_bytes(cfg: ModelConfig, micro_batch: int, cp: int, act_bytes: int = 4, gates: int = 3,
+                  extra: int = 0) -> float:
+    """One block's two forward all-to-all buffers on one rank under Ulysses (titans/cp.py
+    head_channels): the memory's inputs before the convolution, q, k, v, the `gates` gate
+    pre-activations and `extra` more projections of E per head [b, S / cp, H, (3 + extra) E + gates]
+    (Titans: 3 gates; Memory Caching: memory_caching/cost.py), and the reads back [b, S / cp, H, E]."""
+    return act_bytes * micro_batch * cfg.seq_len // cp * cfg.n_heads * ((4 + extra) * cfg.head_dim + gates)
 
 
 def wavefront_ratio(n_layers: int, cp: int) -> float:

@@ -40,6 +40,11 @@ rank scans the whole sequence for H / cp of the heads (`_ulysses_reads`, paralle
     reads [B, S, H / cp, E] -> all-to-all back -> [B, s, H, E] -> the output projection per token
     the window's W - 1 rows before the slice come from rank r - 1 by previous_rows (all ranks at
     once; W - 1 must not exceed the slice)
+    documents (doc_start): the ranks' doc_start slices all-gathered as attention's (SequenceSplit.
+      sequence_starts, uint8 [B, S]); each rank then holds the whole sequence for its heads, so it
+      runs one process's packed scan (titans/documents.py, TitansBlock.memory_reads) on the
+      channels: packed behind those heads' persistent-token rows, padding rows the channels of a
+      zero row; the window takes its rows' document offsets and ids from the whole sequence's
 
 Bytes per block and micro-batch (cost.py ulysses_bytes): the two buffers a B s H (4 E + 3)
 forward and again backward, (cp - 1) / cp of each leaving the rank, plus the halo a B (W - 1) D
@@ -79,7 +84,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from megatron_taper.models.titans.cost import conv_rows, tail_rows
-from megatron_taper.models.titans.documents import document_ids, document_positions, pack_documents
+from megatron_taper.models.titans.documents import (
+    Packing,
+    document_ids,
+    document_positions,
+    pack_documents,
+    starts_inside,
+)
 
 if TYPE_CHECKING:
     from megatron_taper.models.titans.model import MACBlock, MAGBlock, MALBlock, TitansBlock
@@ -248,6 +259,8 @@ def _document_offsets(block: TitansBlock, doc_start: torch.Tensor, halo: int, en
 
 def mag_documents(block: MAGBlock, xn: torch.Tensor, doc_start: torch.Tensor) -> torch.Tensor:
     """MAGBlock.mix of this rank's slice xn [B, s, D] of documents (doc_start [B, s])."""
+    if block.context.attention == "ulysses":
+        return mag_mix_ulysses(block, xn, doc_start)
     rank = block.context.rank
     received = _receive(block, _document_initial(block, xn, rank))
     reads, state, mem_tail, mem_last = _memory_documents(block, xn, received, doc_start)
@@ -263,6 +276,8 @@ def mag_documents(block: MAGBlock, xn: torch.Tensor, doc_start: torch.Tensor) ->
 
 def mal_documents(block: MALBlock, x: torch.Tensor, doc_start: torch.Tensor) -> torch.Tensor:
     """MALBlock.forward of this rank's slice x [B, s, D] of documents (doc_start [B, s])."""
+    if block.context.attention == "ulysses":
+        return mal_forward_ulysses(block, x, doc_start)
     rank = block.context.rank
     received = _receive(block, _document_initial(block, x, rank))
     reads, state, mem_tail, mem_last = _memory_documents(block, block.mem_norm(x), received, doc_start)
@@ -278,31 +293,65 @@ def mal_documents(block: MALBlock, x: torch.Tensor, doc_start: torch.Tensor) -> 
     return x + block.mlp(block.mlp_norm(x))
 
 
-def _ulysses_reads(block: TitansBlock, x: torch.Tensor) -> torch.Tensor:
+def head_channels(memory: torch.nn.Module, x: torch.Tensor, extra: tuple[torch.nn.Module, ...] = ()) -> torch.Tensor:
+    """x [B, T, D] -> [B, T, H, 3 E + g + E x len(extra)]: per head the memory's q, k, v projections
+    before the convolution, its g gate pre-activations, and the E channels of each `extra` projection
+    (Memory Caching's W_u); what parallel.cp_attention=ulysses sends all-to-all."""
+    batch, t, e = x.shape[0], x.shape[1], memory.head_dim
+    projected = [proj(x).view(batch, t, -1, e) for proj in (memory.wq, memory.wk, memory.wv, *extra)]
+    gates = memory.gates(x).view(batch, t, projected[0].shape[2], -1)
+    return torch.cat([*projected[:3], gates, *projected[3:]], dim=-1)
+
+
+def head_features(memory: torch.nn.Module, z: torch.Tensor, heads: slice, positions: torch.Tensor | None = None):
+    """head_channels z [B, T, n, c] of the memory's heads `heads` (the whole sequence) -> (the memory's
+    features k, v, q [B, n, T, E] and gates, as memory.project gives them; the extra projections
+    [B, n, T, E] each). `positions` [B, T]: the rows' offsets in their documents (causal_conv)."""
+    e = memory.head_dim
+    gates = memory.gates.weight.shape[0] // (memory.wq.weight.shape[0] // e)  # gate pre-activations per head
+    zq, zk, zv, g, *extra = z.split((e, e, e, gates) + (e,) * ((z.shape[-1] - 3 * e - gates) // e), dim=-1)
+    taps = slice(heads.start * e, heads.stop * e)
+    q, k, v = (memory.conv_heads(p.flatten(2), None if conv is None else conv[taps], None, positions)[0]
+               for p, conv in ((zq, memory.conv_q), (zk, memory.conv_k), (zv, memory.conv_v)))
+    return (k, v, q, *memory.gate_features(g.flatten(2))), [u.transpose(1, 2) for u in extra]
+
+
+def pack_channels(packing: Packing, z: torch.Tensor, padding: torch.Tensor,
+                  prefix: torch.Tensor | None = None) -> torch.Tensor:
+    """head_channels z [B, T, n, c] of a window of documents -> its packed rows [B, T', n, c]
+    (titans/documents.py), with `prefix` [P, n, c] in front of each document and `padding` [n, c]
+    (the channels of a zero row, which one process's packed zeros project to) in the padding rows."""
+    flat = packing.pack(z.flatten(2), None if prefix is None else prefix.flatten(1)).unflatten(2, z.shape[2:])
+    return torch.where(packing.valid[..., None, None], flat, padding.to(flat.dtype))
+
+
+def ulysses_heads(split, heads: int) -> slice:
+    """parallel.cp_attention=ulysses: this cp rank's share of a tp rank's `heads` heads."""
+    return slice(split.rank * heads // split.cp, (split.rank + 1) * heads // split.cp)
+
+
+def _ulysses_reads(block: TitansBlock, x: torch.Tensor, doc_start: torch.Tensor | None = None) -> torch.Tensor:
     """parallel.cp_attention=ulysses: the memory's reads [B, H, s, E] of this rank's slice x [B, s, D]
-    (its input rows), each rank scanning the whole sequence for H / cp of the heads (module doc)."""
+    (its input rows), each rank scanning the whole sequence for H / cp of the heads (module doc);
+    `doc_start` [B, S]: the whole sequence's document starts (one process's packed scan)."""
     from megatron_taper.parallel.cp.ulysses import heads_to_seq, seq_to_heads
 
-    memory, split = block.memory, block.context
-    batch, e = x.shape[0], memory.head_dim
-    n = memory.mem_w[0].shape[0] // split.cp
-    heads = slice(split.rank * n, (split.rank + 1) * n)
-
-    def channels(rows: torch.Tensor) -> torch.Tensor:  # [B, T, D] -> [B, T, H, 3 E + 3]: q, k, v, gates
-        t = rows.shape[1]
-        return torch.cat([*(proj(rows).view(batch, t, -1, e) for proj in (memory.wq, memory.wk, memory.wv)),
-                          memory.gates(rows).view(batch, t, -1, 3)], dim=-1)
-
-    mine = seq_to_heads(channels(x), split, None)  # [B, S, H / cp, 3 E + 3]: the whole sequence, my heads
-    prefix = channels(block.with_prefix(x[:, :0]))[:, :, heads]  # the persistent tokens' rows
-    zq, zk, zv, gates = torch.cat((prefix, mine), dim=1).split((e, e, e, 3), dim=-1)
-    taps = slice(heads.start * e, heads.stop * e)
-    q, k, v = (memory.conv_heads(z.flatten(2), None if conv is None else conv[taps])[0]
-               for z, conv in ((zq, memory.conv_q), (zk, memory.conv_k), (zv, memory.conv_v)))
-    features = (k, v, q, *memory.gate_features(gates.flatten(2)))
-    reads, _ = memory.scan_features(features, memory.init_state(batch, heads), heads=heads)  # [B, n, P + S, E]
-    reads = reads[:, :, prefix.shape[1]:].transpose(1, 2)  # [B, S, n, E]
-    return heads_to_seq(reads, split, None).transpose(1, 2)  # [B, H, s, E]
+    memory, split, batch = block.memory, block.context, x.shape[0]
+    heads = ulysses_heads(split, memory.mem_w[0].shape[0])
+    mine = seq_to_heads(head_channels(memory, x), split, None)  # [B, S, H / cp, 3 E + 3]: the whole sequence
+    prefix = head_channels(memory, block.with_prefix(x[:1, :0]))[0, :, heads]  # [P, H / cp, 3 E + 3]
+    if doc_start is None:
+        features = head_features(memory, torch.cat((prefix.expand(batch, -1, -1, -1), mine), dim=1), heads)[0]
+        reads, _ = memory.scan_features(features, memory.init_state(batch, heads), heads=heads)  # [B, n, P + S, E]
+        reads = reads[:, :, prefix.shape[0]:]
+    else:  # as TitansBlock.memory_reads: the documents packed, each behind the persistent tokens
+        packing = pack_documents(doc_start, memory.chunk_size, prefix.shape[0])
+        padding = head_channels(memory, x.new_zeros(1, 1, x.shape[2]))[0, 0, heads]
+        features = head_features(memory, pack_channels(packing, mine, padding, prefix), heads, packing.positions)[0]
+        reads, _ = memory.scan_features(features, memory.init_state(batch, heads), heads=heads,
+                                        documents=(packing.valid, packing.resets))
+        reads = packing.unpack(reads, dim=2)
+    return heads_to_seq(reads.transpose(1, 2), split, None).transpose(1, 2)  # [B, H, s, E]
 
 
 def _ulysses_halo(block: TitansBlock, xa: torch.Tensor) -> torch.Tensor:
@@ -315,19 +364,46 @@ def _ulysses_halo(block: TitansBlock, xa: torch.Tensor) -> torch.Tensor:
     return halo[:, :0] if block.context.rank == 0 else halo
 
 
-def mag_mix_ulysses(block: MAGBlock, xn: torch.Tensor) -> torch.Tensor:
-    """MAGBlock.mix of this rank's slice xn [B, s, D] under parallel.cp_attention=ulysses."""
-    gate = torch.sigmoid(block.memory.output(_ulysses_reads(block, xn)))
+def _ulysses_documents(block: TitansBlock, doc_start: torch.Tensor | None, local: int):
+    """The whole sequence's doc_start [B, S] (all-gathered as attention's, parallel/cp/split.py), or
+    None where no document starts after a row's first token (one process then runs without
+    documents); and the window's token offsets in their documents and document ids over [halo,
+    slice] ([B, halo + s] each), or None."""
+    if doc_start is None:
+        return None, None
+    whole = starts_inside(block.context.sequence_starts(doc_start))
+    if whole is None:
+        return None, None
+    rank = block.context.rank
+    halo = 0 if rank == 0 or block.window <= 1 else block.window - 1  # _ulysses_halo's rows
+    cols = slice(rank * local - halo, (rank + 1) * local)
+    return whole, (document_positions(whole)[:, cols], document_ids(whole)[:, cols])
+
+
+def mag_mix_ulysses(block: MAGBlock, xn: torch.Tensor, doc_start: torch.Tensor | None = None) -> torch.Tensor:
+    """MAGBlock.mix of this rank's slice xn [B, s, D] under parallel.cp_attention=ulysses (with
+    documents: doc_start [B, s])."""
+    whole, window = _ulysses_documents(block, doc_start, xn.shape[1])
+    gate = torch.sigmoid(block.memory.output(_ulysses_reads(block, xn, whole)))
     halo = _ulysses_halo(block, xn)
-    keys = torch.cat((halo, xn), dim=1)
-    return block.window_attention(block.with_prefix(keys), halo.shape[1], block.context.rank * xn.shape[1]) * gate
+    return _ulysses_window(block, torch.cat((halo, xn), dim=1), halo.shape[1], window) * gate
 
 
-def mal_forward_ulysses(block: MALBlock, x: torch.Tensor) -> torch.Tensor:
-    """MALBlock.forward of this rank's slice x [B, s, D] under parallel.cp_attention=ulysses."""
-    x = x + block.memory.output(_ulysses_reads(block, block.mem_norm(x)))
+def mal_forward_ulysses(block: MALBlock, x: torch.Tensor, doc_start: torch.Tensor | None = None) -> torch.Tensor:
+    """MALBlock.forward of this rank's slice x [B, s, D] under parallel.cp_attention=ulysses (with
+    documents: doc_start [B, s])."""
+    whole, window = _ulysses_documents(block, doc_start, x.shape[1])
+    x = x + block.memory.output(_ulysses_reads(block, block.mem_norm(x), whole))
     xa = block.attn_norm(x)
     halo = _ulysses_halo(block, xa)
-    xp = block.with_prefix(torch.cat((halo, xa), dim=1))
-    x = x + block.window_attention(xp, halo.shape[1], block.context.rank * x.shape[1])
+    x = x + _ulysses_window(block, torch.cat((halo, xa), dim=1), halo.shape[1], window)
     return x + block.mlp(block.mlp_norm(x))
+
+
+def _ulysses_window(block: TitansBlock, keys: torch.Tensor, halo: int, window) -> torch.Tensor:
+    """The sliding window over [halo, slice] rows `keys` [B, halo + s, D] behind the persistent tokens;
+    `window`: (offsets, ids) of documents (_ulysses_documents), or None."""
+    xp = block.with_prefix(keys)
+    if window is None:
+        return block.window_attention(xp, halo, block.context.rank * (keys.shape[1] - halo))
+    return block.document_window(xp, *window, halo)

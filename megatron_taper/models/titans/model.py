@@ -28,8 +28,9 @@ document's first token. MAC's segments follow the packed layout, so its retrieva
 writes restart at each document too. Without context parallelism a doc_start with no start after
 a row's first token runs the code without documents. Under context parallelism MAG / MAL take the
 document path whenever doc_start is given (every rank must send the same message) and hand the
-state of the open chunk of the last document along the cp chain (titans/cp.py, Documents); MAC
-refuses a document start under context parallelism.
+state of the open chunk of the last document along the cp chain (titans/cp.py, Documents); under
+parallel.cp_attention=ulysses each rank runs this one-process path on the whole sequence for its
+share of the heads (titans/cp.py); MAC refuses a document start under context parallelism.
 
 Cost model: titans/cost.py. Context parallelism (`context` set on each block): titans/cp.py.
 """

@@ -47,16 +47,7 @@ state stays in its own dtype (its update adds the bf16 matmul instead of fusing 
 the backward runs under the same autocast). The old one-chunk-at-a-time loop is the definition
 of this math in tests/helpers/titans_reference.py (reference_chunked_scan).
 
-Convolution: the paper's 1D depthwise-separable convolution after the query, key and value
-projections (the projection is its pointwise part), on the neural memory's q, k, v only (the
-attention's are plain), before SiLU and the l2-norm. Causal: zero-padded in front, so token t
-mixes the projections of tokens t-K+1..t of the sequence the memory reads ([P, x] in MAG / MAL,
-persistent tokens included; in MAC the whole x for the retrieval queries and the whole y, carried
-across segments through `ConvPast`, for the writes). It acts before the memory, so the chunked
-form and the recurrence see the same k, v, q and stay exactly equal at C = 1. Taps [H*E, K] per
-projection, initialised to the identity (1 on the newest tap) plus N(0, init_std), so a new model
-starts close to the one without convolution; split by head under tensor parallelism like wq.
-`conv_kernel` = 0 removes it.
+Convolution: titans/convolution.py (causal_conv, on the memory's q, k, v after their projections).
 """
 from __future__ import annotations
 
@@ -68,6 +59,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_taper.models.kernels import state_passing
+from megatron_taper.models.titans.convolution import causal_conv
 from megatron_taper.models.titans.cost import memory_dims
 from megatron_taper.models.titans.documents import Packing
 
@@ -94,30 +86,6 @@ def mlp_read(q: torch.Tensor, state: State) -> torch.Tensor:
         r = r @ w
         r = F.silu(r) if layer < len(state[0]) - 1 else r
     return r
-
-
-def causal_conv(x: torch.Tensor, weight: torch.Tensor | None, past: torch.Tensor | None = None,
-                positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Depthwise causal convolution along time, y_t = sum_j weight[:, j] x_{t-K+1+j}: x [B, T, C],
-    weight [C, K] (None = identity), past [B, K-1, C] the inputs before x (zeros when None).
-    `positions` [B, T] (each row's offset in its document, titans/documents.py): tap j of row t
-    only sees inputs of its own document (x_{t-K+1+j} with K-1-j <= positions_t; the others count
-    as zeros, as before a sequence's start). Returns y [B, T, C] and the last K-1 inputs, the next
-    call's past."""
-    if weight is None:
-        return x, None
-    taps = weight.shape[1]
-    if past is None:
-        past = x.new_zeros(x.shape[0], taps - 1, x.shape[2])
-    padded = torch.cat((past, x), dim=1)  # [B, K-1+T, C]
-    if positions is None:
-        y = F.conv1d(padded.transpose(1, 2), weight.to(x.dtype).unsqueeze(1), groups=weight.shape[0])
-        y = y.transpose(1, 2)
-    else:
-        seq, w = x.shape[1], weight.to(x.dtype)
-        y = sum(padded[:, j:j + seq] * w[:, j] * (positions >= taps - 1 - j)[..., None].to(x.dtype)
-                for j in range(taps))
-    return y, padded[:, padded.shape[1] - (taps - 1):]
 
 
 class NeuralMemory(nn.Module):
@@ -215,14 +183,14 @@ class NeuralMemory(nn.Module):
         return reads, state
 
     def scan_segments(self, features: Features, start: State, length: int,
-                      documents: tuple[torch.Tensor, torch.Tensor] | None = None
+                      documents: tuple[torch.Tensor, torch.Tensor] | None = None, heads: slice = ALL_HEADS
                       ) -> tuple[torch.Tensor, list[torch.Tensor], State]:
         """Memory Caching's continuing segments of `length` tokens (a multiple of the chunk; the
         last segment may be shorter) in one scan from `start`: the reads [B, H, T, E], every
         segment's end weights per memory layer [B, H, n, i, o] and the state after the last.
-        `documents`: as scan_features'."""
+        `documents`, `heads`: as scan_features'."""
         size = min(self.chunk_size, length)  # the chunks a segment of its own would have
-        reads, state, starts = self.scan_with_starts(features, start, size, documents=documents)
+        reads, state, starts = self.scan_with_starts(features, start, size, documents=documents, heads=heads)
         every = length // size
         ends = [torch.cat((w[:, :, every::every], end.unsqueeze(2)), dim=2) for w, end in zip(starts[0], state[0])]
         return reads, ends, state

@@ -61,9 +61,11 @@ def check_cp_layout(mcfg: ModelConfig, pcfg: ParallelConfig) -> None:
         return
     local = mcfg.seq_len // cp
     if pcfg.cp_attention == "ulysses" and t.variant == "mac":
-        raise ConfigError("model.titans.variant='mac' with parallel.cp_attention='ulysses' is not built (its "
-                          "segments' retrievals run between the memory's writes); use variant mag or mal, or "
-                          "parallel.cp_attention=allgather (the memory's state along the cp chain)")
+        raise ConfigError("model.titans.variant='mac' with parallel.cp_attention='ulysses': MAC's memory is not "
+                          "per head along the sequence (each segment's retrieval goes through wo and the segment's "
+                          "attention over every head before the memory writes it, so a head-sharded scan would need "
+                          "two all-to-alls per segment, one segment after another); use model.titans.variant=mag or "
+                          "mal, or parallel.cp_attention=allgather (the memory's state along the cp chain)")
     if pcfg.cp_attention == "ulysses" and t.window - 1 > local:
         raise ConfigError(f"model.titans.window={t.window} with parallel.cp_attention='ulysses' at parallel.cp={cp}: "
                           f"the window's W - 1 = {t.window - 1} rows before a slice must come from the one cp rank "
