@@ -82,7 +82,6 @@ def forward_documents(bridge: MemoryBridge, x: torch.Tensor, doc_start: torch.Te
                       offsets: torch.Tensor) -> torch.Tensor:
     """MemoryBridge.forward of this rank's slice x [B, s, D] of documents (doc_start [B, s]; offsets
     [B, S]: every token's offset in its document over the whole sequence), module doc."""
-    from megatron_taper.models.bridge.model import AuxLossCarrier
     from megatron_taper.parallel.cp.state import receive_state
 
     split, t = bridge.context, bridge.segment
@@ -116,7 +115,7 @@ def forward_documents(bridge: MemoryBridge, x: torch.Tensor, doc_start: torch.Te
             opened[torch.arange(batch, device=x.device), end // t] = ((end + 1) % t != 0) & continued
         counted = ((offsets % t == 0) & (offsets > 0)).sum()  # the whole sequence's segments after a first
         aux = bridge.aux_loss_documents(xp, states[:, :n], packing, opened, counted.clamp(min=1) / split.cp)
-        out = AuxLossCarrier.apply(out, aux, bridge.aux_weight)
+        out = bridge.with_aux_loss(out, aux)
     message = None
     if sends:
         state = states[torch.arange(batch, device=x.device), (end + 1) // t]  # the open segment's start state

@@ -225,7 +225,7 @@ class MemoryBridge(nn.Module):
         out = x + torch.sigmoid(self.gate(normed)) * self.read_states(normed, states)
         cp = 1 if split is None else split.cp
         if self.aux_head is not None and self.training and torch.is_grad_enabled() and n * cp > 1:
-            out = AuxLossCarrier.apply(out, self.aux_loss(x, states), self.aux_weight)
+            out = self.with_aux_loss(out, self.aux_loss(x, states))
         if split is not None:
             out = bridge_cp.send(self, out, (end,) if sends else None, end is not None or n > 1)
         return out
@@ -251,7 +251,7 @@ class MemoryBridge(nn.Module):
         normed = self.read_norm(x)
         out = x + torch.sigmoid(self.gate(normed)) * packing.unpack(self.read_states(self.read_norm(xp), states))
         if self.aux_head is not None and self.training and torch.is_grad_enabled():
-            out = AuxLossCarrier.apply(out, self.aux_loss_documents(xp, states, packing), self.aux_weight)
+            out = self.with_aux_loss(out, self.aux_loss_documents(xp, states, packing))
         return out
 
     def aux_loss_documents(self, xp: torch.Tensor, states: torch.Tensor, packing: Packing,
@@ -278,6 +278,10 @@ class MemoryBridge(nn.Module):
             target = F.rms_norm((sums / counts.clamp(min=1)[..., None]).detach(), (xp.shape[-1],))
         errors = (pred.float() - target.float()).square() * keep[..., None]
         return errors.sum() / ((keep.sum().clamp(min=1) if count is None else count) * errors.shape[-1])
+
+    def with_aux_loss(self, out: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+        """out unchanged; backward also adds aux_weight x aux's gradient (AuxLossCarrier)."""
+        return AuxLossCarrier.apply(out, aux, self.aux_weight)
 
     def aux_loss(self, x: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
         """x: the bridge's input [B, S, D]; states: S_0 .. S_{n-1}. The mean squared error of the

@@ -2,6 +2,7 @@
 a Continuum Memory System, MLP levels that also learn inside the sequence at their own frequencies.
 
 model.py     the CMS levels, the block and model, and the decoder's online level state
+fast_weights.py  a level's tp hooks, fast-weight shapes and SwiGLU activations (model.py and cp.py)
 online.py    an online level as one scan over its chunks, with its hand-written backward
 cost.py      its cost terms, the scan's FLOPs and the context-parallel message sizes (torch-free)
 parallel.py  its tensor-parallel plan (the levels' collectives) and layout checks

@@ -37,11 +37,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from megatron_taper.models.hope_attention.fast_weights import SwiGLUActivations, Weights, identity
 from megatron_taper.models.layers import document_ids
 from megatron_taper.models.titans.documents import document_positions, pack_documents
 
 if TYPE_CHECKING:
-    from megatron_taper.models.hope_attention.model import ContinuumLevel, HopeAttentionBlock, Weights
+    from megatron_taper.models.hope_attention.model import ContinuumLevel, HopeAttentionBlock
 
 
 def chained(level: ContinuumLevel, n: torch.Tensor) -> bool:
@@ -80,15 +81,12 @@ def block_documents(block: HopeAttentionBlock, x: torch.Tensor, cos: torch.Tenso
 
 def _read(level: ContinuumLevel, n: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
     """The level's outputs [R, C, D] for rows n [R, C, D] read with the fast weights [R, 2W, D], [R, D, W]."""
-    from megatron_taper.models.hope_attention.model import SwiGLUActivations
-
     return level.comm.sum_partial(SwiGLUActivations.of(n, w13).h @ w2.transpose(-1, -2))
 
 
 def online_documents(level: ContinuumLevel, n: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """A chained online level on this rank's slice n [B, s, D] of documents, `offsets` [B, s] each
     token's offset in its document (module doc, Documents) -> its outputs [B, s, D]."""
-    from megatron_taper.models.hope_attention.model import identity
     from megatron_taper.models.hope_attention.online import online_scan
     from megatron_taper.parallel.cp.state import receive_state, send_state
 

@@ -51,7 +51,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -60,6 +60,7 @@ from torch import nn
 from megatron_taper.models.decoding import kv_decoder
 from megatron_taper.models.hope_attention import cp as hope_cp
 from megatron_taper.models.hope_attention.cost import level_period
+from megatron_taper.models.hope_attention.fast_weights import LevelComm, SwiGLUActivations, Weights, identity
 from megatron_taper.models.hope_attention.online import STEP_EPS, online_scan
 from megatron_taper.models.init import RESIDUAL_OUT, init_tensor
 from megatron_taper.models.layers import RMSNorm, document_mask
@@ -68,42 +69,6 @@ from megatron_taper.models.transformer.model import Transformer, TransformerBloc
 
 if TYPE_CHECKING:
     from megatron_taper.config import ModelConfig
-
-
-def identity(x: torch.Tensor) -> torch.Tensor:
-    return x
-
-
-@dataclass(frozen=True)
-class LevelComm:
-    """Where a CMS level meets the other tensor-parallel ranks: the identity on one device; a tp
-    plan (tp_plan_hope_attention_block) puts the collectives of parallel/tp/layers.py in place."""
-
-    enter: Callable[[torch.Tensor], torch.Tensor] = identity  # block input -> the shard's input (f)
-    sum_partial: Callable[[torch.Tensor], torch.Tensor] = identity  # partial sums -> whole (all-reduce)
-    reenter: Callable[[torch.Tensor], torch.Tensor] = identity  # whole -> used again by the shard (f)
-    leave: Callable[[torch.Tensor], torch.Tensor] = identity  # whole output -> the block's layout
-    leave_partial: Callable[[torch.Tensor], torch.Tensor] = identity  # partial output -> block's layout
-
-
-Weights = tuple[torch.Tensor, torch.Tensor]  # w13 = [w1; w3] [2W, D] and w2 [D, W]; [B, ...] once updated
-
-
-@dataclass(frozen=True)
-class SwiGLUActivations:
-    """A SwiGLU's hidden activations for inputs n [B, C, D], each [B, C, W]: s = silu(w1 n),
-    h = s * (w3 n), and dh_da = (w3 n) * silu'(w1 n), the derivative of h by w1 n."""
-
-    s: torch.Tensor
-    h: torch.Tensor
-    dh_da: torch.Tensor
-
-    @classmethod
-    def of(cls, n: torch.Tensor, w13: torch.Tensor) -> "SwiGLUActivations":
-        a, g = (n @ w13.transpose(-1, -2)).chunk(2, dim=-1)  # one matmul for w1 and w3
-        sig = torch.sigmoid(a)
-        s = a * sig
-        return cls(s, s * g, g * sig * (1 + a * (1 - sig)))  # silu'(a) = sig (1 + a (1 - sig))
 
 
 def inner_step(weights: Weights, n: torch.Tensor, acts: SwiGLUActivations, y: torch.Tensor,

@@ -43,7 +43,7 @@ def tensor_parallel_comm(group, sequence_parallel: bool, matmuls_only: bool) -> 
     SP; `matmuls_only`: only matmuls read it, not an online level's update), an all-reduce of
     partial outputs, f for the sum's reuse in the update; the output back to the block's layout
     (SP: this rank's sequence chunk)."""
-    from megatron_taper.models.hope_attention.model import LevelComm, identity
+    from megatron_taper.models.hope_attention.fast_weights import LevelComm, identity
     from megatron_taper.parallel.tp import layers as ops  # the model file stays single-device until a plan runs
 
     def on_group(op):
