@@ -12,8 +12,9 @@ import torch
 
 
 def train_small(model: torch.nn.Module, lr: float, steps: int, warmup: int, next_loss: Callable[[int], torch.Tensor],
-                log_every: int = 0) -> list[float]:
-    """Trains `model` for `steps` steps on next_loss(step) (one batch's loss); the losses."""
+                log_every: int = 0, should_stop: Callable[[int, list[float]], bool] | None = None) -> list[float]:
+    """Trains `model` for `steps` steps on next_loss(step) (one batch's loss), or until
+    should_stop(step, losses so far) after a step says so; the losses."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     start, losses = time.perf_counter(), []
     for step in range(steps):
@@ -28,4 +29,6 @@ def train_small(model: torch.nn.Module, lr: float, steps: int, warmup: int, next
         if log_every and step % log_every == 0:
             print(json.dumps({"step": step, "loss": round(losses[-1], 4), "s": round(time.perf_counter() - start)}),
                   file=sys.stderr, flush=True)
+        if should_stop is not None and should_stop(step, losses):
+            break
     return losses
