@@ -340,23 +340,49 @@ def _activations(cost: Cost) -> Split:
     return cost.act + Split(whole=cost.act_bytes / 2.0)
 
 
+# the MemorySetup fields that piece_activations reads (with the model): model_memory's `cache` key
+ACTIVATION_FIELDS = ("tp", "sequence_parallel", "cp", "cp_attention", "bf16", "activation_checkpointing", "ac_every",
+                     "micro_batch")
+
+
 def piece_memory(cost: Cost, shares: Split, setup: MemorySetup, tokens: int, recompute: bool, d_model: int,
                  block: bool, matmul: bool = True, received: float = 0.0) -> PieceMemory:
     """Bytes of one piece (see PieceMemory); `tokens` per micro-batch on this rank; `matmul`: its
-    parameters are matmul weights (not an embedding). A recomputed piece keeps its input, and
-    under activation_checkpointing=op also its `op_act` (all of `act` where that is unknown).
-    `received`: bytes per micro-batch the block was handed under context parallelism besides K and
-    V (cost/cp.py received_bytes), kept also when it recomputes (parallel/cp/state.py keeps what a
-    forward received for the recompute), and their gradient in its backward."""
-    params = local_params(cost, shares)
+    parameters are matmul weights (not an embedding). Its activations: piece_activations."""
+    return _piece(local_params(cost, shares), _param_bytes(setup, block, matmul),
+                  piece_activations(cost, shares, setup, tokens, recompute, d_model, received))
+
+
+def _param_bytes(setup: MemorySetup, block: bool, matmul: bool) -> tuple[float, float, float]:
+    """Per tp-local parameter of a piece: (state and casts, weights held unsharded or gathered
+    besides, gradients made by the step's first backward)."""
     # float8: torchao's matmul saves the blocks' fp32 weights uncast (no bf16 copy; measured)
     cast = 0.0 if block and setup.float8 else setup.cast_bytes_per_param()
-    static = params * (setup.state_bytes_per_param() + cast)
+    held = 0.0
     if setup.pipelined:
-        static += params * setup.unsharded_bytes_per_param(matmul)
+        held = setup.unsharded_bytes_per_param(matmul)
     elif not block and setup.fsdp:  # the root's weights stay gathered; its gradient: _root_gradient
-        static += params * (setup.compute_bytes if matmul else 4.0)
-    full = act_bytes_per_token(_activations(cost), shares, setup) * tokens
+        held = setup.compute_bytes if matmul else 4.0
+    return setup.state_bytes_per_param() + cast, held, setup.made_grad_bytes_per_param()
+
+
+def _piece(params: float, param_bytes: tuple[float, float, float], activations: tuple[float, float, float]
+           ) -> PieceMemory:
+    """The PieceMemory of `params` parameters (_param_bytes) and (kept, peak, retained) `activations`."""
+    state, held, made = param_bytes
+    return PieceMemory(params, params * state + params * held, *activations, params * made)
+
+
+def piece_activations(cost: Cost, shares: Split, setup: MemorySetup, tokens: int, recompute: bool, d_model: int,
+                      received: float = 0.0) -> tuple[float, float, float]:
+    """(kept, peak, retained) of a piece (PieceMemory), from the setup's ACTIVATION_FIELDS alone.
+    A recomputed piece keeps its input, and under activation_checkpointing=op also its `op_act`
+    (all of `act` where that is unknown). `received`: bytes per micro-batch the block was handed
+    under context parallelism besides K and V (cost/cp.py received_bytes), kept also when it
+    recomputes (parallel/cp/state.py keeps what a forward received for the recompute), and their
+    gradient in its backward."""
+    act = _activations(cost)
+    full = act_bytes_per_token(act, shares, setup) * tokens
     full += act_bytes_per_token(cost.per_batch, shares, setup)
     full += received
     moments = [act_bytes_per_token(m, shares, setup) * tokens for m in cost.backward]
@@ -371,8 +397,8 @@ def piece_memory(cost: Cost, shares: Split, setup: MemorySetup, tokens: int, rec
         kept = (boundary_bytes(d_model, tokens, setup) + act_bytes_per_token(cost.op_kept, shares, setup) * tokens
                 + received)
     op = cost.op_kept
-    retained = act_bytes_per_token(_activations(cost) if op is None else op, shares, setup) * tokens
-    return PieceMemory(params, static, kept, peak, retained, params * setup.made_grad_bytes_per_param())
+    retained = act_bytes_per_token(act if op is None else op, shares, setup) * tokens
+    return kept, peak, retained
 
 
 def boundary_bytes(d_model: int, tokens: int, setup: MemorySetup) -> float:
@@ -380,18 +406,29 @@ def boundary_bytes(d_model: int, tokens: int, setup: MemorySetup) -> float:
     return 4.0 * d_model * tokens / (setup.tp if setup.sequence_parallel else 1)
 
 
-def model_memory(cfg: ModelConfig, setup: MemorySetup, costs: ModelCosts | None = None) -> ModelMemory:
+def model_memory(cfg: ModelConfig, setup: MemorySetup, costs: ModelCosts | None = None,
+                 cache: dict | None = None) -> ModelMemory:
     """Bytes of every piece of the model `cfg` under `setup` (module doc); `costs`: its
-    model_costs, when the caller has them already."""
+    model_costs, when the caller has them already; `cache`: a dict kept across calls for this
+    model, in which the blocks' piece_activations are kept by the setup's ACTIVATION_FIELDS and
+    their parameters by tp (a layout search meets each many times under other engines and dp sizes)."""
     costs = costs or model_costs(cfg)
     tokens = setup.micro_batch * cfg.seq_len // setup.cp
-    recomputed = set(checkpointed_blocks([str(i) for i in range(cfg.n_layers)], setup.activation_checkpointing,
-                                         setup.ac_every))
-    messages = block_messages(cfg, costs.widths, setup.micro_batch, setup.cp, setup.compute_bytes,
-                              setup.cp_attention)
-    layers = [piece_memory(context_parallel_cost(cost, cfg, setup, sent), _shares(cfg, setup.tp, width), setup,
-                           tokens, str(i) in recomputed, cfg.d_model, block=True, received=received_bytes(sent))
-              for i, (cost, width, sent) in enumerate(zip(costs.layers, costs.widths, messages))]
+    key = tuple(getattr(setup, name) for name in ACTIVATION_FIELDS)
+    cache = {} if cache is None else cache
+    if key not in cache:
+        recomputed = set(checkpointed_blocks([str(i) for i in range(cfg.n_layers)], setup.activation_checkpointing,
+                                             setup.ac_every))
+        messages = block_messages(cfg, costs.widths, setup.micro_batch, setup.cp, setup.compute_bytes,
+                                  setup.cp_attention)
+        cache[key] = [piece_activations(context_parallel_cost(cost, cfg, setup, sent), _shares(cfg, setup.tp, width),
+                                        setup, tokens, str(i) in recomputed, cfg.d_model, received_bytes(sent))
+                      for i, (cost, width, sent) in enumerate(zip(costs.layers, costs.widths, messages))]
+    if ("params", setup.tp) not in cache:  # context_parallel_cost changes activations only: the cost's own
+        cache["params", setup.tp] = [local_params(cost, _shares(cfg, setup.tp, width))
+                                     for cost, width in zip(costs.layers, costs.widths)]
+    param_bytes = _param_bytes(setup, True, True)
+    layers = [_piece(params, param_bytes, act) for params, act in zip(cache["params", setup.tp], cache[key])]
     if setup.fsdp and not setup.pipelined:
         layers = _gathered_units(layers, setup)
     shares = _shares(cfg, setup.tp, cfg.taper.multiple)

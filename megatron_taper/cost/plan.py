@@ -219,6 +219,7 @@ class Predictor:
         self.device = device
         self.costs = model_costs(cfg.model)
         self._memory: dict[MemorySetup, ModelMemory] = {}
+        self._activations: dict[tuple, list] = {}  # model_memory's cache of the blocks' activation bytes
         self._bounds: dict[int, tuple[int, ...]] = {}
         self._peaks: dict[tuple, list[float]] = {}
         self._models: dict[tuple, tuple] = {}
@@ -238,11 +239,12 @@ class Predictor:
 
     def memory(self, setup: MemorySetup) -> ModelMemory:
         """model_memory; its pieces do not depend on the micro-batch count (only the pipeline
-        buffers, which read it from `setup`), so they are computed once for all counts."""
+        buffers, which read it from `setup`), so they are computed once for all counts, and the
+        blocks' activation bytes once per memory.ACTIVATION_FIELDS values."""
         if setup not in self._memory:
             key = dataclasses.replace(setup, microbatches=1)
             if key not in self._memory:
-                self._memory[key] = model_memory(self.model, key, self.costs)
+                self._memory[key] = model_memory(self.model, key, self.costs, self._activations)
             self._memory[setup] = dataclasses.replace(self._memory[key], setup=setup)
         return self._memory[setup]
 
