@@ -264,9 +264,9 @@ class Predictor:
         m = setup.microbatches
         if virtual == 1:
             flight = [1] if pp == 1 else in_flight_microbatches(pp, m, schedule)
-            peaks = [self.stage(setup, b, r, flight).total for r in range(pp)]
+            peaks = [x.total for x in self.stages(setup, b, flight)]
         else:
-            chunks = [self.stage(setup, b, c, [1] * n_chunks, virtual) for c in range(n_chunks)]
+            chunks = self.stages(setup, b, [1] * n_chunks, virtual)
             peaks = []
             for r in range(pp):
                 ids = [c for c in range(n_chunks) if chunk_rank(c, pp, schedule in V_SCHEDULES) == r]
@@ -282,9 +282,9 @@ class Predictor:
         self._peaks[key] = peaks
         return peaks
 
-    def stage(self, setup: MemorySetup, bounds: Sequence[int], index: int, in_flight: list[int], virtual: int = 1
-              ) -> StageMemory:
-        """ModelMemory.stage of chunk `index` of the split `bounds` (`virtual` chunks per rank), with
+    def stages(self, setup: MemorySetup, bounds: Sequence[int], in_flight: list[int], virtual: int = 1
+               ) -> list[StageMemory]:
+        """ModelMemory.stage of every chunk of the split `bounds` (`virtual` chunks per rank), with
         the memory model's per-setup tables computed once."""
         mm = self.memory(setup)
         key = (setup, tuple(in_flight), virtual)
@@ -295,11 +295,14 @@ class Predictor:
                 self._tables[setup] = _PeakRows(model.peak, kept_pre)
             self._models[key] = (model, static_pre, kept_pre)
         model, static_pre, kept_pre = self._models[key]
-        lo, hi, n = bounds[index], bounds[index + 1], len(in_flight)
-        static, act, fixed = model.stage_parts(index, n, lo, hi, static_pre, kept_pre, self._tables[setup])
-        kept = kept_pre[hi] - kept_pre[lo] + (mm.head.kept if index == n - 1 else 0.0)
-        return StageMemory(static=static, activations=act, buffers=fixed, kept=kept, in_flight=in_flight[index],
-                           retained=mm.retained(lo, hi, index == n - 1))
+        table, n, out = self._tables[setup], len(in_flight), []
+        for index in range(n):
+            lo, hi = bounds[index], bounds[index + 1]
+            static, act, fixed = model.stage_parts(index, n, lo, hi, static_pre, kept_pre, table)
+            kept = kept_pre[hi] - kept_pre[lo] + (mm.head.kept if index == n - 1 else 0.0)
+            out.append(StageMemory(static=static, activations=act, buffers=fixed, kept=kept,
+                                   in_flight=in_flight[index], retained=mm.retained(lo, hi, index == n - 1)))
+        return out
 
     def rank_work(self, mm: ModelMemory, pp: int, virtual: int, schedule: str, mode: str, every: int
                   ) -> list[RankWork]:
