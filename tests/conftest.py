@@ -30,8 +30,9 @@ def _file_weight(items: list[pytest.Item]) -> float:
 
 def pytest_collection_modifyitems(session, config, items):
     """The costliest files first (their tests in their own order): pytest-xdist's loadfile hands out
-    files in this order, so the long ones start early instead of leaving one worker running alone
-    at the end."""
+    files in this order under --no-loadscope-reorder (tests/run.sh passes it; by default xdist
+    re-sorts files by their number of tests), so the long ones start early instead of leaving one
+    worker running alone at the end."""
     by_file: dict[str, list[pytest.Item]] = {}
     for item in items:
         by_file.setdefault(item.nodeid.split("::", 1)[0], []).append(item)

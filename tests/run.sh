@@ -12,5 +12,7 @@ py="${VENV:-$root/.venv}/bin/python"
 "$py" -m ruff check --quiet . || { echo "[tests] ruff found problems (fix: $py -m ruff check --fix .)" >&2; exit 1; }
 workers="${PYTEST_WORKERS:-2}"
 parallel=()
-[ "$workers" = 0 ] || parallel=(-n "$workers" --dist loadfile)
+# --no-loadscope-reorder: hand out files in tests/conftest.py's order (costliest first); xdist's
+# default re-sorts them by their number of tests, which puts the long one-test files last
+[ "$workers" = 0 ] || parallel=(-n "$workers" --dist loadfile --no-loadscope-reorder)
 exec "$py" -m pytest -q -ra --durations=25 "${parallel[@]}" tests "$@"

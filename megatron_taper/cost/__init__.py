@@ -4,6 +4,7 @@ layout search, all without torch at module level (`import megatron_taper.cost.pl
 block.py         per-piece costs (FLOPs, parameters, activations) and the shared counting helpers
 flops.py         per-layer and whole-model costs from each family's spec, MFU and device peaks
 memory.py        per-rank, per-stage peak memory of a training step (docs/memory_model.md)
+attention_memory.py  what cp's K / V and the document mask add to a block's activations
 stage_memory.py  per-stage memory of a pipeline split: communication buffers, DeepSpeed's buckets
 cp.py            per block, what each family sends under context parallelism (chain / halo / all-gather)
 devices.py       the device table (devices.json) and measured profiles laid over it

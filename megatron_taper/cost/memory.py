@@ -131,8 +131,9 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
+from megatron_taper.cost.attention_memory import context_parallel_cost, document_mask_bytes
 from megatron_taper.cost.block import Cost, Split, prefix_sums
-from megatron_taper.cost.cp import CPMessage, block_messages, received_bytes, whole_attention
+from megatron_taper.cost.cp import block_messages, received_bytes
 from megatron_taper.cost.float8 import converted_params
 from megatron_taper.cost.flops import ModelCosts, head_cost, model_costs
 from megatron_taper.cost.stage_memory import to_memory_model
@@ -141,8 +142,6 @@ if TYPE_CHECKING:
     from megatron_taper.config import ModelConfig, ParallelConfig, TrainConfig
 
 ADAMW_BYTES = 8.0  # exp_avg + exp_avg_sq in fp32, per parameter
-CP_RING_TILE = 512  # query rows per piece of ring attention (parallel/cp/split.py)
-FLEX_BLOCK = 128  # FlexAttention's sparse block of tokens (its default; models/local_attention.py)
 GIB = 2**30
 
 
@@ -393,20 +392,27 @@ def _activations(cost: Cost) -> Split:
     return cost.act + Split(whole=cost.act_bytes / 2.0)
 
 
+# the MemorySetup fields that piece_activations reads (with the model): model_memory's `cache` key
+ACTIVATION_FIELDS = ("tp", "sequence_parallel", "cp", "cp_attention", "bf16", "activation_checkpointing", "ac_every",
+                     "micro_batch", "ep", "ep_imbalance", "documents", "flex")
+
+
 def piece_memory(cost: Cost, shares: Split, setup: MemorySetup, tokens: int, recompute: bool, d_model: int,
                  block: bool, matmul: bool = True, received: float = 0.0, mask: float = 0.0,
                  float8_params: float = 0.0) -> PieceMemory:
     """Bytes of one piece (see PieceMemory); `tokens` per micro-batch on this rank; `matmul`: its
-    parameters are matmul weights (not an embedding). A recomputed piece keeps its input, and
-    under activation_checkpointing=op also its `op_act` (all of `act` where that is unknown).
-    `received`: bytes per micro-batch the block was handed under context parallelism besides K and
-    V (cost/cp.py received_bytes), kept also when it recomputes (parallel/cp/state.py keeps what a
-    forward received for the recompute), and their gradient in its backward. `mask`: bytes per
-    micro-batch of the document mask attention keeps (document_mask_bytes; not kept when recomputed).
-    `float8_params`: its parameters in linears train.float8 converts, whose fp32 weights torchao's
-    matmul saves uncast (no bf16 copy; measured)."""
-    params = local_params(cost, shares)
-    experts = cost.params_split.experts * shares.experts
+    parameters are matmul weights (not an embedding); `float8_params`: its parameters in linears
+    train.float8 converts, whose fp32 weights torchao's matmul saves uncast (no bf16 copy; measured).
+    Its activations: piece_activations."""
+    return _piece(local_params(cost, shares), cost.params_split.experts * shares.experts, float8_params, setup,
+                  block, matmul, piece_activations(cost, shares, setup, tokens, recompute, d_model, received, mask))
+
+
+def _piece(params: float, experts: float, float8_params: float, setup: MemorySetup, block: bool, matmul: bool,
+           activations: tuple[float, float, float]) -> PieceMemory:
+    """The PieceMemory of `params` tp-local parameters, `experts` of them routed experts (N / ep of
+    each MoE layer's), `float8_params` of them in converted linears, and (kept, peak, retained)
+    `activations` (piece_activations)."""
     cast = setup.cast_bytes_per_param()
     static = params * (setup.state_bytes_per_param() + cast) - float8_params * cast
     static += experts * (setup.expert_state_bytes_per_param() - setup.state_bytes_per_param())
@@ -414,7 +420,23 @@ def piece_memory(cost: Cost, shares: Split, setup: MemorySetup, tokens: int, rec
         static += params * setup.unsharded_bytes_per_param(matmul)
     elif not block and setup.fsdp:  # the root's weights stay gathered; its gradient: _root_gradient
         static += params * (setup.compute_bytes if matmul else 4.0)
-    full = act_bytes_per_token(_activations(cost), shares, setup) * tokens
+    made = params * setup.made_grad_bytes_per_param()
+    if setup.ep > 1 and setup.zero == "none" and setup.dp > 1:  # outside DDP's buckets: made by the backward
+        made += 4.0 * experts
+    return PieceMemory(params, static, *activations, made)
+
+
+def piece_activations(cost: Cost, shares: Split, setup: MemorySetup, tokens: int, recompute: bool, d_model: int,
+                      received: float = 0.0, mask: float = 0.0) -> tuple[float, float, float]:
+    """(kept, peak, retained) of a piece (PieceMemory), from the setup's ACTIVATION_FIELDS alone.
+    A recomputed piece keeps its input, and under activation_checkpointing=op also its `op_act`
+    (all of `act` where that is unknown). `received`: bytes per micro-batch the block was handed
+    under context parallelism besides K and V (cost/cp.py received_bytes), kept also when it
+    recomputes (parallel/cp/state.py keeps what a forward received for the recompute), and their
+    gradient in its backward. `mask`: bytes per micro-batch of the document mask attention keeps
+    (document_mask_bytes; not kept when recomputed)."""
+    act = _activations(cost)
+    full = act_bytes_per_token(act, shares, setup) * tokens
     full += act_bytes_per_token(cost.per_batch, shares, setup)
     full += received + mask
     moments = [act_bytes_per_token(m, shares, setup) * tokens for m in cost.backward]
@@ -429,11 +451,8 @@ def piece_memory(cost: Cost, shares: Split, setup: MemorySetup, tokens: int, rec
         kept = (boundary_bytes(d_model, tokens, setup) + act_bytes_per_token(cost.op_kept, shares, setup) * tokens
                 + received)
     op = cost.op_kept
-    retained = act_bytes_per_token(_activations(cost) if op is None else op, shares, setup) * tokens
-    made = params * setup.made_grad_bytes_per_param()
-    if setup.ep > 1 and setup.zero == "none" and setup.dp > 1:  # outside DDP's buckets: made by the backward
-        made += 4.0 * experts
-    return PieceMemory(params, static, kept, peak, retained, made)
+    retained = act_bytes_per_token(act if op is None else op, shares, setup) * tokens
+    return kept, peak, retained
 
 
 def boundary_bytes(d_model: int, tokens: int, setup: MemorySetup) -> float:
@@ -441,21 +460,34 @@ def boundary_bytes(d_model: int, tokens: int, setup: MemorySetup) -> float:
     return 4.0 * d_model * tokens / (setup.tp if setup.sequence_parallel else 1)
 
 
-def model_memory(cfg: ModelConfig, setup: MemorySetup, costs: ModelCosts | None = None) -> ModelMemory:
+def model_memory(cfg: ModelConfig, setup: MemorySetup, costs: ModelCosts | None = None,
+                 cache: dict | None = None) -> ModelMemory:
     """Bytes of every piece of the model `cfg` under `setup` (module doc); `costs`: its
-    model_costs, when the caller has them already."""
+    model_costs, when the caller has them already; `cache`: a dict kept across calls for this
+    model, in which the blocks' piece_activations are kept by the setup's ACTIVATION_FIELDS and
+    their parameters by tp and ep (a layout search meets each many times under other engines and dp sizes)."""
     costs = costs or model_costs(cfg)
     tokens = setup.micro_batch * cfg.seq_len // setup.cp
-    recomputed = set(checkpointed_blocks([str(i) for i in range(cfg.n_layers)], setup.activation_checkpointing,
-                                         setup.ac_every))
-    messages = block_messages(cfg, costs.widths, setup.micro_batch, setup.cp, setup.compute_bytes,
-                              setup.cp_attention, setup.documents)
-    masks = document_mask_bytes(cfg, costs.widths, setup)
-    layers = [piece_memory(context_parallel_cost(cost, cfg, setup, sent), _shares(cfg, setup.tp, width, setup.ep),
-                           setup, tokens, str(i) in recomputed, cfg.d_model, block=True, received=received_bytes(sent),
-                           mask=mask, float8_params=setup.float8 and converted_params(
-                               cfg, width, setup.float8_min_dim, setup.float8_recipe))
-              for i, (cost, width, sent, mask) in enumerate(zip(costs.layers, costs.widths, messages, masks))]
+    key = tuple(getattr(setup, name) for name in ACTIVATION_FIELDS)
+    cache = {} if cache is None else cache
+    if key not in cache:
+        recomputed = set(checkpointed_blocks([str(i) for i in range(cfg.n_layers)], setup.activation_checkpointing,
+                                             setup.ac_every))
+        messages = block_messages(cfg, costs.widths, setup.micro_batch, setup.cp, setup.compute_bytes,
+                                  setup.cp_attention, setup.documents)
+        masks = document_mask_bytes(cfg, costs.widths, setup)
+        cache[key] = [piece_activations(context_parallel_cost(cost, cfg, setup, sent),
+                                        _shares(cfg, setup.tp, width, setup.ep), setup, tokens, str(i) in recomputed,
+                                        cfg.d_model, received_bytes(sent), mask)
+                      for i, (cost, width, sent, mask) in enumerate(zip(costs.layers, costs.widths, messages, masks))]
+    if ("params", setup.tp, setup.ep) not in cache:  # context_parallel_cost changes activations only
+        shares = [_shares(cfg, setup.tp, width, setup.ep) for width in costs.widths]
+        cache["params", setup.tp, setup.ep] = [(local_params(cost, share), cost.params_split.experts * share.experts)
+                                               for cost, share in zip(costs.layers, shares)]
+    converted = [setup.float8 and converted_params(cfg, width, setup.float8_min_dim, setup.float8_recipe)
+                 for width in costs.widths]
+    layers = [_piece(params, experts, f8, setup, True, True, act)
+              for (params, experts), f8, act in zip(cache["params", setup.tp, setup.ep], converted, cache[key])]
     if setup.fsdp and not setup.pipelined:
         layers = _gathered_units(layers, setup)
     shares = _shares(cfg, setup.tp, cfg.taper.multiple)
@@ -476,25 +508,6 @@ def model_memory(cfg: ModelConfig, setup: MemorySetup, costs: ModelCosts | None 
     embedding = piece_memory(costs.embedding, shares, setup, tokens, False, cfg.d_model, block=False, matmul=False)
     return ModelMemory(layers, embedding, head_piece, boundary_bytes(cfg.d_model, tokens, setup), setup)
 
-
-def document_mask_bytes(cfg: ModelConfig, widths: Sequence[int], setup: MemorySetup) -> list[float]:
-    """Per block, the bytes per micro-batch of the document mask its attention keeps for backward
-    (module doc, Documents): 0 without data.document_mask, for blocks that do not attend over the
-    whole sequence (as cost/cp.py tells them apart at cp = 2) and under the ring."""
-    if not setup.documents or (setup.cp > 1 and setup.cp_attention == "ring"):
-        return [0.0 for _ in widths]
-    attends = [whole_attention(m) for m in block_messages(cfg, list(widths), 1, max(setup.cp, 2),
-                                                          attention=setup.cp_attention)]
-    b, seq, ulysses = setup.micro_batch, cfg.seq_len, setup.cp > 1 and setup.cp_attention == "ulysses"
-    if setup.flex and cfg.position_encoding == "rope" and (setup.cp == 1 or ulysses):
-        n = -(-seq // FLEX_BLOCK)
-        size = 4.0 * (4 * b * n + 4 * b * n * n + b * seq)  # int32 block counts and indices; the ids
-    else:  # SDPA's additive mask in the compute dtype; ALiBi's: per head of the rank
-        rows = seq // setup.cp if setup.cp > 1 and not ulysses else seq
-        heads = math.ceil(cfg.n_heads / setup.tp) // (setup.cp if ulysses else 1) \
-            if cfg.position_encoding == "alibi" else 1
-        size = float(setup.compute_bytes * b * heads * rows * seq)
-    return [size if attend else 0.0 for attend in attends]
 
 
 def _root_gradient(layers: list[PieceMemory], head: PieceMemory, setup: MemorySetup, matmul: bool
@@ -520,37 +533,6 @@ def _gathered_units(layers: list[PieceMemory], setup: MemorySetup) -> list[Piece
             out[i] = dataclasses.replace(layers[i], peak=layers[i].peak + gathered * per_param)
     return out
 
-
-def context_parallel_cost(cost: Cost, cfg: ModelConfig, setup: MemorySetup,
-                          messages: Sequence[CPMessage] = ()) -> Cost:
-    """A block's cost per local token under context parallelism (module doc), for a block whose
-    `messages` (cost/cp.py) include attention's K and V: all-gathered, its K and V (and their
-    gradients in backward) are those of the whole sequence, cp times the rank's tokens; under
-    activation_checkpointing=op the kept K and V projections stay the rank's own (`op_act`).
-    Ring: the moment of a piece of its backward. Ulysses (messages of q, k, v and the output): its
-    own tokens' elements, k and v K' / K times where a tp rank's K kv heads are repeated to
-    K' = lcm(K, cp). A block without them (Titans' local attention, the memories, the tree) keeps
-    its own tokens' elements; what it is handed instead counts as `received` bytes (piece_memory)."""
-    cp = setup.cp
-    if cp > 1 and setup.cp_attention == "ulysses" and any(m.what == "qkvo" for m in messages):
-        local = max(cfg.kv_heads // setup.tp, 1)  # kv heads of a tp rank (one, replicated, where tp > K)
-        extra = math.lcm(local, cp) // local - 1
-
-        def repeated(split: Split) -> Split:
-            return split + Split(kv=split.kv * extra)
-
-        return dataclasses.replace(cost, act=repeated(cost.act), backward=tuple(repeated(b) for b in cost.backward))
-    if cp == 1 or not any(m.what == "kv" for m in messages):
-        return cost
-    if setup.cp_attention == "ring":
-        rows = min(CP_RING_TILE, cfg.seq_len // (2 * cp))
-        piece = Split(heads=cfg.n_heads * (2 * rows + 4 * cfg.head_dim))  # 4 x [t, C] per 2C tokens; 4 x [s, E]
-        return dataclasses.replace(cost, backward=(*cost.backward, piece))
-
-    def more(split: Split) -> Split:
-        return split + Split(kv=split.kv * (cp - 1))
-
-    return dataclasses.replace(cost, act=more(cost.act), backward=tuple(more(b) for b in cost.backward))
 
 
 def head_weight_grad_moment(cfg: ModelConfig, shares: Split, setup: MemorySetup, head: PieceMemory, tokens: int

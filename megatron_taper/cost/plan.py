@@ -225,6 +225,7 @@ class Predictor:
         self.device = device
         self.costs = model_costs(cfg.model)
         self._memory: dict[MemorySetup, ModelMemory] = {}
+        self._activations: dict[tuple, list] = {}  # model_memory's cache of the blocks' activation bytes
         self._bounds: dict[int, tuple[int, ...]] = {}
         self._peaks: dict[tuple, list[float]] = {}
         self._models: dict[tuple, tuple] = {}
@@ -244,11 +245,12 @@ class Predictor:
 
     def memory(self, setup: MemorySetup) -> ModelMemory:
         """model_memory; its pieces do not depend on the micro-batch count (only the pipeline
-        buffers, which read it from `setup`), so they are computed once for all counts."""
+        buffers, which read it from `setup`), so they are computed once for all counts, and the
+        blocks' activation bytes once per memory.ACTIVATION_FIELDS values."""
         if setup not in self._memory:
             key = dataclasses.replace(setup, microbatches=1)
             if key not in self._memory:
-                self._memory[key] = model_memory(self.model, key, self.costs)
+                self._memory[key] = model_memory(self.model, key, self.costs, self._activations)
             self._memory[setup] = dataclasses.replace(self._memory[key], setup=setup)
         return self._memory[setup]
 
@@ -268,9 +270,9 @@ class Predictor:
         m = setup.microbatches
         if virtual == 1:
             flight = [1] if pp == 1 else in_flight_microbatches(pp, m, schedule)
-            peaks = [self.stage(setup, b, r, flight).total for r in range(pp)]
+            peaks = [x.total for x in self.stages(setup, b, flight)]
         else:
-            chunks = [self.stage(setup, b, c, [1] * n_chunks, virtual) for c in range(n_chunks)]
+            chunks = self.stages(setup, b, [1] * n_chunks, virtual)
             peaks = []
             for r in range(pp):
                 ids = [c for c in range(n_chunks) if chunk_rank(c, pp, schedule in V_SCHEDULES) == r]
@@ -286,9 +288,9 @@ class Predictor:
         self._peaks[key] = peaks
         return peaks
 
-    def stage(self, setup: MemorySetup, bounds: Sequence[int], index: int, in_flight: list[int], virtual: int = 1
-              ) -> StageMemory:
-        """ModelMemory.stage of chunk `index` of the split `bounds` (`virtual` chunks per rank), with
+    def stages(self, setup: MemorySetup, bounds: Sequence[int], in_flight: list[int], virtual: int = 1
+               ) -> list[StageMemory]:
+        """ModelMemory.stage of every chunk of the split `bounds` (`virtual` chunks per rank), with
         the memory model's per-setup tables computed once."""
         mm = self.memory(setup)
         key = (setup, tuple(in_flight), virtual)
@@ -299,11 +301,14 @@ class Predictor:
                 self._tables[setup] = _PeakRows(model.peak, kept_pre)
             self._models[key] = (model, static_pre, kept_pre)
         model, static_pre, kept_pre = self._models[key]
-        lo, hi, n = bounds[index], bounds[index + 1], len(in_flight)
-        static, act, fixed = model.stage_parts(index, n, lo, hi, static_pre, kept_pre, self._tables[setup])
-        kept = kept_pre[hi] - kept_pre[lo] + (mm.head.kept if index == n - 1 else 0.0)
-        return StageMemory(static=static, activations=act, buffers=fixed, kept=kept, in_flight=in_flight[index],
-                           retained=mm.retained(lo, hi, index == n - 1))
+        table, n, out = self._tables[setup], len(in_flight), []
+        for index in range(n):
+            lo, hi = bounds[index], bounds[index + 1]
+            static, act, fixed = model.stage_parts(index, n, lo, hi, static_pre, kept_pre, table)
+            kept = kept_pre[hi] - kept_pre[lo] + (mm.head.kept if index == n - 1 else 0.0)
+            out.append(StageMemory(static=static, activations=act, buffers=fixed, kept=kept,
+                                   in_flight=in_flight[index], retained=mm.retained(lo, hi, index == n - 1)))
+        return out
 
     def rank_work(self, mm: ModelMemory, pp: int, virtual: int, schedule: str, mode: str, every: int
                   ) -> list[RankWork]:

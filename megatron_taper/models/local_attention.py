@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 import torch.nn.functional as F
 
-from megatron_taper.cost.memory import FLEX_BLOCK  # FlexAttention's sparse block of tokens (its default)
+from megatron_taper.cost.attention_memory import FLEX_BLOCK  # FlexAttention's sparse block of tokens (its default)
 
 if TYPE_CHECKING:
     from torch.nn.attention.flex_attention import BlockMask

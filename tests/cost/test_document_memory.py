@@ -1,4 +1,4 @@
-"""What data.document_mask adds to the memory model (cost/memory.py document_mask_bytes), against the
+"""What data.document_mask adds to the memory model (cost/attention_memory.py document_mask_bytes), against the
 tensors autograd saves and the block mask FlexAttention is handed.
 
 - One process on the CPU: a Transformer block's forward with documents saves, beside what it saves
@@ -16,7 +16,8 @@ import dataclasses
 import torch
 
 from megatron_taper.config import load_config
-from megatron_taper.cost.memory import MemorySetup, document_mask_bytes, model_memory
+from megatron_taper.cost.attention_memory import document_mask_bytes
+from megatron_taper.cost.memory import MemorySetup, model_memory
 from megatron_taper.models import build_model
 from megatron_taper.models.documents import document_block_mask
 from megatron_taper.models.layers import document_ids, rope_tables

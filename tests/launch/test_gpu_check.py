@@ -93,9 +93,17 @@ def test_gpu_families_smoke(tmp_path):
     assert len(resumed) == 1 and resumed[0]["bitwise"] and len(resumed[0]["straight"]) == 6
 
 
-def test_gpu_families_budget_spent(tmp_path):
-    """A spent budget: every row and part is reported as skipped with the reason, none estimated."""
-    report = families(tmp_path, "--budget-s", "0")
+def test_gpu_families_budget_spent(tmp_path, monkeypatch, capsys):
+    """A spent budget: every row and part is reported as skipped with the reason, none estimated
+    (the script's main in this process: with nothing to run, no interpreter start-up is needed)."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import gpu_families
+
+    out = tmp_path / "families.json"
+    monkeypatch.setattr(sys, "argv", ["gpu_families.py", "--smoke", "--out", str(out), "--budget-s", "0"])
+    assert gpu_families.main() == 0
+    report = json.loads(out.read_text())
+    assert report == json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert len(report["speed"]) == 8 and all("skipped" in r and "tokens_per_s" not in r for r in report["speed"])
     assert any("time budget" in r["skipped"] for r in report["speed"])
     assert all("time budget" in r["skipped"] for r in report["parity"] + report["resume"])

@@ -44,36 +44,57 @@ def test_toy_family_gets_the_standard_tests():
     assert "test_trains_and_resumes_exactly[toy_squared]" in passed, sorted(passed)
 
 
-def test_toy_family_plans_a_pipeline():
-    plan = subprocess.run([sys.executable, "tools/plan_pipeline.py", "--json", *TOY[2:], "parallel.pp=2"],
-                          cwd=REPO, env={**os.environ, **ENV}, capture_output=True, text=True, timeout=120)
-    assert plan.returncode == 0, plan.stderr
-    stages = json.loads(plan.stdout)["stages"]
-    assert sorted(i for s in stages for i in s) == [0, 1, 2, 3] and len(stages) == 2
-
-
-def test_toy_family_options_and_costs():
+@pytest.fixture(scope="module")
+def toy() -> dict:
+    """One interpreter with the toy family registered (an interpreter start and a torch import
+    each, before) runs what the toy tests below check, and prints it as JSON: tools/plan_pipeline.py's
+    main (its exit code and JSON), the toy's options and cost model, and the refusals it meets."""
     out = _python(
+        "import contextlib, importlib.util, io, json\n"
         "from megatron_taper.config import load_config\n"
         "from megatron_taper.cost.flops import model_costs\n"
+        "from megatron_taper.cost.preflight import preflight\n"
         "from megatron_taper.models import build_model\n"
+        "from megatron_taper.validation import ConfigError\n"
+        "out = {}\n"
+        "spec = importlib.util.spec_from_file_location('plan_pipeline', 'tools/plan_pipeline.py')\n"
+        "tool = importlib.util.module_from_spec(spec)\n"
+        "spec.loader.exec_module(tool)\n"
+        "printed = io.StringIO()\n"
+        "with contextlib.redirect_stdout(printed):\n"
+        f"    code = tool.main(['--json', *{TOY[2:]!r}, 'parallel.pp=2'])\n"
+        "out['plan'] = [code, json.loads(printed.getvalue()) if code == 0 else printed.getvalue()]\n"
         "cfg = load_config('configs/tiny_taper.yaml', ['model.arch=toy', 'model.toy.squared=false'])\n"
         "model = build_model(cfg.model)\n"
         "params = sum(p.numel() for p in model.parameters())\n"
-        "print(cfg.model.toy.squared, model_costs(cfg.model).total_params == params)\n"
+        "out['options'] = [cfg.model.toy.squared, model_costs(cfg.model).total_params == params]\n"
         "try:\n"
         "    load_config(None, ['model.toy.squaredd=false'])\n"
         "except ValueError as e:\n"
-        "    print(e)\n"
+        "    out['misspelt'] = str(e)\n"
         "try:\n"
-        "    from megatron_taper.cost.preflight import preflight\n"
         "    preflight(load_config(None, ['model.arch=toy', 'parallel.tp=4', 'model.n_heads=4']), 4)\n"
         "except ValueError as e:\n"
-        "    print(e)\n")
-    lines = out.splitlines()
-    assert lines[0] == "False True"
-    assert "did you mean 'model.toy.squared'" in lines[1]
-    assert "the toy family is tested up to parallel.tp=2" in lines[2]
+        "    out['tp4'] = str(e)\n"
+        "try:\n"
+        "    preflight(load_config('configs/tiny_taper.yaml', ['model.arch=toy', 'parallel.cp=2']), 2)\n"
+        "except ConfigError as e:\n"
+        "    out['cp2'] = str(e)\n"
+        "print(json.dumps(out))\n")
+    return json.loads(out.splitlines()[-1])
+
+
+def test_toy_family_plans_a_pipeline(toy):
+    code, plan = toy["plan"]
+    assert code == 0, plan
+    stages = plan["stages"]
+    assert sorted(i for s in stages for i in s) == [0, 1, 2, 3] and len(stages) == 2
+
+
+def test_toy_family_options_and_costs(toy):
+    assert toy["options"] == [False, True]
+    assert "did you mean 'model.toy.squared'" in toy["misspelt"]
+    assert "the toy family is tested up to parallel.tp=2" in toy["tp4"]
 
 
 @pytest.mark.parametrize("value, message", [
@@ -87,17 +108,9 @@ def test_bad_family_module_is_one_clear_error(value, message):
     assert proc.returncode != 0 and message in proc.stderr
 
 
-def test_family_without_context_parallelism_is_refused_at_cp2():
+def test_family_without_context_parallelism_is_refused_at_cp2(toy):
     """A family whose spec does not say context_parallel (every built-in one does) gets one error."""
-    out = _python(
-        "from megatron_taper.config import load_config\n"
-        "from megatron_taper.cost.preflight import preflight\n"
-        "from megatron_taper.validation import ConfigError\n"
-        "cfg = load_config('configs/tiny_taper.yaml', ['model.arch=toy', 'parallel.cp=2'])\n"
-        "try:\n"
-        "    preflight(cfg, 2)\n"
-        "except ConfigError as e:\n"
-        "    print(e)\n")
+    out = toy["cp2"]
     assert "parallel.cp=2: model.arch='toy' does not support context parallelism yet" in out, out
     assert "transformer" in out and "use parallel.cp=1" in out, out
 

@@ -30,8 +30,9 @@ import torch
 import torch.distributed as dist
 
 from megatron_taper.config import load_config
+from megatron_taper.cost.attention_memory import document_mask_bytes
 from megatron_taper.cost.cp import ALLGATHER, ALLTOALL, CHAIN, HALO, RING, cp_messages
-from megatron_taper.cost.memory import MemorySetup, document_mask_bytes
+from megatron_taper.cost.memory import MemorySetup
 from megatron_taper.models import build_model
 from megatron_taper.models.layers import rope_tables
 from megatron_taper.parallel.block_options import apply_block_options

@@ -63,12 +63,25 @@ def test_malformed_fault_settings_are_one_error(byte_tokens, tmp_path, monkeypat
     assert not run.exists()
 
 
-def _torchrun_sh(args: list[str], fault: str = "") -> subprocess.CompletedProcess:
+def _start_torchrun_sh(args: list[str], fault: str = "") -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "VENV": sys.prefix, "MEGATRON_TAPER_FAULT": fault,
            "TAPER_PREFLIGHT_DONE": "1",  # tests/launch/test_launchers.py covers torchrun.sh's checks
            "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)}
-    return subprocess.run(["bash", "launch/torchrun.sh", "2", *args], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.Popen(["bash", "launch/torchrun.sh", "2", *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _finish(proc: subprocess.Popen) -> subprocess.CompletedProcess:
+    try:
+        out, err = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def _torchrun_sh(args: list[str], fault: str = "") -> subprocess.CompletedProcess:
+    return _finish(_start_torchrun_sh(args, fault))
 
 
 def _records(run_dir) -> dict:
@@ -85,8 +98,13 @@ def _records(run_dir) -> dict:
 @pytest.mark.slow  # over ~20 s alone: 2 x 2 workers, 3 attempts and a step timeout
 def test_hang_dead_worker_nan_and_slow_rank_under_torchrun_bitwise(byte_tokens, tmp_path):
     args = [*TINY, f"data.path={byte_tokens}", f"fault.step_timeout_s={STEP_TIMEOUT}", "fault.rollback_after=1"]
-    faulty = tmp_path / "faulty"
+    faulty, straight = tmp_path / "faulty", tmp_path / "straight"
+    straight.mkdir()
+    (straight / "data_skips.json").write_text('{"windows": [[9, 9]]}')
+    # the reference runs meanwhile: the faulty run spends most of its time waiting (step timeout, restarts)
+    reference = _start_torchrun_sh([*args, f"run.dir={straight}"])
     proc = _torchrun_sh([*args, f"run.dir={faulty}"], fault="stop:1:3,kill:0:7,sleep:1:1:0.2,nan:1:9")
+    straight_proc = _finish(reference)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
     hang = [line for line in out.splitlines() if line.startswith("hang: rank 0:")]
@@ -107,11 +125,7 @@ def test_hang_dead_worker_nan_and_slow_rank_under_torchrun_bitwise(byte_tokens, 
     recovery = restarts["1"]["time"] - fired["stop"]["time"]
     assert STEP_TIMEOUT < recovery < COLLECTIVE_TIMEOUT / 5, recovery
 
-    straight = tmp_path / "straight"
-    straight.mkdir()
-    (straight / "data_skips.json").write_text('{"windows": [[9, 9]]}')
-    proc = _torchrun_sh([*args, f"run.dir={straight}"])
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert straight_proc.returncode == 0, straight_proc.stderr[-4000:]
     want = _records(straight)
     assert [m[0] for m in want["metrics"]] == list(range(1, STEPS + 1))
     assert _records(faulty) == want

@@ -81,7 +81,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from megatron_taper.cost.memory import CP_RING_TILE
+from megatron_taper.cost.attention_memory import CP_RING_TILE
 from megatron_taper.models.layers import IGNORE_INDEX, Attention, causal_mask_at, document_ids, within_documents
 from megatron_taper.parallel.cp.ulysses import ulysses_attention
 from megatron_taper.parallel.tp.layers import gather_from_seq_region
