@@ -49,7 +49,9 @@ for name, kind, target in jobs:
         code = "raised:\n" + traceback.format_exc()[-3000:]
     finally:
         sys.argv, sys.path[:] = argv, path
-    answers[name] = {"code": code if isinstance(code, (int, str)) else repr(code), "output": out.getvalue()[-3000:]}
+    text = out.getvalue()  # its head (the usage line) and its tail (an error), where it is long
+    text = text if len(text) <= 6000 else text[:3000] + "\n[...]\n" + text[-3000:]
+    answers[name] = {"code": code if isinstance(code, (int, str)) else repr(code), "output": text}
 with open(sys.argv[2], "w") as f:
     json.dump(answers, f)
 """
