@@ -464,8 +464,9 @@ def model_memory(cfg: ModelConfig, setup: MemorySetup, costs: ModelCosts | None 
                  cache: dict | None = None) -> ModelMemory:
     """Bytes of every piece of the model `cfg` under `setup` (module doc); `costs`: its
     model_costs, when the caller has them already; `cache`: a dict kept across calls for this
-    model, in which the blocks' piece_activations are kept by the setup's ACTIVATION_FIELDS and
-    their parameters by tp and ep (a layout search meets each many times under other engines and dp sizes)."""
+    model, in which the blocks' piece_activations are kept by the setup's ACTIVATION_FIELDS, their
+    parameters by tp and ep and those in float8-converted linears by the float8 rule (a layout
+    search meets each many times under other engines and dp sizes)."""
     costs = costs or model_costs(cfg)
     tokens = setup.micro_batch * cfg.seq_len // setup.cp
     key = tuple(getattr(setup, name) for name in ACTIVATION_FIELDS)
@@ -484,10 +485,11 @@ def model_memory(cfg: ModelConfig, setup: MemorySetup, costs: ModelCosts | None 
         shares = [_shares(cfg, setup.tp, width, setup.ep) for width in costs.widths]
         cache["params", setup.tp, setup.ep] = [(local_params(cost, share), cost.params_split.experts * share.experts)
                                                for cost, share in zip(costs.layers, shares)]
-    converted = [setup.float8 and converted_params(cfg, width, setup.float8_min_dim, setup.float8_recipe)
-                 for width in costs.widths]
+    rule = ("float8", setup.float8_min_dim, setup.float8_recipe) if setup.float8 else ("float8",)
+    if rule not in cache:  # per block: its parameters in the linears the float8 rule converts (none without)
+        cache[rule] = [converted_params(cfg, width, *rule[1:]) if setup.float8 else 0.0 for width in costs.widths]
     layers = [_piece(params, experts, f8, setup, True, True, act)
-              for (params, experts), f8, act in zip(cache["params", setup.tp, setup.ep], converted, cache[key])]
+              for (params, experts), f8, act in zip(cache["params", setup.tp, setup.ep], cache[rule], cache[key])]
     if setup.fsdp and not setup.pipelined:
         layers = _gathered_units(layers, setup)
     shares = _shares(cfg, setup.tp, cfg.taper.multiple)
