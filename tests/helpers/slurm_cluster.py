@@ -19,6 +19,7 @@ import atexit
 import contextlib
 import ctypes
 import os
+import random
 import shutil
 import signal
 import socket
@@ -125,7 +126,7 @@ class SlurmCluster:
                                f"--log-file={self.root / 'log' / 'munged.log'}"])
         self._wait(lambda: self._munge_ok(sock), 10.0, "munged did not answer")
 
-        ports = _free_ports(1 + self.nodes)
+        ports = free_ports(1 + self.nodes)
         self.conf.write_text(self._slurm_conf(sock, ports[0], ports[1:]))
         self._spawn("slurmctld", [_which("slurmctld"), "-D", "-i", "-f", str(self.conf)])
         self._wait(lambda: "UP" in self._run(["scontrol", "ping"]), timeout, "slurmctld did not come up")
@@ -301,12 +302,26 @@ def _terminate(proc: subprocess.Popen, grace: float = 5.0) -> None:
         proc.wait(grace)
 
 
-def _free_ports(n: int) -> list[int]:
-    socks = []
+def free_ports(n: int) -> list[int]:
+    """n ports free now on 127.0.0.1 for a listener that binds them later (the daemons, a job's
+    rendezvous store). Drawn below the kernel's ephemeral range (ip_local_port_range): a port from
+    that range can be taken in between by any outgoing connection, e.g. another test's gloo
+    sockets, which once made a job's store fail with EADDRINUSE."""
     try:
-        for _ in range(n):
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            ephemeral_low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = 32768
+    rng = random.SystemRandom()
+    socks: list[socket.socket] = []
+    try:
+        while len(socks) < n:
             s = socket.socket()
-            s.bind(("127.0.0.1", 0))
+            try:
+                s.bind(("127.0.0.1", rng.randrange(10000, ephemeral_low)))
+            except OSError:
+                s.close()
+                continue
             socks.append(s)
         return [s.getsockname()[1] for s in socks]
     finally:

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.runner import REPO
-from tests.helpers.slurm_cluster import SlurmCluster, _free_ports, running_cluster
+from tests.helpers.slurm_cluster import SlurmCluster, free_ports, running_cluster
 
 pytestmark = [pytest.mark.slurm, pytest.mark.multiprocess]
 
@@ -48,7 +48,7 @@ def slurm(tmp_path_factory):
 def job_env(cluster: SlurmCluster) -> dict[str, str]:
     # a free port for the rendezvous: other test runs on this machine may use the default one
     return {**cluster.env, "OMP_NUM_THREADS": "1", "NPROC_PER_NODE": "1",
-            "RDZV_PORT": str(_free_ports(1)[0])}
+            "RDZV_PORT": str(free_ports(1)[0])}
 
 
 def submit(cluster: SlurmCluster, tokens: str, run_dir: Path) -> tuple[int, Path]:
