@@ -35,10 +35,11 @@ model (tp = 1); `act_bytes` is the activations' dtype (2 under bf16 autocast); r
 travel in fp32 (their parameters' dtype) whatever it is.
 
 `documents` (data.document_mask): a block with attention over the whole sequence (K and V gathered
-or passed around the ring, or Ulysses' all-to-alls) also all-gathers the ranks' doc_start slices,
-[b, S] uint8 (`document_messages`; forward only: the starts take no gradient), and a family adds
-what its chain hands on for a document that spans the slices (FamilySpec.cp_document_messages:
-Hope's and the bridge's open chunk or segment rows).
+or passed around the ring) or with Ulysses' all-to-alls (attention's, or a per-head memory's) also
+all-gathers the ranks' doc_start slices, [b, S] uint8 (`document_messages`; forward only: the
+starts take no gradient), and a family adds what its chain hands on for a document that spans the
+slices (FamilySpec.cp_document_messages: Hope's and the bridge's open chunk or segment rows, Titans
+MAG / MAL's whole open chunk and the ends of the sender's last document).
 """
 from __future__ import annotations
 
@@ -104,7 +105,7 @@ def block_messages(cfg: ModelConfig, widths: list[int], micro_batch: int, cp: in
                   for layer, width in enumerate(widths)]
     if not documents:
         return blocks
-    return [block + document_messages(cfg, layer, width, micro_batch, cp, act_bytes, block)
+    return [block + document_messages(cfg, layer, width, micro_batch, cp, act_bytes, attention, block)
             for (layer, width), block in zip(enumerate(widths), blocks)]
 
 
@@ -115,14 +116,16 @@ def whole_attention(messages: tuple[CPMessage, ...]) -> bool:
 
 
 def document_messages(cfg: ModelConfig, layer: int, width: int, micro_batch: int, cp: int, act_bytes: int,
-                      messages: tuple[CPMessage, ...]) -> tuple[CPMessage, ...]:
+                      attention: str, messages: tuple[CPMessage, ...]) -> tuple[CPMessage, ...]:
     """What data.document_mask adds to a block's `messages` (module doc): the all-gather of doc_start
-    ([b, S] uint8, SequenceSplit.sequence_starts) where the block attends over the whole sequence,
-    and the family's own (FamilySpec.cp_document_messages)."""
+    ([b, S] uint8, SequenceSplit.sequence_starts) where the block attends over the whole sequence or
+    runs Ulysses' all-to-alls (a per-head memory scans the whole sequence's documents), and the
+    family's own (FamilySpec.cp_document_messages)."""
     spec = family(cfg.arch)
-    starts = (CPMessage(ALLGATHER, micro_batch * cfg.seq_len, "doc_start"),) if whole_attention(messages) else ()
+    whole = whole_attention(messages) or any(m.kind == ALLTOALL for m in messages)
+    starts = (CPMessage(ALLGATHER, micro_batch * cfg.seq_len, "doc_start"),) if whole else ()
     extra = () if spec.cp_document_messages is None else spec.cp_document_messages(
-        cfg, layer, width, micro_batch, cp, act_bytes)
+        cfg, layer, width, micro_batch, cp, act_bytes, attention)
     return starts + extra
 
 

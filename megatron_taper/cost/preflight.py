@@ -73,6 +73,8 @@ def preflight(cfg: Config, world_size: int, widths: Sequence[int] | None = None)
                           f"{p.cp_attention}: not built yet for model.arch={m.arch!r} (families that keep "
                           f"documents under cp with {p.cp_attention}: {supported}); use {other}parallel.cp=1 "
                           f"or data.document_mask=false")
+    if cfg.data.document_mask and spec.check_documents is not None:
+        spec.check_documents(m, p)
     _check_zero(m, p, world_size, dp)
     _check_hsdp(p, dp)
     if t.float8:

@@ -139,9 +139,10 @@ class FamilySpec:
     # from the same counting functions the family's cp code is checked against); None = the
     # Transformer's attention (its K and V all-gathered or passed around the ring, or Ulysses' all-to-alls)
     cp_messages: Callable[[ModelConfig, int, int, int, int, int, str], tuple[CPMessage, ...]] | None = None
-    # (cfg, block index, its MLP width, micro_batch, cp, activation dtype bytes) -> what data.document_mask
-    # adds to that block's cp_messages besides the all-gather of doc_start (cost/cp.py document_messages)
-    cp_document_messages: Callable[[ModelConfig, int, int, int, int, int], tuple[CPMessage, ...]] | None = None
+    # (cfg, block index, its MLP width, micro_batch, cp, activation dtype bytes, parallel.cp_attention) -> what
+    # data.document_mask adds to that block's cp_messages besides the all-gather of doc_start (cost/cp.py
+    # document_messages)
+    cp_document_messages: Callable[[ModelConfig, int, int, int, int, int, str], tuple[CPMessage, ...]] | None = None
     # data.document_mask: the model's forward takes doc_start ([B, S] bool, True where a document of a
     # packed window begins) and keeps every token inside its document; False = refused by preflight
     document_mask: bool = False
@@ -149,6 +150,9 @@ class FamilySpec:
     document_mask_cp: bool = False
     # ... also under parallel.cp > 1 with parallel.cp_attention=ulysses; False = refused by preflight
     document_mask_ulysses: bool = False
+    # (model cfg, parallel cfg) -> raise ConfigError where data.document_mask is refused for one of the
+    # family's variants though the flags above keep it for the family (called by preflight)
+    check_documents: Callable[[ModelConfig, ParallelConfig], None] | None = None
 
     @property
     def name(self) -> str:

@@ -10,6 +10,7 @@ A layout with data.document_mask=true trains on rows that hold END_OF_DOCUMENT a
 from them, as the Trainer's does from the data's end-of-document id.
 """
 import dataclasses
+import importlib.util
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -21,6 +22,7 @@ from megatron_taper.models import family
 from megatron_taper.parallel.context import ParallelContext
 from megatron_taper.training.build import build_run
 from megatron_taper.training.carried import CarriedRows
+from tests.helpers.runner import REPO
 
 STEPS = 3
 END_OF_DOCUMENT = 2  # data.document_mask layouts: the end-of-document id (the project's tokenizer's EOS)
@@ -149,3 +151,12 @@ def compare(got, ref, label, tol: Tolerances | None = None):
     assert errors["loss"] < tol.loss and errors["grad_rel"] < tol.grad, errors
     assert errors["norm_rel"] < tol.norm and errors["final_rel"] < tol.final, errors
     assert ref["loss"][-1] < ref["loss"][0]  # it trains
+
+
+def c10d_counter():
+    """benchmarks/context_parallel.py's count of the c10d calls this rank makes while active (a
+    context manager; `.bytes` per kind: collective buffers, point-to-point sends)."""
+    spec = importlib.util.spec_from_file_location("context_parallel", REPO / "benchmarks" / "context_parallel.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.p2p_counter()

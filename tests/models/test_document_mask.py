@@ -161,6 +161,14 @@ def test_bad_configs_are_one_clear_error(tmp_path):
         with pytest.raises(ConfigError, match=rf"data.document_mask=true with parallel.cp=2 .*'{arch}'") as refusal:
             preflight(cfg, 2)
         assert ("use parallel.cp_attention=ulysses" in str(refusal.value)) == family(arch).document_mask_ulysses, arch
+    # a variant refused where its family keeps documents: Titans MAC's state along the cp chain (at
+    # preflight, not when a rank first sees a document start)
+    cfg = load_config(None, ["data.document_mask=true", "model.arch=titans", "model.titans.variant=mac",
+                             "parallel.cp=2", "parallel.cp_attention=allgather", "model.seq_len=128"])
+    with pytest.raises(ConfigError, match=r"parallel.cp=2 .*model.titans.variant='mac'"):
+        preflight(cfg, 2)
+    preflight(load_config(None, ["model.arch=titans", "model.titans.variant=mac", "parallel.cp=2",
+                                 "parallel.cp_attention=allgather", "model.seq_len=128"]), 2)
     (tmp_path / "train").mkdir()
     (tmp_path / "stats.json").write_text('{"vocab_size": 512}')
     cfg = load_config(None, ["data.document_mask=true", f"data.path={tmp_path}"])

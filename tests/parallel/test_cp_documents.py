@@ -7,7 +7,8 @@ launch (gloo, contiguous split):
   against one process with the same doc_start. fp32: the same sums in another order (rank 1 scans
   the open chunk again from the state it was handed, the window over the halo): logits within
   1e-6, gradients within 3e-6 of the largest (measured 3e-8 and 1e-7 on logits, 2.3e-7 and 3.2e-7
-  of the largest gradient, MAG and MAL; handing on no open chunk gives 7e-6 and 1.2e-3).
+  of the largest gradient, MAG and MAL; handing on no open chunk gives 7e-6 and 1.2e-3). The bytes
+  each rank sends equal cost/cp.py cp_messages with documents exactly.
 - deep Memory Caching, whose state passing does not reset yet: a document start inside a slice is
   refused with one ValueError naming data.document_mask and parallel.cp, and an all-False
   doc_start runs today's cp path bitwise.
@@ -17,8 +18,10 @@ import torch
 import torch.distributed as dist
 
 from megatron_taper.config import load_config
+from megatron_taper.cost.cp import CHAIN, cp_messages
 from megatron_taper.models import build_model
 from megatron_taper.parallel.cp.split import SequenceSplit, apply_context_parallel
+from tests.helpers.cp_harness import c10d_counter
 from tests.helpers.documents import forward_with_documents, grads_of
 from tests.helpers.harness import run_distributed
 
@@ -65,11 +68,12 @@ def _worker():
     for name, overrides in TITANS.items():
         model = build(overrides)
         apply_context_parallel(model, split)
-        logits = forward_with_documents(model, tokens[:, mine], doc_start[:, mine])
-        grads = grads_of(model, (logits * probe[:, mine]).sum())
+        with c10d_counter() as counter:
+            logits = forward_with_documents(model, tokens[:, mine], doc_start[:, mine])
+            grads = grads_of(model, (logits * probe[:, mine]).sum())
         for g in grads.values():
             dist.all_reduce(g)
-        out[name] = (logits.detach(), grads)
+        out[name] = (logits.detach(), grads, dict(counter.bytes))
     model = build(REFUSED)
     apply_context_parallel(model, split)
     with torch.no_grad():
@@ -93,6 +97,13 @@ def test_cp2_titans_documents_match_one_process_and_memory_caching_refuses():
         logit_diff = (got - logits).abs().max().item()
         grad_diff = max((ranks[0][name][1][n] - g).abs().max().item() for n, g in grads.items())
         assert logit_diff < LOGIT_TOL and grad_diff < GRAD_TOL * scale, (name, logit_diff, grad_diff, scale)
+        # the chain's messages with documents (state, whole open chunk, window tail, ends) equal the
+        # cost model's exactly: rank 0 sends them, rank 1 their gradient back; nothing is gathered
+        cfg = load_config(None, TINY + overrides).model
+        messages = [m for block in cp_messages(cfg, 2, SEQ, 2, documents=True) for m in block]
+        assert {m.kind for m in messages} == {CHAIN}, messages
+        want = {"p2p_send": sum(m.bytes for m in messages)}
+        assert [r[name][2] for r in ranks] == [want, want], (name, want)
     for r in ranks:
         same, message = r["refused"]
         assert same

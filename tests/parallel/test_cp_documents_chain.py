@@ -22,8 +22,6 @@ token's terms; measured up to 1.5e-5; every other parameter under 1e-6; logits 9
 The same launch also counts the bytes each rank sends and gathers and a block's saved mask against
 the cost model, and trains both families 2 steps through the trainer's path (test docstrings).
 """
-import importlib.util
-import os
 
 import pytest
 import torch
@@ -38,11 +36,11 @@ from megatron_taper.models.layers import rope_tables
 from megatron_taper.parallel.block_options import apply_block_options
 from megatron_taper.parallel.cp.split import SequenceSplit, apply_context_parallel
 from tests.helpers.cp_harness import build as build_run
-from tests.helpers.cp_harness import compare, reference
+from tests.helpers.cp_harness import c10d_counter, compare, reference
 from tests.helpers.cp_harness import train as train_steps
 from tests.helpers.documents import forward_with_documents, grads_of
 from tests.helpers.harness import run_distributed
-from tests.helpers.runner import REPO, saved_elements
+from tests.helpers.runner import saved_elements
 from tests.parallel.test_cp_hope_tree_bridge import BASE, BRIDGE, BRIDGE_TOL, HOPE, HOPE_TOL
 
 pytestmark = pytest.mark.multiprocess
@@ -96,16 +94,6 @@ def one_process(overrides):
     return logits.detach(), grads_of(model, (logits * probe).sum()), carried(model)
 
 
-def counter():
-    """benchmarks/context_parallel.py's count of the c10d calls this rank makes (collective buffers,
-    point-to-point sends)."""
-    spec = importlib.util.spec_from_file_location("context_parallel", os.path.join(REPO, "benchmarks",
-                                                                                   "context_parallel.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.p2p_counter()
-
-
 def _worker():
     rank = dist.get_rank()
     mine = slice(SEQ // 2 * rank, SEQ // 2 * (rank + 1))
@@ -117,7 +105,7 @@ def _worker():
             apply_context_parallel(model, SequenceSplit(cp=2, rank=rank, group=dist.group.WORLD, attention=mode,
                                                         balanced=False))
             apply_block_options(model, checkpointing, 1, compile_blocks=False)
-            with counter() as sent:
+            with c10d_counter() as sent:
                 logits = forward_with_documents(model, tokens[:, mine], doc_start[:, mine])
                 # as under DDP: each rank's share of the loss x cp, gradients averaged over the cp ranks
                 # (the auxiliary loss is each rank's share of the whole sequence's mean)

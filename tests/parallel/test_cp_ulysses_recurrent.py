@@ -36,13 +36,12 @@ import re
 from contextlib import nullcontext
 
 import pytest
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_taper.config import load_config
-from megatron_taper.cost.cp import ALLTOALL, cp_messages
+from megatron_taper.cost.cp import ALLGATHER, ALLTOALL, HALO, cp_messages
 from megatron_taper.cost.preflight import preflight
 from megatron_taper.validation import ConfigError
-from tests.helpers.cp_harness import batch, build, compare, merge_stages, reference, stage_worker, train
+from tests.helpers.cp_harness import batch, build, c10d_counter, compare, merge_stages, reference, stage_worker, train
 from tests.helpers.harness import run_distributed
 from tests.parallel.test_cp_memory_caching import MODEL as MEMORY_CACHING
 from tests.parallel.test_cp_memory_caching import TOL as MEMORY_CACHING_TOL
@@ -69,30 +68,16 @@ CASES = {
 }
 
 
-class AllToAllBytes(TorchDispatchMode):
-    """The bytes of every c10d all-to-all's input buffer while active."""
-
-    def __init__(self):
-        super().__init__()
-        self.bytes = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace == "c10d" and func._schema.name.split("::")[-1] == "alltoall_base_":
-            self.bytes += args[1].numel() * args[1].element_size()
-        return func(*args, **(kwargs or {}))
-
-
 def _train_and_count(layouts):
-    """Each layout: rank 0's training records, and this rank's all-to-all bytes of one more forward +
-    backward of one micro-batch."""
+    """Each layout: rank 0's training records, and this rank's c10d bytes by kind (all-to-all,
+    all-gather, point-to-point) in one more forward + backward of one micro-batch."""
     out = []
     for overrides in layouts:
         run = build(overrides)
         rec = train(run, run.ctx.rank == 0)
-        counter = AllToAllBytes()
-        with counter:
+        with c10d_counter() as counter:
             run.model.forward_backward([batch(run.cfg)[:2]], nullcontext)
-        out.append((rec, counter.bytes))
+        out.append((rec, dict(counter.bytes)))
     return out
 
 
@@ -102,11 +87,21 @@ def test_ulysses_cp2_matches_one_process_with_and_without_documents():
     results = run_distributed(_train_and_count, 2, [o + ULYSSES for o, _ in CASES.values()], timeout=600)
     for case, (label, (overrides, tol)) in enumerate(CASES.items()):
         compare(results[0][case][0], reference(overrides), f"ulysses cp=2 {label}", tol)
-        model = load_config(None, overrides).model
-        messages = [m for block in cp_messages(model, 2, model.seq_len, 2, attention="ulysses") for m in block]
-        assert [m.kind for m in messages if m.kind != ALLTOALL] == ([] if "titans" not in label else ["halo"] * 2)
-        want = 2 * sum(m.bytes for m in messages if m.kind == ALLTOALL)
-        assert [rank[case][1] for rank in results] == [want, want], label
+        cfg = load_config(None, overrides)
+        messages = [m for block in cp_messages(cfg.model, 2, cfg.model.seq_len, 2, attention="ulysses",
+                                               documents=cfg.data.document_mask) for m in block]
+        # the all-to-alls forward and backward; with documents every block all-gathers doc_start
+        # (forward only); Titans' window takes its halo from rank 0, rank 1 sends its gradient back
+        halo = sum(m.bytes for m in messages if m.kind == HALO)
+        assert (halo > 0) == ("titans" in label), label
+        want = {"all_to_all": 2 * sum(m.bytes for m in messages if m.kind == ALLTOALL),
+                "all_gather": sum(m.bytes for m in messages if m.kind == ALLGATHER), "p2p_send": halo}
+        assert want["all_gather"] > 0 or not cfg.data.document_mask, label
+        for rank in results:
+            got = rank[case][1]
+            assert {kind: got.get(kind, 0) for kind in want} == want, (label, got, want)
+            # and the gradients' all-reduce over the cp ranks (DDP's), nothing else
+            assert {kind for kind, size in got.items() if size} <= {*want, "all_reduce"}, got
 
 
 @pytest.mark.multiprocess

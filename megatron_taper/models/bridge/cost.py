@@ -70,8 +70,9 @@ def bridge_cp_messages(cfg: ModelConfig, layer: int, width: int, micro_batch: in
 
 
 def bridge_cp_document_messages(cfg: ModelConfig, layer: int, width: int, micro_batch: int, cp: int,
-                                act_bytes: int = 4) -> tuple[CPMessage, ...]:
+                                act_bytes: int = 4, attention: str = "allgather") -> tuple[CPMessage, ...]:
     """FamilySpec.cp_document_messages: on the block that holds the bridge, the tail of open-segment
-    rows [B, T - 1, D] its chain hands on with the state (bridge/cp.py), in the activations' dtype."""
+    rows [B, T - 1, D] its chain hands on with the state (bridge/cp.py), in the activations' dtype; the
+    same chain under every parallel.cp_attention."""
     rows = micro_batch * (cfg.bridge.segment - 1) * cfg.d_model * act_bytes
     return (CPMessage(CHAIN, rows, "rows"),) if rows and cfg.bridge.slots and layer == bridge_layer(cfg) else ()

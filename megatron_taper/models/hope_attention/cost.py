@@ -123,7 +123,8 @@ def cp_document_bytes(cfg: ModelConfig, micro_batch: int, act_bytes: int = 4) ->
 
 
 def hope_cp_document_messages(cfg: ModelConfig, layer: int, width: int, micro_batch: int, cp: int,
-                              act_bytes: int = 4) -> tuple[CPMessage, ...]:
-    """FamilySpec.cp_document_messages: the chained levels' tails (cp_document_bytes)."""
+                              act_bytes: int = 4, attention: str = "allgather") -> tuple[CPMessage, ...]:
+    """FamilySpec.cp_document_messages: the chained levels' tails (cp_document_bytes), the same
+    chain under every parallel.cp_attention."""
     rows = cp_document_bytes(cfg, micro_batch, act_bytes)
     return (CPMessage(CHAIN, rows, "rows"),) if rows else ()

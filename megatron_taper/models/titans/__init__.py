@@ -17,11 +17,12 @@ This module holds the family's SPECS only; the model code is imported when a mod
 """
 from megatron_taper.models.cards import TITANS
 from megatron_taper.models.spec import FamilySpec, lazy
-from megatron_taper.models.titans.cost import cp_messages, titans_layer_cost
-from megatron_taper.models.titans.parallel import check_titans_layout, tp_plan_titans_block
+from megatron_taper.models.titans.cost import cp_document_messages, cp_messages, titans_layer_cost
+from megatron_taper.models.titans.parallel import check_titans_documents, check_titans_layout, tp_plan_titans_block
 
 SPECS = (FamilySpec(card=TITANS, build=lazy("megatron_taper.models.titans.model", "Titans"),
                     layer_cost=titans_layer_cost, tp_block_plan=tp_plan_titans_block,
                     check_layout=check_titans_layout, context_parallel=True, cp_balanced=False,
-                    cp_messages=cp_messages, document_mask=True, document_mask_cp=True,
-                    document_mask_ulysses=True),)
+                    cp_messages=cp_messages, cp_document_messages=cp_document_messages,
+                    document_mask=True, document_mask_cp=True,
+                    document_mask_ulysses=True, check_documents=check_titans_documents),)

@@ -144,9 +144,12 @@ def tail_rows(persistent: int, chunk: int, kernel: int, window: int, rank: int, 
     return pending + conv_rows(kernel), min(window - 1, rank * local)
 
 
-def cp_state_bytes(cfg: ModelConfig, rank: int, cp: int, batch: int, act_bytes: int = 4) -> int:
+def cp_state_bytes(cfg: ModelConfig, rank: int, cp: int, batch: int, act_bytes: int = 4,
+                   documents: bool = False) -> int:
     """Bytes cp rank `rank` receives per block in forward (its gradient goes back in backward)
-    for micro-batches of `batch` sequences (titans/cp.py's module doc); 0 on rank 0."""
+    for micro-batches of `batch` sequences (titans/cp.py's module doc); 0 on rank 0. With
+    `documents` (MAG / MAL) the memory tail is the open chunk's whole C - 1 rows (and the
+    convolution's K - 1), and the ends of the sender's last document, [B, 2] fp32, come along."""
     t, h, e, d = cfg.titans, cfg.n_heads, cfg.head_dim, cfg.d_model
     if rank == 0:
         return 0
@@ -156,6 +159,8 @@ def cp_state_bytes(cfg: ModelConfig, rank: int, cp: int, batch: int, act_bytes: 
     if t.variant == "mac":
         return state + 4 * act_bytes * batch * conv_rows(t.conv_kernel) * h * e
     mem, attn = tail_rows(t.persistent_tokens, t.chunk_size, t.conv_kernel, t.window, rank, local)
+    if documents:
+        return state + act_bytes * batch * d * (t.chunk_size - 1 + conv_rows(t.conv_kernel) + attn) + 4 * batch * 2
     return state + act_bytes * batch * d * (mem + attn)
 
 
@@ -171,6 +176,18 @@ def cp_messages(cfg: ModelConfig, layer: int, width: int, micro_batch: int, cp: 
         return (CPMessage(ALLTOALL, ulysses_bytes(cfg, micro_batch, cp, act_bytes), "features"),
                 *(halo if cfg.titans.window > 1 else ()))
     return (CPMessage(CHAIN, max(cp_state_bytes(cfg, rank, cp, micro_batch, act_bytes) for rank in range(1, cp))),)
+
+
+def cp_document_messages(cfg: ModelConfig, layer: int, width: int, micro_batch: int, cp: int, act_bytes: int = 4,
+                         attention: str = "allgather") -> tuple[CPMessage, ...]:
+    """FamilySpec.cp_document_messages: under the chain (MAG / MAL; MAC refuses documents there), what
+    the largest hop's message grows by with documents (cp_state_bytes); nothing under Ulysses."""
+    if attention == "ulysses" or cfg.titans.variant == "mac":
+        return ()
+    hops = range(1, cp)
+    more = max(cp_state_bytes(cfg, rank, cp, micro_batch, act_bytes, documents=True) for rank in hops) - \
+        max(cp_state_bytes(cfg, rank, cp, micro_batch, act_bytes) for rank in hops)
+    return (CPMessage(CHAIN, more, "rows"),) if more else ()
 
 
 def ulysses_bytes(cfg: ModelConfig, micro_batch: int, cp: int, act_bytes: int = 4, gates: int = 3,

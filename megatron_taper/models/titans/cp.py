@@ -68,7 +68,7 @@ what the slice's first document needs when it continues the previous slice's las
                         halo's document and RoPE positions)
 A slice whose first token starts a document starts it from M_0 behind the persistent tokens. The
 bytes per block and direction: 8 B H sum_l i_l o_l + a B D (C - 1 + K - 1 + min(W - 1, r s)) + 8 B
-(cp_state_bytes counts the message without documents).
+(cost.py cp_state_bytes counts it, documents=True).
 
 Cost of the chain: nothing in a Titans block makes all cp ranks meet (its attention is a window
 or a segment), so the ranks run as a wavefront: L blocks take L + cp - 1 block-slices of S / cp

@@ -54,6 +54,17 @@ def check_titans_layout(mcfg: ModelConfig, pcfg: ParallelConfig) -> None:
     check_cp_layout(mcfg, pcfg)
 
 
+def check_titans_documents(mcfg: ModelConfig, pcfg: ParallelConfig) -> None:
+    """data.document_mask under the cp chain: MAG and MAL reset their memory's state at document
+    starts along it, MAC does not (its segments' state passes rank to rank unchanged); MAC under
+    Ulysses is refused for every run by check_cp_layout."""
+    if pcfg.cp > 1 and mcfg.titans.variant == "mac" and pcfg.cp_attention != "ulysses":
+        raise ConfigError(f"data.document_mask=true with parallel.cp={pcfg.cp} and parallel.cp_attention="
+                          f"{pcfg.cp_attention}: model.titans.variant='mac' passes its memory's state along the cp "
+                          "chain without resetting it at document starts (mag and mal do); use model.titans.variant="
+                          "mag or mal, parallel.cp=1 or data.document_mask=false")
+
+
 def check_cp_layout(mcfg: ModelConfig, pcfg: ParallelConfig) -> None:
     """Refuse the cp layouts Titans cannot split (one ConfigError naming the fields)."""
     cp, t = pcfg.cp, mcfg.titans
