@@ -75,7 +75,7 @@ def preprocess(documents: Iterable[Document], tokenizer_path: str, output: str, 
         raise ValueError(f"--split-seed {split_seed} must be >= 0")
     check_output(output, overwrite)
     tokenizer = Tokenizer(tokenizer_path)
-    import_streaming()  # slow (transformers); kept out of the timed part
+    import_streaming()  # kept out of the timed part
     parent = os.path.dirname(os.path.abspath(output))
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=os.path.basename(os.path.abspath(output)) + ".partial-", dir=parent)
@@ -141,9 +141,11 @@ class _SplitWriters:
 
     def write(self, split: str, tokens: np.ndarray) -> None:
         if split not in self.writers:
-            streaming = import_streaming()
+            import_streaming()
+            from streaming.base.format import MDSWriter
+
             try:
-                self.writers[split] = streaming.MDSWriter(
+                self.writers[split] = MDSWriter(
                     out=os.path.join(self.root, split), columns={TOKENS_COLUMN: f"ndarray:{self.dtype}"},
                     compression=self.compression, size_limit=self.shard_size, hashes=[SHARD_HASH])
             except ValueError as e:

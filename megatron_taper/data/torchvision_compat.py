@@ -1,11 +1,19 @@
 """The one way this project imports mosaicml-streaming.
 
-`import streaming` (0.13.0) imports `streaming.vision`, which imports torchvision. The PyPI
-torchvision wheel does not load beside the CPU torch wheel ("operator torchvision::nms does not
-exist"), and installing a matching one would replace torch. This project never uses
-`streaming.vision`, so when (and only when) the real torchvision cannot be imported, a stand-in
-with the two names `streaming.vision` imports is registered in `sys.modules` before importing
-streaming. Any use of the stand-in raises, so nothing silently computes with it.
+Two things about `import streaming` (0.13.0):
+- Its package __init__ imports every dataset family (streaming.text's C4 tokenizer and
+  streaming.base.dataloader import transformers: ~2 s of CPU in every process that reads shards)
+  though this project uses only streaming.base's writers, readers, streams, hashing and
+  downloaders. `import_streaming` registers `streaming` and `streaming.base` without running their
+  __init__s; the submodules the project imports (`from streaming.base.format import MDSWriter`) load
+  as usual, and the first read of a name the package's __init__ defines (`streaming.StreamingDataset`,
+  `streaming.text`, ...) runs that __init__ then, so the package behaves as a plain import would.
+- It imports `streaming.vision`, which imports torchvision. The PyPI torchvision wheel does not load
+  beside the CPU torch wheel ("operator torchvision::nms does not exist"), and installing a
+  matching one would replace torch. This project never uses `streaming.vision`, so when (and only
+  when) the real torchvision cannot be imported, a stand-in with the two names `streaming.vision`
+  imports is registered in `sys.modules` before importing streaming. Any use of the stand-in
+  raises, so nothing silently computes with it.
 """
 from __future__ import annotations
 
@@ -21,7 +29,8 @@ _STANDIN_MODULES = ("torchvision", "torchvision.datasets", "torchvision.transfor
 
 
 def import_streaming() -> types.ModuleType:
-    """Import and return the `streaming` package, with the torchvision stand-in if needed."""
+    """Return the `streaming` package, its and streaming.base's __init__ deferred (module doc), with
+    the torchvision stand-in if needed. Import what you use from its submodules."""
     if "streaming" not in sys.modules:
         if importlib.util.find_spec("streaming") is None:
             raise ValueError(
@@ -30,7 +39,27 @@ def import_streaming() -> types.ModuleType:
                 "because its declared dependencies would replace torch), or use data.path=<tokens>.npy"
             )
         ensure_torchvision()
-    return importlib.import_module("streaming")
+        _register_deferred("streaming")
+        _register_deferred("streaming.base")
+    return sys.modules["streaming"]
+
+
+def _register_deferred(name: str) -> None:
+    """Put package `name` in sys.modules with its __path__ but without running its __init__, which
+    runs (once) when a name it would define is first read."""
+    spec = importlib.util.find_spec(name)
+    module = importlib.util.module_from_spec(spec)
+
+    def complete(attribute: str) -> object:
+        del module.__dict__["__getattr__"]
+        spec.loader.exec_module(module)
+        return getattr(module, attribute)
+
+    module.__getattr__ = complete
+    sys.modules[name] = module
+    parent, _, child = name.rpartition(".")
+    if parent:
+        setattr(sys.modules[parent], child, module)
 
 
 def ensure_torchvision() -> bool:

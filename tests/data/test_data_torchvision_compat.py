@@ -95,3 +95,33 @@ def test_a_missing_torchvision_gets_the_standin():
         print("ok")
     """, load=True)
     assert out.strip() == "ok"
+
+
+def test_streaming_imports_what_the_project_uses_without_transformers():
+    """The package's and streaming.base's __init__s wait (they import transformers: ~2 s of CPU per
+    process); MDS shards still write and read, and the first name only the __init__ defines runs it."""
+    out = _run("""
+        import sys, tempfile
+        import numpy as np
+        from megatron_taper.data.torchvision_compat import import_streaming
+        streaming = import_streaming()
+        from streaming.base.format import MDSWriter, reader_from_json
+        from streaming.base.stream import Stream
+        from streaming.base.storage.download import CloudDownloader
+        from streaming.base.hashing import get_hash
+        assert "transformers" not in sys.modules and "streaming.text" not in sys.modules
+        with tempfile.TemporaryDirectory() as d:
+            with MDSWriter(out=d, columns={"tokens": "ndarray:uint16"}, hashes=["xxh64"]) as w:
+                w.write({"tokens": np.arange(5, dtype=np.uint16)})
+            import json, os
+            index = json.load(open(os.path.join(d, "index.json")))
+            shard = reader_from_json(d, None, index["shards"][0])
+            assert shard.get_item(0)["tokens"].tolist() == [0, 1, 2, 3, 4]
+        import streaming as again
+        assert again is streaming and "transformers" not in sys.modules
+        assert streaming.StreamingDataset.__name__ == "StreamingDataset"  # runs the __init__ now
+        assert "streaming.text" in sys.modules and streaming.base.StreamingDataLoader.__name__ == "StreamingDataLoader"
+        assert streaming.MDSWriter is MDSWriter and import_streaming() is streaming
+        print("ok")
+    """)
+    assert out.strip().endswith("ok")
