@@ -92,57 +92,67 @@ def sweep_tool(spec: Path, out: Path, env: dict[str, str], *args: str) -> subpro
 
 
 @pytest.fixture(scope="module")
-def launched(slurm, byte_tokens, tmp_path_factory):
-    """Every job of this module submitted at once, so that one job's waits (the queue, the rendezvous,
-    a requeue's cred_expire, an in-job restart) overlap the others' work; each test waits for its own.
-    The job to be signalled gets its USR1s here, as soon as its first step is logged (the trainers'
-    handlers are installed by then): the uninterrupted job, the signalled job, the job whose worker is
-    killed at step STEPS // 2 (checkpoint.interval=10), and tools/sweep.py --slurm's job array."""
+def launched(request, slurm, byte_tokens, tmp_path_factory):
+    """The jobs of this module's selected tests, submitted at once, so that one job's waits (the queue,
+    the rendezvous, a requeue's cred_expire, an in-job restart) overlap the others' work; each test
+    waits for its own: the uninterrupted job and its torchrun twin, the signalled job, the job whose
+    worker is killed at step STEPS // 2 (checkpoint.interval=10), and tools/sweep.py --slurm's job
+    array. The signalled job gets its USR1s here, as soon as its first step is logged (the
+    trainers' handlers are installed by then)."""
+    selected = {item.originalname for item in request.session.items if item.path == request.path}
+    wants = {name: f"test_{name}" in selected for name in (
+        "signalled_job_requeues_and_resumes_bitwise", "killed_worker_recovers_inside_the_job", "sweep_as_job_array")}
+    signalled_wanted, killed_wanted, sweep_wanted = wants.values()
+    plain_wanted = signalled_wanted or killed_wanted or "test_sbatch_two_nodes_matches_torchrun" in selected
     root = tmp_path_factory.mktemp("jobs")
     ports = free_ports(4)
-    t0 = time.monotonic()
-    plain = submit(slurm, byte_tokens, root / "uninterrupted" / "run", job_env(slurm, ports[0]))
-    signalled = submit(slurm, byte_tokens, root / "signalled" / "run", job_env(slurm, ports[1]))
-    killed = submit(slurm, byte_tokens, root / "killed" / "run",
-                    job_env(slurm, ports[2], MEGATRON_TAPER_FAULT=f"kill:1:{STEPS // 2}"), "checkpoint.interval=10")
-    overrides = "\n".join(f"  - {o}" for o in [*TINY[2:], "train.steps=6", f"data.path={byte_tokens}"])
-    spec = root / "sweep.yaml"
-    spec.write_text(f"recipe: {REPO}/configs/tiny_taper.yaml\noverrides:\n{overrides}\n"
-                    f"axes:\n  model.taper.start: [1.5, 1.0]\nseeds: [0]\n")
-    sweep_env = job_env(slurm, ports[3])  # its RDZV_PORT is offset by the array task number in sweep.sbatch
-    sweep = sweep_tool(spec, root / "sweep", sweep_env, "--slurm", "--", "--nodes=1")
-    # the same run as the uninterrupted job under launch/torchrun.sh, 2 processes on this machine
-    ref_dir = root / "torchrun" / "run"
-    ref = subprocess.Popen(["bash", "launch/torchrun.sh", "2", *TINY, f"data.path={byte_tokens}", f"run.dir={ref_dir}"],
-                           cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, text=True, start_new_session=True)
+    jobs = SimpleNamespace(t0=time.monotonic(), plain=None, signalled=None, killed=None, sweep=None, ref=None,
+                           ref_dir=root / "torchrun" / "run", sweep_out=root / "sweep", sweep_spec=root / "sweep.yaml",
+                           sweep_env=job_env(slurm, ports[3]))  # sweep.sbatch offsets its RDZV_PORT by the task
+    if plain_wanted:
+        jobs.plain = submit(slurm, byte_tokens, root / "uninterrupted" / "run", job_env(slurm, ports[0]))
+    if signalled_wanted:
+        jobs.signalled = submit(slurm, byte_tokens, root / "signalled" / "run", job_env(slurm, ports[1]))
+    if killed_wanted:
+        jobs.killed = submit(slurm, byte_tokens, root / "killed" / "run",
+                             job_env(slurm, ports[2], MEGATRON_TAPER_FAULT=f"kill:1:{STEPS // 2}"),
+                             "checkpoint.interval=10")
+    if sweep_wanted:
+        overrides = "\n".join(f"  - {o}" for o in [*TINY[2:], "train.steps=6", f"data.path={byte_tokens}"])
+        jobs.sweep_spec.write_text(f"recipe: {REPO}/configs/tiny_taper.yaml\noverrides:\n{overrides}\n"
+                                   f"axes:\n  model.taper.start: [1.5, 1.0]\nseeds: [0]\n")
+        jobs.sweep = sweep_tool(jobs.sweep_spec, jobs.sweep_out, jobs.sweep_env, "--slurm", "--", "--nodes=1")
+    if plain_wanted:  # the same run as the uninterrupted job under launch/torchrun.sh, 2 processes here
+        jobs.ref = subprocess.Popen(["bash", "launch/torchrun.sh", "2", *TINY, f"data.path={byte_tokens}",
+                                     f"run.dir={jobs.ref_dir}"], cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        if signalled_wanted:
+            jobs.signalled_after = signal_after_first_step(slurm, jobs.signalled) - jobs.t0
+        yield jobs
+    finally:
+        if jobs.ref is not None and jobs.ref.poll() is None:  # `uninterrupted` waits for it, unless it failed
+            os.killpg(jobs.ref.pid, signal.SIGKILL)
+            jobs.ref.communicate()
 
-    metrics = signalled.run_dir / "metrics.jsonl"
+
+def signal_after_first_step(cluster: SlurmCluster, job: Job) -> float:
+    """USR1 to the job's steps as soon as its first step is logged; the time it was sent."""
+    metrics = job.run_dir / "metrics.jsonl"
     deadline = time.monotonic() + 300
     polls = 0
-    try:
-        while not (metrics.exists() and metrics.read_text().count("\n") >= 1):
-            assert time.monotonic() < deadline, \
-                f"no step logged\n{signalled.out.read_text() if signalled.out.exists() else ''}"
-            if polls % 10 == 0:  # the job's state (a process per look) twice a second, the file every 0.05 s
-                assert slurm.job(signalled.id).get("JobState") in ("PENDING", "RUNNING", "CONFIGURING"), \
-                    slurm.job(signalled.id)
-            polls += 1
-            time.sleep(0.05)
-    except BaseException:
-        os.killpg(ref.pid, signal.SIGKILL)
-        raise
-    signalled_after = time.monotonic() - t0
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 1):
+        assert time.monotonic() < deadline, f"no step logged\n{job.out.read_text() if job.out.exists() else ''}"
+        if polls % 10 == 0:  # the job's state (a process per look) twice a second, the file every 0.05 s
+            assert cluster.job(job.id).get("JobState") in ("PENDING", "RUNNING", "CONFIGURING"), cluster.job(job.id)
+        polls += 1
+        time.sleep(0.05)
+    signalled = time.monotonic()
     # like --signal=USR1@N: every process of the job's steps, not the batch shell; twice, as
     # an impatient user or a preemption right after the warning would (the trainers keep one)
     for _ in range(2):
-        subprocess.run(["scancel", "--signal=USR1", str(signalled.id)], env=slurm.env, check=True, timeout=30)
-    yield SimpleNamespace(t0=t0, plain=plain, signalled=signalled, signalled_after=signalled_after, killed=killed,
-                          sweep=sweep, sweep_spec=spec, sweep_out=root / "sweep", sweep_env=sweep_env,
-                          ref=ref, ref_dir=ref_dir)
-    if ref.poll() is None:  # `uninterrupted` waits for it; when no test asked for that, or it failed
-        os.killpg(ref.pid, signal.SIGKILL)
-        ref.communicate()
+        subprocess.run(["scancel", "--signal=USR1", str(job.id)], env=cluster.env, check=True, timeout=30)
+    return signalled
 
 
 @pytest.fixture(scope="module")
@@ -151,11 +161,7 @@ def uninterrupted(slurm, launched):
     launch/torchrun.sh with 2 processes on this machine, started with it (the job waits on Slurm
     much of its time): (run dir, seconds, job record, job output, torchrun run dir, torchrun seconds)."""
     ref = launched.ref
-    try:
-        stdout, stderr = ref.communicate(timeout=400)
-    finally:
-        if ref.poll() is None:  # ended already unless the wait above failed
-            os.killpg(ref.pid, signal.SIGKILL)
+    stdout, stderr = ref.communicate(timeout=400)  # (`launched` stops it if this fails)
     ref_seconds = time.monotonic() - launched.t0
     assert ref.returncode == 0, stdout[-2000:] + stderr[-4000:]
     job = launched.plain
