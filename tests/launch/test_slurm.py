@@ -3,8 +3,9 @@
 2 emulated nodes x 1 process against torchrun with 2 processes on one machine; a job signalled
 mid-run checkpoints, requeues itself, resumes and ends bitwise equal to an uninterrupted job;
 a worker SIGKILLed mid-run is restarted inside the job (torchrun.sh's in-job restart, no
-requeue) and the job ends equal to the uninterrupted one; the cluster is stopped (only its own
-daemons) also when a test fails.
+requeue) and the job ends equal to the uninterrupted one; tools/sweep.py --slurm runs a job array;
+the cluster is stopped (only its own daemons) also when a test fails. The jobs of the selected
+tests are submitted together (`launched`) and run at the same time; each test waits for its own.
 Skipped, with the reason, where no cluster can be started (not root, packages missing).
 """
 from __future__ import annotations
@@ -249,7 +250,7 @@ sys.path.insert(0, {repo!r})
 from tests.helpers.slurm_cluster import MARKER, _pids_with_env, running_cluster
 
 @pytest.fixture
-def slurm(tmp_path):  # test_slurm.py's fixture (2 CPUs per node, the default)
+def slurm(tmp_path):  # like test_slurm.py's fixture, with the default 2 CPUs per node
     with running_cluster(tmp_path / "c", nodes=2) as cluster:
         yield cluster
 
