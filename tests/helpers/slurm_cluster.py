@@ -39,14 +39,14 @@ class ClusterUnavailable(RuntimeError):
 
 
 @contextlib.contextmanager
-def running_cluster(root: str | os.PathLike, nodes: int = 2) -> Iterator["SlurmCluster"]:
+def running_cluster(root: str | os.PathLike, nodes: int = 2, cpus_per_node: int = 2) -> Iterator["SlurmCluster"]:
     """For pytest fixtures: a started cluster, or pytest.skip with the reason; always stopped."""
     import pytest
 
     reason = missing_requirements()
     if reason:
         pytest.skip(f"no Slurm cluster: {reason}")
-    cluster = SlurmCluster(root, nodes=nodes)
+    cluster = SlurmCluster(root, nodes=nodes, cpus_per_node=cpus_per_node)
     try:
         cluster.start()
     except ClusterUnavailable as e:
