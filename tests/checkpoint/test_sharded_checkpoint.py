@@ -9,6 +9,10 @@ between layouts and engines.
   checkpoint reads all of it.
 - A run SIGKILLed while a background save (checkpoint.async_save) is pending leaves the
   previous checkpoint as the newest; resuming from it ends bitwise equal to the uninterrupted run.
+
+Launches: the tp=2 x pp=2 run is one 4-process launch; every 2-process run and probe one 2-process
+launch (tests/helpers/sessions.py), once per module; one-process runs and probes run in this
+process; the SIGKILLed run is a real process of its own.
 """
 import json
 import os
@@ -22,6 +26,7 @@ import pytest
 
 from tests.helpers.harness import run_distributed
 from tests.helpers.runner import REPO, train_in_process
+from tests.helpers.sessions import run_cases
 
 pytestmark = pytest.mark.multiprocess
 
@@ -40,33 +45,17 @@ def _fit(overrides):
     return Trainer(load_config(None, overrides)).fit()
 
 
+def _args(run_dir, data, *extra):
+    return MODEL + TRAIN + [f"run.dir={run_dir}", f"data.path={data}", *extra]
+
+
 def _run(nproc, run_dir, data, *extra):
-    args = MODEL + TRAIN + [f"run.dir={run_dir}", f"data.path={data}", *extra]
-    assert run_distributed(_fit, nproc, args, timeout=240) == [0] * nproc
+    assert run_distributed(_fit, nproc, _args(run_dir, data, *extra), timeout=240) == [0] * nproc
 
 
 def _losses(run_dir):
     with open(Path(run_dir) / "metrics.jsonl") as f:
         return {r["step"]: r["loss"] for r in map(json.loads, f) if "loss" in r}
-
-
-def test_tp2_pp2_checkpoint_resumes_at_fsdp2_and_one_process(tmp_path, byte_tokens):
-    _run(1, tmp_path / "ref", byte_tokens)
-    ref = _losses(tmp_path / "ref")
-    saved = tmp_path / "tp2pp2"
-    _run(4, saved, byte_tokens, "parallel.tp=2", "parallel.pp=2", "train.exit_after=3")
-    step3 = saved / "checkpoints" / "step-3"
-    meta = json.loads((step3 / "meta.json").read_text())
-    assert meta["format"] == 2 and len({r["file"] for e in meta["tensors"].values() for r in e["records"]}) == 4
-    assert not [n for n in os.listdir(step3) if n.endswith(".pt") and n != "trainer.pt"]  # nothing gathered
-    for nproc, extra in ((2, ["parallel.zero=fsdp2"]), (1, [])):
-        run_dir = tmp_path / f"resumed_{nproc}"
-        _run(nproc, run_dir, byte_tokens, f"run.resume={step3}", *extra)
-        got = _losses(run_dir)
-        assert sorted(got) == [4, 5, 6]
-        diff = max(abs(got[s] - ref[s]) for s in got)
-        print(f"tp=2 x pp=2 -> {extra or 'one process'}: max |loss - uninterrupted| over steps 4-6 = {diff:.1e}")
-        assert diff < TOL, (extra, got, ref)
 
 
 def _bytes_read(overrides):
@@ -82,17 +71,73 @@ def _bytes_read(overrides):
     return trainer.checkpointer.bytes_read, own
 
 
-def test_each_rank_reads_its_shard(tmp_path, byte_tokens):
-    for nproc, layout in ((2, ["parallel.tp=2"]), (2, ["parallel.zero=fsdp2"])):
-        run_dir = tmp_path / layout[0].replace("=", "")
-        _run(nproc, run_dir, byte_tokens, *layout, "train.exit_after=2")
-        step2 = run_dir / "checkpoints" / "step-2"
+def _resumed_step_with_a_lagging_listing(overrides):
+    """Build a Trainer (it resumes on construction) while rank 1's listing of checkpoints/ misses
+    the newest folder, as a shared filesystem's listing can right after a restart: the step it
+    resumed."""
+    from megatron_taper.checkpoint import folders
+    from megatron_taper.config import load_config
+    from megatron_taper.training.trainer import Trainer
+
+    listing = folders.list_checkpoints
+    if os.environ["RANK"] == "1":
+        folders.list_checkpoints = lambda root: listing(root)[:-1]
+    try:
+        return Trainer(load_config(None, overrides)).step
+    finally:
+        folders.list_checkpoints = listing
+
+
+SHARDED = {"tp2": ["parallel.tp=2"], "fsdp2": ["parallel.zero=fsdp2"]}  # the 2-rank layouts each rank reads from
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory, byte_tokens):
+    """The tp=2 x pp=2 run stopped after step 3 (4 processes); then in one 2-process launch: its
+    step-3 checkpoint resumed at fsdp2 dp=2; per SHARDED layout a run stopped after step 2 and the
+    bytes each rank reads resuming it; an fsdp2 run checkpointing every 2 steps and the step its
+    ranks resume while rank 1's listing lags."""
+    root, data = tmp_path_factory.mktemp("sharded"), byte_tokens
+    _run(4, root / "tp2pp2", data, "parallel.tp=2", "parallel.pp=2", "train.exit_after=3")
+    step3 = root / "tp2pp2" / "checkpoints" / "step-3"
+    cases = [(_fit, (_args(root / "resumed_2", data, f"run.resume={step3}", "parallel.zero=fsdp2"),))]
+    for name, layout in SHARDED.items():
+        step2 = root / name / "checkpoints" / "step-2"
+        cases += [(_fit, (_args(root / name, data, *layout, "train.exit_after=2"),)),
+                  (_bytes_read, (_args(root / f"probe_{name}", data, f"run.resume={step2}", *layout),))]
+    lagging = _args(root / "lagging", data, "parallel.zero=fsdp2", "checkpoint.interval=2")
+    cases += [(_fit, (lagging,)), (_resumed_step_with_a_lagging_listing, (lagging + ["train.steps=8"],))]
+    out = run_cases(2, cases, timeout=300)
+    assert out[0] == out[1] == out[3] == out[5] == [0, 0]
+    return {"root": root, "bytes_read": {"tp2": out[2], "fsdp2": out[4]}, "lagging_resumed": out[6]}
+
+
+def test_tp2_pp2_checkpoint_resumes_at_fsdp2_and_one_process(launched, tmp_path, byte_tokens):
+    """(the reference and the one-process resume run in this process)"""
+    assert _fit(_args(tmp_path / "ref", byte_tokens)) == 0
+    ref = _losses(tmp_path / "ref")
+    step3 = launched["root"] / "tp2pp2" / "checkpoints" / "step-3"
+    meta = json.loads((step3 / "meta.json").read_text())
+    assert meta["format"] == 2 and len({r["file"] for e in meta["tensors"].values() for r in e["records"]}) == 4
+    assert not [n for n in os.listdir(step3) if n.endswith(".pt") and n != "trainer.pt"]  # nothing gathered
+    assert _fit(_args(tmp_path / "resumed_1", byte_tokens, f"run.resume={step3}")) == 0
+    for run_dir, extra in ((launched["root"] / "resumed_2", ["parallel.zero=fsdp2"]), (tmp_path / "resumed_1", [])):
+        got = _losses(run_dir)
+        assert sorted(got) == [4, 5, 6]
+        diff = max(abs(got[s] - ref[s]) for s in got)
+        print(f"tp=2 x pp=2 -> {extra or 'one process'}: max |loss - uninterrupted| over steps 4-6 = {diff:.1e}")
+        assert diff < TOL, (extra, got, ref)
+
+
+def test_each_rank_reads_its_shard(launched, tmp_path, byte_tokens):
+    """(one process reads in this process)"""
+    for name, layout in SHARDED.items():
+        step2 = launched["root"] / name / "checkpoints" / "step-2"
         total = sum(f.stat().st_size for f in (step2 / "shards").iterdir())
-        args = MODEL + TRAIN + [f"run.dir={tmp_path / 'probe'}", f"data.path={byte_tokens}", f"run.resume={step2}"]
-        for read, own in run_distributed(_bytes_read, nproc, args + layout, timeout=120):
+        for read, own in launched["bytes_read"][name]:
             print(f"{layout[0]}: read {read} bytes, own shard {own} bytes, checkpoint {total} bytes")
             assert read == own and read < 0.7 * total  # replicated norms are read by both ranks
-        (read, own), = run_distributed(_bytes_read, 1, args, timeout=120)
+        read, own = _bytes_read(_args(tmp_path / f"probe_{name}", byte_tokens, f"run.resume={step2}"))
         assert read == own and total * 0.95 < read <= total  # safetensors headers are the rest
 
 
@@ -121,29 +166,12 @@ def test_sigkill_during_async_save_keeps_the_previous_checkpoint(tmp_path, byte_
     assert sorted(os.listdir(ckpts)) == ["step-2", "step-4", "step-6", "step-8"]
 
 
-def _resumed_step_with_a_lagging_listing(overrides):
-    """Build a Trainer (it resumes on construction) while rank 1's listing of checkpoints/ misses
-    the newest folder, as a shared filesystem's listing can right after a restart: the step it
-    resumed."""
-    from megatron_taper.checkpoint import folders
-    from megatron_taper.config import load_config
-    from megatron_taper.training.trainer import Trainer
-
-    listing = folders.list_checkpoints
-    if os.environ["RANK"] == "1":
-        folders.list_checkpoints = lambda root: listing(root)[:-1]
-    return Trainer(load_config(None, overrides)).step
-
-
-def test_every_rank_resumes_the_step_rank_0_lists(tmp_path, byte_tokens):
+def test_every_rank_resumes_the_step_rank_0_lists(launched):
     """issue 41: ranks chose their resume checkpoint each from its own listing, so a lagging one
     resumed an older step and its fsdp2 shards trained against the others' newer ones. Now every
     rank follows rank 0's candidates (rank 0 warns, naming the ranks that listed otherwise)."""
-    run = tmp_path / "run"
-    _run(2, run, byte_tokens, "parallel.zero=fsdp2", "checkpoint.interval=2")
-    assert sorted(os.listdir(run / "checkpoints"))[-1] == "step-6"
-    args = MODEL + TRAIN + [f"run.dir={run}", f"data.path={byte_tokens}", "parallel.zero=fsdp2", "train.steps=8"]
-    assert run_distributed(_resumed_step_with_a_lagging_listing, 2, args, timeout=240) == [6, 6]
+    assert sorted(os.listdir(launched["root"] / "lagging" / "checkpoints"))[-1] == "step-6"
+    assert launched["lagging_resumed"] == [6, 6]
 
 
 def test_resuming_an_earlier_step_sets_the_abandoned_branch_aside(tmp_path, byte_tokens):

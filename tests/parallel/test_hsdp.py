@@ -10,6 +10,9 @@ AdamW updates of lr 3e-3 carry that over 10 steps). Its step-5 checkpoint (writt
 replica alone) resumes at plain fsdp2 dp=2 and in one process with that run's losses for steps
 6-10 (TOL). A NaN gradient on one rank makes every rank skip that step (the non-finite policy),
 and the shard groups are the ones the rank layout of parallel/context.py names.
+
+Launches: the one-process reference runs in this process; the HSDP 2 x 2 run, tp=2 x HSDP and the
+NaN steps share one 4-process launch (tests/helpers/sessions.py).
 """
 import pytest
 import torch
@@ -18,8 +21,8 @@ from megatron_taper.checkpoint.files import CheckpointReader, iter_full_tensors
 from megatron_taper.config import load_config
 from megatron_taper.cost.preflight import preflight
 from megatron_taper.validation import ConfigError
-from tests.helpers.harness import run_distributed
-from tests.parallel.test_zero import MODEL, TOL, TRAIN, _losses, _max_diff, _run
+from tests.helpers.sessions import run_cases
+from tests.parallel.test_zero import MODEL, TOL, TRAIN, _args, _fit, _losses, _max_diff, _run, one_process_reference
 
 pytestmark = pytest.mark.multiprocess
 
@@ -43,10 +46,17 @@ def _weights(step_dir):
 
 @pytest.fixture(scope="module")
 def hsdp_runs(tmp_path_factory, byte_tokens):
+    """The one-process reference (in this process); then in one 4-process launch the HSDP 2 x 2 run,
+    tp=2 x HSDP 2 x 1, and 3 HSDP steps with a NaN gradient on the last rank."""
     root = tmp_path_factory.mktemp("hsdp")
-    _run(1, root / "ref", byte_tokens)
-    _run(4, root / "hsdp", byte_tokens, *HSDP)
-    return {"root": root, "data": byte_tokens}
+    one_process_reference(root, byte_tokens)
+    hsdp, with_tp, nan = run_cases(4, [
+        (_fit, (_args(root / "hsdp", byte_tokens, *HSDP),)),
+        (_fit, (_args(root / "tp_hsdp", byte_tokens, "parallel.zero=fsdp2", "parallel.tp=2",
+                      "parallel.dp_replicate=2"),)),
+        (_nan_gradients_on_rank3, (_args(root / "nan", byte_tokens, *HSDP, "train.steps=3"),))], timeout=300)
+    assert hsdp == with_tp == [0] * 4
+    return {"root": root, "data": byte_tokens, "nan": nan}
 
 
 def test_hsdp_2x2_matches_one_process(hsdp_runs):
@@ -79,12 +89,11 @@ def test_hsdp_checkpoint_resumes_into_plain_fsdp2(hsdp_runs, tmp_path, nproc):
     assert diff < TOL
 
 
-def test_hsdp_composes_with_tp(hsdp_runs, tmp_path):
+def test_hsdp_composes_with_tp(hsdp_runs):
     """tp=2 x HSDP (dp_replicate=2 x dp_shard=1) at 4 processes: the 2-D dp mesh unflattened between
     pp and tp, FSDP2's replica all-reduce over tp-local (uneven) shards, within TOL of one process.
     (2 x 2 x tp=2 needs 8 processes; it was run by hand, see docs/zero.md.)"""
-    _run(4, tmp_path / "run", hsdp_runs["data"], "parallel.zero=fsdp2", "parallel.tp=2", "parallel.dp_replicate=2")
-    got = _losses(tmp_path / "run")
+    got = _losses(hsdp_runs["root"] / "tp_hsdp")
     diff = _max_diff(got, _losses(hsdp_runs["root"] / "ref"))
     print(f"tp=2 x HSDP 2 x 1: max |loss - one process| = {diff:.1e}")
     assert len(got) == 10 and diff < TOL
@@ -119,9 +128,8 @@ def _nan_gradients_on_rank3(overrides):
     return trainer.skipped, changed, mesh
 
 
-def test_hsdp_mesh_follows_the_rank_layout_and_a_nan_gradient_skips_the_step_everywhere(hsdp_runs, tmp_path):
-    args = MODEL + TRAIN + HSDP + [f"run.dir={tmp_path}", f"data.path={hsdp_runs['data']}", "train.steps=3"]
-    for rank, (skipped, changed, mesh) in enumerate(run_distributed(_nan_gradients_on_rank3, 4, args, timeout=120)):
+def test_hsdp_mesh_follows_the_rank_layout_and_a_nan_gradient_skips_the_step_everywhere(hsdp_runs):
+    for rank, (skipped, changed, mesh) in enumerate(hsdp_runs["nan"]):
         assert skipped == 1 and changed == [True, False, True]
         coordinate, from_rank, shard_group, dp_group = mesh
         # dp_shard the faster dimension: ranks 0, 1 and 2, 3 share shards; the flat dp group is all

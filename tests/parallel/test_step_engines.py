@@ -11,6 +11,9 @@ buckets, tp's split matmuls, inductor's fused kernels) move a loss by ~1e-6 over
 a real error (a missing dp average, a recompute that differs, a dropped gradient) moves it by 1e-3 or
 more from the first step on. Checkpointing that recomputes the same ops is bit-identical at one
 process; it is compared to the plain layout of the same parallelism where that holds.
+
+Launches: the one-process runs in this process; every 2-process layout in one 2-process launch and
+every 4-process layout in one 4-process launch (tests/helpers/sessions.py), run once per module.
 """
 from __future__ import annotations
 
@@ -21,8 +24,8 @@ import pytest
 import torch
 
 from megatron_taper.config import load_config
-from tests.helpers.harness import run_distributed
 from tests.helpers.runner import REPO
+from tests.helpers.sessions import run_cases
 
 pytestmark = pytest.mark.multiprocess
 
@@ -71,53 +74,75 @@ def _assert_close(got: dict, ref: dict, dp: int = 1) -> float:
     return diff
 
 
-def _run(nproc: int, tmp_path, data: str, *extra: str) -> dict:
-    args = [f"data.path={data}", f"run.dir={tmp_path}", *extra]
-    if nproc == 1:
-        return _fit(args)
+def _run(tmp_path, data: str, *extra: str) -> dict:
+    """One process, in this process."""
+    return _fit([f"data.path={data}", f"run.dir={tmp_path}", *extra])
+
+
+DDP_LAYOUTS = {"dp2": ["parallel.tp=1"], "dp2_tp2": ["parallel.tp=2"], "dp2_pp2": ["parallel.pp=2"],
+               "dp2_pp2_zbv": ["parallel.pp=2", "parallel.pp_schedule=zbv", "parallel.microbatches=4"]}
+CHECKPOINTING_LAYOUTS = {"tp2_pp2": ["parallel.tp=2", "parallel.pp=2"], "fsdp2_dp2": ["parallel.zero=fsdp2"]}
+MODES = ("full", "selective", "op")
+# every multi-process run by name: its overrides (world size 4 with tp=2 or pp=2, else 2)
+LAUNCHED = {**{f"ddp_{name}": layout for name, layout in DDP_LAYOUTS.items()},
+            **{f"checkpointing_{mode}_{name}": [*layout, f"train.activation_checkpointing={mode}"]
+               for mode in MODES for name, layout in CHECKPOINTING_LAYOUTS.items()},
+            "checkpointing_deepspeed": ["parallel.zero=deepspeed", "train.activation_checkpointing=full"]}
+
+
+def _world(overrides: list[str]) -> int:
+    return 4 if "parallel.tp=2" in overrides or "parallel.pp=2" in overrides else 2
+
+
+@pytest.fixture(scope="module")
+def launched(byte_tokens, tmp_path_factory) -> dict:
+    """Rank 0's result of every LAUNCHED run: one launch per world size."""
+    root = tmp_path_factory.mktemp("launched")
     ext = os.environ.get("TORCH_EXTENSIONS_DIR") or str(REPO / ".cache" / "torch_extensions")  # DeepSpeed's ops
-    return run_distributed(_fit, nproc, args, timeout=300, env={"TORCH_EXTENSIONS_DIR": ext})[0]
+    out = {}
+    for world in (2, 4):
+        names = [name for name, overrides in LAUNCHED.items() if _world(overrides) == world]
+        cases = [(_fit, ([f"data.path={byte_tokens}", f"run.dir={root / name}", *LAUNCHED[name]],)) for name in names]
+        out.update({name: ranks[0] for name, ranks in zip(names, run_cases(world, cases, timeout=300,
+                                                                            env={"TORCH_EXTENSIONS_DIR": ext}))})
+    return out
 
 
 @pytest.fixture(scope="module")
 def reference(byte_tokens, tmp_path_factory) -> dict:
-    return _run(1, tmp_path_factory.mktemp("ref"), byte_tokens)
+    return _run(tmp_path_factory.mktemp("ref"), byte_tokens)
 
 
-@pytest.mark.parametrize("layout", [["parallel.tp=1"], ["parallel.tp=2"], ["parallel.pp=2"],
-                                    ["parallel.pp=2", "parallel.pp_schedule=zbv", "parallel.microbatches=4"]],
-                         ids=["dp2", "dp2_tp2", "dp2_pp2", "dp2_pp2_zbv"])
-def test_ddp_matches_one_process(reference, byte_tokens, tmp_path, layout):
+@pytest.mark.parametrize("layout", DDP_LAYOUTS)
+def test_ddp_matches_one_process(reference, launched, layout):
     """(under pipelining the chunks are not behind DDP: the step's gradients are averaged after the
     schedule, data_parallel.average_gradients)"""
-    got = _run(2 * (2 if "parallel.tp=2" in layout or "parallel.pp=2" in layout else 1), tmp_path, byte_tokens,
-               *layout)
-    assert got["ddp"] == (None if "parallel.pp=2" in layout else "DistributedDataParallel")
-    assert got["grads_in_buckets"] == ("parallel.pp=2" not in layout)
-    print(f"DDP {layout}: max |loss - one process| = {_assert_close(got, reference, dp=2):.1e}")
+    got, overrides = launched[f"ddp_{layout}"], DDP_LAYOUTS[layout]
+    assert got["ddp"] == (None if "parallel.pp=2" in overrides else "DistributedDataParallel")
+    assert got["grads_in_buckets"] == ("parallel.pp=2" not in overrides)
+    print(f"DDP {overrides}: max |loss - one process| = {_assert_close(got, reference, dp=2):.1e}")
 
 
-@pytest.mark.parametrize("mode", ["full", "selective", "op"])
-@pytest.mark.parametrize("layout", [["parallel.tp=2", "parallel.pp=2"], ["parallel.zero=fsdp2"]],
-                         ids=["tp2_pp2", "fsdp2_dp2"])
-def test_activation_checkpointing_matches_one_process(reference, byte_tokens, tmp_path, mode, layout):
-    nproc = 4 if "parallel.pp=2" in layout else 2
-    got = _run(nproc, tmp_path, byte_tokens, *layout, f"train.activation_checkpointing={mode}")
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("layout", CHECKPOINTING_LAYOUTS)
+def test_activation_checkpointing_matches_one_process(reference, launched, mode, layout):
+    got, overrides = launched[f"checkpointing_{mode}_{layout}"], CHECKPOINTING_LAYOUTS[layout]
+    nproc = _world(overrides)
     # rank 0 holds blocks 0-1 under pp=2 (the wide ones, by FLOPs), all four otherwise
     expected = {"full": [0, 1, 2, 3], "selective": [0, 2], "op": [0, 1, 2, 3]}[mode]
     assert got["recomputed"] == [b for b in expected if nproc == 2 or b < 2]
-    dp = 2 if "parallel.zero=fsdp2" in layout else 1
-    print(f"checkpointing={mode} {layout}: max |loss - one process| = {_assert_close(got, reference, dp):.1e}")
+    dp = 2 if "parallel.zero=fsdp2" in overrides else 1
+    print(f"checkpointing={mode} {overrides}: max |loss - one process| = {_assert_close(got, reference, dp):.1e}")
 
 
-def test_activation_checkpointing_with_deepspeed(reference, byte_tokens, tmp_path):
-    got = _run(2, tmp_path, byte_tokens, "parallel.zero=deepspeed", "train.activation_checkpointing=full")
+def test_activation_checkpointing_with_deepspeed(reference, launched):
+    got = launched["checkpointing_deepspeed"]
     assert got["recomputed"] == [0, 1, 2, 3]
     print(f"checkpointing=full, DeepSpeed ZeRO-3 dp=2: max |loss - one process| = "
           f"{_assert_close(got, reference, dp=2):.1e}")
 
 
 def test_compile_matches_one_process(reference, byte_tokens, tmp_path):
-    got = _run(1, tmp_path, byte_tokens, "train.compile=true", "train.activation_checkpointing=selective")
+    got = _run(tmp_path, byte_tokens, "train.compile=true", "train.activation_checkpointing=selective")
     assert got["compiled"] == [0, 1, 2, 3] and got["recomputed"] == [0, 2]
     print(f"compile + selective checkpointing: max |loss - one process| = {_assert_close(got, reference):.1e}")

@@ -3,8 +3,9 @@ model, runs and helpers the other ZeRO test files share (test_zero_deepspeed.py 
 tests, in a file of its own so that the two halves run on different pytest-xdist workers).
 
 Every run is the Trainer (Trainer(cfg).fit(), the code path of `python -m megatron_taper.train`)
-on gloo processes from the harness, 10 steps of a 3-layer d=64 tapered model whose MLP widths
-(75-multiples of 5) split unevenly over tp=2 and whose tensors split unevenly over dp=2.
+on gloo processes from the harness (the one-process reference in this process), 10 steps of a
+3-layer d=64 tapered model whose MLP widths (75-multiples of 5) split unevenly over tp=2 and
+whose tensors split unevenly over dp=2.
 Gradient clipping (1.0) is active in every step, so the global norm over ZeRO shards matters.
 
 Parity: each layout's 10 losses within TOL = 5e-5 of one process (zero=none); fp32 reduction
@@ -12,6 +13,10 @@ orders alone differ by ~1e-6 per step. Resume on another layout: the fsdp2 dp=2 
 checkpoint continues at dp=1 and at tp=2 with that run's losses (TOL); a dp=2 run SIGKILLed
 after step 5 and resumed at dp=2 repeats them bitwise; tools/convert_checkpoint.py exports the
 one-process run's and the fsdp2 run's logical files to the same tensors (within 1e-4).
+
+Launches: the one-process reference runs in this process; the fsdp2 dp=2 run, its resume at tp=2
+and the bf16 step share one 2-process launch (tests/helpers/sessions.py), the three 4-process
+layouts one 4-process launch; the SIGKILLed run is a real torchrun, its resume a 2-process launch.
 
 C++ ops DeepSpeed JIT-builds (none on these layouts: parallel/dp/zero_deepspeed.py keeps its
 shared-memory all-reduce op from being built) are cached in TORCH_EXTENSIONS_DIR, which
@@ -30,6 +35,7 @@ import torch
 
 from tests.helpers.harness import run_distributed
 from tests.helpers.runner import REPO, kill_tree
+from tests.helpers.sessions import run_cases
 
 pytestmark = pytest.mark.multiprocess
 
@@ -70,20 +76,30 @@ def _max_diff(got, ref):
     return max(abs(got[s] - ref[s]) for s in got)
 
 
-def zero_runs(tmp_path_factory, data, engine: str, name: str) -> dict:
-    """Run folders computed once per module: the one-process reference and engine's dp=2 run (`name`)."""
-    root = tmp_path_factory.mktemp("zero")
-    out = {"root": root, "data": data}
-    _run(1, root / "ref", data)
-    _run(2, root / name, data, f"parallel.zero={engine}")
-    out["ref"] = _losses(root / "ref")
-    assert sorted(out["ref"]) == list(range(1, 11))
-    return out
+def one_process_reference(root: Path, data: str) -> dict:
+    """The one-process run (zero=none) in this process, into root/ref: its losses by step."""
+    assert _fit(_args(root / "ref", data)) == 0
+    ref = _losses(root / "ref")
+    assert sorted(ref) == list(range(1, 11))
+    return ref
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, byte_tokens):
-    return zero_runs(tmp_path_factory, byte_tokens, "fsdp2", "fsdp2_dp2")
+    """The one-process reference; then in one 2-process launch the fsdp2 dp=2 run, its step-5
+    checkpoint resumed at tp=2, and one bf16 step."""
+    root = tmp_path_factory.mktemp("zero")
+    ref = one_process_reference(root, byte_tokens)
+    step5 = root / "fsdp2_dp2" / "checkpoints" / "step-5"
+    os.makedirs(EXT_DIR, exist_ok=True)
+    fitted, resumed, bf16 = run_cases(2, [
+        (_fit, (_args(root / "fsdp2_dp2", byte_tokens, "parallel.zero=fsdp2"),)),
+        (_fit, (_args(root / "resumed_tp2", byte_tokens, "parallel.zero=fsdp2", "parallel.tp=2",
+                      f"run.resume={step5}"),)),
+        (_bf16_step, (_args(root / "bf16", byte_tokens, "parallel.zero=fsdp2", "train.precision=bf16"),))],
+        timeout=300, env=ENV)
+    assert fitted == resumed == [0, 0]
+    return {"root": root, "data": byte_tokens, "ref": ref, "bf16": bf16}
 
 
 def check_dp2_matches_one_process(runs, name: str, engine: str) -> None:
@@ -102,25 +118,37 @@ LAYOUTS = {"tp": ["parallel.tp=2"], "pp": ["parallel.pp=2", "parallel.microbatch
            "tp_sp": ["parallel.tp=2", "parallel.sequence_parallel=true"]}
 
 
-def check_3d_matches_one_process(runs, tmp_path, layout: str, engine: str) -> None:
-    extra = LAYOUTS[layout]
-    _run(4, tmp_path / "run", runs["data"], f"parallel.zero={engine}", *extra)
-    diff = _max_diff(_losses(tmp_path / "run"), runs["ref"])
+def check_3d_matches_one_process(runs, run_dir: Path, layout: str, engine: str) -> None:
+    """`run_dir`: the 4-process run of LAYOUTS[layout] x dp=2 under `engine`."""
+    diff = _max_diff(_losses(run_dir), runs["ref"])
     print(f"{layout}=2 x dp=2 {engine}: max |loss - one process| over 10 steps = {diff:.1e}")
-    assert len(_losses(tmp_path / "run")) == 10 and diff < TOL
+    assert len(_losses(run_dir)) == 10 and diff < TOL
+
+
+@pytest.fixture(scope="module")
+def layouts_3d(runs):
+    """The fsdp2 runs of every LAYOUTS entry x dp=2, in one 4-process launch."""
+    os.makedirs(EXT_DIR, exist_ok=True)
+    folders = {layout: runs["root"] / f"fsdp2_{layout}" for layout in LAYOUTS}
+    fitted = run_cases(4, [(_fit, (_args(folders[layout], runs["data"], "parallel.zero=fsdp2", *extra),))
+                           for layout, extra in LAYOUTS.items()], timeout=300, env=ENV)
+    assert fitted == [[0] * 4] * len(LAYOUTS)
+    return folders
 
 
 @pytest.mark.parametrize("layout,engine", [("tp", "fsdp2"), ("pp", "fsdp2"), ("tp_sp", "fsdp2")])
-def test_3d_matches_one_process(runs, tmp_path, layout, engine):
-    check_3d_matches_one_process(runs, tmp_path, layout, engine)
+def test_3d_matches_one_process(runs, layouts_3d, layout, engine):
+    check_3d_matches_one_process(runs, layouts_3d[layout], layout, engine)
 
 
 @pytest.mark.parametrize("nproc,extra", [(1, []), (2, ["parallel.tp=2"])], ids=["dp1", "tp2"])
 def test_fsdp2_checkpoint_resumes_on_another_layout(runs, tmp_path, nproc, extra):
+    """(the tp=2 resume ran in the module's 2-process launch)"""
     saved = runs["root"] / "fsdp2_dp2"
-    _run(nproc, tmp_path / "run", runs["data"], "parallel.zero=fsdp2", *extra,
-         f"run.resume={saved / 'checkpoints' / 'step-5'}")
-    got = _losses(tmp_path / "run")
+    run_dir = runs["root"] / "resumed_tp2" if nproc == 2 else tmp_path / "run"
+    if nproc == 1:
+        _run(1, run_dir, runs["data"], "parallel.zero=fsdp2", f"run.resume={saved / 'checkpoints' / 'step-5'}")
+    got = _losses(run_dir)
     assert sorted(got) == list(range(6, 11))
     diff = _max_diff(got, _losses(saved))
     print(f"fsdp2 dp=2 -> {extra or 'dp=1'}: max |loss - uninterrupted| over steps 6-10 = {diff:.1e}")
@@ -151,8 +179,7 @@ def test_fsdp2_sigkill_and_resume_is_bitwise(runs, tmp_path):
     assert killed, f"the run ended before it could be killed:\n{proc.stderr.read()[-3000:]}"
     assert len(tree) >= 3, tree  # torchrun and its two workers at least
     assert not (run_dir / "checkpoints" / "step-10").exists()
-    resumed = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert resumed.returncode == 0, f"the resumed run failed:\n{resumed.stderr[-4000:]}"
+    _run(2, run_dir, runs["data"], "parallel.zero=fsdp2")  # the same overrides: auto-resumes from step-5
     got, straight = _losses(run_dir), _losses(runs["root"] / "fsdp2_dp2")
     assert got == straight  # bitwise: every float equal
 
@@ -175,10 +202,9 @@ def _bf16_step(overrides):
             "loss": float(record["loss"])}
 
 
-def test_fsdp2_bf16_computes_in_bf16_from_fp32_shards(runs, tmp_path):
-    args = _args(tmp_path / "bf16", runs["data"], "parallel.zero=fsdp2", "train.precision=bf16")
-    out = run_distributed(_bf16_step, 2, args, timeout=120, env=ENV)
-    for r in out:
+def test_fsdp2_bf16_computes_in_bf16_from_fp32_shards(runs):
+    """(the step ran in the module's 2-process launch)"""
+    for r in runs["bf16"]:
         # matmul weights gathered in bf16; the norm's output (the MLP's input) stays fp32 (docs/precision.md)
         assert r["compute"] == (torch.bfloat16, torch.float32)
         assert r["masters"] == {torch.float32} and r["sharded"] and r["state"] == {torch.float32}

@@ -10,23 +10,34 @@ corrupted file of one rank stops every rank with the error naming it; tools/conv
 exports the same tensors from either source; a non-finite loss on one rank skips that step on
 every rank; DeepSpeed's shared-memory all-reduce op is not built on the CPU.
 
+Launches: the one-process reference and the dp=1 resume run in this process; the dp=2 run, the
+offloaded run, both resumes at dp=2, the non-finite step and the two refused resumes share one
+2-process launch (tests/helpers/sessions.py: each rank imports DeepSpeed once), in that order (the
+refusals last); the 3D layout is one 4-process launch; the converter's command line runs once in a
+fresh process, its refusal through the same main() in this process.
+
 C++ ops DeepSpeed JIT-builds (none on these layouts) are cached in TORCH_EXTENSIONS_DIR
 (test_zero.py's EXT_DIR).
 """
+import contextlib
+import io
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
+from unittest import mock
 
 import pytest
 import torch
 
-from tests.helpers.harness import run_distributed
 from tests.helpers.runner import REPO
+from tests.helpers.sessions import run_cases
 from tests.parallel.test_zero import (
     ENV,
     EXT_DIR,
+    LAYOUTS,
     TOL,
     _args,
     _fit,
@@ -35,34 +46,14 @@ from tests.parallel.test_zero import (
     _run,
     check_3d_matches_one_process,
     check_dp2_matches_one_process,
+    convert_tool,
     export_logical,
-    zero_runs,
+    one_process_reference,
 )
 
 pytestmark = pytest.mark.multiprocess
 
-
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory, byte_tokens):
-    return zero_runs(tmp_path_factory, byte_tokens, "deepspeed", "ds_dp2")
-
-
-@pytest.mark.parametrize("engine", ["deepspeed"])
-def test_dp2_matches_one_process(runs, engine):
-    check_dp2_matches_one_process(runs, "ds_dp2", engine)
-
-
-@pytest.mark.parametrize("layout,engine", [("tp", "deepspeed")])
-def test_3d_matches_one_process(runs, tmp_path, layout, engine):
-    check_3d_matches_one_process(runs, tmp_path, layout, engine)
-
-
-def test_deepspeed_cpu_offload_matches_one_process(runs, tmp_path):
-    _run(2, tmp_path / "run", runs["data"], "parallel.zero=deepspeed", "parallel.deepspeed.offload_optimizer=cpu",
-         "parallel.deepspeed.offload_param=cpu")
-    diff = _max_diff(_losses(tmp_path / "run"), runs["ref"])
-    print(f"dp=2 deepspeed, optimizer + parameters offloaded to CPU: max |loss - one process| = {diff:.1e}")
-    assert len(_losses(tmp_path / "run")) == 10 and diff < TOL
+DEEPSPEED = "parallel.zero=deepspeed"
 
 
 def _fit_recording_opens(overrides, folder):
@@ -85,43 +76,6 @@ def _fit_recording_opens(overrides, folder):
     return sorted(opened)
 
 
-def _resume_recording_opens(run_dir, data, step_dir, *extra):
-    os.makedirs(EXT_DIR, exist_ok=True)
-    return run_distributed(_fit_recording_opens, 2, _args(run_dir, data, "parallel.zero=deepspeed",
-                                                          f"run.resume={step_dir}", *extra),
-                           str(step_dir), timeout=300, env=ENV)
-
-
-def test_deepspeed_checkpoint_same_size_and_another_size(runs, tmp_path):
-    """Resume at the same dp size from DeepSpeed's files and from the logical files alone (bitwise
-    both), each rank opening only its own files; at dp=1 without DeepSpeed within TOL."""
-    import shutil
-
-    saved = runs["root"] / "ds_dp2"
-    step5 = saved / "checkpoints" / "step-5"
-    assert (step5 / "deepspeed" / "state").is_dir() and (step5 / "shards").is_dir()
-    straight = _losses(saved)
-    # same dp size: DeepSpeed's own files, bitwise; rank r opens (and verifies) only its own
-    opened = _resume_recording_opens(tmp_path / "same", runs["data"], step5)
-    assert _losses(tmp_path / "same") == {s: straight[s] for s in range(6, 11)}
-    for rank, files in enumerate(opened):
-        native = [f for f in files if f.startswith("deepspeed/")]
-        assert native and all(f"zero_pp_rank_{rank}_" in f for f in native), (rank, files)
-        assert not any(f.startswith("shards/") for f in files), (rank, files)
-    # same dp size from the logical files alone (DeepSpeed's removed): each rank reads its own partitions
-    logical = tmp_path / "logical-step-5"
-    shutil.copytree(step5, logical, ignore=shutil.ignore_patterns("deepspeed"))
-    opened = _resume_recording_opens(tmp_path / "from_logical", runs["data"], logical)
-    assert _losses(tmp_path / "from_logical") == {s: straight[s] for s in range(6, 11)}
-    for rank, files in enumerate(opened):
-        assert [f for f in files if f.startswith("shards/")] == [f"shards/rank-{rank:05d}.safetensors"], (rank, files)
-    # another dp size (and no DeepSpeed): the logical files written beside them
-    _run(1, tmp_path / "dp1", runs["data"], f"run.resume={step5}")
-    diff = _max_diff(_losses(tmp_path / "dp1"), straight)
-    print(f"deepspeed dp=2 -> dp=1 (zero=none): max |loss - uninterrupted| over steps 6-10 = {diff:.1e}")
-    assert sorted(_losses(tmp_path / "dp1")) == list(range(6, 11)) and diff < TOL
-
-
 def _fit_error(overrides):
     """The error this rank's run ends with ("" if none)."""
     try:
@@ -131,39 +85,27 @@ def _fit_error(overrides):
     return ""
 
 
-def test_deepspeed_native_file_failing_on_one_rank_stops_every_rank(runs, tmp_path):
-    """Only rank 1 reads (and verifies) its own optimizer-state file; when it is corrupted, rank 0
-    must not go on into DeepSpeed's collective load: both ranks end with the error naming it."""
-    import shutil
+def _on_rank0(fn, *args):
+    """fn(*args) on rank 0 alone (preparing files for the next case); every rank returns its result."""
+    import torch.distributed as dist
 
-    step5 = tmp_path / "step-5"
-    shutil.copytree(runs["root"] / "ds_dp2" / "checkpoints" / "step-5", step5)
-    victim = next((step5 / "deepspeed" / "state").glob("*zero_pp_rank_1_*optim_states.pt"))
+    out = [fn(*args) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(out, src=0)
+    return out[0]
+
+
+def _copy_without_deepspeed(step_dir, target):
+    shutil.copytree(step_dir, target, ignore=shutil.ignore_patterns("deepspeed"))
+
+
+def _corrupted_copy(step_dir, target):
+    """A copy of `step_dir` whose rank-1 optimizer-state file has one byte flipped; that file's name."""
+    shutil.copytree(step_dir, target)
+    victim = next((target / "deepspeed" / "state").glob("*zero_pp_rank_1_*optim_states.pt"))
     data = bytearray(victim.read_bytes())
     data[len(data) // 2] ^= 0xFF
     victim.write_bytes(bytes(data))
-    errors = run_distributed(_fit_error, 2, _args(tmp_path / "run", runs["data"], "parallel.zero=deepspeed",
-                                                  f"run.resume={step5}"), timeout=180, env=ENV)
-    assert all(victim.name in e and "checksum" in e for e in errors), errors
-
-
-def test_convert_checkpoint_from_every_kind(runs, tmp_path):
-    """The command line once (DeepSpeed's own files, in a fresh process), its logical files through
-    the same function in-process: the same tensors, bitwise (fsdp2's: test_zero.py)."""
-    from safetensors.torch import load_file
-
-    out = tmp_path / "ds_dp2-deepspeed"
-    proc = subprocess.run([sys.executable, "tools/convert_checkpoint.py",
-                           str(runs["root"] / "ds_dp2" / "checkpoints" / "step-10"), "--output", str(out),
-                           "--source", "deepspeed"], cwd=REPO, capture_output=True, text=True,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    info = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert info["step"] == 10 and info["source"] == "deepspeed" and (out / "config.yaml").is_file()
-    ds_native = load_file(str(out / "model.safetensors"))
-    ds_logical = export_logical(runs, "ds_dp2", tmp_path / "ds_dp2-logical")
-    assert sorted(ds_logical) == sorted(ds_native)
-    assert all(torch.equal(ds_logical[k], ds_native[k]) for k in ds_logical)
+    return victim.name
 
 
 class _Payload:
@@ -176,39 +118,20 @@ class _Payload:
         return (os.system, (f"touch {self.marker}",))
 
 
-def _poisoned_copy(runs, tmp_path, step: int, marker):
-    """A copy of ds_dp2's step-`step` checkpoint whose rank-1 optimizer-state file is a pickle that
-    runs code, with meta.json's size and sha256 rewritten to match (an attacker who can write the
-    folder can write meta.json too)."""
+def _poisoned_copy(step_dir, target, marker):
+    """A copy of `step_dir` whose rank-1 optimizer-state file is a pickle that runs code, with
+    meta.json's size and sha256 rewritten to match (an attacker who can write the folder can write
+    meta.json too); that file's name."""
     import hashlib
-    import shutil
 
-    folder = tmp_path / f"step-{step}"
-    shutil.copytree(runs["root"] / "ds_dp2" / "checkpoints" / f"step-{step}", folder)
-    victim = next((folder / "deepspeed" / "state").glob("*zero_pp_rank_1_*optim_states.pt"))
+    shutil.copytree(step_dir, target)
+    victim = next((target / "deepspeed" / "state").glob("*zero_pp_rank_1_*optim_states.pt"))
     torch.save({"optimizer_state_dict": _Payload(marker)}, victim)
-    meta = json.loads((folder / "meta.json").read_text())
-    name = victim.relative_to(folder).as_posix()
+    meta = json.loads((target / "meta.json").read_text())
+    name = victim.relative_to(target).as_posix()
     meta["files"][name] = {"size": victim.stat().st_size, "sha256": hashlib.sha256(victim.read_bytes()).hexdigest()}
-    (folder / "meta.json").write_text(json.dumps(meta))
-    return folder, victim
-
-
-def test_a_deepspeed_file_that_would_run_code_is_refused_on_resume_and_by_the_converter(runs, tmp_path):
-    """issue 41: DeepSpeed's loaders unpickle with weights_only=False. Resuming (both ranks) and
-    tools/convert_checkpoint.py --source deepspeed refuse the file, naming it and the global, and
-    the payload's marker file is never written."""
-    marker = tmp_path / "pwned"
-    folder, victim = _poisoned_copy(runs, tmp_path, 5, marker)
-    errors = run_distributed(_fit_error, 2, _args(tmp_path / "run", runs["data"], "parallel.zero=deepspeed",
-                                                  f"run.resume={folder}"), timeout=180, env=ENV)
-    assert all(victim.name in e and "allow-list" in e for e in errors), errors  # both ranks stop
-    assert not marker.exists()
-    proc = subprocess.run([sys.executable, "tools/convert_checkpoint.py", str(folder), "--output",
-                           str(tmp_path / "out"), "--source", "deepspeed"], cwd=REPO, capture_output=True, text=True,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=120)
-    assert proc.returncode != 0 and "allow-list" in proc.stderr and "posix.system" in proc.stderr, proc.stderr[-2000:]
-    assert not marker.exists()
+    (target / "meta.json").write_text(json.dumps(meta))
+    return victim.name
 
 
 def _nonfinite_loss_on_rank1(overrides):
@@ -237,11 +160,122 @@ def _nonfinite_loss_on_rank1(overrides):
             "shm_comm_op_built": deepspeed.comm.comm.cdb.shm_comm_op is not None}
 
 
-def test_deepspeed_skips_a_step_whose_loss_is_non_finite(runs, tmp_path):
-    out = run_distributed(_nonfinite_loss_on_rank1, 2,
-                          _args(tmp_path / "nan", runs["data"], "parallel.zero=deepspeed", "train.steps=3"),
-                          timeout=180, env=ENV)
-    for r in out:
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, byte_tokens):
+    """The one-process reference (in this process), then every 2-process DeepSpeed case in one launch."""
+    root, data = tmp_path_factory.mktemp("zero"), byte_tokens
+    ref = one_process_reference(root, data)
+    step5 = root / "ds_dp2" / "checkpoints" / "step-5"
+    logical, corrupted, poisoned = root / "logical-step-5", root / "corrupted" / "step-5", root / "poisoned" / "step-5"
+    marker = root / "pwned"
+    os.makedirs(EXT_DIR, exist_ok=True)
+    out = run_cases(2, [
+        (_fit, (_args(root / "ds_dp2", data, DEEPSPEED),)),
+        (_fit, (_args(root / "offload", data, DEEPSPEED, "parallel.deepspeed.offload_optimizer=cpu",
+                      "parallel.deepspeed.offload_param=cpu"),)),
+        (_fit_recording_opens, (_args(root / "same", data, DEEPSPEED, f"run.resume={step5}"), str(step5))),
+        (_on_rank0, (_copy_without_deepspeed, step5, logical)),
+        (_fit_recording_opens, (_args(root / "from_logical", data, DEEPSPEED, f"run.resume={logical}"), str(logical))),
+        (_nonfinite_loss_on_rank1, (_args(root / "nan", data, DEEPSPEED, "train.steps=3"),)),
+        (_on_rank0, (_corrupted_copy, step5, corrupted)),
+        (_fit_error, (_args(root / "corrupted_run", data, DEEPSPEED, f"run.resume={corrupted}"),)),
+        (_on_rank0, (_poisoned_copy, step5, poisoned, marker)),
+        (_fit_error, (_args(root / "poisoned_run", data, DEEPSPEED, f"run.resume={poisoned}"),))],
+        timeout=400, env=ENV)
+    names = ("ds_dp2", "offload", "opened_same", None, "opened_logical", "nonfinite", "corrupted_file",
+             "corrupted_errors", "poisoned_file", "poisoned_errors")
+    found = {name: result for name, result in zip(names, out) if name}
+    assert found["ds_dp2"] == found["offload"] == [0, 0]
+    return {**found, "root": root, "data": data, "ref": ref, "logical": logical, "poisoned": poisoned,
+            "marker": marker, "corrupted_file": found["corrupted_file"][0], "poisoned_file": found["poisoned_file"][0]}
+
+
+@pytest.mark.parametrize("engine", ["deepspeed"])
+def test_dp2_matches_one_process(runs, engine):
+    check_dp2_matches_one_process(runs, "ds_dp2", engine)
+
+
+@pytest.mark.parametrize("layout,engine", [("tp", "deepspeed")])
+def test_3d_matches_one_process(runs, tmp_path, layout, engine):
+    _run(4, tmp_path / "run", runs["data"], DEEPSPEED, *LAYOUTS[layout])
+    check_3d_matches_one_process(runs, tmp_path / "run", layout, engine)
+
+
+def test_deepspeed_cpu_offload_matches_one_process(runs):
+    diff = _max_diff(_losses(runs["root"] / "offload"), runs["ref"])
+    print(f"dp=2 deepspeed, optimizer + parameters offloaded to CPU: max |loss - one process| = {diff:.1e}")
+    assert len(_losses(runs["root"] / "offload")) == 10 and diff < TOL
+
+
+def test_deepspeed_checkpoint_same_size_and_another_size(runs, tmp_path):
+    """Resume at the same dp size from DeepSpeed's files and from the logical files alone (bitwise
+    both), each rank opening only its own files; at dp=1 without DeepSpeed within TOL."""
+    saved = runs["root"] / "ds_dp2"
+    step5 = saved / "checkpoints" / "step-5"
+    assert (step5 / "deepspeed" / "state").is_dir() and (step5 / "shards").is_dir()
+    straight = _losses(saved)
+    # same dp size: DeepSpeed's own files, bitwise; rank r opens (and verifies) only its own
+    assert _losses(runs["root"] / "same") == {s: straight[s] for s in range(6, 11)}
+    for rank, files in enumerate(runs["opened_same"]):
+        native = [f for f in files if f.startswith("deepspeed/")]
+        assert native and all(f"zero_pp_rank_{rank}_" in f for f in native), (rank, files)
+        assert not any(f.startswith("shards/") for f in files), (rank, files)
+    # same dp size from the logical files alone (DeepSpeed's removed): each rank reads its own partitions
+    assert not (runs["logical"] / "deepspeed").exists()
+    assert _losses(runs["root"] / "from_logical") == {s: straight[s] for s in range(6, 11)}
+    for rank, files in enumerate(runs["opened_logical"]):
+        assert [f for f in files if f.startswith("shards/")] == [f"shards/rank-{rank:05d}.safetensors"], (rank, files)
+    # another dp size (and no DeepSpeed; in this process): the logical files written beside them
+    assert _fit(_args(tmp_path / "dp1", runs["data"], f"run.resume={step5}")) == 0
+    diff = _max_diff(_losses(tmp_path / "dp1"), straight)
+    print(f"deepspeed dp=2 -> dp=1 (zero=none): max |loss - uninterrupted| over steps 6-10 = {diff:.1e}")
+    assert sorted(_losses(tmp_path / "dp1")) == list(range(6, 11)) and diff < TOL
+
+
+def test_deepspeed_native_file_failing_on_one_rank_stops_every_rank(runs):
+    """Only rank 1 reads (and verifies) its own optimizer-state file; when it is corrupted, rank 0
+    must not go on into DeepSpeed's collective load: both ranks end with the error naming it."""
+    victim = runs["corrupted_file"]
+    assert all(victim in e and "checksum" in e for e in runs["corrupted_errors"]), runs["corrupted_errors"]
+
+
+def test_convert_checkpoint_from_every_kind(runs, tmp_path):
+    """The command line once (DeepSpeed's own files, in a fresh process), its logical files through
+    the same function in-process: the same tensors, bitwise (fsdp2's: test_zero.py)."""
+    from safetensors.torch import load_file
+
+    out = tmp_path / "ds_dp2-deepspeed"
+    proc = subprocess.run([sys.executable, "tools/convert_checkpoint.py",
+                           str(runs["root"] / "ds_dp2" / "checkpoints" / "step-10"), "--output", str(out),
+                           "--source", "deepspeed"], cwd=REPO, capture_output=True, text=True,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    info = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert info["step"] == 10 and info["source"] == "deepspeed" and (out / "config.yaml").is_file()
+    ds_native = load_file(str(out / "model.safetensors"))
+    ds_logical = export_logical(runs, "ds_dp2", tmp_path / "ds_dp2-logical")
+    assert sorted(ds_logical) == sorted(ds_native)
+    assert all(torch.equal(ds_logical[k], ds_native[k]) for k in ds_logical)
+
+
+def test_a_deepspeed_file_that_would_run_code_is_refused_on_resume_and_by_the_converter(runs, tmp_path):
+    """issue 41: DeepSpeed's loaders unpickle with weights_only=False. Resuming (both ranks) and
+    tools/convert_checkpoint.py --source deepspeed (its main(), in this process: the command line
+    ran in a fresh process above) refuse the file, naming it and the global, and the payload's
+    marker file is never written."""
+    marker, victim = runs["marker"], runs["poisoned_file"]
+    errors = runs["poisoned_errors"]
+    assert all(victim in e and "allow-list" in e for e in errors), errors  # both ranks stop
+    assert not marker.exists()
+    stderr = io.StringIO()
+    with mock.patch.dict(os.environ), contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(io.StringIO()):
+        code = convert_tool().main([str(runs["poisoned"]), "--output", str(tmp_path / "out"), "--source", "deepspeed"])
+    assert code != 0 and "allow-list" in stderr.getvalue() and "posix.system" in stderr.getvalue(), stderr.getvalue()
+    assert not marker.exists()
+
+
+def test_deepspeed_skips_a_step_whose_loss_is_non_finite(runs):
+    for r in runs["nonfinite"]:
         assert r["skipped"] == 1 and r["engine_skipped"] == 1, r
         assert r["stepped_losses"][1] == float("inf") and all(map(math.isfinite, r["stepped_losses"][::2]))
         assert not r["shm_comm_op_built"]  # parallel/dp/zero_deepspeed.py skip_shm_comm_build
