@@ -117,10 +117,12 @@ class Checkpointer:
         ctx.barrier()
         pieces = self.pm.checkpoint_pieces(optimizer, copy=self.options.async_save)
         native: dict[str, dict] = {}
-        if self.pm.save_native(tmp):  # an engine's own files (DeepSpeed), synchronously
+        native_dir = self.pm.save_native(tmp)  # an engine's own files (DeepSpeed), synchronously
+        if native_dir is not None:
             ctx.barrier()
-            if ctx.is_main:
-                native = _hash_tree(tmp)
+            if ctx.is_main:  # only that folder: the other ranks are already writing their pieces beside it
+                native = {os.path.join(native_dir, rel): entry
+                          for rel, entry in _hash_tree(os.path.join(tmp, native_dir)).items()}
         trainer = {"step": step, **trainer_state, "ranks": per_rank} if ctx.is_main else None
         result: dict[str, Any] = {}
 
@@ -378,15 +380,13 @@ def verify_checkpoint(path: str) -> dict:
     return meta
 
 
-def _hash_tree(root: str, skip: frozenset[str] = frozenset()) -> dict[str, dict]:
-    """size + sha256 of every file under root (relative names), except `skip`."""
+def _hash_tree(root: str) -> dict[str, dict]:
+    """size + sha256 of every file under root (relative names)."""
     out = {}
     for folder, _, names in os.walk(root):
         for name in names:
             file = os.path.join(folder, name)
-            rel = os.path.relpath(file, root)
-            if rel not in skip:
-                out[rel] = {"size": os.path.getsize(file), "sha256": _sha256(file)}
+            out[os.path.relpath(file, root)] = {"size": os.path.getsize(file), "sha256": _sha256(file)}
     return out
 
 

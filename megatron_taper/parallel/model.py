@@ -125,10 +125,11 @@ class ParallelModel:
 
     # -- checkpoints (checkpoint.py) ---------------------------------------------------------------
 
-    def save_native(self, folder: str) -> bool:
-        """Write an engine's own checkpoint files into `folder` (a collective); whether it wrote
-        any (none by default: the logical files are the whole checkpoint)."""
-        return False
+    def save_native(self, folder: str) -> str | None:
+        """Write an engine's own checkpoint files under `folder` (a collective); the subfolder
+        (relative to `folder`) that holds them all, or None when it wrote none (the default: the
+        logical files are the whole checkpoint)."""
+        return None
 
     def load_native(self, folder: str, meta: dict, verify: Callable[[str], None]) -> bool:
         """Restore from the engine's own files if they fit this layout, first passing each file

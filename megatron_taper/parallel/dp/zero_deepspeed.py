@@ -409,10 +409,10 @@ class DeepSpeedParallelModel(ParallelModel):
         hi = min(lo + size, param.ds_numel)
         return ParameterShard(shape, full, tp_offsets, owner, param.ds_tensor.numel(), lo, hi)
 
-    def save_native(self, folder: str) -> bool:
+    def save_native(self, folder: str) -> str | None:
         """DeepSpeed's own checkpoint into folder/deepspeed/state/ (a collective; every rank writes)."""
         self.engine.save_checkpoint(os.path.join(folder, NATIVE_DIR), tag=NATIVE_TAG, save_latest=False)
-        return True
+        return NATIVE_DIR
 
     def load_native(self, folder: str, meta: dict, verify: Callable[[str], None]) -> bool:
         """Load DeepSpeed's own files when they fit this run (same engine, dp and tp); else False.
