@@ -35,10 +35,11 @@
 Every part runs in its own try: a failure is recorded in the JSON (`failed`: the error) and the
 next part runs; the JSON file is rewritten after each part, so a crash keeps what finished.
 Prints one JSON object at the end (and writes it to --out); exit 1 when parity or any part failed.
-`--smoke` runs all parts at toy sizes (2 steps, three variants, none compiled on the CPU (float8's
-with train.compile=auto, eager there, and its rule set to take every linear), plus one variant
-made to fail on purpose, recorded as `failed` with `expected_failure`) on whatever device there
-is, so that tests/launch/test_gpu_check.py keeps this script working on machines without a GPU.
+`--smoke` runs all parts at toy sizes (2 steps; parity and the collectives' Trainer on 2 sequences
+of 32 tokens a step (SMOKE_STEP); three variants, none compiled on the CPU (float8's with
+train.compile=auto, eager there, and its rule set to take every linear), plus one variant made to
+fail on purpose, recorded as `failed` with `expected_failure`) on whatever device there is, so
+that tests/launch/test_gpu_check.py keeps this script working on machines without a GPU.
 
     bash benchmarks/gpu_check.sh            # writes benchmarks/results/gpu_check.json
 """
@@ -65,6 +66,8 @@ from megatron_taper.training.trainer import Trainer
 
 PARITY_TOL = 1e-4
 BF16_TOL = 2e-2
+# --smoke's parity, collectives and resume runs: the tiny recipes at 64 tokens a step (2 sequences of 32)
+SMOKE_STEP = ("model.seq_len=32", "train.global_batch=2", "train.micro_batch=2")
 # one sequence of 32K tokens a step (global batch 1): the long-context probe of the memory model
 LONG_CONTEXT = ["model.seq_len=32768", "train.global_batch=1", "train.micro_batch=1"]
 SHAPE = ["train.global_batch=8", "train.micro_batch=4"]  # the throughput runs' step: 2 micro-batches of 4
@@ -240,13 +243,13 @@ def release_memory() -> None:
     torch._dynamo.reset()
 
 
-def collectives(folder: str, device: str) -> dict:
+def collectives(folder: str, device: str, extra: tuple[str, ...] = ()) -> dict:
     """World size 1 on NCCL (gloo on the CPU), one process of the shared launcher: every collective
-    once, then 2 Trainer steps and a save."""
-    return run_distributed(_collectives_rank, 1, folder, device, timeout=600, device=device, threads=0)[0]
+    once, then 2 Trainer steps (of the tiny recipe with `extra` overrides) and a save."""
+    return run_distributed(_collectives_rank, 1, folder, device, extra, timeout=600, device=device, threads=0)[0]
 
 
-def _collectives_rank(folder: str, device: str) -> dict:
+def _collectives_rank(folder: str, device: str, extra: tuple[str, ...]) -> dict:
     import torch.distributed as dist
 
     backend = str(dist.get_backend())  # nccl on CUDA, gloo on the CPU (the launcher chose it from the device)
@@ -269,7 +272,7 @@ def _collectives_rank(folder: str, device: str) -> dict:
     cfg = load_config("configs/tiny_taper.yaml", [
         "model.vocab_size=256", f"data.path={byte_tokens(folder)}", f"run.dir={folder}/collectives",
         "run.tensorboard=false", f"train.device={device}", "train.steps=2", "train.log_interval=1",
-        "checkpoint.interval=1", "parallel.zero=fsdp2", "train.compile=false"])
+        "checkpoint.interval=1", "parallel.zero=fsdp2", "train.compile=false", *extra])
     code = Trainer(cfg).fit()
     saved = sorted(os.listdir(os.path.join(folder, "collectives", "checkpoints")))
     return {"backend": backend, "world_size": dist.get_world_size(), "collectives_ok": ok,
@@ -320,7 +323,7 @@ def main() -> int:
         shape = ["model.n_layers=2", "model.d_model=64", "model.n_heads=4", "model.mlp_width=128",
                  "model.taper.multiple=64", "model.vocab_size=512", "model.seq_len=32", "train.global_batch=2",
                  "train.micro_batch=2"]
-        steps, warmup, parity_steps = 2, 1, 2
+        steps, warmup, parity_steps, small = 2, 1, 2, SMOKE_STEP
         # compile is covered by tests/parallel/test_step_engines.py; "bogus" fails on purpose
         variants = [{"activation_checkpointing": "none", "compile": False},
                     {"activation_checkpointing": "op", "compile": "auto", "float8": True, "loss_chunk": 16,
@@ -330,15 +333,16 @@ def main() -> int:
                     {"activation_checkpointing": "bogus", "compile": False}]
     else:  # global batch 8 x 2048 tokens as 2 micro-batches of 4
         shape = list(SHAPE)
-        steps, warmup, parity_steps = args.steps, 3, 10
+        steps, warmup, parity_steps, small = args.steps, 3, 10, ()
         variants = VARIANTS + SLICE_8B_VARIANTS
     write(report, args.out)
     with tempfile.TemporaryDirectory() as folder:
-        attempt(report, args.out, "parity", parity, folder, device, parity_steps)
-        attempt(report, args.out, "bf16_parity", parity, folder, device, parity_steps, "bf16")
+        tiny = "configs/tiny_taper.yaml"
+        attempt(report, args.out, "parity", parity, folder, device, parity_steps, "fp32", tiny, small)
+        attempt(report, args.out, "bf16_parity", parity, folder, device, parity_steps, "bf16", tiny, small)
         attempt(report, args.out, "moe_bf16_parity", parity, folder, device, parity_steps, "bf16",
-                "configs/tiny_moe_taper.yaml")
-        attempt(report, args.out, "collectives", collectives, folder, device)
+                "configs/tiny_moe_taper.yaml", small)
+        attempt(report, args.out, "collectives", collectives, folder, device, small)
         vocab = load_config("configs/transformer_1.3b_taper.yaml", shape).model.vocab_size
         shape = [*shape, f"data.path={random_tokens(folder, vocab, 4_000_000)}", f"train.device={device}",
                  "train.precision=bf16" if cuda else "train.precision=fp32"]

@@ -31,7 +31,8 @@ an out-of-memory row is recorded (`oom`) and the run goes on. Exit 1 when a pari
 off or a row or part failed other than by running out of memory. `--smoke` runs the same code on
 the CPU: speed rows for the Transformer and linear memory caching at their tiny recipes (2 blocks), micro-batch
 2, 2 steps, eager for both and compiled for the Transformer only (a CPU compile takes 20-40 s); fp32
-parity for SMOKE's tiny recipes; the first resume (tests/launch/test_gpu_check.py).
+parity for SMOKE's tiny recipes and the first resume, both on 2 sequences of 32 tokens a step
+(gpu_check.SMOKE_STEP) (tests/launch/test_gpu_check.py).
 
     python benchmarks/gpu_families.py [--out benchmarks/results/gpu_families.json] [--smoke]
 """
@@ -54,6 +55,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpu_check import (  # noqa: E402
+    SMOKE_STEP,
     attempt,
     byte_tokens,
     close_trainer,
@@ -471,6 +473,7 @@ def main() -> int:
         return 2
     device = "cuda" if cuda else "cpu"
     steps = 2 if args.smoke else args.steps
+    small = SMOKE_STEP if args.smoke else ()  # --smoke's parity and resume: 64 tokens a step
     report: dict = {"benchmark": "gpu_families", "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
                     "device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
                     "cuda": torch.version.cuda, "smoke": args.smoke, "budget_s": args.budget_s,
@@ -492,14 +495,14 @@ def main() -> int:
                                                                 "skipped": spent})
                         continue
                     attempt(report, args.out, "parity", parity, folder, device, steps, precision, config,
-                            EXTRA.get(family, ()), append=True)
+                            (*EXTRA.get(family, ()), *small), append=True)
         if "resume" in parts:
             for family, (config, extra) in list(RESUMED.items())[:1 if args.smoke else None]:
                 if time.perf_counter() > deadline:
                     report.setdefault("resume", []).append({"family": family, "config": config, "skipped": spent})
                     continue
-                attempt(report, args.out, "resume", resume, folder, device, config, extra, 6, append=True,
-                        family=family)
+                attempt(report, args.out, "resume", resume, folder, device, config, [*extra, *small], 6,
+                        append=True, family=family)
     report["elapsed_s"] = time.perf_counter() - began
     write(report, args.out)
     json.dump(report, sys.stdout)

@@ -53,7 +53,11 @@ def normalized(name: str) -> str:
 
 def inside(path: str, roots: list[str]) -> bool:
     """Whether the real path of `path` lies in one of `roots` (real paths)."""
-    real = os.path.realpath(path)
+    return within(os.path.realpath(path), roots)
+
+
+def within(real: str, roots: list[str]) -> bool:
+    """Whether the real path `real` lies in one of `roots` (real paths)."""
     return any(real == r or real.startswith(r + os.sep) for r in roots)
 
 
@@ -136,8 +140,11 @@ def build_corpus(out: str, roots: list[str] | None = None, *, max_bytes: int = 0
     for root in roots:
         owners = record_owners(root)
         for rel in candidate_files(root):
-            real = os.path.realpath(os.path.join(root, rel))
-            if not inside(real, roots):
+            # os.walk does not enter linked folders and the roots are real paths, so only the file
+            # itself can be a link: resolve just those (realpath stats every component of a path)
+            path = os.path.join(root, rel)
+            real = os.path.realpath(path) if os.path.islink(path) else path
+            if real is not path and not within(real, roots):
                 skipped["outside_root"] += 1
                 continue
             try:

@@ -61,10 +61,10 @@ def test_sweep_runs_collects_and_resumes(tmp_path, byte_tokens):
     # the runs really differ in their taper
     cosine_cfg = (out / "runs" / "taper=cosine-1.5,seed=0" / "config.yaml").read_text()
     assert "schedule: cosine" in cosine_cfg and "seed: 0" in cosine_cfg
-    # restart: nothing left to train, same table
+    # restart (the tool's main in this process: it starts no run): nothing left to train, same table
     stamp = (out / "runs" / "taper=uniform,seed=1" / "metrics.jsonl").stat().st_mtime_ns
     start = time.monotonic()
-    again = _tool(spec, "--out", out)
+    again = _tool_here(spec, "--out", out)
     assert again.returncode == 0 and "1/" not in again.stdout
     assert (out / "runs" / "taper=uniform,seed=1" / "metrics.jsonl").stat().st_mtime_ns == stamp
     assert json.loads((out / "results.json").read_text())["table"] == result["table"]
