@@ -42,7 +42,7 @@ else
   "$py" tools/train_tokenizer.py --embedded-corpus --vocab-size "$vocab" --output "$tok"
 fi
 
-if "$py" -c 'import sys; from megatron_taper.data.preprocess import is_complete; sys.exit(0 if is_complete(sys.argv[1]) else 1)' "$data"; then
+if "$py" -c 'import sys; from megatron_taper.data import is_complete; sys.exit(0 if is_complete(sys.argv[1]) else 1)' "$data"; then
   echo "[quickstart] reusing MDS shards in $data"
 else
   echo "[quickstart] writing MDS shards to $data"

@@ -106,6 +106,10 @@ def dispatched_ops(cfg: ModelConfig, write_kernel: bool = False) -> tuple[int, i
         return frame if frame is not None and write_kernel_handles(frame.f_locals["n"]) else None
 
     class Counter(TorchDispatchMode):
+        @classmethod
+        def _should_skip_dynamo(cls) -> bool:  # eager only: no torch._dynamo wrapper (its import is ~2 s of CPU)
+            return False
+
         def __init__(self):
             super().__init__()
             self.n, self.loop = 0, None

@@ -502,10 +502,14 @@ def search(cfg: Config, gpus: int, memory_gib: float, device: DeviceProfile,
     examples: dict[str, tuple[str, set[str]]] = {}
     predicted: set[tuple] = set()
 
+    clauses: dict[str, tuple[str, str]] = {}  # a refusal -> its reason and first clause (layouts share refusals)
+
     def drop(message: str, layouts: int = 1) -> str:
-        kind = reason(message)
+        if message not in clauses:
+            clauses[message] = reason(message), first_clause(message)
+        kind, clause = clauses[message]
         dropped[kind] += layouts
-        examples.setdefault(kind, (first_clause(message), set()))[1].add(first_clause(message))
+        examples.setdefault(kind, (clause, set()))[1].add(clause)
         return kind
 
     legal: list[Prediction] = []

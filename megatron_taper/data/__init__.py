@@ -20,6 +20,8 @@ checks.py              start-up checks that need the data on disk (folders, toke
 """
 from __future__ import annotations
 
+import json
+import os
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:  # the order and length code imports this package without torch
@@ -40,3 +42,16 @@ class BatchSource(Protocol):
 def is_remote(path: str) -> bool:
     """A data path that is a URL (s3://, gs://, ...): read through a local cache, never checked on disk."""
     return "://" in path
+
+
+STATS_FILE = "stats.json"  # an MDS folder's summary, written last by preprocess.py (format: streaming.py)
+
+
+def is_complete(folder: str) -> bool:
+    """`folder` holds a finished preprocess output (its stats.json says complete). Here, without
+    torch, so that launch/quickstart.sh's check of its cached shards starts no torch import."""
+    try:
+        with open(os.path.join(folder, STATS_FILE)) as f:
+            return json.load(f).get("complete") is True
+    except (OSError, ValueError):
+        return False

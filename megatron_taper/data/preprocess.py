@@ -21,6 +21,7 @@ from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 
+from megatron_taper.data import is_complete  # noqa: F401 (its callers import it from here)
 from megatron_taper.data.corpus import Document, SkipLog, progress_bar
 from megatron_taper.data.streaming import (
     INDEX_FILE,
@@ -45,14 +46,6 @@ def check_output(output: str, overwrite: bool) -> None:
         raise ValueError(f"--output {output} is a file; it must be a folder")
     if os.path.isdir(output) and os.listdir(output) and not overwrite:
         raise ValueError(f"--output {output} exists and is not empty; pass --overwrite to replace it")
-
-
-def is_complete(output: str) -> bool:
-    try:
-        with open(os.path.join(output, STATS_FILE)) as f:
-            return json.load(f).get("complete") is True
-    except (OSError, ValueError):
-        return False
 
 
 def in_val_split(text: str, val_fraction: float, seed: int) -> bool:

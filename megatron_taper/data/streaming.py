@@ -69,7 +69,7 @@ import numpy as np
 import torch
 from filelock import FileLock
 
-from megatron_taper.data import is_remote
+from megatron_taper.data import STATS_FILE, is_remote  # noqa: F401 (STATS_FILE: importers use it)
 from megatron_taper.data.order import BLOCK_DOCS, LengthTable, RowStreams, SampleOrder
 from megatron_taper.data.torchvision_compat import import_streaming
 from megatron_taper.validation import inside_folder
@@ -77,7 +77,6 @@ from megatron_taper.validation import inside_folder
 TOKENS_COLUMN = "tokens"
 LENGTHS_FILE = "doc_lengths.npy"
 INDEX_FILE = "index.json"
-STATS_FILE = "stats.json"
 TOKENIZER_FILE = "tokenizer.model"
 # 1: a full permutation of documents and samples per epoch; 2: the block-wise order of data.order.
 STATE_VERSION = 2

@@ -7,7 +7,8 @@ shards as a user's does), then every command of the README blocks marked
 model and a pipeline plan", "Evaluation, samples, Hugging Face, lm-eval"), in their order, in a
 folder that looks like the repository (configs/, tools/, launch/ and .venv linked), so relative
 paths such as runs/quickstart resolve as they do for a user. The one change: trainer commands
-run train.steps=2 (replaced where the command sets it, appended where not). `python tools/X.py`
+run train.steps=1 (replaced where the command sets it, appended where not): one step still writes
+the metrics, the held-out loss and the checkpoint every later command reads. `python tools/X.py`
 and `python -m megatron_taper.train` run in this process (the same main() the script calls),
 everything else (torchrun, bash) as a process. The lm-eval line needs the optional lm-eval
 package: it is run only where that is installed.
@@ -27,7 +28,7 @@ import pytest
 from tests.helpers.runner import REPO
 
 MARK = "<!-- example: tests/launch/test_readme_examples.py runs this block after the quickstart -->"
-STEPS = "train.steps=2"
+STEPS = "train.steps=1"
 TRAINERS = ("megatron_taper.train", "launch/torchrun.sh", "launch/quickstart.sh")
 
 
@@ -99,14 +100,14 @@ def test_every_readme_example_runs_after_the_quickstart(workspace, monkeypatch):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "QUICKSTART_INSTALL": "0",
            "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)}
     _run(tiny_steps(["bash", "launch/quickstart.sh"]), workspace, env, monkeypatch)
-    assert (workspace / "runs" / "quickstart" / "checkpoints" / "step-2").is_dir()
+    assert (workspace / "runs" / "quickstart" / "checkpoints" / "step-1").is_dir()
     has_lm_eval = importlib.util.find_spec("lm_eval") is not None
     for command in commands:
         argv = shlex.split(command, comments=True)
         if "megatron_taper.inference.lm_eval_adapter" in argv and not has_lm_eval:
             continue  # the optional extra (pip install -e ".[lmeval]") is not installed here
         _run(tiny_steps(argv), workspace, env, monkeypatch)
-    for made in ("runs/tiny_taper/checkpoints/step-2", "runs/tiny_tp2/checkpoints/step-2", "runs/tiny_auto",
-                 "exported/quickstart/model.safetensors", "runs/finetune/checkpoints/step-2", "hf/quickstart",
-                 "runs/from_hf/checkpoints/step-2"):
+    for made in ("runs/tiny_taper/checkpoints/step-1", "runs/tiny_tp2/checkpoints/step-1", "runs/tiny_auto",
+                 "exported/quickstart/model.safetensors", "runs/finetune/checkpoints/step-1", "hf/quickstart",
+                 "runs/from_hf/checkpoints/step-1"):
         assert (workspace / made).exists(), made

@@ -30,14 +30,11 @@ def test_torchrun_sh_rendezvous_store_listens_on_loopback_only(byte_tokens, tmp_
                              f"run.dir={tmp_path / 'run'}", "train.steps=1000"], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
-        agent, listening, deadline = None, [], time.monotonic() + 90
+        agent, deadline = None, time.monotonic() + 90
         while time.monotonic() < deadline and not (tmp_path / "run" / "metrics.jsonl").exists():
-            time.sleep(0.3)
-            tree = process_tree(proc.pid)
-            agents = [p for p in tree if "--nproc-per-node" in _cmdline(p)]  # torchrun's agent
-            if agents:
-                agent = agents[0]
-                listening = _listening([agent])
+            time.sleep(0.1)
+            if agent is None:  # torchrun's agent, found once
+                agent = next((p for p in process_tree(proc.pid) if "--nproc-per-node" in _cmdline(p)), None)
         assert agent is not None and (tmp_path / "run" / "metrics.jsonl").exists(), "the run did not start"
         listening = _listening([agent])
         workers = [p for p in process_tree(agent) if p != agent and "megatron_taper.train" in _cmdline(p)]
