@@ -363,8 +363,14 @@ def split_backward_moments(actions: Sequence[tuple[str, int, int]], first: int |
 
 def _undominated(moments: set[tuple[int, ...]]) -> list[tuple[int, ...]]:
     """The moments no other moment is at least as large as in every count (the steady state's
-    repeats leave a tenth or fewer)."""
-    return [m for m in moments if not any(o != m and all(a <= b for a, b in zip(m, o)) for o in moments)]
+    repeats leave a tenth or fewer). Largest total first: a moment's dominators have larger totals,
+    and one dominated by a dominated moment is dominated by that one's dominator, so comparing it
+    with the undominated ones found so far suffices."""
+    out: list[tuple[int, ...]] = []
+    for m in sorted(moments, key=sum, reverse=True):
+        if not any(all(a <= b for a, b in zip(m, o)) for o in out):
+            out.append(m)
+    return out
 
 
 def _evaluate(moments: set[tuple[int, ...]], kept: Sequence[float], tops: Sequence[float],

@@ -205,13 +205,13 @@ class _PeakRows(dict):
 
     def __init__(self, peak: Sequence[float], kept_prefix: Sequence[float]):
         super().__init__()
-        self.peak, self.kept_prefix = peak, kept_prefix
+        self.moments = [kept_prefix[i] + peak[i] for i in range(len(peak))]
 
     def __bool__(self) -> bool:  # stage_parts takes a falsy table for none
         return True
 
     def __missing__(self, lo: int) -> list[float]:
-        row = list(accumulate((self.kept_prefix[i] + self.peak[i] for i in range(lo, len(self.peak))), max))
+        row = list(accumulate(self.moments[lo:], max))
         self[lo] = row
         return row
 
