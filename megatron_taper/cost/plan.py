@@ -316,18 +316,15 @@ class Predictor:
         calls per micro-batch (rank_ops) and, under activation_checkpointing=op, its op-checkpointed
         forward operators. Once per distinct input."""
         key = (mm.setup.tp, mm.setup.ep, pp, virtual, schedule, mode, every, ops)
-        if key in self._work:
-            return self._work[key]
-        if ops is None:
+        if key not in self._work and ops is None:
             self._work[key] = self._rank_work(mm, pp, virtual, schedule, mode, every)
-            return self._work[key]
-        cp, graphs, compiled = ops
-        work = self.rank_work(mm, pp, virtual, schedule, mode, every)
-        calls = self.rank_ops(pp, virtual, schedule, [w.recomputed_blocks for w in work], cp, graphs, compiled)
-        # the selective-checkpoint policy runs per operator in eager only: compile applies it while tracing
-        forward = self.op_counts(cp).block_forward if mode == "op" and not compiled else 0.0
-        self._work[key] = [dataclasses.replace(w, ops=n, op_checkpointed_ops=forward * w.blocks)
-                           for w, n in zip(work, calls)]
+        elif key not in self._work:
+            work, (cp, graphs, compiled) = self.rank_work(mm, pp, virtual, schedule, mode, every), ops
+            calls = self.rank_ops(pp, virtual, schedule, [w.recomputed_blocks for w in work], cp, graphs, compiled)
+            # the selective-checkpoint policy runs per operator in eager only: compile applies it while tracing
+            forward = self.op_counts(cp).block_forward if mode == "op" and not compiled else 0.0
+            self._work[key] = [dataclasses.replace(w, ops=n, op_checkpointed_ops=forward * w.blocks)
+                               for w, n in zip(work, calls)]
         return self._work[key]
 
     def float8_speedups(self, t: TrainConfig, pp: int, virtual: int, schedule: str) -> list[float]:
