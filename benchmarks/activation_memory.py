@@ -406,62 +406,80 @@ def measure(overrides: list[str], mode: str, nproc: int = 1, steps: int = 1, sta
 
 
 def measure_forked(cases: list[dict], timeout: float = 3600.0) -> list[list[dict]]:
-    """Several one-process measurements (each a dict of measure's keyword arguments, `overrides`
-    and `mode` included; one process, no --full-step), one after another, each in a child forked
-    from one fresh interpreter (`--serve`) that was started with MALLOC_MMAP_THRESHOLD_ and has
-    imported torch and the modules a worker uses, and nothing else: the child starts from the heap
-    a fresh worker has after its imports, and spends no time importing them again. A child
-    measures as a fresh worker does (its warm-up step, then the peak over the RSS before the
-    steps), so measured_activation_bytes reads the same (tests/cost/test_memory_model.py's
-    docstring has both methods' ratios); measured_peak_bytes counts from the child's RSS at its
-    start, which is lower than a fresh worker's after import (a forked child maps the server's
-    shared libraries' pages again as it touches them)."""
+    """Several measurements (each a dict of measure's keyword arguments, `overrides` and `mode`
+    included; no --full-step), one after another, each in `nproc` children forked from one fresh
+    interpreter (`--serve`) that was started with MALLOC_MMAP_THRESHOLD_ and has imported torch and
+    the modules a worker uses, and nothing else: a child starts from the heap a fresh worker has
+    after its imports, and spends no time importing them again. Several children of a case join
+    over gloo as ranks 0..nproc-1 (RANK, WORLD_SIZE, MASTER_ADDR/PORT: a free port; one thread
+    each), as torchrun's workers do in measure. A child measures as a fresh worker does (its
+    warm-up step, then the peak over the RSS before the steps), so measured_activation_bytes reads
+    the same (tests/cost/test_memory_model.py's docstring has both methods' ratios);
+    measured_peak_bytes counts from the child's RSS at its start, which is lower than a fresh
+    worker's after import (a forked child maps the server's shared libraries' pages again as it
+    touches them)."""
     with tempfile.TemporaryDirectory() as tmp:
-        argvs = []
+        jobs, sizes = [], []
         for i, case in enumerate(cases):
             case = dict(case)
-            if case.pop("nproc", 1) != 1 or case.get("full"):
-                raise ValueError(f"measure_forked runs one-process measurements without --full-step, not {case}")
+            sizes.append(case.pop("nproc", 1))
+            if case.get("full"):
+                raise ValueError(f"measure_forked runs measurements without --full-step, not {case}")
             os.makedirs(os.path.join(tmp, str(i)))
-            argvs.append(_worker_argv(os.path.join(tmp, str(i)), **case))
+            jobs.append([sizes[-1], _worker_argv(os.path.join(tmp, str(i)), **case)])
         with open(os.path.join(tmp, "cases.json"), "w") as f:
-            json.dump(argvs, f)
+            json.dump(jobs, f)
         proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--serve", os.path.join(tmp, "cases.json")],
                               cwd=REPO, env=_env(1, 0, False), capture_output=True, text=True, timeout=timeout)
         if proc.returncode != 0:
             raise RuntimeError(f"forked measurements failed:\n{proc.stderr[-4000:]}")
-        return [_read_rows(os.path.join(tmp, str(i)), 1) for i in range(len(cases))]
+        return [_read_rows(os.path.join(tmp, str(i)), n) for i, n in enumerate(sizes)]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def serve(cases_path: str, parser: argparse.ArgumentParser) -> None:
-    """`--serve CASES.json`: import what a worker uses, then fork one child per worker argv of the
-    list in the file, one at a time (measure_forked)."""
-    import torch  # noqa: F401
+    """`--serve CASES.json`: import what a worker uses, then, for each [nproc, worker argv] of the
+    list in the file, one case at a time, fork its nproc children (measure_forked)."""
+    import torch
     import torch._dynamo  # noqa: F401 - imported by a worker's first tensor init under a device context
 
     import megatron_taper.parallel.pp.schedule  # noqa: F401
     import megatron_taper.training.build  # noqa: F401
 
     with open(cases_path) as f:
-        argvs = json.load(f)
-    for argv in argvs:
-        pid = os.fork()
-        if pid == 0:
-            code = 1
-            try:
-                worker(parser.parse_args(argv))
-                code = 0
-            except BaseException:
-                import traceback
+        jobs = json.load(f)
+    for nproc, argv in jobs:
+        ranks = {"WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+        children = []
+        for rank in range(nproc):
+            pid = os.fork()
+            if pid == 0:
+                code = 1
+                try:
+                    if nproc > 1:
+                        os.environ.update(ranks, RANK=str(rank), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+                        torch.set_num_threads(1)
+                    worker(parser.parse_args(argv))
+                    code = 0
+                except BaseException:
+                    import traceback
 
-                traceback.print_exc()
-            finally:
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(code)
-        _, status = os.waitpid(pid, 0)
-        if status != 0:
-            sys.exit(f"worker {argv} exited with status {status}")
+                    traceback.print_exc()
+                finally:
+                    sys.stdout.flush()
+                    sys.stderr.flush()
+                    os._exit(code)
+            children.append(pid)
+        statuses = [os.waitpid(pid, 0)[1] for pid in children]
+        if any(statuses):
+            sys.exit(f"worker {argv} ({nproc} processes) exited with statuses {statuses}")
 
 
 def _parser() -> argparse.ArgumentParser:
