@@ -38,31 +38,24 @@ def test_layout_auto_refuses_a_model_that_cannot_fit(tmp_path):
     assert "i.e. devices of" in proc.stderr and not (tmp_path / "run").exists()
 
 
-def _join_with(chosen_by_rank_per_try: list[list[str]]) -> list[str]:
-    """init_parallel once per try, with this rank's choice of that try: "joined" or the error. The
-    process group stays from one try to the next (run_distributed started it), as under torchrun."""
+def _join_with(chosen_by_rank: list[str]) -> str:
     import torch.distributed as dist
 
     from megatron_taper.config import ParallelConfig
     from megatron_taper.parallel.context import init_parallel
     from megatron_taper.validation import ConfigError
 
-    out = []
-    for chosen_by_rank in chosen_by_rank_per_try:
-        try:
-            init_parallel(ParallelConfig(), "cpu", chosen_layout=chosen_by_rank[dist.get_rank()])
-            out.append("joined")
-        except ConfigError as e:
-            out.append(str(e))
-    return out
+    try:
+        init_parallel(ParallelConfig(), "cpu", chosen_layout=chosen_by_rank[dist.get_rank()])
+    except ConfigError as e:
+        return str(e)
+    return "joined"
 
 
 @pytest.mark.multiprocess
 def test_ranks_that_chose_different_layouts_stop_before_the_mesh():
-    """One spawn of 2 processes: first both ranks choose the same layout, then different ones."""
-    tries = [["parallel.tp=1", "parallel.tp=1"], ["parallel.tp=1", "parallel.tp=2"]]
-    (same0, errors0), (same1, errors1) = run_distributed(_join_with, 2, tries)
-    assert [same0, same1] == ["joined", "joined"]
-    assert errors0 == errors1 and errors0.startswith(
+    assert run_distributed(_join_with, 2, ["parallel.tp=1", "parallel.tp=1"]) == ["joined", "joined"]
+    errors = run_distributed(_join_with, 2, ["parallel.tp=1", "parallel.tp=2"])
+    assert errors[0] == errors[1] and errors[0].startswith(
         "parallel.layout=auto chose different layouts on different ranks (1 rank(s) from rank 0: parallel.tp=1; "
         "1 rank(s) from rank 1: parallel.tp=2)")
