@@ -353,6 +353,31 @@ def worker(args: argparse.Namespace) -> None:
         dist.destroy_process_group()
 
 
+def _worker_argv(out: str, overrides: list[str], mode: str, steps: int = 1, stage: str = "", stage_layers: int = 1,
+                 in_flight: int = 1, full: bool = False, loss_chunk: int = 0, meter: str = "rss") -> list[str]:
+    return ["--worker", "--out", out, "--mode", mode, "--steps", str(steps), "--stage", stage, "--stage-layers",
+            str(stage_layers), "--in-flight", str(in_flight), "--loss-chunk", str(loss_chunk), "--meter", meter,
+            *(["--full-step"] if full else []), *overrides]
+
+
+def _env(nproc: int, threads: int, timing: bool) -> dict:
+    env = {**os.environ, "PYTHONPATH": REPO, **({} if timing else {"MALLOC_MMAP_THRESHOLD_": MMAP_THRESHOLD})}
+    env.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(REPO, ".cache", "torch_extensions"))
+    if nproc > 1:
+        env["OMP_NUM_THREADS"] = "1"
+    if threads > 0:
+        env["OMP_NUM_THREADS"] = str(threads)
+    return env
+
+
+def _read_rows(folder: str, nproc: int) -> list[dict]:
+    rows = []
+    for rank in range(nproc):
+        with open(os.path.join(folder, f"rank{rank}.json")) as f:
+            rows.append(json.load(f))
+    return rows
+
+
 def measure(overrides: list[str], mode: str, nproc: int = 1, steps: int = 1, stage: str = "",
             stage_layers: int = 1, in_flight: int = 1, timeout: float = 3600.0, full: bool = False,
             loss_chunk: int = 0, threads: int = 0, timing: bool = False, meter: str = "rss") -> list[dict]:
@@ -364,33 +389,100 @@ def measure(overrides: list[str], mode: str, nproc: int = 1, steps: int = 1, sta
 
     Fresh interpreters on purpose (not megatron_taper/parallel/spawn.py's forked children): glibc
     reads MALLOC_MMAP_THRESHOLD_ when a process starts, and a child forked from a server that
-    imported torch would start from that server's heap. Several processes are started by torchrun
-    (--standalone: its own store on a free port), as benchmarks/context_parallel.py's are."""
+    imported torch without it would start from that server's heap (measure_forked starts its own
+    server with it). Several processes are started by torchrun (--standalone: its own store on a
+    free port), as benchmarks/context_parallel.py's are."""
     with tempfile.TemporaryDirectory() as tmp:
-        worker = [os.path.abspath(__file__), "--worker", "--out", tmp, "--mode", mode, "--steps", str(steps),
-                  "--stage", stage, "--stage-layers", str(stage_layers), "--in-flight", str(in_flight),
-                  "--loss-chunk", str(loss_chunk), "--meter", meter, *(["--full-step"] if full else []), *overrides]
+        worker = [os.path.abspath(__file__), *_worker_argv(tmp, overrides, mode, steps, stage, stage_layers, in_flight,
+                                                           full, loss_chunk, meter)]
         launcher = []
         if nproc > 1:
             launcher = ["-m", "megatron_taper.torchrun", "--standalone", "--nproc-per-node", str(nproc)]
-        env = {**os.environ, "PYTHONPATH": REPO, **({} if timing else {"MALLOC_MMAP_THRESHOLD_": MMAP_THRESHOLD})}
-        env.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(REPO, ".cache", "torch_extensions"))
-        if nproc > 1:
-            env["OMP_NUM_THREADS"] = "1"
-        if threads > 0:
-            env["OMP_NUM_THREADS"] = str(threads)
-        proc = subprocess.run([sys.executable, *launcher, *worker], cwd=REPO, env=env, capture_output=True, text=True,
-                              timeout=timeout)
+        proc = subprocess.run([sys.executable, *launcher, *worker], cwd=REPO, env=_env(nproc, threads, timing),
+                              capture_output=True, text=True, timeout=timeout)
         if proc.returncode != 0:
             raise RuntimeError(f"measurement ({mode}, {nproc} processes) failed:\n{proc.stderr[-4000:]}")
-        rows = []
+        return _read_rows(tmp, nproc)
+
+
+def measure_forked(cases: list[dict], timeout: float = 3600.0) -> list[list[dict]]:
+    """Several measurements (each a dict of measure's keyword arguments, `overrides` and `mode`
+    included; no --full-step), one after another, each in `nproc` children forked from one fresh
+    interpreter (`--serve`) that was started with MALLOC_MMAP_THRESHOLD_ and has imported torch and
+    the modules a worker uses, and nothing else: a child starts from the heap a fresh worker has
+    after its imports, and spends no time importing them again. Several children of a case join
+    over gloo as ranks 0..nproc-1 (RANK, WORLD_SIZE, MASTER_ADDR/PORT: a free port; one thread
+    each), as torchrun's workers do in measure. A child measures as a fresh worker does (its
+    warm-up step, then the peak over the RSS before the steps), so measured_activation_bytes reads
+    the same (tests/cost/test_memory_model.py's docstring has both methods' ratios);
+    measured_peak_bytes counts from the child's RSS at its start, which is lower than a fresh
+    worker's after import (a forked child maps the server's shared libraries' pages again as it
+    touches them)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        jobs, sizes = [], []
+        for i, case in enumerate(cases):
+            case = dict(case)
+            sizes.append(case.pop("nproc", 1))
+            if case.get("full"):
+                raise ValueError(f"measure_forked runs measurements without --full-step, not {case}")
+            os.makedirs(os.path.join(tmp, str(i)))
+            jobs.append([sizes[-1], _worker_argv(os.path.join(tmp, str(i)), **case)])
+        with open(os.path.join(tmp, "cases.json"), "w") as f:
+            json.dump(jobs, f)
+        proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--serve", os.path.join(tmp, "cases.json")],
+                              cwd=REPO, env=_env(1, 0, False), capture_output=True, text=True, timeout=timeout)
+        if proc.returncode != 0:
+            raise RuntimeError(f"forked measurements failed:\n{proc.stderr[-4000:]}")
+        return [_read_rows(os.path.join(tmp, str(i)), n) for i, n in enumerate(sizes)]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def serve(cases_path: str, parser: argparse.ArgumentParser) -> None:
+    """`--serve CASES.json`: import what a worker uses, then, for each [nproc, worker argv] of the
+    list in the file, one case at a time, fork its nproc children (measure_forked)."""
+    import torch
+    import torch._dynamo  # noqa: F401 - imported by a worker's first tensor init under a device context
+
+    import megatron_taper.parallel.pp.schedule  # noqa: F401
+    import megatron_taper.training.build  # noqa: F401
+
+    with open(cases_path) as f:
+        jobs = json.load(f)
+    for nproc, argv in jobs:
+        ranks = {"WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+        children = []
         for rank in range(nproc):
-            with open(os.path.join(tmp, f"rank{rank}.json")) as f:
-                rows.append(json.load(f))
-        return rows
+            pid = os.fork()
+            if pid == 0:
+                code = 1
+                try:
+                    if nproc > 1:
+                        os.environ.update(ranks, RANK=str(rank), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+                        torch.set_num_threads(1)
+                    worker(parser.parse_args(argv))
+                    code = 0
+                except BaseException:
+                    import traceback
+
+                    traceback.print_exc()
+                finally:
+                    sys.stdout.flush()
+                    sys.stderr.flush()
+                    os._exit(code)
+            children.append(pid)
+        statuses = [os.waitpid(pid, 0)[1] for pid in children]
+        if any(statuses):
+            sys.exit(f"worker {argv} ({nproc} processes) exited with statuses {statuses}")
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--modes", default="none,selective,full")
     parser.add_argument("--loss-chunks", default="0", help="train.loss_chunk values, each with every mode")
@@ -407,8 +499,17 @@ def main() -> None:
     parser.add_argument("--mode", default="none", help=argparse.SUPPRESS)
     parser.add_argument("--loss-chunk", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument("--serve", help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*", help="key=value config overrides")
+    return parser
+
+
+def main() -> None:
+    parser = _parser()
     args = parser.parse_args()
+    if args.serve:
+        serve(args.serve, parser)
+        return
     if args.full_step and args.meter != "rss":
         parser.error(f"--meter {args.meter} measures tensors made in a region, not --full-step's whole step: use rss")
     if args.worker:

@@ -249,8 +249,14 @@ def multi_chunk_activations(schedule: str, pp: int, microbatches: int, pp_rank: 
         key = (pp, microbatches, pp_rank, first)
         moments = {} if moments is None else moments
         if key not in moments:
-            moments[key] = split_backward_moments(zbv_actions(pp, microbatches, pp_rank), first)
-        return _evaluate(moments[key], kept, tops, retained)
+            every = split_backward_moments(zbv_actions(pp, microbatches, pp_rank), first)
+            moments[key] = every, _undominated(every)
+        every, undominated = moments[key]
+        # finite bytes >= 0: a moment whose counts are all at most another's is at most its value
+        # (float * and + round monotonically), so the maximum over the undominated ones is the same number
+        counted = (*kept, *tops, *retained)
+        finite = min(counted, default=0.0) >= 0.0 and math.isfinite(sum(counted))
+        return _evaluate(undominated if finite else every, kept, tops, retained)
     if schedule != "interleaved_1f1b":
         return None
     n = interleaved_in_flight(pp, len(chunk_ids), microbatches, pp_rank)
@@ -352,6 +358,18 @@ def split_backward_moments(actions: Sequence[tuple[str, int, int]], first: int |
         kind_now = state.get((chunk, mb), "")
         if kind_now:
             (k if kind_now == "k" else r)[chunk] += 1
+    return out
+
+
+def _undominated(moments: set[tuple[int, ...]]) -> list[tuple[int, ...]]:
+    """The moments no other moment is at least as large as in every count (the steady state's
+    repeats leave a tenth or fewer). Largest total first: a moment's dominators have larger totals,
+    and one dominated by a dominated moment is dominated by that one's dominator, so comparing it
+    with the undominated ones found so far suffices."""
+    out: list[tuple[int, ...]] = []
+    for m in sorted(moments, key=sum, reverse=True):
+        if not any(all(a <= b for a, b in zip(m, o)) for o in out):
+            out.append(m)
     return out
 
 

@@ -205,13 +205,13 @@ class _PeakRows(dict):
 
     def __init__(self, peak: Sequence[float], kept_prefix: Sequence[float]):
         super().__init__()
-        self.peak, self.kept_prefix = peak, kept_prefix
+        self.moments = [kept_prefix[i] + peak[i] for i in range(len(peak))]
 
     def __bool__(self) -> bool:  # stage_parts takes a falsy table for none
         return True
 
     def __missing__(self, lo: int) -> list[float]:
-        row = list(accumulate((self.kept_prefix[i] + self.peak[i] for i in range(lo, len(self.peak))), max))
+        row = list(accumulate(self.moments[lo:], max))
         self[lo] = row
         return row
 
@@ -231,6 +231,7 @@ class Predictor:
         self._models: dict[tuple, tuple] = {}
         self._tables: dict[MemorySetup, _PeakRows] = {}
         self._work: dict[tuple, list[RankWork]] = {}
+        self._chunks: dict[tuple, list[list[int]]] = {}
         self._cp: dict[tuple, list[tuple]] = {}
         self._moments: dict[tuple, set] = {}  # partition.split_backward_moments per ZB-V rank
         self._ops: dict[tuple, list[float]] = {}
@@ -274,8 +275,7 @@ class Predictor:
         else:
             chunks = self.stages(setup, b, [1] * n_chunks, virtual)
             peaks = []
-            for r in range(pp):
-                ids = [c for c in range(n_chunks) if chunk_rank(c, pp, schedule in V_SCHEDULES) == r]
+            for r, ids in enumerate(self.rank_chunks(pp, virtual, schedule)):
                 mine = [chunks[c] for c in ids]
                 kept, tops = [s.kept for s in mine], [s.activations for s in mine]
                 act = multi_chunk_activations(schedule, pp, m, r, ids, n_chunks, kept, tops,
@@ -310,11 +310,21 @@ class Predictor:
                                    in_flight=in_flight[index], retained=mm.retained(lo, hi, index == n - 1)))
         return out
 
-    def rank_work(self, mm: ModelMemory, pp: int, virtual: int, schedule: str, mode: str, every: int
-                  ) -> list[RankWork]:
-        key = (mm.setup.tp, mm.setup.ep, pp, virtual, schedule, mode, every)
-        if key not in self._work:
+    def rank_work(self, mm: ModelMemory, pp: int, virtual: int, schedule: str, mode: str, every: int,
+                  ops: tuple[int, bool, bool] | None = None) -> list[RankWork]:
+        """Per pipeline rank, its work (_rank_work); with `ops` = (cp, graphs, compiled) also its host
+        calls per micro-batch (rank_ops) and, under activation_checkpointing=op, its op-checkpointed
+        forward operators. Once per distinct input."""
+        key = (mm.setup.tp, mm.setup.ep, pp, virtual, schedule, mode, every, ops)
+        if key not in self._work and ops is None:
             self._work[key] = self._rank_work(mm, pp, virtual, schedule, mode, every)
+        elif key not in self._work:
+            work, (cp, graphs, compiled) = self.rank_work(mm, pp, virtual, schedule, mode, every), ops
+            calls = self.rank_ops(pp, virtual, schedule, [w.recomputed_blocks for w in work], cp, graphs, compiled)
+            # the selective-checkpoint policy runs per operator in eager only: compile applies it while tracing
+            forward = self.op_counts(cp).block_forward if mode == "op" and not compiled else 0.0
+            self._work[key] = [dataclasses.replace(w, ops=n, op_checkpointed_ops=forward * w.blocks)
+                               for w, n in zip(work, calls)]
         return self._work[key]
 
     def float8_speedups(self, t: TrainConfig, pp: int, virtual: int, schedule: str) -> list[float]:
@@ -333,12 +343,17 @@ class Predictor:
             out.append(sum(linear) / sum(f / per_layer[i] for f, i in zip(linear, layers)))
         return out
 
+    def rank_chunks(self, pp: int, virtual: int, schedule: str) -> list[list[int]]:
+        """The chunks (virtual stages) of each pipeline rank, in schedule order."""
+        key = (pp, virtual, schedule in V_SCHEDULES)
+        if key not in self._chunks:
+            self._chunks[key] = [[c for c in range(pp * virtual) if chunk_rank(c, pp, key[2]) == r] for r in range(pp)]
+        return self._chunks[key]
+
     def rank_layers(self, pp: int, virtual: int, schedule: str) -> list[list[int]]:
         """The layers of each pipeline rank over the balanced split (every chunk it holds)."""
-        n_chunks = pp * virtual
-        b = self.bounds(n_chunks)
-        return [[i for ch in range(n_chunks) if chunk_rank(ch, pp, schedule in V_SCHEDULES) == r
-                 for i in range(b[ch], b[ch + 1])] for r in range(pp)]
+        b = self.bounds(pp * virtual)
+        return [[i for c in mine for i in range(b[c], b[c + 1])] for mine in self.rank_chunks(pp, virtual, schedule)]
 
     def rank_cp_messages(self, pp: int, virtual: int, schedule: str, micro_batch: int, cp: int, bf16: bool,
                          attention: str, tp: int, documents: bool = False) -> list[tuple]:
@@ -426,21 +441,17 @@ class Predictor:
                                         documents=cfg.data.document_mask, flex=self.device.profile != "cpu")
         virtual = p.virtual_stages if p.pp > 1 else 1
         peaks = self.rank_peaks(setup, p.pp, virtual, p.pp_schedule)
-        work = self.rank_work(self.memory(setup), p.pp, virtual, p.pp_schedule, t.activation_checkpointing, t.ac_every)
+        op_level = t.activation_checkpointing == "op"
+        ops = (setup.cp, t.cuda_graphs and compiled, compiled) if self.device.op_overhead_us > 0 or op_level else None
+        work = self.rank_work(self.memory(setup), p.pp, virtual, p.pp_schedule, t.activation_checkpointing, t.ac_every,
+                              ops)
         if setup.cp > 1:
             messages = self.rank_cp_messages(p.pp, virtual, p.pp_schedule, micro_batch, setup.cp, bf16,
                                              setup.cp_attention, p.tp, setup.documents)
             work = [dataclasses.replace(w, cp_messages=msgs) for w, msgs in zip(work, messages)]
-        op_level = t.activation_checkpointing == "op"
         if op_level:
             work = [dataclasses.replace(w, op_recompute_bytes=b)
                     for w, b in zip(work, self.op_recompute_bytes(setup, p.pp, virtual, p.pp_schedule))]
-        if self.device.op_overhead_us > 0 or op_level:
-            ops = self.rank_ops(p.pp, virtual, p.pp_schedule, [w.recomputed_blocks for w in work], setup.cp,
-                                graphs=t.cuda_graphs and compiled, compiled=compiled)
-            # the selective-checkpoint policy runs per operator in eager only: compile applies it while tracing
-            forward = self.op_counts(setup.cp).block_forward if op_level and not compiled else 0.0
-            work = [dataclasses.replace(w, ops=n, op_checkpointed_ops=forward * w.blocks) for w, n in zip(work, ops)]
         if p.ep > 1:
             per_token = moe_all_to_all_bytes(self.model, 1, p.ep, 2 if bf16 else 4)
             work = [dataclasses.replace(w, all_to_all_bytes=per_token) for w in work]
