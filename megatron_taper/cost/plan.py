@@ -50,7 +50,7 @@ from megatron_taper.cost.partition import (
     partition,
 )
 from megatron_taper.cost.preflight import compiles, preflight, step_split
-from megatron_taper.cost.stage_memory import to_memory_model
+from megatron_taper.cost.stage_memory import PeakRows, to_memory_model
 from megatron_taper.cost.step_time import RankWork, StepLayout, StepTime, step_time
 from megatron_taper.taper import layer_widths, moe_layers
 from megatron_taper.validation import ConfigError
@@ -199,23 +199,6 @@ class PlanResult:
     examples: dict[str, tuple[str, int]] = field(default_factory=dict)
 
 
-class _PeakRows(dict):
-    """MemoryModel.peak_table's rows, each made when first read: row lo is, for hi > lo, the max
-    over l in [lo, hi) of kept_prefix[l] + peak[l] (a search reads a few rows of each table)."""
-
-    def __init__(self, peak: Sequence[float], kept_prefix: Sequence[float]):
-        super().__init__()
-        self.moments = [kept_prefix[i] + peak[i] for i in range(len(peak))]
-
-    def __bool__(self) -> bool:  # stage_parts takes a falsy table for none
-        return True
-
-    def __missing__(self, lo: int) -> list[float]:
-        row = list(accumulate(self.moments[lo:], max))
-        self[lo] = row
-        return row
-
-
 class Predictor:
     """Peak memory and step time of layouts of one model on one device; partitions and memory
     models are computed once per distinct input."""
@@ -229,7 +212,7 @@ class Predictor:
         self._bounds: dict[int, tuple[int, ...]] = {}
         self._peaks: dict[tuple, list[float]] = {}
         self._models: dict[tuple, tuple] = {}
-        self._tables: dict[MemorySetup, _PeakRows] = {}
+        self._tables: dict[MemorySetup, PeakRows] = {}
         self._work: dict[tuple, list[RankWork]] = {}
         self._chunks: dict[tuple, list[list[int]]] = {}
         self._cp: dict[tuple, list[tuple]] = {}
@@ -298,7 +281,7 @@ class Predictor:
             model = to_memory_model(mm, in_flight, [math.inf] * len(in_flight), virtual=virtual)
             static_pre, kept_pre = [0.0, *accumulate(model.static)], [0.0, *accumulate(model.act)]
             if setup not in self._tables:
-                self._tables[setup] = _PeakRows(model.peak, kept_pre)
+                self._tables[setup] = PeakRows(model.peak, kept_pre)
             self._models[key] = (model, static_pre, kept_pre)
         model, static_pre, kept_pre = self._models[key]
         table, n, out = self._tables[setup], len(in_flight), []

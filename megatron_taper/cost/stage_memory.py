@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import TYPE_CHECKING, Sequence
 
 from megatron_taper.cost.block import prefix_sums
@@ -126,3 +127,20 @@ class MemoryModel:
     def stage_bytes(self, stage: int, n_stages: int, lo: int, hi: int, static_prefix: Sequence[float],
                     act_prefix: Sequence[float], table: list[list[float]] | None = None) -> float:
         return sum(self.stage_parts(stage, n_stages, lo, hi, static_prefix, act_prefix, table))
+
+
+class PeakRows(dict):
+    """MemoryModel.peak_table's rows, each made when first read: row lo is, for hi > lo, the max
+    over l in [lo, hi) of kept_prefix[l] + peak[l] (a search reads a few rows of each table)."""
+
+    def __init__(self, peak: Sequence[float], kept_prefix: Sequence[float]):
+        super().__init__()
+        self.moments = [kept_prefix[i] + peak[i] for i in range(len(peak))]
+
+    def __bool__(self) -> bool:  # stage_parts takes a falsy table for none
+        return True
+
+    def __missing__(self, lo: int) -> list[float]:
+        row = list(accumulate(self.moments[lo:], max))
+        self[lo] = row
+        return row
