@@ -8,6 +8,10 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$root/launch/install.sh"
 cd "$root"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+# The suite starts ~200 interpreters besides its workers (torchrun, Slurm jobs, tools): with bytecode
+# caches (__pycache__, git-ignored) each imports the package compiled once, not from source (~0.25 s
+# of CPU each); an environment that sets PYTHONDONTWRITEBYTECODE would make every one compile it again
+unset PYTHONDONTWRITEBYTECODE
 export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$root/.cache/torch_extensions}"
 py="${VENV:-$root/.venv}/bin/python"
 "$py" -m ruff check --quiet . || { echo "[tests] ruff found problems (fix: $py -m ruff check --fix .)" >&2; exit 1; }
