@@ -5,15 +5,20 @@ from (seed, epoch). The stream of samples is global: each "round" of dp_size * m
 consecutive samples is split between the data-parallel ranks in rank order, and the state is
 the number of global samples consumed. A step consumes whole rounds, so a run resumed at another
 dp size (same global batch) continues at the same sample with nothing repeated or skipped.
+Torch is imported where a batch is made, not at import: the start-up checks (data/checks.py,
+launch_check) read token files without it.
 """
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from megatron_taper.validation import ConfigError
+
+if TYPE_CHECKING:
+    import torch
 
 
 def open_token_array(path: str, key: str) -> np.ndarray:
@@ -54,11 +59,15 @@ class TokenFileSource:
         if not self.shuffle:
             return self.first + offset
         if epoch != self._epoch:
+            import torch
+
             gen = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
             self._order, self._epoch = torch.randperm(self.count, generator=gen).numpy(), epoch
         return self.first + int(self._order[offset])
 
     def next_batch(self) -> torch.Tensor:
+        import torch
+
         start = self.consumed + self.dp_rank * self.micro_batch
         rows = []
         for position in range(start, start + self.micro_batch):

@@ -3,7 +3,8 @@
 - every module imports (at module level) only from its own floor or the floors below (FLOORS);
 - config (the ground floor), taper, validation, the family registry and cards, and the cost model
   import no torch at module level, and importing config loads no torch at all;
-- `megatron-taper-train --print-config` and `--list-keys` import no torch;
+- `megatron-taper-train --print-config` and `--list-keys` import no torch, nor do the start-up
+  checks of a launch (megatron_taper.launch_check) on a .npy token file;
 - models import nothing from parallel at module level;
 - the training loop (megatron_taper.train, .trainer and everything they import at module level)
   imports no post-training code (megatron_taper.inference).
@@ -150,3 +151,9 @@ def test_config_and_info_flags_load_no_torch():
                      "assert main(['--config', 'configs/tiny_taper.yaml', '--print-config', 'model.nlayers=2']) == 2")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "model:\n  arch: transformer" in proc.stdout and "did you mean 'model.n_layers'" in proc.stderr
+    # the start-up checks every torchrun.sh / train.sbatch launch runs first, on a .npy token file
+    proc = _no_torch("import os, tempfile\nimport numpy as np\nfrom megatron_taper.launch_check import main\n"
+                     "d = tempfile.mkdtemp()\nnp.save(d + '/t.npy', np.arange(8192, dtype=np.uint16) % 256)\n"
+                     "assert main(['--config', 'configs/tiny_taper.yaml', '--world-size', '2', '--print-run-dir', "
+                     "'model.vocab_size=256', f'data.path={d}/t.npy', f'run.dir={d}/run']) == 0")
+    assert proc.returncode == 0, proc.stderr[-2000:]
