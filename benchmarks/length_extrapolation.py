@@ -41,7 +41,7 @@ from arch_throughput import timed_step  # noqa: E402
 
 from megatron_taper.config import load_config  # noqa: E402
 from megatron_taper.cost.flops import model_costs  # noqa: E402
-from megatron_taper.data.preprocess import is_complete  # noqa: E402
+from megatron_taper.data import is_complete  # noqa: E402
 from megatron_taper.models import build_model  # noqa: E402
 from megatron_taper.models.tree.cost import tree_depth  # noqa: E402
 from megatron_taper.training.metrics import read_metrics  # noqa: E402

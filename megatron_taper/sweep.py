@@ -188,8 +188,9 @@ def _data(path: str, folder: str, raw: Any, corpus: list[str] | None, sweep: Swe
 def prepare_data(data: SweepData, log=print) -> None:
     """Tokenizer + MDS shards of the corpus in data.folder, unless they are there already for the
     same inputs. A folder made from other inputs is refused, not overwritten."""
+    from megatron_taper.data import is_complete
     from megatron_taper.data.corpus import SkipLog, read_documents
-    from megatron_taper.data.preprocess import is_complete, preprocess
+    from megatron_taper.data.preprocess import preprocess
     from megatron_taper.data.tokenizer import train_tokenizer
 
     stamp = os.path.join(data.folder, SWEEP_DATA_FILE)

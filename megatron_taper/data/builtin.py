@@ -18,8 +18,9 @@ import time
 import sentencepiece
 from filelock import FileLock
 
+from megatron_taper.data import is_complete
 from megatron_taper.data.corpus import EMBEDDED_MAX_BYTES, SkipLog, embedded_documents, embedded_files, stdlib_root
-from megatron_taper.data.preprocess import is_complete, preprocess
+from megatron_taper.data.preprocess import preprocess
 from megatron_taper.data.tokenizer import train_tokenizer
 
 BUILTIN_VERSION = 1

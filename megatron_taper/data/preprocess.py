@@ -21,13 +21,12 @@ from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 
-from megatron_taper.data import is_complete  # noqa: F401 (its callers import it from here)
+from megatron_taper.data import STATS_FILE
 from megatron_taper.data.corpus import Document, SkipLog, progress_bar
 from megatron_taper.data.streaming import (
     INDEX_FILE,
     LENGTHS_FILE,
     SHARD_HASH,
-    STATS_FILE,
     TOKENIZER_FILE,
     TOKENS_COLUMN,
     token_dtype,

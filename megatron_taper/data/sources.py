@@ -79,7 +79,8 @@ def _mds_dataset(data: DataConfig, path: str, key: str,
                  vocab_size: int | None = None) -> tuple[Callable[..., BatchSource], bool]:
     """(factory of StreamingSources of the MDS folder `path`, whether it has a val/ split); their
     documents' token ids are checked against `vocab_size` as they are read."""
-    from megatron_taper.data.streaming import STATS_FILE, RowStreamSource, StreamingSource, cache_folder
+    from megatron_taper.data import STATS_FILE
+    from megatron_taper.data.streaming import RowStreamSource, StreamingSource, cache_folder
 
     if is_remote(path):
         # A remote folder is always read through a local cache (data.cache_dir "" = the default).
@@ -111,7 +112,8 @@ def document_end_id(data: DataConfig, vocab_size: int) -> int:
     stats.json is read from its cache); every data.mix folder must record the same id. ConfigError
     naming the key for a folder whose stats.json records none, or mixture folders that disagree (a
     .npy token file, which records none, is refused by DataConfig.validate)."""
-    from megatron_taper.data.streaming import STATS_FILE, cache_folder
+    from megatron_taper.data import STATS_FILE
+    from megatron_taper.data.streaming import cache_folder
     from megatron_taper.validation import ConfigError
 
     found: dict[str, int] = {}
@@ -217,7 +219,8 @@ def remote_splits(path: str, cache_dir: str, key: str = "data.path", download_ti
     FileNotFoundError), so any failure to fetch stats.json is an error and its `splits` decide."""
     from filelock import FileLock
 
-    from megatron_taper.data.streaming import DOWNLOAD_TIMEOUT_S, STATS_FILE, cache_folder
+    from megatron_taper.data import STATS_FILE
+    from megatron_taper.data.streaming import DOWNLOAD_TIMEOUT_S, cache_folder
     from megatron_taper.data.torchvision_compat import import_streaming
 
     import_streaming()

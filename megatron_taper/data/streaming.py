@@ -69,7 +69,7 @@ import numpy as np
 import torch
 from filelock import FileLock
 
-from megatron_taper.data import STATS_FILE, is_remote  # noqa: F401 (STATS_FILE: importers use it)
+from megatron_taper.data import is_remote
 from megatron_taper.data.order import BLOCK_DOCS, LengthTable, RowStreams, SampleOrder
 from megatron_taper.data.torchvision_compat import import_streaming
 from megatron_taper.validation import inside_folder

@@ -9,9 +9,10 @@ import time
 import numpy as np
 import pytest
 
+from megatron_taper.data import is_complete
 from megatron_taper.data import preprocess as preprocess_module
 from megatron_taper.data.corpus import SkipLog, read_documents
-from megatron_taper.data.preprocess import in_val_split, is_complete, preprocess
+from megatron_taper.data.preprocess import in_val_split, preprocess
 from megatron_taper.data.streaming import ShardReader
 from megatron_taper.data.tokenizer import Tokenizer
 from tests.helpers.datahelpers import VOCAB, corpus, dataset, tokenizer_model, write_jsonl  # noqa: F401

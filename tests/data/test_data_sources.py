@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from megatron_taper.config import DataConfig
+from megatron_taper.data import STATS_FILE
 from megatron_taper.data.sources import build_sources
-from megatron_taper.data.streaming import STATS_FILE, cache_folder
+from megatron_taper.data.streaming import cache_folder
 from megatron_taper.data.torchvision_compat import import_streaming
 from tests.helpers.datahelpers import corpus, dataset, tokenizer_model  # noqa: F401
 
