@@ -411,8 +411,8 @@ def measure_forked(cases: list[dict], timeout: float = 3600.0) -> list[list[dict
     interpreter (`--serve`) that was started with MALLOC_MMAP_THRESHOLD_ and has imported torch and
     the modules a worker uses, and nothing else: a child starts from the heap a fresh worker has
     after its imports, and spends no time importing them again. Several children of a case join
-    over gloo as ranks 0..nproc-1 (RANK, WORLD_SIZE, MASTER_ADDR/PORT: a free port; one thread
-    each), as torchrun's workers do in measure. A child measures as a fresh worker does (its
+    over gloo as ranks 0..nproc-1 (RANK, WORLD_SIZE, MASTER_ADDR/PORT of a store the server holds;
+    one thread each), as torchrun's workers do in measure. A child measures as a fresh worker does (its
     warm-up step, then the peak over the RSS before the steps), so measured_activation_bytes reads
     the same (tests/cost/test_memory_model.py's docstring has both methods' ratios);
     measured_peak_bytes counts from the child's RSS at its start, which is lower than a fresh
@@ -436,14 +436,6 @@ def measure_forked(cases: list[dict], timeout: float = 3600.0) -> list[list[dict
         return [_read_rows(os.path.join(tmp, str(i)), n) for i, n in enumerate(sizes)]
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def serve(cases_path: str, parser: argparse.ArgumentParser) -> None:
     """`--serve CASES.json`: import what a worker uses, then, for each [nproc, worker argv] of the
     list in the file, one case at a time, fork its nproc children (measure_forked)."""
@@ -456,7 +448,11 @@ def serve(cases_path: str, parser: argparse.ArgumentParser) -> None:
     with open(cases_path) as f:
         jobs = json.load(f)
     for nproc, argv in jobs:
-        ranks = {"WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+        # the children's rendezvous store, on a port it bound itself (no race for a free port); the
+        # ranks join it as torchrun's workers join their agent's
+        store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        ranks = {"WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port),
+                 "TORCHELASTIC_USE_AGENT_STORE": "True"}
         children = []
         for rank in range(nproc):
             pid = os.fork()
