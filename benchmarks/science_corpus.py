@@ -143,8 +143,9 @@ def build_corpus(out: str, roots: list[str] | None = None, *, max_bytes: int = 0
             # os.walk does not enter linked folders and the roots are real paths, so only the file
             # itself can be a link: resolve just those (realpath stats every component of a path)
             path = os.path.join(root, rel)
-            real = os.path.realpath(path) if os.path.islink(path) else path
-            if real is not path and not within(real, roots):
+            link = os.path.islink(path)
+            real = os.path.realpath(path) if link else path
+            if link and not within(real, roots):
                 skipped["outside_root"] += 1
                 continue
             try:
